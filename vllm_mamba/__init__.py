@@ -1,0 +1,1 @@
+"""vllm_mamba: a vLLM-style inference engine for state-space models."""
