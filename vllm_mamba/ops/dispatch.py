@@ -1,11 +1,17 @@
 """The one place where the implementation of the Mamba ops is chosen.
 
 `get_mamba_ops(device)` returns a `MambaOps` table; layers call through it and never pick a
-kernel themselves. `VLLM_MAMBA_OPS=ref` forces the pure-PyTorch references.
+kernel themselves. On the CPU the C++ extension (`vllm_mamba.ops.cpu_kernels`) runs when it is
+built, else the references with one warning; on CUDA the Triton kernels
+(`vllm_mamba.ops.triton_ops`). `VLLM_MAMBA_OPS=ref|cpp|triton` forces a choice.
+
+Each backend module exposes `available() -> bool` and `make_ops() -> MambaOps`.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +20,10 @@ import torch
 
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from vllm_mamba.ops.selective_scan import selective_scan_varlen_ref, selective_state_update_ref
+
+logger = logging.getLogger(__name__)
+_BACKEND_MODULES = {"cpp": "vllm_mamba.ops.cpu_kernels", "triton": "vllm_mamba.ops.triton_ops"}
+_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -36,16 +46,47 @@ REF_OPS = MambaOps(
 )
 
 
+def _load_backend(name: str) -> MambaOps | None:
+    """Imports backend `name` and returns its ops, or None when it is not usable here."""
+    try:
+        module = importlib.import_module(_BACKEND_MODULES[name])
+    except ImportError:
+        return None
+    return module.make_ops() if module.available() else None
+
+
 def get_mamba_ops(device: torch.device | str) -> MambaOps:
-    """Returns the fastest available ops for `device` (or the references when forced).
+    """Returns the fastest available ops for `device`, or the backend forced by the environment.
 
     Args:
         device: where the model runs.
 
     Returns:
         The ops table to call.
+
+    Raises:
+        ValueError: `VLLM_MAMBA_OPS` names an unknown or unavailable backend.
     """
+    device_type = torch.device(device).type
     forced = os.environ.get("VLLM_MAMBA_OPS", "").strip().lower()
     if forced == "ref":
         return REF_OPS
+    if forced:
+        if forced not in _BACKEND_MODULES:
+            raise ValueError(f"VLLM_MAMBA_OPS={forced!r}: expected one of ref, cpp, triton")
+        ops = _load_backend(forced)
+        if ops is None:
+            raise ValueError(f"VLLM_MAMBA_OPS={forced!r}: that backend is not available here")
+        return ops
+    preferred = "triton" if device_type == "cuda" else "cpp"
+    ops = _load_backend(preferred)
+    if ops is not None:
+        return ops
+    if preferred not in _warned:
+        _warned.add(preferred)
+        logger.warning(
+            "Mamba %s kernels are not available; using the pure-PyTorch reference ops (slow). "
+            "Build them with `pip install --no-build-isolation -e .`.",
+            preferred,
+        )
     return REF_OPS
