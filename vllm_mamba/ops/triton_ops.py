@@ -1,0 +1,36 @@
+"""The Triton backend of the Mamba ops, as `vllm_mamba.ops.dispatch` loads it.
+
+The kernels live in `triton_conv1d` and `triton_selective_scan`; this module only says whether
+they can run here and hands out the ops table. They run on CUDA devices, and on the CPU under
+the Triton interpreter (`TRITON_INTERPRET=1`), which is how the tests check them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from vllm_mamba.ops.dispatch import MambaOps
+
+
+def available() -> bool:
+    """True when triton is installed and there is a CUDA device or the interpreter is on."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def make_ops() -> MambaOps:
+    """Returns the table of the four Triton ops."""
+    from vllm_mamba.ops.triton_conv1d import causal_conv1d_update, causal_conv1d_varlen
+    from vllm_mamba.ops.triton_selective_scan import selective_scan_varlen, selective_state_update
+
+    return MambaOps(
+        name="triton",
+        causal_conv1d_varlen=causal_conv1d_varlen,
+        causal_conv1d_update=causal_conv1d_update,
+        selective_scan_varlen=selective_scan_varlen,
+        selective_state_update=selective_state_update,
+    )
