@@ -1,0 +1,27 @@
+// Schemas of the `torch.ops.vllm_mamba` CPU kernels, and the Python module `vllm_mamba._C`
+// whose import loads them. The implementations are registered next to each kernel.
+// Argument names and order match the `_ref` functions in `vllm_mamba/ops`.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(vllm_mamba, m) {
+  m.def(
+      "causal_conv1d_varlen(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) conv_states, "
+      "Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state, "
+      "bool activation) -> Tensor");
+  m.def(
+      "causal_conv1d_update(Tensor x, Tensor(a!) conv_states, Tensor weight, Tensor? bias, "
+      "Tensor state_indices, bool activation) -> Tensor");
+  m.def(
+      "selective_scan_varlen(Tensor u, Tensor dt, Tensor A, Tensor B_, Tensor C, Tensor? D_skip, "
+      "Tensor? z, Tensor? dt_bias, bool dt_softplus, Tensor(a!) ssm_states, "
+      "Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state) -> Tensor");
+  m.def(
+      "selective_state_update(Tensor(a!) ssm_states, Tensor u, Tensor dt, Tensor A, Tensor B_, "
+      "Tensor C, Tensor? D_skip, Tensor? z, Tensor? dt_bias, bool dt_softplus, "
+      "Tensor state_indices) -> Tensor");
+}
+
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kModule); }

@@ -1,0 +1,175 @@
+// Causal depthwise conv1d over a packed varlen batch (token-major `(T, D)`), and its one-token
+// decode update, on the CPU. Shapes and semantics follow
+// `vllm_mamba/ops/causal_conv1d.py`: `conv_states` is `(S, D, K - 1)`, a slot index of -1 marks
+// a padding row whose slot is never read nor written (its outputs use a zero history).
+//
+// Two passes: outputs in parallel over (token, channel chunk), vectorised over the contiguous
+// channels of a token; then each sequence's last `K - 1` inputs are written to its slot.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "kernel_math.h"
+
+namespace vllm_mamba {
+namespace {
+
+constexpr int64_t kConvChunk = 8 * kBlock;  // channels per output task
+
+struct ConvProblem {
+  int64_t tokens, dim, width, batch;
+  const int64_t* qsl;           // (B + 1,)
+  const int64_t* slots;         // (B,)
+  const bool* has_init;         // (B,)
+  const int64_t* seq_of_token;  // (T,)
+  const float* weight_t;        // (K, D): filters transposed so channels are contiguous
+  const float* bias;            // (D,) or nullptr
+  bool activation;
+};
+
+// Outputs of token `t` for channels [d0, d0 + n).
+template <typename T, typename S>
+void conv_token_chunk(const ConvProblem& p, const T* x, const S* states, T* out, int64_t t,
+                      int64_t d0, int64_t n) {
+  const int64_t hist = p.width - 1;
+  const int64_t b = p.seq_of_token[t];
+  const int64_t start = p.qsl[b];
+  const int64_t slot = p.slots[b];
+  const bool from_state = slot >= 0 && p.has_init[b];
+  float acc[kConvChunk] = {};
+  for (int64_t k = 0; k < p.width; ++k) {
+    const int64_t src = t - hist + k;  // input position seen by tap k
+    const float* w = p.weight_t + k * p.dim + d0;
+    if (src >= start) {
+      const T* xr = x + src * p.dim + d0;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) acc[j] += w[j] * to_f32(xr[j]);
+    } else if (from_state) {
+      // Before the sequence start: column hist + (src - start) of the slot's saved inputs.
+      const S* st = states + (slot * p.dim + d0) * hist + hist + (src - start);
+      for (int64_t j = 0; j < n; ++j) acc[j] += w[j] * to_f32(st[j * hist]);
+    }
+  }
+  T* o = out + t * p.dim + d0;
+  const float* bias = p.bias ? p.bias + d0 : nullptr;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    float v = bias ? acc[j] + bias[j] : acc[j];
+    o[j] = static_cast<T>(p.activation ? silu_f32(v) : v);
+  }
+}
+
+// Overwrites sequence b's slot with its last K - 1 inputs (older ones from the slot itself).
+template <typename T, typename S>
+void conv_write_state(const ConvProblem& p, const T* x, S* states, int64_t b) {
+  const int64_t hist = p.width - 1;
+  const int64_t slot = p.slots[b];
+  if (slot < 0 || hist == 0) return;
+  const int64_t start = p.qsl[b];
+  const int64_t end = p.qsl[b + 1];
+  const bool keep = p.has_init[b];
+  for (int64_t d = 0; d < p.dim; ++d) {
+    S* st = states + (slot * p.dim + d) * hist;
+    // In place is safe: column j reads column (len + j) >= j, not yet overwritten.
+    for (int64_t j = 0; j < hist; ++j) {
+      const int64_t rel = end - hist + j - start;
+      const float v = rel >= 0 ? to_f32(x[(start + rel) * p.dim + d])
+                               : (keep ? to_f32(st[hist + rel]) : 0.0f);
+      st[j] = static_cast<S>(v);
+    }
+  }
+}
+
+template <typename T, typename S>
+void conv_run(const ConvProblem& p, const at::Tensor& x, at::Tensor& states, at::Tensor& out) {
+  const T* xp = x.data_ptr<T>();
+  S* sp = states.data_ptr<S>();
+  T* op = out.data_ptr<T>();
+  const int64_t chunks = (p.dim + kConvChunk - 1) / kConvChunk;
+  at::parallel_for(0, p.tokens * chunks, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t d0 = (i % chunks) * kConvChunk;
+      conv_token_chunk<T, S>(p, xp, sp, op, i / chunks, d0, std::min(kConvChunk, p.dim - d0));
+    }
+  });
+  at::parallel_for(0, p.batch, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) conv_write_state<T, S>(p, xp, sp, b);
+  });
+}
+
+at::Tensor conv_impl(const at::Tensor& x_in, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias, at::Tensor& conv_states,
+                     const at::Tensor& query_start_loc, const at::Tensor& state_indices,
+                     const at::Tensor& has_initial_state, bool activation) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be (T, D)");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == x_in.size(1), "weight must be (D, K)");
+  const int64_t width = weight.size(1);
+  TORCH_CHECK(conv_states.dim() == 3 && conv_states.size(1) == x_in.size(1) &&
+                  conv_states.size(2) == width - 1,
+              "conv_states must be (S, D, K - 1)");
+  TORCH_CHECK(conv_states.is_contiguous(), "conv_states must be contiguous");
+  const int64_t batch = state_indices.size(0);
+  TORCH_CHECK(query_start_loc.numel() == batch + 1 && has_initial_state.numel() == batch,
+              "query_start_loc must be (B + 1,) and has_initial_state (B,)");
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor weight_t = weight.to(at::kFloat).t().contiguous();  // (K, D)
+  const at::Tensor bias_f = optional_f32(bias);
+  const at::Tensor qsl = as_index(query_start_loc);
+  const at::Tensor slots = as_index(state_indices);
+  const at::Tensor has_init = has_initial_state.to(at::kBool).contiguous();
+  const int64_t tokens = x.size(0);
+  TORCH_CHECK(qsl[batch].item<int64_t>() == tokens, "query_start_loc[-1] must equal T");
+  const at::Tensor seq_of_token =
+      at::repeat_interleave(at::arange(batch, qsl.options()), qsl.diff(), std::nullopt, tokens);
+  at::Tensor out = at::empty_like(x);
+
+  const ConvProblem p{tokens,
+                      x.size(1),
+                      width,
+                      batch,
+                      qsl.data_ptr<int64_t>(),
+                      slots.data_ptr<int64_t>(),
+                      has_init.data_ptr<bool>(),
+                      seq_of_token.data_ptr<int64_t>(),
+                      weight_t.data_ptr<float>(),
+                      bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+                      activation};
+  dispatch_float_bf16(x, "x", [&](auto* xt) {
+    using T = std::remove_pointer_t<decltype(xt)>;
+    dispatch_float_bf16(conv_states, "conv_states", [&](auto* st) {
+      using S = std::remove_pointer_t<decltype(st)>;
+      conv_run<T, S>(p, x, conv_states, out);
+    });
+  });
+  return out;
+}
+
+at::Tensor causal_conv1d_varlen(const at::Tensor& x, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias, at::Tensor conv_states,
+                                const at::Tensor& query_start_loc,
+                                const at::Tensor& state_indices,
+                                const at::Tensor& has_initial_state, bool activation) {
+  return conv_impl(x, weight, bias, conv_states, query_start_loc, state_indices,
+                   has_initial_state, activation);
+}
+
+// Decode: each row is a one-token sequence that starts from its slot's history.
+at::Tensor causal_conv1d_update(const at::Tensor& x, at::Tensor conv_states,
+                                const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                const at::Tensor& state_indices, bool activation) {
+  const int64_t batch = state_indices.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == batch, "x must be (B, D)");
+  const auto idx = at::TensorOptions().dtype(at::kLong);
+  return conv_impl(x, weight, bias, conv_states, at::arange(batch + 1, idx), state_indices,
+                   at::ones({batch}, idx.dtype(at::kBool)), activation);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {
+  m.impl("causal_conv1d_varlen", &causal_conv1d_varlen);
+  m.impl("causal_conv1d_update", &causal_conv1d_update);
+}
+
+}  // namespace vllm_mamba

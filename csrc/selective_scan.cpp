@@ -1,0 +1,214 @@
+// Mamba's selective scan over a packed varlen batch (token-major `(T, D)`), and its one-token
+// state update, on the CPU. Shapes and semantics follow `vllm_mamba/ops/selective_scan.py`:
+// per token h = exp(dt * A) * h + (dt * B) * u, y = h @ C + D * u, out = y * silu(z), with the
+// state `(S, D, N)` of each sequence's slot read where it has an initial state and overwritten
+// at the end; a slot index of -1 marks a padding row whose slot is never read nor written.
+//
+// One task per (sequence, block of kBlock channels), all in parallel. The task keeps its state
+// transposed as (N, kBlock) float32 so that every step is a loop over contiguous channels.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernel_math.h"
+
+namespace vllm_mamba {
+namespace {
+
+struct ScanProblem {
+  int64_t dim, nstate, batch;
+  const int64_t* qsl;     // (B + 1,)
+  const int64_t* slots;   // (B,)
+  const bool* has_init;   // (B,)
+  const float* A;         // (D, N)
+  const float* B;         // (T, N)
+  const float* C;         // (T, N)
+  const float* D_skip;    // (D,) or nullptr
+  const float* dt_bias;   // (D,) or nullptr
+  bool dt_softplus;
+};
+
+template <typename T, typename S>
+struct ScanTensors {
+  const T* u;
+  const T* dt;
+  const T* z;  // nullptr without a gate
+  S* states;
+  T* out;
+};
+
+// Loads (or zeroes) the transposed state h (N, kBlock) and A (N, kBlock) of one block.
+template <typename S>
+void load_block(const ScanProblem& p, const S* states, int64_t b, int64_t d0, int64_t nd,
+                float* h, float* a_t) {
+  const int64_t slot = p.slots[b];
+  const bool from_state = slot >= 0 && p.has_init[b];
+  for (int64_t j = 0; j < kBlock; ++j) {
+    for (int64_t n = 0; n < p.nstate; ++n) {
+      const bool live = j < nd;
+      a_t[n * kBlock + j] = live ? p.A[(d0 + j) * p.nstate + n] : 0.0f;
+      h[n * kBlock + j] =
+          live && from_state ? to_f32(states[(slot * p.dim + d0 + j) * p.nstate + n]) : 0.0f;
+    }
+  }
+}
+
+// One token for a block: advances h and writes the gated output of channels [d0, d0 + nd).
+template <typename T, typename S>
+void scan_token(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t t, int64_t d0,
+                int64_t nd, float* h, const float* a_t) {
+  float delta[kBlock] = {};
+  float ut[kBlock] = {};
+  float y[kBlock] = {};
+  const T* dt_row = io.dt + t * p.dim + d0;
+  const T* u_row = io.u + t * p.dim + d0;
+  for (int64_t j = 0; j < nd; ++j) {
+    const float v = to_f32(dt_row[j]) + (p.dt_bias ? p.dt_bias[d0 + j] : 0.0f);
+    delta[j] = p.dt_softplus ? softplus_f32(v) : v;
+    ut[j] = to_f32(u_row[j]);
+  }
+  const float* b_row = p.B + t * p.nstate;
+  const float* c_row = p.C + t * p.nstate;
+  for (int64_t n = 0; n < p.nstate; ++n) {
+    float* hn = h + n * kBlock;
+    const float* an = a_t + n * kBlock;
+    const float bn = b_row[n];
+    const float cn = c_row[n];
+#pragma omp simd
+    for (int64_t j = 0; j < kBlock; ++j) {
+      hn[j] = exp_f32(delta[j] * an[j]) * hn[j] + (delta[j] * bn) * ut[j];
+      y[j] += hn[j] * cn;
+    }
+  }
+  const T* z_row = io.z ? io.z + t * p.dim + d0 : nullptr;
+  T* o = io.out + t * p.dim + d0;
+  for (int64_t j = 0; j < nd; ++j) {
+    float v = p.D_skip ? y[j] + ut[j] * p.D_skip[d0 + j] : y[j];
+    o[j] = static_cast<T>(z_row ? v * silu_f32(to_f32(z_row[j])) : v);
+  }
+}
+
+template <typename T, typename S>
+void scan_block(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t b, int64_t d0) {
+  const int64_t nd = std::min(kBlock, p.dim - d0);
+  std::vector<float> buf(2 * p.nstate * kBlock);
+  float* h = buf.data();                       // (N, kBlock)
+  float* a_t = buf.data() + p.nstate * kBlock;  // (N, kBlock)
+  load_block(p, io.states, b, d0, nd, h, a_t);
+  for (int64_t t = p.qsl[b]; t < p.qsl[b + 1]; ++t) scan_token(p, io, t, d0, nd, h, a_t);
+  const int64_t slot = p.slots[b];
+  if (slot < 0) return;
+  for (int64_t j = 0; j < nd; ++j) {
+    S* st = io.states + (slot * p.dim + d0 + j) * p.nstate;
+    for (int64_t n = 0; n < p.nstate; ++n) st[n] = static_cast<S>(h[n * kBlock + j]);
+  }
+}
+
+template <typename T, typename S>
+void scan_run(const ScanProblem& p, const ScanTensors<T, S>& io) {
+  const int64_t blocks = (p.dim + kBlock - 1) / kBlock;
+  at::parallel_for(0, p.batch * blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) scan_block(p, io, i / blocks, (i % blocks) * kBlock);
+  });
+}
+
+at::Tensor scan_impl(const at::Tensor& u_in, const at::Tensor& dt_in, const at::Tensor& A,
+                     const at::Tensor& B_, const at::Tensor& C,
+                     const std::optional<at::Tensor>& D_skip, const std::optional<at::Tensor>& z_in,
+                     const std::optional<at::Tensor>& dt_bias, bool dt_softplus,
+                     at::Tensor& ssm_states, const at::Tensor& query_start_loc,
+                     const at::Tensor& state_indices, const at::Tensor& has_initial_state) {
+  TORCH_CHECK(u_in.dim() == 2, "u must be (T, D)");
+  const int64_t tokens = u_in.size(0);
+  const int64_t dim = u_in.size(1);
+  TORCH_CHECK(A.dim() == 2 && A.size(0) == dim, "A must be (D, N)");
+  const int64_t nstate = A.size(1);
+  TORCH_CHECK(dt_in.sizes() == u_in.sizes(), "dt must be (T, D)");
+  TORCH_CHECK(B_.dim() == 2 && B_.size(0) == tokens && B_.size(1) == nstate, "B must be (T, N)");
+  TORCH_CHECK(C.sizes() == B_.sizes(), "C must be (T, N)");
+  TORCH_CHECK(ssm_states.dim() == 3 && ssm_states.size(1) == dim && ssm_states.size(2) == nstate,
+              "ssm_states must be (S, D, N)");
+  TORCH_CHECK(ssm_states.is_contiguous(), "ssm_states must be contiguous");
+  const int64_t batch = state_indices.size(0);
+  TORCH_CHECK(query_start_loc.numel() == batch + 1 && has_initial_state.numel() == batch,
+              "query_start_loc must be (B + 1,) and has_initial_state (B,)");
+  const at::Tensor u = u_in.contiguous();
+  const at::Tensor dt = dt_in.to(u.scalar_type()).contiguous();
+  at::Tensor z;
+  if (z_in.has_value()) {
+    TORCH_CHECK(z_in->sizes() == u.sizes(), "z must be (T, D)");
+    z = z_in->to(u.scalar_type()).contiguous();
+  }
+  const at::Tensor A_f = A.to(at::kFloat).contiguous();
+  const at::Tensor B_f = B_.to(at::kFloat).contiguous();
+  const at::Tensor C_f = C.to(at::kFloat).contiguous();
+  const at::Tensor D_f = optional_f32(D_skip);
+  const at::Tensor dt_bias_f = optional_f32(dt_bias);
+  const at::Tensor qsl = as_index(query_start_loc);
+  const at::Tensor slots = as_index(state_indices);
+  const at::Tensor has_init = has_initial_state.to(at::kBool).contiguous();
+  TORCH_CHECK(qsl[batch].item<int64_t>() == tokens, "query_start_loc[-1] must equal T");
+  at::Tensor out = at::empty_like(u);
+
+  const ScanProblem p{dim,
+                      nstate,
+                      batch,
+                      qsl.data_ptr<int64_t>(),
+                      slots.data_ptr<int64_t>(),
+                      has_init.data_ptr<bool>(),
+                      A_f.data_ptr<float>(),
+                      B_f.data_ptr<float>(),
+                      C_f.data_ptr<float>(),
+                      D_f.defined() ? D_f.data_ptr<float>() : nullptr,
+                      dt_bias_f.defined() ? dt_bias_f.data_ptr<float>() : nullptr,
+                      dt_softplus};
+  dispatch_float_bf16(u, "u", [&](auto* ut) {
+    using T = std::remove_pointer_t<decltype(ut)>;
+    dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* st) {
+      using S = std::remove_pointer_t<decltype(st)>;
+      const ScanTensors<T, S> io{u.data_ptr<T>(), dt.data_ptr<T>(),
+                                 z.defined() ? z.data_ptr<T>() : nullptr,
+                                 ssm_states.data_ptr<S>(), out.data_ptr<T>()};
+      scan_run(p, io);
+    });
+  });
+  return out;
+}
+
+at::Tensor selective_scan_varlen(const at::Tensor& u, const at::Tensor& dt, const at::Tensor& A,
+                                 const at::Tensor& B_, const at::Tensor& C,
+                                 const std::optional<at::Tensor>& D_skip,
+                                 const std::optional<at::Tensor>& z,
+                                 const std::optional<at::Tensor>& dt_bias, bool dt_softplus,
+                                 at::Tensor ssm_states, const at::Tensor& query_start_loc,
+                                 const at::Tensor& state_indices,
+                                 const at::Tensor& has_initial_state) {
+  return scan_impl(u, dt, A, B_, C, D_skip, z, dt_bias, dt_softplus, ssm_states, query_start_loc,
+                   state_indices, has_initial_state);
+}
+
+// Decode: each row is a one-token sequence that starts from its slot's state.
+at::Tensor selective_state_update(at::Tensor ssm_states, const at::Tensor& u,
+                                  const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B_,
+                                  const at::Tensor& C, const std::optional<at::Tensor>& D_skip,
+                                  const std::optional<at::Tensor>& z,
+                                  const std::optional<at::Tensor>& dt_bias, bool dt_softplus,
+                                  const at::Tensor& state_indices) {
+  const int64_t batch = state_indices.size(0);
+  TORCH_CHECK(u.dim() == 2 && u.size(0) == batch, "u must be (B, D)");
+  const auto idx = at::TensorOptions().dtype(at::kLong);
+  return scan_impl(u, dt, A, B_, C, D_skip, z, dt_bias, dt_softplus, ssm_states,
+                   at::arange(batch + 1, idx), state_indices,
+                   at::ones({batch}, idx.dtype(at::kBool)));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {
+  m.impl("selective_scan_varlen", &selective_scan_varlen);
+  m.impl("selective_state_update", &selective_state_update);
+}
+
+}  // namespace vllm_mamba
