@@ -111,7 +111,10 @@ def naive_scan(case: VarlenCase, u: torch.Tensor) -> tuple[torch.Tensor, torch.T
         h = states[slot].clone() if case.has_initial_state[b] else torch.zeros_like(states[slot])
         for t in range(qsl[b], qsl[b + 1]):
             d = F.softplus(case.dt[t].float() + case.dt_bias)  # (D,)
-            h = torch.exp(d[:, None] * A) * h + d[:, None] * case.B_[t].float() * u[t].float()[:, None]
+            h = (
+                torch.exp(d[:, None] * A) * h
+                + d[:, None] * case.B_[t].float() * u[t].float()[:, None]
+            )
             y = h @ case.C[t].float() + case.D_skip * u[t].float()
             out[t] = y * F.silu(case.z[t].float())
         states[slot] = h

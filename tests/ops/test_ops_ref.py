@@ -28,8 +28,13 @@ def test_conv_varlen_matches_naive(lens: list[int], width: int) -> None:
     want, want_states = naive_conv(case)
     before = case.conv_states.clone()
     out = causal_conv1d_varlen_ref(
-        case.x, case.conv_w, case.conv_b, case.conv_states, case.query_start_loc,
-        case.state_indices, case.has_initial_state,
+        case.x,
+        case.conv_w,
+        case.conv_b,
+        case.conv_states,
+        case.query_start_loc,
+        case.state_indices,
+        case.has_initial_state,
     )
     valid_tokens = slice(0, int(case.query_start_loc[-2]))
     torch.testing.assert_close(out[valid_tokens], want[valid_tokens], rtol=1e-5, atol=1e-5)
@@ -44,8 +49,19 @@ def test_scan_varlen_matches_naive(lens: list[int]) -> None:
     want, want_states = naive_scan(case, case.x)
     before = case.ssm_states.clone()
     out = selective_scan_varlen_ref(
-        case.x, case.dt, case.A, case.B_, case.C, case.D_skip, case.z, case.dt_bias, True,
-        case.ssm_states, case.query_start_loc, case.state_indices, case.has_initial_state,
+        case.x,
+        case.dt,
+        case.A,
+        case.B_,
+        case.C,
+        case.D_skip,
+        case.z,
+        case.dt_bias,
+        True,
+        case.ssm_states,
+        case.query_start_loc,
+        case.state_indices,
+        case.has_initial_state,
     )
     valid_tokens = slice(0, int(case.query_start_loc[-2]))
     torch.testing.assert_close(out[valid_tokens], want[valid_tokens], rtol=1e-4, atol=1e-5)
@@ -64,8 +80,17 @@ def test_decode_updates_match_naive() -> None:
         case.x, case.conv_states, case.conv_w, case.conv_b, case.state_indices
     )
     y = selective_state_update_ref(
-        case.ssm_states, case.x, case.dt, case.A, case.B_, case.C, case.D_skip, case.z,
-        case.dt_bias, True, case.state_indices,
+        case.ssm_states,
+        case.x,
+        case.dt,
+        case.A,
+        case.B_,
+        case.C,
+        case.D_skip,
+        case.z,
+        case.dt_bias,
+        True,
+        case.state_indices,
     )
     torch.testing.assert_close(conv[:4], want_conv[:4], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y[:4], want_scan[:4], rtol=1e-5, atol=1e-5)
@@ -92,8 +117,19 @@ def test_split_scan_equals_one_pass(pieces: int) -> None:
             case.x[lo:hi], case.conv_w, case.conv_b, conv_states, q, slot, init
         )
         return selective_scan_varlen_ref(
-            xc, case.dt[lo:hi], case.A, case.B_[lo:hi], case.C[lo:hi], case.D_skip,
-            case.z[lo:hi], case.dt_bias, True, ssm_states, q, slot, init,
+            xc,
+            case.dt[lo:hi],
+            case.A,
+            case.B_[lo:hi],
+            case.C[lo:hi],
+            case.D_skip,
+            case.z[lo:hi],
+            case.dt_bias,
+            True,
+            ssm_states,
+            q,
+            slot,
+            init,
         )
 
     assert qsl[-1] == 21

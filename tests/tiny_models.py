@@ -1,0 +1,86 @@
+"""Tiny Mamba checkpoints built from configs with fixed seeds, saved in Hugging Face format.
+
+Default initialisation gives near-constant outputs, so every weight except `A_log`, `D` and
+the norms is re-drawn from N(0, 0.3^2): the generations are then varied. The real GPT-NeoX
+tokenizer of the `state-spaces/mamba-*-hf` checkpoints is saved beside the weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+
+import torch
+
+TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "data", "gpt-neox-20b-tokenizer")
+
+CONFIGS: dict[str, dict] = {
+    # conv 4, auto time-step rank, no linear biases, fp32 residual, tied head.
+    "tied": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        state_size=8,
+        conv_kernel=4,
+        expand=2,
+        use_bias=False,
+        use_conv_bias=True,
+        residual_in_fp32=True,
+        tie_word_embeddings=True,
+        vocab_size=50280,
+    ),
+    # conv 3, explicit rank, biases, no conv bias, untied head, vocab padded further.
+    "untied": dict(
+        hidden_size=48,
+        num_hidden_layers=3,
+        state_size=16,
+        conv_kernel=3,
+        expand=2,
+        time_step_rank=8,
+        use_bias=True,
+        use_conv_bias=False,
+        residual_in_fp32=False,
+        tie_word_embeddings=False,
+        vocab_size=50304,
+        layer_norm_epsilon=1e-5,
+    ),
+}
+
+
+def build_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - transformers model
+    """The transformers `MambaForCausalLM` of config `name`, with varied random weights."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(seed)
+    config = MambaConfig(**CONFIGS[name], bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    model = MambaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(("A_log", ".D")) or "norm" in pname:
+                continue
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+@functools.cache
+def tiny_model_dir(name: str, fmt: str = "safetensors") -> str:
+    """Saves tiny model `name` once per session and returns its directory.
+
+    Args:
+        name: a key of `CONFIGS`.
+        fmt: `safetensors`, `sharded` (several safetensors shards with an index) or `bin`.
+    """
+    model = build_hf_model(name)
+    path = tempfile.mkdtemp(prefix=f"tiny-mamba-{name}-{fmt}-")
+    if fmt == "bin":
+        model.save_pretrained(path, safe_serialization=False)
+    elif fmt == "sharded":
+        model.save_pretrained(path, max_shard_size="1MB")
+    else:
+        model.save_pretrained(path)
+    for file in os.listdir(TOKENIZER_DIR):
+        if file.endswith(".json"):
+            shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
+    return path

@@ -1,0 +1,114 @@
+"""Engine configuration: the model (from its Hugging Face config), scheduler and state cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
+    """Turns `auto` or a dtype name into a torch dtype.
+
+    Args:
+        dtype: `auto`, `float32`, `bfloat16`, `float16` (or a torch dtype).
+        hf_config: the model's config; `auto` takes its `torch_dtype` (float32 when unset).
+
+    Returns:
+        The torch dtype to run in.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(config_dtype, str):
+            config_dtype = _DTYPES.get(config_dtype)
+        return config_dtype if config_dtype in _DTYPES.values() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`auto` picks CUDA when a GPU is present, else the CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return resolved
+
+
+def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
+    """The longest prompt plus output a sequence may have."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {requested}")
+        return requested
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_MAX_MODEL_LEN
+
+
+@dataclass
+class ModelConfig:
+    """What is loaded and how: the resolved local path, its HF config, dtype and limits."""
+
+    model: str
+    path: str
+    hf_config: Any
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    tokenizer: str
+    seed: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding (may exceed the tokenizer's vocabulary)."""
+        return int(self.hf_config.vocab_size)
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step limits: sequences in flight and tokens in one forward."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start."""
+
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+    device: torch.device
+    enforce_eager: bool = False
+
+    @property
+    def num_state_slots(self) -> int:
+        """One state slot per sequence that may run at once."""
+        return self.scheduler_config.max_num_seqs

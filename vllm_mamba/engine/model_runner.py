@@ -1,0 +1,169 @@
+"""Runs one engine step on the model: the only engine code that builds tensors.
+
+It lays the scheduled sequences out as one flat batch (decodes first, then prefill chunks),
+builds the attention metadata with the selected backend, runs one forward, forks states for
+`n > 1`, applies the LM head to the sampled positions (and to prompt positions whose
+logprobs were asked for) and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_mamba.attention.backend import AttentionBackend, StepLayout
+from vllm_mamba.engine.scheduler import ScheduledSeq, SchedulerOutput
+from vllm_mamba.engine.sequence import Sequence
+from vllm_mamba.layers.sampler import SamplerOutput, SamplingRow, sample
+from vllm_mamba.mamba_cache import MambaCache
+
+
+@dataclass
+class PromptLogprobChunk:
+    """Prompt logprobs of consecutive positions: entry j scores prompt token `start + j`."""
+
+    start: int
+    token_logprobs: list[float]
+    token_ranks: list[int]
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+
+
+@dataclass
+class StepResult:
+    """Per sampled sequence id, its row in a sampler output; per request, prompt logprobs."""
+
+    samples: dict[int, tuple[int, SamplerOutput]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobChunk] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Owns the model, its state cache and the engine-wide sampling generator."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: MambaCache,
+        backend: type[AttentionBackend],
+        device: torch.device,
+        seed: int,
+        eos_token_id: int | None,
+    ) -> None:
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.cache = cache
+        self.backend = backend
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def make_generator(self, seed: int, index: int) -> torch.Generator:
+        """A per-sequence generator, so seeded requests do not depend on the batch."""
+        return torch.Generator(device=self.device).manual_seed(seed + 7919 * index)
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        """Runs the step's forward and sampling; the caller appends tokens and updates counts."""
+        items = step.scheduled
+        layout = StepLayout(
+            decode_slots=[s.seq.slot for s in items if s.is_decode],
+            prefill_lens=[s.num_tokens for s in items if not s.is_decode],
+            prefill_slots=[s.seq.slot for s in items if not s.is_decode],
+            prefill_context_lens=[s.seq.num_computed_tokens for s in items if not s.is_decode],
+        )
+        token_ids: list[int] = []
+        sample_pos: list[int] = []
+        prompt_pos: list[tuple[ScheduledSeq, int, int]] = []  # (item, flat start, prompt start)
+        for item in items:
+            start = item.seq.num_computed_tokens
+            flat = len(token_ids)
+            token_ids.extend(item.seq.token_slice(start, start + item.num_tokens))
+            if item.sample:
+                sample_pos.append(flat + item.num_tokens - 1)
+            first = self._first_prompt_logprob_pos(item)
+            if first is not None:
+                prompt_pos.append((item, flat + first - start, first))
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        meta = self.backend.build_metadata(layout, self.device)
+        hidden = self.model(input_ids, self.cache, meta)  # (T, H)
+
+        forks = [(item.seq.slot, c.slot) for item in items for c in item.children]
+        self.cache.copy_slots([s for s, _ in forks], [d for _, d in forks])
+
+        result = StepResult()
+        if sample_pos:
+            self._sample(hidden, sample_pos, [i for i in items if i.sample], result)
+        for item, flat_start, prompt_start in prompt_pos:
+            end = min(
+                item.seq.num_computed_tokens + item.num_tokens, len(item.seq.prompt_token_ids) - 1
+            )
+            rows = hidden[flat_start : flat_start + end - prompt_start]
+            targets = item.seq.prompt_token_ids[prompt_start + 1 : end + 1]
+            result.prompt_logprobs[item.group.request_id] = self._prompt_logprobs(
+                rows, targets, item.group.params.prompt_logprobs, prompt_start + 1
+            )
+        return result
+
+    def _first_prompt_logprob_pos(self, item: ScheduledSeq) -> int | None:
+        """The first position of this chunk whose prompt logprob is still owed, if any."""
+        group = item.group
+        if group.params.prompt_logprobs is None or item.seq.index != 0:
+            return None
+        done = len(group.prompt_logprobs or [None]) - 1  # positions already scored
+        first = max(item.seq.num_computed_tokens, done)
+        last = min(
+            item.seq.num_computed_tokens + item.num_tokens, len(item.seq.prompt_token_ids) - 1
+        )
+        return first if first < last else None
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        positions: list[int],
+        items: list[ScheduledSeq],
+        result: StepResult,
+    ) -> None:
+        """LM head on the sampled positions, one row per sequence (forks share their parent's)."""
+        pairs = [
+            (seq, r, item) for r, item in enumerate(items) for seq in [item.seq, *item.children]
+        ]
+        logits = self.model.compute_logits(hidden[positions])  # (len(items), V)
+        logits = logits[[r for _, r, _ in pairs]]  # (R, V)
+        out = sample(logits, [self._row(seq, item) for seq, _, item in pairs])
+        for i, (seq, _, _) in enumerate(pairs):
+            result.samples[seq.seq_id] = (i, out)
+
+    def _row(self, seq: Sequence, item: ScheduledSeq) -> SamplingRow:
+        """Sampling inputs of one sequence; EOS and stop tokens are banned before min_tokens."""
+        params = item.group.params
+        if seq.generator is None and params.seed is not None:
+            seq.generator = self.make_generator(params.seed, seq.index)
+        banned: list[int] = []
+        if len(seq.output_token_ids) < params.min_tokens:
+            banned = list(params.stop_token_ids or [])
+            if self.eos_token_id is not None and not params.ignore_eos:
+                banned.append(self.eos_token_id)
+        return SamplingRow(
+            params=params,
+            generator=seq.generator or self.generator,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            banned_token_ids=banned,
+        )
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, targets: list[int], k: int, start: int
+    ) -> PromptLogprobChunk:
+        """Log-probabilities of `targets` under the rows `hidden (P, H)` and their top-k."""
+        logprobs = self.model.compute_logits(hidden).log_softmax(-1)  # (P, V)
+        tgt = torch.tensor(targets, device=self.device)[:, None]
+        tgt_lp = logprobs.gather(1, tgt)  # (P, 1)
+        ranks = ((logprobs > tgt_lp).sum(-1) + 1).tolist()
+        topk_lp, topk_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0],) * 2
+        return PromptLogprobChunk(
+            start=start,
+            token_logprobs=tgt_lp[:, 0].tolist(),
+            token_ranks=ranks,
+            topk_ids=topk_ids.tolist(),
+            topk_logprobs=topk_lp.tolist(),
+        )

@@ -1,0 +1,107 @@
+"""The Mamba (S6) mixer over one flat varlen batch: decodes first, then prefill chunks.
+
+Glossary: T tokens in the step, H hidden size, I intermediate size, N state size, R time-step
+rank, K conv kernel width. Parameter names follow the Hugging Face checkpoints
+(`in_proj`, `conv1d`, `x_proj`, `dt_proj`, `A_log`, `D`, `out_proj`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionMetadata
+from vllm_mamba.mamba_cache import LayerState
+from vllm_mamba.ops.dispatch import MambaOps
+
+
+class Conv1dWeights(nn.Module):
+    """Holds the depthwise conv parameters under the checkpoint's names (`weight (I, 1, K)`)."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+
+
+class MambaMixer(nn.Module):
+    """Selective SSM block: in_proj -> causal conv -> selective scan -> gate -> out_proj."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        state_size: int,
+        conv_kernel: int,
+        time_step_rank: int,
+        use_bias: bool,
+        use_conv_bias: bool,
+        ops: MambaOps,
+    ) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.state_size = state_size
+        self.time_step_rank = time_step_rank
+        self.ops = ops
+        self.in_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=use_bias)
+        self.conv1d = Conv1dWeights(intermediate_size, conv_kernel, use_conv_bias)
+        self.x_proj = nn.Linear(intermediate_size, time_step_rank + 2 * state_size, bias=False)
+        self.dt_proj = nn.Linear(time_step_rank, intermediate_size, bias=True)
+        self.A_log = nn.Parameter(torch.empty(intermediate_size, state_size))
+        self.D = nn.Parameter(torch.empty(intermediate_size))
+        self.out_proj = nn.Linear(intermediate_size, hidden_size, bias=use_bias)
+        self.register_buffer("A", torch.empty(0), persistent=False)
+        self.register_buffer("conv_weight", torch.empty(0), persistent=False)
+
+    def process_weights_after_loading(self) -> None:
+        """Precomputes `A = -exp(A_log)` `(I, N)` float32 and the `(I, K)` conv filters."""
+        self.A = -torch.exp(self.A_log.detach().float())
+        self.conv_weight = self.conv1d.weight.detach()[:, 0, :].contiguous()
+
+    def forward(
+        self, hidden: torch.Tensor, state: LayerState, meta: PlaceholderAttentionMetadata
+    ) -> torch.Tensor:
+        """Mixes `hidden (T, H)` and advances each sequence's state in place.
+
+        Returns:
+            `(T, H)` in the model dtype.
+        """
+        nd = meta.num_decodes
+        conv_bias = self.conv1d.bias
+        xz = self.in_proj(hidden)  # (T, 2I)
+        x, z = xz.chunk(2, dim=-1)  # (T, I) each
+        xc = torch.empty_like(x)  # (T, I) conv output
+        if nd:
+            xc[:nd] = self.ops.causal_conv1d_update(
+                x[:nd], state.conv, self.conv_weight, conv_bias, meta.decode_state_indices
+            )
+        if meta.num_prefills:
+            xc[nd:] = self.ops.causal_conv1d_varlen(
+                x[nd:],
+                self.conv_weight,
+                conv_bias,
+                state.conv,
+                meta.prefill_query_start_loc,
+                meta.prefill_state_indices,
+                meta.prefill_has_initial_state,
+            )
+        ssm_params = self.x_proj(xc)  # (T, R + 2N)
+        ts, B, C = torch.split(
+            ssm_params, [self.time_step_rank, self.state_size, self.state_size], dim=-1
+        )
+        dt = F.linear(ts, self.dt_proj.weight)  # (T, I), bias added in the kernel
+        dt_bias = self.dt_proj.bias
+        y = torch.empty_like(x)  # (T, I)
+        if nd:
+            y[:nd] = self.ops.selective_state_update(
+                state.ssm, xc[:nd], dt[:nd], self.A, B[:nd], C[:nd], self.D, z[:nd],
+                dt_bias, True, meta.decode_state_indices,
+            )  # fmt: skip
+        if meta.num_prefills:
+            y[nd:] = self.ops.selective_scan_varlen(
+                xc[nd:], dt[nd:], self.A, B[nd:], C[nd:], self.D, z[nd:], dt_bias, True,
+                state.ssm, meta.prefill_query_start_loc, meta.prefill_state_indices,
+                meta.prefill_has_initial_state,
+            )  # fmt: skip
+        return self.out_proj(y)

@@ -1,0 +1,143 @@
+"""Turns the logits of the sampled positions into tokens and log-probabilities.
+
+Rows are processed together: penalties, then greedy rows take the argmax and the others are
+sampled after temperature, top-k, top-p and min-p, by an exponential race (argmax of p / q with
+q ~ Exp(1)), drawn from each row's own generator when the request has a seed. Log-probabilities
+are those of the model's raw distribution (before penalties and temperature), as in vLLM.
+
+Glossary: R rows (sampled positions), V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_mamba.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    banned_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the token, its raw logprob, and (when asked) the top-k tokens and their ranks."""
+
+    token_ids: list[int]
+    token_logprobs: list[float]
+    token_ranks: list[int]
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (prompt and output), presence and frequency (output) penalties, in place."""
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.needs_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long
+            ).to(logits.device)
+            seen = seen[seen < vocab]
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
+        if row.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+            out_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
+            counts.scatter_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p masking, for the non-greedy rows `(R', V)`."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temps[:, None]
+    if all(p.top_k == -1 and p.top_p == 1.0 and p.min_p == 0.0 for p in params):
+        return logits
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (R', V)
+    probs = sorted_logits.softmax(-1)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    drop = ranks >= top_k[:, None]
+    drop |= (probs.cumsum(-1) - probs) > top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Samples one token per row of `logits (R', V)` by an exponential race."""
+    probs = logits.softmax(-1)
+    q = torch.empty_like(probs)
+    for i, row in enumerate(rows):
+        q[i].exponential_(generator=row.generator)
+    return (probs / q).argmax(-1)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """Samples a token for every row of `logits (R, V)` (float32).
+
+    Args:
+        logits: raw model logits of the sampled positions.
+        rows: one entry per row.
+
+    Returns:
+        The tokens and their log-probabilities.
+    """
+    raw_logprobs = logits.log_softmax(-1)  # (R, V)
+    work = (
+        logits.clone()
+        if any(r.params.needs_penalties or r.banned_token_ids for r in rows)
+        else logits
+    )
+    apply_penalties(work, rows)
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            work[i, row.banned_token_ids] = float("-inf")
+    tokens = work.argmax(-1)  # (R,)
+    random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_idx:
+        idx = torch.tensor(random_idx, device=logits.device)
+        filtered = _filter(work[idx], [rows[i].params for i in random_idx])
+        tokens[idx] = _sample(filtered, [rows[i] for i in random_idx])
+
+    token_logprobs = raw_logprobs.gather(1, tokens[:, None])  # (R, 1)
+    max_k = max((r.params.logprobs or 0) for r in rows)
+    topk_ids: list[list[int]] = [[] for _ in rows]
+    topk_lps: list[list[float]] = [[] for _ in rows]
+    ranks = [0] * len(rows)
+    if any(r.params.logprobs is not None for r in rows):
+        ranks = ((raw_logprobs > token_logprobs).sum(-1) + 1).tolist()
+        if max_k > 0:
+            lps, ids = raw_logprobs.topk(max_k, dim=-1)
+            lps, ids = lps.tolist(), ids.tolist()
+            for i, row in enumerate(rows):
+                k = row.params.logprobs or 0
+                topk_ids[i], topk_lps[i] = ids[i][:k], lps[i][:k]
+    return SamplerOutput(
+        token_ids=tokens.tolist(),
+        token_logprobs=token_logprobs[:, 0].tolist(),
+        token_ranks=ranks,
+        topk_ids=topk_ids,
+        topk_logprobs=topk_lps,
+    )

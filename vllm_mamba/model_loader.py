@@ -1,0 +1,159 @@
+"""Loads a model: resolves a local directory or hub id, reads the config, streams the weights.
+
+Weights come from `model.safetensors`, sharded safetensors with their index, or
+`pytorch_model.bin` (sharded or not, read with `torch.load(weights_only=True)`). Every
+parameter must be present with its shape; anything missing, unexpected or misshaped is a
+`ValueError` naming the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm_mamba.models.registry import ModelRegistry
+from vllm_mamba.ops.dispatch import get_mamba_ops
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.py"]
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory as is; anything else as a hub id through `huggingface_hub`.
+
+    The hub download honours `HF_HOME` / `HF_HUB_CACHE` and `HF_HUB_OFFLINE=1` (then only the
+    local cache is used).
+
+    Raises:
+        FileNotFoundError: not a directory, and not resolvable as a hub id.
+    """
+    if os.path.isdir(model):
+        return model
+    if os.path.exists(model):
+        raise FileNotFoundError(f"model {model!r} is a file; expected a model directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id=model, allow_patterns=_HUB_PATTERNS)
+    except Exception as err:  # noqa: BLE001 - any hub failure means the model is not there
+        raise FileNotFoundError(
+            f"model {model!r} is not a local directory and could not be resolved from the "
+            f"Hugging Face hub or its cache: {err}"
+        ) from err
+
+
+def load_hf_config(path: str) -> Any:
+    """Reads `config.json` of a model directory into its transformers config class.
+
+    Raises:
+        FileNotFoundError: there is no `config.json`.
+    """
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"no config.json in model directory {path!r}")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def _weight_files(path: str) -> tuple[list[str], str]:
+    """The checkpoint files and their format (`safetensors` or `bin`)."""
+    for index_name, fmt in (
+        ("model.safetensors.index.json", "safetensors"),
+        ("pytorch_model.bin.index.json", "bin"),
+    ):
+        index = os.path.join(path, index_name)
+        if os.path.isfile(index):
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            return [os.path.join(path, s) for s in shards], fmt
+    for name, fmt in (("model.safetensors", "safetensors"), ("pytorch_model.bin", "bin")):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            return [file], fmt
+    raise FileNotFoundError(
+        f"no weights in {path!r}: expected model.safetensors, sharded safetensors with "
+        "model.safetensors.index.json, or pytorch_model.bin"
+    )
+
+
+def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields `(name, tensor)` for every tensor of the checkpoint in `path`."""
+    files, fmt = _weight_files(path)
+    for file in files:
+        if fmt == "safetensors":
+            from safetensors import safe_open
+
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copies checkpoint tensors into `model`'s parameters, checking names and shapes.
+
+    A tied head (`lm_head.weight` sharing the embedding) may be present or absent.
+
+    Raises:
+        ValueError: naming the missing, unexpected and misshaped tensors.
+    """
+    params = dict(model.named_parameters())
+    remap = getattr(model, "remap_weight_name", lambda name: name)
+    tied = {
+        name
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if name not in params and any(p is q for q in params.values())
+    }
+    seen: set[str] = set()
+    unexpected, misshaped = [], []
+    for raw_name, tensor in weights:
+        name = remap(raw_name)
+        if name in tied:
+            continue
+        param = params.get(name)
+        if param is None:
+            unexpected.append(raw_name)
+            continue
+        if tuple(param.shape) != tuple(tensor.shape):
+            misshaped.append(
+                f"{raw_name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
+            )
+            continue
+        with torch.no_grad():
+            param.copy_(tensor)
+        seen.add(name)
+    missing = sorted(set(params) - seen)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(sorted(unexpected))}")
+    if misshaped:
+        problems.append(f"misshaped tensors: {'; '.join(misshaped)}")
+    if problems:
+        raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
+
+
+def build_model(
+    path: str, hf_config: Any, dtype: torch.dtype, device: torch.device
+) -> tuple[nn.Module, str]:
+    """Instantiates the registered class for the config and loads its weights.
+
+    Returns:
+        The model in eval mode on `device` with `dtype`, and its architecture name.
+    """
+    model_cls, arch = ModelRegistry.resolve_model_cls(getattr(hf_config, "architectures", None))
+    with torch.device("meta"):
+        model = model_cls(hf_config, get_mamba_ops(device))
+    model = model.to_empty(device=device).to(dtype)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # materialising from meta unties shared parameters
+    load_weights(model, iterate_weights(path))
+    if hasattr(model, "process_weights_after_loading"):
+        model.process_weights_after_loading()
+    return model.eval().requires_grad_(False), arch

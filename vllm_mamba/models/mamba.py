@@ -1,0 +1,111 @@
+"""Mamba (`MambaForCausalLM`, the `state-spaces/mamba-*-hf` checkpoints) for the engine.
+
+Module names match the Hugging Face checkpoints (`backbone.embeddings`, `backbone.layers.N.norm`,
+`backbone.layers.N.mixer.*`, `backbone.norm_f`, `lm_head`), so loading is an identity mapping.
+One forward runs over the step's flat token batch `(T,)`; the LM head runs separately, only on
+the positions that are sampled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionMetadata
+from vllm_mamba.layers.layernorm import RMSNorm
+from vllm_mamba.layers.mamba_mixer import MambaMixer
+from vllm_mamba.mamba_cache import MambaCache, MambaStateShape
+from vllm_mamba.ops.dispatch import MambaOps
+
+
+class MambaBlock(nn.Module):
+    """Pre-norm residual block around a mixer."""
+
+    def __init__(self, config: Any, ops: MambaOps) -> None:
+        super().__init__()
+        self.residual_in_fp32 = bool(config.residual_in_fp32)
+        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mixer = MambaMixer(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            state_size=config.state_size,
+            conv_kernel=config.conv_kernel,
+            time_step_rank=int(config.time_step_rank),
+            use_bias=config.use_bias,
+            use_conv_bias=config.use_conv_bias,
+            ops=ops,
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, state: Any, meta: PlaceholderAttentionMetadata
+    ) -> torch.Tensor:
+        """`hidden (T, H)` -> `(T, H)`; the residual stream is float32 with residual_in_fp32."""
+        residual = hidden.float() if self.residual_in_fp32 else hidden
+        mixed = self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), state, meta)
+        return residual + mixed
+
+
+class MambaBackbone(nn.Module):
+    """Embeddings, the blocks and the final norm."""
+
+    def __init__(self, config: Any, ops: MambaOps) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [MambaBlock(config, ops) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+
+class MambaForCausalLM(nn.Module):
+    """Mamba language model; attention-free, so it runs with the placeholder backend."""
+
+    is_attention_free = True
+
+    def __init__(self, config: Any, ops: MambaOps) -> None:
+        super().__init__()
+        self.config = config
+        self.backbone = MambaBackbone(config, ops)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Shares the embedding with the LM head when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    @staticmethod
+    def get_mamba_state_shape(config: Any, dtype: torch.dtype) -> MambaStateShape:
+        """Per-slot state: conv `(I, K - 1)` in the model dtype, ssm `(I, N)` in float32."""
+        return MambaStateShape(
+            num_layers=config.num_hidden_layers,
+            conv_shape=(config.intermediate_size, config.conv_kernel - 1),
+            ssm_shape=(config.intermediate_size, config.state_size),
+            conv_dtype=dtype,
+            ssm_dtype=torch.float32,
+        )
+
+    @staticmethod
+    def remap_weight_name(name: str) -> str:
+        """Checkpoint name -> parameter name (older checkpoints say `embedding`)."""
+        return name.replace("backbone.embedding.", "backbone.embeddings.")
+
+    def process_weights_after_loading(self) -> None:
+        """Lets each mixer precompute its derived tensors."""
+        for layer in self.backbone.layers:
+            layer.mixer.process_weights_after_loading()
+
+    def forward(
+        self, input_ids: torch.Tensor, cache: MambaCache, meta: PlaceholderAttentionMetadata
+    ) -> torch.Tensor:
+        """Runs the step's tokens `input_ids (T,)`; returns normed hidden states `(T, H)`."""
+        hidden = self.backbone.embeddings(input_ids)  # (T, H)
+        for i, layer in enumerate(self.backbone.layers):
+            hidden = layer(hidden, cache.layer(i), meta)
+        return self.backbone.norm_f(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden (R, H)` of the sampled positions -> float32 logits `(R, V)`."""
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()

@@ -1,0 +1,61 @@
+"""`ModelRegistry`: maps `config.json` architecture names to model classes, imported lazily.
+
+Out-of-tree models plug in with `ModelRegistry.register_model("MyArch", "pkg.module:MyClass")`
+or with the class itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_BUILTIN_MODELS: dict[str, str] = {
+    "MambaForCausalLM": "vllm_mamba.models.mamba:MambaForCausalLM",
+}
+
+
+class _ModelRegistry:
+    """Architecture name -> class, or a lazy `"module:Class"` reference to one."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, type | str] = dict(_BUILTIN_MODELS)
+
+    def register_model(self, arch: str, model_cls: type | str) -> None:
+        """Registers (or replaces) the class serving architecture `arch`.
+
+        Args:
+            arch: the name in `config.json`'s `architectures`.
+            model_cls: the class, or `"package.module:ClassName"` to import on first use.
+        """
+        if isinstance(model_cls, str) and ":" not in model_cls:
+            raise ValueError(f"model_cls {model_cls!r} must look like 'package.module:ClassName'")
+        self._models[arch] = model_cls
+
+    def get_supported_archs(self) -> list[str]:
+        """All registered architecture names, sorted."""
+        return sorted(self._models)
+
+    def resolve_model_cls(self, architectures: list[str] | str) -> tuple[type, str]:
+        """The class for the first supported name in `architectures`.
+
+        Raises:
+            ValueError: none is supported (the message lists the supported ones).
+        """
+        names = [architectures] if isinstance(architectures, str) else list(architectures or [])
+        for arch in names:
+            if arch in self._models:
+                return self._load(arch), arch
+        raise ValueError(
+            f"Model architectures {names} are not supported. "
+            f"Supported architectures: {', '.join(self.get_supported_archs())}"
+        )
+
+    def _load(self, arch: str) -> type:
+        entry = self._models[arch]
+        if isinstance(entry, str):
+            module_name, cls_name = entry.split(":")
+            entry = getattr(importlib.import_module(module_name), cls_name)
+            self._models[arch] = entry
+        return entry
+
+
+ModelRegistry = _ModelRegistry()
