@@ -1,0 +1,166 @@
+"""The C++ CPU backend of the Mamba ops: thin wrappers over `torch.ops.vllm_mamba.*`.
+
+The kernels live in `csrc/` and are built into the extension `vllm_mamba._C` by
+`pip install --no-build-isolation -e .`; importing it registers the ops. Every wrapper has the
+signature of its `_ref` twin (`vllm_mamba.ops.causal_conv1d`, `vllm_mamba.ops.selective_scan`),
+so `vllm_mamba.ops.dispatch` can swap them in. The kernels copy non-contiguous activations to
+contiguous ones themselves; the states are updated in place and must be contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_mamba.ops.dispatch import MambaOps
+
+_OP_NAMES = (
+    "causal_conv1d_varlen",
+    "causal_conv1d_update",
+    "selective_scan_varlen",
+    "selective_state_update",
+)
+
+
+def available() -> bool:
+    """Whether the extension is built and registers all four ops.
+
+    Returns:
+        True when `vllm_mamba._C` imports and `torch.ops.vllm_mamba` has every op.
+    """
+    try:
+        import vllm_mamba._C  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return all(hasattr(torch.ops.vllm_mamba, name) for name in _OP_NAMES)
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: bool = True,
+) -> torch.Tensor:
+    """Causal conv1d over packed sequences; see `causal_conv1d_varlen_ref`.
+
+    Args:
+        x: `(T, D)` inputs, float32 or bfloat16.
+        weight: `(D, K)` depthwise filters.
+        bias: `(D,)` or None.
+        conv_states: `(S, D, K - 1)`, contiguous, float32 or bfloat16; updated in place.
+        query_start_loc: `(B + 1,)` int, cumulative sequence starts.
+        state_indices: `(B,)` int slot per sequence, `PAD_SLOT_ID` for padding.
+        has_initial_state: `(B,)` bool.
+        activation: apply SiLU to the output.
+
+    Returns:
+        `(T, D)` outputs in the dtype of `x`.
+    """
+    return torch.ops.vllm_mamba.causal_conv1d_varlen(
+        x, weight, bias, conv_states, query_start_loc, state_indices, has_initial_state,
+        activation,
+    )  # fmt: skip
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    activation: bool = True,
+) -> torch.Tensor:
+    """One decode step of the causal conv1d; see `causal_conv1d_update_ref`.
+
+    Args:
+        x: `(B, D)` the new input of each sequence.
+        conv_states: `(S, D, K - 1)`, contiguous; updated in place for non-padding rows.
+        weight: `(D, K)`; bias: `(D,)` or None.
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
+        activation: apply SiLU to the output.
+
+    Returns:
+        `(B, D)` outputs in the dtype of `x` (padding rows use a zero history).
+    """
+    return torch.ops.vllm_mamba.causal_conv1d_update(
+        x, conv_states, weight, bias, state_indices, activation
+    )
+
+
+def selective_scan_varlen(
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B_: torch.Tensor,
+    C: torch.Tensor,
+    D_skip: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """Selective scan over packed sequences; see `selective_scan_varlen_ref`.
+
+    Args:
+        u, dt, z: `(T, D)`; A: `(D, N)`; B_, C: `(T, N)`; D_skip, dt_bias: `(D,)` or None.
+        dt_softplus: apply softplus to `dt + dt_bias`.
+        ssm_states: `(S, D, N)`, contiguous, float32 or bfloat16; updated in place.
+        query_start_loc: `(B + 1,)`; state_indices: `(B,)`; has_initial_state: `(B,)` bool.
+
+    Returns:
+        `(T, D)` outputs in the dtype of `u`.
+    """
+    return torch.ops.vllm_mamba.selective_scan_varlen(
+        u, dt, A, B_, C, D_skip, z, dt_bias, dt_softplus, ssm_states, query_start_loc,
+        state_indices, has_initial_state,
+    )  # fmt: skip
+
+
+def selective_state_update(
+    ssm_states: torch.Tensor,
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B_: torch.Tensor,
+    C: torch.Tensor,
+    D_skip: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step of the selective scan; see `selective_state_update_ref`.
+
+    Args:
+        ssm_states: `(S, D, N)`, contiguous; updated in place for non-padding rows.
+        u, dt, z: `(B, D)`; A: `(D, N)`; B_, C: `(B, N)`; D_skip, dt_bias: `(D,)` or None.
+        dt_softplus: apply softplus to `dt + dt_bias`.
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
+
+    Returns:
+        `(B, D)` outputs in the dtype of `u` (padding rows start from a zero state).
+    """
+    return torch.ops.vllm_mamba.selective_state_update(
+        ssm_states, u, dt, A, B_, C, D_skip, z, dt_bias, dt_softplus, state_indices
+    )
+
+
+def make_ops() -> MambaOps:
+    """Builds the ops table of the C++ backend.
+
+    Returns:
+        The four wrappers, under the name "cpp".
+    """
+    return MambaOps(
+        name="cpp",
+        causal_conv1d_varlen=causal_conv1d_varlen,
+        causal_conv1d_update=causal_conv1d_update,
+        selective_scan_varlen=selective_scan_varlen,
+        selective_state_update=selective_state_update,
+    )
