@@ -17,13 +17,12 @@ import triton
 import triton.language as tl
 
 from vllm_mamba.ops.causal_conv1d import PAD_SLOT_ID
-from vllm_mamba.ops.triton_jit import lazy_jit
 
 _BLOCK_T = 16
 _MAX_BLOCK_D = 64
 
 
-@lazy_jit
+@triton.jit
 def _conv1d_varlen_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, qsl_ptr, idx_ptr, init_ptr, out_ptr,
     dim,
@@ -100,7 +99,7 @@ def _conv1d_varlen_kernel(
         )  # fmt: skip
 
 
-@lazy_jit
+@triton.jit
 def _conv1d_update_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, idx_ptr, out_ptr,
     dim,

@@ -19,12 +19,11 @@ import triton
 import triton.language as tl
 
 from vllm_mamba.ops.causal_conv1d import PAD_SLOT_ID
-from vllm_mamba.ops.triton_jit import lazy_jit
 
 _MAX_BLOCK_D = 32
 
 
-@lazy_jit
+@triton.jit
 def _selective_scan_kernel(
     u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, states_ptr,
     qsl_ptr, idx_ptr, init_ptr, out_ptr,
