@@ -3,10 +3,12 @@
 Each step the scheduler fills a token budget (`max_num_batched_tokens`): first the running
 sequences (mostly one-token decodes), then waiting requests in arrival order while state slots
 are free. A sequence with more tokens to compute than the budget allows gets a chunk now and
-the rest later (chunked prefill). A request with `n > 1` prefills once; when its prompt's last
-chunk is scheduled it takes `n - 1` more slots, preempting the youngest running requests when
-none are free (preemption by recompute: their slots are freed and they start over, prompt and
-generated tokens together, when slots return).
+the rest later (chunked prefill). A request with `n > 1` reserves its `n` slots on admission,
+prefills once, and forks into the reserved slots when its prompt's last chunk is scheduled.
+
+`preempt` is preemption by recompute: the request's slots are freed and it goes back to the
+front of the queue; when slots return its sequences start over, prompt and generated tokens
+together, and continue exactly where they were.
 """
 
 from __future__ import annotations
@@ -114,74 +116,57 @@ class Scheduler:
     def _free_group(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
             self.finish_seq(seq)
+        for slot in group.reserved_slots:
+            self.slots.free(slot)
+        group.reserved_slots = []
         self.block_manager.free()
 
     def schedule(self) -> SchedulerOutput:
         """Picks this step's sequences and token counts (see the module docstring)."""
         budget = self.max_num_batched_tokens
         out = SchedulerOutput(scheduled=[])
-        stalled = False
-        for group in list(self.running):
+        for group in self.running:
             if budget == 0:
                 break
-            if group not in self.running:  # preempted by an older request this step
-                continue
-            budget, ok = self._schedule_group(group, budget, out)
-            stalled = stalled or not ok
-        while self.waiting and budget > 0 and not stalled:
+            budget = self._schedule_group(group, budget, out)
+        while self.waiting and budget > 0:
             group = self.waiting[0]
             seqs = group.unfinished_seqs()
-            if self.slots.num_free < len(seqs) or not self.block_manager.can_allocate(0):
+            if self.slots.num_free < len(seqs) + group.pending_forks:
+                break
+            if not self.block_manager.can_allocate(0):
                 break
             self.waiting.popleft()
             for seq in seqs:
                 seq.slot = self.slots.allocate()
                 seq.status = SequenceStatus.RUNNING
+            group.reserved_slots = [self.slots.allocate() for _ in range(group.pending_forks)]
             self.running.append(group)
-            budget, ok = self._schedule_group(group, budget, out)
-            stalled = not ok
+            budget = self._schedule_group(group, budget, out)
         out.scheduled.sort(key=lambda s: not s.is_decode)
         return out
 
-    def _schedule_group(
-        self, group: SequenceGroup, budget: int, out: SchedulerOutput
-    ) -> tuple[int, bool]:
-        """Schedules the group's sequences within `budget`; returns (budget left, not stalled)."""
+    def _schedule_group(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
+        """Schedules the group's sequences within `budget`; returns the budget left."""
         for seq in group.unfinished_seqs():
-            remaining = seq.num_uncomputed_tokens
-            num = min(remaining, budget)
+            num = min(seq.num_uncomputed_tokens, budget)
             if num == 0:
-                return budget, True
-            children: list[Sequence] = []
-            if num == remaining and group.pending_forks and seq.index == 0:
-                if not self._make_room(group.pending_forks, keep=group):
-                    if remaining > 1:
-                        out.scheduled.append(ScheduledSeq(seq, group, remaining - 1, False))
-                        budget -= remaining - 1
-                    return budget, False
-                children = self._fork(group, seq)
-            out.scheduled.append(ScheduledSeq(seq, group, num, num == remaining, children))
+                break
+            sample = num == seq.num_uncomputed_tokens
+            children = self._fork(group, seq) if sample and group.pending_forks else []
+            out.scheduled.append(ScheduledSeq(seq, group, num, sample, children))
             budget -= num
-        return budget, True
-
-    def _make_room(self, needed: int, keep: SequenceGroup) -> bool:
-        """Frees slots by preempting the youngest running requests scheduled after `keep`."""
-        while self.slots.num_free < needed:
-            younger = self.running[self.running.index(keep) + 1 :]
-            if not younger:
-                return False
-            self.preempt(younger[-1])
-        return True
+        return budget
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
-        """Creates the request's remaining sequences, each with its own slot."""
+        """Creates the request's remaining sequences in its reserved slots."""
         children = []
         for index in range(len(group.seqs), group.params.n):
             child = Sequence(
                 seq_id=self.new_seq_id(),
                 index=index,
                 prompt_token_ids=parent.prompt_token_ids,
-                slot=self.slots.allocate(),
+                slot=group.reserved_slots.pop(),
                 status=SequenceStatus.RUNNING,
             )
             group.seqs.append(child)

@@ -98,6 +98,7 @@ class SequenceGroup:
     max_tokens: int
     arrival_time: float = field(default_factory=time.monotonic)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    reserved_slots: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     last_token_time: float | None = None
 
