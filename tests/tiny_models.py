@@ -75,7 +75,10 @@ def tiny_model_dir(name: str, fmt: str = "safetensors") -> str:
     model = build_hf_model(name)
     path = tempfile.mkdtemp(prefix=f"tiny-mamba-{name}-{fmt}-")
     if fmt == "bin":
-        model.save_pretrained(path, safe_serialization=False)
+        model.save_pretrained(path)
+        os.remove(os.path.join(path, "model.safetensors"))
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        torch.save(state, os.path.join(path, "pytorch_model.bin"))
     elif fmt == "sharded":
         model.save_pretrained(path, max_shard_size="1MB")
     else:

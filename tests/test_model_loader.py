@@ -1,0 +1,133 @@
+"""Loading checkpoints: formats, tied heads, hub ids from the cache, and bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.tiny_models import tiny_model_dir
+from vllm_mamba import LLM, ModelRegistry, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+PROMPTS = ["Hello world", "The quick brown fox"]
+
+
+def run(path: str) -> list[list[int]]:
+    outs = LLM(path).generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("name", ["tied", "untied"])
+def test_sharded_and_bin_equal_single_file(name: str) -> None:
+    want = run(tiny_model_dir(name))
+    sharded = tiny_model_dir(name, "sharded")
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    assert run(sharded) == want
+    binary = tiny_model_dir(name, "bin")
+    assert os.path.isfile(os.path.join(binary, "pytorch_model.bin"))
+    assert run(binary) == want
+
+
+def test_tied_head_present_in_checkpoint_is_accepted(tmp_path) -> None:
+    src = tiny_model_dir("tied")
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    weights["lm_head.weight"] = weights["backbone.embeddings.weight"].clone()
+    save_file(weights, os.path.join(tmp_path, "model.safetensors"))
+    assert run(str(tmp_path)) == run(src)
+
+
+def _copy_with_weights(tmp_path, edit) -> str:
+    src = tiny_model_dir("untied")
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    edit(weights)
+    save_file(weights, os.path.join(tmp_path, "model.safetensors"))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda w: w.pop("backbone.layers.1.mixer.x_proj.weight"), "missing.*layers.1.mixer.x_proj"),
+        (lambda w: w.__setitem__("backbone.extra.weight", torch.zeros(2)), "unexpected.*extra"),
+        (
+            lambda w: w.__setitem__("backbone.norm_f.weight", torch.ones(7)),
+            r"misshaped.*norm_f.weight.*\(7,\)",
+        ),
+        (lambda w: w.pop("lm_head.weight"), "missing.*lm_head.weight"),
+    ],
+)
+def test_bad_checkpoint_names_the_tensors(tmp_path, edit, match: str) -> None:
+    path = _copy_with_weights(tmp_path, edit)
+    with pytest.raises(ValueError, match=match):
+        LLM(path)
+
+
+def test_directory_without_config(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(str(tmp_path))
+
+
+def test_unknown_architecture_lists_supported(tmp_path) -> None:
+    shutil.copytree(tiny_model_dir("tied"), tmp_path, dirs_exist_ok=True)
+    config_file = os.path.join(tmp_path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["architectures"] = ["NotARealModel"]
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="NotARealModel.*MambaForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_register_out_of_tree_model(tmp_path) -> None:
+    """A plugin architecture served by a registered "module:Class" string."""
+    shutil.copytree(tiny_model_dir("tied"), tmp_path, dirs_exist_ok=True)
+    config_file = os.path.join(tmp_path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["architectures"] = ["MyPluginMamba"]
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    ModelRegistry.register_model("MyPluginMamba", "vllm_mamba.models.mamba:MambaForCausalLM")
+    assert "MyPluginMamba" in ModelRegistry.get_supported_archs()
+    assert run(str(tmp_path)) == run(tiny_model_dir("tied"))
+
+
+def test_hub_id_from_offline_cache(tmp_path, monkeypatch) -> None:
+    """`org/name` resolves through huggingface_hub's cache with HF_HUB_OFFLINE=1."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--state-spaces--tiny-mamba-test"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(tiny_model_dir("tied"), snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    assert run("state-spaces/tiny-mamba-test") == run(tiny_model_dir("tied"))
+    with pytest.raises(FileNotFoundError, match="state-spaces/not-in-cache"):
+        LLM("state-spaces/not-in-cache")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dtype_option(dtype: str) -> None:
+    llm = LLM(tiny_model_dir("tied"), dtype=dtype)
+    assert llm.llm_engine.model.lm_head.weight.dtype == getattr(torch, dtype)
+    out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in out)
+
+
+def test_bad_dtype() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(tiny_model_dir("tied"), dtype="int8")
