@@ -54,7 +54,10 @@ def _copy_with_weights(tmp_path, edit) -> str:
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda w: w.pop("backbone.layers.1.mixer.x_proj.weight"), "missing.*layers.1.mixer.x_proj"),
+        (
+            lambda w: w.pop("backbone.layers.1.mixer.x_proj.weight"),
+            "missing.*layers.1.mixer.x_proj",
+        ),
         (lambda w: w.__setitem__("backbone.extra.weight", torch.zeros(2)), "unexpected.*extra"),
         (
             lambda w: w.__setitem__("backbone.norm_f.weight", torch.ones(7)),

@@ -12,12 +12,12 @@ from vllm_mamba import LLM, SamplingParams
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def llm() -> LLM:
     return LLM(tiny_model_dir("tied"), max_model_len=64, max_num_seqs=4)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def normal_tokens() -> list[int]:
     return llm().generate("Hello world", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 

@@ -13,7 +13,7 @@ from vllm_mamba import LLM, SamplingParams
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def llm(**kwargs) -> LLM:
     return LLM(tiny_model_dir("tied"), **kwargs)
 
@@ -26,7 +26,7 @@ def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def alone() -> list[list[int]]:
     """Each prompt run by itself."""
     return [tokens(llm().generate(p, GREEDY, use_tqdm=False))[0] for p in prompts()]

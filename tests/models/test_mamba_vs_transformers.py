@@ -20,7 +20,7 @@ def make_prompts(vocab: int = 50277) -> list[list[int]]:
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_reference(name: str) -> list[tuple[list[int], torch.Tensor]]:
     """Greedy tokens and per-step log-softmax `(steps, V)` from transformers, prompt by prompt."""
     from transformers import MambaForCausalLM

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inference and serving engine for state-space language models (Mamba).",
     )
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(_SUBCOMMANDS) + "}")
-    for name, module_name in _SUBCOMMANDS.items():
+    for module_name in _SUBCOMMANDS.values():
         try:
             module = importlib.import_module(module_name)
         except ImportError:

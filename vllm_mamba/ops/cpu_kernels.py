@@ -13,6 +13,13 @@ import torch
 
 from vllm_mamba.ops.dispatch import MambaOps
 
+try:
+    import vllm_mamba._C  # noqa: F401  (registers torch.ops.vllm_mamba.*)
+
+    _EXTENSION_LOADED = True
+except (ImportError, OSError):
+    _EXTENSION_LOADED = False
+
 _OP_NAMES = (
     "causal_conv1d_varlen",
     "causal_conv1d_update",
@@ -27,11 +34,7 @@ def available() -> bool:
     Returns:
         True when `vllm_mamba._C` imports and `torch.ops.vllm_mamba` has every op.
     """
-    try:
-        import vllm_mamba._C  # noqa: F401
-    except (ImportError, OSError):
-        return False
-    return all(hasattr(torch.ops.vllm_mamba, name) for name in _OP_NAMES)
+    return _EXTENSION_LOADED and all(hasattr(torch.ops.vllm_mamba, name) for name in _OP_NAMES)
 
 
 def causal_conv1d_varlen(
