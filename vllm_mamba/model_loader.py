@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_mamba.model_zoo import shipped_model_path
 from vllm_mamba.models.registry import ModelRegistry
 from vllm_mamba.ops.dispatch import get_mamba_ops
 
@@ -23,7 +24,8 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.py"]
 
 
 def resolve_model_path(model: str) -> str:
-    """A local directory as is; anything else as a hub id through `huggingface_hub`.
+    """A local directory as is; a shipped model (`vllm-mamba/NAME`) from the package; anything
+    else as a hub id through `huggingface_hub`.
 
     The hub download honours `HF_HOME` / `HF_HUB_CACHE` and `HF_HUB_OFFLINE=1` (then only the
     local cache is used).
@@ -33,6 +35,9 @@ def resolve_model_path(model: str) -> str:
     """
     if os.path.isdir(model):
         return model
+    shipped = shipped_model_path(model)
+    if shipped is not None:
+        return shipped
     if os.path.exists(model):
         raise FileNotFoundError(f"model {model!r} is a file; expected a model directory")
     try:
