@@ -41,6 +41,15 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def resolve_state_dtype(name: str) -> torch.dtype | None:
+    """`auto` (None: the model's choice) or a dtype name for the SSM state."""
+    if name == "auto":
+        return None
+    if name not in _DTYPES:
+        raise ValueError(f"ssm_state_dtype {name!r} is not supported; use auto or float32")
+    return _DTYPES[name]
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """`auto` picks CUDA when a GPU is present, else the CPU."""
     if str(device) == "auto":
@@ -107,6 +116,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device: torch.device
     enforce_eager: bool = False
+    ssm_state_dtype: torch.dtype | None = None
 
     @property
     def num_state_slots(self) -> int:

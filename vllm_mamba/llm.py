@@ -26,6 +26,7 @@ class LLM:
         seed: seed of the engine's sampling generator (requests may bring their own).
         enforce_eager: never capture CUDA graphs.
         device: `auto` (CUDA when present), `cpu` or `cuda`.
+        ssm_state_dtype: `auto` (the model's: float32 for Mamba) or a dtype name.
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool = False,
         device: str = "auto",
+        ssm_state_dtype: str = "auto",
     ) -> None:
         self.llm_engine = LLMEngine.from_args(
             model=model,
@@ -50,6 +52,7 @@ class LLM:
             seed=seed,
             enforce_eager=enforce_eager,
             device=device,
+            ssm_state_dtype=ssm_state_dtype,
         )
         self._ids = itertools.count()
 

@@ -7,6 +7,7 @@ applies stop conditions and frees the slots of finished sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from vllm_mamba.config import (
     derive_max_model_len,
     resolve_device,
     resolve_dtype,
+    resolve_state_dtype,
 )
 from vllm_mamba.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from vllm_mamba.engine.model_runner import ModelRunner, PromptLogprobChunk, StepResult
@@ -54,6 +56,8 @@ class LLMEngine:
         self.model = model
         self.backend = select_attention_backend(type(model))
         shape = model.get_mamba_state_shape(mc.hf_config, mc.dtype)
+        if config.ssm_state_dtype is not None:
+            shape = dataclasses.replace(shape, ssm_dtype=config.ssm_state_dtype)
         self.cache = MambaCache(shape, config.num_state_slots, config.device)
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
@@ -62,6 +66,8 @@ class LLMEngine:
             model, self.cache, self.backend, config.device, mc.seed, self.eos_token_id
         )
         sc = config.scheduler_config
+        if config.device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_cuda_graphs(sc.max_num_seqs)
         self.scheduler = Scheduler(sc.max_num_seqs, sc.max_num_batched_tokens)
         self.stats = EngineStats()
         self._token_text: dict[int, str] = {}
@@ -78,6 +84,7 @@ class LLMEngine:
         seed: int = 0,
         enforce_eager: bool = False,
         device: str = "auto",
+        ssm_state_dtype: str = "auto",
     ) -> LLMEngine:
         """Resolves and loads `model` (a local directory or a hub id) into a new engine."""
         path = resolve_model_path(model)
@@ -101,6 +108,7 @@ class LLMEngine:
             scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             device=resolve_device(device),
             enforce_eager=enforce_eager,
+            ssm_state_dtype=resolve_state_dtype(ssm_state_dtype),
         )
         return cls(config, load_tokenizer(tok_path))
 

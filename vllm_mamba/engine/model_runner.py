@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_mamba.attention.backend import AttentionBackend, StepLayout
+from vllm_mamba.engine.cuda_graphs import DecodeCudaGraphs
 from vllm_mamba.engine.scheduler import ScheduledSeq, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence
 from vllm_mamba.layers.sampler import SamplerOutput, SamplingRow, sample
@@ -56,6 +57,11 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.cuda_graphs: DecodeCudaGraphs | None = None
+
+    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
+        """Captures decode forwards for replay (CUDA only)."""
+        self.cuda_graphs = DecodeCudaGraphs(self.model, self.cache, max_num_seqs)
 
     def make_generator(self, seed: int, index: int) -> torch.Generator:
         """A per-sequence generator, so seeded requests do not depend on the batch."""
@@ -83,9 +89,13 @@ class ModelRunner:
             first = self._first_prompt_logprob_pos(item)
             if first is not None:
                 prompt_pos.append((item, flat + first - start, first))
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        meta = self.backend.build_metadata(layout, self.device)
-        hidden = self.model(input_ids, self.cache, meta)  # (T, H)
+        hidden = None
+        if self.cuda_graphs is not None and not layout.prefill_lens:
+            hidden = self.cuda_graphs.run(token_ids, layout.decode_slots)
+        if hidden is None:
+            input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            meta = self.backend.build_metadata(layout, self.device)
+            hidden = self.model(input_ids, self.cache, meta)  # (T, H)
 
         forks = [(item.seq.slot, c.slot) for item in items for c in item.children]
         self.cache.copy_slots([s for s, _ in forks], [d for _, d in forks])
