@@ -1,0 +1,104 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and the app's
+exception handlers that produce them (bad input 400, auth 401, unknown model or route 404).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vllm_mamba.engine.async_engine import EngineDeadError
+from vllm_mamba.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    503: "service_unavailable",
+}
+_PARAM = re.compile(r"SamplingParams\.(\w+)")
+
+
+class APIError(Exception):
+    """An error to return to the client with `status`."""
+
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+def error_response(
+    message: str, status: int, param: str | None = None, code: int | str | None = None
+) -> JSONResponse:
+    """A JSON response in OpenAI's error shape."""
+    err_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    info = ErrorInfo(message=message, type=err_type, param=param, code=code or status)
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+
+
+def error_from_value_error(err: ValueError) -> APIError:
+    """A 400 `APIError` from the engine's validation error, naming the field when it can."""
+    message = str(err)
+    match = _PARAM.search(message)
+    param = match.group(1) if match else ("prompt" if "prompt" in message else None)
+    return APIError(message, 400, param=param)
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message and the offending parameter of a request validation error."""
+    errors = err.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Registers handlers that answer every error in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return error_response(err.message, err.status, err.param, err.code)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, err: ValueError) -> JSONResponse:
+        api = error_from_value_error(err)
+        return error_response(api.message, api.status, api.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(err)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        status = err.status_code
+        message = err.detail if isinstance(err.detail, str) else HTTPStatus(status).phrase
+        return error_response(message, status)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:
+        return error_response(str(err), 503)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, err: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return error_response(f"internal server error: {err!r}", 500)

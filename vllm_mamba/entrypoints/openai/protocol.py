@@ -1,0 +1,274 @@
+"""Pydantic models of the OpenAI API subset the server speaks, and their `SamplingParams`.
+
+Requests follow the OpenAI field names; `top_k`, `min_p`, `min_tokens`, `ignore_eos`,
+`repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output` and
+`skip_special_tokens` are extensions with vLLM's meanings (send them in `extra_body` with the
+`openai` client). Unknown fields are ignored; values are checked by `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from vllm_mamba.sampling_params import SamplingParams
+
+
+def random_id(prefix: str) -> str:
+    """A fresh OpenAI-style object id such as `cmpl-3f2a...`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: `include_usage` adds a final chunk with token counts."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The sampling and stopping fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Extensions (vLLM's names and meanings).
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a streamed response ends with a usage chunk."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """The engine parameters of this request.
+
+        Raises:
+            ValueError: a value out of range (the message names the field).
+        """
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class CompletionRequest(SamplingRequest):
+    """`POST /v1/completions`: prompt is a string, strings, token ids or lists of token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    """One message; content is text or a list of `{"type": "text", "text": ...}` parts."""
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text, its text parts joined.
+
+        Raises:
+            ValueError: a part that is not text.
+        """
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        pieces = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages: only text content parts are supported, got {part}")
+            pieces.append(part["text"])
+        return "".join(pieces)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+
+
+class UsageInfo(BaseModel):
+    """Token counts of a response."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists over the choice's tokens."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """One choice of a completion (or one delta of a streamed one)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or one chunk of a streamed completion (same object type)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    """One alternative token at a chat position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """The chosen token at a chat position and its alternatives."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """Chat logprobs: one entry per generated token."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant's message, or a streamed delta of it."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice's delta in a streamed chat completion."""
+
+    index: int
+    delta: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One chunk of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    """One served model."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vllm-mamba"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """`GET /v1/models`."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    """The body of an OpenAI error."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """`{"error": {...}}`, OpenAI's error shape."""
+
+    error: ErrorInfo

@@ -1,0 +1,229 @@
+"""`POST /v1/completions`: prompts in, one engine request per prompt, choices out (whole, or
+streamed as server-sent events).
+
+A batch of `P` prompts with `n` completions each gives `P * n` choices; choice `i * n + j` is
+completion `j` of prompt `i`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vllm_mamba.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from vllm_mamba.entrypoints.openai.errors import APIError
+from vllm_mamba.entrypoints.openai.logprobs import completion_logprobs, token_texts
+from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
+from vllm_mamba.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from vllm_mamba.entrypoints.openai.served_model import ServedModel
+from vllm_mamba.entrypoints.openai.streaming import (
+    SSE_DONE,
+    TextDeltas,
+    merge_streams,
+    sse,
+    sse_error,
+    unless_disconnected,
+)
+from vllm_mamba.outputs import CompletionOutput, RequestOutput
+from vllm_mamba.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    """The request's prompts: a string or token ids is one prompt, a list of them a batch.
+
+    Raises:
+        APIError: an empty batch.
+    """
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt is empty: give a string, token ids or a list of them", 400, "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+class OpenAIServingCompletion:
+    """Handles completion requests against one engine."""
+
+    def __init__(self, engine: AsyncLLMEngine, model: ServedModel, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.model = model
+        self.metrics = metrics
+
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        """Runs a completion request and answers it (a stream when `req.stream`)."""
+        model_name = self.model.resolve(req.model)
+        if req.suffix:
+            raise APIError("suffix is not supported", 400, "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of must equal n (or be unset)", 400, "best_of")
+        prompts = prompt_list(req.prompt)
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
+        request_id = random_id("cmpl")
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        arrival = time.monotonic()
+        streams = []
+        try:
+            for rid, prompt in zip(ids, prompts):
+                stream = await self.engine.add_request(rid, prompt, params)
+                streams.append(self.metrics.track(stream, arrival))
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        if req.stream:
+            body = self._stream(req, params, request_id, model_name, streams, ids)
+            return StreamingResponse(body, media_type="text/event-stream")
+        finals = await unless_disconnected(raw, self._collect(streams, ids))
+        if finals is None:
+            return Response(status_code=499)
+        response = CompletionResponse(id=request_id, model=model_name, choices=[])
+        completion_tokens = 0
+        for i, out in enumerate(finals):
+            for comp in out.outputs:
+                choice = await self._choice(req, i * req.n + comp.index, out, comp)
+                response.choices.append(choice)
+                completion_tokens += len(comp.token_ids)
+        response.usage = _usage(finals, completion_tokens)
+        return JSONResponse(response.model_dump())
+
+    async def _collect(self, streams: list, ids: list[str]) -> list[RequestOutput]:
+        """Every prompt's final output; aborts them all when interrupted."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+        finally:
+            for rid, out in zip(ids, finals):
+                if out is None or not out.finished:
+                    self.engine.abort(rid)
+        return finals  # type: ignore[return-value]
+
+    async def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return await self.engine.call(self.engine.engine.tokenizer.decode, out.prompt_token_ids)
+
+    async def _choice(
+        self, req: CompletionRequest, index: int, out: RequestOutput, comp: CompletionOutput
+    ) -> CompletionChoice:
+        """One whole choice, with the prompt in front when `echo`."""
+        prefix = await self._prompt_text(out) if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            token_ids, entries = [], []
+            if req.echo and out.prompt_logprobs is not None:
+                token_ids += out.prompt_token_ids
+                entries += out.prompt_logprobs
+            token_ids += comp.token_ids
+            entries += comp.logprobs or []
+            texts = token_texts(token_ids, entries)
+            if entries and entries[0] is None:
+                tokenizer = self.engine.engine.tokenizer
+                texts[0] = await self.engine.call(tokenizer.decode, [token_ids[0]])
+            logprobs = completion_logprobs(token_ids, entries, texts, req.logprobs)
+        return CompletionChoice(
+            index=index,
+            text=prefix + comp.text,
+            logprobs=logprobs,
+            finish_reason=comp.finish_reason,
+            stop_reason=comp.stop_reason,
+        )
+
+    async def _stream(
+        self,
+        req: CompletionRequest,
+        params: SamplingParams,
+        request_id: str,
+        model_name: str,
+        streams: list,
+        ids: list[str],
+    ) -> AsyncIterator[str]:
+        """The server-sent events of a streamed completion."""
+        deltas = [TextDeltas(params.stop_list) for _ in streams]
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        done: set[int] = set()
+        completion_tokens = 0
+        try:
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+                choices = []
+                for comp in out.outputs:
+                    index = i * req.n + comp.index
+                    first = comp.index not in deltas[i].sent_tokens
+                    choice = self._delta(req, deltas[i], comp, index, done)
+                    if choice is None:
+                        continue
+                    if first and req.echo:
+                        choice.text = await self._prompt_text(out) + choice.text
+                    choices.append(choice)
+                    if comp.finished:
+                        completion_tokens += len(comp.token_ids)
+                if choices:
+                    yield sse(CompletionResponse(id=request_id, model=model_name, choices=choices))
+            if req.include_usage:
+                usage = _usage(finals, completion_tokens)  # type: ignore[arg-type]
+                chunk = CompletionResponse(id=request_id, model=model_name, choices=[], usage=usage)
+                yield sse(chunk)
+            yield SSE_DONE
+        except EngineDeadError as err:
+            yield sse_error(str(err), 503)
+            yield SSE_DONE
+        finally:
+            for rid, out in zip(ids, finals):
+                if out is None or not out.finished:
+                    self.engine.abort(rid)
+
+    @staticmethod
+    def _delta(
+        req: CompletionRequest,
+        deltas: TextDeltas,
+        comp: CompletionOutput,
+        index: int,
+        done: set[int],
+    ) -> CompletionChoice | None:
+        """The new part of one choice, or None when it has nothing new."""
+        if index in done:
+            return None
+        offset = deltas.sent_chars.get(comp.index, 0)
+        text = deltas.text(comp.index, comp.text, comp.finished)
+        start, end = deltas.tokens(comp.index, len(comp.token_ids))
+        if comp.finished:
+            done.add(index)
+        elif not text and start == end:
+            return None
+        logprobs = None
+        if req.logprobs is not None and comp.logprobs is not None:
+            token_ids, entries = comp.token_ids[start:end], comp.logprobs[start:end]
+            texts = token_texts(token_ids, entries)
+            logprobs = completion_logprobs(token_ids, entries, texts, req.logprobs, offset)
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=comp.finish_reason,
+            stop_reason=comp.stop_reason,
+        )
+
+
+def _usage(finals: list[RequestOutput], completion_tokens: int) -> UsageInfo:
+    """Token counts: each prompt once, every completion."""
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in finals if out is not None)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
