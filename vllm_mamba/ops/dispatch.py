@@ -20,6 +20,7 @@ import torch
 
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from vllm_mamba.ops.selective_scan import selective_scan_varlen_ref, selective_state_update_ref
+from vllm_mamba.ops.ssd import ssd_chunk_scan_varlen_ref, ssd_state_update_ref
 
 logger = logging.getLogger(__name__)
 _BACKEND_MODULES = {"cpp": "vllm_mamba.ops.cpu_kernels", "triton": "vllm_mamba.ops.triton_ops"}
@@ -28,13 +29,19 @@ _warned: set[str] = set()
 
 @dataclass(frozen=True)
 class MambaOps:
-    """The four kernels a Mamba mixer needs, with the signatures of the `_ref` functions."""
+    """The kernels the mixers call, with the signatures of the `_ref` functions.
+
+    Mamba uses the conv and selective-scan ops; Mamba2 the conv and SSD ops. A backend without
+    its own SSD kernels keeps the references.
+    """
 
     name: str
     causal_conv1d_varlen: Callable[..., torch.Tensor]
     causal_conv1d_update: Callable[..., torch.Tensor]
     selective_scan_varlen: Callable[..., torch.Tensor]
     selective_state_update: Callable[..., torch.Tensor]
+    ssd_chunk_scan_varlen: Callable[..., torch.Tensor] = ssd_chunk_scan_varlen_ref
+    ssd_state_update: Callable[..., torch.Tensor] = ssd_state_update_ref
 
 
 REF_OPS = MambaOps(
