@@ -2,14 +2,16 @@
 lifespan) and running it with uvicorn.
 
 Run it with `vllm-mamba serve MODEL` or `python -m vllm_mamba.entrypoints.openai.api_server
---model MODEL`. uvicorn handles SIGINT and SIGTERM: it stops accepting connections, lets
-in-flight requests finish for up to `GRACEFUL_SHUTDOWN_S` seconds, then the lifespan aborts
-whatever is left in the engine and the port is released.
+--model MODEL`. On SIGINT or SIGTERM uvicorn stops accepting connections and lets in-flight
+requests finish; after `GRACEFUL_SHUTDOWN_S` seconds the engine aborts whatever is left
+(streams end with an error event and `[DONE]`, other requests get a 503), the connections
+close and the port is released.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import secrets
@@ -33,7 +35,7 @@ from vllm_mamba.entrypoints.openai.serving_completion import OpenAIServingComple
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 10
+GRACEFUL_SHUTDOWN_S = 5.0
 
 
 class BearerAuth:
@@ -112,6 +114,27 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     return app
 
 
+class GracefulServer(uvicorn.Server):
+    """A uvicorn server that aborts the engine's requests when the shutdown grace runs out."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        """Drains connections; aborts the requests still running after the grace period."""
+        watchdog = asyncio.create_task(self._abort_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            watchdog.cancel()
+
+    async def _abort_after_grace(self) -> None:
+        await asyncio.sleep(GRACEFUL_SHUTDOWN_S)
+        logger.info("shutdown grace period over: aborting the requests still running")
+        await self.engine.shutdown()
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Loads the model and serves it until SIGINT or SIGTERM."""
     logging.basicConfig(
@@ -131,13 +154,14 @@ def run_server(args: argparse.Namespace) -> None:
     )
     app = build_app(engine, args)
     logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S) + 5,
     )
+    GracefulServer(config, engine).run()
 
 
 def main(argv: list[str] | None = None) -> None:
