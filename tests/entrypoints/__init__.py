@@ -1,0 +1,1 @@
+"""Tests of the entrypoints (the OpenAI-compatible server)."""

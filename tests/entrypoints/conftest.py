@@ -1,0 +1,102 @@
+"""A real server for the entrypoint tests: `python -m vllm_mamba.entrypoints.openai.api_server`
+on the tiny `tied` model, on 127.0.0.1 and a free port, started once per module and stopped
+with SIGTERM (which must shut it down cleanly).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.tiny_models import tiny_model_dir
+
+MODEL_NAME = "tiny-mamba"
+API_KEY = "test-key"
+MAX_MODEL_LEN = 4096
+START_TIMEOUT_S = 180
+
+
+@dataclass
+class RunningServer:
+    """A server subprocess and how to reach it."""
+
+    process: subprocess.Popen
+    url: str
+    model_dir: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers with the right API key."""
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    """A running server; after the module, SIGTERM must stop it cleanly and free the port."""
+    model_dir = tiny_model_dir("tied")
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_mamba.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        MODEL_NAME,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "64",
+        "--log-level",
+        "warning",
+    ]
+    env = {**os.environ, "VLLM_MAMBA_API_KEY": API_KEY}
+    proc = subprocess.Popen(cmd, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url)
+        yield RunningServer(proc, url, model_dir)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    # uvicorn re-raises the signal once its graceful shutdown is done, so the exit status is
+    # the signal's (a failed shutdown would exit with 1, or hang).
+    assert code in (0, -signal.SIGTERM), f"the server exited with {code} after SIGTERM"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # the port is released
