@@ -87,3 +87,87 @@ def tiny_model_dir(name: str, fmt: str = "safetensors") -> str:
         if file.endswith(".json"):
             shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
     return path
+
+
+# FalconMamba and Mamba2 tiny checkpoints: name -> (transformers class, config kwargs).
+OTHER_CONFIGS: dict[str, tuple[str, dict]] = {
+    # Mamba's "tied" shape; the dt/B/C norms use the default epsilon.
+    "falcon-tied": ("FalconMambaForCausalLM", dict(CONFIGS["tied"], mixer_rms_eps=1e-6)),
+    # Mamba's "untied" shape; the mixer epsilon differs from the layer norms'.
+    "falcon-untied": ("FalconMambaForCausalLM", dict(CONFIGS["untied"], mixer_rms_eps=1e-3)),
+    # 8 heads of 16 in 2 groups, SSD chunks of 16, untied head (Mamba2's default).
+    "mamba2-groups": (
+        "Mamba2ForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            expand=2,
+            num_heads=8,
+            head_dim=16,
+            n_groups=2,
+            state_size=16,
+            conv_kernel=4,
+            chunk_size=16,
+            use_bias=False,
+            use_conv_bias=True,
+            residual_in_fp32=True,
+            tie_word_embeddings=False,
+            vocab_size=50280,
+        ),
+    ),
+    # 3 heads of 32 in one group, conv 3, SSD chunks of 8, biases, tied head, vocab 50277
+    # padded to a multiple of 16 (as the mamba-ssm checkpoints are).
+    "mamba2-tied": (
+        "Mamba2ForCausalLM",
+        dict(
+            hidden_size=48,
+            num_hidden_layers=3,
+            expand=2,
+            num_heads=3,
+            head_dim=32,
+            n_groups=1,
+            state_size=8,
+            conv_kernel=3,
+            chunk_size=8,
+            use_bias=True,
+            use_conv_bias=False,
+            residual_in_fp32=False,
+            tie_word_embeddings=True,
+            vocab_size=50288,
+        ),
+    ),
+}
+
+
+def build_other_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - transformers model
+    """The transformers model of `OTHER_CONFIGS[name]`, with varied random weights.
+
+    Every weight except `A_log`, `D` and the norms is re-drawn from N(0, 0.3^2); Mamba2's
+    `dt_bias` too.
+    """
+    import transformers
+
+    cls_name, kwargs = OTHER_CONFIGS[name]
+    model_cls = getattr(transformers, cls_name)
+    torch.manual_seed(seed)
+    config = model_cls.config_class(**kwargs, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    model = model_cls(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(("A_log", ".D")) or "norm" in pname:
+                continue
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+@functools.cache
+def other_model_dir(name: str) -> str:
+    """Saves tiny model `OTHER_CONFIGS[name]` (safetensors) once per session; its directory."""
+    model = build_other_hf_model(name)
+    path = tempfile.mkdtemp(prefix=f"tiny-{name}-")
+    model.save_pretrained(path)
+    for file in os.listdir(TOKENIZER_DIR):
+        if file.endswith(".json"):
+            shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
+    return path

@@ -207,9 +207,13 @@ def ssd_state_update_ref(
     Bh = _expand_groups(B_.float(), num_heads)  # (B, H, N)
     Ch = _expand_groups(C.float(), num_heads)  # (B, H, N)
     xdt = x.float() * delta[..., None]  # (B, H, P)
-    state = ssm_states[slots].float() * dA[..., None, None] + xdt[..., None] * Bh[:, :, None, :]
-    if bool(valid.any()):
-        ssm_states[slots[valid]] = state[valid].to(ssm_states.dtype)
+    old = ssm_states[slots]  # (B, H, P, N)
+    state = old.float() * dA[..., None, None] + xdt[..., None] * Bh[:, :, None, :]
+    # Written without a host sync (CUDA graphs): each padding row repeats the write of the
+    # first real row, or writes back the value it read when there is none.
+    src = torch.where(valid, torch.arange(len(valid), device=x.device), valid.int().argmax())
+    new = torch.where(valid[src, None, None, None], state[src].to(old.dtype), old[src])
+    ssm_states[slots[src]] = new
     y = torch.einsum("bhpn,bhn->bhp", state, Ch)  # (B, H, P)
     if D_skip is not None:
         y = y + x.float() * D_skip.float()[:, None]
