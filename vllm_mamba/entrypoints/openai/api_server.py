@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_mamba import __version__
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
-from vllm_mamba.entrypoints.openai.cli_serve import API_KEY_ENV, add_server_args
+from vllm_mamba.entrypoints.openai.cli_serve import API_KEY_ENV, HelpFormatter, add_server_args
 from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
 from vllm_mamba.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m vllm_mamba.entrypoints.openai.api_server --model MODEL [flags]`."""
     parser = argparse.ArgumentParser(
         description="Serve a model over an OpenAI-compatible HTTP API.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--model", required=True, help="a local model directory or a hub id")
     add_server_args(parser)

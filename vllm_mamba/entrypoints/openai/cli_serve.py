@@ -14,6 +14,16 @@ API_KEY_ENV = "VLLM_MAMBA_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already explains it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds every server flag except the model to `parser`."""
     net = parser.add_argument_group("server")
@@ -32,7 +42,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     net.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging level")
     eng = parser.add_argument_group("engine")
-    eng.add_argument("--tokenizer", default=None, help="tokenizer path or hub id (default: model)")
+    eng.add_argument("--tokenizer", default=None, help="tokenizer (default: the model)")
     eng.add_argument("--max-num-seqs", type=int, default=256, help="sequences in flight (slots)")
     eng.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step"
@@ -44,9 +54,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="longest prompt plus output (default: from the model config, else 2048)",
     )
     eng.add_argument(
-        "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "half")
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16", "half"),
+        help="weights and activations dtype (auto: the config's, else float32)",
     )
-    eng.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    eng.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: CUDA if present"
+    )
     eng.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     eng.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler")
     return parser
@@ -65,7 +80,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="start an OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("model", help="a local Hugging Face model directory or a hub id")
     add_server_args(parser)
