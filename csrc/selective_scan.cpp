@@ -65,9 +65,13 @@ void scan_token(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t t, in
   const T* dt_row = io.dt + t * p.dim + d0;
   const T* u_row = io.u + t * p.dim + d0;
   for (int64_t j = 0; j < nd; ++j) {
-    const float v = to_f32(dt_row[j]) + (p.dt_bias ? p.dt_bias[d0 + j] : 0.0f);
-    delta[j] = p.dt_softplus ? softplus_f32(v) : v;
+    delta[j] = to_f32(dt_row[j]) + (p.dt_bias ? p.dt_bias[d0 + j] : 0.0f);
     ut[j] = to_f32(u_row[j]);
+  }
+  if (p.dt_softplus) {
+    // Padding lanes get softplus(0) > 0, harmless: their u and A are 0, so h stays 0.
+#pragma omp simd
+    for (int64_t j = 0; j < kBlock; ++j) delta[j] = softplus_f32(delta[j]);
   }
   const float* b_row = p.B + t * p.nstate;
   const float* c_row = p.C + t * p.nstate;
