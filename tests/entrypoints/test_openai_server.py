@@ -147,6 +147,7 @@ def test_concurrent_streams(server: RunningServer, client: openai.OpenAI) -> Non
     threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
     for t in threads:
         t.start()
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200  # answers under load
     for t in threads:
         t.join(timeout=120)
     assert [results.get(i) for i in range(32)] == alone
@@ -171,6 +172,35 @@ def test_disconnect_frees_slot(server: RunningServer) -> None:
         time.sleep(0.1)
     assert metric(server, "num_requests_running") == 0
     assert metric(server, "generation_tokens_total") - before < 3000
+
+
+def test_gone_non_streaming_client_frees_slot(server: RunningServer) -> None:
+    body = {"model": MODEL_NAME, "prompt": "Once", "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=1)
+    deadline = time.monotonic() + 20
+    while metric(server, "state_slots_used") != 0:
+        assert time.monotonic() < deadline, "the slot of a gone client was not freed"
+        time.sleep(0.1)
+
+
+def test_serve_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from vllm_mamba.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "some/model", "--port", "9000", "--api-key", "k"])
+    assert (args.model, args.port, args.api_key, args.host) == (
+        "some/model",
+        9000,
+        "k",
+        "127.0.0.1",
+    )
+    assert callable(args.func)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--dtype"):
+        assert flag in help_text
+    assert "(default: 8000)" in help_text and "(default: 256)" in help_text
 
 
 def test_api_key(server: RunningServer) -> None:
