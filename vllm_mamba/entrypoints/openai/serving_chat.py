@@ -28,6 +28,7 @@ from vllm_mamba.entrypoints.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatResponseMessage,
     UsageInfo,
     random_id,
@@ -132,7 +133,9 @@ class OpenAIServingChat:
         return final  # type: ignore[return-value]
 
     @staticmethod
-    def _choice_logprobs(req: ChatCompletionRequest, comp: CompletionOutput, start: int, end: int):  # noqa: ANN205
+    def _choice_logprobs(
+        req: ChatCompletionRequest, comp: CompletionOutput, start: int, end: int
+    ) -> ChatLogprobs | None:
         if not req.logprobs or comp.logprobs is None:
             return None
         return chat_logprobs(
