@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from vllm_mamba.model_zoo import shipped_model_path
+from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config, is_mamba_ssm_config
 from vllm_mamba.models.registry import ModelRegistry
 from vllm_mamba.ops.dispatch import get_mamba_ops
 
@@ -54,11 +55,18 @@ def resolve_model_path(model: str) -> str:
 def load_hf_config(path: str) -> Any:
     """Reads `config.json` of a model directory into its transformers config class.
 
+    A config in the original mamba-ssm format is converted to its transformers equivalent.
+
     Raises:
         FileNotFoundError: there is no `config.json`.
     """
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
         raise FileNotFoundError(f"no config.json in model directory {path!r}")
+    with open(config_file) as f:
+        raw = json.load(f)
+    if isinstance(raw, dict) and is_mamba_ssm_config(raw):
+        return convert_mamba_ssm_config(raw)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path)
