@@ -5,7 +5,8 @@
 // at the end; a slot index of -1 marks a padding row whose slot is never read nor written.
 //
 // One task per (sequence, block of kBlock channels), all in parallel. The task keeps its state
-// transposed as (N, kBlock) float32 so that every step is a loop over contiguous channels.
+// transposed as (N, kBlock) float32 so that every step is a loop over contiguous channels;
+// one-token sequences (decode) skip the transposition and vectorise over N instead.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -55,13 +56,11 @@ void load_block(const ScanProblem& p, const S* states, int64_t b, int64_t d0, in
   }
 }
 
-// One token for a block: advances h and writes the gated output of channels [d0, d0 + nd).
+// Time steps (bias, softplus) and inputs of token t for channels [d0, d0 + nd), zero-padded
+// to kBlock lanes.
 template <typename T, typename S>
-void scan_token(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t t, int64_t d0,
-                int64_t nd, float* h, const float* a_t) {
-  float delta[kBlock] = {};
-  float ut[kBlock] = {};
-  float y[kBlock] = {};
+void token_inputs(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t t, int64_t d0,
+                  int64_t nd, float* delta, float* ut) {
   const T* dt_row = io.dt + t * p.dim + d0;
   const T* u_row = io.u + t * p.dim + d0;
   for (int64_t j = 0; j < nd; ++j) {
@@ -73,6 +72,28 @@ void scan_token(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t t, in
 #pragma omp simd
     for (int64_t j = 0; j < kBlock; ++j) delta[j] = softplus_f32(delta[j]);
   }
+}
+
+// out = (y + D * u) * silu(z) for token t, channels [d0, d0 + nd).
+template <typename T, typename S>
+void token_outputs(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t t, int64_t d0,
+                   int64_t nd, const float* y, const float* ut) {
+  const T* z_row = io.z ? io.z + t * p.dim + d0 : nullptr;
+  T* o = io.out + t * p.dim + d0;
+  for (int64_t j = 0; j < nd; ++j) {
+    float v = p.D_skip ? y[j] + ut[j] * p.D_skip[d0 + j] : y[j];
+    o[j] = static_cast<T>(z_row ? v * silu_f32(to_f32(z_row[j])) : v);
+  }
+}
+
+// One token for a block: advances the transposed h (N, kBlock) and writes the outputs.
+template <typename T, typename S>
+void scan_token(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t t, int64_t d0,
+                int64_t nd, float* h, const float* a_t) {
+  float delta[kBlock] = {};
+  float ut[kBlock] = {};
+  float y[kBlock] = {};
+  token_inputs(p, io, t, d0, nd, delta, ut);
   const float* b_row = p.B + t * p.nstate;
   const float* c_row = p.C + t * p.nstate;
   for (int64_t n = 0; n < p.nstate; ++n) {
@@ -86,17 +107,58 @@ void scan_token(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t t, in
       y[j] += hn[j] * cn;
     }
   }
-  const T* z_row = io.z ? io.z + t * p.dim + d0 : nullptr;
-  T* o = io.out + t * p.dim + d0;
-  for (int64_t j = 0; j < nd; ++j) {
-    float v = p.D_skip ? y[j] + ut[j] * p.D_skip[d0 + j] : y[j];
-    o[j] = static_cast<T>(z_row ? v * silu_f32(to_f32(z_row[j])) : v);
+  token_outputs(p, io, t, d0, nd, y, ut);
+}
+
+// h over the N entries of one channel, in place in the slot when it has one; returns h @ C.
+template <typename S, bool kRead, bool kWrite>
+float step_channel(const float* a, const float* b_row, const float* c_row, int64_t nstate,
+                   float delta, float u, S* st) {
+  float y = 0.0f;
+#pragma omp simd reduction(+ : y)
+  for (int64_t n = 0; n < nstate; ++n) {
+    const float prev = kRead ? to_f32(st[n]) : 0.0f;
+    const float h = exp_f32(delta * a[n]) * prev + (delta * b_row[n]) * u;
+    y += h * c_row[n];
+    if (kWrite) st[n] = static_cast<S>(h);
   }
+  return y;
+}
+
+// A one-token sequence (decode): the state stays in its (D, N) layout, vectorised over N.
+template <typename T, typename S>
+void scan_one_token(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t b, int64_t d0,
+                    int64_t nd) {
+  const int64_t t = p.qsl[b];
+  const int64_t slot = p.slots[b];
+  const bool from_state = slot >= 0 && p.has_init[b];
+  float delta[kBlock] = {};
+  float ut[kBlock] = {};
+  float y[kBlock];
+  token_inputs(p, io, t, d0, nd, delta, ut);
+  const float* b_row = p.B + t * p.nstate;
+  const float* c_row = p.C + t * p.nstate;
+  for (int64_t j = 0; j < nd; ++j) {
+    const float* a = p.A + (d0 + j) * p.nstate;
+    S* st = slot >= 0 ? io.states + (slot * p.dim + d0 + j) * p.nstate : nullptr;
+    if (from_state) {
+      y[j] = step_channel<S, true, true>(a, b_row, c_row, p.nstate, delta[j], ut[j], st);
+    } else if (st) {
+      y[j] = step_channel<S, false, true>(a, b_row, c_row, p.nstate, delta[j], ut[j], st);
+    } else {
+      y[j] = step_channel<S, false, false>(a, b_row, c_row, p.nstate, delta[j], ut[j], st);
+    }
+  }
+  token_outputs(p, io, t, d0, nd, y, ut);
 }
 
 template <typename T, typename S>
 void scan_block(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t b, int64_t d0) {
   const int64_t nd = std::min(kBlock, p.dim - d0);
+  if (p.qsl[b + 1] - p.qsl[b] == 1) {
+    scan_one_token(p, io, b, d0, nd);
+    return;
+  }
   std::vector<float> buf(2 * p.nstate * kBlock);
   float* h = buf.data();                       // (N, kBlock)
   float* a_t = buf.data() + p.nstate * kBlock;  // (N, kBlock)
