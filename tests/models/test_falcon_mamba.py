@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.models import family_checks as checks
 from tests.tiny_models import OTHER_CONFIGS, other_model_dir
@@ -32,3 +33,10 @@ def test_chunked_prefill_equals_whole(budget: int) -> None:
 
 def test_forks_equal_alone_and_free_slots() -> None:
     checks.assert_forks_equal_alone(other_model_dir("falcon-untied"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_graphs_equal_eager(dtype: str) -> None:
+    checks.assert_gpu_graphs_equal_eager_and_cpu(other_model_dir("falcon-untied"), dtype)

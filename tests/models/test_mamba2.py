@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.models import family_checks as checks
 from tests.tiny_models import OTHER_CONFIGS, other_model_dir
@@ -53,3 +54,10 @@ def test_bad_shapes_are_rejected(tmp_path) -> None:
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="multiple of n_groups"):
         LLM(str(tmp_path))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_graphs_equal_eager(dtype: str) -> None:
+    checks.assert_gpu_graphs_equal_eager_and_cpu(other_model_dir("mamba2-groups"), dtype)

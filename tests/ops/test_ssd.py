@@ -174,3 +174,19 @@ def test_split_scan_and_decode_equal_one_pass(cuts: list[int]) -> None:
     )
     torch.testing.assert_close(torch.cat(outs), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(states, want_states, rtol=1e-4, atol=1e-4)
+
+
+def test_state_update_padding_rows_leave_slots_alone() -> None:
+    """Padding rows write nothing, also beside a real row of slot 0, and in an all-padding batch."""
+    case = make_ssd_case([1, 1, 1], pad_rows=2)
+    case.has_initial_state[:] = True
+    case.state_indices[:3] = torch.tensor([0, 4, 2], dtype=torch.int32)
+    want, want_states = naive_ssd(case)
+    args = (case.x, case.dt, case.A, case.B_, case.C, case.D_skip, case.dt_bias, True)
+    y = ssd_state_update_ref(case.ssm_states, *args, case.state_indices)
+    torch.testing.assert_close(y[:3], want[:3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(case.ssm_states, want_states, rtol=1e-5, atol=1e-5)
+    before = case.ssm_states.clone()
+    all_pad = torch.full((5,), PAD_SLOT_ID, dtype=torch.int32)
+    ssd_state_update_ref(case.ssm_states, *args, all_pad)
+    assert torch.equal(case.ssm_states, before)
