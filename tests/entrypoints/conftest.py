@@ -1,10 +1,11 @@
 """A real server for the entrypoint tests: `python -m vllm_mamba.entrypoints.openai.api_server`
-on the tiny `tied` model, on 127.0.0.1 and a free port, started once per module and stopped
-with SIGTERM (which must shut it down cleanly).
+on the tiny `tied` model, on 127.0.0.1 and a free port, started once per module (or with extra
+flags by `launch_server`) and stopped with SIGTERM (which must shut it down cleanly).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -60,9 +61,10 @@ def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
     raise TimeoutError("the server did not become healthy")
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    """A running server; after the module, SIGTERM must stop it cleanly and free the port."""
+@contextlib.contextmanager
+def launch_server(*extra_args: str) -> Iterator[RunningServer]:
+    """Runs a server on the tiny model with `extra_args` added to the default flags; on exit,
+    SIGTERM must stop it cleanly and free the port."""
     model_dir = tiny_model_dir("tied")
     port = free_port()
     cmd = [
@@ -81,6 +83,7 @@ def server() -> Iterator[RunningServer]:
         "64",
         "--log-level",
         "warning",
+        *extra_args,
     ]
     env = {**os.environ, "VLLM_MAMBA_API_KEY": API_KEY}
     proc = subprocess.Popen(cmd, env=env)
@@ -100,3 +103,10 @@ def server() -> Iterator[RunningServer]:
     assert code in (0, -signal.SIGTERM), f"the server exited with {code} after SIGTERM"
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))  # the port is released
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    """A running server with the default flags, one per test module."""
+    with launch_server() as running:
+        yield running

@@ -28,10 +28,17 @@ from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.entrypoints.openai.cli_serve import API_KEY_ENV, HelpFormatter, add_server_args
 from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
-from vllm_mamba.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllm_mamba.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from vllm_mamba.entrypoints.openai.served_model import ServedModel
 from vllm_mamba.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_mamba.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm_mamba.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +75,7 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     metrics = ServerMetrics(engine.engine, model.name)
     completions = OpenAIServingCompletion(engine, model, metrics)
     chat = OpenAIServingChat(engine, model, metrics)
+    tokenization = OpenAIServingTokenization(engine, model, chat)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -110,6 +118,18 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
+        return JSONResponse((await tokenization.tokenize(req)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse((await tokenization.detokenize(req)).model_dump())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokenization.info())
 
     return app
 

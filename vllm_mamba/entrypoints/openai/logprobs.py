@@ -57,6 +57,16 @@ def completion_logprobs(
     return out
 
 
+def join_logprobs(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    """The legacy logprobs of `first`'s tokens followed by `second`'s (offsets kept as given)."""
+    return CompletionLogprobs(
+        text_offset=first.text_offset + second.text_offset,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        tokens=first.tokens + second.tokens,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+    )
+
+
 def token_texts(token_ids: Sequence[int], entries: Sequence[PositionLogprobs | None]) -> list[str]:
     """The text of each token from its logprob entry ("" where there is none)."""
     texts = []

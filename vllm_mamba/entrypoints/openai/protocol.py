@@ -91,7 +91,11 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    """`POST /v1/completions`: prompt is a string, strings, token ids or lists of token ids."""
+    """`POST /v1/completions`: prompt is a string, strings, token ids or lists of token ids.
+
+    `max_tokens: 0` is allowed with `echo: true`: the prompt comes back (with its logprobs when
+    `logprobs` is set) and nothing is generated.
+    """
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -133,6 +137,48 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """`POST /tokenize` of a text (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """`POST /tokenize` of chat messages rendered with the chat template (vLLM's shape)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    """The token ids of a text, how many, and the server's longest prompt plus output."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    """The text of some token ids."""
+
+    prompt: str
 
 
 class UsageInfo(BaseModel):

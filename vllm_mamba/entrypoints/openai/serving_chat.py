@@ -29,6 +29,7 @@ from vllm_mamba.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     UsageInfo,
     random_id,
@@ -60,19 +61,29 @@ class OpenAIServingChat:
         tokenizer = engine.engine.tokenizer
         self.template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
 
-    def render(self, req: ChatCompletionRequest) -> str:
-        """The prompt text of the conversation.
+    def render(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> str:
+        """The prompt text of a conversation.
+
+        Args:
+            messages: the conversation.
+            add_generation_prompt: end with the start of an assistant turn.
+            chat_template: a Jinja template to use instead of the server's.
 
         Raises:
             APIError: a message the template cannot render.
         """
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            turns = [{"role": m.role, "content": m.text()} for m in messages]
             return self.engine.engine.tokenizer.apply_chat_template(
-                messages,
-                chat_template=req.chat_template or self.template,
+                turns,
+                chat_template=chat_template or self.template,
                 tokenize=False,
-                add_generation_prompt=req.add_generation_prompt,
+                add_generation_prompt=add_generation_prompt,
             )
         except ValueError as err:
             raise APIError(str(err), 400, "messages") from err
@@ -93,7 +104,7 @@ class OpenAIServingChat:
         model_name = self.model.resolve(req.model)
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = req.sampling_params(max_tokens, self._logprobs(req))
-        text = self.render(req)
+        text = self.render(req.messages, req.add_generation_prompt, req.chat_template)
         encode = functools.partial(
             self.engine.engine.tokenizer.encode, text, add_special_tokens=False
         )

@@ -3,22 +3,35 @@ streamed as server-sent events).
 
 A batch of `P` prompts with `n` completions each gives `P * n` choices; choice `i * n + j` is
 completion `j` of prompt `i`.
+
+With `echo` and `logprobs`, a choice's logprobs cover the prompt's tokens (scored by the
+prefill itself: the engine's prompt logprobs, entry 0 null) and then the generated ones, so
+`token_logprobs[i]` is log p(token i | tokens before it) over the whole text. This is what
+lm-evaluation-harness sums for a loglikelihood. `max_tokens: 0` with `echo` returns the prompt
+alone: the engine runs with `max_tokens=1` (the sampled token comes from the prefill's last
+position, so no extra forward) and the server drops that token.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_mamba.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from vllm_mamba.entrypoints.openai.errors import APIError
-from vllm_mamba.entrypoints.openai.logprobs import completion_logprobs, token_texts
+from vllm_mamba.entrypoints.openai.logprobs import (
+    completion_logprobs,
+    join_logprobs,
+    token_texts,
+)
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
 from vllm_mamba.entrypoints.openai.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
@@ -69,17 +82,22 @@ class OpenAIServingCompletion:
             raise APIError("suffix is not supported", 400, "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of must equal n (or be unset)", 400, "best_of")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError("max_tokens must be >= 1 (0 only with echo)", 400, "max_tokens")
         prompts = prompt_list(req.prompt)
+        prompt_only = req.echo and req.max_tokens == 0
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-        params = req.sampling_params(req.max_tokens, req.logprobs, prompt_logprobs)
+        max_tokens = 1 if prompt_only else req.max_tokens
+        params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs)
         request_id = random_id("cmpl")
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         arrival = time.monotonic()
         streams = []
         try:
             for rid, prompt in zip(ids, prompts):
-                stream = await self.engine.add_request(rid, prompt, params)
-                streams.append(self.metrics.track(stream, arrival))
+                added = await self.engine.add_request(rid, prompt, params)
+                stream = self.metrics.track(added, arrival)
+                streams.append(_without_generation(stream) if prompt_only else stream)
         except BaseException:
             for rid in ids:
                 self.engine.abort(rid)
@@ -117,24 +135,28 @@ class OpenAIServingCompletion:
             return out.prompt
         return await self.engine.call(self.engine.engine.tokenizer.decode, out.prompt_token_ids)
 
+    async def _echo_logprobs(self, out: RequestOutput, top_k: int) -> CompletionLogprobs:
+        """The logprobs of the prompt's tokens, from the prefill; entry 0 is null."""
+        token_ids, entries = out.prompt_token_ids, out.prompt_logprobs
+        assert entries is not None and len(entries) == len(token_ids), "prompt logprobs missing"
+        texts = token_texts(token_ids, entries)
+        texts[0] = await self.engine.call(self.engine.engine.tokenizer.decode, token_ids[:1])
+        return completion_logprobs(token_ids, entries, texts, top_k)
+
     async def _choice(
         self, req: CompletionRequest, index: int, out: RequestOutput, comp: CompletionOutput
     ) -> CompletionChoice:
-        """One whole choice, with the prompt in front when `echo`."""
+        """One whole choice, with the prompt (and its logprobs) in front when `echo`."""
         prefix = await self._prompt_text(out) if req.echo else ""
         logprobs = None
         if req.logprobs is not None:
-            token_ids, entries = [], []
-            if req.echo and out.prompt_logprobs is not None:
-                token_ids += out.prompt_token_ids
-                entries += out.prompt_logprobs
-            token_ids += comp.token_ids
-            entries += comp.logprobs or []
-            texts = token_texts(token_ids, entries)
-            if entries and entries[0] is None:
-                tokenizer = self.engine.engine.tokenizer
-                texts[0] = await self.engine.call(tokenizer.decode, [token_ids[0]])
-            logprobs = completion_logprobs(token_ids, entries, texts, req.logprobs)
+            entries = comp.logprobs or []
+            texts = token_texts(comp.token_ids, entries)
+            logprobs = completion_logprobs(
+                comp.token_ids, entries, texts, req.logprobs, len(prefix)
+            )
+            if req.echo:
+                logprobs = join_logprobs(await self._echo_logprobs(out, req.logprobs), logprobs)
         return CompletionChoice(
             index=index,
             text=prefix + comp.text,
@@ -154,21 +176,24 @@ class OpenAIServingCompletion:
     ) -> AsyncIterator[str]:
         """The server-sent events of a streamed completion."""
         deltas = [TextDeltas(params.stop_list) for _ in streams]
+        prefixes: list[str] = [""] * len(streams)
         finals: list[RequestOutput | None] = [None] * len(streams)
         done: set[int] = set()
         completion_tokens = 0
         try:
             async for i, out in merge_streams(streams):
+                if req.echo and finals[i] is None:
+                    prefixes[i] = await self._prompt_text(out)
                 finals[i] = out
                 choices = []
                 for comp in out.outputs:
                     index = i * req.n + comp.index
                     first = comp.index not in deltas[i].sent_tokens
-                    choice = self._delta(req, deltas[i], comp, index, done)
+                    choice = self._delta(req, deltas[i], comp, index, done, len(prefixes[i]))
                     if choice is None:
                         continue
                     if first and req.echo:
-                        choice.text = await self._prompt_text(out) + choice.text
+                        await self._echo_first(req, out, choice, prefixes[i])
                     choices.append(choice)
                     if comp.finished:
                         completion_tokens += len(comp.token_ids)
@@ -187,6 +212,15 @@ class OpenAIServingCompletion:
                 if out is None or not out.finished:
                     self.engine.abort(rid)
 
+    async def _echo_first(
+        self, req: CompletionRequest, out: RequestOutput, choice: CompletionChoice, prefix: str
+    ) -> None:
+        """Puts the prompt (and its logprobs) in front of a streamed choice's first delta."""
+        choice.text = prefix + choice.text
+        if req.logprobs is not None:
+            generated = choice.logprobs or CompletionLogprobs()
+            choice.logprobs = join_logprobs(await self._echo_logprobs(out, req.logprobs), generated)
+
     @staticmethod
     def _delta(
         req: CompletionRequest,
@@ -194,11 +228,15 @@ class OpenAIServingCompletion:
         comp: CompletionOutput,
         index: int,
         done: set[int],
+        prefix_len: int,
     ) -> CompletionChoice | None:
-        """The new part of one choice, or None when it has nothing new."""
+        """The new part of one choice, or None when it has nothing new.
+
+        `prefix_len` is the length of the echoed prompt in front of the choice's text.
+        """
         if index in done:
             return None
-        offset = deltas.sent_chars.get(comp.index, 0)
+        offset = prefix_len + deltas.sent_chars.get(comp.index, 0)
         text = deltas.text(comp.index, comp.text, comp.finished)
         start, end = deltas.tokens(comp.index, len(comp.token_ids))
         if comp.finished:
@@ -217,6 +255,24 @@ class OpenAIServingCompletion:
             finish_reason=comp.finish_reason,
             stop_reason=comp.stop_reason,
         )
+
+
+async def _without_generation(stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Passes a `max_tokens: 0` request's outputs through with their generated token dropped."""
+    async for out in stream:
+        outputs = [
+            replace(
+                comp,
+                text="",
+                token_ids=[],
+                cumulative_logprob=0.0,
+                logprobs=None if comp.logprobs is None else [],
+                finish_reason="length" if comp.finished else None,
+                stop_reason=None,
+            )
+            for comp in out.outputs
+        ]
+        yield replace(out, outputs=outputs)
 
 
 def _usage(finals: list[RequestOutput], completion_tokens: int) -> UsageInfo:

@@ -1,0 +1,96 @@
+"""vLLM's tokenizer routes: `POST /tokenize` (a text, or chat messages rendered with the chat
+template), `POST /detokenize` and `GET /tokenizer_info`.
+
+Clients that tokenize on the server, such as lm-evaluation-harness's `local-completions` with
+its default tokenizer backend, need no tokenizer files of their own: they send the token ids
+back as prompts, so what they score is exactly what the model sees.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from vllm_mamba.engine.async_engine import AsyncLLMEngine
+from vllm_mamba.entrypoints.openai.errors import APIError
+from vllm_mamba.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from vllm_mamba.entrypoints.openai.served_model import ServedModel
+from vllm_mamba.entrypoints.openai.serving_chat import OpenAIServingChat
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class OpenAIServingTokenization:
+    """Answers the tokenizer routes with the engine's own tokenizer.
+
+    Args:
+        engine: the served engine; its tokenizer is only touched on the engine's thread.
+        model: the served model (requests naming another model get a 404).
+        chat: renders chat messages exactly as chat completions do.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, model: ServedModel, chat: OpenAIServingChat) -> None:
+        self.engine = engine
+        self.model = model
+        self.chat = chat
+        self.vocab_size = engine.engine.config.model_config.vocab_size
+
+    @property
+    def _tokenizer(self) -> Any:
+        return self.engine.engine.tokenizer
+
+    async def tokenize(
+        self, req: TokenizeCompletionRequest | TokenizeChatRequest
+    ) -> TokenizeResponse:
+        """The token ids of a text, or of chat messages after the chat template.
+
+        Raises:
+            APIError: an unknown model (404) or messages the template cannot render (400).
+        """
+        self.model.resolve(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            text = self.chat.render(req.messages, req.add_generation_prompt, req.chat_template)
+        else:
+            text = req.prompt
+        encode = functools.partial(
+            self._tokenizer.encode, text, add_special_tokens=req.add_special_tokens
+        )
+        ids = await self.engine.call(encode)
+        strs = None
+        if req.return_token_strs:
+            strs = await self.engine.call(self._tokenizer.convert_ids_to_tokens, ids)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.model.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of some token ids (special tokens kept, as vLLM does).
+
+        Raises:
+            APIError: an unknown model (404) or ids outside the vocabulary (400).
+        """
+        self.model.resolve(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(
+                f"tokens {bad[:5]} are outside the vocabulary [0, {self.vocab_size})", 400, "tokens"
+            )
+        return DetokenizeResponse(prompt=await self.engine.call(self._tokenizer.decode, req.tokens))
+
+    def info(self) -> dict[str, Any]:
+        """`GET /tokenizer_info`: the tokenizer's class, special tokens, length limit and the
+        chat template the server renders messages with."""
+        tokenizer = self._tokenizer
+        info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+        for name in _SPECIAL_TOKENS:
+            token = getattr(tokenizer, name, None)
+            info[name] = None if token is None else str(token)
+        info["model_max_length"] = getattr(tokenizer, "model_max_length", None)
+        info["chat_template"] = self.chat.template
+        return info
