@@ -4,15 +4,14 @@ tokens, with whole and chunked prefill; `max_tokens: 0`; the tokenizer routes.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import torch
 
 from tests.entrypoints.conftest import MAX_MODEL_LEN, MODEL_NAME, RunningServer, launch_server
+from tests.entrypoints.hf_reference import hf_greedy, hf_logprobs, hf_tokenizer
 
 PROMPTS = [
     "Hello, my name is",
@@ -32,35 +31,6 @@ BUDGETS = {"whole": "2048", "chunked": "5"}
 def echo_server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
     with launch_server("--max-num-batched-tokens", BUDGETS[request.param]) as running:
         yield running
-
-
-@functools.cache
-def hf_model(model_dir: str):  # noqa: ANN201 - a transformers model
-    from transformers import MambaForCausalLM
-
-    return MambaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@functools.cache
-def hf_tokenizer(model_dir: str):  # noqa: ANN201 - a transformers tokenizer
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def hf_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
-    """`(len(ids), vocab)`: row i is log p(. | ids[: i + 1])."""
-    with torch.no_grad():
-        logits = hf_model(model_dir)(torch.tensor([ids])).logits[0].float()
-    return logits.log_softmax(-1)
-
-
-def hf_greedy(model_dir: str, ids: list[int], max_tokens: int) -> list[int]:
-    """`ids` followed by `max_tokens` greedy tokens."""
-    ids = list(ids)
-    for _ in range(max_tokens):
-        ids.append(int(hf_logprobs(model_dir, ids)[-1].argmax()))
-    return ids
 
 
 def post(server: RunningServer, path: str, body: dict) -> httpx.Response:
