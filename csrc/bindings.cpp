@@ -20,6 +20,7 @@ TORCH_LIBRARY(vllm_mamba, m) {
       "selective_state_update(Tensor(a!) ssm_states, Tensor u, Tensor dt, Tensor A, Tensor B_, "
       "Tensor C, Tensor? D_skip, Tensor? z, Tensor? dt_bias, bool dt_softplus, "
       "Tensor state_indices) -> Tensor");
+  m.def("linear_small_batch(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};

@@ -8,12 +8,12 @@ rank, K conv kernel width. Parameter names follow the Hugging Face checkpoints
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionMetadata
 from vllm_mamba.mamba_cache import LayerState
 from vllm_mamba.ops.dispatch import MambaOps
+from vllm_mamba.ops.linear import Linear, linear
 
 
 class Conv1dWeights(nn.Module):
@@ -44,13 +44,13 @@ class MambaMixer(nn.Module):
         self.state_size = state_size
         self.time_step_rank = time_step_rank
         self.ops = ops
-        self.in_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=use_bias)
+        self.in_proj = Linear(hidden_size, 2 * intermediate_size, bias=use_bias)
         self.conv1d = Conv1dWeights(intermediate_size, conv_kernel, use_conv_bias)
-        self.x_proj = nn.Linear(intermediate_size, time_step_rank + 2 * state_size, bias=False)
-        self.dt_proj = nn.Linear(time_step_rank, intermediate_size, bias=True)
+        self.x_proj = Linear(intermediate_size, time_step_rank + 2 * state_size, bias=False)
+        self.dt_proj = Linear(time_step_rank, intermediate_size, bias=True)
         self.A_log = nn.Parameter(torch.empty(intermediate_size, state_size))
         self.D = nn.Parameter(torch.empty(intermediate_size))
-        self.out_proj = nn.Linear(intermediate_size, hidden_size, bias=use_bias)
+        self.out_proj = Linear(intermediate_size, hidden_size, bias=use_bias)
         self.register_buffer("A", torch.empty(0), persistent=False)
         self.register_buffer("conv_weight", torch.empty(0), persistent=False)
 
@@ -90,7 +90,7 @@ class MambaMixer(nn.Module):
         ts, B, C = torch.split(
             ssm_params, [self.time_step_rank, self.state_size, self.state_size], dim=-1
         )
-        dt = F.linear(ts, self.dt_proj.weight)  # (T, I), bias added in the kernel
+        dt = linear(ts, self.dt_proj.weight, None)  # (T, I), bias added in the kernel
         dt_bias = self.dt_proj.bias
         y = torch.empty_like(x)  # (T, I)
         if nd:

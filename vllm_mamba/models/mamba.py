@@ -18,6 +18,7 @@ from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mamba_mixer import MambaMixer
 from vllm_mamba.mamba_cache import MambaCache, MambaStateShape
 from vllm_mamba.ops.dispatch import MambaOps
+from vllm_mamba.ops.linear import Linear
 
 
 class MambaBlock(nn.Module):
@@ -68,7 +69,7 @@ class MambaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.backbone = MambaBackbone(config, ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

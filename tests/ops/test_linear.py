@@ -1,0 +1,49 @@
+"""The small-batch C++ matrix-vector kernel against `torch.nn.functional.linear`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_mamba.ops import cpu_kernels
+from vllm_mamba.ops.linear import Linear, linear
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason="C++ extension not built (pip install --no-build-isolation -e .)",
+)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("k", [64, 100, 768])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_small_batch_matches_f_linear(batch: int, k: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(batch * 1000 + k)
+    x = torch.randn(batch, k, generator=g)
+    w = torch.randn(37, k, generator=g)
+    b = torch.randn(37, generator=g) if with_bias else None
+    out = torch.ops.vllm_mamba.linear_small_batch(x, w, b)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_weights_and_inputs() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 130, generator=g).bfloat16()
+    w = torch.randn(50, 130, generator=g).bfloat16()
+    out = torch.ops.vllm_mamba.linear_small_batch(x, w, None)
+    assert out.dtype == torch.bfloat16
+    want = F.linear(x.float(), w.float())
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=5e-2)
+
+
+def test_linear_module_uses_the_same_math_for_any_batch() -> None:
+    layer = Linear(48, 20).eval()
+    x = torch.randn(12, 48)
+    with torch.no_grad():
+        small = layer(x[:2])  # kernel path
+        large = layer(x)  # F.linear path
+        torch.testing.assert_close(small, large[:2], rtol=1e-5, atol=1e-5)
+        # A non-contiguous input (a split view) is handled.
+        view = torch.randn(2, 96)[:, ::2]
+        torch.testing.assert_close(linear(view, layer.weight, layer.bias), layer(view.clone()))
