@@ -154,15 +154,62 @@ at::Tensor causal_conv1d_varlen(const at::Tensor& x, const at::Tensor& weight,
                    has_initial_state, activation);
 }
 
-// Decode: each row is a one-token sequence that starts from its slot's history.
-at::Tensor causal_conv1d_update(const at::Tensor& x, at::Tensor conv_states,
+// Decode: one new input per row. Each channel convolves its saved history and the new input
+// with its (D, K) filter, then shifts the input into the history. Rows run in parallel only
+// when the batch is large enough to pay for the threads.
+template <typename T, typename S>
+void conv_update_rows(const T* x, S* states, const float* w, const float* bias,
+                      const int64_t* slots, T* out, int64_t batch, int64_t dim, int64_t width,
+                      bool activation) {
+  const int64_t hist = width - 1;
+  at::parallel_for(0, batch, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const int64_t slot = slots[b];
+      const T* xr = x + b * dim;
+      T* o = out + b * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        S* st = slot >= 0 ? states + (slot * dim + d) * hist : nullptr;
+        const float* wd = w + d * width;
+        const float xin = to_f32(xr[d]);
+        float acc = wd[hist] * xin + (bias ? bias[d] : 0.0f);
+        for (int64_t k = 0; k < hist; ++k) acc += st ? wd[k] * to_f32(st[k]) : 0.0f;
+        if (st) {
+          for (int64_t k = 0; k + 1 < hist; ++k) st[k] = st[k + 1];
+          if (hist > 0) st[hist - 1] = static_cast<S>(xin);
+        }
+        o[d] = static_cast<T>(activation ? silu_f32(acc) : acc);
+      }
+    }
+  });
+}
+
+at::Tensor causal_conv1d_update(const at::Tensor& x_in, at::Tensor conv_states,
                                 const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                 const at::Tensor& state_indices, bool activation) {
   const int64_t batch = state_indices.size(0);
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == batch, "x must be (B, D)");
-  const auto idx = at::TensorOptions().dtype(at::kLong);
-  return conv_impl(x, weight, bias, conv_states, at::arange(batch + 1, idx), state_indices,
-                   at::ones({batch}, idx.dtype(at::kBool)), activation);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(0) == batch, "x must be (B, D)");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == x_in.size(1), "weight must be (D, K)");
+  const int64_t dim = x_in.size(1), width = weight.size(1);
+  TORCH_CHECK(conv_states.dim() == 3 && conv_states.size(1) == dim &&
+                  conv_states.size(2) == width - 1,
+              "conv_states must be (S, D, K - 1)");
+  TORCH_CHECK(conv_states.is_contiguous(), "conv_states must be contiguous");
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor w = weight.to(at::kFloat).contiguous();  // (D, K)
+  const at::Tensor bias_f = optional_f32(bias);
+  const at::Tensor slots = as_index(state_indices);
+  at::Tensor out = at::empty_like(x);
+  dispatch_float_bf16(x, "x", [&](auto* xt) {
+    using T = std::remove_pointer_t<decltype(xt)>;
+    dispatch_float_bf16(conv_states, "conv_states", [&](auto* st) {
+      using S = std::remove_pointer_t<decltype(st)>;
+      conv_update_rows<T, S>(x.data_ptr<T>(), conv_states.data_ptr<S>(), w.data_ptr<float>(),
+                             bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+                             slots.data_ptr<int64_t>(), out.data_ptr<T>(), batch, dim, width,
+                             activation);
+    });
+  });
+  return out;
 }
 
 }  // namespace
