@@ -21,7 +21,10 @@ PROMPTS = [
 ]
 TOP_K = 3
 MAX_TOKENS = 3
-ATOL = 1e-4  # float32 on both sides, different kernels
+# float32 on both sides, through different kernels (GEMM, or the small-batch matrix-vector
+# kernel for short chunks): the random model's logits reach the hundreds, so round-off is about
+# 1e-4; a logprob of the wrong position or from a wrong state is off by far more.
+ATOL = 3e-4
 
 # Whole prefill, and chunks of 5 tokens shared by the prompts of one request.
 BUDGETS = {"whole": "2048", "chunked": "5"}

@@ -26,7 +26,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install 'lm
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TASK_DIR = os.path.join("tests", "entrypoints", "lm_eval_task")
 TASKS = ("tiny_mamba_mc", "tiny_mamba_rolling", "tiny_mamba_gen")
-ATOL = 2e-4  # sums of float32 logprobs from different kernels
+ATOL = 1e-3  # sums of up to ~10 float32 logprobs (see test_echo_logprobs.ATOL)
 GEN_UNTIL = ["\n", "."]  # as in tiny_mamba_gen.yaml
 GEN_MAX_TOKENS = 16
 
