@@ -1,12 +1,36 @@
-"""Loads the tokenizer of a model directory (or of a separate tokenizer path)."""
+"""Finds and loads the tokenizer of a model.
+
+The tokenizer comes from the `tokenizer` argument, else from the model directory. Checkpoints
+in the original mamba-ssm format ship without tokenizer files; they use the GPT-NeoX-20B
+tokenizer, which is then taken from the hub (or its cache), as mamba-ssm's own README does.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
+
+MAMBA_SSM_TOKENIZER = "EleutherAI/gpt-neox-20b"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def default_tokenizer_source(model_path: str) -> str | None:
+    """The hub id of the tokenizer a tokenizer-less mamba-ssm checkpoint needs, else None."""
+    if any(os.path.isfile(os.path.join(model_path, f)) for f in _TOKENIZER_FILES):
+        return None
+    from vllm_mamba.models.mamba_ssm_format import is_mamba_ssm_config
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return MAMBA_SSM_TOKENIZER if is_mamba_ssm_config(raw) else None
 
 
 def load_tokenizer(path: str) -> Any:
-    """A Hugging Face tokenizer from `path`.
+    """A Hugging Face tokenizer from the directory `path`.
 
     Raises:
         FileNotFoundError: no tokenizer files are there.

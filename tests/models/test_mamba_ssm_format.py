@@ -148,3 +148,25 @@ def test_original_format_gives_same_tokens_as_hf_twin(twin, tmp_path) -> None:
     got = checks.tokens(LLM(orig).generate(checks.prompts(), checks.GREEDY, use_tqdm=False))
     assert all(len(set(t)) >= 10 for t in want), want
     assert got == want
+
+
+def test_tokenizerless_checkpoint_takes_gpt_neox_from_hub_cache(tmp_path, monkeypatch) -> None:
+    """Like `state-spaces/mamba-130m`: no tokenizer files, so GPT-NeoX-20B's comes from the hub."""
+    import huggingface_hub.constants as hf_constants
+
+    orig, hf = _mamba1_twin(tmp_path)
+    for file in os.listdir(orig):
+        if file.startswith(("tokenizer", "special_tokens")):
+            os.remove(os.path.join(orig, file))
+    cache = tmp_path / "hub"
+    repo = cache / "models--EleutherAI--gpt-neox-20b"
+    commit = "0" * 40
+    shutil.copytree(TOKENIZER_DIR, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    want = checks.tokens(LLM(hf).generate(checks.prompts(), checks.GREEDY, use_tqdm=False))
+    llm = LLM(orig)
+    assert llm.llm_engine.config.model_config.tokenizer.startswith(str(cache))
+    assert checks.tokens(llm.generate(checks.prompts(), checks.GREEDY, use_tqdm=False)) == want

@@ -31,7 +31,7 @@ from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.model_loader import build_model, load_hf_config, resolve_model_path
 from vllm_mamba.outputs import Logprob, PositionLogprobs, RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
-from vllm_mamba.tokenizer import load_tokenizer
+from vllm_mamba.tokenizer import default_tokenizer_source, load_tokenizer
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -92,6 +92,7 @@ class LLMEngine:
         from vllm_mamba.models.registry import ModelRegistry
 
         _, arch = ModelRegistry.resolve_model_cls(getattr(hf_config, "architectures", None))
+        tokenizer = tokenizer or default_tokenizer_source(path)
         tok_path = resolve_model_path(tokenizer) if tokenizer else path
         model_config = ModelConfig(
             model=model,
