@@ -1,0 +1,158 @@
+"""Side-by-side CPU speed of this engine, `transformers` and llama.cpp on one model, in one run.
+
+Workloads (tokens/s; the medians of `--reps` repetitions, interleaved across the systems so
+that the machine's noise hits them alike):
+
+- `prefill 512`: one prompt of `--prefill-len` tokens (engine: `LLM.generate` with one output
+  token; transformers: `generate(max_new_tokens=1)`; llama.cpp: `llama-bench -p 512`).
+- `decode bN`: N sequences of `--prompt-len` random tokens, aggregate tokens/s of the decode
+  steps only (engine: `LLMEngine.step` after every prompt has its first token; transformers:
+  `generate` of T tokens minus `generate` of 1 token; llama.cpp: `llama-bench -n` for b1,
+  `llama-batched-bench` S_TG for more).
+
+llama.cpp is optional: its tools and GGUF files come from `benchmarks/setup_llama_cpp.sh`
+(`--llama-cpp-home` or `$LLAMA_CPP_HOME`); without them it is skipped with a message.
+Never part of CI.
+
+    python benchmarks/make_model.py /tmp/mamba-130m-random
+    python benchmarks/compare.py --model /tmp/mamba-130m-random
+    python benchmarks/compare.py --model /tmp/mamba-130m-random --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+from compare_systems import EngineSystem, LlamaCppSystem, TransformersSystem, random_prompts
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = "/tmp/mamba-130m-random"
+DEFAULT_LLAMA_HOME = "/tmp/llamacpp"
+GGUF_TYPES = {"float32": ["f32"], "bfloat16": ["bf16", "f16"], "float16": ["f16"]}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, help="Hugging Face model directory")
+    p.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES))
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of every system")
+    p.add_argument("--reps", type=int, default=3, help="repetitions; the median is reported")
+    p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill prompt")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens of decode runs")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode sequence")
+    p.add_argument("--batches", default="1,32,128", help="decode batch sizes")
+    p.add_argument("--hf-decode-tokens", type=int, default=32, help="transformers' decode length")
+    p.add_argument("--hf-max-batch", type=int, default=32, help="largest transformers batch")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument(
+        "--llama-cpp-home",
+        default=os.environ.get("LLAMA_CPP_HOME", DEFAULT_LLAMA_HOME),
+        help="bin/llama-bench, bin/llama-batched-bench and gguf/<model>-<type>.gguf live here",
+    )
+    p.add_argument("--json", default=None, help="also write every sample to this file")
+    return p.parse_args()
+
+
+def build_systems(args: argparse.Namespace) -> list:
+    """The systems to measure; llama.cpp ones only when their tools and GGUF files exist."""
+    systems: list = [EngineSystem(args.model, args.dtype, max(args.batches))]
+    if not args.skip_transformers:
+        systems.append(
+            TransformersSystem(args.model, args.dtype, args.hf_decode_tokens, args.hf_max_batch)
+        )
+    if args.skip_llama_cpp:
+        return systems
+    bin_dir = os.path.join(args.llama_cpp_home, "bin")
+    tools = [os.path.join(bin_dir, t) for t in ("llama-bench", "llama-batched-bench")]
+    missing = [t for t in tools if not os.access(t, os.X_OK)]
+    if missing:
+        print(f"llama.cpp skipped: {', '.join(missing)} not built (benchmarks/setup_llama_cpp.sh)")
+        return systems
+    stem = os.path.basename(os.path.normpath(args.model))
+    for gguf_type in GGUF_TYPES[args.dtype]:
+        gguf = os.path.join(args.llama_cpp_home, "gguf", f"{stem}-{gguf_type}.gguf")
+        if os.path.exists(gguf):
+            systems.append(LlamaCppSystem(bin_dir, gguf, gguf_type.upper(), args.threads))
+        else:
+            print(f"llama.cpp {gguf_type.upper()} skipped: {gguf} is missing")
+    return systems
+
+
+def workloads(args: argparse.Namespace) -> list[str]:
+    return [f"prefill {args.prefill_len}"] + [f"decode b{b}" for b in args.batches]
+
+
+def measure(args: argparse.Namespace, systems: list) -> dict[str, dict[str, list[float]]]:
+    """`samples[system][workload]`: tokens/s of every repetition (after one warm-up)."""
+    names = workloads(args)
+    samples = {s.name: {w: [] for w in names} for s in systems}
+    prefill = random_prompts(1, args.prefill_len, seed=1)[0]
+    for system in systems:
+        system.warm_up(args.prompt_len)
+    for rep in range(args.reps):
+        for system in systems:
+            start = time.perf_counter()
+            got = {names[0]: system.prefill(prefill)}
+            for batch in args.batches:
+                prompts = random_prompts(batch, args.prompt_len, seed=100 + batch)
+                got[f"decode b{batch}"] = system.decode(prompts, args.decode_tokens)
+            for name, value in got.items():
+                if value is not None:
+                    samples[system.name][name].append(value)
+            shown = ", ".join(f"{k} {v:.1f}" for k, v in got.items() if v is not None)
+            print(f"rep {rep + 1} {system.name} ({time.perf_counter() - start:.0f} s): {shown}")
+            sys.stdout.flush()
+    return samples
+
+
+def table(args: argparse.Namespace, samples: dict[str, dict[str, list[float]]]) -> str:
+    """One markdown table: each system's median tokens/s and the engine's ratios vs each."""
+    systems = list(samples)
+    engine, others = systems[0], systems[1:]
+    head = ["workload (tok/s)", *systems, *[f"engine / {o}" for o in others]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for w in workloads(args):
+        med = {s: statistics.median(samples[s][w]) if samples[s][w] else None for s in systems}
+        cells = [w] + [f"{med[s]:.1f}" if med[s] else "—" for s in systems]
+        for o in others:
+            ok = med[engine] and med[o]
+            cells.append(f"{med[engine] / med[o]:.2f}x" if ok else "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    if REPO_ROOT not in sys.path:  # run from a checkout without installing
+        sys.path.insert(0, REPO_ROOT)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    t0 = time.perf_counter()
+    systems = build_systems(args)
+    samples = measure(args, systems)
+    print(
+        f"\n{started}, {args.dtype}, {args.threads} threads, medians of {args.reps} runs, "
+        f"decode: {args.prompt_len}-token prompts, {args.decode_tokens} tokens "
+        f"(transformers {args.hf_decode_tokens}), total {time.perf_counter() - t0:.0f} s\n"
+    )
+    print(table(args, samples))
+    for system in systems:
+        for line in system.notes():
+            print(f"- {system.name}: {line}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": started, "args": vars(args), "samples": samples}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

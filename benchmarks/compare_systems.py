@@ -1,0 +1,181 @@
+"""The systems `compare.py` measures: this engine, `transformers` and llama.cpp's tools.
+
+Each system has a `name`, `warm_up(prompt_len)`, `prefill(prompt) -> tokens/s`,
+`decode(prompts, num_tokens) -> aggregate decode tokens/s` (None when it does not run that
+workload) and `notes()`, lines saying how it was measured. Every system generates greedily and
+ignores EOS, so lengths are exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import time
+
+import torch
+
+TOKENIZER_VOCAB = 50277  # tokens the GPT-NeoX tokenizer knows; the model's vocab is padded
+
+
+def random_prompts(num: int, length: int, seed: int) -> list[list[int]]:
+    """`num` prompts of exactly `length` random token ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TOKENIZER_VOCAB, (num, length), generator=g).tolist()
+
+
+class EngineSystem:
+    """This engine through `LLM` (prefill) and `LLMEngine.step` (decode)."""
+
+    def __init__(self, model: str, dtype: str, max_batch: int) -> None:
+        from vllm_mamba import LLM
+
+        self.name = "engine"
+        self.dtype = dtype
+        self.llm = LLM(
+            model,
+            dtype=dtype,
+            device="cpu",
+            max_num_seqs=max_batch,
+            max_num_batched_tokens=2048,
+            max_model_len=4096,
+        )
+        self._ids = itertools.count()
+
+    def _params(self, num_tokens: int):  # noqa: ANN202 - SamplingParams
+        from vllm_mamba import SamplingParams
+
+        return SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+
+    def warm_up(self, prompt_len: int) -> None:
+        self.prefill(random_prompts(1, 64, seed=0)[0])
+        self.decode(random_prompts(2, prompt_len, seed=0), 4)
+
+    def prefill(self, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        self.llm.generate({"prompt_token_ids": prompt}, self._params(1), use_tqdm=False)
+        return len(prompt) / (time.perf_counter() - start)
+
+    def decode(self, prompts: list[list[int]], num_tokens: int) -> float:
+        """Adds every prompt, steps until each has its first token, then times the rest."""
+        engine = self.llm.llm_engine
+        stats = engine.stats
+        params = self._params(num_tokens)
+        for prompt in prompts:
+            engine.add_request(f"cmp-{next(self._ids)}", {"prompt_token_ids": prompt}, params)
+        prefilled = stats.generation_tokens + len(prompts)
+        while stats.generation_tokens < prefilled:
+            engine.step()
+        first, start = stats.generation_tokens, time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return (stats.generation_tokens - first) / (time.perf_counter() - start)
+
+    def notes(self) -> list[str]:
+        return [
+            f"vllm_mamba {self.dtype}, torch {torch.__version__}, {torch.get_num_threads()} "
+            "threads; prefill: LLM.generate with max_tokens=1; decode: LLMEngine.step after "
+            "every prompt has its first token"
+        ]
+
+
+class TransformersSystem:
+    """`MambaForCausalLM.generate`; decode is `generate(T)` minus `generate(1)`."""
+
+    def __init__(self, model: str, dtype: str, decode_tokens: int, max_batch: int) -> None:
+        from transformers import MambaForCausalLM
+
+        self.name = "transformers"
+        self.dtype = dtype
+        self.decode_tokens = decode_tokens
+        self.max_batch = max_batch
+        self.model = MambaForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+
+    def _time_generate(self, prompts: list[list[int]], num_tokens: int) -> float:
+        ids = torch.tensor(prompts)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        elapsed = time.perf_counter() - start
+        assert out.shape[1] == ids.shape[1] + num_tokens
+        return elapsed
+
+    def warm_up(self, prompt_len: int) -> None:
+        self._time_generate(random_prompts(2, prompt_len, seed=0), 2)
+
+    def prefill(self, prompt: list[int]) -> float:
+        return len(prompt) / self._time_generate([prompt], 1)
+
+    def decode(self, prompts: list[list[int]], num_tokens: int) -> float | None:
+        if len(prompts) > self.max_batch:
+            return None
+        num_tokens = min(num_tokens, self.decode_tokens)
+        first = self._time_generate(prompts, 1)
+        total = self._time_generate(prompts, num_tokens)
+        if total <= first:
+            return None
+        return len(prompts) * (num_tokens - 1) / (total - first)
+
+    def notes(self) -> list[str]:
+        import transformers
+
+        return [
+            f"transformers {transformers.__version__} {self.dtype} (no mamba-ssm / causal-conv1d: "
+            f"its PyTorch path), generate greedy; decode at most {self.decode_tokens} tokens, "
+            f"batches up to {self.max_batch}"
+        ]
+
+
+class LlamaCppSystem:
+    """llama.cpp's `llama-bench` (prefill, decode b1) and `llama-batched-bench` (b > 1)."""
+
+    def __init__(self, bin_dir: str, gguf: str, label: str, threads: int) -> None:
+        self.name = f"llama.cpp {label}"
+        self.gguf = gguf
+        self.threads = threads
+        self.bench = os.path.join(bin_dir, "llama-bench")
+        self.batched = os.path.join(bin_dir, "llama-batched-bench")
+        self.build = ""
+
+    def _run(self, cmd: list[str]) -> str:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        return done.stdout
+
+    def _llama_bench(self, n_prompt: int, n_gen: int) -> float:
+        cmd = [self.bench, "-m", self.gguf, "-t", str(self.threads), "-r", "1", "-o", "json"]
+        out = json.loads(self._run([*cmd, "-p", str(n_prompt), "-n", str(n_gen)]))
+        self.build = f"build {out[0].get('build_commit')} ({out[0].get('cpu_info')})"
+        return float(out[0]["avg_ts"])
+
+    def warm_up(self, prompt_len: int) -> None:
+        self._llama_bench(prompt_len, 0)
+
+    def prefill(self, prompt: list[int]) -> float:
+        return self._llama_bench(len(prompt), 0)
+
+    def decode(self, prompts: list[list[int]], num_tokens: int) -> float:
+        batch, prompt_len = len(prompts), len(prompts[0])
+        if batch == 1:
+            return self._llama_bench(0, num_tokens)
+        cmd = [self.batched, "-m", self.gguf, "-t", str(self.threads), "-b", "2048"]
+        cmd += ["-ub", "512", "-c", str(batch * (prompt_len + num_tokens))]
+        cmd += ["-npp", str(prompt_len), "-ntg", str(num_tokens), "-npl", str(batch)]
+        out = self._run([*cmd, "--output-format", "jsonl"])
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        return float(rows[-1]["speed_tg"])
+
+    def notes(self) -> list[str]:
+        return [
+            f"{os.path.basename(self.gguf)}, {self.threads} threads, {self.build}; prefill "
+            "and b1: llama-bench -p/-n; b>1: llama-batched-bench S_TG"
+        ]

@@ -1,0 +1,263 @@
+"""`vllm-mamba bench latency|throughput`: offline benchmarks with vLLM's meaning.
+
+- `latency`: one batch of `--batch-size` prompts of `--input-len` tokens, each generating
+  exactly `--output-len` tokens; the end-to-end seconds of `LLM.generate` per iteration over
+  `--num-iters` iterations after `--num-iters-warmup`, as the average and percentiles.
+- `throughput`: `--num-prompts` requests of `--input-len` / `--output-len` tokens through one
+  `LLM.generate` call (continuous batching); requests/s, total tokens/s and output tokens/s.
+
+Prompts are random token ids and every request ignores EOS, so lengths are exact. Both also
+report memory: the state bytes one sequence holds, the weight bytes, the peak resident memory
+of the process and, with `--memory-budget-gb`, how many sequences fit that budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+from vllm_mamba.model_zoo import DEFAULT_MODEL
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+EXAMPLES = """examples:
+  vllm-mamba bench latency --model /tmp/mamba-130m-random --batch-size 1 --output-len 64
+  vllm-mamba bench throughput --model /tmp/mamba-130m-random --num-prompts 64 --threads 2
+  vllm-mamba bench latency --dtype bfloat16 --memory-budget-gb 4 --output-json lat.json
+"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows defaults and keeps the examples' line breaks."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Registers `bench` with its `latency` and `throughput` subcommands."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark latency or throughput",
+        description="Offline latency and throughput benchmarks (vLLM's meaning).",
+        epilog=EXAMPLES,
+        formatter_class=_HelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="bench_command", metavar="{latency,throughput}")
+    latency = sub.add_parser(
+        "latency",
+        help="seconds per batch, end to end",
+        description="End-to-end seconds of one batch: prefill plus every decode step.",
+        formatter_class=_HelpFormatter,
+    )
+    _add_common_args(latency, input_len=32, output_len=128)
+    latency.add_argument("--batch-size", type=int, default=8, help="prompts in the batch")
+    latency.add_argument("--num-iters-warmup", type=int, default=1, help="untimed iterations")
+    latency.add_argument("--num-iters", type=int, default=5, help="timed iterations")
+    latency.set_defaults(func=run_latency)
+    throughput = sub.add_parser(
+        "throughput",
+        help="requests/s and tokens/s of many requests",
+        description="Requests/s and tokens/s of many requests through one LLM.generate call.",
+        formatter_class=_HelpFormatter,
+    )
+    _add_common_args(throughput, input_len=128, output_len=128)
+    throughput.add_argument("--num-prompts", type=int, default=64, help="requests in all")
+    throughput.set_defaults(func=run_throughput)
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+
+def _add_common_args(parser: argparse.ArgumentParser, input_len: int, output_len: int) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model dir, hub id or shipped name")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--input-len", type=int, default=input_len, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=output_len, help="generated tokens")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in flight")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per forward"
+    )
+    parser.add_argument("--max-model-len", type=int, default=None, help="prompt plus output")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0, help="seed of prompts and sampling")
+    parser.add_argument(
+        "--memory-budget-gb", type=float, default=None, help="report sequences fitting this"
+    )
+    parser.add_argument(
+        "--output-json", "--json", dest="output_json", default=None, help="write results here"
+    )
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[dict[str, Any]]:
+    """`num` prompts of exactly `length` random token ids in `[0, vocab_size)`."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (num, length), generator=g)
+    return [{"prompt_token_ids": row} for row in ids.tolist()]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The `q`-th percentile (0-100) with linear interpolation."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def memory_report(llm: Any, budget_gb: float | None) -> dict[str, Any]:
+    """State bytes per sequence, weight bytes, peak RSS and sequences fitting `budget_gb`.
+
+    Args:
+        llm: a loaded `LLM`.
+        budget_gb: memory budget in GiB, or None.
+
+    Returns:
+        `state_bytes_per_seq`, `weight_bytes`, `peak_rss_bytes` and, with a budget,
+        `budget_bytes` and `max_concurrent_seqs` (budget minus weights, over the state bytes).
+    """
+    engine = llm.llm_engine
+    state = engine.cache.shape.bytes_per_slot()
+    seen: set[int] = set()
+    weights = 0
+    for t in [*engine.model.parameters(), *engine.model.buffers()]:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            weights += t.untyped_storage().nbytes()
+    report: dict[str, Any] = {
+        "state_bytes_per_seq": state,
+        "weight_bytes": weights,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    if budget_gb is not None:
+        budget = int(budget_gb * 2**30)
+        report["budget_bytes"] = budget
+        report["max_concurrent_seqs"] = max(0, (budget - weights) // state)
+    return report
+
+
+def _load(args: argparse.Namespace, num_seqs: int) -> Any:
+    """The `LLM` of `args`, with room for `num_seqs` sequences of input plus output."""
+    import torch
+
+    from vllm_mamba import LLM
+
+    for name in ("input_len", "output_len", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    max_model_len = args.max_model_len or max(2048, args.input_len + args.output_len)
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=min(args.max_num_seqs, num_seqs),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        seed=args.seed,
+    )
+
+
+def _requests(llm: Any, args: argparse.Namespace, num: int) -> tuple[list[dict], Any]:
+    """Random prompts and sampling params that generate exactly `--output-len` tokens."""
+    from vllm_mamba import SamplingParams
+
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    vocab = min(vocab, len(llm.get_tokenizer()))
+    prompts = random_prompts(num, args.input_len, vocab, args.seed)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=args.seed
+    )
+    return prompts, params
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    """Times whole-batch generation; prints the average and percentile latencies."""
+    try:
+        if args.batch_size < 1 or args.num_iters < 1 or args.num_iters_warmup < 0:
+            raise ValueError("--batch-size and --num-iters must be >= 1, warmup >= 0")
+        llm = _load(args, args.batch_size)
+        prompts, params = _requests(llm, args, args.batch_size)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for _ in range(args.num_iters_warmup):
+        llm.generate(prompts, params, use_tqdm=False)
+    latencies = []
+    for _ in range(args.num_iters):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        latencies.append(time.perf_counter() - start)
+    avg = sum(latencies) / len(latencies)
+    results = {
+        "avg_latency": avg,
+        "latencies": latencies,
+        "percentiles": {str(q): percentile(latencies, q) for q in PERCENTILES},
+        "output_tokens_per_second": args.batch_size * args.output_len / avg,
+        "memory": memory_report(llm, args.memory_budget_gb),
+    }
+    print(f"Avg latency: {avg:.4f} seconds")
+    for q, value in results["percentiles"].items():
+        print(f"{q}% percentile latency: {value:.4f} seconds")
+    print(f"Output tokens/s (batch {args.batch_size}): {results['output_tokens_per_second']:.2f}")
+    _print_memory(results["memory"])
+    _write_json(args.output_json, results)
+    return 0
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    """Runs all requests through one `LLM.generate`; prints requests/s and tokens/s."""
+    try:
+        if args.num_prompts < 1:
+            raise ValueError("--num-prompts must be >= 1")
+        llm = _load(args, args.num_prompts)
+        prompts, params = _requests(llm, args, args.num_prompts)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    total_tokens = out_tokens + args.num_prompts * args.input_len
+    results = {
+        "elapsed_time": elapsed,
+        "num_requests": args.num_prompts,
+        "total_num_tokens": total_tokens,
+        "num_output_tokens": out_tokens,
+        "requests_per_second": args.num_prompts / elapsed,
+        "tokens_per_second": total_tokens / elapsed,
+        "output_tokens_per_second": out_tokens / elapsed,
+        "memory": memory_report(llm, args.memory_budget_gb),
+    }
+    print(
+        f"Throughput: {results['requests_per_second']:.2f} requests/s, "
+        f"{results['tokens_per_second']:.2f} total tokens/s, "
+        f"{results['output_tokens_per_second']:.2f} output tokens/s"
+    )
+    _print_memory(results["memory"])
+    _write_json(args.output_json, results)
+    return 0
+
+
+def _print_memory(report: dict[str, Any]) -> None:
+    mib = 2**20
+    print(f"State per sequence: {report['state_bytes_per_seq'] / mib:.3f} MiB")
+    print(f"Weights: {report['weight_bytes'] / mib:.1f} MiB")
+    print(f"Peak resident memory: {report['peak_rss_bytes'] / mib:.1f} MiB")
+    if "max_concurrent_seqs" in report:
+        print(
+            f"Concurrent sequences in {report['budget_bytes'] / 2**30:g} GiB: "
+            f"{report['max_concurrent_seqs']}"
+        )
+
+
+def _write_json(path: str | None, results: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
