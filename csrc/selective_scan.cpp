@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "kernel_math.h"
@@ -180,12 +181,13 @@ void scan_run(const ScanProblem& p, const ScanTensors<T, S>& io) {
   });
 }
 
+// `qsl` (B + 1,) and `has_init` (B,) are host arrays that outlive the call.
 at::Tensor scan_impl(const at::Tensor& u_in, const at::Tensor& dt_in, const at::Tensor& A,
                      const at::Tensor& B_, const at::Tensor& C,
                      const std::optional<at::Tensor>& D_skip, const std::optional<at::Tensor>& z_in,
                      const std::optional<at::Tensor>& dt_bias, bool dt_softplus,
-                     at::Tensor& ssm_states, const at::Tensor& query_start_loc,
-                     const at::Tensor& state_indices, const at::Tensor& has_initial_state) {
+                     at::Tensor& ssm_states, const int64_t* qsl, const at::Tensor& state_indices,
+                     const bool* has_init) {
   TORCH_CHECK(u_in.dim() == 2, "u must be (T, D)");
   const int64_t tokens = u_in.size(0);
   const int64_t dim = u_in.size(1);
@@ -198,8 +200,7 @@ at::Tensor scan_impl(const at::Tensor& u_in, const at::Tensor& dt_in, const at::
               "ssm_states must be (S, D, N)");
   TORCH_CHECK(ssm_states.is_contiguous(), "ssm_states must be contiguous");
   const int64_t batch = state_indices.size(0);
-  TORCH_CHECK(query_start_loc.numel() == batch + 1 && has_initial_state.numel() == batch,
-              "query_start_loc must be (B + 1,) and has_initial_state (B,)");
+  TORCH_CHECK(qsl[batch] == tokens, "query_start_loc[-1] must equal T");
   const at::Tensor u = u_in.contiguous();
   const at::Tensor dt = dt_in.to(u.scalar_type()).contiguous();
   at::Tensor z;
@@ -212,18 +213,15 @@ at::Tensor scan_impl(const at::Tensor& u_in, const at::Tensor& dt_in, const at::
   const at::Tensor C_f = C.to(at::kFloat).contiguous();
   const at::Tensor D_f = optional_f32(D_skip);
   const at::Tensor dt_bias_f = optional_f32(dt_bias);
-  const at::Tensor qsl = as_index(query_start_loc);
   const at::Tensor slots = as_index(state_indices);
-  const at::Tensor has_init = has_initial_state.to(at::kBool).contiguous();
-  TORCH_CHECK(qsl[batch].item<int64_t>() == tokens, "query_start_loc[-1] must equal T");
   at::Tensor out = at::empty_like(u);
 
   const ScanProblem p{dim,
                       nstate,
                       batch,
-                      qsl.data_ptr<int64_t>(),
+                      qsl,
                       slots.data_ptr<int64_t>(),
-                      has_init.data_ptr<bool>(),
+                      has_init,
                       A_f.data_ptr<float>(),
                       B_f.data_ptr<float>(),
                       C_f.data_ptr<float>(),
@@ -251,8 +249,13 @@ at::Tensor selective_scan_varlen(const at::Tensor& u, const at::Tensor& dt, cons
                                  at::Tensor ssm_states, const at::Tensor& query_start_loc,
                                  const at::Tensor& state_indices,
                                  const at::Tensor& has_initial_state) {
-  return scan_impl(u, dt, A, B_, C, D_skip, z, dt_bias, dt_softplus, ssm_states, query_start_loc,
-                   state_indices, has_initial_state);
+  const int64_t batch = state_indices.size(0);
+  TORCH_CHECK(query_start_loc.numel() == batch + 1 && has_initial_state.numel() == batch,
+              "query_start_loc must be (B + 1,) and has_initial_state (B,)");
+  const at::Tensor qsl = as_index(query_start_loc);
+  const at::Tensor has_init = has_initial_state.to(at::kBool).contiguous();
+  return scan_impl(u, dt, A, B_, C, D_skip, z, dt_bias, dt_softplus, ssm_states,
+                   qsl.data_ptr<int64_t>(), state_indices, has_init.data_ptr<bool>());
 }
 
 // Decode: each row is a one-token sequence that starts from its slot's state.
@@ -264,10 +267,12 @@ at::Tensor selective_state_update(at::Tensor ssm_states, const at::Tensor& u,
                                   const at::Tensor& state_indices) {
   const int64_t batch = state_indices.size(0);
   TORCH_CHECK(u.dim() == 2 && u.size(0) == batch, "u must be (B, D)");
-  const auto idx = at::TensorOptions().dtype(at::kLong);
-  return scan_impl(u, dt, A, B_, C, D_skip, z, dt_bias, dt_softplus, ssm_states,
-                   at::arange(batch + 1, idx), state_indices,
-                   at::ones({batch}, idx.dtype(at::kBool)));
+  std::vector<int64_t> qsl(batch + 1);
+  for (int64_t b = 0; b <= batch; ++b) qsl[b] = b;
+  const std::unique_ptr<bool[]> has_init(new bool[std::max<int64_t>(batch, 1)]);
+  std::fill(has_init.get(), has_init.get() + batch, true);
+  return scan_impl(u, dt, A, B_, C, D_skip, z, dt_bias, dt_softplus, ssm_states, qsl.data(),
+                   state_indices, has_init.get());
 }
 
 }  // namespace

@@ -59,6 +59,29 @@ class MambaMixer(nn.Module):
         self.A = -torch.exp(self.A_log.detach().float())
         self.conv_weight = self.conv1d.weight.detach()[:, 0, :].contiguous()
 
+    def _conv(
+        self, x: torch.Tensor, state: LayerState, meta: PlaceholderAttentionMetadata
+    ) -> torch.Tensor:
+        """Causal conv + SiLU of `x (T, I)`: decode rows by update, prefill chunks by varlen."""
+        nd = meta.num_decodes
+        parts = []
+        if nd:
+            parts.append(
+                self.ops.causal_conv1d_update(
+                    x[:nd], state.conv, self.conv_weight, self.conv1d.bias,
+                    meta.decode_state_indices,
+                )
+            )  # fmt: skip
+        if meta.num_prefills:
+            parts.append(
+                self.ops.causal_conv1d_varlen(
+                    x[nd:], self.conv_weight, self.conv1d.bias, state.conv,
+                    meta.prefill_query_start_loc, meta.prefill_state_indices,
+                    meta.prefill_has_initial_state,
+                )
+            )  # fmt: skip
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def forward(
         self, hidden: torch.Tensor, state: LayerState, meta: PlaceholderAttentionMetadata
     ) -> torch.Tensor:
@@ -68,40 +91,30 @@ class MambaMixer(nn.Module):
             `(T, H)` in the model dtype.
         """
         nd = meta.num_decodes
-        conv_bias = self.conv1d.bias
         xz = self.in_proj(hidden)  # (T, 2I)
         x, z = xz.chunk(2, dim=-1)  # (T, I) each
-        xc = torch.empty_like(x)  # (T, I) conv output
-        if nd:
-            xc[:nd] = self.ops.causal_conv1d_update(
-                x[:nd], state.conv, self.conv_weight, conv_bias, meta.decode_state_indices
-            )
-        if meta.num_prefills:
-            xc[nd:] = self.ops.causal_conv1d_varlen(
-                x[nd:],
-                self.conv_weight,
-                conv_bias,
-                state.conv,
-                meta.prefill_query_start_loc,
-                meta.prefill_state_indices,
-                meta.prefill_has_initial_state,
-            )
+        xc = self._conv(x, state, meta)  # (T, I)
         ssm_params = self.x_proj(xc)  # (T, R + 2N)
         ts, B, C = torch.split(
             ssm_params, [self.time_step_rank, self.state_size, self.state_size], dim=-1
         )
         dt = linear(ts, self.dt_proj.weight, None)  # (T, I), bias added in the kernel
         dt_bias = self.dt_proj.bias
-        y = torch.empty_like(x)  # (T, I)
+        parts = []
         if nd:
-            y[:nd] = self.ops.selective_state_update(
-                state.ssm, xc[:nd], dt[:nd], self.A, B[:nd], C[:nd], self.D, z[:nd],
-                dt_bias, True, meta.decode_state_indices,
+            parts.append(
+                self.ops.selective_state_update(
+                    state.ssm, xc[:nd], dt[:nd], self.A, B[:nd], C[:nd], self.D, z[:nd],
+                    dt_bias, True, meta.decode_state_indices,
+                )
             )  # fmt: skip
         if meta.num_prefills:
-            y[nd:] = self.ops.selective_scan_varlen(
-                xc[nd:], dt[nd:], self.A, B[nd:], C[nd:], self.D, z[nd:], dt_bias, True,
-                state.ssm, meta.prefill_query_start_loc, meta.prefill_state_indices,
-                meta.prefill_has_initial_state,
+            parts.append(
+                self.ops.selective_scan_varlen(
+                    xc[nd:], dt[nd:], self.A, B[nd:], C[nd:], self.D, z[nd:], dt_bias, True,
+                    state.ssm, meta.prefill_query_start_loc, meta.prefill_state_indices,
+                    meta.prefill_has_initial_state,
+                )
             )  # fmt: skip
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, I)
         return self.out_proj(y)
