@@ -18,7 +18,7 @@ namespace {
 
 constexpr int64_t kLanes = 64;       // floats summed in parallel: four AVX-512 registers
 constexpr int64_t kMaxBatch = 8;     // rows of x handled in one pass over a weight row
-constexpr int64_t kRowsPerTask = 16;  // weight rows per parallel work item
+constexpr int64_t kMinTaskFloats = 1 << 16;  // weight elements per parallel task, at least
 
 inline float to_f32(float v) { return v; }
 inline float to_f32(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -41,7 +41,9 @@ inline float dot(const W* w, const float* x, int64_t k) {
 template <typename W, typename T>
 void run(const W* w, const float* x, const float* bias, T* out, int64_t batch, int64_t n,
          int64_t k) {
-  at::parallel_for(0, n, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+  // Small weights run on one thread: waking the others costs more than it saves.
+  const int64_t grain = std::max<int64_t>(16, kMinTaskFloats / std::max<int64_t>(k, 1));
+  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t row = lo; row < hi; ++row) {
       const W* wr = w + row * k;
       const float b = bias ? bias[row] : 0.0f;

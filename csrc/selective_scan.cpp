@@ -176,7 +176,10 @@ void scan_block(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t b, in
 template <typename T, typename S>
 void scan_run(const ScanProblem& p, const ScanTensors<T, S>& io) {
   const int64_t blocks = (p.dim + kBlock - 1) / kBlock;
-  at::parallel_for(0, p.batch * blocks, 1, [&](int64_t lo, int64_t hi) {
+  // A task is a (sequence, channel block); one-token tasks are tiny, so group them.
+  const bool all_decode = p.qsl[p.batch] == p.batch;
+  const int64_t grain = all_decode ? std::max<int64_t>(1, 8192 / (kBlock * p.nstate)) : 1;
+  at::parallel_for(0, p.batch * blocks, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) scan_block(p, io, i / blocks, (i % blocks) * kBlock);
   });
 }
