@@ -8,6 +8,7 @@ the positions that are sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,20 +25,11 @@ from vllm_mamba.ops.linear import Linear
 class MambaBlock(nn.Module):
     """Pre-norm residual block around a mixer."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, mixer: nn.Module) -> None:
         super().__init__()
         self.residual_in_fp32 = bool(config.residual_in_fp32)
         self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.mixer = MambaMixer(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            state_size=config.state_size,
-            conv_kernel=config.conv_kernel,
-            time_step_rank=int(config.time_step_rank),
-            use_bias=config.use_bias,
-            use_conv_bias=config.use_conv_bias,
-            ops=ops,
-        )
+        self.mixer = mixer
 
     def forward(
         self, hidden: torch.Tensor, state: Any, meta: PlaceholderAttentionMetadata
@@ -49,13 +41,13 @@ class MambaBlock(nn.Module):
 
 
 class MambaBackbone(nn.Module):
-    """Embeddings, the blocks and the final norm."""
+    """Embeddings, the blocks (one new mixer each) and the final norm."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, make_mixer: Callable[[], nn.Module]) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [MambaBlock(config, ops) for _ in range(config.num_hidden_layers)]
+            [MambaBlock(config, make_mixer()) for _ in range(config.num_hidden_layers)]
         )
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
@@ -68,9 +60,23 @@ class MambaForCausalLM(nn.Module):
     def __init__(self, config: Any, ops: MambaOps) -> None:
         super().__init__()
         self.config = config
-        self.backbone = MambaBackbone(config, ops)
+        self.backbone = MambaBackbone(config, lambda: self.make_mixer(config, ops))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+
+    @staticmethod
+    def make_mixer(config: Any, ops: MambaOps) -> nn.Module:
+        """One layer's mixer; subclasses with another mixer (Mamba2) override this."""
+        return MambaMixer(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            state_size=config.state_size,
+            conv_kernel=config.conv_kernel,
+            time_step_rank=int(config.time_step_rank),
+            use_bias=config.use_bias,
+            use_conv_bias=config.use_conv_bias,
+            ops=ops,
+        )
 
     def tie_weights(self) -> None:
         """Shares the embedding with the LM head when the config ties them."""
