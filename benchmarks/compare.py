@@ -45,9 +45,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="repetitions; the median is reported")
     p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill prompt")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens of decode runs")
-    p.add_argument("--decode-tokens", type=int, default=64, help="tokens per decode sequence")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode sequence")
     p.add_argument("--batches", default="1,32,128", help="decode batch sizes")
-    p.add_argument("--hf-decode-tokens", type=int, default=32, help="transformers' decode length")
+    p.add_argument("--hf-decode-tokens", type=int, default=16, help="transformers' decode length")
     p.add_argument("--hf-max-batch", type=int, default=32, help="largest transformers batch")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-llama-cpp", action="store_true")
@@ -137,13 +137,15 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     systems = build_systems(args)
     samples = measure(args, systems)
     print(
         f"\n{started}, {args.dtype}, {args.threads} threads, medians of {args.reps} runs, "
         f"decode: {args.prompt_len}-token prompts, {args.decode_tokens} tokens "
-        f"(transformers {args.hf_decode_tokens}), total {time.perf_counter() - t0:.0f} s\n"
+        f"(transformers {args.hf_decode_tokens}), total {time.perf_counter() - t0:.0f} s, "
+        f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n"
     )
     print(table(args, samples))
     for system in systems:
