@@ -102,9 +102,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         rows: one entry per row.
 
     Returns:
-        The tokens and their log-probabilities.
+        The tokens, and their log-probabilities for the rows that ask for them (0.0 elsewhere).
     """
-    raw_logprobs = logits.log_softmax(-1)  # (R, V)
     work = (
         logits.clone()
         if any(r.params.needs_penalties or r.banned_token_ids for r in rows)
@@ -120,24 +119,32 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         idx = torch.tensor(random_idx, device=logits.device)
         filtered = _filter(work[idx], [rows[i].params for i in random_idx])
         tokens[idx] = _sample(filtered, [rows[i] for i in random_idx])
-
-    token_logprobs = raw_logprobs.gather(1, tokens[:, None])  # (R, 1)
-    max_k = max((r.params.logprobs or 0) for r in rows)
-    topk_ids: list[list[int]] = [[] for _ in rows]
-    topk_lps: list[list[float]] = [[] for _ in rows]
-    ranks = [0] * len(rows)
-    if any(r.params.logprobs is not None for r in rows):
-        ranks = ((raw_logprobs > token_logprobs).sum(-1) + 1).tolist()
-        if max_k > 0:
-            lps, ids = raw_logprobs.topk(max_k, dim=-1)
-            lps, ids = lps.tolist(), ids.tolist()
-            for i, row in enumerate(rows):
-                k = row.params.logprobs or 0
-                topk_ids[i], topk_lps[i] = ids[i][:k], lps[i][:k]
-    return SamplerOutput(
+    out = SamplerOutput(
         token_ids=tokens.tolist(),
-        token_logprobs=token_logprobs[:, 0].tolist(),
-        token_ranks=ranks,
-        topk_ids=topk_ids,
-        topk_logprobs=topk_lps,
+        token_logprobs=[0.0] * len(rows),
+        token_ranks=[0] * len(rows),
+        topk_ids=[[] for _ in rows],
+        topk_logprobs=[[] for _ in rows],
     )
+    _add_logprobs(logits, tokens, rows, out)
+    return out
+
+
+def _add_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow], out: SamplerOutput
+) -> None:
+    """Fills the raw log-probabilities, ranks and top-k of the rows that ask for logprobs."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not wanted:
+        return
+    idx = torch.tensor(wanted, device=logits.device)
+    raw = logits[idx].log_softmax(-1)  # (W, V)
+    chosen = raw.gather(1, tokens[idx, None])  # (W, 1)
+    ranks = ((raw > chosen).sum(-1) + 1).tolist()
+    max_k = max(rows[i].params.logprobs for i in wanted)
+    lps, ids = raw.topk(max_k, dim=-1) if max_k > 0 else (raw[:, :0], raw[:, :0].long())
+    lps, ids, chosen = lps.tolist(), ids.tolist(), chosen[:, 0].tolist()
+    for j, i in enumerate(wanted):
+        k = rows[i].params.logprobs
+        out.token_logprobs[i], out.token_ranks[i] = chosen[j], ranks[j]
+        out.topk_ids[i], out.topk_logprobs[i] = ids[j][:k], lps[j][:k]
