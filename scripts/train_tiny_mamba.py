@@ -8,7 +8,12 @@ hyper-parameter is an argparse default. Run from the repository root:
 
 Data: the ``*.py`` files of the Python standard library of the running interpreter
 (``sysconfig.get_paths()["stdlib"]``), sorted by relative path, with test directories and
-``site-packages`` excluded. Every ``--holdout-every``-th file (index % N == N - 1) is held out.
+``site-packages`` excluded, and without generated or table-like data: the ``encodings`` (codec
+tables) and ``pydoc_data`` (one huge string) packages are skipped, as is any file of at least
+``LITERAL_MIN_CHARS`` characters in which more than ``LITERAL_MAX_FRAC`` of the non-blank,
+non-comment lines start with a string or number literal (``html/entities.py``, ``locale.py``,
+``stringprep.py``, ``_sysconfigdata_*.py``, ...). Every ``--holdout-every``-th file
+(index % N == N - 1) is held out.
 
 The weights are trained through a small PyTorch re-implementation of the transformers
 ``MambaForCausalLM`` forward whose selective scan is a custom autograd function (a sequential
@@ -24,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -36,7 +42,19 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 EOT = "<|endoftext|>"
-EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+EXCLUDED_DIRS = {
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "__pycache__",
+    "encodings",
+    "pydoc_data",
+}
+# A file this large whose code lines are mostly literals is a data table, not code.
+LITERAL_MIN_CHARS = 4000
+LITERAL_MAX_FRAC = 0.4
+_LITERAL_LINE = re.compile(r"""^\s*([rRbBuUfF]{0,2}['"]|[-+]?\.?\d)""")
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "vllm_mamba" / "model_zoo" / "tiny-stdlib"
 PROMPTS = ["def ", "import ", "class "]
 
@@ -55,13 +73,13 @@ def parse_args(argv=None):
     p.add_argument("--expand", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=800)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=int, default=850)
+    p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=48)
     p.add_argument("--sample-tokens", type=int, default=64)
     return p.parse_args(argv)
@@ -81,17 +99,31 @@ def list_stdlib_files() -> tuple[Path, list[str]]:
     return root, sorted(rels)
 
 
-def read_texts(root: Path, rels: list[str]) -> tuple[list[str], list[str]]:
-    kept, texts = [], []
+def literal_fraction(text: str) -> float:
+    """Fraction of non-blank, non-comment lines that start with a string or number literal."""
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return sum(bool(_LITERAL_LINE.match(ln)) for ln in lines) / max(1, len(lines))
+
+
+def is_data_file(text: str) -> bool:
+    return len(text) >= LITERAL_MIN_CHARS and literal_fraction(text) > LITERAL_MAX_FRAC
+
+
+def read_texts(root: Path, rels: list[str]) -> tuple[list[str], list[str], list[str]]:
+    kept, texts, data_files = [], [], []
     for rel in rels:
         try:
             text = (root / rel).read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        if text.strip():
-            kept.append(rel)
-            texts.append(text)
-    return kept, texts
+        if not text.strip():
+            continue
+        if is_data_file(text):
+            data_files.append(rel)
+            continue
+        kept.append(rel)
+        texts.append(text)
+    return kept, texts, data_files
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -274,7 +306,8 @@ def main(argv=None):
 
     # -- data
     root, rels = list_stdlib_files()
-    rels, texts = read_texts(root, rels)
+    rels, texts, data_files = read_texts(root, rels)
+    print(f"skipped {len(data_files)} table-like data files: {', '.join(data_files)}")
     k = args.holdout_every
     train_idx = [i for i in range(len(rels)) if i % k != k - 1]
     held_idx = [i for i in range(len(rels)) if i % k == k - 1]
@@ -413,6 +446,7 @@ def main(argv=None):
     size = (out / "model.safetensors").stat().st_size
     stats = {
         "files_total": len(rels),
+        "files_data_skipped": data_files,
         "files_train": len(train_idx),
         "files_heldout": len(held_idx),
         "train_tokens": len(train_stream),
@@ -460,7 +494,12 @@ Reproduce with `python scripts/train_tiny_mamba.py` (all settings are its argpar
 * Source: every `*.py` file under `sysconfig.get_paths()["stdlib"]` of CPython {py}
   (`{root}`), sorted by relative path; files in directories named
   {", ".join(f"`{d}`" for d in sorted(EXCLUDED_DIRS))} are excluded (this drops `test/`,
-  `idlelib/idle_test/`, `lib2to3/tests/`, `unittest/test/`, ...), as are empty/undecodable files.
+  `idlelib/idle_test/`, `lib2to3/tests/`, `unittest/test/`, the codec tables in `encodings/` and
+  the one-string module `pydoc_data/topics.py`), as are empty/undecodable files.
+* Table-like data files are skipped too: a file of at least {LITERAL_MIN_CHARS} characters in
+  which more than {LITERAL_MAX_FRAC:.0%} of the non-blank, non-comment lines start with a string
+  or number literal. This rule drops {len(s["files_data_skipped"])} files:
+  {", ".join(f"`{f}`" for f in s["files_data_skipped"])}.
 * {s["files_total"]} files. Held out **by file**: file index `i` (in the sorted list) with
   `i % {args.holdout_every} == {args.holdout_every - 1}` -> {s["files_heldout"]} held-out files,
   {s["files_train"]} training files.
@@ -500,7 +539,7 @@ input/output embeddings, float32. {s["params"]:,} parameters; `model.safetensors
 
 | | loss |
 |---|---|
-| final train loss (mean of last {args.eval_every} steps) | {s["final_train_loss"]:.4f} |
+| final train loss (mean over the last evaluation interval) | {s["final_train_loss"]:.4f} |
 | held-out loss (all {s["heldout_windows"]} non-overlapping {args.seq_len}-token windows) \
 | {s["final_heldout_loss"]:.4f} |
 | unigram baseline on the same held-out tokens (train counts, add-one) | {s["unigram_ce"]:.4f} |
