@@ -171,7 +171,7 @@ def _requests(llm: Any, args: argparse.Namespace, num: int) -> tuple[list[dict],
     vocab = min(vocab, len(llm.get_tokenizer()))
     prompts = random_prompts(num, args.input_len, vocab, args.seed)
     params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=args.seed
+        temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True
     )
     return prompts, params
 
