@@ -62,10 +62,10 @@ def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
 
 
 @contextlib.contextmanager
-def launch_server(*extra_args: str) -> Iterator[RunningServer]:
-    """Runs a server on the tiny model with `extra_args` added to the default flags; on exit,
-    SIGTERM must stop it cleanly and free the port."""
-    model_dir = tiny_model_dir("tied")
+def launch_server(*extra_args: str, model_dir: str | None = None) -> Iterator[RunningServer]:
+    """Runs a server on a tiny model (default: the "tied" Mamba) with `extra_args` added to
+    the default flags; on exit, SIGTERM must stop it cleanly and free the port."""
+    model_dir = model_dir or tiny_model_dir("tied")
     port = free_port()
     cmd = [
         sys.executable,

@@ -1,0 +1,33 @@
+"""FalconMamba and Mamba2 through the OpenAI server: the same greedy text as `LLM.generate`."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import MODEL_NAME, launch_server
+from tests.tiny_models import other_model_dir
+from vllm_mamba import LLM, SamplingParams
+
+PROMPTS = ["The quick brown fox", "def main():"]
+
+
+@pytest.mark.parametrize("name", ["falcon-tied", "mamba2-tied"])
+def test_server_greedy_text_equals_llm(name: str) -> None:
+    model_dir = other_model_dir(name)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].text for o in LLM(model_dir).generate(PROMPTS, params, use_tqdm=False)]
+    with launch_server(model_dir=model_dir) as server:
+        body = {
+            "model": MODEL_NAME,
+            "prompt": PROMPTS,
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        reply = httpx.post(
+            f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=120
+        )
+    assert reply.status_code == 200, reply.text
+    choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices] == want
