@@ -59,6 +59,9 @@ class MambaForCausalLM(nn.Module):
 
     def __init__(self, config: Any, ops: MambaOps) -> None:
         super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported; the kernels apply SiLU")
         self.config = config
         self.backbone = MambaBackbone(config, lambda: self.make_mixer(config, ops))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
