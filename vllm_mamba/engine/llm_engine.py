@@ -266,7 +266,7 @@ class LLMEngine:
         is_eos = token == self.eos_token_id and not params.ignore_eos
         is_stop_token = token in params.stop_token_ids
         new_text = seq.detokenizer.add(token)
-        if not is_stop_token or params.include_stop_str_in_output:
+        if not (is_eos or is_stop_token) or params.include_stop_str_in_output:
             seq.output_text += new_text
         n_out = len(seq.output_token_ids)
         if n_out >= params.min_tokens:
