@@ -12,31 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import time
 
 import torch
-
-TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "gpt-neox-20b-tokenizer")
+from make_model import write_model
 
 
 def make_model(path: str) -> str:
-    """Writes a random-weight mamba-130m-shaped checkpoint (float32) to `path` once."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    from transformers import MambaConfig, MambaForCausalLM
-
-    torch.manual_seed(0)
-    config = MambaConfig(
-        hidden_size=768, num_hidden_layers=24, state_size=16, conv_kernel=4, expand=2,
-        vocab_size=50280, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
-        pad_token_id=1,
-    )  # fmt: skip
-    model = MambaForCausalLM(config)
-    model.save_pretrained(path)
-    for name in os.listdir(TOKENIZER):
-        shutil.copy(os.path.join(TOKENIZER, name), path)
+    """Writes the benchmark model (`make_model.py`) to `path` once; returns `path`."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        write_model(path)
     return path
 
 
