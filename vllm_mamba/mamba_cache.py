@@ -15,6 +15,7 @@ Mamba layers of hybrids): a model only describes the per-slot shapes (`MambaStat
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ class SlotAllocator:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))  # a min-heap: the lowest free slot first
         self._used: set[int] = set()
 
     @property
@@ -76,7 +77,7 @@ class SlotAllocator:
         """
         if not self._free:
             raise RuntimeError("no free state slot")
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self._used.add(slot)
         return slot
 
@@ -84,8 +85,7 @@ class SlotAllocator:
         """Returns `slot` to the pool."""
         assert slot in self._used, f"slot {slot} is not allocated"
         self._used.remove(slot)
-        self._free.append(slot)
-        self._free.sort(reverse=True)
+        heapq.heappush(self._free, slot)
 
 
 @dataclass
