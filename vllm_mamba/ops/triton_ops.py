@@ -1,8 +1,8 @@
 """The Triton backend of the Mamba ops, as `vllm_mamba.ops.dispatch` loads it.
 
-The kernels live in `triton_conv1d` and `triton_selective_scan`; this module only says whether
-they can run here and hands out the ops table. They run on CUDA devices, and on the CPU under
-the Triton interpreter (`TRITON_INTERPRET=1`), which is how the tests check them.
+The kernels live in `triton_conv1d`, `triton_selective_scan` and `triton_ssd`; this module only
+says whether they can run here and hands out the ops table. They run on CUDA devices, and on the
+CPU under the Triton interpreter (`TRITON_INTERPRET=1`), which is how the tests check them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def make_ops() -> MambaOps:
     """Returns the table of the four Triton ops."""
     from vllm_mamba.ops.triton_conv1d import causal_conv1d_update, causal_conv1d_varlen
     from vllm_mamba.ops.triton_selective_scan import selective_scan_varlen, selective_state_update
+    from vllm_mamba.ops.triton_ssd import ssd_chunk_scan_varlen, ssd_state_update
 
     return MambaOps(
         name="triton",
@@ -33,4 +34,6 @@ def make_ops() -> MambaOps:
         causal_conv1d_update=causal_conv1d_update,
         selective_scan_varlen=selective_scan_varlen,
         selective_state_update=selective_state_update,
+        ssd_chunk_scan_varlen=ssd_chunk_scan_varlen,
+        ssd_state_update=ssd_state_update,
     )
