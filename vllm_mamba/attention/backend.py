@@ -1,8 +1,9 @@
 """The attention-backend interface: what the model runner asks of a backend.
 
-A backend names itself and turns one step's batch layout into the metadata that the model's
-layers read. An attention-free model (Mamba) gets the placeholder backend, whose metadata
-carries only what state-space mixers need; a hybrid would get a paged attention backend.
+A backend turns one step's batch layout into the metadata that the model's layers read. An
+attention-free model (Mamba) gets the placeholder backend, whose metadata is only what the
+state-space mixers need (`mamba_metadata.MambaMetadata`); a hybrid would get a paged attention
+backend whose metadata adds block tables.
 """
 
 from __future__ import annotations
@@ -29,23 +30,13 @@ class StepLayout:
     prefill_slots: list[int]
     prefill_context_lens: list[int]
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the flat batch."""
-        return len(self.decode_slots) + sum(self.prefill_lens)
-
 
 class AttentionMetadata:
     """Base class of a backend's per-step metadata."""
 
 
 class AttentionBackend(ABC):
-    """A backend: a name and a builder of per-step metadata."""
-
-    @staticmethod
-    @abstractmethod
-    def get_name() -> str:
-        """The backend's name, as logged and selected."""
+    """A backend: the builder of per-step metadata."""
 
     @staticmethod
     @abstractmethod

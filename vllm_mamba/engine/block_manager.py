@@ -8,14 +8,11 @@ from __future__ import annotations
 
 
 class PlaceholderBlockManager:
-    """Always admits; allocates and frees nothing."""
+    """Always admits; frees nothing."""
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Blocks never limit admission."""
         return True
-
-    def allocate(self, num_tokens: int) -> None:
-        """Nothing to allocate."""
 
     def free(self) -> None:
         """Nothing to free."""

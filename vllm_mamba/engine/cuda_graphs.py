@@ -4,6 +4,8 @@ A decode step runs one token per sequence; its shapes depend only on the batch s
 forward is captured once per size (1, 2, 4, 8, 16, 32, then every 32 up to `max_num_seqs`)
 and replayed. A batch is padded up to the next captured size with `PAD_SLOT_ID` rows, which
 the kernels neither read nor write; the state tensors stay where they are (static addresses).
+Each size's metadata comes from the backend's builder, as in eager steps; a replay writes the
+step's slots into that metadata's `decode_state_indices` in place.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import bisect
 
 import torch
 
-from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionMetadata
+from vllm_mamba.attention.backend import AttentionBackend, StepLayout
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.mamba_cache import PAD_SLOT_ID, MambaCache
 
 
@@ -28,27 +31,23 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeCudaGraphs:
     """Captured decode forwards of one model over static input buffers."""
 
-    def __init__(self, model: torch.nn.Module, cache: MambaCache, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: MambaCache,
+        backend: type[AttentionBackend],
+        max_num_seqs: int,
+    ) -> None:
         device = cache.conv_state.device
         self.sizes = capture_sizes(max_num_seqs)
-        max_bs = self.sizes[-1]
-        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)  # (max_bs,)
-        self.slots = torch.full((max_bs,), PAD_SLOT_ID, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        empty_i32 = torch.zeros(0, dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.long, device=device)  # (max_bs,)
+        # Per size: the graph, its metadata (static slot indices) and its output (bs, H).
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, MambaMetadata, torch.Tensor]] = {}
         pool = None
         for bs in reversed(self.sizes):
-            meta = PlaceholderAttentionMetadata(
-                num_decodes=bs,
-                num_prefills=0,
-                num_decode_tokens=bs,
-                num_prefill_tokens=0,
-                decode_state_indices=self.slots[:bs],
-                prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
-                prefill_state_indices=empty_i32,
-                prefill_has_initial_state=torch.zeros(0, dtype=torch.bool, device=device),
-                seq_lens=torch.ones(bs, dtype=torch.int32, device=device),
-            )
+            layout = StepLayout([PAD_SLOT_ID] * bs, [], [], [])
+            meta = backend.build_metadata(layout, device)
+            assert isinstance(meta, MambaMetadata)
             with torch.inference_mode():
                 model(self.input_ids[:bs], cache, meta)  # warm-up; PAD slots leave states alone
                 torch.cuda.synchronize(device)
@@ -56,22 +55,19 @@ class DecodeCudaGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     out = model(self.input_ids[:bs], cache, meta)  # (bs, H)
             pool = graph.pool()
-            self.graphs[bs] = (graph, out)
+            self.graphs[bs] = (graph, meta, out)
 
-    def run(self, token_ids: list[int], slots: list[int]) -> torch.Tensor | None:
-        """Replays the graph for `len(token_ids)` decodes; None when the batch is too large.
+    def run(self, token_ids: list[int], slots: list[int]) -> torch.Tensor:
+        """Replays the graph for `len(token_ids)` decodes (at most `max_num_seqs`).
 
         Returns:
             Hidden states `(len(token_ids), H)`, valid until the next replay.
         """
         n = len(token_ids)
-        i = bisect.bisect_left(self.sizes, n)
-        if i == len(self.sizes):
-            return None
-        bs = self.sizes[i]
+        graph, meta, out = self.graphs[self.sizes[bisect.bisect_left(self.sizes, n)]]
         self.input_ids[:n].copy_(torch.tensor(token_ids, dtype=torch.long), non_blocking=True)
-        self.slots[:n].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
-        self.slots[n:bs].fill_(PAD_SLOT_ID)
-        graph, out = self.graphs[bs]
+        indices = meta.decode_state_indices  # (bs,)
+        indices[:n].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
+        indices[n:].fill_(PAD_SLOT_ID)
         graph.replay()
         return out[:n]

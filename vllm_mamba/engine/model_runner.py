@@ -1,7 +1,7 @@
 """Runs one engine step on the model: the only engine code that builds tensors.
 
 It lays the scheduled sequences out as one flat batch (decodes first, then prefill chunks),
-builds the attention metadata with the selected backend, runs one forward, forks states for
+builds the step metadata with the selected backend, runs one forward, forks states for
 `n > 1`, applies the LM head to the sampled positions (and to prompt positions whose
 logprobs were asked for) and samples.
 """
@@ -61,7 +61,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Captures decode forwards for replay (CUDA only)."""
-        self.cuda_graphs = DecodeCudaGraphs(self.model, self.cache, max_num_seqs)
+        self.cuda_graphs = DecodeCudaGraphs(self.model, self.cache, self.backend, max_num_seqs)
 
     def make_generator(self, seed: int, index: int) -> torch.Generator:
         """A per-sequence generator, so seeded requests do not depend on the batch."""
@@ -89,10 +89,9 @@ class ModelRunner:
             first = self._first_prompt_logprob_pos(item)
             if first is not None:
                 prompt_pos.append((item, flat + first - start, first))
-        hidden = None
         if self.cuda_graphs is not None and not layout.prefill_lens:
-            hidden = self.cuda_graphs.run(token_ids, layout.decode_slots)
-        if hidden is None:
+            hidden = self.cuda_graphs.run(token_ids, layout.decode_slots)  # (T, H)
+        else:
             input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
             meta = self.backend.build_metadata(layout, self.device)
             hidden = self.model(input_ids, self.cache, meta)  # (T, H)

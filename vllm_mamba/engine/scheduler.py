@@ -47,12 +47,6 @@ class SchedulerOutput:
     """The step's work, decodes first, then prefill chunks."""
 
     scheduled: list[ScheduledSeq]
-    preempted: list[SequenceGroup] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the step's flat batch."""
-        return sum(s.num_tokens for s in self.scheduled)
 
 
 class Scheduler:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionMetadata
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.layers.mamba_mixer import Conv1dWeights
 from vllm_mamba.mamba_cache import LayerState
 from vllm_mamba.ops.dispatch import MambaOps
@@ -83,9 +83,7 @@ class Mamba2Mixer(nn.Module):
         self.A = -torch.exp(self.A_log.detach().float())
         self.conv_weight = self.conv1d.weight.detach()[:, 0, :].contiguous()
 
-    def forward(
-        self, hidden: torch.Tensor, state: LayerState, meta: PlaceholderAttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, state: LayerState, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's state in place.
 
         `state.conv` is `(S, CD, K - 1)` and `state.ssm` is `(S, NH, P, N)`.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionMetadata
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.mamba_cache import LayerState
 from vllm_mamba.ops.dispatch import MambaOps
 from vllm_mamba.ops.linear import Linear, linear
@@ -59,9 +59,7 @@ class MambaMixer(nn.Module):
         self.A = -torch.exp(self.A_log.detach().float())
         self.conv_weight = self.conv1d.weight.detach()[:, 0, :].contiguous()
 
-    def _conv(
-        self, x: torch.Tensor, state: LayerState, meta: PlaceholderAttentionMetadata
-    ) -> torch.Tensor:
+    def _conv(self, x: torch.Tensor, state: LayerState, meta: MambaMetadata) -> torch.Tensor:
         """Causal conv + SiLU of `x (T, I)`: decode rows by update, prefill chunks by varlen."""
         nd = meta.num_decodes
         parts = []
@@ -82,9 +80,7 @@ class MambaMixer(nn.Module):
             )  # fmt: skip
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def forward(
-        self, hidden: torch.Tensor, state: LayerState, meta: PlaceholderAttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, state: LayerState, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's state in place.
 
         Returns:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionMetadata
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mamba_mixer import MambaMixer
 from vllm_mamba.mamba_cache import MambaCache, MambaStateShape
@@ -31,9 +31,7 @@ class MambaBlock(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mixer = mixer
 
-    def forward(
-        self, hidden: torch.Tensor, state: Any, meta: PlaceholderAttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, state: Any, meta: MambaMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`; the residual stream is float32 with residual_in_fp32."""
         residual = hidden.float() if self.residual_in_fp32 else hidden
         mixed = self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), state, meta)
@@ -108,7 +106,7 @@ class MambaForCausalLM(nn.Module):
             layer.mixer.process_weights_after_loading()
 
     def forward(
-        self, input_ids: torch.Tensor, cache: MambaCache, meta: PlaceholderAttentionMetadata
+        self, input_ids: torch.Tensor, cache: MambaCache, meta: MambaMetadata
     ) -> torch.Tensor:
         """Runs the step's tokens `input_ids (T,)`; returns normed hidden states `(T, H)`."""
         hidden = self.backbone.embeddings(input_ids)  # (T, H)

@@ -1,0 +1,69 @@
+"""The step metadata of state-space layers, and its one builder.
+
+Every state-space mixer (Mamba, Mamba2, the Mamba layers of a hybrid) reads the same few
+things about a step's flat batch `[decodes (one token each)] + [prefill chunks]`: how many
+decodes and prefills it holds, where each prefill chunk starts, the state slot of every
+sequence, and whether a prefill continues from a saved state (chunked prefill). The eager path
+and the CUDA-graph capture both build it with `build_mamba_metadata`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from vllm_mamba.attention.backend import AttentionMetadata, StepLayout
+
+
+@dataclass
+class MambaMetadata(AttentionMetadata):
+    """What the mixers read about one step.
+
+    Attributes:
+        num_decodes: decoding sequences; their tokens come first in the flat batch.
+        num_prefills: prefill chunks, after the decodes.
+        decode_state_indices: `(num_decodes,)` int32, the state slot of each decode.
+        prefill_query_start_loc: `(num_prefills + 1,)` int32, where each chunk starts,
+            counted from the first prefill token.
+        prefill_state_indices: `(num_prefills,)` int32, the state slot of each chunk.
+        prefill_has_initial_state: `(num_prefills,)` bool, True when the chunk continues a
+            sequence whose state already holds earlier tokens.
+    """
+
+    num_decodes: int
+    num_prefills: int
+    decode_state_indices: torch.Tensor
+    prefill_query_start_loc: torch.Tensor
+    prefill_state_indices: torch.Tensor
+    prefill_has_initial_state: torch.Tensor
+
+
+def build_mamba_metadata(layout: StepLayout, device: torch.device) -> MambaMetadata:
+    """Builds the step's metadata with one host-to-device copy.
+
+    Args:
+        layout: the step's flat batch.
+        device: where the model runs.
+
+    Returns:
+        The metadata; its tensors are views of one int32 buffer on `device`.
+    """
+    num_decodes = len(layout.decode_slots)
+    num_prefills = len(layout.prefill_lens)
+    qsl = list(itertools.accumulate(layout.prefill_lens, initial=0))
+    initial = [int(c > 0) for c in layout.prefill_context_lens]
+    values = layout.decode_slots + qsl + layout.prefill_slots + initial
+    packed = torch.tensor(values, dtype=torch.int32).to(device)  # (D + 3P + 1,)
+    decodes, qsl_t, slots, has_initial = packed.split(
+        [num_decodes, num_prefills + 1, num_prefills, num_prefills]
+    )
+    return MambaMetadata(
+        num_decodes=num_decodes,
+        num_prefills=num_prefills,
+        decode_state_indices=decodes,
+        prefill_query_start_loc=qsl_t,
+        prefill_state_indices=slots,
+        prefill_has_initial_state=has_initial.bool(),
+    )
