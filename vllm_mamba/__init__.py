@@ -1,9 +1,13 @@
 """vllm_mamba: a vLLM-style inference and serving engine for state-space language models."""
 
-from vllm_mamba.llm import LLM
-from vllm_mamba.models.registry import ModelRegistry
-from vllm_mamba.outputs import CompletionOutput, Logprob, RequestOutput
-from vllm_mamba.sampling_params import SamplingParams
+from vllm_mamba.logger import init_logger
+
+init_logger()
+
+from vllm_mamba.llm import LLM  # noqa: E402
+from vllm_mamba.models.registry import ModelRegistry  # noqa: E402
+from vllm_mamba.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from vllm_mamba.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

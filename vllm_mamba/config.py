@@ -14,6 +14,8 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+DTYPE_CHOICES = ("auto", *_DTYPES)
+STATE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
@@ -45,8 +47,11 @@ def resolve_state_dtype(name: str) -> torch.dtype | None:
     """`auto` (None: the model's choice) or a dtype name for the SSM state."""
     if name == "auto":
         return None
-    if name not in _DTYPES:
-        raise ValueError(f"ssm_state_dtype {name!r} is not supported; use auto or float32")
+    if name not in STATE_DTYPE_CHOICES:
+        raise ValueError(
+            f"ssm_state_dtype {name!r} is not supported; "
+            f"use one of {', '.join(STATE_DTYPE_CHOICES)}"
+        )
     return _DTYPES[name]
 
 
@@ -85,6 +90,7 @@ class ModelConfig:
     max_model_len: int
     tokenizer: str
     seed: int = 0
+    served_model_name: list[str] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -117,6 +123,7 @@ class EngineConfig:
     device: torch.device
     enforce_eager: bool = False
     ssm_state_dtype: torch.dtype | None = None
+    log_stats: bool = True
 
     @property
     def num_state_slots(self) -> int:

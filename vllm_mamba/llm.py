@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as Seq
+from typing import Any
 
 from tqdm.auto import tqdm
 
+from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.llm_engine import LLMEngine, PromptInput
 from vllm_mamba.outputs import RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
@@ -17,44 +20,35 @@ class LLM:
     """A model loaded into an engine, for batch generation.
 
     Args:
-        model: a local Hugging Face model directory or a hub id.
-        tokenizer: a tokenizer directory or hub id (default: the model's).
-        dtype: `auto`, `float32`, `bfloat16` or `float16`.
-        max_num_seqs: sequences in flight at once (= state slots).
-        max_num_batched_tokens: tokens per forward; longer prompts are prefilled in chunks.
-        max_model_len: longest prompt plus output (default: from the config, else 2048).
-        seed: seed of the engine's sampling generator (requests may bring their own).
-        enforce_eager: never capture CUDA graphs.
-        device: `auto` (CUDA when present), `cpu` or `cuda`.
-        ssm_state_dtype: `auto` (the model's: float32 for Mamba) or a dtype name.
+        model: a local Hugging Face model directory, a shipped name or a hub id.
+        **kwargs: any `EngineArgs` option, with vLLM's names: `tokenizer`, `revision`,
+            `download_dir`, `dtype` (`auto`, `float32`, `bfloat16`, `float16`),
+            `max_num_seqs` (sequences in flight = state slots), `max_num_batched_tokens`
+            (tokens per forward; longer prompts are prefilled in chunks), `max_model_len`,
+            `seed`, `enforce_eager`, `device` (`auto`, `cpu`, `cuda`), `ssm_state_dtype`, ...
+
+    Raises:
+        TypeError: an option `EngineArgs` does not have.
+        ValueError: an option out of range, or one that cannot run on the device.
+        FileNotFoundError: the model is not there.
+        EngineStartupError: the model loaded but its warm-up failed.
     """
 
-    def __init__(
-        self,
-        model: str,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        enforce_eager: bool = False,
-        device: str = "auto",
-        ssm_state_dtype: str = "auto",
-    ) -> None:
-        self.llm_engine = LLMEngine.from_args(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            device=device,
-            ssm_state_dtype=ssm_state_dtype,
-        )
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"LLM() got unknown engine option(s) {', '.join(unknown)}; "
+                f"the options are: {', '.join(sorted(known - {'model'}))}"
+            )
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """An `LLM` with the options of `args` (as built by `EngineArgs.from_cli_args`)."""
+        return cls(**dataclasses.asdict(args))
 
     def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
         """The engine's tokenizer."""
@@ -79,6 +73,8 @@ class LLM:
 
         Raises:
             ValueError: a bad prompt or parameter; nothing is left in the engine.
+            RequestsFailedError: a step failed; every request of this call was ended and
+                the engine can serve the next call.
         """
         prompt_list = self._as_list(prompts)
         if sampling_params is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from vllm_mamba.model_zoo import shipped_model_path
 from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config, is_mamba_ssm_config
@@ -24,12 +25,28 @@ from vllm_mamba.ops.dispatch import get_mamba_ops
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.py"]
 
 
-def resolve_model_path(model: str) -> str:
+def looks_like_path(model: str) -> bool:
+    """True when `model` can only be a filesystem path, never a hub id (`org/name`)."""
+    return (
+        model.startswith(("/", ".", "~"))
+        or os.sep in model.strip(os.sep).replace(os.sep, "", 1)
+        or (os.altsep is not None and os.altsep in model)
+    )
+
+
+def resolve_model_path(
+    model: str, revision: str | None = None, download_dir: str | None = None
+) -> str:
     """A local directory as is; a shipped model (`vllm-mamba/NAME`) from the package; anything
     else as a hub id through `huggingface_hub`.
 
-    The hub download honours `HF_HOME` / `HF_HUB_CACHE` and `HF_HUB_OFFLINE=1` (then only the
-    local cache is used).
+    The hub download honours `HF_HOME` / `HF_HUB_CACHE` (or `download_dir`) and
+    `HF_HUB_OFFLINE=1` (then only the local cache is used).
+
+    Args:
+        model: a directory, a shipped name or a hub id.
+        revision: the hub revision (branch, tag or commit).
+        download_dir: the hub cache directory to use instead of the default.
 
     Raises:
         FileNotFoundError: not a directory, and not resolvable as a hub id.
@@ -41,10 +58,14 @@ def resolve_model_path(model: str) -> str:
         return shipped
     if os.path.exists(model):
         raise FileNotFoundError(f"model {model!r} is a file; expected a model directory")
+    if looks_like_path(model):
+        raise FileNotFoundError(f"model directory {model!r} does not exist")
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(repo_id=model, allow_patterns=_HUB_PATTERNS)
+        return snapshot_download(
+            repo_id=model, revision=revision, cache_dir=download_dir, allow_patterns=_HUB_PATTERNS
+        )
     except Exception as err:  # noqa: BLE001 - any hub failure means the model is not there
         raise FileNotFoundError(
             f"model {model!r} is not a local directory and could not be resolved from the "
@@ -96,7 +117,8 @@ def _weight_files(path: str) -> tuple[list[str], str]:
 def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields `(name, tensor)` for every tensor of the checkpoint in `path`."""
     files, fmt = _weight_files(path)
-    for file in files:
+    bar = tqdm(files, desc=f"Loading {fmt} checkpoint shards", unit="shard", disable=None)
+    for file in bar:
         if fmt == "safetensors":
             from safetensors import safe_open
 

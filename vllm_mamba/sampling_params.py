@@ -2,18 +2,41 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
+MAX_N = 1024
+MAX_SEED = 2**63 - 1
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
 class SamplingParams:
     """Sampling and stopping settings of one request, with vLLM's names and meanings.
 
-    `temperature=0` is greedy. `seed` makes a request's sampling reproducible whatever else
-    is in the batch. `logprobs=k` returns the top-k log-probabilities (plus the sampled token)
-    of each generated position; `prompt_logprobs=k` does so for the prompt.
+    `temperature=0` is greedy. `seed` (0 to 2**63 - 1) makes a request's sampling
+    reproducible whatever else is in the batch. `logprobs=k` returns the top-k
+    log-probabilities (plus the sampled token) of each generated position; `prompt_logprobs=k`
+    does so for the prompt.
     """
 
     n: int = 1
@@ -49,13 +72,21 @@ class SamplingParams:
             value = getattr(self, name)
             return ValueError(f"SamplingParams.{name} {why}, got {value!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise bad(name, "must be an integer")
+        if self.n < 1 or self.n > MAX_N:
+            raise bad("n", f"must be in [1, {MAX_N}]")
         if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+        if self.top_k == 0 or self.top_k < -1:
             raise bad("top_k", "must be -1 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
@@ -74,10 +105,20 @@ class SamplingParams:
                 raise bad(name, "must be in [-2, 2]")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be > 0")
-        if any(not s for s in self.stop_list):
-            raise bad("stop", "must not contain empty strings")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise bad("seed", "must be in [0, 2**63 - 1]")
+        self._validate_stops(bad)
+
+    def _validate_stops(self, bad: Callable[[str, str], ValueError]) -> None:
+        if any(not isinstance(s, str) or not s for s in self.stop_list):
+            raise bad("stop", "must be non-empty strings")
+        for text in self.stop_list:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise bad("stop", "must be valid Unicode text") from err
+        if any(not _is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be integers")
 
     @property
     def greedy(self) -> bool:

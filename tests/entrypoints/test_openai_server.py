@@ -4,7 +4,6 @@ and `LLM.generate` as the reference for its tokens.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import threading
@@ -15,11 +14,12 @@ import openai
 import pytest
 
 from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME, RunningServer
-from vllm_mamba import LLM, SamplingParams
-from vllm_mamba.entrypoints.openai.serving_chat import DEFAULT_CHAT_TEMPLATE
+from tests.helpers.runners import VllmRunner
+from vllm_mamba import SamplingParams
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "In 1905, Einstein", "def main():"]
 MAX_TOKENS = 8
+CHAT_PROMPT = "user: Hi there\nassistant:"  # one user message in the default chat template
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +27,15 @@ def client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
-@functools.cache
-def reference(model_dir: str, prompts: tuple[str, ...], max_tokens: int = MAX_TOKENS) -> list[str]:
-    """`LLM.generate`'s greedy texts."""
-    llm = LLM(model_dir, max_model_len=MAX_MODEL_LEN)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    return [o.outputs[0].text for o in llm.generate(list(prompts), params, use_tqdm=False)]
+@pytest.fixture(scope="module")
+def expected(vllm_runner: type[VllmRunner], server: RunningServer) -> dict[str, str]:
+    """`LLM.generate`'s greedy texts of `PROMPTS` and `CHAT_PROMPT`, by prompt."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    with vllm_runner(server.model_dir, max_model_len=MAX_MODEL_LEN) as runner:
+        outs = runner.generate([*PROMPTS, CHAT_PROMPT], params)
+    texts = {o.prompt: o.outputs[0].text for o in outs}
+    assert len(set(texts.values())) == len(texts), "the reference generations are not varied"
+    return texts
 
 
 def greedy(client: openai.OpenAI, prompt, max_tokens: int = MAX_TOKENS, **kwargs):  # noqa: ANN001, ANN201
@@ -53,25 +56,26 @@ def test_models(client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
 
 
-def test_batch_matches_llm_generate(server: RunningServer, client: openai.OpenAI) -> None:
-    expected = reference(server.model_dir, tuple(PROMPTS))
-    assert len(set(expected)) == len(expected), "the reference generations are not varied"
+def test_batch_matches_llm_generate(client: openai.OpenAI, expected: dict[str, str]) -> None:
     batch = greedy(client, PROMPTS)
-    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == expected
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == [
+        expected[p] for p in PROMPTS
+    ]
     one = greedy(client, PROMPTS[0])
-    assert one.choices[0].text == expected[0]
+    assert one.choices[0].text == expected[PROMPTS[0]]
     assert one.choices[0].finish_reason == "length"
     assert one.usage.completion_tokens == MAX_TOKENS
 
 
-def test_token_id_prompts(server: RunningServer, client: openai.OpenAI) -> None:
+def test_token_id_prompts(
+    server: RunningServer, client: openai.OpenAI, expected: dict[str, str]
+) -> None:
     from transformers import AutoTokenizer
 
-    expected = reference(server.model_dir, tuple(PROMPTS))
     ids = [AutoTokenizer.from_pretrained(server.model_dir).encode(p) for p in PROMPTS[:2]]
-    assert greedy(client, ids[0]).choices[0].text == expected[0]
+    assert greedy(client, ids[0]).choices[0].text == expected[PROMPTS[0]]
     batch = greedy(client, ids, echo=True)
-    assert [c.text for c in batch.choices] == [p + e for p, e in zip(PROMPTS, expected[:2])]
+    assert [c.text for c in batch.choices] == [p + expected[p] for p in PROMPTS[:2]]
     assert batch.usage.prompt_tokens == len(ids[0]) + len(ids[1])
 
 
@@ -100,8 +104,8 @@ def test_logprobs_and_echo(client: openai.OpenAI) -> None:
     assert lp.text_offset == sorted(lp.text_offset)
 
 
-def test_stop_string(server: RunningServer, client: openai.OpenAI) -> None:
-    full = reference(server.model_dir, tuple(PROMPTS))[2]
+def test_stop_string(client: openai.OpenAI, expected: dict[str, str]) -> None:
+    full = expected[PROMPTS[2]]
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     out = greedy(client, PROMPTS[2], stop=[stop]).choices[0]
     assert out.text == full[: full.index(stop)]
@@ -118,20 +122,17 @@ def test_streaming_reassembles(client: openai.OpenAI) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
-def test_chat_default_template(server: RunningServer, client: openai.OpenAI) -> None:
+def test_chat_default_template(client: openai.OpenAI, expected: dict[str, str]) -> None:
     messages = [{"role": "user", "content": "Hi there"}]
-    prompt = "user: Hi there\nassistant:"
-    assert "assistant:" in DEFAULT_CHAT_TEMPLATE
-    expected = reference(server.model_dir, (prompt,))[0]
     kwargs = dict(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
     out = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2)
     choice = out.choices[0]
-    assert choice.message.role == "assistant" and choice.message.content == expected
+    assert choice.message.role == "assistant" and choice.message.content == expected[CHAT_PROMPT]
     assert len(choice.logprobs.content) == MAX_TOKENS
     assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected[CHAT_PROMPT]
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
@@ -197,7 +198,7 @@ def test_serve_cli_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert callable(args.func)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
-    help_text = capsys.readouterr().out
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--dtype"):
         assert flag in help_text
     assert "(default: 8000)" in help_text and "(default: 256)" in help_text

@@ -3,30 +3,44 @@
 One background task steps the engine while it has work. Every call into the engine (adding,
 aborting, stepping) runs on one dedicated worker thread, so the event loop never blocks on a
 model step and the engine, which is not thread-safe, is only ever touched by that thread, one
-call at a time. Each request has its own `asyncio.Queue` of `RequestOutput`s, which
-`generate` turns into an async iterator; leaving that iterator early (the client went away,
-the task was cancelled) aborts the request and frees its state slots.
+call at a time. Tokenisation, detokenisation and chat-template rendering run on a second
+worker (`run_tokenizer`) with its own tokenizer copy, so a huge prompt stalls neither the event
+loop nor the steps of other requests.
+
+Each request has its own `asyncio.Queue` of `RequestOutput`s, which `generate` turns into an
+async iterator; the queue is dropped on every path (finished, aborted, failed). Leaving the
+iterator early (the client went away, the task was cancelled) aborts the request and frees its
+state slots. A step that fails ends only its own requests; an unrecoverable failure marks the
+engine dead and calls `on_dead` (the server then exits non-zero).
+
+After every step the engine thread hands over a `StatsSnapshot` (`stats`), which `/metrics`
+and the periodic statistics line read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from vllm_mamba.engine.llm_engine import LLMEngine, PromptInput
+from vllm_mamba.config import ModelConfig
+from vllm_mamba.engine.arg_utils import EngineArgs
+from vllm_mamba.engine.errors import EngineDeadError, RequestsFailedError
+from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
+from vllm_mamba.engine.llm_engine import LLMEngine
+from vllm_mamba.engine.stats import StatLogger, StatsSnapshot
 from vllm_mamba.outputs import RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Item = RequestOutput | BaseException
 
-
-class EngineDeadError(RuntimeError):
-    """The background loop failed; the engine cannot serve more requests."""
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 
 class AsyncLLMEngine:
@@ -34,21 +48,46 @@ class AsyncLLMEngine:
 
     Args:
         engine: the engine to drive; only this object's worker thread touches it afterwards.
+        on_dead: called once, on the event loop, if the engine fails beyond recovery.
+        log_requests: log every request's prompt and parameters when it is added.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_dead: Callable[[BaseException], None] | None = None,
+        log_requests: bool = False,
+    ) -> None:
         self.engine = engine
+        self.on_dead = on_dead
+        self.log_requests = log_requests
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        mc = engine.config.model_config
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
+        self.stats: StatsSnapshot = engine.stats_snapshot()
+        self._stat_logger = StatLogger() if engine.config.log_stats else None
+        self._queues: dict[str, asyncio.Queue[Item]] = {}
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._closed = False
 
     @classmethod
-    def from_args(cls, **kwargs: Any) -> AsyncLLMEngine:
-        """Loads a model with `LLMEngine.from_args(**kwargs)` and wraps it."""
-        return cls(LLMEngine.from_args(**kwargs))
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLMEngine:
+        """Loads `args.model` into a new `LLMEngine` and wraps it (`kwargs`: see the class)."""
+        return cls(LLMEngine.from_engine_args(args), **kwargs)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """What is loaded (read-only after startup)."""
+        return self.engine.config.model_config
+
+    @property
+    def num_requests(self) -> int:
+        """Requests with an open output queue (for tests of the bookkeeping)."""
+        return len(self._queues)
 
     # ----- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -71,6 +110,7 @@ class AsyncLLMEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
         self._executor.shutdown(wait=True)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_running(self) -> bool:
@@ -105,13 +145,18 @@ class AsyncLLMEngine:
             ValueError: a bad prompt or parameters (nothing entered the engine).
             EngineDeadError: the engine is shut down or its loop failed.
         """
-        if self._error is not None or self._closed:
-            raise EngineDeadError(f"the engine is not serving (error: {self._error!r})")
+        self._check_alive()
         self.start()
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        text, ids = await self.run_tokenizer(self.inputs.process_prompt, prompt)
+        self._check_alive()
+        if self.log_requests:
+            shown = repr(text[:200]) if text is not None else f"{len(ids)} token ids"
+            logger.info("Received request %s: prompt: %s, params: %s", request_id, shown, params)
+        queue: asyncio.Queue[Item] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            await self.call(self.engine.add_request, request_id, prompt, params)
+            tokenized = {"prompt": text, "prompt_token_ids": ids}
+            await self.call(self.engine.add_request, request_id, tokenized, params)
         except BaseException:
             self._queues.pop(request_id, None)
             raise
@@ -126,19 +171,26 @@ class AsyncLLMEngine:
         async for out in stream:
             yield out
 
+    def _check_alive(self) -> None:
+        if self._error is not None or self._closed:
+            raise EngineDeadError(f"the engine is not serving (error: {self._error!r})")
+
     async def _stream(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+        self, request_id: str, queue: asyncio.Queue[Item]
     ) -> AsyncIterator[RequestOutput]:
-        finished = False
+        ended = False  # finished, or failed: nothing is left in the engine
         try:
-            while not finished:
+            while not ended:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    ended = True
                     raise item
-                finished = item.finished
+                ended = item.finished
                 yield item
         finally:
-            if not finished:
+            if self._queues.get(request_id) is queue:
+                del self._queues[request_id]
+            if not ended:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -150,30 +202,63 @@ class AsyncLLMEngine:
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs `fn(*args)` on the engine thread, serialized with the steps.
 
-        Use it for anything that touches the engine or its tokenizer.
+        Use it for anything that touches the engine itself.
         """
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def run_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs `fn(*args)` on the tokenizer thread (`self.tokenizer`, chat templates)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
     # ----- the loop --------------------------------------------------------------------
+    def _step(self) -> tuple[list[RequestOutput], bool]:
+        """One engine step on the engine thread; publishes the stats snapshot after it."""
+        try:
+            return self.engine.step(), self.engine.has_unfinished_requests()
+        finally:
+            self.stats = self.engine.stats_snapshot()
+
     async def _run_loop(self) -> None:
+        has_work = True
         try:
             while True:
-                if not self.engine.has_unfinished_requests():
+                if not has_work:
                     # An add completes on the worker thread before its caller sets `_work`,
-                    # so checking here and clearing right before the wait loses no wakeup.
+                    # so clearing before asking the engine thread loses no wakeup.
                     self._work.clear()
-                    await self._work.wait()
+                    if not await self.call(self.engine.has_unfinished_requests):
+                        await self._work.wait()
+                    has_work = True
                     continue
-                for out in await self.call(self.engine.step):
+                try:
+                    outputs, has_work = await self.call(self._step)
+                except RequestsFailedError as err:
+                    self._fail_requests(err)
+                    continue
+                for out in outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
+                if self._stat_logger is not None:
+                    self._stat_logger.maybe_log(self.stats)
         except asyncio.CancelledError:
             raise
         except BaseException as err:
-            logger.exception("engine loop failed")
-            self._error = err
-            dead = EngineDeadError(f"the engine loop failed: {err!r}")
-            for queue in self._queues.values():
-                queue.put_nowait(dead)
-            self._queues.clear()
+            self._die(err)
+
+    def _fail_requests(self, err: RequestsFailedError) -> None:
+        """Ends the streams of the requests of a failed step with the error."""
+        for request_id in err.request_ids:
+            queue = self._queues.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(err)
+
+    def _die(self, err: BaseException) -> None:
+        logger.critical("the engine failed beyond recovery: %r", err, exc_info=err)
+        self._error = err
+        dead = EngineDeadError(f"the engine loop failed: {err!r}")
+        for queue in self._queues.values():
+            queue.put_nowait(dead)
+        self._queues.clear()
+        if self.on_dead is not None:
+            self.on_dead(err)

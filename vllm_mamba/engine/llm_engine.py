@@ -1,59 +1,61 @@
 """`LLMEngine`: requests in, `RequestOutput`s out, one scheduler step at a time.
 
-`add_request` tokenizes and validates (bad input raises `ValueError` before anything enters
-the engine); `step` schedules, runs the model once, appends the sampled tokens, detokenizes,
-applies stop conditions and frees the slots of finished sequences.
+`add_request` tokenizes and validates through `InputProcessor` (bad input raises `ValueError`
+before anything enters the engine); `step` schedules, runs the model once, appends the sampled
+tokens, detokenizes, applies stop conditions and frees the slots of finished sequences. A step
+that raises ends only its own requests (`RequestsFailedError`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from vllm_mamba.attention.selector import select_attention_backend
-from vllm_mamba.config import (
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    derive_max_model_len,
-    resolve_device,
-    resolve_dtype,
-    resolve_state_dtype,
-)
+from vllm_mamba.config import EngineConfig
+from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from vllm_mamba.engine.errors import EngineStartupError, RequestsFailedError, is_fatal
+from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
 from vllm_mamba.engine.model_runner import ModelRunner, PromptLogprobChunk, StepResult
-from vllm_mamba.engine.scheduler import Scheduler
+from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
 from vllm_mamba.mamba_cache import MambaCache
-from vllm_mamba.model_loader import build_model, load_hf_config, resolve_model_path
+from vllm_mamba.model_loader import build_model
+from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.outputs import Logprob, PositionLogprobs, RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
-from vllm_mamba.tokenizer import default_tokenizer_source, load_tokenizer
+from vllm_mamba.tokenizer import load_tokenizer
 
-PromptInput = str | list[int] | dict[str, Any]
+logger = logging.getLogger(__name__)
 
-
-@dataclass
-class EngineStats:
-    """Counters for metrics and benchmarks."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    steps: int = 0
+WARMUP_REQUEST_ID = "vllm-mamba-warmup"
 
 
 class LLMEngine:
-    """The synchronous engine shared by `LLM` and the server's async loop."""
+    """The synchronous engine shared by `LLM` and the server's async loop.
+
+    Construction loads the weights, allocates the state cache, runs one warm-up prefill and
+    decode (so a configuration that cannot run fails here, not at the first request) and logs
+    a banner saying what was loaded.
+
+    Raises:
+        EngineStartupError: the warm-up failed or gave non-finite log-probabilities.
+    """
 
     def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        started = time.perf_counter()
         mc = config.model_config
         self.config = config
         self.tokenizer = tokenizer
         model, _ = build_model(mc.path, mc.hf_config, mc.dtype, config.device)
         self.model = model
+        self.kernels = get_mamba_ops(config.device).name
         self.backend = select_attention_backend(type(model))
         shape = model.get_mamba_state_shape(mc.hf_config, mc.dtype)
         if config.ssm_state_dtype is not None:
@@ -69,87 +71,88 @@ class LLMEngine:
         if config.device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_cuda_graphs(sc.max_num_seqs)
         self.scheduler = Scheduler(sc.max_num_seqs, sc.max_num_batched_tokens)
-        self.stats = EngineStats()
+        self.stats = EngineCounters()
+        self.inputs = InputProcessor(tokenizer, mc.vocab_size, mc.max_model_len)
         self._token_text: dict[int, str] = {}
+        self._warm_up()
+        self.load_seconds = time.perf_counter() - started
+        self._log_banner()
 
     @classmethod
-    def from_args(
-        cls,
-        model: str,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        enforce_eager: bool = False,
-        device: str = "auto",
-        ssm_state_dtype: str = "auto",
-    ) -> LLMEngine:
-        """Resolves and loads `model` (a local directory or a hub id) into a new engine."""
-        path = resolve_model_path(model)
-        hf_config = load_hf_config(path)
-        from vllm_mamba.models.registry import ModelRegistry
-
-        _, arch = ModelRegistry.resolve_model_cls(getattr(hf_config, "architectures", None))
-        tokenizer = tokenizer or default_tokenizer_source(path)
-        tok_path = resolve_model_path(tokenizer) if tokenizer else path
-        model_config = ModelConfig(
-            model=model,
-            path=path,
-            hf_config=hf_config,
-            architecture=arch,
-            dtype=resolve_dtype(dtype, hf_config),
-            max_model_len=derive_max_model_len(hf_config, max_model_len),
-            tokenizer=tok_path,
-            seed=seed,
-        )
-        config = EngineConfig(
-            model_config=model_config,
-            scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-            device=resolve_device(device),
-            enforce_eager=enforce_eager,
-            ssm_state_dtype=resolve_state_dtype(ssm_state_dtype),
-        )
-        return cls(config, load_tokenizer(tok_path))
-
-    # ----- requests -------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """Returns `(text or None, token ids)` of a prompt, validated.
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """Resolves and loads `args.model` (a local directory or a hub id) into a new engine.
 
         Raises:
-            ValueError: empty, too long, or with token ids outside the vocabulary.
+            ValueError: an option out of range or that cannot run on the device.
+            FileNotFoundError: the model or its tokenizer is not there.
+            EngineStartupError: the model loaded but cannot run as configured.
         """
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                text, ids = prompt["prompt"], None
-            else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            text, ids = prompt, None
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
-        else:
-            raise ValueError(f"prompt must be a string or token ids, got {type(prompt).__name__}")
-        if ids is None:
-            if not isinstance(text, str):
-                raise ValueError("prompt must be a string")
-            ids = self.tokenizer.encode(text, add_special_tokens=True) if text else []
-        if not ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        vocab = self.config.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        max_len = self.config.model_config.max_model_len
-        if len(ids) > max_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens long, more than max_model_len ({max_len})"
-            )
-        return text, ids
+        config = args.create_engine_config()
+        return cls(config, load_tokenizer(config.model_config.tokenizer))
 
+    def _warm_up(self) -> None:
+        """One short prefill and decode through every configured path; leaves no trace."""
+        vocab = min(self.config.model_config.vocab_size, len(self.tokenizer))
+        prompt = [t % vocab for t in (1, 2, 3, 4)]
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=0)
+        try:
+            self.add_request(WARMUP_REQUEST_ID, prompt, params)
+            finished: list[RequestOutput] = []
+            while self.has_unfinished_requests():
+                finished += [o for o in self.step() if o.finished]
+        except Exception as err:
+            self.abort_request(WARMUP_REQUEST_ID)
+            raise EngineStartupError(self._startup_failure(repr(err))) from err
+        logprob = finished[-1].outputs[0].cumulative_logprob if finished else None
+        if logprob is None or not math.isfinite(logprob):
+            raise EngineStartupError(self._startup_failure(f"log-probability {logprob}"))
+        self.stats = EngineCounters()
+        self.runner.generator.manual_seed(self.config.model_config.seed)
+
+    def _startup_failure(self, what: str) -> str:
+        mc = self.config.model_config
+        return (
+            f"the model cannot run with dtype {str(mc.dtype).removeprefix('torch.')} on "
+            f"{self.config.device} with the {self.kernels} kernels: the warm-up gave {what}"
+        )
+
+    def _log_banner(self) -> None:
+        mc, shape = self.config.model_config, self.cache.shape
+        per_seq = shape.bytes_per_slot()
+        logger.info(
+            "Loaded %s (%s) in %.1f s: dtype %s, state dtype %s, device %s, kernels %s, "
+            "max_model_len %d, %d state slots x %.3f MiB = %.2f MiB of state, "
+            "max_num_batched_tokens %d",
+            mc.model,
+            mc.architecture,
+            self.load_seconds,
+            str(mc.dtype).removeprefix("torch."),
+            str(shape.ssm_dtype).removeprefix("torch."),
+            self.config.device,
+            self.kernels,
+            mc.max_model_len,
+            self.config.num_state_slots,
+            per_seq / 2**20,
+            per_seq * self.config.num_state_slots / 2**20,
+            self.config.scheduler_config.max_num_batched_tokens,
+        )
+
+    def stats_snapshot(self) -> StatsSnapshot:
+        """A snapshot of the queues, slots and counters (call it on the engine's thread)."""
+        slots, c = self.scheduler.slots, self.stats
+        return StatsSnapshot(
+            time=now(),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            slots_used=slots.num_used,
+            slots_total=slots.num_slots,
+            prompt_tokens=c.prompt_tokens,
+            generation_tokens=c.generation_tokens,
+            steps=c.steps,
+            failed_requests=c.failed_requests,
+        )
+
+    # ----- requests -------------------------------------------------------------------
     def add_request(
         self,
         request_id: str,
@@ -165,7 +168,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids = self.inputs.process_prompt(prompt)
+        self.inputs.check_params(params)
         if params.n > self.scheduler.slots.num_slots:
             raise ValueError(
                 f"SamplingParams.n ({params.n}) is more than max_num_seqs "
@@ -207,14 +211,31 @@ class LLMEngine:
 
     # ----- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns the outputs of the requests that progressed."""
+        """Runs one scheduler step; returns the outputs of the requests that progressed.
+
+        Raises:
+            RequestsFailedError: the step failed; its requests were ended and their slots
+                freed, and the engine can go on stepping.
+        """
         step = self.scheduler.schedule()
         if not step.scheduled:
             return []
+        try:
+            return self._run_step(step)
+        except Exception as err:
+            if is_fatal(err):
+                raise
+            failed = sorted({item.group.request_id for item in step.scheduled})
+            logger.exception("an engine step failed; ending its requests %s", failed)
+            self.abort_request(failed)
+            self.stats.failed_requests += len(failed)
+            raise RequestsFailedError(failed, err) from err
+
+    def _run_step(self, step: SchedulerOutput) -> list[RequestOutput]:
         result = self.runner.execute(step)
         self.stats.steps += 1
         touched: dict[str, SequenceGroup] = {}
-        now = time.monotonic()
+        now_s = time.monotonic()
         for item in step.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             for child in item.children:
@@ -226,7 +247,7 @@ class LLMEngine:
                 self._append_prompt_logprobs(item.group, chunk)
             for seq in [item.seq, *item.children]:
                 if seq.seq_id in result.samples:
-                    self._append_token(item.group, seq, result, now)
+                    self._append_token(item.group, seq, result, now_s)
                     touched[item.group.request_id] = item.group
         self.scheduler.remove_finished()
         return [g.to_output() for g in touched.values()]

@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any
 
+from vllm_mamba.engine.arg_utils import EngineArgs
+from vllm_mamba.engine.errors import STARTUP_ERRORS
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -70,24 +72,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_common_args(parser: argparse.ArgumentParser, input_len: int, output_len: int) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model dir, hub id or shipped name")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--input-len", type=int, default=input_len, help="prompt tokens")
-    parser.add_argument("--output-len", type=int, default=output_len, help="generated tokens")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in flight")
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="tokens per forward"
-    )
-    parser.add_argument("--max-model-len", type=int, default=None, help="prompt plus output")
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0, help="seed of prompts and sampling")
-    parser.add_argument(
+    work = parser.add_argument_group("workload")
+    work.add_argument("--input-len", type=int, default=input_len, help="prompt tokens")
+    work.add_argument("--output-len", type=int, default=output_len, help="generated tokens")
+    work.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
+    work.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    work.add_argument(
         "--memory-budget-gb", type=float, default=None, help="report sequences fitting this"
     )
-    parser.add_argument(
+    work.add_argument(
         "--output-json", "--json", dest="output_json", default=None, help="write results here"
     )
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(parser=parser)
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[dict[str, Any]]:
@@ -141,26 +138,23 @@ def memory_report(llm: Any, budget_gb: float | None) -> dict[str, Any]:
 
 
 def _load(args: argparse.Namespace, num_seqs: int) -> Any:
-    """The `LLM` of `args`, with room for `num_seqs` sequences of input plus output."""
+    """The `LLM` of `args`, with room for `num_seqs` sequences of input plus output.
+
+    `--seed` seeds both the random prompts and the engine's sampler.
+    """
     import torch
 
     from vllm_mamba import LLM
 
-    for name in ("input_len", "output_len", "max_num_seqs", "max_num_batched_tokens"):
+    for name in ("input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    max_model_len = args.max_model_len or max(2048, args.input_len + args.output_len)
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=min(args.max_num_seqs, num_seqs),
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        seed=args.seed,
-    )
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.max_num_seqs = min(args.max_num_seqs, num_seqs)
+    engine_args.max_model_len = args.max_model_len or max(2048, args.input_len + args.output_len)
+    return LLM.from_engine_args(engine_args)
 
 
 def _requests(llm: Any, args: argparse.Namespace, num: int) -> tuple[list[dict], Any]:
@@ -183,7 +177,7 @@ def run_latency(args: argparse.Namespace) -> int:
             raise ValueError("--batch-size and --num-iters must be >= 1, warmup >= 0")
         llm = _load(args, args.batch_size)
         prompts, params = _requests(llm, args, args.batch_size)
-    except (ValueError, FileNotFoundError) as err:
+    except STARTUP_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     for _ in range(args.num_iters_warmup):
@@ -217,7 +211,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             raise ValueError("--num-prompts must be >= 1")
         llm = _load(args, args.num_prompts)
         prompts, params = _requests(llm, args, args.num_prompts)
-    except (ValueError, FileNotFoundError) as err:
+    except STARTUP_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()

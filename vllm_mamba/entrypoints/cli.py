@@ -1,7 +1,8 @@
 """The `vllm-mamba` command: `serve`, `generate` and `bench` subcommands.
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)`, which registers
-its arguments and sets `func` to run it.
+its arguments and sets `func` to run it and `parser` to itself (so that an unknown flag is
+reported with that subcommand's usage). Engine flags come from `EngineArgs`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ _SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every available subcommand."""
+    from vllm_mamba import __version__
+
     parser = argparse.ArgumentParser(
         prog="vllm-mamba",
         description="Inference and serving engine for state-space language models (Mamba).",
     )
+    parser.add_argument("--version", action="version", version=f"vllm-mamba {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(_SUBCOMMANDS) + "}")
     for module_name in _SUBCOMMANDS.values():
         try:
@@ -36,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # Report unknown flags with the usage of the subcommand they were given to.
+        owner = getattr(args, "parser", None) or parser
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

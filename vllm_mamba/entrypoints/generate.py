@@ -7,6 +7,8 @@ import itertools
 import sys
 import time
 
+from vllm_mamba.engine.arg_utils import EngineArgs
+from vllm_mamba.engine.errors import STARTUP_ERRORS
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 EXAMPLES = """examples:
@@ -32,15 +34,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("prompts", nargs="*", default=["def "], help="prompts (default: 'def ')")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model dir, hub id or shipped name")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per continuation")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    parser.add_argument("--n", type=int, default=1, help="continuations per prompt")
-    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    parser.add_argument("--stream", action="store_true", help="print tokens as they come")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.set_defaults(func=run)
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=64, help="tokens per continuation")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    sampling.add_argument("--n", type=int, default=1, help="continuations per prompt")
+    sampling.add_argument("--stream", action="store_true", help="print tokens as they come")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run, parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,14 +50,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(
-            n=args.n,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            max_tokens=args.max_tokens,
+            n=args.n, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
         )
-        llm = LLM(args.model, dtype=args.dtype, device=args.device)
-    except (ValueError, FileNotFoundError) as err:
+        llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    except STARTUP_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()

@@ -14,20 +14,24 @@ import argparse
 import asyncio
 import logging
 import os
-import secrets
+import socket
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_mamba import __version__
+from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
+from vllm_mamba.engine.errors import STARTUP_ERRORS
+from vllm_mamba.entrypoints.openai.chat_template import ChatTemplate
 from vllm_mamba.entrypoints.openai.cli_serve import API_KEY_ENV, HelpFormatter, add_server_args
 from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
+from vllm_mamba.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
 from vllm_mamba.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,27 +43,12 @@ from vllm_mamba.entrypoints.openai.served_model import ServedModel
 from vllm_mamba.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_mamba.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm_mamba.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from vllm_mamba.logger import configure_logging
 
 logger = logging.getLogger(__name__)
 
+
 GRACEFUL_SHUTDOWN_S = 5.0
-
-
-class BearerAuth:
-    """ASGI middleware: `/v1/*` needs `Authorization: Bearer <api_key>` (401 otherwise)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                response = error_response("invalid or missing API key", 401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
@@ -68,13 +57,17 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     Args:
         engine: the engine to serve; the app starts its loop and shuts it down.
         args: the flags of `add_server_args` plus `model`.
+
+    Raises:
+        ValueError: a `--chat-template` that does not compile.
     """
-    config = engine.engine.config
-    names = list(args.served_model_name or [args.model])
-    model = ServedModel(names, args.model, config.model_config.max_model_len)
-    metrics = ServerMetrics(engine.engine, model.name)
+    mc = engine.model_config
+    model = ServedModel(list(mc.served_model_name or [mc.model]), mc.model, mc.max_model_len)
+    metrics = ServerMetrics(engine, model.name)
+    template = ChatTemplate(engine.tokenizer, args.chat_template, args.trust_request_chat_template)
+    logger.info("Chat template: %s", template.source)
     completions = OpenAIServingCompletion(engine, model, metrics)
-    chat = OpenAIServingChat(engine, model, metrics)
+    chat = OpenAIServingChat(engine, model, metrics, template)
     tokenization = OpenAIServingTokenization(engine, model, chat)
 
     @asynccontextmanager
@@ -88,11 +81,12 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=args.max_request_bytes)
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.errored:
-            return error_response("the engine loop failed", 503)
+        if engine.errored or not engine.is_running:
+            return error_response("the engine is not serving", 503)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -155,36 +149,75 @@ class GracefulServer(uvicorn.Server):
         await self.engine.shutdown()
 
 
-def run_server(args: argparse.Namespace) -> None:
-    """Loads the model and serves it until SIGINT or SIGTERM."""
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    engine = AsyncLLMEngine.from_args(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        enforce_eager=args.enforce_eager,
-        device=args.device,
+def run_server(args: argparse.Namespace) -> int:
+    """Binds the port, loads the model and serves it until SIGINT or SIGTERM.
+
+    Returns:
+        The exit status: 0 after a clean shutdown, 2 for an option or model that cannot be
+        used, 1 when the port is taken or the engine failed beyond recovery (each message is
+        logged in one line, without a traceback).
+    """
+    configure_logging(args.log_level, args.uvicorn_log_level)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as err:
+        logger.error("cannot listen on %s:%d: %s", args.host, args.port, err.strerror or err)
+        return 1
+    try:
+        server = _load_server(args, sock)
+    except STARTUP_ERRORS as err:
+        sock.close()
+        logger.error("%s", err)
+        return 2
+    server.run(sockets=[sock])
+    return 1 if server.engine.errored else 0
+
+
+def _load_server(args: argparse.Namespace, sock: socket.socket) -> GracefulServer:
+    """Loads the engine and builds the app and the uvicorn server around it."""
+    engine_args = EngineArgs.from_cli_args(args)
+    holder: list[GracefulServer] = []
+
+    def on_dead(_: BaseException) -> None:
+        logger.critical("the engine cannot recover: shutting the server down (exit status 1)")
+        holder[0].should_exit = True
+
+    engine = AsyncLLMEngine.from_engine_args(
+        engine_args, on_dead=on_dead, log_requests=args.log_requests
     )
     app = build_app(engine, args)
-    logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    logger.info("Serving %s on http://%s:%d", engine_args.model, host, port)
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
+        log_config=None,
+        log_level=args.uvicorn_log_level or args.log_level,
         timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S) + 5,
     )
-    GracefulServer(config, engine).run()
+    holder.append(GracefulServer(config, engine))
+    return holder[0]
 
 
-def main(argv: list[str] | None = None) -> None:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host:port`, bound before the model loads.
+
+    Raises:
+        OSError: the address is in use or cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
     """`python -m vllm_mamba.entrypoints.openai.api_server --model MODEL [flags]`."""
     parser = argparse.ArgumentParser(
         description="Serve a model over an OpenAI-compatible HTTP API.",
@@ -192,8 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", required=True, help="a local model directory or a hub id")
     add_server_args(parser)
-    run_server(parser.parse_args(argv))
+    return run_server(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """The server's command-line flags and the `vllm-mamba serve MODEL` subcommand.
 
-`add_server_args` is shared with `python -m vllm_mamba.entrypoints.openai.api_server
---model MODEL`. The server itself is imported only when the command runs, so building the
-`vllm-mamba` parser stays cheap.
+`add_server_args` (the server's own flags, then every `EngineArgs` flag) is shared with
+`python -m vllm_mamba.entrypoints.openai.api_server --model MODEL`. The server itself is
+imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from vllm_mamba.engine.arg_utils import EngineArgs
+
 API_KEY_ENV = "VLLM_MAMBA_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -25,53 +28,59 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Adds every server flag except the model to `parser`."""
+    """Adds every server flag and every `EngineArgs` flag except the model to `parser`."""
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on")
     net.add_argument("--port", type=int, default=8000, help="port to listen on")
-    net.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="name(s) clients use for the model (default: the model argument)",
-    )
     net.add_argument(
         "--api-key",
         default=None,
         help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, or none)",
     )
     net.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging level")
-    eng = parser.add_argument_group("engine")
-    eng.add_argument("--tokenizer", default=None, help="tokenizer (default: the model)")
-    eng.add_argument("--max-num-seqs", type=int, default=256, help="sequences in flight (slots)")
-    eng.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step"
-    )
-    eng.add_argument(
-        "--max-model-len",
-        type=int,
+    net.add_argument(
+        "--uvicorn-log-level",
         default=None,
-        help="longest prompt plus output (default: from the model config, else 2048)",
+        choices=LOG_LEVELS,
+        help="uvicorn's logging level (default: --log-level)",
     )
-    eng.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16", "half"),
-        help="weights and activations dtype (auto: the config's, else float32)",
+    net.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template, a file or the template text (default: the tokenizer's)",
     )
-    eng.add_argument(
-        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: CUDA if present"
+    net.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template sent in a request (rendered in a bounded sandbox)",
     )
-    eng.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    eng.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler")
+    logs = net.add_mutually_exclusive_group()
+    logs.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action="store_true",
+        help="log every request's prompt and parameters",
+    )
+    logs.add_argument(
+        "--disable-log-requests",
+        dest="log_requests",
+        action="store_false",
+        help="do not log requests (the default)",
+    )
+    net.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted; larger ones get HTTP 413",
+    )
+    EngineArgs.add_cli_args(parser)
     return parser
 
 
 def _serve(args: argparse.Namespace) -> int:
     from vllm_mamba.entrypoints.openai.api_server import run_server
 
-    run_server(args)
-    return 0
+    return run_server(args)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -84,5 +93,5 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("model", help="a local Hugging Face model directory or a hub id")
     add_server_args(parser)
-    parser.set_defaults(func=_serve)
+    parser.set_defaults(func=_serve, parser=parser)
     return parser

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_mamba.engine.async_engine import EngineDeadError
+from vllm_mamba.engine.errors import EngineDeadError, RequestsFailedError
 from vllm_mamba.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -23,9 +23,16 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     503: "service_unavailable",
 }
 _PARAM = re.compile(r"SamplingParams\.(\w+)")
+_LEADING_PARAMS = {
+    "prompt": "prompt",
+    "prompt_token_ids": "prompt",
+    "stop_token_ids": "stop_token_ids",
+    "messages": "messages",
+}
 
 
 class APIError(Exception):
@@ -44,17 +51,33 @@ class APIError(Exception):
 def error_response(
     message: str, status: int, param: str | None = None, code: int | str | None = None
 ) -> JSONResponse:
-    """A JSON response in OpenAI's error shape."""
+    """A JSON response in OpenAI's error shape (text the client sent that is not valid
+    Unicode, such as a lone surrogate echoed in a message, is replaced)."""
+    message = message.encode("utf-8", "replace").decode("utf-8")
     err_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     info = ErrorInfo(message=message, type=err_type, param=param, code=code or status)
     return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+
+
+ENGINE_ERRORS = (EngineDeadError, RequestsFailedError)
+
+
+def engine_error_status(err: BaseException) -> int:
+    """503 when the engine is not serving, 500 when the request failed inside a step."""
+    return 503 if isinstance(err, EngineDeadError) else 500
 
 
 def error_from_value_error(err: ValueError) -> APIError:
     """A 400 `APIError` from the engine's validation error, naming the field when it can."""
     message = str(err)
     match = _PARAM.search(message)
-    param = match.group(1) if match else ("prompt" if "prompt" in message else None)
+    first = message.split(" ", 1)[0]
+    if match:
+        param = match.group(1)
+    elif first in _LEADING_PARAMS:
+        param = _LEADING_PARAMS[first]
+    else:
+        param = "prompt" if "prompt" in message else None
     return APIError(message, 400, param=param)
 
 
@@ -97,6 +120,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:
         return error_response(str(err), 503)
+
+    @app.exception_handler(RequestsFailedError)
+    async def _request_failed(_: Request, err: RequestsFailedError) -> JSONResponse:
+        return error_response(str(err), 500)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, err: Exception) -> JSONResponse:

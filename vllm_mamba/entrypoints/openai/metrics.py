@@ -1,8 +1,9 @@
 """The server's Prometheus metrics, rendered in the text exposition format for `GET /metrics`.
 
-Gauges (running and waiting requests, state slots in use) and token counters are read live
-from the engine when scraped; the time-to-first-token and inter-token latency histograms are
-fed by `ServerMetrics.track`, which wraps a request's output stream.
+Gauges (running and waiting requests, state slots in use) and token counters come from the
+latest statistics snapshot the engine thread handed over; the time-to-first-token and
+inter-token latency histograms are fed by `ServerMetrics.track`, which wraps a request's output
+stream.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import bisect
 import time
 from collections.abc import AsyncIterator
 
-from vllm_mamba.engine.llm_engine import LLMEngine
+from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.outputs import RequestOutput
 
 PREFIX = "vllm_mamba:"
@@ -51,7 +52,7 @@ class Histogram:
 class ServerMetrics:
     """Everything `/metrics` reports for one engine and model name."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
         self.ttft = Histogram(
@@ -97,7 +98,6 @@ class ServerMetrics:
 
     def render(self) -> str:
         """The Prometheus text of every metric."""
-        scheduler = self.engine.scheduler
         stats = self.engine.stats
         label = f'model_name="{self.model_name}"'
         lines: list[str] = []
@@ -111,10 +111,10 @@ class ServerMetrics:
                 ]
             )
 
-        metric("num_requests_running", "gauge", "Requests being generated.", len(scheduler.running))
-        metric("num_requests_waiting", "gauge", "Requests waiting.", len(scheduler.waiting))
-        metric("state_slots_used", "gauge", "State slots in use.", scheduler.slots.num_used)
-        metric("state_slots_total", "gauge", "State slots in all.", scheduler.slots.num_slots)
+        metric("num_requests_running", "gauge", "Requests being generated.", stats.num_running)
+        metric("num_requests_waiting", "gauge", "Requests waiting.", stats.num_waiting)
+        metric("state_slots_used", "gauge", "State slots in use.", stats.slots_used)
+        metric("state_slots_total", "gauge", "State slots in all.", stats.slots_total)
         metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", stats.prompt_tokens)
         metric("generation_tokens_total", "counter", "Tokens generated.", stats.generation_tokens)
         name = PREFIX + "request_success_total"

@@ -3,7 +3,9 @@
 Requests follow the OpenAI field names; `top_k`, `min_p`, `min_tokens`, `ignore_eos`,
 `repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output` and
 `skip_special_tokens` are extensions with vLLM's meanings (send them in `extra_body` with the
-`openai` client). Unknown fields are ignored; values are checked by `SamplingParams`.
+`openai` client). Fields that would change the output but are not implemented are refused
+(`SamplingRequest.unsupported_field`); other unknown fields are ignored. Values are checked
+by `SamplingParams`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from vllm_mamba.sampling_params import SamplingParams
 
@@ -28,8 +30,40 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields of OpenAI's or vLLM's API that would change the output and are not implemented here:
+# a request that sets one gets a 400 naming it, never a silent success.
+_UNSUPPORTED_FIELDS = (
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "response_format",
+    "tools",
+    "functions",
+    "function_call",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "use_beam_search",
+    "logits_processors",
+    "prompt_embeds",
+    "truncate_prompt_tokens",
+)
+_NO_EFFECT_VALUES: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none", "auto"),
+}
+
+
 class SamplingRequest(BaseModel):
-    """The sampling and stopping fields shared by completions and chat completions."""
+    """The sampling and stopping fields shared by completions and chat completions.
+
+    Other fields are accepted and ignored unless they would change the output
+    (`unsupported_field`).
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -52,6 +86,19 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+
+    def unsupported_field(self) -> str | None:
+        """The first field that is set, would change the output, and is not implemented."""
+        extra = self.model_extra or {}
+        for name in (*_UNSUPPORTED_FIELDS, "tool_choice"):
+            value = extra.get(name)
+            if value in (None, False, "", [], {}):
+                continue
+            if value in _NO_EFFECT_VALUES.get(name, ()):
+                continue
+            if name == "tool_choice" or name in _UNSUPPORTED_FIELDS:
+                return name
+        return None
 
     @property
     def include_usage(self) -> bool:

@@ -21,8 +21,8 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vllm_mamba.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from vllm_mamba.entrypoints.openai.errors import APIError
+from vllm_mamba.engine.async_engine import AsyncLLMEngine
+from vllm_mamba.entrypoints.openai.errors import ENGINE_ERRORS, APIError, engine_error_status
 from vllm_mamba.entrypoints.openai.logprobs import (
     completion_logprobs,
     join_logprobs,
@@ -78,6 +78,9 @@ class OpenAIServingCompletion:
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         """Runs a completion request and answers it (a stream when `req.stream`)."""
         model_name = self.model.resolve(req.model)
+        unsupported = req.unsupported_field()
+        if unsupported is not None:
+            raise APIError(f"{unsupported} is not supported by this server", 400, unsupported)
         if req.suffix:
             raise APIError("suffix is not supported", 400, "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -133,14 +136,14 @@ class OpenAIServingCompletion:
     async def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
             return out.prompt
-        return await self.engine.call(self.engine.engine.tokenizer.decode, out.prompt_token_ids)
+        return await self.engine.run_tokenizer(self.engine.tokenizer.decode, out.prompt_token_ids)
 
     async def _echo_logprobs(self, out: RequestOutput, top_k: int) -> CompletionLogprobs:
         """The logprobs of the prompt's tokens, from the prefill; entry 0 is null."""
         token_ids, entries = out.prompt_token_ids, out.prompt_logprobs
         assert entries is not None and len(entries) == len(token_ids), "prompt logprobs missing"
         texts = token_texts(token_ids, entries)
-        texts[0] = await self.engine.call(self.engine.engine.tokenizer.decode, token_ids[:1])
+        texts[0] = await self.engine.run_tokenizer(self.engine.tokenizer.decode, token_ids[:1])
         return completion_logprobs(token_ids, entries, texts, top_k)
 
     async def _choice(
@@ -204,8 +207,8 @@ class OpenAIServingCompletion:
                 chunk = CompletionResponse(id=request_id, model=model_name, choices=[], usage=usage)
                 yield sse(chunk)
             yield SSE_DONE
-        except EngineDeadError as err:
-            yield sse_error(str(err), 503)
+        except ENGINE_ERRORS as err:
+            yield sse_error(str(err), engine_error_status(err))
             yield SSE_DONE
         finally:
             for rid, out in zip(ids, finals):

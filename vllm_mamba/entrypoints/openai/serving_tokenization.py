@@ -30,7 +30,7 @@ class OpenAIServingTokenization:
     """Answers the tokenizer routes with the engine's own tokenizer.
 
     Args:
-        engine: the served engine; its tokenizer is only touched on the engine's thread.
+        engine: the served engine; its tokenizer is only touched on the tokenizer thread.
         model: the served model (requests naming another model get a 404).
         chat: renders chat messages exactly as chat completions do.
     """
@@ -39,11 +39,11 @@ class OpenAIServingTokenization:
         self.engine = engine
         self.model = model
         self.chat = chat
-        self.vocab_size = engine.engine.config.model_config.vocab_size
+        self.vocab_size = engine.model_config.vocab_size
 
     @property
     def _tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     async def tokenize(
         self, req: TokenizeCompletionRequest | TokenizeChatRequest
@@ -55,16 +55,18 @@ class OpenAIServingTokenization:
         """
         self.model.resolve(req.model)
         if isinstance(req, TokenizeChatRequest):
-            text = self.chat.render(req.messages, req.add_generation_prompt, req.chat_template)
+            text = await self.chat.render(
+                req.messages, req.add_generation_prompt, req.chat_template
+            )
         else:
             text = req.prompt
         encode = functools.partial(
-            self._tokenizer.encode, text, add_special_tokens=req.add_special_tokens
+            self.engine.inputs.encode, text, add_special_tokens=req.add_special_tokens
         )
-        ids = await self.engine.call(encode)
+        ids = await self.engine.run_tokenizer(encode)
         strs = None
         if req.return_token_strs:
-            strs = await self.engine.call(self._tokenizer.convert_ids_to_tokens, ids)
+            strs = await self.engine.run_tokenizer(self._tokenizer.convert_ids_to_tokens, ids)
         return TokenizeResponse(
             count=len(ids), max_model_len=self.model.max_model_len, tokens=ids, token_strs=strs
         )
@@ -81,7 +83,8 @@ class OpenAIServingTokenization:
             raise APIError(
                 f"tokens {bad[:5]} are outside the vocabulary [0, {self.vocab_size})", 400, "tokens"
             )
-        return DetokenizeResponse(prompt=await self.engine.call(self._tokenizer.decode, req.tokens))
+        text = await self.engine.run_tokenizer(self._tokenizer.decode, req.tokens)
+        return DetokenizeResponse(prompt=text)
 
     def info(self) -> dict[str, Any]:
         """`GET /tokenizer_info`: the tokenizer's class, special tokens, length limit and the
@@ -92,5 +95,5 @@ class OpenAIServingTokenization:
             token = getattr(tokenizer, name, None)
             info[name] = None if token is None else str(token)
         info["model_max_length"] = getattr(tokenizer, "model_max_length", None)
-        info["chat_template"] = self.chat.template
+        info["chat_template"] = self.chat.template.template
         return info

@@ -1,0 +1,239 @@
+"""`EngineArgs`: every engine option, once, with its type, default, help and choices.
+
+`LLM(model, **kwargs)`, `LLMEngine.from_engine_args`, and the `serve`, `generate` and `bench`
+commands all build their engine from it: `add_cli_args(parser)` registers one flag per field
+(vLLM's names), `from_cli_args(args)` reads them back, `create_engine_config()` resolves the
+model and validates every value (a `ValueError` naming the option, or a `FileNotFoundError`
+for a model that is not there).
+
+Options that vLLM has and that change nothing here (`trust_remote_code`,
+`gpu_memory_utilization` on the CPU, `tensor_parallel_size=1`) are accepted with one warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_mamba.config import (
+    DTYPE_CHOICES,
+    STATE_DTYPE_CHOICES,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    derive_max_model_len,
+    resolve_device,
+    resolve_dtype,
+    resolve_state_dtype,
+)
+
+logger = logging.getLogger(__name__)
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+MAX_SEED = 2**63 - 1
+
+
+def _opt(help_text: str, **kwargs: Any) -> Any:
+    """A dataclass field default with its CLI help (and optional choices / nargs)."""
+    default = kwargs.pop("default")
+    return field(default=default, metadata={"help": help_text, **kwargs})
+
+
+@dataclass
+class EngineArgs:
+    """The options of one engine; see `--help` of `vllm-mamba serve` for each."""
+
+    model: str = _opt(
+        "a local Hugging Face model directory, a shipped name or a hub id", default=""
+    )
+    tokenizer: str | None = _opt(
+        "tokenizer directory or hub id (default: the model's)", default=None
+    )
+    revision: str | None = _opt("hub revision (branch, tag or commit) of the model", default=None)
+    tokenizer_revision: str | None = _opt("hub revision of the tokenizer", default=None)
+    download_dir: str | None = _opt("hub cache directory (default: HF_HUB_CACHE)", default=None)
+    served_model_name: list[str] | None = _opt(
+        "name(s) clients use for the model (default: the model argument)", default=None, nargs="+"
+    )
+    dtype: str = _opt(
+        "weights and activations dtype (auto: the config's, else float32)",
+        default="auto",
+        choices=DTYPE_CHOICES,
+    )
+    ssm_state_dtype: str = _opt(
+        "dtype of the SSM state (auto: the model's, float32 for Mamba)",
+        default="auto",
+        choices=STATE_DTYPE_CHOICES,
+    )
+    device: str = _opt(
+        "where the model runs (auto: CUDA if present)", default="auto", choices=DEVICE_CHOICES
+    )
+    max_model_len: int | None = _opt(
+        "longest prompt plus output (default: from the model config, else 2048)", default=None
+    )
+    max_num_seqs: int = _opt("sequences in flight at once (= state slots)", default=256)
+    max_num_batched_tokens: int = _opt(
+        "tokens per engine step; longer prompts are prefilled in chunks", default=2048
+    )
+    seed: int = _opt("seed of the engine's sampling generator", default=0)
+    enforce_eager: bool = _opt("never capture CUDA graphs", default=False)
+    disable_log_stats: bool = _opt("no periodic statistics line while busy", default=False)
+    trust_remote_code: bool = _opt("accepted for vLLM compatibility; no effect here", default=False)
+    gpu_memory_utilization: float | None = _opt(
+        "accepted for vLLM compatibility; state slots are sized by --max-num-seqs", default=None
+    )
+    tensor_parallel_size: int | None = _opt(
+        "accepted for vLLM compatibility; only 1 is supported", default=None
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty string (a directory or a hub id)")
+
+    # ----- the command line -------------------------------------------------------------
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ("model",)
+    ) -> argparse.ArgumentParser:
+        """Adds one `--flag` per field (except `skip`) to an "engine" group of `parser`."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            kwargs: dict[str, Any] = {"default": f.default, "help": meta.pop("help")}
+            if f.type in ("bool", bool):
+                kwargs["action"] = "store_true"
+            else:
+                kwargs["type"] = _cli_type(f)
+                kwargs.update(meta)
+            group.add_argument(flag, **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The `EngineArgs` of parsed flags (fields the parser lacks keep their defaults)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+    # ----- validation and resolution ----------------------------------------------------
+    def check_values(self) -> None:
+        """Range checks that need no model; `ValueError` naming the option."""
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is None and name == "tensor_parallel_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
+            raise ValueError(f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
+        gmu = self.gpu_memory_utilization
+        if gmu is not None and not (isinstance(gmu, (int, float)) and 0.0 < gmu <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")
+        if self.tensor_parallel_size not in (None, 1):
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} is not supported: only 1"
+            )
+        for name, choices in (
+            ("dtype", DTYPE_CHOICES),
+            ("ssm_state_dtype", STATE_DTYPE_CHOICES),
+            ("device", DEVICE_CHOICES),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, str) and value not in choices:
+                raise ValueError(f"{name} {value!r} is not one of {', '.join(choices)}")
+
+    def warn_no_effect(self, device: torch.device) -> None:
+        """One warning per vLLM option that is set but does nothing here."""
+        if self.trust_remote_code:
+            logger.warning("trust_remote_code has no effect: no model here runs remote code")
+        if self.gpu_memory_utilization is not None:
+            logger.warning(
+                "gpu_memory_utilization has no effect on the %s: state slots are sized by "
+                "max_num_seqs",
+                device.type,
+            )
+        if self.tensor_parallel_size == 1:
+            logger.warning("tensor_parallel_size 1 has no effect: the model runs on one device")
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolves the model (downloading from the hub if needed) and validates every option.
+
+        Raises:
+            ValueError: an option out of range or that cannot run on the chosen device.
+            FileNotFoundError: the model or tokenizer is not there.
+        """
+        from vllm_mamba.model_loader import load_hf_config, resolve_model_path
+        from vllm_mamba.models.registry import ModelRegistry
+        from vllm_mamba.tokenizer import default_tokenizer_source
+
+        self.check_values()
+        device = resolve_device(self.device)
+        path = resolve_model_path(self.model, self.revision, self.download_dir)
+        hf_config = load_hf_config(path)
+        _, arch = ModelRegistry.resolve_model_cls(getattr(hf_config, "architectures", None))
+        tokenizer = self.tokenizer or default_tokenizer_source(path)
+        tok_path = (
+            resolve_model_path(tokenizer, self.tokenizer_revision, self.download_dir)
+            if tokenizer
+            else path
+        )
+        dtype = resolve_dtype(self.dtype, hf_config)
+        state_dtype = resolve_state_dtype(self.ssm_state_dtype)
+        for name, value in (("dtype", dtype), ("ssm_state_dtype", state_dtype)):
+            check_dtype_on_device(name, value, device)
+        model_config = ModelConfig(
+            model=self.model,
+            path=path,
+            hf_config=hf_config,
+            architecture=arch,
+            dtype=dtype,
+            max_model_len=derive_max_model_len(hf_config, self.max_model_len),
+            tokenizer=tok_path,
+            seed=self.seed,
+            served_model_name=list(self.served_model_name or [self.model]),
+        )
+        self.warn_no_effect(device)
+        return EngineConfig(
+            model_config=model_config,
+            scheduler_config=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens),
+            device=device,
+            enforce_eager=self.enforce_eager,
+            ssm_state_dtype=state_dtype,
+            log_stats=not self.disable_log_stats,
+        )
+
+
+def check_dtype_on_device(name: str, dtype: torch.dtype | None, device: torch.device) -> None:
+    """float16 has no CPU kernels: refuse it at startup rather than fail at the first request.
+
+    Raises:
+        ValueError: the dtype of option `name` cannot run on the device.
+    """
+    if device.type == "cpu" and dtype == torch.float16:
+        raise ValueError(
+            f"{name} float16 is not supported on the CPU (its kernels run float32 and "
+            f"bfloat16); use bfloat16 or float32"
+        )
+
+
+def _cli_type(f: dataclasses.Field) -> Any:
+    """The argparse `type` of a field from its annotation string."""
+    text = str(f.type)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str

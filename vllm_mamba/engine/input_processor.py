@@ -1,0 +1,132 @@
+"""Turns a request's prompt into validated token ids, and checks its parameters against the
+model: everything a request must pass before it enters the engine.
+
+It holds its own tokenizer reference, so a server can run one on a worker thread (with its own
+tokenizer copy) and keep tokenisation off both the event loop and the engine thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_mamba.sampling_params import SamplingParams
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+class InputProcessor:
+    """Validates prompts and sampling parameters for one model.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        vocab_size: rows of the model's embedding; token ids must be below it.
+        max_model_len: the longest prompt plus output.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # No token spans more characters than the longest vocabulary entry, so a text longer
+        # than this cannot fit in max_model_len tokens: it is refused before tokenising it.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_model_len * max(longest, 1)
+
+    def process_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """Returns `(text or None, token ids)` of a prompt, validated.
+
+        Raises:
+            ValueError: empty, too long, not encodable, or with token ids outside the
+                vocabulary.
+        """
+        text, ids = _split_prompt(prompt)
+        if ids is None:
+            ids = self.encode(text)
+        if not ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        self.check_token_ids("prompt_token_ids", ids)
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long, more than max_model_len ({self.max_model_len})"
+            )
+        return text, ids
+
+    def encode(self, text: Any, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`.
+
+        Raises:
+            ValueError: not a string, far too long, or text the tokenizer cannot encode
+                (such as lone surrogates).
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt is {len(text)} characters long: more than max_model_len "
+                f"({self.max_model_len}) tokens can hold"
+            )
+        check_encodable("prompt", text)
+        if not text:
+            return []
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except (TypeError, ValueError, UnicodeError) as err:
+            raise ValueError(f"prompt cannot be tokenized: {err}") from err
+
+    def check_token_ids(self, name: str, ids: list[Any]) -> None:
+        """Every id an integer in `[0, vocab_size)`.
+
+        Raises:
+            ValueError: naming `name` and the first bad ids.
+        """
+        vocab = self.vocab_size
+        bad = [
+            t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+        ]
+        if bad:
+            raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The parts of `params` that depend on the model.
+
+        Raises:
+            ValueError: `top_k` above the vocabulary, or stop token ids outside it.
+        """
+        if params.top_k > self.vocab_size:
+            raise ValueError(
+                f"SamplingParams.top_k must be at most the vocabulary size ({self.vocab_size}), "
+                f"got {params.top_k}"
+            )
+        self.check_token_ids("stop_token_ids", params.stop_token_ids or [])
+
+
+def check_encodable(name: str, text: str) -> None:
+    """Refuses text that is not valid Unicode (lone surrogates cannot be UTF-8 encoded).
+
+    Raises:
+        ValueError: naming `name`.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{name} is not valid Unicode text (position {err.start}: {err.reason})"
+        ) from err
+
+
+def _split_prompt(prompt: PromptInput) -> tuple[Any, list[Any] | None]:
+    """`(text, ids or None)` of the accepted prompt shapes."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise ValueError("prompt_token_ids must be a list of token ids")
+            return prompt.get("prompt"), list(ids)
+        if "prompt" in prompt:
+            return prompt["prompt"], None
+        raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise ValueError(f"prompt must be a string or token ids, got {type(prompt).__name__}")

@@ -1,0 +1,76 @@
+"""The server's ASGI middleware: API-key authentication and the request-body size limit."""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vllm_mamba.entrypoints.openai.errors import error_response
+
+
+class BearerAuth:
+    """ASGI middleware: `/v1/*` needs `Authorization: Bearer <api_key>` (401 otherwise).
+
+    The scheme is matched in any case and the first `Authorization` header counts (vLLM).
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            token = _bearer_token(scope["headers"])
+            if token is None or not secrets.compare_digest(token, self.expected):
+                response = error_response("invalid or missing API key", 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The token of the first `Authorization` header when its scheme is Bearer."""
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over `max_bytes` gets HTTP 413, whether it declares
+    its length or streams it in chunks; nothing beyond the limit is buffered."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)"
+
+    def _too_large(self) -> Response:
+        return error_response(self._message(), 413)
