@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_mamba.ops.causal_conv1d import PAD_SLOT_ID
-
 __all__ = ["PAD_SLOT_ID", "MambaStateShape", "SlotAllocator", "MambaCache", "LayerState"]
+
+PAD_SLOT_ID = -1  # the slot index of a padding row; every kernel imports it from here
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The small-batch C++ matrix-vector kernel against `torch.nn.functional.linear`."""
+"""The small-batch C++ matrix-vector kernel, and the `cpp` table's `linear`, against `F.linear`."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_mamba.layers.linear import Linear
 from vllm_mamba.ops import cpu_kernels
-from vllm_mamba.ops.linear import Linear, linear
+from vllm_mamba.ops.dispatch import REF_OPS
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(),
@@ -38,7 +39,7 @@ def test_bfloat16_weights_and_inputs() -> None:
 
 
 def test_linear_module_uses_the_same_math_for_any_batch() -> None:
-    layer = Linear(48, 20).eval()
+    layer = Linear(48, 20, True, cpu_kernels.make_ops()).eval()
     x = torch.randn(12, 48)
     with torch.no_grad():
         small = layer(x[:2])  # kernel path
@@ -46,4 +47,12 @@ def test_linear_module_uses_the_same_math_for_any_batch() -> None:
         torch.testing.assert_close(small, large[:2], rtol=1e-5, atol=1e-5)
         # A non-contiguous input (a split view) is handled.
         view = torch.randn(2, 96)[:, ::2]
-        torch.testing.assert_close(linear(view, layer.weight, layer.bias), layer(view.clone()))
+        torch.testing.assert_close(
+            cpu_kernels.linear(view, layer.weight, layer.bias), layer(view.clone())
+        )
+
+
+def test_reference_table_runs_f_linear() -> None:
+    """`VLLM_MAMBA_OPS=ref` covers the projections too."""
+    assert REF_OPS.linear is F.linear
+    assert Linear(4, 3, False, REF_OPS).linear_op is F.linear

@@ -1,5 +1,8 @@
 """The Mamba (S6) mixer over one flat varlen batch: decodes first, then prefill chunks.
 
+Also FalconMamba's: with `mixer_rms_eps` set, the time step, B and C that `x_proj` produces
+are each RMS-normalised (no weight) before the scan.
+
 Glossary: T tokens in the step, H hidden size, I intermediate size, N state size, R time-step
 rank, K conv kernel width. Parameter names follow the Hugging Face checkpoints
 (`in_proj`, `conv1d`, `x_proj`, `dt_proj`, `A_log`, `D`, `out_proj`).
@@ -8,24 +11,16 @@ rank, K conv kernel width. Parameter names follow the Hugging Face checkpoints
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.layers.layernorm import weightless_rms_norm
+from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.mixer_base import StateSpaceMixer
 from vllm_mamba.mamba_cache import LayerState
-from vllm_mamba.ops.dispatch import MambaOps
-from vllm_mamba.ops.linear import Linear, linear
+from vllm_mamba.ops.table import MambaOps
 
 
-class Conv1dWeights(nn.Module):
-    """Holds the depthwise conv parameters under the checkpoint's names (`weight (I, 1, K)`)."""
-
-    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
-        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
-
-
-class MambaMixer(nn.Module):
+class MambaMixer(StateSpaceMixer):
     """Selective SSM block: in_proj -> causal conv -> selective scan -> gate -> out_proj."""
 
     def __init__(
@@ -38,47 +33,28 @@ class MambaMixer(nn.Module):
         use_bias: bool,
         use_conv_bias: bool,
         ops: MambaOps,
+        mixer_rms_eps: float | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(
+            intermediate_size, conv_kernel, use_conv_bias, (intermediate_size, state_size), ops
+        )
         self.intermediate_size = intermediate_size
         self.state_size = state_size
         self.time_step_rank = time_step_rank
-        self.ops = ops
-        self.in_proj = Linear(hidden_size, 2 * intermediate_size, bias=use_bias)
-        self.conv1d = Conv1dWeights(intermediate_size, conv_kernel, use_conv_bias)
-        self.x_proj = Linear(intermediate_size, time_step_rank + 2 * state_size, bias=False)
-        self.dt_proj = Linear(time_step_rank, intermediate_size, bias=True)
-        self.A_log = nn.Parameter(torch.empty(intermediate_size, state_size))
-        self.D = nn.Parameter(torch.empty(intermediate_size))
-        self.out_proj = Linear(intermediate_size, hidden_size, bias=use_bias)
-        self.register_buffer("A", torch.empty(0), persistent=False)
-        self.register_buffer("conv_weight", torch.empty(0), persistent=False)
+        self.mixer_rms_eps = mixer_rms_eps
+        self.in_proj = Linear(hidden_size, 2 * intermediate_size, use_bias, ops)
+        self.x_proj = Linear(intermediate_size, time_step_rank + 2 * state_size, False, ops)
+        self.dt_proj = Linear(time_step_rank, intermediate_size, True, ops)
+        self.out_proj = Linear(intermediate_size, hidden_size, use_bias, ops)
 
-    def process_weights_after_loading(self) -> None:
-        """Precomputes `A = -exp(A_log)` `(I, N)` float32 and the `(I, K)` conv filters."""
-        self.A = -torch.exp(self.A_log.detach().float())
-        self.conv_weight = self.conv1d.weight.detach()[:, 0, :].contiguous()
-
-    def _conv(self, x: torch.Tensor, state: LayerState, meta: MambaMetadata) -> torch.Tensor:
-        """Causal conv + SiLU of `x (T, I)`: decode rows by update, prefill chunks by varlen."""
-        nd = meta.num_decodes
-        parts = []
-        if nd:
-            parts.append(
-                self.ops.causal_conv1d_update(
-                    x[:nd], state.conv, self.conv_weight, self.conv1d.bias,
-                    meta.decode_state_indices,
-                )
-            )  # fmt: skip
-        if meta.num_prefills:
-            parts.append(
-                self.ops.causal_conv1d_varlen(
-                    x[nd:], self.conv_weight, self.conv1d.bias, state.conv,
-                    meta.prefill_query_start_loc, meta.prefill_state_indices,
-                    meta.prefill_has_initial_state,
-                )
-            )  # fmt: skip
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def _ssm_params(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`xc (T, I)` -> dt `(T, I)` (before its bias), B `(T, N)`, C `(T, N)`."""
+        sizes = [self.time_step_rank, self.state_size, self.state_size]
+        ts, B, C = self.x_proj(xc).split(sizes, dim=-1)  # (T, R), (T, N), (T, N)
+        if self.mixer_rms_eps is not None:
+            ts, B, C = (weightless_rms_norm(t, self.mixer_rms_eps) for t in (ts, B, C))
+        dt = self.ops.linear(ts, self.dt_proj.weight, None)  # (T, I), bias added in the scan
+        return dt, B, C
 
     def forward(self, hidden: torch.Tensor, state: LayerState, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's state in place.
@@ -87,29 +63,25 @@ class MambaMixer(nn.Module):
             `(T, H)` in the model dtype.
         """
         nd = meta.num_decodes
-        xz = self.in_proj(hidden)  # (T, 2I)
-        x, z = xz.chunk(2, dim=-1)  # (T, I) each
-        xc = self._conv(x, state, meta)  # (T, I)
-        ssm_params = self.x_proj(xc)  # (T, R + 2N)
-        ts, B, C = torch.split(
-            ssm_params, [self.time_step_rank, self.state_size, self.state_size], dim=-1
-        )
-        dt = linear(ts, self.dt_proj.weight, None)  # (T, I), bias added in the kernel
-        dt_bias = self.dt_proj.bias
+        x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (T, I) each
+        xc = self.conv(x, state, meta)  # (T, I)
+        dt, B, C = self._ssm_params(xc)
+        shared = {"A": self.A, "D_skip": self.D, "dt_bias": self.dt_proj.bias, "dt_softplus": True}
         parts = []
         if nd:
             parts.append(
                 self.ops.selective_state_update(
-                    state.ssm, xc[:nd], dt[:nd], self.A, B[:nd], C[:nd], self.D, z[:nd],
-                    dt_bias, True, meta.decode_state_indices,
+                    ssm_states=state.ssm, u=xc[:nd], dt=dt[:nd], B_=B[:nd], C=C[:nd], z=z[:nd],
+                    state_indices=meta.decode_state_indices, **shared,
                 )
             )  # fmt: skip
         if meta.num_prefills:
             parts.append(
                 self.ops.selective_scan_varlen(
-                    xc[nd:], dt[nd:], self.A, B[nd:], C[nd:], self.D, z[nd:], dt_bias, True,
-                    state.ssm, meta.prefill_query_start_loc, meta.prefill_state_indices,
-                    meta.prefill_has_initial_state,
+                    u=xc[nd:], dt=dt[nd:], B_=B[nd:], C=C[nd:], z=z[nd:], ssm_states=state.ssm,
+                    query_start_loc=meta.prefill_query_start_loc,
+                    state_indices=meta.prefill_state_indices,
+                    has_initial_state=meta.prefill_has_initial_state, **shared,
                 )
             )  # fmt: skip
         y = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, I)

@@ -16,10 +16,10 @@ from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.layers.layernorm import RMSNorm
+from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba_mixer import MambaMixer
 from vllm_mamba.mamba_cache import MambaCache, MambaStateShape
-from vllm_mamba.ops.dispatch import MambaOps
-from vllm_mamba.ops.linear import Linear
+from vllm_mamba.ops.table import MambaOps
 
 
 class MambaBlock(nn.Module):
@@ -62,12 +62,12 @@ class MambaForCausalLM(nn.Module):
             raise ValueError(f"hidden_act {act!r} is not supported; the kernels apply SiLU")
         self.config = config
         self.backbone = MambaBackbone(config, lambda: self.make_mixer(config, ops))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
         self.tie_weights()
 
     @staticmethod
     def make_mixer(config: Any, ops: MambaOps) -> nn.Module:
-        """One layer's mixer; subclasses with another mixer (Mamba2) override this."""
+        """One layer's mixer; subclasses with another mixer (Mamba2, FalconMamba) override this."""
         return MambaMixer(
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,

@@ -15,7 +15,7 @@ from torch import nn
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
 from vllm_mamba.mamba_cache import MambaStateShape
 from vllm_mamba.models.mamba import MambaForCausalLM
-from vllm_mamba.ops.dispatch import MambaOps
+from vllm_mamba.ops.table import MambaOps
 
 
 def _conv_dim(config: Any) -> int:

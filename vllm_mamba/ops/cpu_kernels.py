@@ -10,8 +10,9 @@ contiguous ones themselves; the states are updated in place and must be contiguo
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from vllm_mamba.ops.dispatch import MambaOps
+from vllm_mamba.ops.table import MambaOps
 
 try:
     import vllm_mamba._C  # noqa: F401  (registers torch.ops.vllm_mamba.*)
@@ -25,11 +26,13 @@ _OP_NAMES = (
     "causal_conv1d_update",
     "selective_scan_varlen",
     "selective_state_update",
+    "linear_small_batch",
 )
+SMALL_BATCH = 8  # rows up to which `linear` streams the weight with the matrix-vector kernel
 
 
 def available() -> bool:
-    """Whether the extension is built and registers all four ops.
+    """Whether the extension is built and registers every op.
 
     Returns:
         True when `vllm_mamba._C` imports and `torch.ops.vllm_mamba` has every op.
@@ -154,11 +157,31 @@ def selective_state_update(
     )
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x (B, K) @ weight (N, K)^T + bias` -> `(B, N)`, by the fastest path for the shape.
+
+    Up to `SMALL_BATCH` rows (decode) the C++ kernel `linear_small_batch` streams the weight
+    once at close to memory speed; larger batches (compute-bound), other shapes and autograd
+    use `torch.nn.functional.linear`.
+    """
+    if (
+        x.dim() == 2
+        and x.shape[0] <= SMALL_BATCH
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.is_contiguous()
+        and not torch.is_grad_enabled()
+    ):
+        return torch.ops.vllm_mamba.linear_small_batch(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def make_ops() -> MambaOps:
     """Builds the ops table of the C++ backend.
 
     Returns:
-        The four wrappers, under the name "cpp".
+        The wrappers, under the name "cpp".
     """
     return MambaOps(
         name="cpp",
@@ -166,4 +189,5 @@ def make_ops() -> MambaOps:
         causal_conv1d_update=causal_conv1d_update,
         selective_scan_varlen=selective_scan_varlen,
         selective_state_update=selective_state_update,
+        linear=linear,
     )

@@ -1,9 +1,11 @@
 """The one place where the implementation of the Mamba ops is chosen.
 
-`get_mamba_ops(device)` returns a `MambaOps` table; layers call through it and never pick a
-kernel themselves. On the CPU the C++ extension (`vllm_mamba.ops.cpu_kernels`) runs when it is
-built, else the references with one warning; on CUDA the Triton kernels
-(`vllm_mamba.ops.triton_ops`). `VLLM_MAMBA_OPS=ref|cpp|triton` forces a choice.
+`get_mamba_ops(device)` returns a `MambaOps` table (`vllm_mamba.ops.table`); layers call
+through it, projections included, and never pick a kernel themselves. On the CPU the C++
+extension (`vllm_mamba.ops.cpu_kernels`) runs when it is built, else the references with one
+warning; on CUDA the Triton kernels (`vllm_mamba.ops.triton_ops`).
+`VLLM_MAMBA_OPS=ref|cpp|triton` forces a choice for every op; `ref` runs `F.linear` and the
+`_ref` functions only.
 
 Each backend module exposes `available() -> bool` and `make_ops() -> MambaOps`.
 """
@@ -13,35 +15,20 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from vllm_mamba.ops.selective_scan import selective_scan_varlen_ref, selective_state_update_ref
 from vllm_mamba.ops.ssd import ssd_chunk_scan_varlen_ref, ssd_state_update_ref
+from vllm_mamba.ops.table import MambaOps
+
+__all__ = ["MambaOps", "REF_OPS", "get_mamba_ops"]
 
 logger = logging.getLogger(__name__)
 _BACKEND_MODULES = {"cpp": "vllm_mamba.ops.cpu_kernels", "triton": "vllm_mamba.ops.triton_ops"}
 _warned: set[str] = set()
-
-
-@dataclass(frozen=True)
-class MambaOps:
-    """The kernels the mixers call, with the signatures of the `_ref` functions.
-
-    Mamba uses the conv and selective-scan ops; Mamba2 the conv and SSD ops. A backend without
-    its own SSD kernels keeps the references.
-    """
-
-    name: str
-    causal_conv1d_varlen: Callable[..., torch.Tensor]
-    causal_conv1d_update: Callable[..., torch.Tensor]
-    selective_scan_varlen: Callable[..., torch.Tensor]
-    selective_state_update: Callable[..., torch.Tensor]
-    ssd_chunk_scan_varlen: Callable[..., torch.Tensor] = ssd_chunk_scan_varlen_ref
-    ssd_state_update: Callable[..., torch.Tensor] = ssd_state_update_ref
 
 
 REF_OPS = MambaOps(
@@ -50,6 +37,9 @@ REF_OPS = MambaOps(
     causal_conv1d_update=causal_conv1d_update_ref,
     selective_scan_varlen=selective_scan_varlen_ref,
     selective_state_update=selective_state_update_ref,
+    linear=F.linear,
+    ssd_chunk_scan_varlen=ssd_chunk_scan_varlen_ref,
+    ssd_state_update=ssd_state_update_ref,
 )
 
 

@@ -17,19 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_mamba.ops.causal_conv1d import PAD_SLOT_ID
-
-
-def _discretize_dt(
-    dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool
-) -> torch.Tensor:
-    """Adds the bias and applies softplus, in float32."""
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if dt_softplus:
-        dt = F.softplus(dt)
-    return dt
+from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.ops.discretize import discretize_dt
 
 
 def _gate_and_skip(
@@ -83,7 +72,7 @@ def selective_scan_varlen_ref(
     in_seq = pos[None, :] < lens[:, None]  # (B, L)
     tok = (qsl[:-1, None] + pos[None, :]).clamp(max=max(num_tokens - 1, 0))  # (B, L)
 
-    delta = _discretize_dt(dt, dt_bias, dt_softplus)  # (T, D)
+    delta = discretize_dt(dt, dt_bias, dt_softplus)  # (T, D)
     A = A.float()
     state = ssm_states[slots].float() * (has_initial_state & valid)[:, None, None]  # (B, D, N)
     y = torch.zeros(num_tokens, dim, dtype=torch.float32, device=device)
@@ -129,7 +118,7 @@ def selective_state_update_ref(
     """
     valid = state_indices != PAD_SLOT_ID
     slots = state_indices.long().clamp(min=0)
-    delta = _discretize_dt(dt, dt_bias, dt_softplus)  # (B, D)
+    delta = discretize_dt(dt, dt_bias, dt_softplus)  # (B, D)
     dA = torch.exp(delta[:, :, None] * A.float())  # (B, D, N)
     dBu = (delta[:, :, None] * B_.float()[:, None, :]) * u.float()[:, :, None]  # (B, D, N)
     state = ssm_states[slots].float() * dA + dBu  # (B, D, N)

@@ -19,26 +19,9 @@ Glossary (token-major layout):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from vllm_mamba.ops.causal_conv1d import PAD_SLOT_ID
-
-
-def _discretize_dt(
-    dt: torch.Tensor,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool,
-    dt_limit: tuple[float, float] | None = None,
-) -> torch.Tensor:
-    """`dt (.., H)` plus bias, softplus, then clamped to `dt_limit`, in float32."""
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if dt_softplus:
-        dt = F.softplus(dt)
-    if dt_limit is not None and (dt_limit[0] > 0.0 or dt_limit[1] != float("inf")):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    return dt
+from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.ops.discretize import discretize_dt
 
 
 def _expand_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -151,7 +134,7 @@ def ssd_chunk_scan_varlen_ref(
     in_seq = pos[None, :] < lens[:, None]  # (B, L)
     tok = (qsl[:-1, None] + pos[None, :]).clamp(max=max(num_tokens - 1, 0))  # (B, L)
 
-    delta = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)[tok] * in_seq[..., None]  # (B,L,H)
+    delta = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)[tok] * in_seq[..., None]  # (B,L,H)
     xdt = x.float()[tok] * delta[..., None]  # (B, L, H, P)
     Bh = _expand_groups(B_.float()[tok], num_heads)  # (B, L, H, N)
     Ch = _expand_groups(C.float()[tok], num_heads)  # (B, L, H, N)
@@ -202,7 +185,7 @@ def ssd_state_update_ref(
     num_heads = x.shape[1]
     valid = state_indices != PAD_SLOT_ID
     slots = state_indices.long().clamp(min=0)
-    delta = _discretize_dt(dt, dt_bias, dt_softplus)  # (B, H)
+    delta = discretize_dt(dt, dt_bias, dt_softplus)  # (B, H)
     dA = torch.exp(delta * A.float())  # (B, H)
     Bh = _expand_groups(B_.float(), num_heads)  # (B, H, N)
     Ch = _expand_groups(C.float(), num_heads)  # (B, H, N)

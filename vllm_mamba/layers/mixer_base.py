@@ -1,0 +1,80 @@
+"""What every state-space mixer shares: the conv1d and SSM parameters, their derived tensors,
+and the causal conv over a step's flat batch.
+
+Glossary: T tokens in the step, CD conv channels, K conv kernel width. `A_log` is `(I, N)` for
+Mamba and `(NH,)` for Mamba2; `D` has one entry per channel (Mamba) or head (Mamba2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.mamba_cache import LayerState
+from vllm_mamba.ops.table import MambaOps
+
+
+class Conv1dWeights(nn.Module):
+    """Holds the depthwise conv parameters under the checkpoint's names (`weight (CD, 1, K)`)."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+
+
+class StateSpaceMixer(nn.Module):
+    """Base of the Mamba and Mamba2 mixers: `conv1d`, `A_log`, `D`, and the ops table."""
+
+    def __init__(
+        self,
+        conv_channels: int,
+        conv_kernel: int,
+        use_conv_bias: bool,
+        a_log_shape: tuple[int, ...],
+        ops: MambaOps,
+    ) -> None:
+        super().__init__()
+        self.ops = ops
+        self.conv1d = Conv1dWeights(conv_channels, conv_kernel, use_conv_bias)
+        self.A_log = nn.Parameter(torch.empty(a_log_shape))
+        self.D = nn.Parameter(torch.empty(a_log_shape[0]))
+        self.register_buffer("A", torch.empty(0), persistent=False)
+        self.register_buffer("conv_weight", torch.empty(0), persistent=False)
+
+    def process_weights_after_loading(self) -> None:
+        """Precomputes `A = -exp(A_log)` in float32 and the `(CD, K)` conv filters."""
+        self.A = -torch.exp(self.A_log.detach().float())
+        self.conv_weight = self.conv1d.weight.detach()[:, 0, :].contiguous()
+
+    def conv(self, x: torch.Tensor, state: LayerState, meta: MambaMetadata) -> torch.Tensor:
+        """Causal conv + SiLU of `x (T, CD)`: decode rows by update, prefill chunks by varlen.
+
+        `state.conv` is `(S, CD, K - 1)`, advanced in place.
+        """
+        nd = meta.num_decodes
+        parts = []
+        if nd:
+            parts.append(
+                self.ops.causal_conv1d_update(
+                    x=x[:nd],
+                    conv_states=state.conv,
+                    weight=self.conv_weight,
+                    bias=self.conv1d.bias,
+                    state_indices=meta.decode_state_indices,
+                )
+            )
+        if meta.num_prefills:
+            parts.append(
+                self.ops.causal_conv1d_varlen(
+                    x=x[nd:],
+                    weight=self.conv_weight,
+                    bias=self.conv1d.bias,
+                    conv_states=state.conv,
+                    query_start_loc=meta.prefill_query_start_loc,
+                    state_indices=meta.prefill_state_indices,
+                    has_initial_state=meta.prefill_has_initial_state,
+                )
+            )
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,103 @@
+"""The ops table: the typed signature of every op the layers call, and `MambaOps` holding them.
+
+A backend (`ref` in `vllm_mamba.ops.dispatch`, `cpu_kernels`, `triton_ops`) fills one
+`MambaOps`; the layers call its fields with keyword arguments. Each op's parameters are those
+of its pure-PyTorch `_ref` twin, documented there (`causal_conv1d`, `selective_scan`, `ssd`).
+This module imports no backend, so the backends and the dispatcher can all import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from vllm_mamba.ops.ssd import ssd_chunk_scan_varlen_ref, ssd_state_update_ref
+
+Tensor = torch.Tensor
+
+
+class LinearOp(Protocol):
+    """`x (B, K) @ weight (N, K)^T + bias` -> `(B, N)`."""
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor: ...
+
+
+class ConvVarlenOp(Protocol):
+    """See `causal_conv1d_varlen_ref`."""
+
+    def __call__(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+        query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
+        activation: bool = True,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class ConvUpdateOp(Protocol):
+    """See `causal_conv1d_update_ref`."""
+
+    def __call__(
+        self, x: Tensor, conv_states: Tensor, weight: Tensor, bias: Tensor | None,
+        state_indices: Tensor, activation: bool = True,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class ScanVarlenOp(Protocol):
+    """See `selective_scan_varlen_ref`."""
+
+    def __call__(
+        self, u: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor, D_skip: Tensor | None,
+        z: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool, ssm_states: Tensor,
+        query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class ScanUpdateOp(Protocol):
+    """See `selective_state_update_ref`."""
+
+    def __call__(
+        self, ssm_states: Tensor, u: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor,
+        D_skip: Tensor | None, z: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool,
+        state_indices: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class SSDVarlenOp(Protocol):
+    """See `ssd_chunk_scan_varlen_ref`."""
+
+    def __call__(
+        self, x: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor, D_skip: Tensor | None,
+        dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float],
+        ssm_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
+        has_initial_state: Tensor, chunk_size: int,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class SSDUpdateOp(Protocol):
+    """See `ssd_state_update_ref`."""
+
+    def __call__(
+        self, ssm_states: Tensor, x: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor,
+        D_skip: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool,
+        state_indices: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MambaOps:
+    """The kernels the layers call, with the signatures of the `_ref` functions.
+
+    Mamba uses the conv and selective-scan ops; Mamba2 the conv and SSD ops; every projection
+    goes through `linear`. A backend without its own SSD kernels keeps the references.
+    """
+
+    name: str
+    causal_conv1d_varlen: ConvVarlenOp
+    causal_conv1d_update: ConvUpdateOp
+    selective_scan_varlen: ScanVarlenOp
+    selective_state_update: ScanUpdateOp
+    linear: LinearOp = F.linear
+    ssd_chunk_scan_varlen: SSDVarlenOp = ssd_chunk_scan_varlen_ref
+    ssd_state_update: SSDUpdateOp = ssd_state_update_ref
