@@ -1,0 +1,192 @@
+"""Regression tests for the adversarial-client findings, against a real server process: values
+that used to kill the engine are 400s, lone surrogates are 400s, `max_completion_tokens: 0` is
+a 400, bodies over the limit are 413s, request chat templates are refused unless trusted and
+then bounded in time, the auth scheme matches in any case with the first header winning, and
+a second server on a busy port fails at once without loading the model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import API_KEY, RunningServer, launch_server
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+COMPLETION = {"prompt": "hello", "max_tokens": 4}
+LOOPING_TEMPLATE = (
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RunningServer]:
+    """A server with a small body limit that trusts request chat templates."""
+    with launch_server("--max-request-bytes", "200000", "--trust-request-chat-template") as s:
+        yield s
+
+
+def post(server: RunningServer, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    """POSTs `body` as JSON text (lone surrogates escaped, NaN allowed)."""
+    headers = {**server.headers, "content-type": "application/json", **kwargs.pop("headers", {})}
+    content = body if isinstance(body, (str, bytes, Iterator)) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=60, **kwargs)
+
+
+def assert_healthy(server: RunningServer) -> None:
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    ok = post(server, "/v1/completions", {**COMPLETION, "temperature": 0})
+    assert ok.status_code == 200, ok.text
+
+
+ENGINE_KILLERS = [
+    ("/v1/completions", {**COMPLETION, "seed": 2**64}, "seed"),
+    ("/v1/completions", {**COMPLETION, "seed": -(2**63) - 1}, "seed"),
+    ("/v1/completions", {**COMPLETION, "seed": 2**64 - 1, "n": 2}, "seed"),
+    ("/v1/chat/completions", {**CHAT, "seed": 10**30, "stream": True}, "seed"),
+    ("/v1/completions", {**COMPLETION, "top_k": 2**63, "temperature": 1.0}, "top_k"),
+    ("/v1/chat/completions", {**CHAT, "top_k": 10**30}, "top_k"),
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": [99999], "min_tokens": 1}, None),
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": [-5000], "min_tokens": 1}, None),
+    ("/v1/completions", {**COMPLETION, "stop_token_ids": [2**64], "min_tokens": 1}, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), ENGINE_KILLERS)
+def test_values_that_killed_the_engine_are_400s(
+    server: RunningServer, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == (param or "stop_token_ids")
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {**COMPLETION, "prompt": "a\ud800b"}),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "us\udc00er", "content": "x"}]}),
+        ("/v1/chat/completions", {**CHAT, "chat_template": "{{ '\ud800' }}"}),
+        ("/tokenize", {"prompt": "x\ud800"}),
+        ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}),
+    ],
+)
+def test_lone_surrogates_are_400s(server: RunningServer, path: str, body: Any) -> None:
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    assert "not valid Unicode" in response.json()["error"]["message"]
+
+
+def test_max_completion_tokens_zero_is_a_400(server: RunningServer) -> None:
+    response = post(server, "/v1/chat/completions", {**CHAT, "max_completion_tokens": 0})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens"
+    one = post(server, "/v1/chat/completions", {**CHAT, "max_completion_tokens": 1})
+    assert one.json()["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])
+def test_nan_and_infinity_are_400s(server: RunningServer, field: str) -> None:
+    for value in ("NaN", "Infinity"):
+        body = json.dumps(COMPLETION)[:-1] + f', "{field}": {value}}}'
+        response = post(server, "/v1/completions", body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field
+
+
+def test_body_over_the_limit_is_a_413(server: RunningServer) -> None:
+    big = json.dumps({"prompt": "a" * 300_000, "max_tokens": 1})
+    assert post(server, "/v1/completions", big).status_code == 413
+
+    def chunks() -> Iterator[bytes]:  # no content-length: counted as it streams
+        for i in range(0, len(big), 10_000):
+            yield big[i : i + 10_000].encode()
+
+    response = post(server, "/tokenize", chunks())
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == 413
+    assert_healthy(server)
+
+
+def test_unknown_output_changing_fields_are_400s(server: RunningServer) -> None:
+    for field, value in [
+        ("logit_bias", {"5": 100}),
+        ("response_format", {"type": "json_object"}),
+        ("guided_json", {"type": "object"}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ]:
+        response = post(server, "/v1/chat/completions", {**CHAT, field: value})
+        assert response.status_code == 400, field
+        assert response.json()["error"]["param"] == field
+    plain = post(server, "/v1/chat/completions", {**CHAT, "response_format": {"type": "text"}})
+    assert plain.status_code == 200
+
+
+def test_request_chat_template_is_bounded_in_time(server: RunningServer) -> None:
+    result: dict[str, httpx.Response] = {}
+    body = {**CHAT, "chat_template": LOOPING_TEMPLATE}
+    worker = threading.Thread(target=lambda: result.update(r=post(server, "/tokenize", body)))
+    start = time.monotonic()
+    worker.start()
+    time.sleep(0.3)
+    health_start = time.monotonic()
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    assert time.monotonic() - health_start < 1.0  # the event loop is not blocked
+    worker.join(timeout=30)
+    assert result["r"].status_code == 400
+    assert "ran for more than" in result["r"].json()["error"]["message"]
+    assert time.monotonic() - start < 10
+    assert_healthy(server)
+
+
+def test_request_chat_template_needs_the_flag() -> None:
+    with launch_server() as plain:
+        body = {**CHAT, "chat_template": "{{ messages }}"}
+        response = post(plain, "/v1/chat/completions", body)
+        assert response.status_code == 400
+        assert "--trust-request-chat-template" in response.json()["error"]["message"]
+        assert response.json()["error"]["param"] == "chat_template"
+        busy = _start_on_busy_port(plain)
+    assert busy
+
+
+def _start_on_busy_port(running: RunningServer) -> bool:
+    """A second server on `running`'s port fails within seconds, before loading the model."""
+    port = running.url.rsplit(":", 1)[1]
+    cmd = [sys.executable, "-m", "vllm_mamba.entrypoints.openai.api_server"]
+    cmd += ["--model", running.model_dir, "--port", port]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "cannot listen on" in proc.stderr and "Loaded" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ([("Authorization", f"bearer {API_KEY}")], 200),
+        ([("Authorization", f"BEARER {API_KEY}")], 200),
+        ([("Authorization", f"Bearer {API_KEY}"), ("Authorization", "Bearer wrong")], 200),
+        ([("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {API_KEY}")], 401),
+        ([("Authorization", f"Basic {API_KEY}")], 401),
+    ],
+)
+def test_auth_scheme_any_case_first_header_wins(
+    server: RunningServer, headers: list[tuple[str, str]], status: int
+) -> None:
+    response = httpx.get(f"{server.url}/v1/models", headers=httpx.Headers(headers), timeout=10)
+    assert response.status_code == status
