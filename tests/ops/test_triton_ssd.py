@@ -27,6 +27,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from vllm_mamba.ops.dispatch import get_mamba_ops  # noqa: E402
+from vllm_mamba.ops.triton_ssd import _BLOCK_Q as Q  # noqa: E402
 from vllm_mamba.ops.triton_ssd import ssd_chunk_scan_varlen, ssd_state_update  # noqa: E402
 
 IN_INTERPRETER = isinstance(tl.sum, InterpretedFunction)  # triton imported in interpreter mode
@@ -34,8 +35,8 @@ _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 _CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, _NEEDS_CUDA])
 _DEVICES = ["cpu"] if IN_INTERPRETER else [_CUDA]
 LOW_DTYPES = [torch.bfloat16, torch.float16]
-# Sequences shorter and longer than the chunk sizes, and cut at unaligned positions.
-LENS = [[5], [1, 7, 3, 12], [2, 1, 9, 17]]
+# Sequences shorter and longer than the chunk sizes (the reference's and the kernel's `Q`).
+LENS = [[5], [1, 7, 3, 12], [2, 1, 9, 17], [Q + 1, 2 * Q, Q - 1, 2 * Q + 6]]
 # (heads, groups, head_dim, state size): one group, two, one per head; a head dim over a block.
 SHAPES = [(4, 1, 3, 5), (4, 2, 20, 16), (4, 4, 16, 8), (6, 3, 5, 7)]
 
@@ -136,6 +137,13 @@ def test_chunk_scan_without_optional_inputs(device: torch.device) -> None:
     _check_scan(_case([4, 9], device), 4, full=False)
 
 
+def test_chunk_scan_strong_decay(device: torch.device) -> None:
+    """Decays that underflow inside a chunk: no inf or nan, still the reference's result."""
+    case = _case([2 * Q + 6, Q + 3], device)
+    case.A = case.A * 30.0
+    _check_scan(case, 16)
+
+
 def test_chunk_scan_negative_dt_unclamped_without_softplus(device: torch.device) -> None:
     case = _case([5, 3], device)
     args = (case.x, case.dt, case.A, case.B_, case.C, None, None, False, NO_LIMIT)
@@ -171,10 +179,13 @@ def test_chunk_scan_strided_inputs(device: torch.device) -> None:
     assert torch.equal(layers[[0, 2]], others)
 
 
-@pytest.mark.parametrize("cuts", [[21], [5, 16], [3, 7, 11], [9, 1, 11]])
+@pytest.mark.parametrize(
+    "cuts", [[2 * Q + 9], [5, 2 * Q + 4], [Q + 1, Q - 1, 9], [9, 1, 2 * Q - 1]]
+)
 def test_chunked_prefill_then_decode_equal_one_pass(device: torch.device, cuts) -> None:
-    """One 22-token sequence in pieces that straddle chunk boundaries, then one decode step."""
-    case = _case([22], device, pad_rows=0)
+    """One sequence in pieces that straddle chunk boundaries, then one decode step."""
+    total = sum(cuts)
+    case = _case([total + 1], device, pad_rows=0)
     want_states = case.ssm_states.clone()
     args = (case.A, case.B_, case.C, case.D_skip, case.dt_bias, True)
     whole = (case.x, case.dt, *args, NO_LIMIT, want_states, case.query_start_loc)
@@ -191,7 +202,7 @@ def test_chunked_prefill_then_decode_equal_one_pass(device: torch.device, cuts) 
         )  # fmt: skip
         outs.append(y)
         lo += n
-    last = [t[21:] for t in (case.x, case.dt, case.B_, case.C)]
+    last = [t[total:] for t in (case.x, case.dt, case.B_, case.C)]
     y = ssd_state_update(
         case.ssm_states, last[0], last[1], case.A, last[2], last[3], case.D_skip,
         case.dt_bias, True, slot,
