@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 import vllm_mamba
-from vllm_mamba import LLM, SamplingParams
+from tests.helpers.runners import HfRunner, VllmRunner
+from vllm_mamba import SamplingParams
 from vllm_mamba.model_zoo import DEFAULT_MODEL, list_shipped_models, shipped_model_path
 
 PROMPTS = ["def ", "import ", "class "]
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 
 
-@functools.cache
-def llm() -> LLM:
-    return LLM(DEFAULT_MODEL)
+@pytest.fixture(scope="module")
+def llm(vllm_runner: type[VllmRunner]) -> Iterator[VllmRunner]:
+    with vllm_runner(DEFAULT_MODEL) as runner:
+        yield runner
 
 
 def test_shipped_model_is_inside_the_package() -> None:
@@ -31,8 +34,8 @@ def test_shipped_model_is_inside_the_package() -> None:
     assert size <= 10 * 1024 * 1024
 
 
-def test_generates_varied_python_like_text() -> None:
-    outs = llm().generate(PROMPTS, GREEDY, use_tqdm=False)
+def test_generates_varied_python_like_text(llm: VllmRunner) -> None:
+    outs = llm.generate(PROMPTS, GREEDY)
     texts = [o.outputs[0].text for o in outs]
     assert all(t.strip() for t in texts), texts
     assert len(set(texts)) == len(texts)
@@ -44,19 +47,15 @@ def test_generates_varied_python_like_text() -> None:
     assert "\n" in joined and ("(" in joined or ":" in joined), texts
 
 
-def test_same_greedy_tokens_as_transformers() -> None:
-    from transformers import AutoTokenizer, MambaForCausalLM
-
-    path = shipped_model_path(DEFAULT_MODEL)
-    model = MambaForCausalLM.from_pretrained(path).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    outs = llm().generate(PROMPTS, GREEDY, use_tqdm=False)
+def test_same_greedy_tokens_as_transformers(llm: VllmRunner, hf_runner: type[HfRunner]) -> None:
+    hf = hf_runner(shipped_model_path(DEFAULT_MODEL))
+    outs = llm.generate(PROMPTS, GREEDY)
     for prompt, out in zip(PROMPTS, outs):
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        ids = hf.tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            ref = model.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1] :]
-        got = out.outputs[0].token_ids
-        assert got == ref.tolist()[: len(got)]
+            ref = hf.model.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1] :]
+        assert out.outputs[0].token_ids == ref.tolist()
+        assert out.outputs[0].finish_reason == "length"  # 40 tokens: no EOS cut either side
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -68,12 +67,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_generate_help_and_run() -> None:
+def test_cli_generate_help_and_run(llm: VllmRunner) -> None:
     helped = _cli("generate", "--help")
     assert helped.returncode == 0
     assert "examples:" in helped.stdout and "--max-tokens" in helped.stdout
     ran = _cli("generate", "def ", "import ", "--max-tokens", "12")
     assert ran.returncode == 0, ran.stderr
-    assert "--- 'def '" in ran.stdout and "--- 'import '" in ran.stdout
-    assert "tokens/s" in ran.stdout.splitlines()[-1]
-    assert "24 tokens" in ran.stdout or "tokens in" in ran.stdout
+    for out in llm.generate(["def ", "import "], SamplingParams(temperature=0, max_tokens=12)):
+        assert len(out.outputs[0].token_ids) == 12
+        assert f"--- {out.prompt!r}\n{out.prompt}{out.outputs[0].text}\n" in ran.stdout
+    summary = ran.stdout.splitlines()[-1]
+    assert summary.startswith("2 prompt(s), 24 tokens in ") and summary.endswith(" tokens/s)")

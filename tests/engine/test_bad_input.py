@@ -2,32 +2,32 @@
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Iterator
 
 import pytest
 
+from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
-from vllm_mamba import LLM, SamplingParams
+from vllm_mamba import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
-@functools.cache
-def llm() -> LLM:
-    return LLM(tiny_model_dir("tied"), max_model_len=64, max_num_seqs=4)
+@pytest.fixture(scope="module")
+def llm(vllm_runner: type[VllmRunner]) -> Iterator[VllmRunner]:
+    """One engine for the whole module: every test checks that it serves on."""
+    with vllm_runner(tiny_model_dir("tied"), max_model_len=64, max_num_seqs=4) as runner:
+        yield runner
 
 
-@functools.cache
-def normal_tokens() -> list[int]:
-    return llm().generate("Hello world", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+@pytest.fixture(scope="module")
+def normal_tokens(llm: VllmRunner) -> list[int]:
+    return llm.generate_greedy("Hello world", 8)[0]
 
 
-def assert_engine_healthy() -> None:
-    engine = llm().llm_engine
-    assert not engine.has_unfinished_requests()
-    assert engine.scheduler.slots.num_used == 0
-    out = llm().generate("Hello world", GREEDY, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == normal_tokens()
+def assert_engine_healthy(llm: VllmRunner, normal_tokens: list[int]) -> None:
+    llm.assert_drained()
+    assert llm.generate_greedy("Hello world", 8) == [normal_tokens]
 
 
 @pytest.mark.parametrize(
@@ -40,11 +40,10 @@ def assert_engine_healthy() -> None:
         ({"prompt_token_ids": [-1]}, "outside the vocabulary"),
     ],
 )
-def test_bad_prompt(prompt, match: str) -> None:
-    normal_tokens()
+def test_bad_prompt(llm: VllmRunner, normal_tokens: list[int], prompt, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        llm().generate(["fine prompt", prompt], GREEDY, use_tqdm=False)
-    assert_engine_healthy()
+        llm.generate(["fine prompt", prompt], GREEDY)
+    assert_engine_healthy(llm, normal_tokens)
 
 
 @pytest.mark.parametrize(
@@ -65,16 +64,15 @@ def test_bad_prompt(prompt, match: str) -> None:
 def test_bad_sampling_params(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
         SamplingParams(**kwargs)
-    assert_engine_healthy()
 
 
-def test_n_above_slots_is_rejected() -> None:
+def test_n_above_slots_is_rejected(llm: VllmRunner, normal_tokens: list[int]) -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
-        llm().generate("Hello", SamplingParams(n=5), use_tqdm=False)
-    assert_engine_healthy()
+        llm.generate("Hello", SamplingParams(n=5))
+    assert_engine_healthy(llm, normal_tokens)
 
 
-def test_params_list_length_mismatch() -> None:
+def test_params_list_length_mismatch(llm: VllmRunner, normal_tokens: list[int]) -> None:
     with pytest.raises(ValueError, match="sampling_params"):
-        llm().generate(["a", "b"], [GREEDY], use_tqdm=False)
-    assert_engine_healthy()
+        llm.generate(["a", "b"], [GREEDY])
+    assert_engine_healthy(llm, normal_tokens)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.models.test_mamba_vs_transformers import make_prompts
+from tests.helpers.prompts import MAX_TOKENS
+from tests.helpers.runners import HfRunner, VllmRunner
 from tests.tiny_models import tiny_model_dir
-from vllm_mamba import LLM, SamplingParams
+from vllm_mamba import SamplingParams
 from vllm_mamba.engine.cuda_graphs import capture_sizes
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_capture_sizes() -> None:
@@ -21,19 +19,27 @@ def test_capture_sizes() -> None:
 
 
 @pytest.mark.cuda
-@needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("num_prompts", [3, 8])  # 3 is not a captured size
-def test_graph_equals_eager(dtype: str, num_prompts: int) -> None:
-    prompts = [{"prompt_token_ids": p} for p in make_prompts()[:num_prompts]]
+def test_graph_equals_eager(
+    vllm_runner: type[VllmRunner],
+    example_token_prompts: list[list[int]],
+    dtype: str,
+    num_prompts: int,
+) -> None:
+    prompts = [{"prompt_token_ids": p} for p in example_token_prompts[:num_prompts]]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
-    graph_llm = LLM(tiny_model_dir("tied"), dtype=dtype, max_num_seqs=16)
-    assert graph_llm.llm_engine.runner.cuda_graphs is not None
-    assert graph_llm.llm_engine.config.device.type == "cuda"
-    eager_llm = LLM(tiny_model_dir("tied"), dtype=dtype, max_num_seqs=16, enforce_eager=True)
-    assert eager_llm.llm_engine.runner.cuda_graphs is None
-    graph = graph_llm.generate(prompts, params, use_tqdm=False)
-    eager = eager_llm.generate(prompts, params, use_tqdm=False)
+    model = tiny_model_dir("tied")
+    with (
+        vllm_runner(model, dtype=dtype, max_num_seqs=16) as graph_runner,
+        vllm_runner(model, dtype=dtype, max_num_seqs=16, enforce_eager=True) as eager_runner,
+    ):
+        assert graph_runner.engine.runner.cuda_graphs is not None
+        assert graph_runner.engine.config.device.type == "cuda"
+        assert eager_runner.engine.runner.cuda_graphs is None
+        graph = graph_runner.generate(prompts, params)
+        eager = eager_runner.generate(prompts, params)
+    assert len({tuple(e.outputs[0].token_ids) for e in eager}) == num_prompts
     for g, e in zip(graph, eager):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
         assert g.outputs[0].cumulative_logprob == pytest.approx(
@@ -42,16 +48,16 @@ def test_graph_equals_eager(dtype: str, num_prompts: int) -> None:
 
 
 @pytest.mark.cuda
-@needs_cuda
-def test_gpu_float32_equals_transformers() -> None:
-    from tests.models.test_mamba_vs_transformers import hf_reference
-
-    refs = hf_reference("tied")
-    llm = LLM(tiny_model_dir("tied"), device="cuda")
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in make_prompts()],
-        SamplingParams(temperature=0, max_tokens=32),
-        use_tqdm=False,
-    )
-    same = sum(o.outputs[0].token_ids == t for o, (t, _) in zip(outs, refs))
+def test_gpu_float32_equals_transformers(
+    hf_runner: type[HfRunner],
+    vllm_runner: type[VllmRunner],
+    example_token_prompts: list[list[int]],
+) -> None:
+    model = tiny_model_dir("tied")
+    refs = hf_runner(model).generate_greedy_logprobs(example_token_prompts, MAX_TOKENS)
+    with vllm_runner(model, device="cuda") as runner:
+        got = runner.generate_greedy(
+            [{"prompt_token_ids": p} for p in example_token_prompts], MAX_TOKENS
+        )
+    same = sum(g == t for g, (t, _) in zip(got, refs))
     assert same >= len(refs) - 1  # GPU float32 matmuls (TF32 off) may flip one near-tie

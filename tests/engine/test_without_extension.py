@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models.test_mamba_vs_transformers import make_prompts
+from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
-from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.ops import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ extension not built")
 
 
 @pytest.mark.parametrize("name", ["tied", "untied"])
-def test_reference_ops_give_same_tokens(name: str, monkeypatch) -> None:
-    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
-    params = SamplingParams(temperature=0, max_tokens=24)
-    fast = LLM(tiny_model_dir(name), max_num_batched_tokens=64)
-    assert fast.llm_engine.model.backbone.layers[0].mixer.ops.name == "cpp"
-    want = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
+def test_reference_ops_give_same_tokens(
+    vllm_runner: type[VllmRunner],
+    example_token_prompts: list[list[int]],
+    name: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prompts = [{"prompt_token_ids": p} for p in example_token_prompts]
+    with vllm_runner(tiny_model_dir(name), max_num_batched_tokens=64) as fast:
+        assert fast.engine.model.backbone.layers[0].mixer.ops.name == "cpp"
+        want = fast.generate_greedy(prompts, 24)
+    assert len({tuple(t) for t in want}) == len(want)
 
     monkeypatch.setenv("VLLM_MAMBA_OPS", "ref")
-    ref = LLM(tiny_model_dir(name), max_num_batched_tokens=64)
-    assert ref.llm_engine.model.backbone.layers[0].mixer.ops.name == "ref"
-    got = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    with vllm_runner(tiny_model_dir(name), max_num_batched_tokens=64) as ref:
+        assert ref.engine.model.backbone.layers[0].mixer.ops.name == "ref"
+        assert ref.generate_greedy(prompts, 24) == want

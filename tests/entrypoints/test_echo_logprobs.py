@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.entrypoints.conftest import MAX_MODEL_LEN, MODEL_NAME, RunningServer, launch_server
-from tests.entrypoints.hf_reference import hf_greedy, hf_logprobs, hf_tokenizer
+from tests.helpers.runners import HfRunner
 
 PROMPTS = [
     "Hello, my name is",
@@ -36,6 +36,12 @@ def echo_server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
         yield running
 
 
+@pytest.fixture(scope="module")
+def hf(hf_runner: type[HfRunner], echo_server: RunningServer) -> HfRunner:
+    """transformers on the directory the server serves."""
+    return hf_runner(echo_server.model_dir)
+
+
 def post(server: RunningServer, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, headers=server.headers, timeout=120)
 
@@ -46,17 +52,17 @@ def complete(server: RunningServer, **body) -> dict:  # noqa: ANN003
     return resp.json()
 
 
-def check_choice(model_dir: str, prompt: str, choice: dict, max_tokens: int) -> None:
+def check_choice(hf: HfRunner, prompt: str, choice: dict, max_tokens: int) -> None:
     """One echoed choice against transformers: every position, its top-k, offsets."""
-    tokenizer = hf_tokenizer(model_dir)
-    ids = hf_greedy(model_dir, tokenizer.encode(prompt), max_tokens)
+    tokenizer = hf.tokenizer
+    ids = hf.greedy(tokenizer.encode(prompt), max_tokens)
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(ids)
     assert lp["tokens"] == [tokenizer.decode([t]) for t in ids]
     generated = tokenizer.decode(ids[len(ids) - max_tokens :])
     assert choice["text"] == prompt + generated
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    ref = hf_logprobs(model_dir, ids)
+    ref = hf.logprobs(ids)
     for i in range(1, len(ids)):
         assert lp["token_logprobs"][i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=ATOL)
         top = lp["top_logprobs"][i]
@@ -72,20 +78,19 @@ def check_choice(model_dir: str, prompt: str, choice: dict, max_tokens: int) -> 
     assert lp["text_offset"] == offsets
 
 
-def test_echo_logprobs_match_transformers(echo_server: RunningServer) -> None:
+def test_echo_logprobs_match_transformers(echo_server: RunningServer, hf: HfRunner) -> None:
     out = complete(echo_server, prompt=PROMPTS, max_tokens=MAX_TOKENS, logprobs=TOP_K, echo=True)
     choices = sorted(out["choices"], key=lambda c: c["index"])
     assert len(choices) == len(PROMPTS)
     generated = [c["text"][len(p) :] for p, c in zip(PROMPTS, choices)]
     assert len(set(generated)) == len(generated), "the generations are not varied"
     for prompt, choice in zip(PROMPTS, choices):
-        check_choice(echo_server.model_dir, prompt, choice, MAX_TOKENS)
+        check_choice(hf, prompt, choice, MAX_TOKENS)
 
 
-def test_token_id_prompts_echo(echo_server: RunningServer) -> None:
+def test_token_id_prompts_echo(echo_server: RunningServer, hf: HfRunner) -> None:
     """Token-id prompts (what lm-eval sends) get the same logprobs as their text."""
-    tokenizer = hf_tokenizer(echo_server.model_dir)
-    ids = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    ids = [hf.tokenizer.encode(p) for p in PROMPTS[:2]]
     kwargs = dict(max_tokens=1, logprobs=1, echo=True, seed=1234)
     by_ids = complete(echo_server, prompt=ids, **kwargs)["choices"]
     by_text = complete(echo_server, prompt=PROMPTS[:2], **kwargs)["choices"]
@@ -93,12 +98,12 @@ def test_token_id_prompts_echo(echo_server: RunningServer) -> None:
     assert [len(c["logprobs"]["tokens"]) for c in by_ids] == [len(i) + 1 for i in ids]
 
 
-def test_max_tokens_zero_echo(echo_server: RunningServer) -> None:
+def test_max_tokens_zero_echo(echo_server: RunningServer, hf: HfRunner) -> None:
     out = complete(echo_server, prompt=PROMPTS[:2], max_tokens=0, logprobs=TOP_K, echo=True)
     assert out["usage"]["completion_tokens"] == 0
     for prompt, choice in zip(PROMPTS, sorted(out["choices"], key=lambda c: c["index"])):
         assert choice["finish_reason"] == "length"
-        check_choice(echo_server.model_dir, prompt, choice, 0)
+        check_choice(hf, prompt, choice, 0)
     plain = complete(echo_server, prompt=PROMPTS[0], max_tokens=0, echo=True)["choices"][0]
     assert plain["text"] == PROMPTS[0] and plain["logprobs"] is None
     resp = post(echo_server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 0})
@@ -131,9 +136,9 @@ def test_streamed_echo_equals_whole(echo_server: RunningServer, max_tokens: int)
         assert streamed[choice["index"]] == {"text": choice["text"], "logprobs": choice["logprobs"]}
 
 
-def test_tokenize_detokenize(echo_server: RunningServer) -> None:
+def test_tokenize_detokenize(echo_server: RunningServer, hf: HfRunner) -> None:
     server = echo_server
-    tokenizer = hf_tokenizer(server.model_dir)
+    tokenizer = hf.tokenizer
     text = PROMPTS[1]
     body = post(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
     assert body["tokens"] == tokenizer.encode(text)

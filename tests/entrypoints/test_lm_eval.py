@@ -19,7 +19,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, RunningServer, launch_server
-from tests.entrypoints.hf_reference import hf_greedy, hf_logprobs, hf_tokenizer
+from tests.helpers.runners import HfRunner
+from tests.tiny_models import tiny_model_dir
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install 'lm-eval[api]'")
 
@@ -33,7 +34,7 @@ GEN_MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def lm_eval_samples(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """lm-eval's logged samples per task, and the server's model directory.
+    """lm-eval's logged samples per task.
 
     The small step budget chunks the prefills of the concurrent requests.
     """
@@ -43,7 +44,13 @@ def lm_eval_samples(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         assert proc.returncode == 0, proc.stdout[-4000:]
         assert "Using remote tokenizer backend" in proc.stdout, proc.stdout[-4000:]
         samples = {task: read_samples(str(out), task) for task in TASKS}
-        yield {"model_dir": server.model_dir, "samples": samples}
+        yield samples
+
+
+@pytest.fixture(scope="module")
+def hf(hf_runner: type[HfRunner]) -> HfRunner:
+    """transformers on the directory the server serves."""
+    return hf_runner(tiny_model_dir("tied"))
 
 
 def run_lm_eval(server: RunningServer, output_path: str) -> subprocess.CompletedProcess:
@@ -83,9 +90,9 @@ def read_samples(output_path: str, task: str) -> list[dict]:
         return sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
 
 
-def encode_pair(model_dir: str, context: str, continuation: str) -> tuple[list[int], list[int]]:
+def encode_pair(hf: HfRunner, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """lm-eval's split of a request into context and continuation tokens (causal models)."""
-    encode = hf_tokenizer(model_dir).encode
+    encode = hf.tokenizer.encode
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
@@ -94,49 +101,46 @@ def encode_pair(model_dir: str, context: str, continuation: str) -> tuple[list[i
     return context_ids, whole[len(context_ids) :]
 
 
-def loglikelihood(
-    model_dir: str, context: list[int], continuation: list[int]
-) -> tuple[float, bool]:
+def loglikelihood(hf: HfRunner, context: list[int], continuation: list[int]) -> tuple[float, bool]:
     """Sum of log p(continuation token | everything before it), and whether all are argmax."""
     ids = context + continuation
-    logprobs = hf_logprobs(model_dir, ids)[len(context) - 1 : -1]  # (len(continuation), V)
+    logprobs = hf.logprobs(ids)[len(context) - 1 : -1]  # (len(continuation), V)
     target = logprobs[range(len(continuation)), continuation]
     greedy = logprobs.argmax(-1).tolist() == continuation
     return float(target.sum()), greedy
 
 
-def test_multiple_choice_loglikelihoods(lm_eval_samples: dict) -> None:
-    model_dir, samples = lm_eval_samples["model_dir"], lm_eval_samples["samples"]["tiny_mamba_mc"]
+def test_multiple_choice_loglikelihoods(lm_eval_samples: dict, hf: HfRunner) -> None:
+    samples = lm_eval_samples["tiny_mamba_mc"]
     assert len(samples) == 6
     for sample in samples:
         for args, resp in zip(sample["arguments"].values(), sample["resps"]):
             recorded, is_greedy = float(resp[0][0]), resp[0][1] == "True"
-            context, continuation = encode_pair(model_dir, args["arg_0"], args["arg_1"])
-            expected, greedy = loglikelihood(model_dir, context, continuation)
+            context, continuation = encode_pair(hf, args["arg_0"], args["arg_1"])
+            expected, greedy = loglikelihood(hf, context, continuation)
             assert recorded == pytest.approx(expected, abs=ATOL), args
             assert is_greedy == greedy, args
 
 
-def test_rolling_loglikelihoods(lm_eval_samples: dict) -> None:
-    model_dir = lm_eval_samples["model_dir"]
-    samples = lm_eval_samples["samples"]["tiny_mamba_rolling"]
-    eos = hf_tokenizer(model_dir).eos_token_id  # lm-eval's prefix token
+def test_rolling_loglikelihoods(lm_eval_samples: dict, hf: HfRunner) -> None:
+    samples = lm_eval_samples["tiny_mamba_rolling"]
+    eos = hf.tokenizer.eos_token_id  # lm-eval's prefix token
     assert len(samples) == 2
     for sample in samples:
         text = sample["arguments"]["gen_args_0"]["arg_0"]
-        expected, _ = loglikelihood(model_dir, [eos], hf_tokenizer(model_dir).encode(text))
+        expected, _ = loglikelihood(hf, [eos], hf.tokenizer.encode(text))
         assert float(sample["resps"][0][0]) == pytest.approx(expected, abs=ATOL), text
 
 
-def test_generations_cut_at_until(lm_eval_samples: dict) -> None:
-    model_dir, samples = lm_eval_samples["model_dir"], lm_eval_samples["samples"]["tiny_mamba_gen"]
-    tokenizer = hf_tokenizer(model_dir)
+def test_generations_cut_at_until(lm_eval_samples: dict, hf: HfRunner) -> None:
+    samples = lm_eval_samples["tiny_mamba_gen"]
+    tokenizer = hf.tokenizer
     cut = 0
     for sample in samples:
         args = sample["arguments"]["gen_args_0"]
         assert args["arg_1"]["until"] == GEN_UNTIL
         prompt = tokenizer.encode(args["arg_0"])
-        full = tokenizer.decode(hf_greedy(model_dir, prompt, GEN_MAX_TOKENS)[len(prompt) :])
+        full = tokenizer.decode(hf.greedy(prompt, GEN_MAX_TOKENS)[len(prompt) :])
         end = min((full.find(s) for s in GEN_UNTIL if s in full), default=len(full))
         cut += end < len(full)
         assert sample["resps"][0][0] == full[:end]
