@@ -46,7 +46,7 @@ def greedy(client: openai.OpenAI, prompt, max_tokens: int = MAX_TOKENS, **kwargs
 
 def metric(server: RunningServer, name: str) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    match = re.search(rf"^vllm_mamba:{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
+    match = re.search(rf"^vllm:{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
 
@@ -269,5 +269,5 @@ def test_version_and_metrics(server: RunningServer) -> None:
         "time_to_first_token_seconds_bucket",
         "inter_token_latency_seconds_count",
     ):
-        assert f"vllm_mamba:{name}" in text
+        assert f"vllm:{name}" in text
     assert metric(server, "prompt_tokens_total") > 0

@@ -99,7 +99,7 @@ async def _soak(server: RunningServer, seed: int, count: int) -> Counter:
 
 def _metric(server: RunningServer, name: str) -> float:
     for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"vllm_mamba:{name}{{"):
+        if line.startswith(f"vllm:{name}{{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
 

@@ -232,6 +232,10 @@ class LLMEngine:
             raise RequestsFailedError(failed, err) from err
 
     def _run_step(self, step: SchedulerOutput) -> list[RequestOutput]:
+        started = time.monotonic()
+        for item in step.scheduled:
+            if item.group.first_scheduled_time is None:
+                item.group.first_scheduled_time = started
         result = self.runner.execute(step)
         self.stats.steps += 1
         touched: dict[str, SequenceGroup] = {}

@@ -99,6 +99,7 @@ class SequenceGroup:
     arrival_time: float = field(default_factory=time.monotonic)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     reserved_slots: list[int] = field(default_factory=list)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -120,6 +121,8 @@ class SequenceGroup:
         """A snapshot of the request for the caller."""
         with_logprobs = self.params.logprobs is not None
         metrics = {"arrival_time": self.arrival_time}
+        if self.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = self.first_scheduled_time
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time
         return RequestOutput(

@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 from vllm_mamba import __version__
 from vllm_mamba.engine.arg_utils import EngineArgs
@@ -30,6 +30,7 @@ from vllm_mamba.engine.errors import STARTUP_ERRORS
 from vllm_mamba.entrypoints.openai.chat_template import ChatTemplate
 from vllm_mamba.entrypoints.openai.cli_serve import API_KEY_ENV, HelpFormatter, add_server_args
 from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
+from vllm_mamba.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
 from vllm_mamba.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
 from vllm_mamba.entrypoints.openai.protocol import (
@@ -94,8 +95,8 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
         return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

@@ -1,126 +1,147 @@
-"""The server's Prometheus metrics, rendered in the text exposition format for `GET /metrics`.
+"""The server's Prometheus metrics, with vLLM's names, through `prometheus_client`.
 
-Gauges (running and waiting requests, state slots in use) and token counters come from the
-latest statistics snapshot the engine thread handed over; the time-to-first-token and
-inter-token latency histograms are fed by `ServerMetrics.track`, which wraps a request's output
-stream.
+Gauges and token counters come from the latest `StatsSnapshot` the engine thread handed over
+(read at scrape time by a collector); the latency and length histograms and the finished
+requests counter are fed by `ServerMetrics.track`, which wraps each engine request's output
+stream. For an attention-free model the state slots are its whole cache, so
+`vllm:kv_cache_usage_perc` reports the share of state slots in use (as do
+`vllm:state_slots_used` / `vllm:state_slots_total`). Every app has its own registry; label
+values are escaped by the library.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.outputs import RequestOutput
 
-PREFIX = "vllm_mamba:"
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
-class Histogram:
-    """A cumulative Prometheus histogram."""
+class _EngineCollector(Collector):
+    """Gauges and counters of the engine's latest statistics snapshot."""
 
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
-        self.name = name
-        self.doc = doc
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
 
-    def observe(self, value: float) -> None:
-        """Adds one observation."""
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-
-    def render(self, model_name: str) -> list[str]:
-        """The exposition lines of this histogram."""
-        label = f'model_name="{model_name}"'
-        lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
-        total = 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts):
-            total += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{self.name}_bucket{{{label},le="{le}"}} {total}')
-        lines.append(f"{self.name}_sum{{{label}}} {self.sum}")
-        lines.append(f"{self.name}_count{{{label}}} {total}")
-        return lines
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats
+        usage = stats.slots_used / max(stats.slots_total, 1)
+        gauges = [
+            ("vllm:num_requests_running", "Requests being generated.", stats.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("vllm:state_slots_used", "State slots in use.", stats.slots_used),
+            ("vllm:state_slots_total", "State slots in all.", stats.slots_total),
+            ("vllm:kv_cache_usage_perc", "Share of the cache (state slots) in use.", usage),
+        ]
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        counters = [
+            ("vllm:prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens),
+            ("vllm:generation_tokens", "Tokens generated.", stats.generation_tokens),
+            ("vllm:request_failures", "Requests ended by a failed step.", stats.failed_requests),
+        ]
+        for name, doc, value in counters:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 class ServerMetrics:
     """Everything `/metrics` reports for one engine and model name."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
-        self.engine = engine
         self.model_name = model_name
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time from a request's arrival to its first generated token.",
-            TTFT_BUCKETS,
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from a request's arrival to its first token.",
+            LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between two consecutive outputs of a request.",
-            ITL_BUCKETS,
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between two outputs.", ITL_BUCKETS
         )
-        self.finished = {"stop": 0, "length": 0, "abort": 0}
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from arrival to the last output.",
+            LATENCY_BUCKETS,
+        )
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time from arrival to the first step that ran the request.",
+            LATENCY_BUCKETS,
+        )
+        self.prompt_len = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", LENGTH_BUCKETS
+        )
+        self.generation_len = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", LENGTH_BUCKETS
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
 
     async def track(
         self, stream: AsyncIterator[RequestOutput], arrival: float
     ) -> AsyncIterator[RequestOutput]:
-        """Passes `stream` through, timing its first token and the gaps between outputs.
+        """Passes one engine request's `stream` through, observing its latencies and lengths.
 
         Args:
             stream: a request's outputs from `AsyncLLMEngine.generate`.
             arrival: `time.monotonic()` when the request arrived.
         """
+        label = self.model_name
         last: float | None = None
-        finished = False
+        final: RequestOutput | None = None
         try:
             async for out in stream:
                 now = time.monotonic()
                 if last is None:
-                    self.ttft.observe(now - arrival)
+                    self.ttft.labels(label).observe(now - arrival)
+                    scheduled = out.metrics.get("first_scheduled_time")
+                    if scheduled is not None:
+                        self.queue.labels(label).observe(max(scheduled - arrival, 0.0))
                 else:
-                    self.itl.observe(now - last)
+                    self.itl.labels(label).observe(now - last)
                 last = now
-                finished = out.finished
-                if finished:
-                    for comp in out.outputs:
-                        reason = comp.finish_reason or "abort"
-                        self.finished[reason] = self.finished.get(reason, 0) + 1
+                if out.finished:
+                    final = out
                 yield out
         finally:
-            if not finished:
-                self.finished["abort"] += 1
+            self._finish(final, arrival)
 
-    def render(self) -> str:
-        """The Prometheus text of every metric."""
-        stats = self.engine.stats
-        label = f'model_name="{self.model_name}"'
-        lines: list[str] = []
+    def _finish(self, final: RequestOutput | None, arrival: float) -> None:
+        label = self.model_name
+        if final is None:
+            self.success.labels(label, "abort").inc()
+            return
+        self.e2e.labels(label).observe(time.monotonic() - arrival)
+        self.prompt_len.labels(label).observe(len(final.prompt_token_ids))
+        self.generation_len.labels(label).observe(sum(len(c.token_ids) for c in final.outputs))
+        reason = final.outputs[0].finish_reason if final.outputs else None
+        self.success.labels(label, reason or "abort").inc()
 
-        def metric(name: str, kind: str, doc: str, value: float) -> None:
-            lines.extend(
-                [
-                    f"# HELP {PREFIX}{name} {doc}",
-                    f"# TYPE {PREFIX}{name} {kind}",
-                    f"{PREFIX}{name}{{{label}}} {value}",
-                ]
-            )
-
-        metric("num_requests_running", "gauge", "Requests being generated.", stats.num_running)
-        metric("num_requests_waiting", "gauge", "Requests waiting.", stats.num_waiting)
-        metric("state_slots_used", "gauge", "State slots in use.", stats.slots_used)
-        metric("state_slots_total", "gauge", "State slots in all.", stats.slots_total)
-        metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", stats.prompt_tokens)
-        metric("generation_tokens_total", "counter", "Tokens generated.", stats.generation_tokens)
-        name = PREFIX + "request_success_total"
-        lines += [f"# HELP {name} Finished sequences by reason.", f"# TYPE {name} counter"]
-        for reason, count in self.finished.items():
-            lines.append(f'{name}{{{label},finished_reason="{reason}"}} {count}')
-        lines += self.ttft.render(self.model_name)
-        lines += self.itl.render(self.model_name)
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
