@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import family_checks as checks
+from tests.helpers import family_checks as checks
 from tests.tiny_models import OTHER_CONFIGS, other_model_dir
 
 NAMES = ["falcon-tied", "falcon-untied"]

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from tests.models import family_checks as checks
+from tests.helpers import family_checks as checks
 from tests.tiny_models import (
     CONFIGS,
     OTHER_CONFIGS,

@@ -7,17 +7,9 @@ import functools
 import pytest
 import torch
 
+from tests.helpers.prompts import MAX_TOKENS, make_prompts
 from tests.tiny_models import CONFIGS, tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
-
-MAX_TOKENS = 32
-PROMPT_LENS = [1, 2, 5, 13, 31, 64, 100, 131]
-
-
-def make_prompts(vocab: int = 50277) -> list[list[int]]:
-    """Eight token-id prompts of 1 to 131 tokens, from a fixed seed."""
-    g = torch.Generator().manual_seed(1234)
-    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
 @functools.cache
