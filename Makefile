@@ -31,7 +31,7 @@ format: install
 	$(VPY) -m ruff format vllm_mamba tests benchmarks scripts
 
 demo: install
-	$(VENV)/bin/vllm-mamba generate "def " "import " "class " --max-tokens 48
+	$(VENV)/bin/vllm-mamba generate "def fibonacci(n):" "class Stack:" "def read_config(path):" --max-tokens 48
 
 clean:
 	rm -rf $(VENV) build *.egg-info vllm_mamba/_C*.so

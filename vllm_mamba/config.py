@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,6 +80,51 @@ def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
     return DEFAULT_MAX_MODEL_LEN
 
 
+# generation_config.json keys that set sampling defaults, and their SamplingParams names.
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(source: str, model_path: str) -> dict[str, Any]:
+    """The sampling defaults of a `generation_config.json` (vLLM's `--generation-config`).
+
+    Args:
+        source: `auto` (the model directory's file), `vllm` (no defaults) or a directory.
+        model_path: the model's local directory.
+
+    Returns:
+        `SamplingParams` keyword arguments for the keys the file sets.
+
+    Raises:
+        ValueError: a directory without a readable `generation_config.json`.
+    """
+    if source == "vllm":
+        return {}
+    folder = model_path if source == "auto" else source
+    file = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(file):
+        if source == "auto":
+            return {}
+        raise ValueError(f"generation_config {source!r} has no generation_config.json")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"generation_config: cannot read {file}: {err}") from err
+    defaults = {
+        ours: raw[key] for key, ours in _GENERATION_KEYS.items() if raw.get(key) is not None
+    }
+    if defaults.get("top_k") == 0:  # transformers' "no top-k"
+        del defaults["top_k"]
+    return defaults
+
+
 @dataclass
 class ModelConfig:
     """What is loaded and how: the resolved local path, its HF config, dtype and limits."""
@@ -91,6 +138,7 @@ class ModelConfig:
     tokenizer: str
     seed: int = 0
     served_model_name: list[str] | None = None
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:

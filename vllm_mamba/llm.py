@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.llm_engine import LLMEngine, PromptInput
+from vllm_mamba.entrypoints.chat_utils import ChatTemplate, message_text
 from vllm_mamba.outputs import RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
 
@@ -50,6 +51,49 @@ class LLM:
         """An `LLM` with the options of `args` (as built by `EngineArgs.from_cli_args`)."""
         return cls(**dataclasses.asdict(args))
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults from its `generation_config.json` (vLLM's
+        `generation_config="auto"`), else `SamplingParams()`."""
+        return self.llm_engine.get_default_sampling_params()
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates replies to conversations, rendered with the model's chat template.
+
+        Args:
+            messages: one conversation (OpenAI-style `{"role", "content"}` dicts) or a list
+                of conversations.
+            sampling_params: one for all conversations, or one per conversation.
+            use_tqdm: show a progress bar.
+            chat_template: a template (file or text) instead of the tokenizer's.
+            add_generation_prompt: end each prompt with the start of an assistant turn.
+
+        Returns:
+            One `RequestOutput` per conversation, in input order.
+
+        Raises:
+            ValueError: the model has no chat template and none was given, or a message
+                that cannot be rendered.
+        """
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a conversation or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        template = ChatTemplate(self.llm_engine.tokenizer, chat_template)
+        inputs = self.llm_engine.inputs
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            turns = [message_text(m) for m in conversation]
+            text = template.render(turns, add_generation_prompt)
+            ids = inputs.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
         """The engine's tokenizer."""
         return self.llm_engine.tokenizer
@@ -78,7 +122,7 @@ class LLM:
         """
         prompt_list = self._as_list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

@@ -24,6 +24,11 @@ MODEL_NAME = "tiny-mamba"
 API_KEY = "test-key"
 MAX_MODEL_LEN = 4096
 START_TIMEOUT_S = 180
+# The tiny models have no chat template; the test servers chat with `role: content` lines.
+ROLE_CONTENT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @dataclass
@@ -83,6 +88,8 @@ def launch_server(*extra_args: str, model_dir: str | None = None) -> Iterator[Ru
         "64",
         "--log-level",
         "warning",
+        "--chat-template",
+        ROLE_CONTENT_TEMPLATE,
         *extra_args,
     ]
     env = {**os.environ, "VLLM_MAMBA_API_KEY": API_KEY}

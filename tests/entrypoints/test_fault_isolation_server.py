@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.entrypoints.conftest import ROLE_CONTENT_TEMPLATE
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
@@ -36,7 +37,8 @@ class Served:
     def __init__(self, engine: LLMEngine) -> None:
         self.dead: list[BaseException] = []
         self.engine = AsyncLLMEngine(engine, on_dead=self.dead.append)
-        args = build_parser().parse_args(["serve", engine.config.model_config.model])
+        model = engine.config.model_config.model
+        args = build_parser().parse_args(["serve", model, "--chat-template", ROLE_CONTENT_TEMPLATE])
         self.client = TestClient(build_app(self.engine, args))
 
     def completion(self, **overrides: Any) -> Any:

@@ -27,6 +27,7 @@ from vllm_mamba.config import (
     ModelConfig,
     SchedulerConfig,
     derive_max_model_len,
+    generation_defaults,
     resolve_device,
     resolve_dtype,
     resolve_state_dtype,
@@ -81,6 +82,11 @@ class EngineArgs:
         "tokens per engine step; longer prompts are prefilled in chunks", default=2048
     )
     seed: int = _opt("seed of the engine's sampling generator", default=0)
+    generation_config: str = _opt(
+        "sampling defaults: auto (the model's generation_config.json), vllm (none), or a "
+        "directory holding a generation_config.json",
+        default="auto",
+    )
     enforce_eager: bool = _opt("never capture CUDA graphs", default=False)
     disable_log_stats: bool = _opt("no periodic statistics line while busy", default=False)
     trust_remote_code: bool = _opt("accepted for vLLM compatibility; no effect here", default=False)
@@ -204,6 +210,7 @@ class EngineArgs:
             tokenizer=tok_path,
             seed=self.seed,
             served_model_name=list(self.served_model_name or [self.model]),
+            sampling_defaults=_checked_defaults(generation_defaults(self.generation_config, path)),
         )
         self.warn_no_effect(device)
         return EngineConfig(
@@ -237,3 +244,18 @@ def _cli_type(f: dataclasses.Field) -> Any:
     if text.startswith("float"):
         return float
     return str
+
+
+def _checked_defaults(defaults: dict[str, Any]) -> dict[str, Any]:
+    """Sampling defaults that `SamplingParams` accepts.
+
+    Raises:
+        ValueError: naming the generation_config value that is out of range.
+    """
+    from vllm_mamba.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"generation_config.json: {err} (--generation-config vllm)") from err
+    return defaults

@@ -1,8 +1,9 @@
 """Incremental detokenization: the text each new token adds, without re-decoding everything.
 
-Each sequence decodes a small window: the tokens since the last emitted text (plus a few
-tokens of context), so that a token completing a multi-byte character or a word piece is only
-emitted once it decodes cleanly.
+Fast tokenizers use `tokenizers`' own `DecodeStream` (seeded with a few prompt tokens of
+context), which emits a token's text once it decodes to valid UTF-8. Other tokenizers decode a
+small window: the tokens since the last emitted text (plus a few tokens of context), so that a
+token completing a multi-byte character or a word piece is only emitted once it decodes cleanly.
 """
 
 from __future__ import annotations
@@ -21,12 +22,23 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self._backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream = None
+        # A context that ends inside a multi-byte character would be re-emitted by the
+        # stream; such prompts take the window path.
+        if not self._decode(self.ids).endswith("\ufffd"):
+            self._stream = _decode_stream(self._backend, self.ids, skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Appends `token_id` and returns the text it completes (possibly empty)."""
+        if self._stream is not None:
+            return self._stream.step(self._backend, token_id) or ""
+        return self._add_window(token_id)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int) -> str:
-        """Appends `token_id` and returns the text it completes (possibly empty)."""
+    def _add_window(self, token_id: int) -> str:
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
@@ -40,6 +52,21 @@ class IncrementalDetokenizer:
                 self.prefix_offset = 0
             return full[len(prefix) :]
         return ""
+
+
+def _decode_stream(backend: Any, context: list[int], skip_special_tokens: bool) -> Any:
+    """A `DecodeStream` primed with `context`, or None for a slow tokenizer."""
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    if not isinstance(backend, Tokenizer):
+        return None
+    try:
+        return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+    except TypeError:  # tokenizers without context priming
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
 
 
 def find_stop_string(text: str, new_len: int, stops: list[str]) -> tuple[str, int] | None:

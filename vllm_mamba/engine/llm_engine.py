@@ -25,6 +25,7 @@ from vllm_mamba.engine.model_runner import ModelRunner, PromptLogprobChunk, Step
 from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
+from vllm_mamba.engine.structured_outputs import StructuredOutputs, accept_token
 from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.model_loader import build_model
 from vllm_mamba.ops.dispatch import get_mamba_ops
@@ -64,8 +65,15 @@ class LLMEngine:
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = getattr(mc.hf_config, "eos_token_id", None)
+        self.structured_outputs = StructuredOutputs(tokenizer, mc.vocab_size, self.eos_token_id)
         self.runner = ModelRunner(
-            model, self.cache, self.backend, config.device, mc.seed, self.eos_token_id
+            model,
+            self.cache,
+            self.backend,
+            config.device,
+            mc.seed,
+            self.eos_token_id,
+            self.structured_outputs,
         )
         sc = config.scheduler_config
         if config.device.type == "cuda" and not config.enforce_eager:
@@ -136,6 +144,16 @@ class LLMEngine:
             per_seq * self.config.num_state_slots / 2**20,
             self.config.scheduler_config.max_num_batched_tokens,
         )
+        if mc.sampling_defaults:
+            logger.info(
+                "Default sampling parameters from the model's generation_config.json: %s "
+                "(--generation-config vllm to ignore them)",
+                mc.sampling_defaults,
+            )
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's sampling defaults (`generation_config`), else `SamplingParams()`."""
+        return SamplingParams(**self.config.model_config.sampling_defaults)
 
     def stats_snapshot(self) -> StatsSnapshot:
         """A snapshot of the queues, slots and counters (call it on the engine's thread)."""
@@ -170,6 +188,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.inputs.process_prompt(prompt)
         self.inputs.check_params(params)
+        self.structured_outputs.prepare(params)
         if params.n > self.scheduler.slots.num_slots:
             raise ValueError(
                 f"SamplingParams.n ({params.n}) is more than max_num_seqs "
@@ -282,20 +301,22 @@ class LLMEngine:
             self.scheduler.finish_seq(seq)
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence, token: int) -> None:
-        """Detokenizes `token` into the sequence's text and applies the stop conditions."""
+        """Detokenizes `token` into the sequence's text and applies the stop conditions (a
+        complete grammar ends the sequence whatever `ignore_eos` and `min_tokens` say)."""
         params = group.params
         if seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens
             )
-        is_eos = token == self.eos_token_id and not params.ignore_eos
+        grammar_done = seq.matcher is not None and accept_token(seq.matcher, token)
+        is_eos = token == self.eos_token_id and (not params.ignore_eos or grammar_done)
         is_stop_token = token in params.stop_token_ids
         new_text = seq.detokenizer.add(token)
         if not (is_eos or is_stop_token) or params.include_stop_str_in_output:
             seq.output_text += new_text
         n_out = len(seq.output_token_ids)
-        if n_out >= params.min_tokens:
-            if is_eos or is_stop_token:
+        if n_out >= params.min_tokens or grammar_done:
+            if is_eos or is_stop_token or grammar_done:
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 seq.stop_reason = token if is_stop_token and not is_eos else None
                 return

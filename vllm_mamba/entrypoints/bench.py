@@ -26,10 +26,13 @@ from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
-EXAMPLES = """examples:
-  vllm-mamba bench latency --model /tmp/mamba-130m-random --batch-size 1 --output-len 64
-  vllm-mamba bench throughput --model /tmp/mamba-130m-random --num-prompts 64 --threads 2
+EXAMPLES = """examples (the shipped model, offline):
+  vllm-mamba bench latency --batch-size 1 --input-len 16 --output-len 64
+  vllm-mamba bench throughput --num-prompts 64 --threads 2
   vllm-mamba bench latency --dtype bfloat16 --memory-budget-gb 4 --output-json lat.json
+a mamba-130m-shaped model with random weights (see benchmarks/README.md):
+  python benchmarks/make_model.py /tmp/mamba-130m-random
+  vllm-mamba bench throughput --model /tmp/mamba-130m-random --num-prompts 64 --threads 2
 """
 
 

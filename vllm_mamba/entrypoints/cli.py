@@ -1,4 +1,4 @@
-"""The `vllm-mamba` command: `serve`, `generate` and `bench` subcommands.
+"""The `vllm-mamba` command: `serve`, `generate`, `bench`, `chat` and `models` subcommands.
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)`, which registers
 its arguments and sets `func` to run it and `parser` to itself (so that an unknown flag is
@@ -15,6 +15,8 @@ _SUBCOMMANDS = {
     "serve": "vllm_mamba.entrypoints.openai.cli_serve",
     "generate": "vllm_mamba.entrypoints.generate",
     "bench": "vllm_mamba.entrypoints.bench",
+    "chat": "vllm_mamba.entrypoints.chat_cli",
+    "models": "vllm_mamba.entrypoints.models_cli",
 }
 
 

@@ -12,7 +12,7 @@ from vllm_mamba.engine.errors import STARTUP_ERRORS
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 EXAMPLES = """examples:
-  vllm-mamba generate "def " "import " "class "
+  vllm-mamba generate "def fibonacci(n):" "class Stack:"
   vllm-mamba generate "def fib(n):" --max-tokens 64 --temperature 0.8 --n 2 --seed 1
   vllm-mamba generate "import os" --stream
   vllm-mamba generate "Hello" --model state-spaces/mamba-130m-hf
@@ -32,7 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=_HelpFormatter,
     )
-    parser.add_argument("prompts", nargs="*", default=["def "], help="prompts (default: 'def ')")
+    parser.add_argument(
+        "prompts", nargs="*", default=["def fibonacci(n):"], help="prompts (default: a def line)"
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model dir, hub id or shipped name")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=64, help="tokens per continuation")
@@ -76,21 +78,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stream(llm, prompts: list[str], params) -> int:  # noqa: ANN001 - LLM, SamplingParams
-    """Streams each prompt's first continuation to stdout as it is generated."""
+    """Streams each prompt's first continuation to stdout as it is generated, then prints the
+    other `n - 1` continuations when the request finishes; returns the tokens generated."""
     engine = llm.llm_engine
     total = 0
     counter = itertools.count()
     for prompt in prompts:
         request_id = f"cli-{next(counter)}"
         engine.add_request(request_id, prompt, params)
-        print(f"--- {prompt!r}\n{prompt}", end="", flush=True)
+        tag = " [0]" if params.n > 1 else ""
+        print(f"--- {prompt!r}{tag}\n{prompt}", end="", flush=True)
         printed = 0
+        final = None
         while engine.has_unfinished_requests():
             for out in engine.step():
                 text = out.outputs[0].text
                 print(text[printed:], end="", flush=True)
                 printed = len(text)
-                if out.finished:
-                    total += sum(len(c.token_ids) for c in out.outputs)
+                final = out if out.finished else final
         print("\n")
+        for completion in final.outputs[1:] if final else []:
+            print(f"--- {prompt!r} [{completion.index}]\n{prompt}{completion.text}\n")
+        total += sum(len(c.token_ids) for c in final.outputs) if final else 0
     return total

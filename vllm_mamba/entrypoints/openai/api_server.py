@@ -18,16 +18,18 @@ import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from vllm_mamba import __version__
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.engine.errors import STARTUP_ERRORS
-from vllm_mamba.entrypoints.openai.chat_template import ChatTemplate
+from vllm_mamba.entrypoints.chat_utils import ChatTemplate
 from vllm_mamba.entrypoints.openai.cli_serve import API_KEY_ENV, HelpFormatter, add_server_args
 from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
 from vllm_mamba.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -47,6 +49,7 @@ from vllm_mamba.entrypoints.openai.serving_tokenization import OpenAIServingToke
 from vllm_mamba.logger import configure_logging
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T", bound=BaseModel)
 
 
 GRACEFUL_SHUTDOWN_S = 5.0
@@ -106,13 +109,15 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     async def get_model(model_id: str) -> JSONResponse:
         return JSONResponse(model.card(model_id).model_dump())
 
+    defaults = mc.sampling_defaults
+
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
-        return await completions.create(req, raw)
+        return await completions.create(apply_sampling_defaults(req, defaults), raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await chat.create(req, raw)
+        return await chat.create(apply_sampling_defaults(req, defaults), raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
@@ -127,6 +132,17 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
         return JSONResponse(tokenization.info())
 
     return app
+
+
+def apply_sampling_defaults(req: T, defaults: dict[str, Any]) -> T:
+    """Fills the sampling fields the request left unset from the model's generation config."""
+    given = req.model_fields_set
+    for name, value in defaults.items():
+        if name == "max_tokens" and "max_completion_tokens" in given:
+            continue
+        if name in type(req).model_fields and name not in given:
+            setattr(req, name, value)
+    return req
 
 
 class GracefulServer(uvicorn.Server):

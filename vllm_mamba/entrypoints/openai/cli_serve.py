@@ -17,7 +17,16 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+EXAMPLES = """examples:
+  vllm-mamba serve vllm-mamba/tiny-stdlib --port 8000      # the shipped model, offline
+  curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
+      -d '{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
+  vllm-mamba serve state-spaces/mamba-130m-hf --dtype bfloat16 --api-key KEY
+  vllm-mamba serve MODEL --chat-template template.jinja --max-num-seqs 64
+"""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows each flag's default, unless its help already explains it or there is none."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
@@ -89,6 +98,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="start an OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API.",
+        epilog=EXAMPLES,
         formatter_class=HelpFormatter,
     )
     parser.add_argument("model", help="a local Hugging Face model directory or a hub id")

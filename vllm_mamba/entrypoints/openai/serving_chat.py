@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.engine.input_processor import check_encodable
-from vllm_mamba.entrypoints.openai.chat_template import ChatTemplate
+from vllm_mamba.entrypoints.chat_utils import ChatTemplate
 from vllm_mamba.entrypoints.openai.errors import ENGINE_ERRORS, APIError, engine_error_status
 from vllm_mamba.entrypoints.openai.logprobs import chat_logprobs
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics

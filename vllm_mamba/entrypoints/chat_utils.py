@@ -1,12 +1,12 @@
-"""Chat templates: which one the server uses (and where it came from), and rendering messages
-with it in a Jinja sandbox that bounds time and output size.
+"""Chat templates: which one a model uses (and where it came from), and rendering
+conversations with it in a Jinja sandbox that bounds time and output size.
 
-The server's template is `--chat-template` (a file or the template text), else the tokenizer's,
-else `DEFAULT_CHAT_TEMPLATE` (one `role: content` line per message, then `assistant:`). A
-template sent in a request is used only when the server runs with
-`--trust-request-chat-template` (vLLM's flag). Every render runs in an immutable sandbox that
-stops after `RENDER_TIMEOUT_S` seconds or `MAX_RENDER_CHARS` characters, so no template can
-hold a worker for long or fill the memory.
+The template is `--chat-template` / `chat_template=` (a file or the template text), else the
+tokenizer's. A model with neither cannot chat: rendering is a `ValueError` that names
+`--chat-template` (vLLM's behaviour), never a template nobody chose. A template sent in a
+request is used only when the server runs with `--trust-request-chat-template` (vLLM's flag).
+Every render runs in an immutable sandbox that stops after `RENDER_TIMEOUT_S` seconds or
+`MAX_RENDER_CHARS` characters, so no template can hold a worker for long or fill the memory.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
+NO_TEMPLATE_MESSAGE = (
+    "the model has no chat template: give one with --chat-template (a file or the template "
+    "text), or chat_template= in Python"
 )
 RENDER_TIMEOUT_S = 2.0
 MAX_RENDER_CHARS = 4_000_000
@@ -108,11 +108,17 @@ class ChatTemplate:
     Args:
         tokenizer: the model's tokenizer (its `chat_template` and special tokens).
         override: `--chat-template`, a file path or the template text.
+
+    Raises:
+        ValueError: a template that does not compile.
         trust_request_templates: allow a `chat_template` sent with a request.
     """
 
     def __init__(
-        self, tokenizer: Any, override: str | None = None, trust_request_templates: bool = False
+        self,
+        tokenizer: Any,
+        override: str | None = None,
+        trust_request_templates: bool = False,
     ) -> None:
         self.trust_request_templates = trust_request_templates
         self.special = {
@@ -125,12 +131,13 @@ class ChatTemplate:
                     self.template, self.source = f.read(), f"--chat-template file {override}"
             else:
                 self.template, self.source = override, "--chat-template text"
-        elif getattr(tokenizer, "chat_template", None):
+        elif isinstance(getattr(tokenizer, "chat_template", None), str):
             self.template, self.source = tokenizer.chat_template, "the tokenizer's"
         else:
-            self.template, self.source = DEFAULT_CHAT_TEMPLATE, "the built-in role: content default"
+            self.template, self.source = None, "none (chat needs --chat-template)"
         try:
-            _compile(self.template)
+            if self.template is not None:
+                _compile(self.template)
         except TemplateError as err:
             raise ValueError(f"chat template ({self.source}) does not compile: {err}") from err
 
@@ -153,9 +160,13 @@ class ChatTemplate:
 
         Raises:
             TemplateRenderError: the template failed, ran too long or produced too much.
+            ValueError: there is no template at all.
         """
+        source = template or self.template
+        if source is None:
+            raise ValueError(NO_TEMPLATE_MESSAGE)
         try:
-            compiled = _compile(template or self.template)
+            compiled = _compile(source)
             _ENV.set_deadline(time.monotonic() + RENDER_TIMEOUT_S)
             text = compiled.render(
                 messages=turns, add_generation_prompt=add_generation_prompt, **self.special
@@ -169,3 +180,23 @@ class ChatTemplate:
                 f"the chat template produced more than {MAX_RENDER_CHARS} characters"
             )
         return text
+
+
+def message_text(message: dict[str, Any]) -> dict[str, str]:
+    """`{"role", "content"}` of an OpenAI-style message whose content is text or text parts.
+
+    Raises:
+        ValueError: a message without a role, or with a part that is not text.
+    """
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise ValueError(f"messages: each message needs a string role, got {message!r}")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return {"role": role, "content": content or ""}
+    pieces = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise ValueError(f"messages: only text content parts are supported, got {part!r}")
+        pieces.append(str(part.get("text", "")))
+    return {"role": role, "content": "".join(pieces)}

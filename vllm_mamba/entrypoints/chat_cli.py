@@ -1,0 +1,120 @@
+"""`vllm-mamba chat [MODEL]`: an interactive terminal chat with a local model.
+
+Each line typed is a user message; the reply streams as it is generated and joins the
+history, so the conversation carries on. `/reset` clears the history (keeping `--system`),
+`/exit` (or end of input) leaves. The prompt is rendered with the model's chat template, or
+`--chat-template`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from typing import Any, TextIO
+
+from vllm_mamba.engine.arg_utils import EngineArgs
+from vllm_mamba.engine.errors import STARTUP_ERRORS
+from vllm_mamba.model_zoo import DEFAULT_MODEL
+
+EXAMPLES = """examples:
+  vllm-mamba chat                                   # the shipped model, offline
+  vllm-mamba chat vllm-mamba/tiny-stdlib --system "Helpers for paths." --max-tokens 64
+  vllm-mamba chat state-spaces/mamba-130m-hf --chat-template template.jinja
+"""
+PROMPT = "> "
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows defaults and keeps the examples' line breaks."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Registers `chat` and its arguments."""
+    parser = subparsers.add_parser(
+        "chat",
+        help="chat with a model in the terminal",
+        description="An interactive chat: type a message, the reply streams; /reset, /exit.",
+        epilog=EXAMPLES,
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model dir or hub id")
+    parser.add_argument("--system", default=None, help="a system message to start with")
+    parser.add_argument("--chat-template", default=None, help="chat template, file or text")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per reply")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run, parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Loads the model and chats on standard input and output until `/exit` or EOF."""
+    from vllm_mamba import LLM, SamplingParams
+    from vllm_mamba.entrypoints.chat_utils import ChatTemplate
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
+        )
+        llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+        template = ChatTemplate(llm.get_tokenizer(), args.chat_template)
+        if template.template is None:
+            raise ValueError(f"{args.model} has no chat template: pass --chat-template")
+    except STARTUP_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    ChatSession(llm, template, params, args.system).loop(sys.stdin, sys.stdout)
+    return 0
+
+
+class ChatSession:
+    """A conversation with one model: the history, and one streamed reply per user line."""
+
+    def __init__(self, llm: Any, template: Any, params: Any, system: str | None) -> None:
+        self.llm = llm
+        self.template = template
+        self.params = params
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.history: list[dict[str, str]] = list(self.system)
+        self._ids = itertools.count()
+
+    def loop(self, stdin: TextIO, stdout: TextIO) -> None:
+        """Reads lines until `/exit` or end of input."""
+        stdout.write("Type a message; /reset clears the history, /exit leaves.\n")
+        while True:
+            stdout.write(PROMPT)
+            stdout.flush()
+            line = stdin.readline()
+            if not line or line.strip() in ("/exit", "/quit"):
+                stdout.write("\n")
+                return
+            text = line.rstrip("\n")
+            if text.strip() == "/reset":
+                self.history = list(self.system)
+                stdout.write("(history cleared)\n")
+            elif text.strip():
+                self.reply(text, stdout)
+
+    def reply(self, text: str, stdout: TextIO) -> str:
+        """Streams the reply to `text` onto `stdout` and adds both turns to the history."""
+        turns = [*self.history, {"role": "user", "content": text}]
+        engine = self.llm.llm_engine
+        try:
+            prompt = self.template.render(turns, True)
+            ids = engine.inputs.encode(prompt, add_special_tokens=False)
+            request_id = f"chat-{next(self._ids)}"
+            engine.add_request(request_id, {"prompt": prompt, "prompt_token_ids": ids}, self.params)
+        except ValueError as err:
+            stdout.write(f"error: {err}\n")
+            return ""
+        printed = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                reply = out.outputs[0].text
+                stdout.write(reply[len(printed) :])
+                stdout.flush()
+                printed = reply
+        stdout.write("\n")
+        self.history = [*turns, {"role": "assistant", "content": printed}]
+        return printed
