@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
+from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import RequestOutput, SamplingParams
 
@@ -25,15 +28,29 @@ def prompts(example_token_prompts: list[list[int]]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def alone(vllm_runner, model: str, prompts: list[dict]) -> list[list[int]]:
+def shared(vllm_runner, model: str) -> Iterator[VllmRunner]:
+    """The engine with default options, shared by the tests that need no other."""
+    with vllm_runner(model) as runner:
+        yield runner
+
+
+@pytest.fixture
+def llm(shared: VllmRunner) -> Iterator[VllmRunner]:
+    """The shared engine, drained after each test."""
+    yield shared
+    shared.assert_drained()
+
+
+@pytest.fixture(scope="module")
+def alone(shared: VllmRunner, prompts: list[dict]) -> list[list[int]]:
     """Each prompt run by itself."""
-    with vllm_runner(model) as runner:
-        return [tokens(runner.generate(p, GREEDY))[0] for p in prompts]
+    runs = [tokens(shared.generate(p, GREEDY))[0] for p in prompts]
+    assert len({tuple(t) for t in runs}) == len(runs)  # equal to a varied reference
+    return runs
 
 
-def test_batched_equals_alone(vllm_runner, model, prompts, alone) -> None:
-    with vllm_runner(model) as runner:
-        assert tokens(runner.generate(prompts, GREEDY)) == alone
+def test_batched_equals_alone(llm, prompts, alone) -> None:
+    assert tokens(llm.generate(prompts, GREEDY)) == alone
 
 
 def test_queueing_with_two_slots_equals_alone(vllm_runner, model, prompts, alone) -> None:
@@ -48,42 +65,40 @@ def test_chunked_prefill_equals_whole(vllm_runner, model, prompts, alone, budget
         assert tokens(runner.generate(prompts[2:7], GREEDY)) == alone[2:7]
 
 
-def test_greedy_n4_equals_n1_and_prefills_once(vllm_runner, model, prompts, alone) -> None:
+def test_greedy_n4_equals_n1_and_prefills_once(llm, prompts, alone) -> None:
     params = SamplingParams(temperature=0, max_tokens=20, n=4)
-    with vllm_runner(model) as runner:
-        out = runner.generate(prompts[4], params)[0]
-        prompt_tokens = runner.engine.stats.prompt_tokens
+    before = llm.engine.stats.prompt_tokens
+    out = llm.generate(prompts[4], params)[0]
     assert [o.index for o in out.outputs] == [0, 1, 2, 3]
     assert all(o.token_ids == alone[4] for o in out.outputs)
-    assert prompt_tokens == len(prompts[4]["prompt_token_ids"])
+    assert llm.engine.stats.prompt_tokens - before == len(prompts[4]["prompt_token_ids"])
 
 
-def test_seeded_sampling_n3_is_reproducible(vllm_runner, model, prompts) -> None:
+def test_seeded_sampling_n3_is_reproducible(llm, prompts) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, n=3, seed=7)
-    with vllm_runner(model) as runner:
-        first = runner.generate(prompts[3], params)[0]
-        # Same request again, now with other requests in the batch.
-        again = runner.generate([prompts[0], prompts[3], prompts[5]], [GREEDY, params, GREEDY])[1]
+    first = llm.generate(prompts[3], params)[0]
+    # Same request again, now with other requests in the batch.
+    again = llm.generate([prompts[0], prompts[3], prompts[5]], [GREEDY, params, GREEDY])[1]
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
     # The three samples differ from one another (they are not the same stream thrice).
     assert len({tuple(o.token_ids) for o in first.outputs}) > 1
 
 
-def test_forced_preemption_gives_same_tokens(vllm_runner, model, prompts, alone) -> None:
-    with vllm_runner(model) as runner:
-        engine = runner.engine
-        for i, p in enumerate(prompts):
-            engine.add_request(f"pre-{i}", p, GREEDY)
-        finished = {}
-        steps = 0
-        while engine.has_unfinished_requests():
-            steps += 1
-            if steps in (3, 9, 15) and engine.scheduler.running:
-                engine.scheduler.preempt(engine.scheduler.running[0])
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out.outputs[0].token_ids
-        assert engine.scheduler.num_preemptions == 3
+def test_forced_preemption_gives_same_tokens(llm, prompts, alone) -> None:
+    engine = llm.engine
+    before = engine.scheduler.num_preemptions
+    for i, p in enumerate(prompts):
+        engine.add_request(f"pre-{i}", p, GREEDY)
+    finished = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        if steps in (3, 9, 15) and engine.scheduler.running:
+            engine.scheduler.preempt(engine.scheduler.running[0])
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    assert engine.scheduler.num_preemptions - before == 3
     assert [finished[f"pre-{i}"] for i in range(len(prompts))] == alone
 
 
