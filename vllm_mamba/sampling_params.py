@@ -10,6 +10,7 @@ from typing import Any
 MAX_LOGPROBS = 20
 MAX_N = 1024
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 100.0
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -30,6 +31,57 @@ def _is_number(value: Any) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrains a request's output, with vLLM's names: set exactly one of the fields.
+
+    `json` is a JSON schema (a dict or its JSON text); `regex` a regular expression the whole
+    output matches; `choice` a list of strings, one of which is the output; `grammar` an EBNF
+    grammar (GBNF / xgrammar syntax, with a `root` rule); `json_object=True` any JSON object.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "SamplingParams.structured_outputs must set exactly one of "
+                f"{', '.join(_STRUCTURED_KINDS)}, got {kinds or 'none'}"
+            )
+        checks = {
+            "json": isinstance(self.json, (str, dict)),
+            "regex": isinstance(self.regex, str) and bool(self.regex),
+            "choice": isinstance(self.choice, list)
+            and bool(self.choice)
+            and all(isinstance(c, str) and c for c in self.choice),
+            "grammar": isinstance(self.grammar, str) and bool(self.grammar),
+            "json_object": self.json_object is True,
+        }
+        if not checks[kinds[0]]:
+            what = _STRUCTURED_WHAT[kinds[0]]
+            raise ValueError(f"SamplingParams.structured_outputs.{kinds[0]} must be {what}")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: `json`, `regex`, `choice`, `grammar` or `json_object`."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_WHAT = {
+    "json": "a JSON schema (a dict or a JSON string)",
+    "regex": "a non-empty string",
+    "choice": "a non-empty list of non-empty strings",
+    "grammar": "a non-empty string",
+    "json_object": "true",
+}
+
+
+@dataclass
 class SamplingParams:
     """Sampling and stopping settings of one request, with vLLM's names and meanings.
 
@@ -37,6 +89,11 @@ class SamplingParams:
     reproducible whatever else is in the batch. `logprobs=k` returns the top-k
     log-probabilities (plus the sampled token) of each generated position; `prompt_logprobs=k`
     does so for the prompt.
+
+    Output constraints: `logit_bias` (token id -> bias in [-100, 100], added to the logits),
+    `allowed_token_ids` (only these may be sampled), `bad_words` (strings whose token
+    sequences are never generated) and `structured_outputs` (a JSON schema, regex, choice or
+    grammar the output follows). Log-probabilities stay those of the raw distribution.
     """
 
     n: int = 1
@@ -57,7 +114,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_list: list[str] = field(init=False, repr=False)
+    # Token sequences of `bad_words`, set by the engine with its tokenizer.
+    bad_words_token_ids: list[list[int]] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +171,7 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise bad("seed", "must be in [0, 2**63 - 1]")
         self._validate_stops(bad)
+        self._validate_constraints(bad)
 
     def _validate_stops(self, bad: Callable[[str, str], ValueError]) -> None:
         if any(not isinstance(s, str) or not s for s in self.stop_list):
@@ -119,6 +183,44 @@ class SamplingParams:
                 raise bad("stop", "must be valid Unicode text") from err
         if any(not _is_int(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be integers")
+
+    def _validate_constraints(self, bad: Callable[[str, str], ValueError]) -> None:
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or any(not _is_int(t) for t in bias):
+                raise bad("logit_bias", "must map integer token ids to numbers")
+            for value in bias.values():
+                if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", "values must be numbers in [-100, 100]")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list) or not allowed or any(not _is_int(t) for t in allowed)
+        ):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, list)
+            or any(not isinstance(w, str) or not w.strip() for w in words)
+        ):
+            raise bad("bad_words", "must be a list of non-empty strings")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenizes `bad_words`, each with and without a leading space (as vLLM does)."""
+        seqs: list[list[int]] = []
+        for word in self.bad_words or []:
+            for prefix in ("", " "):
+                ids = list(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        self.bad_words_token_ids = seqs
+
+    @property
+    def needs_logit_masks(self) -> bool:
+        """True when logit bias, allowed token ids or bad words change the logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -90,7 +90,8 @@ class InputProcessor:
         """The parts of `params` that depend on the model.
 
         Raises:
-            ValueError: `top_k` above the vocabulary, or stop token ids outside it.
+            ValueError: `top_k` above the vocabulary, or stop token ids, logit bias or allowed
+                token ids outside it.
         """
         if params.top_k > self.vocab_size:
             raise ValueError(
@@ -98,6 +99,8 @@ class InputProcessor:
                 f"got {params.top_k}"
             )
         self.check_token_ids("stop_token_ids", params.stop_token_ids or [])
+        self.check_token_ids("SamplingParams.logit_bias", list(params.logit_bias or {}))
+        self.check_token_ids("SamplingParams.allowed_token_ids", params.allowed_token_ids or [])
 
 
 def check_encodable(name: str, text: str) -> None:

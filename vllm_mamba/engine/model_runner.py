@@ -16,6 +16,7 @@ from vllm_mamba.attention.backend import AttentionBackend, StepLayout
 from vllm_mamba.engine.cuda_graphs import DecodeCudaGraphs
 from vllm_mamba.engine.scheduler import ScheduledSeq, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence
+from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.layers.sampler import SamplerOutput, SamplingRow, sample
 from vllm_mamba.mamba_cache import MambaCache
 
@@ -50,8 +51,10 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         eos_token_id: int | None,
+        structured_outputs: StructuredOutputs | None = None,
     ) -> None:
         self.model = model
+        self.structured_outputs = structured_outputs
         self.eos_token_id = eos_token_id
         self.cache = cache
         self.backend = backend
@@ -143,12 +146,16 @@ class ModelRunner:
             result.samples[seq.seq_id] = (i, out)
 
     def _row(self, seq: Sequence, item: ScheduledSeq) -> SamplingRow:
-        """Sampling inputs of one sequence; EOS and stop tokens are banned before min_tokens."""
+        """Sampling inputs of one sequence; EOS and stop tokens are banned before min_tokens
+        (unless a grammar decides when the output ends)."""
         params = item.group.params
         if seq.generator is None and params.seed is not None:
             seq.generator = self.make_generator(params.seed, seq.index)
+        if params.structured_outputs is not None and seq.matcher is None:
+            assert self.structured_outputs is not None
+            seq.matcher = self.structured_outputs.new_matcher(params)
         banned: list[int] = []
-        if len(seq.output_token_ids) < params.min_tokens:
+        if len(seq.output_token_ids) < params.min_tokens and seq.matcher is None:
             banned = list(params.stop_token_ids or [])
             if self.eos_token_id is not None and not params.ignore_eos:
                 banned.append(self.eos_token_id)
@@ -158,6 +165,7 @@ class ModelRunner:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             banned_token_ids=banned,
+            matcher=seq.matcher,
         )
 
     def _prompt_logprobs(

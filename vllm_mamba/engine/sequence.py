@@ -54,6 +54,7 @@ class Sequence:
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
     detokenizer: object | None = None
+    matcher: object | None = None  # grammar matcher of a request with structured outputs
 
     @property
     def num_tokens(self) -> int:

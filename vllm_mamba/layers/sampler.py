@@ -1,6 +1,8 @@
 """Turns the logits of the sampled positions into tokens and log-probabilities.
 
-Rows are processed together: penalties, then greedy rows take the argmax and the others are
+Rows are processed together: penalties, then the rows' own constraints (logit bias, allowed
+token ids, bad words, banned tokens, and a grammar's token bitmask, applied only to the rows
+that have them), then greedy rows take the argmax and the others are
 sampled after temperature, top-k, top-p and min-p, by an exponential race (argmax of p / q with
 q ~ Exp(1)), drawn from each row's own generator when the request has a seed. Log-probabilities
 are those of the model's raw distribution (before penalties and temperature), as in vLLM.
@@ -11,6 +13,7 @@ Glossary: R rows (sampled positions), V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,6 +29,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: list[int]
+    matcher: Any = None  # the sequence's grammar matcher (xgrammar), when it has one
 
 
 @dataclass
@@ -61,6 +65,46 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
             counts.scatter_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     return logits
+
+
+def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    """Logit bias, allowed token ids, bad words, banned tokens and grammar bitmasks of the rows
+    `idx` of `logits (R, V)`, in place."""
+    for i in idx:
+        row, p = rows[i], rows[i].params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            logits[i, ids] += bias.to(logits.device)
+        if p.allowed_token_ids:
+            keep = torch.full_like(logits[i], float("-inf"))
+            keep[p.allowed_token_ids] = 0.0
+            logits[i] += keep
+        banned = row.banned_token_ids
+        if p.bad_words_token_ids:
+            banned = banned + _bad_word_tokens(p.bad_words_token_ids, row.output_token_ids)
+        if banned:
+            logits[i, banned] = float("-inf")
+    grammar_rows = [i for i in idx if rows[i].matcher is not None]
+    if grammar_rows:
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])  # (R, ceil(V / 32))
+        for i in grammar_rows:
+            rows[i].matcher.fill_next_token_bitmask(bitmask, i)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device, non_blocking=True), indices=grammar_rows
+        )
+
+
+def _bad_word_tokens(words: list[list[int]], output: list[int]) -> list[int]:
+    """The last token of every bad word whose other tokens end the output so far."""
+    banned = []
+    for word in words:
+        prefix = word[:-1]
+        if not prefix or output[len(output) - len(prefix) :] == prefix:
+            banned.append(word[-1])
+    return banned
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -104,15 +148,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     Returns:
         The tokens, and their log-probabilities for the rows that ask for them (0.0 elsewhere).
     """
-    work = (
-        logits.clone()
-        if any(r.params.needs_penalties or r.banned_token_ids for r in rows)
-        else logits
-    )
+    constrained = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.needs_logit_masks or r.banned_token_ids or r.matcher is not None
+    ]
+    needs_copy = constrained or any(r.params.needs_penalties for r in rows)
+    work = logits.clone() if needs_copy else logits
     apply_penalties(work, rows)
-    for i, row in enumerate(rows):
-        if row.banned_token_ids:
-            work[i, row.banned_token_ids] = float("-inf")
+    if constrained:
+        apply_constraints(work, rows, constrained)
     tokens = work.argmax(-1)  # (R,)
     random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_idx:
