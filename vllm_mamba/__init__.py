@@ -4,6 +4,7 @@ from vllm_mamba.logger import init_logger
 
 init_logger()
 
+from vllm_mamba.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm_mamba.llm import LLM  # noqa: E402
 from vllm_mamba.models.registry import ModelRegistry  # noqa: E402
 from vllm_mamba.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "EngineArgs",
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
