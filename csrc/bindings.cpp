@@ -21,6 +21,15 @@ TORCH_LIBRARY(vllm_mamba, m) {
       "Tensor C, Tensor? D_skip, Tensor? z, Tensor? dt_bias, bool dt_softplus, "
       "Tensor state_indices) -> Tensor");
   m.def("linear_small_batch(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
 }
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};

@@ -1,0 +1,411 @@
+// Paged attention on the CPU: the KV cache write, decode attention and varlen prefill attention
+// over a block cache `(num_blocks, block_size, num_kv_heads, head_dim)`, as the references in
+// `vllm_mamba/ops/paged_attention.py`.
+//
+// Both attention kernels run one core loop (`attend_range`): a tile of query rows that share
+// one kv head (the GQA group, times a few prefill tokens) walks the sequence's blocks through
+// its block table with an online softmax (running max, sum and unnormalised output per row),
+// so memory is O(block) whatever the context length. Dot products and the value update are
+// vectorised over head_dim; math is float32 for float32, bfloat16 and float16 inputs.
+// Decode splits long contexts into ranges (flash-decoding) when sequences x kv heads are too
+// few to keep every thread busy, and merges the partial softmax states afterwards. Tasks are
+// dealt to the threads round-robin, which balances the growing cost of causal prefill tiles.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kernel_math.h"
+
+namespace vllm_mamba {
+namespace {
+
+constexpr int64_t kPrefillTile = 16;       // prefill tokens per task (times the GQA group)
+constexpr int64_t kMinSplitTokens = 256;   // context tokens per decode split, at least
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Calls `fn` with a null pointer of the element type of `t`: float, bfloat16 or float16.
+template <typename Fn>
+void dispatch_attn(const at::Tensor& t, const char* what, Fn&& fn) {
+  switch (t.scalar_type()) {
+    case at::kFloat: fn(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: fn(static_cast<at::BFloat16*>(nullptr)); break;
+    case at::kHalf: fn(static_cast<at::Half*>(nullptr)); break;
+    default:
+      TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+// One kv head of one layer's cache: element (block, offset, d) at
+// base + block * block_stride + offset * token_stride + d.
+template <typename C>
+struct HeadView {
+  const C* base;
+  int64_t block_stride, token_stride, block_size;
+};
+
+// Running softmax state of `rows` query rows: max, sum, unnormalised output `(rows, D)`.
+struct SoftmaxState {
+  float* m;
+  float* l;
+  float* acc;
+};
+
+// Attends `rows` pre-scaled query rows `q (rows, D)` over positions [begin, end) of one
+// sequence, row r only up to position `limits[r]` (inclusive), updating `st` in place.
+// `kbuf`, `vbuf` (block_size * D) and `scores` (rows * block_size) are scratch.
+template <typename C>
+void attend_range(const float* q, const int64_t* limits, int64_t rows, int64_t dim,
+                  const HeadView<C>& kv, const HeadView<C>& vv, const int64_t* block_table,
+                  int64_t begin, int64_t end, SoftmaxState st, float* kbuf, float* vbuf,
+                  float* scores) {
+  const int64_t bs = kv.block_size;
+  for (int64_t start = begin; start < end;) {
+    const int64_t block = block_table[start / bs];
+    const int64_t off0 = start % bs;
+    const int64_t n = std::min(bs - off0, end - start);
+    for (int64_t t = 0; t < n; ++t) {
+      const C* k = kv.base + block * kv.block_stride + (off0 + t) * kv.token_stride;
+      const C* v = vv.base + block * vv.block_stride + (off0 + t) * vv.token_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) {
+        kbuf[t * dim + d] = to_f32(k[d]);
+        vbuf[t * dim + d] = to_f32(v[d]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t valid = std::min(n, limits[r] - start + 1);  // causal cut of this row
+      if (valid <= 0) continue;
+      const float* qr = q + r * dim;
+      float* s = scores + r * bs;
+      float block_max = kNegInf;
+      for (int64_t t = 0; t < valid; ++t) {
+        const float* k = kbuf + t * dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) dot += qr[d] * k[d];
+        s[t] = dot;
+        block_max = std::max(block_max, dot);
+      }
+      const float m_new = std::max(st.m[r], block_max);
+      const float alpha = std::exp(st.m[r] - m_new);  // 0 on the first block (m = -inf)
+      float* acc = st.acc + r * dim;
+      float sum = 0.0f;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
+      for (int64_t t = 0; t < valid; ++t) {
+        const float p = std::exp(s[t] - m_new);
+        const float* v = vbuf + t * dim;
+        sum += p;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) acc[d] += p * v[d];
+      }
+      st.l[r] = st.l[r] * alpha + sum;
+      st.m[r] = m_new;
+    }
+    start += n;
+  }
+}
+
+// Resets `rows` softmax states.
+void reset_state(SoftmaxState st, int64_t rows, int64_t dim) {
+  std::fill(st.m, st.m + rows, kNegInf);
+  std::fill(st.l, st.l + rows, 0.0f);
+  std::fill(st.acc, st.acc + rows * dim, 0.0f);
+}
+
+template <typename C>
+HeadView<C> head_view(const at::Tensor& cache, int64_t head) {
+  return {cache.data_ptr<C>() + head * cache.stride(2), cache.stride(0), cache.stride(1),
+          cache.size(1)};
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t dim) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be (num_blocks, block_size, num_kv_heads, head_dim)");
+  TORCH_CHECK(k_cache.size(3) == dim, "cache head_dim ", k_cache.size(3), " != ", dim);
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache head_dim not contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches differ in dtype");
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                       at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be (T, Hkv, D)");
+  check_cache(k_cache, v_cache, key.size(2));
+  TORCH_CHECK(key.size(1) == k_cache.size(2), "key heads != cache kv heads");
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  TORCH_CHECK(slot_mapping.numel() == tokens, "slot_mapping must be (T,)");
+  const at::Tensor k = key.to(k_cache.scalar_type()).contiguous();
+  const at::Tensor v = value.to(k_cache.scalar_type()).contiguous();
+  const at::Tensor slots = as_index(slot_mapping);
+  const int64_t bs = k_cache.size(1), capacity = k_cache.size(0) * bs;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  dispatch_attn(k_cache, "k_cache", [&](auto* tp) {
+    using C = std::remove_pointer_t<decltype(tp)>;
+    const C* kp = k.data_ptr<C>();
+    const C* vp = v.data_ptr<C>();
+    C* kc = k_cache.data_ptr<C>();
+    C* vc = v_cache.data_ptr<C>();
+    at::parallel_for(0, tokens, 64, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t slot = sp[t];
+        if (slot < 0) continue;  // PAD_SLOT_ID
+        TORCH_CHECK(slot < capacity, "slot ", slot, " beyond the cache");
+        const int64_t block = slot / bs, off = slot % bs;
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t src = (t * heads + h) * dim;
+          std::copy_n(kp + src, dim, kc + block * k_cache.stride(0) + off * k_cache.stride(1) +
+                                         h * k_cache.stride(2));
+          std::copy_n(vp + src, dim, vc + block * v_cache.stride(0) + off * v_cache.stride(1) +
+                                         h * v_cache.stride(2));
+        }
+      }
+    });
+  });
+}
+
+// Loads `count` query heads starting at `q` (head stride `dim`) as float32, times `scale`.
+template <typename Q>
+void load_query(const Q* q, int64_t count, int64_t dim, float scale, float* dst) {
+#pragma omp simd
+  for (int64_t i = 0; i < count * dim; ++i) dst[i] = to_f32(q[i]) * scale;
+}
+
+// Writes finished softmax states, rows ordered (token, group head), as `acc / l` (zeros where
+// l == 0) to `out`, whose tokens are `token_stride` apart and group heads `dim` apart.
+template <typename Q>
+void store_tile(const float* acc, const float* l, int64_t tokens, int64_t group, int64_t dim,
+                Q* out, int64_t token_stride) {
+  for (int64_t i = 0; i < tokens; ++i) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      Q* o = out + i * token_stride + g * dim;
+      const float* a = acc + r * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<Q>(a[d] * inv);
+    }
+  }
+}
+
+// Per-thread scratch of the attention kernels.
+struct Scratch {
+  std::vector<float> q, m, l, acc, kbuf, vbuf, scores;
+  std::vector<int64_t> limits;
+  Scratch(int64_t rows, int64_t dim, int64_t bs)
+      : q(rows * dim), m(rows), l(rows), acc(rows * dim), kbuf(bs * dim), vbuf(bs * dim),
+        scores(rows * bs), limits(rows) {}
+  SoftmaxState state() { return {m.data(), l.data(), acc.data()}; }
+};
+
+// Runs `task(i, scratch)` for i in [0, n), task i on worker i mod workers, each worker with
+// its own scratch for `rows` query rows.
+template <typename Fn>
+void round_robin(int64_t n, int64_t rows, int64_t dim, int64_t bs, Fn&& task) {
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t lo, int64_t hi) {
+    Scratch sc(rows, dim, bs);
+    for (int64_t w = lo; w < hi; ++w) {
+      for (int64_t i = w; i < n; i += workers) task(i, sc);
+    }
+  });
+}
+
+// Shapes and strides shared by the attention kernels.
+struct AttnShape {
+  int64_t q_heads, kv_heads, group, dim, block_size;
+  float scale;
+};
+
+AttnShape attn_shape(const at::Tensor& query, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, double scale) {
+  TORCH_CHECK(query.dim() == 3, "query must be (tokens, Hq, D)");
+  check_cache(k_cache, v_cache, query.size(2));
+  const int64_t hq = query.size(1), hkv = k_cache.size(2);
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads ", hq, " not a multiple of kv heads ", hkv);
+  return {hq, hkv, hq / hkv, query.size(2), k_cache.size(1), static_cast<float>(scale)};
+}
+
+// Decode splits per sequence: enough tasks for every thread, at least kMinSplitTokens each.
+int64_t decode_splits(int64_t batch, int64_t kv_heads, int64_t max_len) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t tasks = std::max<int64_t>(1, batch * kv_heads);
+  const int64_t wanted = (2 * threads + tasks - 1) / tasks;
+  const int64_t most = std::max<int64_t>(1, max_len / kMinSplitTokens);
+  return std::max<int64_t>(1, std::min(wanted, most));
+}
+
+// Merges the split states of one (row, kv head) `(splits, G)` into the output heads.
+template <typename Q>
+void merge_splits(const float* m, const float* l, const float* acc, int64_t splits,
+                  int64_t group, int64_t dim, Q* out) {
+  std::vector<float> total(dim);
+  for (int64_t g = 0; g < group; ++g) {
+    float m_max = kNegInf;
+    for (int64_t s = 0; s < splits; ++s) m_max = std::max(m_max, m[s * group + g]);
+    float l_sum = 0.0f;
+    std::fill(total.begin(), total.end(), 0.0f);
+    for (int64_t s = 0; s < splits; ++s) {
+      const int64_t r = s * group + g;
+      if (l[r] <= 0.0f) continue;
+      const float w = std::exp(m[r] - m_max);
+      l_sum += l[r] * w;
+      const float* a = acc + r * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) total[d] += w * a[d];
+    }
+    store_tile(total.data(), &l_sum, 1, 1, dim, out + g * dim, 0);
+  }
+}
+
+template <typename Q, typename C>
+void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& tables, const int64_t* lens, const AttnShape& a,
+                 at::Tensor& out) {
+  const int64_t batch = query.size(0), hkv = a.kv_heads, g = a.group, dim = a.dim;
+  const int64_t max_len = batch ? *std::max_element(lens, lens + batch) : 0;
+  const int64_t splits = decode_splits(batch, hkv, max_len);
+  // Partial states (B, Hkv, splits, G [, D]); splits without positions keep l = 0.
+  std::vector<float> pm(batch * hkv * splits * g), pl(pm.size()), pacc(pm.size() * dim);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const Q* qp = query.data_ptr<Q>();
+  round_robin(batch * hkv * splits, g, dim, a.block_size, [&](int64_t i, Scratch& sc) {
+    const int64_t b = i / (hkv * splits), h = (i / splits) % hkv, s = i % splits;
+    SoftmaxState st{pm.data() + i * g, pl.data() + i * g, pacc.data() + i * g * dim};
+    reset_state(st, g, dim);
+    const int64_t len = lens[b];
+    const int64_t chunk = ((len + splits - 1) / splits + a.block_size - 1) / a.block_size *
+                          a.block_size;  // whole blocks per split
+    const int64_t begin = s * chunk, end = std::min(len, begin + chunk);
+    if (begin >= end) return;
+    load_query(qp + b * query.stride(0) + h * g * dim, g, dim, a.scale, sc.q.data());
+    std::fill(sc.limits.begin(), sc.limits.end(), len - 1);
+    attend_range(sc.q.data(), sc.limits.data(), g, dim, head_view<C>(k_cache, h),
+                 head_view<C>(v_cache, h), tp + b * tables.stride(0), begin, end, st,
+                 sc.kbuf.data(), sc.vbuf.data(), sc.scores.data());
+  });
+  Q* op = out.data_ptr<Q>();
+  at::parallel_for(0, batch * hkv, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t b = i / hkv, h = i % hkv;
+      merge_splits(pm.data() + i * splits * g, pl.data() + i * splits * g,
+                   pacc.data() + i * splits * g * dim, splits, g, dim,
+                   op + b * a.q_heads * dim + h * g * dim);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale) {
+  const AttnShape a = attn_shape(query_in, k_cache, v_cache, scale);
+  const int64_t batch = query_in.size(0);
+  TORCH_CHECK(seq_lens.numel() == batch && block_tables.dim() == 2 &&
+                  block_tables.size(0) == batch,
+              "block_tables must be (B, max_blocks) and seq_lens (B,)");
+  const at::Tensor query = query_in.stride(2) == 1 && query_in.stride(1) == a.dim
+                               ? query_in
+                               : query_in.contiguous();
+  const at::Tensor tables = as_index(block_tables);
+  const at::Tensor lens = as_index(seq_lens);
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK((lp[b] + a.block_size - 1) / a.block_size <= tables.size(1),
+                "seq_len ", lp[b], " needs more blocks than block_tables has");
+  }
+  at::Tensor out = at::empty({batch, a.q_heads, a.dim}, query.options());
+  dispatch_attn(query, "query", [&](auto* qt) {
+    using Q = std::remove_pointer_t<decltype(qt)>;
+    dispatch_attn(k_cache, "k_cache", [&](auto* ct) {
+      using C = std::remove_pointer_t<decltype(ct)>;
+      decode_impl<Q, C>(query, k_cache, v_cache, tables, lp, a, out);
+    });
+  });
+  return out;
+}
+
+template <typename Q, typename C>
+void prefill_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& tables, const int64_t* qsl, const int64_t* lens,
+                  const AttnShape& a, at::Tensor& out) {
+  const int64_t seqs = tables.size(0), hkv = a.kv_heads, g = a.group, dim = a.dim;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first query of the tile)
+  for (int64_t p = 0; p < seqs; ++p) {
+    for (int64_t j = 0; j < qsl[p + 1] - qsl[p]; j += kPrefillTile) tiles.emplace_back(p, j);
+  }
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const Q* qp = query.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
+  const int64_t q_stride = query.stride(0), o_stride = a.q_heads * dim;
+  const int64_t n_tasks = static_cast<int64_t>(tiles.size()) * hkv;
+  round_robin(n_tasks, kPrefillTile * g, dim, a.block_size, [&](int64_t i, Scratch& sc) {
+    const auto [p, j0] = tiles[i / hkv];
+    const int64_t h = i % hkv, q_len = qsl[p + 1] - qsl[p], len = lens[p];
+    const int64_t n_tok = std::min(kPrefillTile, q_len - j0), rows = n_tok * g;
+    const int64_t first = qsl[p] + j0;  // flat index of the tile's first query
+    for (int64_t t = 0; t < n_tok; ++t) {
+      load_query(qp + (first + t) * q_stride + h * g * dim, g, dim, a.scale,
+                 sc.q.data() + t * g * dim);
+      std::fill_n(sc.limits.data() + t * g, g, len - q_len + j0 + t);  // own position
+    }
+    reset_state(sc.state(), rows, dim);
+    attend_range(sc.q.data(), sc.limits.data(), rows, dim, head_view<C>(k_cache, h),
+                 head_view<C>(v_cache, h), tp + p * tables.stride(0), 0,
+                 len - q_len + j0 + n_tok, sc.state(), sc.kbuf.data(), sc.vbuf.data(),
+                 sc.scores.data());
+    store_tile(sc.acc.data(), sc.l.data(), n_tok, g, dim, op + first * o_stride + h * g * dim,
+               o_stride);
+  });
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                   double scale) {
+  const AttnShape a = attn_shape(query_in, k_cache, v_cache, scale);
+  const int64_t seqs = seq_lens.numel();
+  TORCH_CHECK(query_start_loc.numel() == seqs + 1 && block_tables.dim() == 2 &&
+                  block_tables.size(0) == seqs,
+              "query_start_loc must be (P + 1,), seq_lens (P,), block_tables (P, max_blocks)");
+  const at::Tensor query = query_in.stride(2) == 1 && query_in.stride(1) == a.dim
+                               ? query_in
+                               : query_in.contiguous();
+  const at::Tensor tables = as_index(block_tables);
+  const at::Tensor qsl_t = as_index(query_start_loc);
+  const at::Tensor lens_t = as_index(seq_lens);
+  const int64_t* qsl = qsl_t.data_ptr<int64_t>();
+  const int64_t* lens = lens_t.data_ptr<int64_t>();
+  TORCH_CHECK(qsl[0] >= 0 && qsl[seqs] <= query.size(0), "query_start_loc beyond the queries");
+  for (int64_t p = 0; p < seqs; ++p) {
+    const int64_t q_len = qsl[p + 1] - qsl[p];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[p], "sequence ", p, ": ", q_len,
+                " queries but seq_len ", lens[p]);
+    TORCH_CHECK((lens[p] + a.block_size - 1) / a.block_size <= tables.size(1), "seq_len ",
+                lens[p], " needs more blocks than block_tables has");
+  }
+  at::Tensor out = at::zeros({query.size(0), a.q_heads, a.dim}, query.options());
+  dispatch_attn(query, "query", [&](auto* qt) {
+    using Q = std::remove_pointer_t<decltype(qt)>;
+    dispatch_attn(k_cache, "k_cache", [&](auto* ct) {
+      using C = std::remove_pointer_t<decltype(ct)>;
+      prefill_impl<Q, C>(query, k_cache, v_cache, tables, qsl, lens, a, out);
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {
+  m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}
+
+}  // namespace vllm_mamba
