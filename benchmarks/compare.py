@@ -1,5 +1,8 @@
 """Side-by-side CPU speed of this engine, `transformers` and llama.cpp on one model, in one run.
 
+Any architecture the engine supports (Mamba, Mamba2, FalconMamba, ...): transformers loads the
+model with `AutoModelForCausalLM`.
+
 Workloads (tokens/s; the medians of `--reps` repetitions, interleaved across the systems so
 that the machine's noise hits them alike):
 
@@ -17,6 +20,8 @@ Never part of CI.
     python benchmarks/make_model.py /tmp/mamba-130m-random
     python benchmarks/compare.py --model /tmp/mamba-130m-random
     python benchmarks/compare.py --model /tmp/mamba-130m-random --dtype bfloat16
+    python benchmarks/make_model.py /tmp/mamba2-130m-random --arch mamba2
+    python benchmarks/compare.py --model /tmp/mamba2-130m-random --batches 1,32
 """
 
 from __future__ import annotations

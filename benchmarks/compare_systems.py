@@ -81,16 +81,17 @@ class EngineSystem:
 
 
 class TransformersSystem:
-    """`MambaForCausalLM.generate`; decode is `generate(T)` minus `generate(1)`."""
+    """`generate` of the model's transformers class (`AutoModelForCausalLM`: Mamba, Mamba2,
+    FalconMamba, ...); decode is `generate(T)` minus `generate(1)`."""
 
     def __init__(self, model: str, dtype: str, decode_tokens: int, max_batch: int) -> None:
-        from transformers import MambaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         self.name = "transformers"
         self.dtype = dtype
         self.decode_tokens = decode_tokens
         self.max_batch = max_batch
-        self.model = MambaForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
 
     def _time_generate(self, prompts: list[list[int]], num_tokens: int) -> float:
         ids = torch.tensor(prompts)

@@ -22,6 +22,16 @@ TORCH_LIBRARY(vllm_mamba, m) {
       "Tensor state_indices) -> Tensor");
   m.def("linear_small_batch(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
+      "ssd_chunk_scan_varlen(Tensor x, Tensor dt, Tensor A, Tensor B_, Tensor C, Tensor? D_skip, "
+      "Tensor? dt_bias, bool dt_softplus, float dt_min, float dt_max, Tensor(a!) ssm_states, "
+      "Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state, "
+      "int chunk_size) -> Tensor");
+  m.def(
+      "ssd_state_update(Tensor(a!) ssm_states, Tensor x, Tensor dt, Tensor A, Tensor B_, "
+      "Tensor C, Tensor? D_skip, Tensor? dt_bias, bool dt_softplus, "
+      "Tensor state_indices) -> Tensor");
+  m.def("gated_rms_norm(Tensor x, Tensor z, Tensor weight, int group_size, float eps) -> Tensor");
+  m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");
   m.def(

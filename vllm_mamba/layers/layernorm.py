@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from vllm_mamba.ops.table import MambaOps
 
 
 class RMSNorm(nn.Module):
@@ -35,18 +36,20 @@ def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class GatedRMSNorm(nn.Module):
-    """`weight * rmsnorm_per_group(x * silu(z))`, statistics over groups of `group_size`."""
+    """`weight * rmsnorm_per_group(x * silu(z))`, statistics over groups of `group_size`.
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
+    Runs the ops table's `gated_rms_norm` (see `vllm_mamba.ops.gated_rms_norm`).
+    """
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float, ops: MambaOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.group_size = group_size
         self.variance_epsilon = eps
+        self.norm_op = ops.gated_rms_norm
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """`x, z (T, I)` -> `(T, I)` in x's dtype (math in float32)."""
-        gated = x.float() * F.silu(z.float())  # (T, I)
-        groups = gated.view(*gated.shape[:-1], -1, self.group_size)  # (T, I / gs, gs)
-        variance = groups.pow(2).mean(-1, keepdim=True)
-        normed = (groups * torch.rsqrt(variance + self.variance_epsilon)).view_as(gated)
-        return self.weight * normed.to(x.dtype)
+        return self.norm_op(
+            x=x, z=z, weight=self.weight, group_size=self.group_size, eps=self.variance_epsilon
+        )

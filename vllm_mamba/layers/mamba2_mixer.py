@@ -51,7 +51,7 @@ class Mamba2Mixer(StateSpaceMixer):
         self.conv_dim = conv_dim
         self.in_proj = Linear(hidden_size, intermediate + conv_dim + num_heads, use_bias, ops)
         self.dt_bias = nn.Parameter(torch.empty(num_heads))
-        self.norm = GatedRMSNorm(intermediate, intermediate // n_groups, norm_eps)
+        self.norm = GatedRMSNorm(intermediate, intermediate // n_groups, norm_eps, ops)
         self.out_proj = Linear(intermediate, hidden_size, use_bias, ops)
 
     def _split_heads(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,9 +2,10 @@
 
 The kernels live in `csrc/` and are built into the extension `vllm_mamba._C` by
 `pip install --no-build-isolation -e .`; importing it registers the ops. Every wrapper has the
-signature of its `_ref` twin (`vllm_mamba.ops.causal_conv1d`, `vllm_mamba.ops.selective_scan`),
-so `vllm_mamba.ops.dispatch` can swap them in. The kernels copy non-contiguous activations to
-contiguous ones themselves; the states are updated in place and must be contiguous.
+signature of its `_ref` twin (`vllm_mamba.ops.causal_conv1d`, `vllm_mamba.ops.selective_scan`,
+`vllm_mamba.ops.ssd`), so `vllm_mamba.ops.dispatch` can swap them in. The kernels copy
+non-contiguous activations to contiguous ones themselves; the states are updated in place and
+must be contiguous.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _OP_NAMES = (
     "selective_scan_varlen",
     "selective_state_update",
     "linear_small_batch",
+    "ssd_chunk_scan_varlen",
+    "ssd_state_update",
+    "gated_rms_norm",
 )
 SMALL_BATCH = 8  # rows up to which `linear` streams the weight with the matrix-vector kernel
 
@@ -157,6 +161,88 @@ def selective_state_update(
     )
 
 
+def ssd_chunk_scan_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B_: torch.Tensor,
+    C: torch.Tensor,
+    D_skip: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    dt_limit: tuple[float, float],
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    chunk_size: int,
+) -> torch.Tensor:
+    """Mamba2's SSD scan over packed sequences; see `ssd_chunk_scan_varlen_ref`.
+
+    The kernel runs the recurrence token by token (exact for any `chunk_size`, which it only
+    checks), in parallel over sequences, heads and blocks of head-dim rows.
+
+    Args:
+        x: `(T, H, P)`; dt: `(T, H)`; A: `(H,)`; B_, C: `(T, G, N)`;
+            D_skip, dt_bias: `(H,)` or None. Views with a free token stride are read in place.
+        dt_softplus: apply softplus to `dt + dt_bias`; the result is clamped to `dt_limit`.
+        ssm_states: `(S, H, P, N)`, contiguous, float32 or bfloat16; updated in place.
+        query_start_loc: `(B + 1,)`; state_indices: `(B,)`; has_initial_state: `(B,)` bool.
+        chunk_size: the model's SSD chunk size.
+
+    Returns:
+        `(T, H, P)` outputs in the dtype of `x`.
+    """
+    return torch.ops.vllm_mamba.ssd_chunk_scan_varlen(
+        x, dt, A, B_, C, D_skip, dt_bias, dt_softplus, float(dt_limit[0]), float(dt_limit[1]),
+        ssm_states, query_start_loc, state_indices, has_initial_state, chunk_size,
+    )  # fmt: skip
+
+
+def ssd_state_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B_: torch.Tensor,
+    C: torch.Tensor,
+    D_skip: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step of Mamba2's SSD, per head, in place; see `ssd_state_update_ref`.
+
+    Args:
+        ssm_states: `(S, H, P, N)`, contiguous; updated in place for non-padding rows.
+        x: `(B, H, P)`; dt: `(B, H)`; A: `(H,)`; B_, C: `(B, G, N)`;
+            D_skip, dt_bias: `(H,)` or None.
+        dt_softplus: apply softplus to `dt + dt_bias` (not clamped, like the reference).
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
+
+    Returns:
+        `(B, H, P)` outputs in the dtype of `x` (padding rows start from a zero state).
+    """
+    return torch.ops.vllm_mamba.ssd_state_update(
+        ssm_states, x, dt, A, B_, C, D_skip, dt_bias, dt_softplus, state_indices
+    )
+
+
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
+) -> torch.Tensor:
+    """Mamba2's gated RMSNorm in one pass per row; see `gated_rms_norm_ref`.
+
+    Args:
+        x, z: `(T, I)`, float32 or bfloat16 (rows may be strided); weight: `(I,)`.
+        group_size: channels per normalisation group; eps: added to the mean square.
+
+    Returns:
+        `(T, I)` in the dtype of `x`.
+    """
+    return torch.ops.vllm_mamba.gated_rms_norm(x, z, weight, group_size, eps)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x (B, K) @ weight (N, K)^T + bias` -> `(B, N)`, by the fastest path for the shape.
 
@@ -190,4 +276,7 @@ def make_ops() -> MambaOps:
         selective_scan_varlen=selective_scan_varlen,
         selective_state_update=selective_state_update,
         linear=linear,
+        ssd_chunk_scan_varlen=ssd_chunk_scan_varlen,
+        ssd_state_update=ssd_state_update,
+        gated_rms_norm=gated_rms_norm,
     )

@@ -2,7 +2,8 @@
 
 A backend (`ref` in `vllm_mamba.ops.dispatch`, `cpu_kernels`, `triton_ops`) fills one
 `MambaOps`; the layers call its fields with keyword arguments. Each op's parameters are those
-of its pure-PyTorch `_ref` twin, documented there (`causal_conv1d`, `selective_scan`, `ssd`).
+of its pure-PyTorch `_ref` twin, documented there (`causal_conv1d`, `selective_scan`, `ssd`,
+`gated_rms_norm`).
 This module imports no backend, so the backends and the dispatcher can all import it.
 """
 
@@ -14,6 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
 from vllm_mamba.ops.ssd import ssd_chunk_scan_varlen_ref, ssd_state_update_ref
 
 Tensor = torch.Tensor
@@ -85,12 +87,21 @@ class SSDUpdateOp(Protocol):
     ) -> Tensor: ...  # fmt: skip
 
 
+class GatedRMSNormOp(Protocol):
+    """See `gated_rms_norm_ref`."""
+
+    def __call__(
+        self, x: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: float
+    ) -> Tensor: ...
+
+
 @dataclass(frozen=True)
 class MambaOps:
     """The kernels the layers call, with the signatures of the `_ref` functions.
 
-    Mamba uses the conv and selective-scan ops; Mamba2 the conv and SSD ops; every projection
-    goes through `linear`. A backend without its own SSD kernels keeps the references.
+    Mamba uses the conv and selective-scan ops; Mamba2 the conv, SSD and gated-norm ops; every
+    projection goes through `linear`. A backend without its own kernel for an op with a
+    default keeps that default (`F.linear` or the reference).
     """
 
     name: str
@@ -101,3 +112,4 @@ class MambaOps:
     linear: LinearOp = F.linear
     ssd_chunk_scan_varlen: SSDVarlenOp = ssd_chunk_scan_varlen_ref
     ssd_state_update: SSDUpdateOp = ssd_state_update_ref
+    gated_rms_norm: GatedRMSNormOp = gated_rms_norm_ref
