@@ -1,0 +1,253 @@
+"""Triton kernels of the paged attention ops: the KV cache write, decode and varlen prefill.
+
+Same signatures and semantics as the references in `vllm_mamba.ops.paged_attention` (vLLM's
+cache layout `(NB, BS, Hkv, D)`, block tables, GQA/MQA, padding rows). Every kernel walks the
+context in tiles of `_BLOCK_N` positions whose blocks it gathers from the block table, with an
+online softmax in float32, so any block size works and memory does not grow with the context.
+The launch grids depend on tensor shapes only, never on tensor values: no host
+synchronisation, so the decode step can be captured in a CUDA graph with the block tables and
+sequence lengths as graph inputs. They run on CUDA, and on the CPU under `TRITON_INTERPRET=1`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_N = 16  # context positions per tile (tl.dot needs at least 16)
+_BLOCK_M = 16  # prefill queries per program
+_M_INIT = -1.0e30  # running max of a row with no position yet (finite: no inf - inf)
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key, value, k_cache, v_cache, slot_mapping,
+    sk_t, sk_h, sv_t, sv_h, sc_b, sc_t, sc_h,
+    BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = (h < H) & (d < D) & ((h + d) * 0 + slot >= 0)  # PAD_SLOT_ID rows store nothing
+    dst = (slot // BS) * sc_b + (slot % BS) * sc_t + h * sc_h + d
+    k = tl.load(key + t * sk_t + h * sk_h + d, mask=mask)
+    v = tl.load(value + t * sv_t + h * sv_h + d, mask=mask)
+    tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _kv_tile(
+    cache, tables_row, pos, limit, kv_head, d, sc_b, sc_t, sc_h,
+    BS: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """Loads positions `pos (BLOCK_N,)` below `limit` of one kv head as float32 (BLOCK_N, D_PAD)."""
+    valid = pos < limit
+    block = tl.load(tables_row + pos // BS, mask=valid, other=0).to(tl.int64)
+    rows = block * sc_b + (pos % BS) * sc_t + kv_head * sc_h  # (BLOCK_N,)
+    mask = valid[:, None] & (d[None, :] < D)
+    return tl.load(cache + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _decode_kernel(
+    query, k_cache, v_cache, block_tables, seq_lens, out, scale,
+    sq_b, sq_h, so_b, so_h, sbt, sc_b, sc_t, sc_h,
+    BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kv_head * G + g  # (G_PAD,) the query heads that read this kv head
+    qmask = (g[:, None] < G) & (d[None, :] < D)
+    q = tl.load(query + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
+    q = q.to(tl.float32) * scale  # (G_PAD, D_PAD)
+    length = tl.load(seq_lens + b)
+    tables_row = block_tables + b * sbt
+    m = tl.full((G_PAD,), _M_INIT, tl.float32)
+    l = tl.zeros((G_PAD,), tl.float32)
+    acc = tl.zeros((G_PAD, D_PAD), tl.float32)
+    for start in range(0, length, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        k = _kv_tile(k_cache, tables_row, pos, length, kv_head, d, sc_b, sc_t, sc_h, BS, D)
+        v = _kv_tile(v_cache, tables_row, pos, length, kv_head, d, sc_b, sc_t, sc_h, BS, D)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G_PAD, BLOCK_N)
+        s = tl.where((pos < length)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # padding rows (length 0) stay zero
+    tl.store(out + b * so_b + heads[:, None] * so_h + d[None, :], o, mask=qmask)
+
+
+@triton.jit
+def _prefill_kernel(
+    query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, num_seqs,
+    sq_t, sq_h, so_t, so_h, sbt, sc_b, sc_t, sc_h,
+    BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+    P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # Program i serves tile i - first[p] of the sequence p with first[p] <= i, where
+    # first[p] = qsl[p] // BLOCK_M + p: every sequence gets room for all its tiles.
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    idx = tl.arange(0, P_PAD)
+    starts = tl.load(query_start_loc + idx, mask=idx < num_seqs, other=0)
+    first = tl.where(idx < num_seqs, starts // BLOCK_M + idx, 2**30)
+    p = tl.sum((first <= tile).to(tl.int32)) - 1
+    q_begin = tl.load(query_start_loc + p)
+    q_len = tl.load(query_start_loc + p + 1) - q_begin
+    length = tl.load(seq_lens + p)
+    j = (tile - (q_begin // BLOCK_M + p)) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    rows_ok = j < q_len
+    d = tl.arange(0, D_PAD)
+    qmask = rows_ok[:, None] & (d[None, :] < D)
+    tok = (q_begin + j).to(tl.int64)
+    q = tl.load(query + tok[:, None] * sq_t + head * sq_h + d[None, :], mask=qmask, other=0.0)
+    q = q.to(tl.float32) * scale  # (BLOCK_M, D_PAD)
+    q_pos = length - q_len + j  # absolute positions of the tile's queries
+    kv_head = head // G
+    tables_row = block_tables + p * sbt
+    kv_end = tl.minimum(length, tl.max(tl.where(rows_ok, q_pos + 1, 0)))
+    m = tl.full((BLOCK_M,), _M_INIT, tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        k = _kv_tile(k_cache, tables_row, pos, kv_end, kv_head, d, sc_b, sc_t, sc_h, BS, D)
+        v = _kv_tile(v_cache, tables_row, pos, kv_end, kv_head, d, sc_b, sc_t, sc_h, BS, D)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N)
+        allowed = (pos[None, :] <= q_pos[:, None]) & rows_ok[:, None]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        pr = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision="ieee")
+        m = m_new
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out + tok[:, None] * so_t + head * so_h + d[None, :], o, mask=qmask)
+
+
+def _pad(n: int) -> int:
+    return max(triton.next_power_of_2(n), 1)
+
+
+def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Checks the shapes; returns the GQA group size `Hq // Hkv`."""
+    assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, "caches must be (NB, BS, Hkv, D)"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert query.shape[-1] == k_cache.shape[3], "query and cache head dims differ"
+    assert query.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of kv heads"
+    return query.shape[1] // k_cache.shape[2]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` with a unit stride on its last dimension (other strides stay free)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes each token's key and value into its cache slot; see `reshape_and_cache_ref`.
+
+    Args:
+        key, value: `(T, Hkv, D)`.
+        k_cache, v_cache: `(NB, BS, Hkv, D)`, updated in place.
+        slot_mapping: `(T,)` int; slots `< 0` are skipped.
+    """
+    tokens, heads, dim = key.shape
+    if tokens == 0:
+        return
+    key, value = _rows(key), _rows(value)
+    _reshape_and_cache_kernel[(tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BS=k_cache.shape[1], H=heads, D=dim, H_PAD=_pad(heads), D_PAD=_pad(dim),
+    )  # fmt: skip
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per row over its paged context; see `paged_decode_attention_ref`.
+
+    Args:
+        query: `(B, Hq, D)`; k_cache, v_cache: `(NB, BS, Hkv, D)`.
+        block_tables: `(B, max_blocks)` int32; seq_lens: `(B,)` int32, 0 for padding rows.
+        scale: the softmax scale.
+
+    Returns:
+        `(B, Hq, D)` in the query's dtype.
+    """
+    group = _check(query, k_cache, v_cache)
+    batch, _, dim = query.shape
+    query = _rows(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if batch == 0:
+        return out
+    _decode_kernel[(batch, k_cache.shape[2])](
+        query, k_cache, v_cache, block_tables, seq_lens, out, float(scale),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BS=k_cache.shape[1], G=group, D=dim, G_PAD=_pad(group), D_PAD=_pad(dim),
+        BLOCK_N=_BLOCK_N,
+    )  # fmt: skip
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal varlen attention over the cached context; see `paged_prefill_attention_ref`.
+
+    Args:
+        query: `(T, Hq, D)`; k_cache, v_cache: `(NB, BS, Hkv, D)`.
+        block_tables: `(P, max_blocks)` int32; query_start_loc: `(P + 1,)` int32;
+            seq_lens: `(P,)` int32, context plus chunk of each sequence.
+        scale: the softmax scale.
+
+    Returns:
+        `(T, Hq, D)` in the query's dtype; tokens after `qsl[P]` are zeros.
+    """
+    group = _check(query, k_cache, v_cache)
+    tokens, heads, dim = query.shape
+    seqs = seq_lens.shape[0]
+    query = _rows(query)
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+    if tokens == 0 or seqs == 0:
+        return out
+    grid = (tokens // _BLOCK_M + seqs, heads)  # room for every sequence's tiles (see kernel)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, float(scale), seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BS=k_cache.shape[1], G=group, D=dim, D_PAD=max(_pad(dim), 16), P_PAD=_pad(seqs),
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+    )  # fmt: skip
+    return out
