@@ -31,6 +31,9 @@ _OP_NAMES = (
     "ssd_chunk_scan_varlen",
     "ssd_state_update",
     "gated_rms_norm",
+    "reshape_and_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
 )
 SMALL_BATCH = 8  # rows up to which `linear` streams the weight with the matrix-vector kernel
 
@@ -243,6 +246,70 @@ def gated_rms_norm(
     return torch.ops.vllm_mamba.gated_rms_norm(x, z, weight, group_size, eps)
 
 
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes the tokens' keys and values to their cache slots; see `reshape_and_cache_ref`.
+
+    Args:
+        key, value: `(T, Hkv, D)`; k_cache, v_cache: `(NB, BS, Hkv, D)`, updated in place.
+        slot_mapping: `(T,)` int; slots `< 0` are skipped.
+    """
+    torch.ops.vllm_mamba.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per row over its paged context; see `paged_decode_attention_ref`.
+
+    Args:
+        query: `(B, Hq, D)`; k_cache, v_cache: `(NB, BS, Hkv, D)` float32, bfloat16 or float16.
+        block_tables: `(B, max_blocks)` int; seq_lens: `(B,)` int, 0 for padding rows.
+        scale: the softmax scale.
+
+    Returns:
+        `(B, Hq, D)` in the query's dtype.
+    """
+    return torch.ops.vllm_mamba.paged_decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, float(scale)
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal varlen attention over the cached context; see `paged_prefill_attention_ref`.
+
+    Args:
+        query: `(T, Hq, D)`; k_cache, v_cache: `(NB, BS, Hkv, D)`.
+        block_tables: `(P, max_blocks)` int; query_start_loc: `(P + 1,)` int;
+            seq_lens: `(P,)` int, context plus chunk of each sequence.
+        scale: the softmax scale.
+
+    Returns:
+        `(T, Hq, D)` in the query's dtype; tokens after `qsl[P]` are zeros.
+    """
+    return torch.ops.vllm_mamba.paged_prefill_attention(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, float(scale)
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x (B, K) @ weight (N, K)^T + bias` -> `(B, N)`, by the fastest path for the shape.
 
@@ -279,4 +346,7 @@ def make_ops() -> MambaOps:
         ssd_chunk_scan_varlen=ssd_chunk_scan_varlen,
         ssd_state_update=ssd_state_update,
         gated_rms_norm=gated_rms_norm,
+        reshape_and_cache=reshape_and_cache,
+        paged_decode_attention=paged_decode_attention,
+        paged_prefill_attention=paged_prefill_attention,
     )

@@ -16,6 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
+from vllm_mamba.ops.paged_attention import (
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    reshape_and_cache_ref,
+)
 from vllm_mamba.ops.ssd import ssd_chunk_scan_varlen_ref, ssd_state_update_ref
 
 Tensor = torch.Tensor
@@ -95,13 +100,40 @@ class GatedRMSNormOp(Protocol):
     ) -> Tensor: ...
 
 
+class ReshapeAndCacheOp(Protocol):
+    """See `reshape_and_cache_ref`."""
+
+    def __call__(
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    ) -> None: ...
+
+
+class PagedDecodeOp(Protocol):
+    """See `paged_decode_attention_ref`."""
+
+    def __call__(
+        self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+        seq_lens: Tensor, scale: float,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class PagedPrefillOp(Protocol):
+    """See `paged_prefill_attention_ref`."""
+
+    def __call__(
+        self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+        query_start_loc: Tensor, seq_lens: Tensor, scale: float,
+    ) -> Tensor: ...  # fmt: skip
+
+
 @dataclass(frozen=True)
 class MambaOps:
     """The kernels the layers call, with the signatures of the `_ref` functions.
 
     Mamba uses the conv and selective-scan ops; Mamba2 the conv, SSD and gated-norm ops; every
-    projection goes through `linear`. A backend without its own kernel for an op with a
-    default keeps that default (`F.linear` or the reference).
+    projection goes through `linear`; the attention layers of hybrids write their KV cache with
+    `reshape_and_cache` and read it with the paged attention ops. A backend without its own
+    kernel for an op with a default keeps that default (`F.linear` or the reference).
     """
 
     name: str
@@ -113,3 +145,6 @@ class MambaOps:
     ssd_chunk_scan_varlen: SSDVarlenOp = ssd_chunk_scan_varlen_ref
     ssd_state_update: SSDUpdateOp = ssd_state_update_ref
     gated_rms_norm: GatedRMSNormOp = gated_rms_norm_ref
+    reshape_and_cache: ReshapeAndCacheOp = reshape_and_cache_ref
+    paged_decode_attention: PagedDecodeOp = paged_decode_attention_ref
+    paged_prefill_attention: PagedPrefillOp = paged_prefill_attention_ref

@@ -24,6 +24,11 @@ def available() -> bool:
 
 def make_ops() -> MambaOps:
     """Returns the table of the four Triton ops."""
+    from vllm_mamba.ops.triton_attention import (
+        paged_decode_attention,
+        paged_prefill_attention,
+        reshape_and_cache,
+    )
     from vllm_mamba.ops.triton_conv1d import causal_conv1d_update, causal_conv1d_varlen
     from vllm_mamba.ops.triton_selective_scan import selective_scan_varlen, selective_state_update
     from vllm_mamba.ops.triton_ssd import ssd_chunk_scan_varlen, ssd_state_update
@@ -36,4 +41,7 @@ def make_ops() -> MambaOps:
         selective_state_update=selective_state_update,
         ssd_chunk_scan_varlen=ssd_chunk_scan_varlen,
         ssd_state_update=ssd_state_update,
+        reshape_and_cache=reshape_and_cache,
+        paged_decode_attention=paged_decode_attention,
+        paged_prefill_attention=paged_prefill_attention,
     )
