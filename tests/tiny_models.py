@@ -171,3 +171,74 @@ def other_model_dir(name: str) -> str:
         if file.endswith(".json"):
             shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
     return path
+
+
+# Jamba hybrids: attention every `attn_layer_period` from `attn_layer_offset`, MoE every
+# `expert_layer_period` from `expert_layer_offset`. Varied GQA ratios, expert counts, top-k
+# and conv widths.
+_JAMBA_COMMON = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-6)
+JAMBA_CONFIGS: dict[str, dict] = {
+    # 4 layers: Mamba, attention (+MoE), Mamba, attention (+MoE); GQA 2; 4 experts, top-2.
+    "jamba-gqa": dict(
+        _JAMBA_COMMON,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        tie_word_embeddings=False,
+    ),
+    # 5 layers: attention at 0 and 3; MQA (6 query heads, 1 kv head); 3 experts, top-1 at
+    # layer 2; conv 3, explicit dt rank, projection biases, no conv bias, tied head.
+    "jamba-mqa": dict(
+        _JAMBA_COMMON,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=5,
+        attn_layer_period=3,
+        attn_layer_offset=0,
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        num_experts=3,
+        num_experts_per_tok=1,
+        expert_layer_period=3,
+        expert_layer_offset=2,
+        mamba_d_state=16,
+        mamba_d_conv=3,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+        mamba_proj_bias=True,
+        mamba_conv_bias=False,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    ),
+    # 3 layers: attention at 2 only, plain multi-head (4 = 4); dense MLPs only; conv 2.
+    "jamba-dense": dict(
+        _JAMBA_COMMON,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        attn_layer_period=4,
+        attn_layer_offset=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=1,
+        num_experts_per_tok=1,
+        expert_layer_period=1,
+        expert_layer_offset=0,
+        mamba_d_state=8,
+        mamba_d_conv=2,
+        mamba_expand=2,
+        tie_word_embeddings=False,
+    ),
+}
+OTHER_CONFIGS.update({name: ("JambaForCausalLM", cfg) for name, cfg in JAMBA_CONFIGS.items()})

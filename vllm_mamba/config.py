@@ -163,6 +163,22 @@ class SchedulerConfig:
 
 
 @dataclass
+class CacheConfig:
+    """The paged KV cache of hybrid models (attention-free models have none).
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: the pool's byte budget (None: the default share of memory,
+            see `vllm_mamba.kv_cache`).
+        num_gpu_blocks_override: an exact block count, which wins over any budget.
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs to start."""
 
@@ -172,6 +188,7 @@ class EngineConfig:
     enforce_eager: bool = False
     ssm_state_dtype: torch.dtype | None = None
     log_stats: bool = True
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
 
     @property
     def num_state_slots(self) -> int:

@@ -2,14 +2,15 @@
 
 A backend turns one step's batch layout into the metadata that the model's layers read. An
 attention-free model (Mamba) gets the placeholder backend, whose metadata is only what the
-state-space mixers need (`mamba_metadata.MambaMetadata`); a hybrid would get a paged attention
-backend whose metadata adds block tables.
+state-space mixers need (`mamba_metadata.MambaMetadata`); a hybrid gets the paged attention
+backend (`backends/paged.py`), whose metadata adds block tables, slot mappings and sequence
+lengths for the attention layers.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,12 +24,21 @@ class StepLayout:
         prefill_lens: tokens of each prefill chunk.
         prefill_slots: the state slot of each prefill chunk.
         prefill_context_lens: tokens of each prefilling sequence computed before this step.
+        decode_context_lens: tokens of each decoding sequence computed before this step
+            (paged backend only).
+        block_size: tokens per KV block (paged backend only; 0 without a KV cache).
+        decode_block_tables: the KV blocks of each decoding sequence (paged backend only).
+        prefill_block_tables: the KV blocks of each prefilling sequence (paged backend only).
     """
 
     decode_slots: list[int]
     prefill_lens: list[int]
     prefill_slots: list[int]
     prefill_context_lens: list[int]
+    decode_context_lens: list[int] = field(default_factory=list)
+    block_size: int = 0
+    decode_block_tables: list[list[int]] = field(default_factory=list)
+    prefill_block_tables: list[list[int]] = field(default_factory=list)
 
 
 class AttentionMetadata:

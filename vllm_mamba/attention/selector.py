@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vllm_mamba.attention.backend import AttentionBackend
+from vllm_mamba.attention.backends.paged import PagedAttentionBackend
 from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionBackend
 
 
@@ -10,16 +11,13 @@ def select_attention_backend(model_cls: type) -> type[AttentionBackend]:
     """Returns the backend for `model_cls`.
 
     Args:
-        model_cls: a model class; `is_attention_free = True` marks a pure state-space model.
+        model_cls: a model class; `is_attention_free = True` marks a pure state-space model
+            (the placeholder backend: no KV cache); any other model has attention layers and
+            gets the paged backend (KV blocks beside the state slots).
 
     Returns:
         The backend class.
-
-    Raises:
-        ValueError: the model needs attention, which no backend here provides yet.
     """
     if getattr(model_cls, "is_attention_free", False):
         return PlaceholderAttentionBackend
-    raise ValueError(
-        f"{model_cls.__name__} has attention layers; only attention-free models are supported"
-    )
+    return PagedAttentionBackend

@@ -23,6 +23,7 @@ import torch
 from vllm_mamba.config import (
     DTYPE_CHOICES,
     STATE_DTYPE_CHOICES,
+    CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -82,6 +83,18 @@ class EngineArgs:
         "tokens per engine step; longer prompts are prefilled in chunks", default=2048
     )
     seed: int = _opt("seed of the engine's sampling generator", default=0)
+    block_size: int = _opt(
+        "tokens per KV cache block (attention layers of hybrid models)", default=16
+    )
+    kv_cache_memory_bytes: int | None = _opt(
+        "bytes of the KV cache of hybrid models (default: a quarter of the free memory, at "
+        "most 4 GiB, on the CPU; half the free GPU memory on CUDA)",
+        default=None,
+    )
+    num_gpu_blocks_override: int | None = _opt(
+        "exact number of KV cache blocks of hybrid models (wins over kv_cache_memory_bytes)",
+        default=None,
+    )
     generation_config: str = _opt(
         "sampling defaults: auto (the model's generation_config.json), vllm (none), or a "
         "directory holding a generation_config.json",
@@ -131,9 +144,10 @@ class EngineArgs:
     # ----- validation and resolution ----------------------------------------------------
     def check_values(self) -> None:
         """Range checks that need no model; `ValueError` naming the option."""
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        optional = ("tensor_parallel_size", "kv_cache_memory_bytes", "num_gpu_blocks_override")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", *optional):
             value = getattr(self, name)
-            if value is None and name == "tensor_parallel_size":
+            if value is None and name in optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -220,6 +234,9 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             ssm_state_dtype=state_dtype,
             log_stats=not self.disable_log_stats,
+            cache_config=CacheConfig(
+                self.block_size, self.kv_cache_memory_bytes, self.num_gpu_blocks_override
+            ),
         )
 
 

@@ -15,9 +15,11 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionBackend
 from vllm_mamba.attention.selector import select_attention_backend
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.engine.arg_utils import EngineArgs
+from vllm_mamba.engine.block_manager import BlockManager, blocks_for
 from vllm_mamba.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from vllm_mamba.engine.errors import EngineStartupError, RequestsFailedError, is_fatal
 from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
@@ -26,6 +28,7 @@ from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
 from vllm_mamba.engine.structured_outputs import StructuredOutputs, accept_token
+from vllm_mamba.kv_cache import AttentionSpec, KVCache, plan_num_blocks
 from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.model_loader import build_model
 from vllm_mamba.ops.dispatch import get_mamba_ops
@@ -62,6 +65,7 @@ class LLMEngine:
         if config.ssm_state_dtype is not None:
             shape = dataclasses.replace(shape, ssm_dtype=config.ssm_state_dtype)
         self.cache = MambaCache(shape, config.num_state_slots, config.device)
+        self.kv_cache = self._make_kv_cache()
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = getattr(mc.hf_config, "eos_token_id", None)
@@ -74,11 +78,17 @@ class LLMEngine:
             mc.seed,
             self.eos_token_id,
             self.structured_outputs,
+            self.kv_cache,
         )
         sc = config.scheduler_config
-        if config.device.type == "cuda" and not config.enforce_eager:
+        # Decode CUDA graphs are captured for attention-free models; hybrids run eagerly.
+        graphs = self.backend is PlaceholderAttentionBackend and not config.enforce_eager
+        if config.device.type == "cuda" and graphs:
             self.runner.capture_cuda_graphs(sc.max_num_seqs)
-        self.scheduler = Scheduler(sc.max_num_seqs, sc.max_num_batched_tokens)
+        blocks = None
+        if self.kv_cache is not None:
+            blocks = BlockManager(self.kv_cache.num_blocks, self.kv_cache.block_size)
+        self.scheduler = Scheduler(sc.max_num_seqs, sc.max_num_batched_tokens, blocks)
         self.stats = EngineCounters()
         self.inputs = InputProcessor(tokenizer, mc.vocab_size, mc.max_model_len)
         self._token_text: dict[int, str] = {}
@@ -97,6 +107,28 @@ class LLMEngine:
         """
         config = args.create_engine_config()
         return cls(config, load_tokenizer(config.model_config.tokenizer))
+
+    def _make_kv_cache(self) -> KVCache | None:
+        """The paged KV cache of the model's attention layers, bound to them; None when the
+        model has none."""
+        mc, cc = self.config.model_config, self.config.cache_config
+        get_specs = getattr(self.model, "get_cache_specs", None)
+        specs = get_specs(mc.hf_config, mc.dtype) if get_specs is not None else []
+        attention = [s for s in specs if isinstance(s, AttentionSpec)]
+        if not attention:
+            return None
+        sizing = plan_num_blocks(
+            attention,
+            cc.block_size,
+            self.config.scheduler_config.max_num_seqs,
+            mc.max_model_len,
+            self.config.device,
+            cc.kv_cache_memory_bytes,
+            cc.num_gpu_blocks_override,
+        )
+        kv_cache = KVCache(attention, sizing, self.config.device)
+        kv_cache.bind(self.model)
+        return kv_cache
 
     def _warm_up(self) -> None:
         """One short prefill and decode through every configured path; leaves no trace."""
@@ -144,6 +176,20 @@ class LLMEngine:
             per_seq * self.config.num_state_slots / 2**20,
             self.config.scheduler_config.max_num_batched_tokens,
         )
+        if self.kv_cache is not None:
+            sizing = self.kv_cache.sizing
+            logger.info(
+                "KV cache (%d attention layers, %s): %d blocks x %d tokens = %d tokens, "
+                "%.2f MiB; %.1f sequences of max_model_len %d fit",
+                len(self.kv_cache.specs),
+                sizing.source,
+                sizing.num_blocks,
+                sizing.block_size,
+                sizing.num_tokens,
+                self.kv_cache.nbytes() / 2**20,
+                sizing.num_blocks / blocks_for(mc.max_model_len, sizing.block_size),
+                mc.max_model_len,
+            )
         if mc.sampling_defaults:
             logger.info(
                 "Default sampling parameters from the model's generation_config.json: %s "
@@ -168,6 +214,9 @@ class LLMEngine:
             generation_tokens=c.generation_tokens,
             steps=c.steps,
             failed_requests=c.failed_requests,
+            preemptions=c.preemptions,
+            kv_blocks_used=self.scheduler.block_manager.num_used_blocks,
+            kv_blocks_total=self.scheduler.block_manager.num_blocks,
         )
 
     # ----- requests -------------------------------------------------------------------
@@ -198,8 +247,7 @@ class LLMEngine:
             g.request_id == request_id for g in (*self.scheduler.running, *self.scheduler.waiting)
         ):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        room = self.config.model_config.max_model_len - len(ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else max(room, 1)
+        max_tokens = self._max_tokens(len(ids), params)
         seq = Sequence(seq_id=self.scheduler.new_seq_id(), index=0, prompt_token_ids=ids)
         group = SequenceGroup(
             request_id=request_id,
@@ -213,6 +261,47 @@ class LLMEngine:
         if arrival_time is not None:
             group.arrival_time = arrival_time
         self.scheduler.add(group)
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        """The request's output budget: `max_tokens`, else what fits.
+
+        A hybrid model refuses a request that could never fit: prompt plus `max_tokens`
+        beyond `max_model_len`, or more KV blocks than the whole pool holds (each of the `n`
+        sequences may have to be recomputed on its own after a preemption, so all `n` count).
+
+        Raises:
+            ValueError: naming the limit.
+        """
+        max_model_len = self.config.model_config.max_model_len
+        if self.kv_cache is None:
+            room = max_model_len - prompt_len
+            return params.max_tokens if params.max_tokens is not None else max(room, 1)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
+            max_tokens = max(min(max_model_len, num_blocks // params.n * bs) - prompt_len, 1)
+        return self._check_fits(prompt_len, max_tokens, params.n)
+
+    def _check_fits(self, prompt_len: int, max_tokens: int, n: int) -> int:
+        """`max_tokens` when `n` sequences of prompt plus `max_tokens` fit; else ValueError."""
+        assert self.kv_cache is not None
+        total = prompt_len + max_tokens
+        max_model_len = self.config.model_config.max_model_len
+        if total > max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
+                f"more than max_model_len ({max_model_len})"
+            )
+        bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
+        need = n * blocks_for(total, bs)
+        if need > num_blocks:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs {need} KV "
+                f"cache blocks of {bs} tokens (n={n}), more than the whole KV cache holds "
+                f"({num_blocks} blocks, {num_blocks * bs} tokens); raise "
+                f"kv_cache_memory_bytes or num_gpu_blocks_override, or lower max_tokens"
+            )
+        return max_tokens
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Aborts requests (unknown ids are ignored) and frees their slots."""
@@ -236,7 +325,9 @@ class LLMEngine:
             RequestsFailedError: the step failed; its requests were ended and their slots
                 freed, and the engine can go on stepping.
         """
+        preempted = self.scheduler.num_preemptions
         step = self.scheduler.schedule()
+        self.stats.preemptions += self.scheduler.num_preemptions - preempted
         if not step.scheduled:
             return []
         try:

@@ -1,9 +1,10 @@
 """Runs one engine step on the model: the only engine code that builds tensors.
 
 It lays the scheduled sequences out as one flat batch (decodes first, then prefill chunks),
-builds the step metadata with the selected backend, runs one forward, forks states for
-`n > 1`, applies the LM head to the sampled positions (and to prompt positions whose
-logprobs were asked for) and samples.
+builds the step metadata with the selected backend (with block tables and context lengths
+when the model has a KV cache), makes the step's copy-on-write KV block copies, runs one
+forward, forks states for `n > 1`, applies the LM head to the sampled positions (and to
+prompt positions whose logprobs were asked for) and samples.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from vllm_mamba.engine.cuda_graphs import DecodeCudaGraphs
 from vllm_mamba.engine.scheduler import ScheduledSeq, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence
 from vllm_mamba.engine.structured_outputs import StructuredOutputs
+from vllm_mamba.kv_cache import KVCache
 from vllm_mamba.layers.sampler import SamplerOutput, SamplingRow, sample
 from vllm_mamba.mamba_cache import MambaCache
 
@@ -41,7 +43,7 @@ class StepResult:
 
 
 class ModelRunner:
-    """Owns the model, its state cache and the engine-wide sampling generator."""
+    """Owns the model, its state cache (and KV cache) and the engine-wide sampling generator."""
 
     def __init__(
         self,
@@ -52,8 +54,10 @@ class ModelRunner:
         seed: int,
         eos_token_id: int | None,
         structured_outputs: StructuredOutputs | None = None,
+        kv_cache: KVCache | None = None,
     ) -> None:
         self.model = model
+        self.kv_cache = kv_cache
         self.structured_outputs = structured_outputs
         self.eos_token_id = eos_token_id
         self.cache = cache
@@ -74,12 +78,7 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> StepResult:
         """Runs the step's forward and sampling; the caller appends tokens and updates counts."""
         items = step.scheduled
-        layout = StepLayout(
-            decode_slots=[s.seq.slot for s in items if s.is_decode],
-            prefill_lens=[s.num_tokens for s in items if not s.is_decode],
-            prefill_slots=[s.seq.slot for s in items if not s.is_decode],
-            prefill_context_lens=[s.seq.num_computed_tokens for s in items if not s.is_decode],
-        )
+        layout = self._layout(items)
         token_ids: list[int] = []
         sample_pos: list[int] = []
         prompt_pos: list[tuple[ScheduledSeq, int, int]] = []  # (item, flat start, prompt start)
@@ -92,6 +91,9 @@ class ModelRunner:
             first = self._first_prompt_logprob_pos(item)
             if first is not None:
                 prompt_pos.append((item, flat + first - start, first))
+        if self.kv_cache is not None and step.block_copies:
+            src, dst = zip(*step.block_copies)
+            self.kv_cache.copy_blocks(list(src), list(dst))
         if self.cuda_graphs is not None and not layout.prefill_lens:
             hidden = self.cuda_graphs.run(token_ids, layout.decode_slots)  # (T, H)
         else:
@@ -115,6 +117,23 @@ class ModelRunner:
                 rows, targets, item.group.params.prompt_logprobs, prompt_start + 1
             )
         return result
+
+    def _layout(self, items: list[ScheduledSeq]) -> StepLayout:
+        """The step's flat batch; block tables and context lengths with a KV cache."""
+        decodes = [s for s in items if s.is_decode]
+        prefills = [s for s in items if not s.is_decode]
+        layout = StepLayout(
+            decode_slots=[s.seq.slot for s in decodes],
+            prefill_lens=[s.num_tokens for s in prefills],
+            prefill_slots=[s.seq.slot for s in prefills],
+            prefill_context_lens=[s.seq.num_computed_tokens for s in prefills],
+        )
+        if self.kv_cache is not None:
+            layout.block_size = self.kv_cache.block_size
+            layout.decode_context_lens = [s.seq.num_computed_tokens for s in decodes]
+            layout.decode_block_tables = [s.block_table for s in decodes]
+            layout.prefill_block_tables = [s.block_table for s in prefills]
+        return layout
 
     def _first_prompt_logprob_pos(self, item: ScheduledSeq) -> int | None:
         """The first position of this chunk whose prompt logprob is still owed, if any."""

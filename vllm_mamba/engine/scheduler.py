@@ -6,9 +6,15 @@ are free. A sequence with more tokens to compute than the budget allows gets a c
 the rest later (chunked prefill). A request with `n > 1` reserves its `n` slots on admission,
 prefills once, and forks into the reserved slots when its prompt's last chunk is scheduled.
 
-`preempt` is preemption by recompute: the request's slots are freed and it goes back to the
-front of the queue; when slots return its sequences start over, prompt and generated tokens
-together, and continue exactly where they were.
+`preempt` is preemption by recompute: the request's slots and KV blocks are freed and it goes
+back to the front of the queue; when they return its sequences start over, prompt and generated
+tokens together, and continue exactly where they were.
+
+Hybrid models also need KV blocks (`block_manager.BlockManager`): a waiting request is admitted
+only when the blocks of its scheduled chunk are free too, and when a running request cannot get
+the blocks of its next tokens, the most recently admitted request is preempted (vLLM's policy),
+possibly itself; no request is admitted in a step that preempted. Attention-free models get the
+placeholder block manager, which never limits anything.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from vllm_mamba.engine.block_manager import PlaceholderBlockManager
+from vllm_mamba.engine.block_manager import BlockManager, PlaceholderBlockManager
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from vllm_mamba.mamba_cache import SlotAllocator
 
@@ -27,7 +33,8 @@ class ScheduledSeq:
     """One sequence's share of a step: `num_tokens` from `num_computed_tokens` on.
 
     `sample` is True when the chunk reaches the end of the known tokens, so the last position
-    is sampled; `children` are sequences forked from this one after the forward.
+    is sampled; `children` are sequences forked from this one after the forward;
+    `block_table` lists the sequence's KV blocks (empty for attention-free models).
     """
 
     seq: Sequence
@@ -35,6 +42,7 @@ class ScheduledSeq:
     num_tokens: int
     sample: bool
     children: list[Sequence] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -44,18 +52,27 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    """The step's work, decodes first, then prefill chunks."""
+    """The step's work, decodes first, then prefill chunks, and the KV block copies
+    (`(src, dst)`, copy-on-write of forks) to make before the forward."""
 
     scheduled: list[ScheduledSeq]
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the state-slot allocator."""
+    """Owns the waiting and running queues, the state-slot allocator and the block manager."""
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_manager: BlockManager | None = None,
+    ) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.slots = SlotAllocator(max_num_seqs)
-        self.block_manager = PlaceholderBlockManager()
+        self.block_manager: BlockManager | PlaceholderBlockManager = (
+            block_manager or PlaceholderBlockManager()
+        )
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self._seq_ids = itertools.count()
@@ -86,10 +103,11 @@ class Scheduler:
         return None
 
     def finish_seq(self, seq: Sequence) -> None:
-        """Frees a finished sequence's slot."""
+        """Frees a finished sequence's slot and KV blocks."""
         if seq.slot is not None:
             self.slots.free(seq.slot)
             seq.slot = None
+        self.block_manager.free(seq.seq_id)
 
     def remove_finished(self) -> list[SequenceGroup]:
         """Drops finished requests from the running queue and returns them."""
@@ -98,7 +116,8 @@ class Scheduler:
         return done
 
     def preempt(self, group: SequenceGroup) -> None:
-        """Preemption by recompute: frees the request's slots and requeues it at the front."""
+        """Preemption by recompute: frees the request's slots and blocks and requeues it at the
+        front."""
         self.running.remove(group)
         self._free_group(group)
         for seq in group.unfinished_seqs():
@@ -113,22 +132,29 @@ class Scheduler:
         for slot in group.reserved_slots:
             self.slots.free(slot)
         group.reserved_slots = []
-        self.block_manager.free()
 
     def schedule(self) -> SchedulerOutput:
         """Picks this step's sequences and token counts (see the module docstring)."""
         budget = self.max_num_batched_tokens
         out = SchedulerOutput(scheduled=[])
-        for group in self.running:
-            if budget == 0:
-                break
-            budget = self._schedule_group(group, budget, out)
-        while self.waiting and budget > 0:
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            group = self.running[index]
+            plan = self._plan(group, budget)
+            if not self.block_manager.can_allocate(self._work(plan)):
+                self.preempt(self.running[-1])  # the most recently admitted; maybe `group`
+                preempted = True
+                continue
+            budget -= self._commit(group, plan, out)
+            index += 1
+        while self.waiting and budget > 0 and not preempted:
             group = self.waiting[0]
             seqs = group.unfinished_seqs()
             if self.slots.num_free < len(seqs) + group.pending_forks:
                 break
-            if not self.block_manager.can_allocate(0):
+            plan = self._plan(group, budget)
+            if not self.block_manager.can_allocate(self._work(plan)):
                 break
             self.waiting.popleft()
             for seq in seqs:
@@ -136,24 +162,45 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             group.reserved_slots = [self.slots.allocate() for _ in range(group.pending_forks)]
             self.running.append(group)
-            budget = self._schedule_group(group, budget, out)
+            budget -= self._commit(group, plan, out)
         out.scheduled.sort(key=lambda s: not s.is_decode)
+        out.block_copies = self.block_manager.take_copies()
         return out
 
-    def _schedule_group(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
-        """Schedules the group's sequences within `budget`; returns the budget left."""
+    @staticmethod
+    def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+        """The group's sequences and their token counts within `budget`."""
+        plan = []
         for seq in group.unfinished_seqs():
             num = min(seq.num_uncomputed_tokens, budget)
             if num == 0:
                 break
+            plan.append((seq, num))
+            budget -= num
+        return plan
+
+    @staticmethod
+    def _work(plan: list[tuple[Sequence, int]]) -> list[tuple[int, int, int]]:
+        return [(seq.seq_id, seq.num_computed_tokens, num) for seq, num in plan]
+
+    def _commit(
+        self, group: SequenceGroup, plan: list[tuple[Sequence, int]], out: SchedulerOutput
+    ) -> int:
+        """Allocates the plan's blocks, forks where a prompt ends, and schedules the plan;
+        returns the tokens it scheduled."""
+        used = 0
+        for seq, num in plan:
+            self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens, num)
             sample = num == seq.num_uncomputed_tokens
             children = self._fork(group, seq) if sample and group.pending_forks else []
-            out.scheduled.append(ScheduledSeq(seq, group, num, sample, children))
-            budget -= num
-        return budget
+            table = self.block_manager.block_table(seq.seq_id)
+            out.scheduled.append(ScheduledSeq(seq, group, num, sample, children, table))
+            used += num
+        return used
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
-        """Creates the request's remaining sequences in its reserved slots."""
+        """Creates the request's remaining sequences in its reserved slots; they share the
+        parent's KV blocks."""
         children = []
         for index in range(len(group.seqs), group.params.n):
             child = Sequence(
@@ -163,6 +210,7 @@ class Scheduler:
                 slot=group.reserved_slots.pop(),
                 status=SequenceStatus.RUNNING,
             )
+            self.block_manager.fork(parent.seq_id, child.seq_id)
             group.seqs.append(child)
             children.append(child)
         return children

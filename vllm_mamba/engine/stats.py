@@ -25,6 +25,7 @@ class EngineCounters:
     generation_tokens: int = 0
     steps: int = 0
     failed_requests: int = 0
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class StatsSnapshot:
     generation_tokens: int
     steps: int
     failed_requests: int
+    preemptions: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0  # 0 for attention-free models (no KV cache)
 
 
 class StatLogger:

@@ -12,6 +12,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "MambaForCausalLM": "vllm_mamba.models.mamba:MambaForCausalLM",
     "FalconMambaForCausalLM": "vllm_mamba.models.falcon_mamba:FalconMambaForCausalLM",
     "Mamba2ForCausalLM": "vllm_mamba.models.mamba2:Mamba2ForCausalLM",
+    "JambaForCausalLM": "vllm_mamba.models.jamba:JambaForCausalLM",
 }
 
 

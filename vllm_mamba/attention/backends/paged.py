@@ -1,0 +1,95 @@
+"""The paged attention backend of hybrid models: KV blocks beside the state-space slots.
+
+Its step metadata, `PagedMetadata`, is `MambaMetadata` (what the state-space layers read) plus
+what the attention layers read about the same flat batch `[decodes] + [prefill chunks]`: the
+cache slot of every token (`block_id * block_size + offset`), and per decode row and per
+prefill chunk its block table and its length in the cache after this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_mamba.attention.backend import AttentionBackend, StepLayout
+from vllm_mamba.attention.mamba_metadata import MambaMetadata, build_mamba_metadata
+
+
+@dataclass
+class PagedMetadata(MambaMetadata):
+    """`MambaMetadata` plus the attention layers' view of the step.
+
+    Attributes:
+        slot_mapping: `(T,)` int32, the KV cache slot each token's key and value go to.
+        decode_block_tables: `(num_decodes, max_blocks)` int32, zero-padded.
+        decode_seq_lens: `(num_decodes,)` int32, cached tokens after this step (the new
+            token included); 0 marks a padding row.
+        prefill_block_tables: `(num_prefills, max_blocks)` int32, zero-padded.
+        prefill_seq_lens: `(num_prefills,)` int32, context plus this chunk.
+    """
+
+    slot_mapping: torch.Tensor
+    decode_block_tables: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    prefill_seq_lens: torch.Tensor
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions `[start, end)` of a sequence with blocks `table`."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def _padded(tables: list[list[int]]) -> tuple[list[int], int]:
+    """Row-major values of `tables` zero-padded to the longest, and that width."""
+    width = max((len(t) for t in tables), default=0)
+    flat: list[int] = []
+    for table in tables:
+        flat += table
+        flat += [0] * (width - len(table))
+    return flat, width
+
+
+def build_paged_metadata(layout: StepLayout, device: torch.device) -> PagedMetadata:
+    """Builds the step's metadata (one more host-to-device copy than `MambaMetadata`).
+
+    Args:
+        layout: the step's flat batch, with block tables and context lengths.
+        device: where the model runs.
+    """
+    base = build_mamba_metadata(layout, device)
+    bs = layout.block_size
+    slot_mapping: list[int] = []
+    for table, ctx in zip(layout.decode_block_tables, layout.decode_context_lens):
+        slot_mapping += _slots(table, ctx, ctx + 1, bs)
+    for table, ctx, n in zip(
+        layout.prefill_block_tables, layout.prefill_context_lens, layout.prefill_lens
+    ):
+        slot_mapping += _slots(table, ctx, ctx + n, bs)
+    decode_lens = [c + 1 for c in layout.decode_context_lens]
+    prefill_lens = [c + n for c, n in zip(layout.prefill_context_lens, layout.prefill_lens)]
+    dec_flat, dec_width = _padded(layout.decode_block_tables)
+    pre_flat, pre_width = _padded(layout.prefill_block_tables)
+    values = slot_mapping + dec_flat + decode_lens + pre_flat + prefill_lens
+    packed = torch.tensor(values, dtype=torch.int32).to(device)
+    nd, np_ = len(decode_lens), len(prefill_lens)
+    slots, dec_t, dec_l, pre_t, pre_l = packed.split(
+        [len(slot_mapping), nd * dec_width, nd, np_ * pre_width, np_]
+    )
+    return PagedMetadata(
+        **vars(base),
+        slot_mapping=slots,
+        decode_block_tables=dec_t.view(nd, dec_width),
+        decode_seq_lens=dec_l,
+        prefill_block_tables=pre_t.view(np_, pre_width),
+        prefill_seq_lens=pre_l,
+    )
+
+
+class PagedAttentionBackend(AttentionBackend):
+    """Selected for models with attention layers (hybrids)."""
+
+    @staticmethod
+    def build_metadata(layout: StepLayout, device: torch.device) -> PagedMetadata:
+        return build_paged_metadata(layout, device)

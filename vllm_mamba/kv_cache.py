@@ -1,0 +1,196 @@
+"""The paged KV cache of hybrid models: per-layer cache specs, the K/V tensors and their sizing.
+
+Each layer of a model declares the cache it needs (`LayerCacheSpec`): a state-space layer a
+slot in `mamba_cache`, an attention layer KV blocks (`AttentionSpec`). The attention layers
+share one pool of `num_blocks` blocks of `block_size` tokens: block `b` holds tokens
+`[b * block_size, (b + 1) * block_size)` of whichever sequence's block table lists it. Each
+attention layer has its own K and V tensors `(num_blocks, block_size, num_kv_heads, head_dim)`;
+the slot of a token is `block_id * block_size + offset` (the layout of
+`vllm_mamba.ops.paged_attention`).
+
+The pool is sized by an exact block count (`num_gpu_blocks_override`, vLLM's name), else by a
+byte budget (`kv_cache_memory_bytes`), else by the default budget (`default_kv_cache_bytes`):
+on the CPU a quarter of the memory available at startup, at most 4 GiB (vLLM's CPU default
+space); on CUDA half of the free device memory. It never holds more blocks than
+`max_num_seqs` sequences of `max_model_len` tokens can use. Attention-free models have no
+pool at all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = [
+    "AttentionSpec",
+    "MambaSpec",
+    "LayerCacheSpec",
+    "LayerKV",
+    "KVCache",
+    "KVCacheSizing",
+    "default_kv_cache_bytes",
+    "plan_num_blocks",
+]
+
+CPU_KV_SHARE = 0.25  # of the memory available at startup
+CPU_KV_CAP_BYTES = 4 * 2**30  # vLLM's default CPU KV cache space
+CUDA_KV_SHARE = 0.5  # of the free device memory
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """A state-space layer: one slot of `mamba_cache` per sequence."""
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """An attention layer: KV blocks of `num_kv_heads x head_dim` per token in `dtype`."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token in this layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+LayerCacheSpec = MambaSpec | AttentionSpec
+
+
+@dataclass
+class LayerKV:
+    """One attention layer's view of the pool: `k`, `v (num_blocks, block_size, Hkv, D)`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class KVCacheSizing:
+    """How the pool was sized: its block count and size, and what decided them."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    source: str  # "num_gpu_blocks_override", "kv_cache_memory_bytes" or "default"
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the whole pool holds."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all K and V tensors."""
+        return self.num_blocks * self.bytes_per_block
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """The default byte budget of the pool on `device` (see the module docstring)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_KV_SHARE)
+    return min(int(_available_memory() * CPU_KV_SHARE), CPU_KV_CAP_BYTES)
+
+
+def _available_memory() -> int:
+    """Bytes of memory available to new allocations (`MemAvailable`, else physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_num_blocks(
+    specs: list[AttentionSpec],
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    device: torch.device,
+    memory_bytes: int | None = None,
+    num_blocks_override: int | None = None,
+) -> KVCacheSizing:
+    """Decides the pool's block count.
+
+    Args:
+        specs: the attention layers' specs (at least one).
+        block_size: tokens per block.
+        max_num_seqs: sequences in flight at once.
+        max_model_len: the longest sequence.
+        device: where the pool lives.
+        memory_bytes: the byte budget (`kv_cache_memory_bytes`), or None for the default.
+        num_blocks_override: an exact block count, which wins over any budget.
+
+    Returns:
+        The sizing.
+
+    Raises:
+        ValueError: the budget does not hold a single block.
+    """
+    per_block = block_size * sum(s.bytes_per_token() for s in specs)
+    if num_blocks_override is not None:
+        return KVCacheSizing(num_blocks_override, block_size, per_block, "num_gpu_blocks_override")
+    source = "kv_cache_memory_bytes" if memory_bytes is not None else "default"
+    budget = memory_bytes if memory_bytes is not None else default_kv_cache_bytes(device)
+    usable = max_num_seqs * math.ceil(max_model_len / block_size)
+    num_blocks = min(budget // per_block, usable)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes {budget} does not hold one KV block of {per_block} bytes "
+            f"(block_size {block_size}); give more memory or a smaller block_size"
+        )
+    return KVCacheSizing(num_blocks, block_size, per_block, source)
+
+
+class KVCache:
+    """The K and V tensors of every attention layer of one model, in one block pool."""
+
+    def __init__(self, specs: list[AttentionSpec], sizing: KVCacheSizing, device: torch.device):
+        self.specs = specs
+        self.sizing = sizing
+        self.block_size = sizing.block_size
+        self.num_blocks = sizing.num_blocks
+        shape = (sizing.num_blocks, sizing.block_size)
+        # Zeroed so that no kernel ever reads uninitialised memory (NaN) in a masked lane.
+        self.k_caches = [
+            torch.zeros((*shape, s.num_kv_heads, s.head_dim), dtype=s.dtype, device=device)
+            for s in specs
+        ]
+        self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
+
+    def layer(self, index: int) -> LayerKV:
+        """Views of attention layer `index` (counted among the attention layers only)."""
+        return LayerKV(k=self.k_caches[index], v=self.v_caches[index])
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copies blocks `src[i]` into `dst[i]` in every layer (copy-on-write of a fork)."""
+        if not src:
+            return
+        device = self.k_caches[0].device
+        src_t = torch.tensor(src, dtype=torch.long, device=device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+        for cache in (*self.k_caches, *self.v_caches):
+            cache[dst_t] = cache[src_t]
+
+    def nbytes(self) -> int:
+        """Bytes of all K and V tensors."""
+        return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
+
+    def bind(self, model: nn.Module) -> None:
+        """Gives each attention layer of `model` its view, in model order.
+
+        Every module with a `bind_kv_cache(LayerKV)` method is an attention layer.
+        """
+        layers = [m for m in model.modules() if hasattr(m, "bind_kv_cache")]
+        assert len(layers) == len(self.specs), (len(layers), len(self.specs))
+        for i, module in enumerate(layers):
+            module.bind_kv_cache(self.layer(i))

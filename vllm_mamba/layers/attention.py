@@ -1,0 +1,81 @@
+"""`PagedAttention`: the attention of one layer over the paged KV cache, for one flat batch.
+
+The layer caches the step's keys and values at their slots, then runs paged decode attention
+for the decode rows and causal varlen attention for the prefill chunks (which read their
+cached context, so chunked prefill equals whole prefill). GQA/MQA by `num_kv_heads`; no
+rotary here (a model that has it rotates queries and keys first). The kernels come from the
+ops table; the layer's K/V views are bound once by the engine (`KVCache.bind`).
+
+Glossary: T tokens in the step, Hq query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_mamba.attention.backends.paged import PagedMetadata
+from vllm_mamba.kv_cache import LayerKV
+from vllm_mamba.ops import paged_attention as refs
+from vllm_mamba.ops.table import MambaOps
+
+
+class PagedAttention(nn.Module):
+    """Attention of one layer; no parameters (the projections belong to the model)."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, ops: MambaOps
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads "
+                f"({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.reshape_and_cache = getattr(ops, "reshape_and_cache", refs.reshape_and_cache_ref)
+        self.decode_attention = getattr(
+            ops, "paged_decode_attention", refs.paged_decode_attention_ref
+        )
+        self.prefill_attention = getattr(
+            ops, "paged_prefill_attention", refs.paged_prefill_attention_ref
+        )
+        self.kv: LayerKV | None = None
+
+    def bind_kv_cache(self, kv: LayerKV) -> None:
+        """Takes this layer's K and V tensors `(num_blocks, block_size, Hkv, D)`."""
+        self.kv = kv
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata
+    ) -> torch.Tensor:
+        """`q (T, Hq * D)`, `k`, `v (T, Hkv * D)` -> `(T, Hq * D)` in q's dtype."""
+        assert self.kv is not None, "the KV cache is not bound to this layer"
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        caches = {"k_cache": self.kv.k, "v_cache": self.kv.v}
+        self.reshape_and_cache(key=k, value=v, slot_mapping=meta.slot_mapping, **caches)
+        nd = meta.num_decodes
+        parts = []
+        if nd:
+            parts.append(
+                self.decode_attention(
+                    query=q[:nd], block_tables=meta.decode_block_tables,
+                    seq_lens=meta.decode_seq_lens, scale=self.scale, **caches,
+                )
+            )  # fmt: skip
+        if meta.num_prefills:
+            parts.append(
+                self.prefill_attention(
+                    query=q[nd:], block_tables=meta.prefill_block_tables,
+                    query_start_loc=meta.prefill_query_start_loc,
+                    seq_lens=meta.prefill_seq_lens, scale=self.scale, **caches,
+                )
+            )  # fmt: skip
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, Hq, D)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
