@@ -39,7 +39,7 @@ def test_random_schemas_validate_in_a_batch_with_free_requests(llm: VllmRunner) 
     schemas = [random_object_schema(rng) if i % 2 else random_schema(rng) for i in range(32)]
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     solo = [llm.generate(p, free)[0].outputs[0].token_ids for p in PROMPTS]
-    assert llm.engine.structured_outputs._compiler is None  # free requests never touch it
+    assert not llm.engine.structured_outputs.has_compiler  # free requests never touch it
     params = [
         SamplingParams(
             temperature=[0.0, 1.0, 0.7][i % 3],

@@ -122,14 +122,19 @@ def test_body_over_the_limit_is_a_413(server: RunningServer) -> None:
 
 def test_unknown_output_changing_fields_are_400s(server: RunningServer) -> None:
     for field, value in [
-        ("logit_bias", {"5": 100}),
-        ("response_format", {"type": "json_object"}),
-        ("guided_json", {"type": "object"}),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("functions", [{"name": "f"}]),
+        ("use_beam_search", True),
+        ("logits_processors", ["x"]),
+        ("truncate_prompt_tokens", 5),
     ]:
         response = post(server, "/v1/chat/completions", {**CHAT, field: value})
         assert response.status_code == 400, field
         assert response.json()["error"]["param"] == field
+    tools = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}
+    response = post(server, "/v1/chat/completions", {**CHAT, **tools})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **tools})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
     plain = post(server, "/v1/chat/completions", {**CHAT, "response_format": {"type": "text"}})
     assert plain.status_code == 200
 

@@ -11,12 +11,18 @@ EOS) ends the sequence. Preemption by recompute leaves the matcher as it is, sin
 it has seen are kept. JSON is generated compact (no free whitespace between tokens), which also
 keeps small models from looping on whitespace. xgrammar is imported only when a request uses
 structured outputs.
+
+Thread safety: `compile` may run on any thread once `ensure_compiler` has run (the server
+compiles on its tokenizer thread, so a slow grammar does not hold up the engine's steps; the
+engine's own `compile` at `add_request` then finds it in the cache). Building the compiler
+reads the tokenizer, so it runs on the engine's thread.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -34,6 +40,7 @@ class StructuredOutputError(ValueError):
     def __init__(self, kind: str, why: str) -> None:
         super().__init__(f"SamplingParams.structured_outputs.{kind} cannot be compiled: {why}")
         self.kind = kind
+        self.why = why
 
 
 class StructuredOutputs:
@@ -51,8 +58,16 @@ class StructuredOutputs:
         self.eos_token_id = eos_token_id
         self._compiler: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
 
-    def _get_compiler(self) -> Any:
+    @property
+    def has_compiler(self) -> bool:
+        """True once the compiler is built (then `compile` may run on any thread)."""
+        return self._compiler is not None
+
+    def ensure_compiler(self) -> Any:
+        """The grammar compiler for this tokenizer, built on first use (it reads the
+        tokenizer: call it first on the thread that owns the tokenizer)."""
         if self._compiler is None:
             import xgrammar as xgr
 
@@ -60,7 +75,8 @@ class StructuredOutputs:
             info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
             )
-            self._compiler = xgr.GrammarCompiler(info)
+            # xgrammar's own cache is unbounded; this class keeps a bounded one.
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         return self._compiler
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
@@ -75,11 +91,12 @@ class StructuredOutputs:
         except (TypeError, ValueError) as err:
             raise StructuredOutputError(kind, f"not JSON-serializable: {err}") from err
         key = (kind, text)
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-            return compiled
-        compiler = self._get_compiler()
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
+        compiler = self.ensure_compiler()
         try:
             if kind == "json":
                 compiled = compiler.compile_json_schema(text, any_whitespace=False)
@@ -93,9 +110,10 @@ class StructuredOutputs:
                 compiled = compiler.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as err:
             raise StructuredOutputError(kind, _first_line(err)) from err
-        self._cache[key] = compiled
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return compiled
 
     def prepare(self, params: SamplingParams) -> None:

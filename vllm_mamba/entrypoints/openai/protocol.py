@@ -3,7 +3,9 @@
 Requests follow the OpenAI field names; `top_k`, `min_p`, `min_tokens`, `ignore_eos`,
 `repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output` and
 `skip_special_tokens` are extensions with vLLM's meanings (send them in `extra_body` with the
-`openai` client). Fields that would change the output but are not implemented are refused
+`openai` client), and so are the output constraints `allowed_token_ids`, `bad_words`,
+`structured_outputs` and `guided_*` (`output_constraints.py`); chat's `tools` are in
+`tool_calls.py`. Fields that would change the output but are not implemented are refused
 (`SamplingRequest.unsupported_field`); other unknown fields are ignored. Values are checked
 by `SamplingParams`.
 """
@@ -16,7 +18,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllm_mamba.sampling_params import SamplingParams
+from vllm_mamba.entrypoints.openai.output_constraints import (
+    ResponseFormat,
+    StructuredOutputsRequest,
+    logit_bias_ids,
+)
+from vllm_mamba.entrypoints.openai.tool_calls import ChatTool, NamedToolChoice, ToolCall
+from vllm_mamba.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -32,26 +40,18 @@ class StreamOptions(BaseModel):
 
 # Fields of OpenAI's or vLLM's API that would change the output and are not implemented here:
 # a request that sets one gets a 400 naming it, never a silent success.
+# (`tools` and `tool_choice` are chat fields: a completion request that sets them is refused.)
 _UNSUPPORTED_FIELDS = (
-    "logit_bias",
-    "allowed_token_ids",
-    "bad_words",
-    "response_format",
     "tools",
+    "tool_choice",
     "functions",
     "function_call",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
     "use_beam_search",
     "logits_processors",
     "prompt_embeds",
     "truncate_prompt_tokens",
 )
 _NO_EFFECT_VALUES: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     "tool_choice": ("none", "auto"),
 }
 
@@ -86,17 +86,25 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Output constraints (OpenAI's logit_bias and response_format; the others are vLLM's).
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported_field(self) -> str | None:
         """The first field that is set, would change the output, and is not implemented."""
         extra = self.model_extra or {}
-        for name in (*_UNSUPPORTED_FIELDS, "tool_choice"):
+        for name in _UNSUPPORTED_FIELDS:
             value = extra.get(name)
             if value in (None, False, "", [], {}):
                 continue
-            if value in _NO_EFFECT_VALUES.get(name, ()):
-                continue
-            if name == "tool_choice" or name in _UNSUPPORTED_FIELDS:
+            if value not in _NO_EFFECT_VALUES.get(name, ()):
                 return name
         return None
 
@@ -106,9 +114,14 @@ class SamplingRequest(BaseModel):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        """The engine parameters of this request.
+        """The engine parameters of this request (`structured_outputs` from
+        `output_constraints.structured_source` or the tools).
 
         Raises:
             ValueError: a value out of range (the message names the field).
@@ -134,6 +147,10 @@ class SamplingRequest(BaseModel):
             ),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=logit_bias_ids(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            structured_outputs=structured_outputs,
         )
 
 
@@ -184,6 +201,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -291,6 +310,7 @@ class ChatResponseMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -29,6 +29,11 @@ from vllm_mamba.entrypoints.openai.logprobs import (
     token_texts,
 )
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
+from vllm_mamba.entrypoints.openai.output_constraints import (
+    ConstraintError,
+    compile_structured,
+    structured_source,
+)
 from vllm_mamba.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -91,7 +96,13 @@ class OpenAIServingCompletion:
         prompt_only = req.echo and req.max_tokens == 0
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         max_tokens = 1 if prompt_only else req.max_tokens
-        params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs)
+        try:
+            source = structured_source(req)
+            structured = source and source.params
+            params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs, structured)
+            await compile_structured(self.engine, source)
+        except ConstraintError as err:
+            raise APIError(str(err), 400, err.field) from err
         request_id = random_id("cmpl")
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         arrival = time.monotonic()

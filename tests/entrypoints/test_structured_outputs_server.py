@@ -1,0 +1,296 @@
+"""Structured outputs, tool calls and logit constraints through the OpenAI server: every way
+of asking (response_format, structured_outputs, guided_*), streamed and not, batched with
+free requests, and every malformed or uncompilable request a 400 naming its field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, RunningServer
+from tests.helpers.json_schemas import random_object_schema
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "unit": {"enum": ["c", "f"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "cet", "pst"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def client(server: RunningServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def post(server: RunningServer, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers=server.headers, timeout=120)
+
+
+async def chat(server: RunningServer, stream: bool, **kwargs: Any) -> tuple[str, str, Any]:
+    """`(text, finish_reason, tool_calls)` of a one-choice chat, streamed or not."""
+    args = {"model": MODEL_NAME, "messages": MESSAGES, "temperature": 0, **kwargs}
+    async with client(server) as api:
+        if not stream:
+            resp = await api.chat.completions.create(**args)
+            msg = resp.choices[0].message
+            return msg.content or "", resp.choices[0].finish_reason, msg.tool_calls
+        text, finish, calls = "", None, None
+        async for chunk in await api.chat.completions.create(stream=True, **args):
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                calls = choice.delta.tool_calls or calls
+                finish = choice.finish_reason or finish
+        return text, finish, calls
+
+
+async def complete(server: RunningServer, stream: bool, prompt: str, **kwargs: Any) -> str:
+    args = {"model": MODEL_NAME, "prompt": prompt, "temperature": 0, **kwargs}
+    async with client(server) as api:
+        if not stream:
+            return (await api.completions.create(**args)).choices[0].text
+        chunks = await api.completions.create(stream=True, **args)
+        return "".join([c.choices[0].text async for c in chunks])
+
+
+def test_random_schemas_validate_streamed_and_not_with_free_requests(
+    server: RunningServer,
+) -> None:
+    """Random schemas through response_format (chat) and structured_outputs / guided_json
+    (completions), concurrently with free requests that give their solo outputs."""
+    rng = random.Random(99)
+    schemas = [random_object_schema(rng) for _ in range(12)]
+    free = {"max_tokens": 16, "extra_body": {"ignore_eos": True}}
+    prompts = ["The history of", "def main():", "Once upon"]
+
+    async def run() -> tuple[list[str], list[Any]]:
+        solo = [await complete(server, False, p, **free) for p in prompts]
+        jobs = []
+        for i, schema in enumerate(schemas):
+            stream = i % 2 == 1
+            if i % 3 == 0:
+                fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+                jobs.append(chat(server, stream, max_tokens=200, response_format=fmt, seed=i))
+            else:
+                field = {"structured_outputs": {"json": schema}} if i % 3 == 1 else {}
+                field = field or {"guided_json": schema}
+                jobs.append(
+                    complete(server, stream, f"Item {i}:", max_tokens=200, extra_body=field)
+                )
+        jobs += [complete(server, i % 2 == 0, p, **free) for i, p in enumerate(prompts)]
+        return solo, await asyncio.gather(*jobs)
+
+    solo, results = asyncio.run(run())
+    for schema, result in zip(schemas, results):
+        text = result[0] if isinstance(result, tuple) else result
+        jsonschema.validate(json.loads(text), schema)
+    assert results[len(schemas) :] == solo
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_regex_choice_and_json_object(server: RunningServer, stream: bool) -> None:
+    async def run() -> list[str]:
+        return [
+            await complete(
+                server,
+                stream,
+                "Code:",
+                max_tokens=30,
+                extra_body={"guided_regex": r"[A-Z]{3}-\d{2,4}"},
+            ),
+            await complete(
+                server,
+                stream,
+                "Pick:",
+                extra_body={"structured_outputs": {"choice": ["alpha", "beta", "gamma delta"]}},
+            ),
+            (await chat(server, stream, extra_body={"guided_choice": ["yes", "no"]}))[0],
+            (
+                await chat(
+                    server,
+                    stream,
+                    max_tokens=8,
+                    extra_body={"guided_grammar": 'root ::= "a" | "bb"'},
+                )
+            )[0],
+            (await chat(server, stream, max_tokens=30, response_format={"type": "json_object"}))[0],
+        ]
+
+    code, pick, yes_no, grammar, obj = asyncio.run(run())
+    assert re.fullmatch(r"[A-Z]{3}-\d{2,4}", code)
+    assert pick in ("alpha", "beta", "gamma delta")
+    assert yes_no in ("yes", "no") and grammar in ("a", "bb")
+    assert obj.startswith("{")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tool_calls(server: RunningServer, stream: bool) -> None:
+    async def run() -> list[tuple[str, str, Any]]:
+        return [
+            await chat(
+                server,
+                stream,
+                tools=[WEATHER, TIME],
+                tool_choice="required",
+                max_tokens=200,
+                seed=s,
+                temperature=1.0,
+            )
+            for s in range(3)
+        ] + [
+            await chat(
+                server,
+                stream,
+                tools=[WEATHER, TIME],
+                tool_choice={"type": "function", "function": {"name": name}},
+                max_tokens=100,
+            )
+            for name in ("get_weather", "get_time")
+        ]
+
+    results = asyncio.run(run())
+    for i, (content, finish, calls) in enumerate(results):
+        assert not content and calls, (content, finish)
+        assert finish == ("tool_calls" if i < 3 else "stop")
+        for call in calls:
+            assert call.type == "function" and call.id
+            jsonschema.validate(
+                json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name]
+            )
+    assert [r[2][0].function.name for r in results[3:]] == ["get_weather", "get_time"]
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(server: RunningServer) -> None:
+    """Checked on space-led words (" cat" is token 5798), whose texts tokenize back the same."""
+    words = {" cat": 5798, " dog": 4370, " fish": 6773}
+
+    def tokens(text: str) -> list[int]:
+        body = {"prompt": text, "add_special_tokens": False}
+        return post(server, "/tokenize", body).json()["tokens"]
+
+    def text(path: str, body: dict[str, Any]) -> list[str]:
+        response = post(server, path, {"max_tokens": 8, "temperature": 0, **body})
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        return [c["text"] if "text" in c else c["message"]["content"] for c in choices]
+
+    prompt = {"prompt": "The history of"}
+    forced = text("/v1/completions", {**prompt, "temperature": 1.0, "logit_bias": {"5798": 100}})
+    assert tokens(forced[0]) == [5798] * 8
+    free = text("/v1/chat/completions", {"messages": MESSAGES})[0]
+    first = tokens(free)[0]
+    banned = text("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {str(first): -100}})
+    assert tokens(banned[0])[0] != first
+    allowed = {
+        **prompt,
+        "temperature": 1.5,
+        "seed": 1,
+        "n": 3,
+        "allowed_token_ids": [*words.values()],
+    }
+    outs = text("/v1/completions", allowed)
+    assert all(set(tokens(out)) <= set(words.values()) for out in outs)
+    assert len({t for out in outs for t in tokens(out)}) >= 2
+    cut = text("/v1/completions", {**allowed, "bad_words": ["dog"]})
+    assert all(set(tokens(out)) <= {5798, 6773} for out in cut)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "foo"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"guided_regex": "[a-"}, "guided_regex"),
+        ({"guided_grammar": "root ::= "}, "guided_grammar"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {"json": {"type": "foo"}}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"allowed_token_ids": [99999999]}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_field(
+    server: RunningServer, body: dict[str, Any], param: str
+) -> None:
+    response = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_tools_without_tool_choice_are_ignored_and_completions_refuse_tools(
+    server: RunningServer,
+) -> None:
+    for choice in ({}, {"tool_choice": "none"}):
+        body = {"messages": MESSAGES, "max_tokens": 4, "tools": [WEATHER], **choice}
+        response = post(server, "/v1/chat/completions", body)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["message"]["tool_calls"] is None
+    body = {"prompt": "x", "max_tokens": 4, "tools": [WEATHER], "tool_choice": "required"}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+    response = post(
+        server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_regex": "[a-"}
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == "guided_regex"

@@ -1,0 +1,153 @@
+"""Tool calls for chat: `tools` with `tool_choice="required"` or a named function, generated
+under a JSON schema built from the tools' parameter schemas (vLLM's way), and returned as
+`message.tool_calls`.
+
+- `"required"`: the output is a JSON array of one or more `{"name": ..., "parameters": {...}}`
+  objects, each matching one tool (an `anyOf` over the tools); every element becomes a tool
+  call, and the choice finishes with `"tool_calls"`.
+- a named function (`{"type": "function", "function": {"name": ...}}`): the output is that
+  function's parameters object, returned as its one tool call (finish reason `"stop"`, as
+  vLLM does).
+- `"auto"` needs a parser for the model's own tool-call format, which this server does not
+  have: a 400. `"none"`, or no `tool_choice`, leaves the tools unused.
+
+The tools are not rendered into the prompt (the chat templates here take no tools).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from vllm_mamba.sampling_params import StructuredOutputsParams
+
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: its name and JSON schema of parameters."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """One entry of `tools`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    """The function named by `tool_choice`."""
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming one function."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    """A call: the function's name and its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message."""
+
+    id: str = Field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCall):
+    """A tool call in a streamed delta (whole: it is sent once the choice is complete)."""
+
+    index: int
+
+
+class ToolChoiceError(ValueError):
+    """`tools` / `tool_choice` that cannot be served; the message says why."""
+
+
+def tool_mode(tools: list[ChatTool] | None, choice: str | NamedToolChoice | None) -> str | None:
+    """`"required"`, `"named"`, or None when the tools are not used.
+
+    Raises:
+        ToolChoiceError: `"auto"`, an unknown choice, or a choice without tools.
+    """
+    if choice is None or choice == "none":
+        return None
+    if not tools:
+        raise ToolChoiceError("tool_choice needs tools")
+    if choice == "auto":
+        raise ToolChoiceError(
+            'tool_choice "auto" needs a tool-call parser for the model, which this server '
+            'does not have: use "required", a named function, or "none"'
+        )
+    if choice == "required":
+        return "required"
+    if isinstance(choice, NamedToolChoice):
+        if all(t.function.name != choice.function.name for t in tools):
+            raise ToolChoiceError(f"tool_choice names {choice.function.name!r}, not in tools")
+        return "named"
+    raise ToolChoiceError('tool_choice must be "none", "auto", "required" or a named function')
+
+
+def tool_structured_outputs(
+    tools: list[ChatTool], choice: str | NamedToolChoice
+) -> StructuredOutputsParams:
+    """The JSON schema that a required or named tool choice generates under."""
+    if isinstance(choice, NamedToolChoice):
+        tool = next(t for t in tools if t.function.name == choice.function.name)
+        return StructuredOutputsParams(json=tool.function.parameters or EMPTY_PARAMETERS)
+    items = [
+        {
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": t.function.parameters or EMPTY_PARAMETERS,
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "object", "anyOf": items},
+    }
+    defs = {}
+    for tool in tools:
+        defs.update((tool.function.parameters or {}).get("$defs", {}))
+    if defs:
+        schema["$defs"] = defs
+    return StructuredOutputsParams(json=schema)
+
+
+def parse_tool_calls(text: str, choice: str | NamedToolChoice) -> list[ToolCall] | None:
+    """The tool calls in a generated text; None when it is not complete JSON (cut by length)."""
+    if isinstance(choice, NamedToolChoice):
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
+        return [ToolCall(function=FunctionCall(name=choice.function.name, arguments=text))]
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return None
+    return [
+        ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
+        for c in calls
+    ]
