@@ -226,3 +226,24 @@ def test_bad_constraints_are_value_errors(llm: VllmRunner, kwargs: dict, match: 
     with pytest.raises(ValueError, match=match):
         llm.generate("x", SamplingParams(**kwargs))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_shipped_model_follows_random_schemas(vllm_runner: type[VllmRunner]) -> None:
+    """The shipped model (its own tokenizer and vocabulary), sampled and greedy."""
+    rng = random.Random(7)
+    schemas = [random_object_schema(rng) for _ in range(8)]
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.8,
+            seed=i,
+            max_tokens=200,
+            structured_outputs=StructuredOutputsParams(json=schema),
+        )
+        for i, schema in enumerate(schemas)
+    ]
+    with vllm_runner("vllm-mamba/tiny-stdlib", max_num_seqs=8) as runner:
+        outs = runner.generate([f"# record {i}\n" for i in range(len(schemas))], params)
+    for schema, out in zip(schemas, outs):
+        comp = out.outputs[0]
+        assert comp.finish_reason == "stop", (schema, comp.text)
+        jsonschema.validate(json.loads(comp.text), schema)
