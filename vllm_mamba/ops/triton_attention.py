@@ -172,7 +172,8 @@ def reshape_and_cache(
     tokens, heads, dim = key.shape
     if tokens == 0:
         return
-    key, value = _rows(key), _rows(value)
+    # torch rounds to the cache dtype as the reference does (the interpreter would truncate).
+    key, value = _rows(key.to(k_cache.dtype)), _rows(value.to(v_cache.dtype))
     _reshape_and_cache_kernel[(tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
