@@ -167,6 +167,7 @@ def test_required_and_named_tool_calls(server: RunningServer, stream: bool) -> N
                 max_tokens=200,
                 seed=s,
                 temperature=1.0,
+                parallel_tool_calls=s != 2,
             )
             for s in range(3)
         ] + [
@@ -190,6 +191,8 @@ def test_required_and_named_tool_calls(server: RunningServer, stream: bool) -> N
                 json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name]
             )
     assert [r[2][0].function.name for r in results[3:]] == ["get_weather", "get_time"]
+    assert len(results[2][2]) == 1  # parallel_tool_calls=false
+    assert all(len(r[2]) == 1 for r in results[3:])
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words(server: RunningServer) -> None:
@@ -253,6 +256,7 @@ def test_logit_bias_allowed_token_ids_and_bad_words(server: RunningServer) -> No
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"allowed_token_ids": [99999999]}, "allowed_token_ids"),
         ({"bad_words": [""]}, "bad_words"),
+        ({"guided_json": {}, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         (

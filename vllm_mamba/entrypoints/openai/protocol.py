@@ -50,6 +50,7 @@ _UNSUPPORTED_FIELDS = (
     "logits_processors",
     "prompt_embeds",
     "truncate_prompt_tokens",
+    "guided_whitespace_pattern",
 )
 _NO_EFFECT_VALUES: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"),
@@ -203,6 +204,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -184,7 +184,8 @@ class OpenAIServingChat:
                 f"tool_choice {mode} cannot be combined with {source.field}", 400, source.field
             )
         assert req.tools is not None and req.tool_choice is not None
-        return StructuredSource(tool_structured_outputs(req.tools, req.tool_choice), "tools")
+        params = tool_structured_outputs(req.tools, req.tool_choice, req.parallel_tool_calls)
+        return StructuredSource(params, "tools")
 
     @staticmethod
     def _message(

@@ -4,7 +4,7 @@ under a JSON schema built from the tools' parameter schemas (vLLM's way), and re
 
 - `"required"`: the output is a JSON array of one or more `{"name": ..., "parameters": {...}}`
   objects, each matching one tool (an `anyOf` over the tools); every element becomes a tool
-  call, and the choice finishes with `"tool_calls"`.
+  call, and the choice finishes with `"tool_calls"`. `parallel_tool_calls=false` allows one.
 - a named function (`{"type": "function", "function": {"name": ...}}`): the output is that
   function's parameters object, returned as its one tool call (finish reason `"stop"`, as
   vLLM does).
@@ -106,9 +106,10 @@ def tool_mode(tools: list[ChatTool] | None, choice: str | NamedToolChoice | None
 
 
 def tool_structured_outputs(
-    tools: list[ChatTool], choice: str | NamedToolChoice
+    tools: list[ChatTool], choice: str | NamedToolChoice, parallel: bool = True
 ) -> StructuredOutputsParams:
-    """The JSON schema that a required or named tool choice generates under."""
+    """The JSON schema that a required or named tool choice generates under (`parallel`:
+    more than one call allowed)."""
     if isinstance(choice, NamedToolChoice):
         tool = next(t for t in tools if t.function.name == choice.function.name)
         return StructuredOutputsParams(json=tool.function.parameters or EMPTY_PARAMETERS)
@@ -127,6 +128,8 @@ def tool_structured_outputs(
         "minItems": 1,
         "items": {"type": "object", "anyOf": items},
     }
+    if not parallel:
+        schema["maxItems"] = 1
     defs = {}
     for tool in tools:
         defs.update((tool.function.parameters or {}).get("$defs", {}))
