@@ -298,3 +298,23 @@ def test_tools_without_tool_choice_are_ignored_and_completions_refuse_tools(
         server, "/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_regex": "[a-"}
     )
     assert response.status_code == 400 and response.json()["error"]["param"] == "guided_regex"
+
+
+def test_tool_call_parsing_and_schema() -> None:
+    from vllm_mamba.entrypoints.openai.tool_calls import (
+        ChatTool,
+        NamedToolChoice,
+        parse_tool_calls,
+        tool_structured_outputs,
+    )
+
+    tools = [ChatTool.model_validate(WEATHER), ChatTool.model_validate(TIME)]
+    schema = tool_structured_outputs(tools, "required", parallel=False).json
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    calls = parse_tool_calls('[{"name": "get_time", "parameters": {"zone": "utc"}}]', "required")
+    assert calls is not None and calls[0].function.name == "get_time"
+    assert json.loads(calls[0].function.arguments) == {"zone": "utc"}
+    assert parse_tool_calls('[{"name": "get_time", "parame', "required") is None  # cut short
+    named = NamedToolChoice.model_validate({"function": {"name": "get_time"}})
+    assert tool_structured_outputs(tools, named).json == TOOL_SCHEMAS["get_time"]
+    assert parse_tool_calls('{"zone": "u', named) is None

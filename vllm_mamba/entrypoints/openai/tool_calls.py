@@ -147,10 +147,9 @@ def parse_tool_calls(text: str, choice: str | NamedToolChoice) -> list[ToolCall]
             return None
         return [ToolCall(function=FunctionCall(name=choice.function.name, arguments=text))]
     try:
-        calls = json.loads(text)
-    except ValueError:
+        return [
+            ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
+            for c in json.loads(text)
+        ]
+    except (ValueError, TypeError, KeyError):  # cut short (a stop string, max_tokens)
         return None
-    return [
-        ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
-        for c in calls
-    ]
