@@ -247,3 +247,13 @@ def test_shipped_model_follows_random_schemas(vllm_runner: type[VllmRunner]) -> 
         comp = out.outputs[0]
         assert comp.finish_reason == "stop", (schema, comp.text)
         jsonschema.validate(json.loads(comp.text), schema)
+
+
+def test_complete_grammar_ends_despite_ignore_eos_and_min_tokens(llm: VllmRunner) -> None:
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, min_tokens=10, structured_outputs=spec
+    )
+    comp = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert comp.text in ("yes", "no") and comp.finish_reason == "stop"
+    assert len(comp.token_ids) <= 3
