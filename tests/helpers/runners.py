@@ -3,7 +3,7 @@
 `HfRunner` is `transformers` on a checkpoint directory (float32): the reference. `VllmRunner`
 is this engine on the same directory, one per test, used as a context manager; leaving the
 block without an error checks that the engine drained: no request left and every state slot
-free.
+and KV block free.
 """
 
 from __future__ import annotations
@@ -96,7 +96,9 @@ class VllmRunner:
         return [o.outputs[0].token_ids for o in self.generate(prompts, sampling)]
 
     def assert_drained(self) -> None:
-        """No request waits or runs and every state slot is free."""
+        """No request waits or runs and every state slot and KV block is free."""
         sched = self.engine.scheduler
         assert not sched.running and not sched.waiting
         assert sched.slots.num_used == 0, f"{sched.slots.num_used} state slots still in use"
+        blocks = sched.block_manager.num_used_blocks
+        assert blocks == 0, f"{blocks} KV blocks still in use"

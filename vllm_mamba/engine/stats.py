@@ -66,9 +66,16 @@ class StatLogger:
         busy = snap.steps != last.steps or snap.num_running or snap.num_waiting
         if not busy:
             return False
+        kv = ""
+        if snap.kv_blocks_total:
+            kv = (
+                f", KV cache: {snap.kv_blocks_used}/{snap.kv_blocks_total} blocks "
+                f"({100.0 * snap.kv_blocks_used / snap.kv_blocks_total:.1f}%), "
+                f"Preemptions: {snap.preemptions}"
+            )
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, State slots: %d/%d (%.1f%%)",
+            "Running: %d reqs, Waiting: %d reqs, State slots: %d/%d (%.1f%%)%s",
             (snap.prompt_tokens - last.prompt_tokens) / elapsed,
             (snap.generation_tokens - last.generation_tokens) / elapsed,
             snap.num_running,
@@ -76,6 +83,7 @@ class StatLogger:
             snap.slots_used,
             snap.slots_total,
             100.0 * snap.slots_used / max(snap.slots_total, 1),
+            kv,
         )
         return True
 

@@ -16,7 +16,6 @@ from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.kv_cache import LayerKV
-from vllm_mamba.ops import paged_attention as refs
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -36,13 +35,7 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.reshape_and_cache = getattr(ops, "reshape_and_cache", refs.reshape_and_cache_ref)
-        self.decode_attention = getattr(
-            ops, "paged_decode_attention", refs.paged_decode_attention_ref
-        )
-        self.prefill_attention = getattr(
-            ops, "paged_prefill_attention", refs.paged_prefill_attention_ref
-        )
+        self.ops = ops
         self.kv: LayerKV | None = None
 
     def bind_kv_cache(self, kv: LayerKV) -> None:
@@ -59,19 +52,19 @@ class PagedAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         caches = {"k_cache": self.kv.k, "v_cache": self.kv.v}
-        self.reshape_and_cache(key=k, value=v, slot_mapping=meta.slot_mapping, **caches)
+        self.ops.reshape_and_cache(key=k, value=v, slot_mapping=meta.slot_mapping, **caches)
         nd = meta.num_decodes
         parts = []
         if nd:
             parts.append(
-                self.decode_attention(
+                self.ops.paged_decode_attention(
                     query=q[:nd], block_tables=meta.decode_block_tables,
                     seq_lens=meta.decode_seq_lens, scale=self.scale, **caches,
                 )
             )  # fmt: skip
         if meta.num_prefills:
             parts.append(
-                self.prefill_attention(
+                self.ops.paged_prefill_attention(
                     query=q[nd:], block_tables=meta.prefill_block_tables,
                     query_start_loc=meta.prefill_query_start_loc,
                     seq_lens=meta.prefill_seq_lens, scale=self.scale, **caches,

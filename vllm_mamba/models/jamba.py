@@ -153,11 +153,9 @@ class JambaSparseMoe(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (T, k) each
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
-        hit = torch.unique(chosen).tolist()
-        for expert in hit:
-            token_idx, k_pos = torch.where(chosen == expert)  # (M,), (M,)
-            y = self.experts[expert](x[token_idx]) * weights[token_idx, k_pos, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
+        for expert in torch.unique(chosen).tolist():  # ascending, as transformers adds them
+            token_idx, k_pos = torch.where(chosen == expert)  # (M,), (M,): tokens are distinct
+            out[token_idx] += self.experts[expert](x[token_idx]) * weights[token_idx, k_pos, None]
         return out
 
 

@@ -5,8 +5,10 @@ Gauges and token counters come from the latest `StatsSnapshot` the engine thread
 requests counter are fed by `ServerMetrics.track`, which wraps each engine request's output
 stream. For an attention-free model the state slots are its whole cache, so
 `vllm:kv_cache_usage_perc` reports the share of state slots in use (as do
-`vllm:state_slots_used` / `vllm:state_slots_total`). Every app has its own registry; label
-values are escaped by the library.
+`vllm:state_slots_used` / `vllm:state_slots_total`); for a hybrid it reports the share of KV
+blocks in use (also `vllm:kv_cache_blocks_used` / `vllm:kv_cache_blocks_total`), the state
+slots staying in their own gauges. `vllm:num_preemptions_total` counts preemptions. Every app
+has its own registry; label values are escaped by the library.
 """
 
 from __future__ import annotations
@@ -36,14 +38,24 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats
-        usage = stats.slots_used / max(stats.slots_total, 1)
+        if stats.kv_blocks_total:
+            usage = stats.kv_blocks_used / stats.kv_blocks_total
+            cache = "KV cache blocks"
+        else:
+            usage = stats.slots_used / max(stats.slots_total, 1)
+            cache = "state slots"
         gauges = [
             ("vllm:num_requests_running", "Requests being generated.", stats.num_running),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("vllm:state_slots_used", "State slots in use.", stats.slots_used),
             ("vllm:state_slots_total", "State slots in all.", stats.slots_total),
-            ("vllm:kv_cache_usage_perc", "Share of the cache (state slots) in use.", usage),
+            ("vllm:kv_cache_usage_perc", f"Share of the cache ({cache}) in use.", usage),
         ]
+        if stats.kv_blocks_total:
+            gauges += [
+                ("vllm:kv_cache_blocks_used", "KV cache blocks in use.", stats.kv_blocks_used),
+                ("vllm:kv_cache_blocks_total", "KV cache blocks in all.", stats.kv_blocks_total),
+            ]
         for name, doc, value in gauges:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
@@ -52,6 +64,7 @@ class _EngineCollector(Collector):
             ("vllm:prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens),
             ("vllm:generation_tokens", "Tokens generated.", stats.generation_tokens),
             ("vllm:request_failures", "Requests ended by a failed step.", stats.failed_requests),
+            ("vllm:num_preemptions", "Preemptions by recompute.", stats.preemptions),
         ]
         for name, doc, value in counters:
             family = CounterMetricFamily(name, doc, labels=["model_name"])

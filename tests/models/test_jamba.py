@@ -1,0 +1,107 @@
+"""Jamba against transformers' `JambaForCausalLM`, and the engine's invariances on a hybrid:
+batching, chunked prefill across block boundaries, forks sharing KV blocks, and requests that
+can never fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import family_checks as checks
+from tests.helpers.prompts import make_prompts
+from tests.helpers.runners import VllmRunner
+from tests.tiny_models import JAMBA_CONFIGS, other_model_dir
+from vllm_mamba import SamplingParams
+
+NAMES = list(JAMBA_CONFIGS)
+MODEL = "jamba-gqa"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_tokens_equal_transformers(name: str) -> None:
+    checks.assert_matches_transformers("JambaForCausalLM", other_model_dir(name))
+
+
+def test_configs_differ_where_it_matters() -> None:
+    cfgs = list(JAMBA_CONFIGS.values())
+
+    def distinct(key: str) -> int:
+        return len({str(c[key]) for c in cfgs})
+
+    ratios = {c["num_attention_heads"] // c["num_key_value_heads"] for c in cfgs}
+    assert ratios == {1, 2, 6}  # MHA, GQA, MQA
+    for key in ("attn_layer_period", "attn_layer_offset", "num_experts", "mamba_d_conv"):
+        assert distinct(key) == 3, key
+    assert {c["num_experts_per_tok"] for c in cfgs if c["num_experts"] > 1} == {1, 2}
+
+
+def test_batched_equals_alone() -> None:
+    checks.assert_batched_equals_alone(other_model_dir(MODEL))
+
+
+@pytest.mark.parametrize("budget", [1, 5, 17, 23])
+def test_chunked_prefill_equals_whole(budget: int) -> None:
+    checks.assert_chunked_equals_whole(other_model_dir(MODEL), budget)
+
+
+def test_forks_equal_alone() -> None:
+    checks.assert_forks_equal_alone(other_model_dir(MODEL))
+
+
+def test_forks_equal_independent_seeded_runs() -> None:
+    """Sample `i` of a seeded `n = 3` request equals a lone request with that sample's seed
+    (`seed + 7919 * i`): the forks' shared and copied KV blocks hold the right keys."""
+    path = other_model_dir("jamba-mqa")
+    prompt = checks.prompts()[6]  # 100 tokens: 6 full blocks and a partial one
+    forked = SamplingParams(temperature=1.0, max_tokens=16, n=3, seed=11)
+    with VllmRunner(path, max_num_seqs=4) as runner:
+        out = runner.generate(prompt, forked)[0]
+        lone = [
+            runner.generate(prompt, SamplingParams(temperature=1.0, max_tokens=16, seed=s))[0]
+            for s in (11, 11 + 7919, 11 + 2 * 7919)
+        ]
+    assert [o.token_ids for o in out.outputs] == [lo.outputs[0].token_ids for lo in lone]
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+
+
+def test_fork_shares_full_prompt_blocks_and_copies_the_partial_one() -> None:
+    path = other_model_dir(MODEL)
+    prompt = make_prompts()[4]  # 31 tokens: one full block of 16 and a partial one of 15
+    with VllmRunner(path, max_num_seqs=4, num_gpu_blocks_override=32) as runner:
+        engine = runner.engine
+        blocks = engine.scheduler.block_manager
+        engine.add_request("fork", {"prompt_token_ids": prompt}, SamplingParams(n=3, seed=1))
+        engine.step()  # the prompt, then the fork
+        group = engine.scheduler.running[0]
+        tables = [blocks.block_table(s.seq_id) for s in group.seqs]
+        assert len(group.seqs) == 3 and tables[0] == tables[1] == tables[2]
+        assert len(tables[0]) == 2 and blocks.num_used_blocks == 2
+        assert [blocks.ref_count(b) for b in tables[0]] == [3, 3]
+        engine.step()  # each child writes position 31 into the partial block: two copies
+        tables = [blocks.block_table(s.seq_id) for s in group.seqs]
+        assert len({t[0] for t in tables}) == 1 and blocks.ref_count(tables[0][0]) == 3
+        assert len({t[1] for t in tables}) == 3 and blocks.num_used_blocks == 4
+        engine.abort_request("fork")
+        assert blocks.num_used_blocks == 0
+
+
+def test_request_that_can_never_fit_is_refused() -> None:
+    path = other_model_dir(MODEL)
+    prompts = make_prompts()
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    with VllmRunner(path, num_gpu_blocks_override=8, max_model_len=512) as runner:
+        first = runner.generate({"prompt_token_ids": prompts[3]}, greedy)
+        with pytest.raises(ValueError, match=r"whole KV cache holds \(8 blocks, 128 tokens\)"):
+            runner.generate({"prompt_token_ids": prompts[7]}, greedy)  # 131 tokens
+        with pytest.raises(ValueError, match="KV cache"):
+            runner.generate({"prompt_token_ids": prompts[5]}, SamplingParams(max_tokens=65))
+        with pytest.raises(ValueError, match="KV cache"):  # 3 x 3 blocks > 8
+            runner.generate({"prompt_token_ids": prompts[4]}, SamplingParams(n=3, max_tokens=10))
+        with pytest.raises(ValueError, match=r"max_model_len \(512\)"):
+            runner.generate({"prompt_token_ids": prompts[3]}, SamplingParams(max_tokens=500))
+        runner.assert_drained()
+        again = runner.generate({"prompt_token_ids": prompts[3]}, greedy)
+        assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+        # Without max_tokens a request gets what the pool holds.
+        params = SamplingParams(max_tokens=None, ignore_eos=True)
+        out = runner.generate({"prompt_token_ids": prompts[5]}, params)
+        assert len(out[0].outputs[0].token_ids) == 128 - 64
