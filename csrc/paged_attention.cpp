@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -28,6 +29,7 @@ namespace {
 
 constexpr int64_t kPrefillTile = 16;       // prefill tokens per task (times the GQA group)
 constexpr int64_t kMinSplitTokens = 256;   // context tokens per decode split, at least
+constexpr int64_t kMinParallelWork = 1 << 19;  // multiply-adds per thread (~40 us), at least
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Calls `fn` with a null pointer of the element type of `t`: float, bfloat16 or float16.
@@ -57,57 +59,78 @@ struct SoftmaxState {
   float* acc;
 };
 
+// Points `rows[t]` at the float32 key (or value) rows of `n` tokens from offset `off0` of
+// `block`: into the cache itself for float32, else converted into `buf (n, D)`.
+template <typename C>
+void load_rows(const HeadView<C>& hv, int64_t block, int64_t off0, int64_t n, int64_t dim,
+               float* buf, const float** rows) {
+  for (int64_t t = 0; t < n; ++t) {
+    const C* src = hv.base + block * hv.block_stride + (off0 + t) * hv.token_stride;
+    if constexpr (std::is_same_v<C, float>) {
+      rows[t] = src;
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) buf[t * dim + d] = to_f32(src[d]);
+      rows[t] = buf + t * dim;
+    }
+  }
+}
+
+// Folds `n` keys and values into one row's softmax state (m, l, acc (D,)); `s (n,)` scratch.
+inline void update_row(const float* q, const float* const* keys, const float* const* values,
+                       int64_t n, int64_t dim, float* s, float& m, float& l, float* acc) {
+  float block_max = kNegInf;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* k = keys[t];
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
+    s[t] = dot;
+    block_max = std::max(block_max, dot);
+  }
+  const float m_new = std::max(m, block_max);
+  const float alpha = std::exp(m - m_new);  // 0 on the first block (m = -inf)
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_f32(s[t] - m_new);
+    sum += s[t];
+  }
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
+  for (int64_t t = 0; t < n; ++t) {
+    const float p = s[t];
+    const float* v = values[t];
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) acc[d] += p * v[d];
+  }
+  l = l * alpha + sum;
+  m = m_new;
+}
+
 // Attends `rows` pre-scaled query rows `q (rows, D)` over positions [begin, end) of one
 // sequence, row r only up to position `limits[r]` (inclusive), updating `st` in place.
-// `kbuf`, `vbuf` (block_size * D) and `scores` (rows * block_size) are scratch.
+// `kbuf`, `vbuf` (block_size * D), `scores` (block_size) and `row_ptrs` (2 * block_size) are
+// scratch.
 template <typename C>
 void attend_range(const float* q, const int64_t* limits, int64_t rows, int64_t dim,
                   const HeadView<C>& kv, const HeadView<C>& vv, const int64_t* block_table,
                   int64_t begin, int64_t end, SoftmaxState st, float* kbuf, float* vbuf,
-                  float* scores) {
+                  float* scores, const float** row_ptrs) {
   const int64_t bs = kv.block_size;
+  const float** keys = row_ptrs;
+  const float** values = row_ptrs + bs;
   for (int64_t start = begin; start < end;) {
     const int64_t block = block_table[start / bs];
     const int64_t off0 = start % bs;
     const int64_t n = std::min(bs - off0, end - start);
-    for (int64_t t = 0; t < n; ++t) {
-      const C* k = kv.base + block * kv.block_stride + (off0 + t) * kv.token_stride;
-      const C* v = vv.base + block * vv.block_stride + (off0 + t) * vv.token_stride;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) {
-        kbuf[t * dim + d] = to_f32(k[d]);
-        vbuf[t * dim + d] = to_f32(v[d]);
-      }
-    }
+    load_rows(kv, block, off0, n, dim, kbuf, keys);
+    load_rows(vv, block, off0, n, dim, vbuf, values);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t valid = std::min(n, limits[r] - start + 1);  // causal cut of this row
       if (valid <= 0) continue;
-      const float* qr = q + r * dim;
-      float* s = scores + r * bs;
-      float block_max = kNegInf;
-      for (int64_t t = 0; t < valid; ++t) {
-        const float* k = kbuf + t * dim;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += qr[d] * k[d];
-        s[t] = dot;
-        block_max = std::max(block_max, dot);
-      }
-      const float m_new = std::max(st.m[r], block_max);
-      const float alpha = std::exp(st.m[r] - m_new);  // 0 on the first block (m = -inf)
-      float* acc = st.acc + r * dim;
-      float sum = 0.0f;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
-      for (int64_t t = 0; t < valid; ++t) {
-        const float p = std::exp(s[t] - m_new);
-        const float* v = vbuf + t * dim;
-        sum += p;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) acc[d] += p * v[d];
-      }
-      st.l[r] = st.l[r] * alpha + sum;
-      st.m[r] = m_new;
+      update_row(q + r * dim, keys, values, valid, dim, scores, st.m[r], st.l[r],
+                 st.acc + r * dim);
     }
     start += n;
   }
@@ -198,17 +221,21 @@ void store_tile(const float* acc, const float* l, int64_t tokens, int64_t group,
 struct Scratch {
   std::vector<float> q, m, l, acc, kbuf, vbuf, scores;
   std::vector<int64_t> limits;
+  std::vector<const float*> row_ptrs;
   Scratch(int64_t rows, int64_t dim, int64_t bs)
       : q(rows * dim), m(rows), l(rows), acc(rows * dim), kbuf(bs * dim), vbuf(bs * dim),
-        scores(rows * bs), limits(rows) {}
+        scores(bs), limits(rows), row_ptrs(2 * bs) {}
   SoftmaxState state() { return {m.data(), l.data(), acc.data()}; }
 };
 
 // Runs `task(i, scratch)` for i in [0, n), task i on worker i mod workers, each worker with
-// its own scratch for `rows` query rows.
+// its own scratch for `rows` query rows. `work` (multiply-adds) below kMinParallelWork per
+// worker runs on fewer threads: waking a thread costs more than a few microseconds of work.
 template <typename Fn>
-void round_robin(int64_t n, int64_t rows, int64_t dim, int64_t bs, Fn&& task) {
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+void round_robin(int64_t n, int64_t work, int64_t rows, int64_t dim, int64_t bs, Fn&& task) {
+  const int64_t by_work = std::max<int64_t>(1, work / kMinParallelWork);
+  const int64_t workers = std::max<int64_t>(
+      1, std::min<int64_t>({static_cast<int64_t>(at::get_num_threads()), n, by_work}));
   at::parallel_for(0, workers, 1, [&](int64_t lo, int64_t hi) {
     Scratch sc(rows, dim, bs);
     for (int64_t w = lo; w < hi; ++w) {
@@ -275,7 +302,8 @@ void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::T
   std::vector<float> pm(batch * hkv * splits * g), pl(pm.size()), pacc(pm.size() * dim);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const Q* qp = query.data_ptr<Q>();
-  round_robin(batch * hkv * splits, g, dim, a.block_size, [&](int64_t i, Scratch& sc) {
+  const int64_t work = std::accumulate(lens, lens + batch, int64_t{0}) * a.q_heads * dim * 2;
+  round_robin(batch * hkv * splits, work, g, dim, a.block_size, [&](int64_t i, Scratch& sc) {
     const int64_t b = i / (hkv * splits), h = (i / splits) % hkv, s = i % splits;
     SoftmaxState st{pm.data() + i * g, pl.data() + i * g, pacc.data() + i * g * dim};
     reset_state(st, g, dim);
@@ -288,7 +316,7 @@ void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::T
     std::fill(sc.limits.begin(), sc.limits.end(), len - 1);
     attend_range(sc.q.data(), sc.limits.data(), g, dim, head_view<C>(k_cache, h),
                  head_view<C>(v_cache, h), tp + b * tables.stride(0), begin, end, st,
-                 sc.kbuf.data(), sc.vbuf.data(), sc.scores.data());
+                 sc.kbuf.data(), sc.vbuf.data(), sc.scores.data(), sc.row_ptrs.data());
   });
   Q* op = out.data_ptr<Q>();
   at::parallel_for(0, batch * hkv, 16, [&](int64_t lo, int64_t hi) {
@@ -336,15 +364,19 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::
                   const AttnShape& a, at::Tensor& out) {
   const int64_t seqs = tables.size(0), hkv = a.kv_heads, g = a.group, dim = a.dim;
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first query of the tile)
+  int64_t work = 0;  // query-key pairs, about
   for (int64_t p = 0; p < seqs; ++p) {
-    for (int64_t j = 0; j < qsl[p + 1] - qsl[p]; j += kPrefillTile) tiles.emplace_back(p, j);
+    const int64_t q_len = qsl[p + 1] - qsl[p];
+    for (int64_t j = 0; j < q_len; j += kPrefillTile) tiles.emplace_back(p, j);
+    work += q_len * (lens[p] - q_len / 2);
   }
+  work *= a.q_heads * dim * 2;
   const int64_t* tp = tables.data_ptr<int64_t>();
   const Q* qp = query.data_ptr<Q>();
   Q* op = out.data_ptr<Q>();
   const int64_t q_stride = query.stride(0), o_stride = a.q_heads * dim;
   const int64_t n_tasks = static_cast<int64_t>(tiles.size()) * hkv;
-  round_robin(n_tasks, kPrefillTile * g, dim, a.block_size, [&](int64_t i, Scratch& sc) {
+  round_robin(n_tasks, work, kPrefillTile * g, dim, a.block_size, [&](int64_t i, Scratch& sc) {
     const auto [p, j0] = tiles[i / hkv];
     const int64_t h = i % hkv, q_len = qsl[p + 1] - qsl[p], len = lens[p];
     const int64_t n_tok = std::min(kPrefillTile, q_len - j0), rows = n_tok * g;
@@ -358,7 +390,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::
     attend_range(sc.q.data(), sc.limits.data(), rows, dim, head_view<C>(k_cache, h),
                  head_view<C>(v_cache, h), tp + p * tables.stride(0), 0,
                  len - q_len + j0 + n_tok, sc.state(), sc.kbuf.data(), sc.vbuf.data(),
-                 sc.scores.data());
+                 sc.scores.data(), sc.row_ptrs.data());
     store_tile(sc.acc.data(), sc.l.data(), n_tok, g, dim, op + first * o_stride + h * g * dim,
                o_stride);
   });
