@@ -149,6 +149,17 @@ HeadView<C> head_view(const at::Tensor& cache, int64_t head) {
           cache.size(1)};
 }
 
+// Checks that the blocks holding `len` tokens of one table row exist in a pool of `num_blocks`
+// (entries past them are never read, whatever they hold).
+void check_row(const int64_t* row, int64_t width, int64_t len, int64_t block_size,
+               int64_t num_blocks) {
+  const int64_t used = (len + block_size - 1) / block_size;
+  TORCH_CHECK(used <= width, "seq_len ", len, " needs more blocks than block_tables has");
+  for (int64_t i = 0; i < used; ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < num_blocks, "block id ", row[i], " outside the pool");
+  }
+}
+
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t dim) {
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be (num_blocks, block_size, num_kv_heads, head_dim)");
@@ -169,6 +180,9 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const at::Tensor slots = as_index(slot_mapping);
   const int64_t bs = k_cache.size(1), capacity = k_cache.size(0) * bs;
   const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] < capacity, "slot ", sp[t], " beyond the cache of ", capacity, " slots");
+  }
   dispatch_attn(k_cache, "k_cache", [&](auto* tp) {
     using C = std::remove_pointer_t<decltype(tp)>;
     const C* kp = k.data_ptr<C>();
@@ -179,7 +193,6 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t slot = sp[t];
         if (slot < 0) continue;  // PAD_SLOT_ID
-        TORCH_CHECK(slot < capacity, "slot ", slot, " beyond the cache");
         const int64_t block = slot / bs, off = slot % bs;
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t src = (t * heads + h) * dim;
@@ -344,8 +357,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
   const at::Tensor lens = as_index(seq_lens);
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK((lp[b] + a.block_size - 1) / a.block_size <= tables.size(1),
-                "seq_len ", lp[b], " needs more blocks than block_tables has");
+    check_row(tables.data_ptr<int64_t>() + b * tables.size(1), tables.size(1), lp[b],
+              a.block_size, k_cache.size(0));
   }
   at::Tensor out = at::empty({batch, a.q_heads, a.dim}, query.options());
   dispatch_attn(query, "query", [&](auto* qt) {
@@ -418,8 +431,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
     const int64_t q_len = qsl[p + 1] - qsl[p];
     TORCH_CHECK(q_len >= 0 && q_len <= lens[p], "sequence ", p, ": ", q_len,
                 " queries but seq_len ", lens[p]);
-    TORCH_CHECK((lens[p] + a.block_size - 1) / a.block_size <= tables.size(1), "seq_len ",
-                lens[p], " needs more blocks than block_tables has");
+    check_row(tables.data_ptr<int64_t>() + p * tables.size(1), tables.size(1), lens[p],
+              a.block_size, k_cache.size(0));
   }
   at::Tensor out = at::zeros({query.size(0), a.q_heads, a.dim}, query.options());
   dispatch_attn(query, "query", [&](auto* qt) {

@@ -275,3 +275,23 @@ def test_cpp_ops_table_has_attention() -> None:
     assert ops.paged_prefill_attention is cpu_kernels.paged_prefill_attention
     assert ops.reshape_and_cache is cpu_kernels.reshape_and_cache
     assert REF_OPS.paged_decode_attention is paged_decode_attention_ref
+
+
+@needs_cpp
+def test_cpp_rejects_blocks_and_slots_outside_the_pool() -> None:
+    """A used block id or a slot outside the pool raises instead of reading stray memory."""
+    case = make_paged_case([20], [1], 4, 2, 32, 8)
+    args = _decode_args(case, 1)
+    args["block_tables"] = args["block_tables"].clone()
+    args["block_tables"][0, 1] = case.k_cache.shape[0]  # the second of three used blocks
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.paged_decode_attention(**args)
+    args["block_tables"][0, 1] = -1
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_kernels.paged_prefill_attention(
+            **{**_prefill_args(case), "block_tables": args["block_tables"]}
+        )
+    key = torch.randn(1, 2, 32)
+    slot = torch.tensor([case.k_cache.shape[0] * 8])
+    with pytest.raises(RuntimeError, match="beyond the cache"):
+        cpu_kernels.reshape_and_cache(key, key, case.k_cache, case.v_cache, slot)
