@@ -66,6 +66,8 @@ class LLMEngine:
             shape = dataclasses.replace(shape, ssm_dtype=config.ssm_state_dtype)
         self.cache = MambaCache(shape, config.num_state_slots, config.device)
         self.kv_cache = self._make_kv_cache()
+        if self.kv_cache is None:  # a config whose layers happen to have no attention
+            self.backend = PlaceholderAttentionBackend
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = getattr(mc.hf_config, "eos_token_id", None)

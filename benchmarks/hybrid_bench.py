@@ -1,0 +1,189 @@
+"""CPU speed of this engine against `transformers` on a Jamba-shaped hybrid, in one run.
+
+The model (random weights, float32, saved once to `--model`): hidden 1024, 8 layers (attention
+at layer 4 only: `attn_layer_period` 8, offset 4; 16 query and 4 key/value heads of 64), Mamba
+d_state 16, d_conv 4, expand 2, dense MLPs of 2048 and, every other layer from layer 1, 4
+experts of 2048 with top-2 routing, vocabulary 65,536, untied head: about 310M parameters.
+
+Workloads, medians of `--reps` interleaved repetitions, `--threads` threads:
+
+- `prefill 512`: one 512-token prompt (engine: `LLM.generate` with one output token;
+  transformers: one forward).
+- `decode bN`: N sequences of 16 prompt tokens, aggregate tokens/s of 32 decode steps (engine:
+  `LLMEngine.step` after every prompt has its first token; transformers: `generate` of 33
+  tokens minus `generate` of 1).
+- `step @ C`: one sequence with a C-token context, milliseconds per decode step (16 steps).
+
+    python benchmarks/hybrid_bench.py --model /tmp/jamba-300m-random
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import time
+
+import torch
+
+CONFIG = dict(
+    vocab_size=65536,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    attn_layer_period=8,
+    attn_layer_offset=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    expert_layer_period=2,
+    expert_layer_offset=1,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    tie_word_embeddings=False,
+    max_position_embeddings=8192,
+)
+TOKENIZER_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests/data/gpt-neox-20b-tokenizer"
+)
+DECODE_TOKENS = 32
+PROMPT_LEN = 16
+
+
+def make_model(path: str) -> int:
+    """Saves the random-weight model (N(0, 0.02^2), A_log / D / norms as initialised) once."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    torch.manual_seed(0)
+    model = JambaForCausalLM(JambaConfig(**CONFIG))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        model.save_pretrained(path)
+    for file in os.listdir(TOKENIZER_DIR):  # GPT-NeoX's tokenizer; prompts are token ids
+        if file.endswith(".json"):
+            shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, CONFIG["vocab_size"], (n, length), generator=g).tolist()
+
+
+class Engine:
+    """This engine through `LLM` / `LLMEngine`."""
+
+    name = "vllm_mamba"
+
+    def __init__(self, path: str) -> None:
+        from vllm_mamba import LLM
+
+        self.llm = LLM(path, max_model_len=4200, max_num_seqs=32, disable_log_stats=True)
+
+    def prefill(self, length: int) -> float:
+        from vllm_mamba import SamplingParams
+
+        ids = {"prompt_token_ids": prompts(1, length)[0]}
+        start = time.perf_counter()
+        self.llm.generate(ids, SamplingParams(max_tokens=1), use_tqdm=False)
+        return length / (time.perf_counter() - start)
+
+    def _decode(self, batch: int, context: int, steps: int) -> float:
+        """Seconds of `steps` decode steps of `batch` sequences of `context` tokens."""
+        from vllm_mamba import SamplingParams
+
+        engine = self.llm.llm_engine
+        params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=0)
+        for i, p in enumerate(prompts(batch, context, seed=batch)):
+            engine.add_request(f"r{i}", p, params)
+        while any(not s.output_token_ids for g in engine.scheduler.waiting for s in g.seqs) or any(
+            not s.output_token_ids for g in engine.scheduler.running for s in g.seqs
+        ):
+            engine.step()
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return time.perf_counter() - start
+
+    def decode(self, batch: int) -> float:
+        return batch * DECODE_TOKENS / self._decode(batch, PROMPT_LEN, DECODE_TOKENS)
+
+    def step_ms(self, context: int) -> float:
+        return 1000 * self._decode(1, context, 16) / 16
+
+
+class Transformers:
+    """transformers' `JambaForCausalLM` (its PyTorch paths; no mamba-ssm kernels on the CPU)."""
+
+    name = "transformers"
+
+    def __init__(self, path: str) -> None:
+        from transformers import JambaForCausalLM
+
+        self.model = JambaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def prefill(self, length: int) -> float:
+        ids = torch.tensor(prompts(1, length))
+        start = time.perf_counter()
+        self.model(ids)
+        return length / (time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _generate(self, ids: torch.Tensor, new: int) -> float:
+        start = time.perf_counter()
+        self.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        return time.perf_counter() - start
+
+    def decode(self, batch: int) -> float:
+        ids = torch.tensor(prompts(batch, PROMPT_LEN, seed=batch))
+        seconds = self._generate(ids, DECODE_TOKENS + 1) - self._generate(ids, 1)
+        return batch * DECODE_TOKENS / seconds
+
+    def step_ms(self, context: int) -> float:
+        ids = torch.tensor(prompts(1, context, seed=1))
+        return 1000 * (self._generate(ids, 17) - self._generate(ids, 1)) / 16
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="/tmp/jamba-300m-random")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--skip-transformers", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"model: {make_model(args.model) / 1e6:.0f}M parameters in {args.model}")
+    systems = [Engine(args.model)]
+    if not args.skip_transformers:
+        systems.append(Transformers(args.model))
+    rows = {
+        "prefill 512 (tok/s)": lambda s: s.prefill(512),
+        "decode b1 (tok/s)": lambda s: s.decode(1),
+        "decode b32 (tok/s)": lambda s: s.decode(32),
+        "step @ 128 (ms)": lambda s: s.step_ms(128),
+        "step @ 4096 (ms)": lambda s: s.step_ms(4096),
+    }
+    results: dict[str, dict[str, list[float]]] = {r: {s.name: [] for s in systems} for r in rows}
+    for rep in range(args.reps):
+        for row, fn in rows.items():
+            for system in systems:
+                results[row][system.name].append(fn(system))
+                print(
+                    f"rep {rep} {row} {system.name}: {results[row][system.name][-1]:.2f}",
+                    flush=True,
+                )
+    print("\n| workload | " + " | ".join(s.name for s in systems) + " | ratio |")
+    print("|---|" + "---|" * (len(systems) + 1))
+    for row in rows:
+        med = [statistics.median(results[row][s.name]) for s in systems]
+        ratio = ""
+        if len(med) == 2:
+            ratio = f"{(med[1] / med[0] if 'ms' in row else med[0] / med[1]):.1f}x"
+        print(f"| {row} | " + " | ".join(f"{m:,.1f}" for m in med) + f" | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
