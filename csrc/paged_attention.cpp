@@ -1,6 +1,6 @@
-// Paged attention on the CPU: the KV cache write, decode attention and varlen prefill attention
-// over a block cache `(num_blocks, block_size, num_kv_heads, head_dim)`, as the references in
-// `vllm_mamba/ops/paged_attention.py`.
+// Paged attention on the CPU: decode attention and varlen prefill attention over a block cache
+// `(num_blocks, block_size, num_kv_heads, head_dim)`, as the references in
+// `vllm_mamba/ops/paged_attention.py` (the cache write is `reshape_and_cache.cpp`).
 //
 // Both attention kernels run one core loop (`attend_range`): a tile of query rows that share
 // one kv head (the GQA group, times a few prefill tokens) walks the sequence's blocks through
@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kernel_math.h"
+#include "paged_kv.h"
 
 namespace vllm_mamba {
 namespace {
@@ -31,26 +32,6 @@ constexpr int64_t kPrefillTile = 16;       // prefill tokens per task (times the
 constexpr int64_t kMinSplitTokens = 256;   // context tokens per decode split, at least
 constexpr int64_t kMinParallelWork = 1 << 19;  // multiply-adds per thread (~40 us), at least
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Calls `fn` with a null pointer of the element type of `t`: float, bfloat16 or float16.
-template <typename Fn>
-void dispatch_attn(const at::Tensor& t, const char* what, Fn&& fn) {
-  switch (t.scalar_type()) {
-    case at::kFloat: fn(static_cast<float*>(nullptr)); break;
-    case at::kBFloat16: fn(static_cast<at::BFloat16*>(nullptr)); break;
-    case at::kHalf: fn(static_cast<at::Half*>(nullptr)); break;
-    default:
-      TORCH_CHECK(false, what, " must be float32, bfloat16 or float16, got ", t.scalar_type());
-  }
-}
-
-// One kv head of one layer's cache: element (block, offset, d) at
-// base + block * block_stride + offset * token_stride + d.
-template <typename C>
-struct HeadView {
-  const C* base;
-  int64_t block_stride, token_stride, block_size;
-};
 
 // Running softmax state of `rows` query rows: max, sum, unnormalised output `(rows, D)`.
 struct SoftmaxState {
@@ -141,69 +122,6 @@ void reset_state(SoftmaxState st, int64_t rows, int64_t dim) {
   std::fill(st.m, st.m + rows, kNegInf);
   std::fill(st.l, st.l + rows, 0.0f);
   std::fill(st.acc, st.acc + rows * dim, 0.0f);
-}
-
-template <typename C>
-HeadView<C> head_view(const at::Tensor& cache, int64_t head) {
-  return {cache.data_ptr<C>() + head * cache.stride(2), cache.stride(0), cache.stride(1),
-          cache.size(1)};
-}
-
-// Checks that the blocks holding `len` tokens of one table row exist in a pool of `num_blocks`
-// (entries past them are never read, whatever they hold).
-void check_row(const int64_t* row, int64_t width, int64_t len, int64_t block_size,
-               int64_t num_blocks) {
-  const int64_t used = (len + block_size - 1) / block_size;
-  TORCH_CHECK(used <= width, "seq_len ", len, " needs more blocks than block_tables has");
-  for (int64_t i = 0; i < used; ++i) {
-    TORCH_CHECK(row[i] >= 0 && row[i] < num_blocks, "block id ", row[i], " outside the pool");
-  }
-}
-
-void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t dim) {
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "k_cache and v_cache must be (num_blocks, block_size, num_kv_heads, head_dim)");
-  TORCH_CHECK(k_cache.size(3) == dim, "cache head_dim ", k_cache.size(3), " != ", dim);
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache head_dim not contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k and v caches differ in dtype");
-}
-
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                       at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be (T, Hkv, D)");
-  check_cache(k_cache, v_cache, key.size(2));
-  TORCH_CHECK(key.size(1) == k_cache.size(2), "key heads != cache kv heads");
-  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
-  TORCH_CHECK(slot_mapping.numel() == tokens, "slot_mapping must be (T,)");
-  const at::Tensor k = key.to(k_cache.scalar_type()).contiguous();
-  const at::Tensor v = value.to(k_cache.scalar_type()).contiguous();
-  const at::Tensor slots = as_index(slot_mapping);
-  const int64_t bs = k_cache.size(1), capacity = k_cache.size(0) * bs;
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(sp[t] < capacity, "slot ", sp[t], " beyond the cache of ", capacity, " slots");
-  }
-  dispatch_attn(k_cache, "k_cache", [&](auto* tp) {
-    using C = std::remove_pointer_t<decltype(tp)>;
-    const C* kp = k.data_ptr<C>();
-    const C* vp = v.data_ptr<C>();
-    C* kc = k_cache.data_ptr<C>();
-    C* vc = v_cache.data_ptr<C>();
-    at::parallel_for(0, tokens, 64, [&](int64_t lo, int64_t hi) {
-      for (int64_t t = lo; t < hi; ++t) {
-        const int64_t slot = sp[t];
-        if (slot < 0) continue;  // PAD_SLOT_ID
-        const int64_t block = slot / bs, off = slot % bs;
-        for (int64_t h = 0; h < heads; ++h) {
-          const int64_t src = (t * heads + h) * dim;
-          std::copy_n(kp + src, dim, kc + block * k_cache.stride(0) + off * k_cache.stride(1) +
-                                         h * k_cache.stride(2));
-          std::copy_n(vp + src, dim, vc + block * v_cache.stride(0) + off * v_cache.stride(1) +
-                                         h * v_cache.stride(2));
-        }
-      }
-    });
-  });
 }
 
 // Loads `count` query heads starting at `q` (head stride `dim`) as float32, times `scale`.
@@ -361,9 +279,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
               a.block_size, k_cache.size(0));
   }
   at::Tensor out = at::empty({batch, a.q_heads, a.dim}, query.options());
-  dispatch_attn(query, "query", [&](auto* qt) {
+  dispatch_kv(query, "query", [&](auto* qt) {
     using Q = std::remove_pointer_t<decltype(qt)>;
-    dispatch_attn(k_cache, "k_cache", [&](auto* ct) {
+    dispatch_kv(k_cache, "k_cache", [&](auto* ct) {
       using C = std::remove_pointer_t<decltype(ct)>;
       decode_impl<Q, C>(query, k_cache, v_cache, tables, lp, a, out);
     });
@@ -435,9 +353,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
               a.block_size, k_cache.size(0));
   }
   at::Tensor out = at::zeros({query.size(0), a.q_heads, a.dim}, query.options());
-  dispatch_attn(query, "query", [&](auto* qt) {
+  dispatch_kv(query, "query", [&](auto* qt) {
     using Q = std::remove_pointer_t<decltype(qt)>;
-    dispatch_attn(k_cache, "k_cache", [&](auto* ct) {
+    dispatch_kv(k_cache, "k_cache", [&](auto* ct) {
       using C = std::remove_pointer_t<decltype(ct)>;
       prefill_impl<Q, C>(query, k_cache, v_cache, tables, qsl, lens, a, out);
     });
@@ -448,7 +366,6 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {
-  m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
 }
