@@ -1,5 +1,5 @@
 """The paged attention ops: the references against dense causal attention, and the C++ kernels
-(`csrc/paged_attention.cpp`) against the references.
+(`csrc/paged_attention.cpp`, `csrc/reshape_and_cache.cpp`) against the references.
 
 Cases cover GQA ratios (1, 2, 4, MQA), head dims, block sizes, context lengths from 0 to a
 few hundred (unaligned to blocks), chunked prefill, padding rows, non-contiguous queries and

@@ -3,7 +3,7 @@
 A backend (`ref` in `vllm_mamba.ops.dispatch`, `cpu_kernels`, `triton_ops`) fills one
 `MambaOps`; the layers call its fields with keyword arguments. Each op's parameters are those
 of its pure-PyTorch `_ref` twin, documented there (`causal_conv1d`, `selective_scan`, `ssd`,
-`gated_rms_norm`).
+`gated_rms_norm`, `paged_attention`).
 This module imports no backend, so the backends and the dispatcher can all import it.
 """
 
