@@ -4,6 +4,8 @@ can never fit."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.helpers import family_checks as checks
@@ -105,3 +107,21 @@ def test_request_that_can_never_fit_is_refused() -> None:
         params = SamplingParams(max_tokens=None, ignore_eos=True)
         out = runner.generate({"prompt_token_ids": prompts[5]}, params)
         assert len(out[0].outputs[0].token_ids) == 128 - 64
+
+
+def test_banner_reports_the_kv_cache(caplog: pytest.LogCaptureFixture) -> None:
+    logger = logging.getLogger("vllm_mamba")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm_mamba"):
+            VllmRunner(other_model_dir(MODEL), num_gpu_blocks_override=40, max_model_len=256)
+    finally:
+        logger.removeHandler(caplog.handler)
+    text = caplog.text
+    for part in (
+        "state slots",
+        "KV cache (2 attention layers, num_gpu_blocks_override): 40 blocks x 16 tokens",
+        "= 640 tokens",
+        "2.5 sequences of max_model_len 256 fit",
+    ):
+        assert part in text, (part, text)
