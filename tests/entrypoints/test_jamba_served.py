@@ -8,6 +8,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from tests.entrypoints.conftest import MODEL_NAME, launch_server
 from tests.helpers import family_checks as checks
@@ -15,6 +16,7 @@ from tests.helpers.prompts import make_prompts
 from tests.helpers.runners import VllmRunner
 from tests.tiny_models import other_model_dir
 from vllm_mamba import SamplingParams
+from vllm_mamba.entrypoints.cli import main
 
 BLOCKS = 14
 
@@ -50,3 +52,16 @@ def test_served_jamba_equals_llm_under_kv_pressure(vllm_runner: type[VllmRunner]
     assert _metric(metrics, "vllm:num_preemptions_total") > 0
     assert _metric(metrics, "vllm:kv_cache_blocks_total") == BLOCKS
     assert _metric(metrics, "vllm:kv_cache_usage_perc") == 0.0  # drained
+
+
+def test_generate_command_runs_jamba(
+    capsys: pytest.CaptureFixture[str], vllm_runner: type[VllmRunner]
+) -> None:
+    path = other_model_dir("jamba-mqa")
+    prompt = "def fibonacci(n):"
+    with vllm_runner(path, num_gpu_blocks_override=16) as runner:
+        want = runner.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+    assert want.outputs[0].text
+    argv = ["generate", prompt, "--model", path, "--max-tokens", "12", "--temperature", "0"]
+    assert main([*argv, "--num-gpu-blocks-override", "16"]) == 0
+    assert want.outputs[0].text in capsys.readouterr().out
