@@ -13,6 +13,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "FalconMambaForCausalLM": "vllm_mamba.models.falcon_mamba:FalconMambaForCausalLM",
     "Mamba2ForCausalLM": "vllm_mamba.models.mamba2:Mamba2ForCausalLM",
     "JambaForCausalLM": "vllm_mamba.models.jamba:JambaForCausalLM",
+    "BambaForCausalLM": "vllm_mamba.models.bamba:BambaForCausalLM",
 }
 
 

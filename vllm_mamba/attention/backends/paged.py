@@ -2,8 +2,9 @@
 
 Its step metadata, `PagedMetadata`, is `MambaMetadata` (what the state-space layers read) plus
 what the attention layers read about the same flat batch `[decodes] + [prefill chunks]`: the
-cache slot of every token (`block_id * block_size + offset`), and per decode row and per
-prefill chunk its block table and its length in the cache after this step.
+cache slot of every token (`block_id * block_size + offset`) and its position in its sequence
+(rotary embeddings read it), and per decode row and per prefill chunk its block table and its
+length in the cache after this step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class PagedMetadata(MambaMetadata):
 
     Attributes:
         slot_mapping: `(T,)` int32, the KV cache slot each token's key and value go to.
+        positions: `(T,)` int32, each token's absolute position in its sequence.
         decode_block_tables: `(num_decodes, max_blocks)` int32, zero-padded.
         decode_seq_lens: `(num_decodes,)` int32, cached tokens after this step (the new
             token included); 0 marks a padding row.
@@ -30,6 +32,7 @@ class PagedMetadata(MambaMetadata):
     """
 
     slot_mapping: torch.Tensor
+    positions: torch.Tensor
     decode_block_tables: torch.Tensor
     decode_seq_lens: torch.Tensor
     prefill_block_tables: torch.Tensor
@@ -61,25 +64,28 @@ def build_paged_metadata(layout: StepLayout, device: torch.device) -> PagedMetad
     base = build_mamba_metadata(layout, device)
     bs = layout.block_size
     slot_mapping: list[int] = []
+    positions: list[int] = list(layout.decode_context_lens)
     for table, ctx in zip(layout.decode_block_tables, layout.decode_context_lens):
         slot_mapping += _slots(table, ctx, ctx + 1, bs)
     for table, ctx, n in zip(
         layout.prefill_block_tables, layout.prefill_context_lens, layout.prefill_lens
     ):
         slot_mapping += _slots(table, ctx, ctx + n, bs)
+        positions += range(ctx, ctx + n)
     decode_lens = [c + 1 for c in layout.decode_context_lens]
     prefill_lens = [c + n for c, n in zip(layout.prefill_context_lens, layout.prefill_lens)]
     dec_flat, dec_width = _padded(layout.decode_block_tables)
     pre_flat, pre_width = _padded(layout.prefill_block_tables)
-    values = slot_mapping + dec_flat + decode_lens + pre_flat + prefill_lens
+    values = slot_mapping + positions + dec_flat + decode_lens + pre_flat + prefill_lens
     packed = torch.tensor(values, dtype=torch.int32).to(device)
     nd, np_ = len(decode_lens), len(prefill_lens)
-    slots, dec_t, dec_l, pre_t, pre_l = packed.split(
-        [len(slot_mapping), nd * dec_width, nd, np_ * pre_width, np_]
+    slots, pos, dec_t, dec_l, pre_t, pre_l = packed.split(
+        [len(slot_mapping), len(positions), nd * dec_width, nd, np_ * pre_width, np_]
     )
     return PagedMetadata(
         **vars(base),
         slot_mapping=slots,
+        positions=pos,
         decode_block_tables=dec_t.view(nd, dec_width),
         decode_seq_lens=dec_l,
         prefill_block_tables=pre_t.view(np_, pre_width),

@@ -1,0 +1,104 @@
+"""Tiny seeded checkpoints of the Mamba2 hybrids (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1).
+
+Each is a transformers model built from a small config with fixed seeds, every weight except
+`A_log`, `D` and the norms re-drawn from N(0, 0.3^2) (so greedy generations are varied), saved
+with `save_pretrained` (the checkpoints' own tensor names) beside the GPT-NeoX tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+
+import torch
+
+from tests.tiny_models import TOKENIZER_DIR
+
+_COMMON = dict(vocab_size=50280, max_position_embeddings=1024)
+
+BAMBA_CONFIGS: dict[str, dict] = {
+    # 4 layers: Mamba2, attention, Mamba2, attention; GQA 2; 8 SSD heads of 16 in 2 groups,
+    # SSD chunks of 16; half-width RoPE over heads of 16; untied head.
+    "bamba-gqa": dict(
+        _COMMON,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        attn_layer_indices=[1, 3],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=8,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    # 3 layers: attention first; MQA (6 query heads of 8, one kv head); 3 SSD heads of 32,
+    # one group, chunks of 8, conv 3; every bias on, no conv bias; tied head; rope_theta 500.
+    "bamba-mqa": dict(
+        _COMMON,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        attn_layer_indices=[0],
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        mamba_n_heads=3,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_d_conv=3,
+        mamba_expand=2,
+        mamba_chunk_size=8,
+        mamba_proj_bias=True,
+        mamba_conv_bias=False,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+}
+
+HYBRID_CONFIGS: dict[str, tuple[str, dict]] = {
+    **{name: ("BambaForCausalLM", cfg) for name, cfg in BAMBA_CONFIGS.items()},
+}
+
+
+def build_hybrid_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - transformers model
+    """The transformers model of `HYBRID_CONFIGS[name]`, with varied random weights."""
+    import transformers
+
+    cls_name, kwargs = HYBRID_CONFIGS[name]
+    model_cls = getattr(transformers, cls_name)
+    torch.manual_seed(seed)
+    config = model_cls.config_class(**kwargs, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    model = model_cls(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(("A_log", ".D")) or "norm" in pname:
+                continue
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+@functools.cache
+def hybrid_model_dir(name: str) -> str:
+    """Saves tiny model `HYBRID_CONFIGS[name]` once per session; its directory."""
+    model = build_hybrid_hf_model(name)
+    path = tempfile.mkdtemp(prefix=f"tiny-{name}-")
+    model.save_pretrained(path)
+    for file in os.listdir(TOKENIZER_DIR):
+        if file.endswith(".json"):
+            shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
+    return path
+
+
+def hf_class(name: str) -> str:
+    """The transformers class name of tiny model `name`."""
+    return HYBRID_CONFIGS[name][0]
