@@ -64,8 +64,68 @@ BAMBA_CONFIGS: dict[str, dict] = {
     ),
 }
 
+GRANITE_CONFIGS: dict[str, dict] = {
+    # 4 layers: Mamba2, attention, Mamba2, attention; GQA 2 with RoPE; 4 experts top-2 plus a
+    # shared expert; every multiplier away from 1; SSD chunks of 16 over 8 heads in 2 groups.
+    "granite-moe-rope": dict(
+        _COMMON,
+        hidden_size=64,
+        intermediate_size=32,
+        shared_intermediate_size=48,
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        position_embedding_type="rope",
+        embedding_multiplier=2.0,
+        attention_multiplier=0.2,
+        residual_multiplier=0.7,
+        logits_scaling=1.5,
+        mamba_n_heads=8,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    # 3 layers: attention first, no position embedding (NoPE, as the 4.0-H models); MQA; dense
+    # (shared MLP only); 3 SSD heads of 32, chunks of 8, conv 3; biases; tied head.
+    "granite-dense-nope": dict(
+        _COMMON,
+        hidden_size=48,
+        intermediate_size=32,
+        shared_intermediate_size=96,
+        num_hidden_layers=3,
+        layer_types=["attention", "mamba", "mamba"],
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        num_local_experts=0,
+        position_embedding_type=None,
+        embedding_multiplier=1.5,
+        attention_multiplier=0.4,
+        residual_multiplier=1.2,
+        logits_scaling=2.0,
+        attention_bias=True,
+        mamba_n_heads=3,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_d_conv=3,
+        mamba_expand=2,
+        mamba_chunk_size=8,
+        mamba_proj_bias=True,
+        mamba_conv_bias=False,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+}
+
 HYBRID_CONFIGS: dict[str, tuple[str, dict]] = {
     **{name: ("BambaForCausalLM", cfg) for name, cfg in BAMBA_CONFIGS.items()},
+    **{name: ("GraniteMoeHybridForCausalLM", cfg) for name, cfg in GRANITE_CONFIGS.items()},
 }
 
 

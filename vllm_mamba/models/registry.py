@@ -14,6 +14,9 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Mamba2ForCausalLM": "vllm_mamba.models.mamba2:Mamba2ForCausalLM",
     "JambaForCausalLM": "vllm_mamba.models.jamba:JambaForCausalLM",
     "BambaForCausalLM": "vllm_mamba.models.bamba:BambaForCausalLM",
+    "GraniteMoeHybridForCausalLM": (
+        "vllm_mamba.models.granitemoehybrid:GraniteMoeHybridForCausalLM"
+    ),
 }
 
 
