@@ -72,7 +72,8 @@ class ModelRunner:
 
     def make_generator(self, seed: int, index: int) -> torch.Generator:
         """A per-sequence generator, so seeded requests do not depend on the batch."""
-        return torch.Generator(device=self.device).manual_seed(seed + 7919 * index)
+        # Wrapped into [0, 2**63): any valid request seed gives a valid sequence seed.
+        return torch.Generator(device=self.device).manual_seed((seed + 7919 * index) % 2**63)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
