@@ -123,9 +123,137 @@ GRANITE_CONFIGS: dict[str, dict] = {
     ),
 }
 
+NEMOTRON_H_CONFIGS: dict[str, dict] = {
+    # 6 blocks "M*-M-*": Mamba2, attention, MLP, Mamba2, MLP, attention; GQA 2 (no position
+    # embedding); 8 SSD heads of 16 in 2 groups, chunks of 16; untied head. transformers clamps
+    # the time step below at time_step_min in prefill but not in decode, and a one-token chunk
+    # of a chunked prefill is a decode here (as in vLLM): time_step_min is made small enough to
+    # never bind, so the invariance tests on this model compare like with like.
+    "nemotron-h-dense": dict(
+        _COMMON,
+        hidden_size=64,
+        hybrid_override_pattern="M*-M-*",
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=16,
+        conv_kernel=4,
+        chunk_size=16,
+        time_step_min=1e-9,
+        time_step_floor=1e-10,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False,
+    ),
+    # 6 blocks "ME*M-E": MoE of 8 squared-ReLU experts in 2 groups (top-2 of the best group),
+    # shared expert, scaled and renormalised weights; MQA; 3 SSD heads of 32, one group,
+    # chunks of 8, conv 3; biases, no conv bias; tie_word_embeddings, which transformers ignores
+    # for Nemotron-H (its checkpoints carry both matrices).
+    "nemotron-h-moe": dict(
+        _COMMON,
+        hidden_size=48,
+        hybrid_override_pattern="ME*M-E",
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=True,
+        mlp_bias=True,
+        mamba_num_heads=3,
+        mamba_head_dim=32,
+        n_groups=1,
+        ssm_state_size=8,
+        conv_kernel=3,
+        chunk_size=8,
+        use_bias=True,
+        use_conv_bias=False,
+        layer_norm_epsilon=1e-6,
+        tie_word_embeddings=True,
+    ),
+}
+
+FALCON_H1_CONFIGS: dict[str, dict] = {
+    # 3 layers of attention (GQA 2, RoPE base 1000) beside Mamba2 (width 96 from mamba_d_ssm,
+    # 6 heads of 16 in 2 groups, chunks of 16) with the gated norm applied before the gate;
+    # every muP multiplier away from 1; untied head.
+    "falcon-h1-norm": dict(
+        _COMMON,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_d_ssm=96,
+        mamba_n_heads=6,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_chunk_size=16,
+        mamba_rms_norm=True,
+        mamba_norm_before_gate=True,
+        embedding_multiplier=1.5,
+        lm_head_multiplier=0.8,
+        mlp_multipliers=[0.9, 1.1],
+        key_multiplier=0.7,
+        attention_in_multiplier=1.2,
+        attention_out_multiplier=0.9,
+        ssm_in_multiplier=1.1,
+        ssm_out_multiplier=0.8,
+        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    # 2 layers; MQA (6 query heads of 8); Mamba2 width 2 x 48 in 3 heads of 32, one group,
+    # chunks of 8, conv 3, no gated norm (y * silu(z)); every bias on but the conv's; tied head.
+    "falcon-h1-plain": dict(
+        _COMMON,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        head_dim=8,
+        mamba_d_ssm=None,
+        mamba_expand=2,
+        mamba_n_heads=3,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_d_conv=3,
+        mamba_chunk_size=8,
+        mamba_rms_norm=False,
+        mamba_proj_bias=True,
+        mamba_conv_bias=False,
+        projectors_bias=True,
+        attention_bias=True,
+        mlp_bias=True,
+        embedding_multiplier=0.9,
+        lm_head_multiplier=1.3,
+        key_multiplier=1.4,
+        ssm_out_multiplier=1.2,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+}
+
 HYBRID_CONFIGS: dict[str, tuple[str, dict]] = {
     **{name: ("BambaForCausalLM", cfg) for name, cfg in BAMBA_CONFIGS.items()},
     **{name: ("GraniteMoeHybridForCausalLM", cfg) for name, cfg in GRANITE_CONFIGS.items()},
+    **{name: ("NemotronHForCausalLM", cfg) for name, cfg in NEMOTRON_H_CONFIGS.items()},
+    **{name: ("FalconH1ForCausalLM", cfg) for name, cfg in FALCON_H1_CONFIGS.items()},
 }
 
 
@@ -144,6 +272,9 @@ def build_hybrid_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - transform
             if pname.endswith(("A_log", ".D")) or "norm" in pname:
                 continue
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # MoE routing: varied choices
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return model
 
 

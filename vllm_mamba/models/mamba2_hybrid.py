@@ -99,7 +99,7 @@ class Mamba2HybridForCausalLM(nn.Module):
         """The LM head and the per-layer `mamba_cache` index (None for other layers)."""
         self.config = config
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
-        index = iter(range(config.num_hidden_layers))
+        index = iter(range(len(self.mamba_layers(config))))
         self.state_index = [next(index) if m else None for m in self.mamba_layers(config)]
         self.tie_weights()
 

@@ -17,6 +17,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": (
         "vllm_mamba.models.granitemoehybrid:GraniteMoeHybridForCausalLM"
     ),
+    "NemotronHForCausalLM": "vllm_mamba.models.nemotron_h:NemotronHForCausalLM",
 }
 
 
