@@ -18,6 +18,7 @@ _BUILTIN_MODELS: dict[str, str] = {
         "vllm_mamba.models.granitemoehybrid:GraniteMoeHybridForCausalLM"
     ),
     "NemotronHForCausalLM": "vllm_mamba.models.nemotron_h:NemotronHForCausalLM",
+    "FalconH1ForCausalLM": "vllm_mamba.models.falcon_h1:FalconH1ForCausalLM",
 }
 
 
