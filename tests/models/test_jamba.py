@@ -5,13 +5,21 @@ can never fit."""
 from __future__ import annotations
 
 import logging
+import os
+import pathlib
+import shutil
 
 import pytest
 
 from tests.helpers import family_checks as checks
 from tests.helpers.prompts import make_prompts
 from tests.helpers.runners import VllmRunner
-from tests.tiny_models import JAMBA_CONFIGS, other_model_dir
+from tests.tiny_models import (
+    JAMBA_CONFIGS,
+    TOKENIZER_DIR,
+    build_other_hf_model,
+    other_model_dir,
+)
 from vllm_mamba import SamplingParams
 
 NAMES = list(JAMBA_CONFIGS)
@@ -125,3 +133,15 @@ def test_banner_reports_the_kv_cache(caplog: pytest.LogCaptureFixture) -> None:
         "2.5 sequences of max_model_len 256 fit",
     ):
         assert part in text, (part, text)
+
+
+def test_sharded_checkpoint_loads_the_same_model(tmp_path: pathlib.Path) -> None:
+    build_other_hf_model("jamba-dense").save_pretrained(tmp_path, max_shard_size="200KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    for file in os.listdir(TOKENIZER_DIR):
+        if file.endswith(".json"):
+            shutil.copy(os.path.join(TOKENIZER_DIR, file), tmp_path)
+    prompt = checks.prompts()[4]
+    with VllmRunner(str(tmp_path)) as runner:
+        sharded = checks.tokens(runner.generate(prompt, checks.GREEDY))
+    assert sharded == [checks.alone(other_model_dir("jamba-dense"))[4]]
