@@ -11,8 +11,9 @@ import importlib.util
 import os
 
 import torch
+import torch.nn.functional as F
 
-from vllm_mamba.ops.dispatch import MambaOps
+from vllm_mamba.ops.table import MambaOps
 
 
 def available() -> bool:
@@ -23,7 +24,7 @@ def available() -> bool:
 
 
 def make_ops() -> MambaOps:
-    """Returns the table of the four Triton ops."""
+    """Returns the table of the Triton ops (projections run `F.linear`, i.e. cuBLAS)."""
     from vllm_mamba.ops.triton_attention import (
         paged_decode_attention,
         paged_prefill_attention,
@@ -44,4 +45,5 @@ def make_ops() -> MambaOps:
         reshape_and_cache=reshape_and_cache,
         paged_decode_attention=paged_decode_attention,
         paged_prefill_attention=paged_prefill_attention,
+        linear=F.linear,
     )
