@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionBackend
 from vllm_mamba.attention.selector import select_attention_backend
 from vllm_mamba.config import EngineConfig
@@ -57,6 +59,10 @@ class LLMEngine:
         mc = config.model_config
         self.config = config
         self.tokenizer = tokenizer
+        if config.device.type == "cpu":
+            # Flush denormals to zero (as llama.cpp does): SSM states and activations that
+            # decay toward zero otherwise slow every CPU kernel by an order of magnitude.
+            torch.set_flush_denormal(True)
         model, _ = build_model(mc.path, mc.hf_config, mc.dtype, config.device)
         self.model = model
         self.kernels = get_mamba_ops(config.device).name
