@@ -26,11 +26,6 @@ from vllm_mamba.mamba_cache import MambaStateShape
 from vllm_mamba.ops.table import MambaOps
 
 
-def make_mamba2_mixer(config: Any, ops: MambaOps) -> Mamba2Mixer:
-    """A Mamba2 mixer from the `mamba_*` names of Bamba's and Granite's configs."""
-    return Mamba2Mixer(**mamba2_args_from_mamba_prefix(config), ops=ops)
-
-
 def mamba2_args_from_mamba_prefix(config: Any) -> dict[str, Any]:
     """`Mamba2Mixer` arguments from the `mamba_*` config names (Bamba, Granite 4.0-H)."""
     limit = getattr(config, "time_step_limit", None) or (0.0, float("inf"))
