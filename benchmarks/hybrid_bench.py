@@ -155,6 +155,9 @@ def main() -> None:
     p.add_argument("--skip-transformers", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    # Before any thread exists, so that every worker inherits it: the engine flushes
+    # denormals (as llama.cpp does), and transformers gets the same setting.
+    torch.set_flush_denormal(True)
     print(f"model: {make_model(args.model) / 1e6:.0f}M parameters in {args.model}")
     systems = [Engine(args.model)]
     if not args.skip_transformers:
