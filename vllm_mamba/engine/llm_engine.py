@@ -321,10 +321,6 @@ class LLMEngine:
         """True while any request waits or runs."""
         return self.scheduler.has_unfinished()
 
-    def get_num_unfinished_requests(self) -> int:
-        """Requests waiting or running."""
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
-
     # ----- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step; returns the outputs of the requests that progressed.
