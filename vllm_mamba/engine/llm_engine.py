@@ -22,19 +22,19 @@ from vllm_mamba.attention.selector import select_attention_backend
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.block_manager import BlockManager, blocks_for
-from vllm_mamba.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from vllm_mamba.engine.errors import EngineStartupError, RequestsFailedError, is_fatal
 from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
-from vllm_mamba.engine.model_runner import ModelRunner, PromptLogprobChunk, StepResult
+from vllm_mamba.engine.model_runner import ModelRunner
+from vllm_mamba.engine.output_processor import OutputProcessor
 from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
-from vllm_mamba.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
-from vllm_mamba.engine.structured_outputs import StructuredOutputs, accept_token
+from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.kv_cache import AttentionSpec, KVCache, plan_num_blocks
 from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.model_loader import build_model
 from vllm_mamba.ops.dispatch import get_mamba_ops
-from vllm_mamba.outputs import Logprob, PositionLogprobs, RequestOutput
+from vllm_mamba.outputs import RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
 from vllm_mamba.tokenizer import load_tokenizer
 
@@ -99,7 +99,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sc.max_num_seqs, sc.max_num_batched_tokens, blocks)
         self.stats = EngineCounters()
         self.inputs = InputProcessor(tokenizer, mc.vocab_size, mc.max_model_len)
-        self._token_text: dict[int, str] = {}
+        self.outputs = OutputProcessor(tokenizer, self.eos_token_id, mc.max_model_len)
         self._warm_up()
         self.load_seconds = time.perf_counter() - started
         self._log_banner()
@@ -362,86 +362,14 @@ class LLMEngine:
                 self.stats.prompt_tokens += item.num_tokens
             chunk = result.prompt_logprobs.get(item.group.request_id)
             if chunk is not None:
-                self._append_prompt_logprobs(item.group, chunk)
+                self.outputs.append_prompt_logprobs(item.group, chunk)
             for seq in [item.seq, *item.children]:
                 if seq.seq_id in result.samples:
-                    self._append_token(item.group, seq, result, now_s)
+                    row, out = result.samples[seq.seq_id]
+                    self.outputs.append_token(item.group, seq, row, out, now_s)
+                    self.stats.generation_tokens += 1
+                    if seq.status.finished:
+                        self.scheduler.finish_seq(seq)
                     touched[item.group.request_id] = item.group
         self.scheduler.remove_finished()
         return [g.to_output() for g in touched.values()]
-
-    def _append_token(
-        self, group: SequenceGroup, seq: Sequence, result: StepResult, now: float
-    ) -> None:
-        row, out = result.samples[seq.seq_id]
-        token = out.token_ids[row]
-        params = group.params
-        seq.output_token_ids.append(token)
-        self.stats.generation_tokens += 1
-        if group.first_token_time is None:
-            group.first_token_time = now
-        group.last_token_time = now
-        seq.cumulative_logprob += out.token_logprobs[row]
-        if params.logprobs is not None:
-            entry = {
-                tid: Logprob(lp, rank + 1, self._text_of(tid))
-                for rank, (tid, lp) in enumerate(zip(out.topk_ids[row], out.topk_logprobs[row]))
-            }
-            entry.setdefault(
-                token, Logprob(out.token_logprobs[row], out.token_ranks[row], self._text_of(token))
-            )
-            seq.output_logprobs.append(entry)
-        self._check_stop(group, seq, token)
-        if seq.status.finished:
-            self.scheduler.finish_seq(seq)
-
-    def _check_stop(self, group: SequenceGroup, seq: Sequence, token: int) -> None:
-        """Detokenizes `token` into the sequence's text and applies the stop conditions (a
-        complete grammar ends the sequence whatever `ignore_eos` and `min_tokens` say)."""
-        params = group.params
-        if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens
-            )
-        grammar_done = seq.matcher is not None and accept_token(seq.matcher, token)
-        is_eos = token == self.eos_token_id and (not params.ignore_eos or grammar_done)
-        is_stop_token = token in params.stop_token_ids
-        new_text = seq.detokenizer.add(token)
-        if not (is_eos or is_stop_token) or params.include_stop_str_in_output:
-            seq.output_text += new_text
-        n_out = len(seq.output_token_ids)
-        if n_out >= params.min_tokens or grammar_done:
-            if is_eos or is_stop_token or grammar_done:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                seq.stop_reason = token if is_stop_token and not is_eos else None
-                return
-            match = find_stop_string(seq.output_text, len(new_text), params.stop_list)
-            if match is not None:
-                stop, index = match
-                cut = index + len(stop) if params.include_stop_str_in_output else index
-                seq.output_text = seq.output_text[:cut]
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                seq.stop_reason = stop
-                return
-        if n_out >= group.max_tokens or seq.num_tokens >= self.config.model_config.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH
-
-    def _append_prompt_logprobs(self, group: SequenceGroup, chunk: PromptLogprobChunk) -> None:
-        assert group.prompt_logprobs is not None and len(group.prompt_logprobs) == chunk.start
-        prompt = group.prompt_token_ids
-        for j, lp in enumerate(chunk.token_logprobs):
-            target = prompt[chunk.start + j]
-            entry: PositionLogprobs = {
-                tid: Logprob(tlp, rank + 1, self._text_of(tid))
-                for rank, (tid, tlp) in enumerate(zip(chunk.topk_ids[j], chunk.topk_logprobs[j]))
-            }
-            entry.setdefault(target, Logprob(lp, chunk.token_ranks[j], self._text_of(target)))
-            group.prompt_logprobs.append(entry)
-
-    def _text_of(self, token_id: int) -> str:
-        """The text of one token, cached."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self._token_text[token_id] = text
-        return text

@@ -102,7 +102,6 @@ class SequenceGroup:
     reserved_slots: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    last_token_time: float | None = None
 
     @property
     def pending_forks(self) -> int:
