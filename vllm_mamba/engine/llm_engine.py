@@ -15,8 +15,6 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionBackend
 from vllm_mamba.attention.selector import select_attention_backend
 from vllm_mamba.config import EngineConfig
@@ -33,6 +31,7 @@ from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.kv_cache import AttentionSpec, KVCache, plan_num_blocks
 from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.model_loader import build_model
+from vllm_mamba.ops.cpu_kernels import flush_denormals
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.outputs import RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
@@ -62,7 +61,7 @@ class LLMEngine:
         if config.device.type == "cpu":
             # Flush denormals to zero (as llama.cpp does): SSM states and activations that
             # decay toward zero otherwise slow every CPU kernel by an order of magnitude.
-            torch.set_flush_denormal(True)
+            flush_denormals()
         model, _ = build_model(mc.path, mc.hf_config, mc.dtype, config.device)
         self.model = model
         self.kernels = get_mamba_ops(config.device).name

@@ -47,6 +47,14 @@ def available() -> bool:
     return _EXTENSION_LOADED and all(hasattr(torch.ops.vllm_mamba, name) for name in _OP_NAMES)
 
 
+def flush_denormals() -> None:
+    """Flushes denormal floats to zero on this thread and on every thread of torch's intra-op
+    pool (`csrc/denormals.cpp`); without the extension, on this thread and later threads."""
+    torch.set_flush_denormal(True)
+    if _EXTENSION_LOADED and hasattr(torch.ops.vllm_mamba, "set_flush_denormal_all_threads"):
+        torch.ops.vllm_mamba.set_flush_denormal_all_threads(True)
+
+
 def causal_conv1d_varlen(
     x: torch.Tensor,
     weight: torch.Tensor,
