@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import schemathesis
+import torch
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
@@ -17,6 +18,13 @@ from tests.entrypoints.conftest import RunningServer, launch_server
 
 MAX_EXAMPLES = 25
 GREEDY = {"prompt": "def main():", "max_tokens": 8, "temperature": 0}
+
+
+@pytest.fixture(autouse=True)
+def subnormal_floats() -> None:
+    """Hypothesis needs IEEE subnormal floats; an engine created earlier in this process
+    flushed them to zero on this thread (see `flush_denormals`)."""
+    torch.set_flush_denormal(False)
 
 
 @pytest.fixture(scope="module")
