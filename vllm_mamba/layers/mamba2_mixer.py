@@ -73,7 +73,7 @@ class Mamba2Mixer(StateSpaceMixer):
             `(T, H)` in the model dtype.
         """
         nd = meta.num_decodes
-        zxbcdt = self.in_proj(hidden)  # (T, I + CD + NH)
+        zxbcdt = self._project(hidden)  # (T, I + CD + NH)
         z, xbc, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.num_heads], -1)
         x, B, C = self._split_heads(self.conv(xbc, state, meta))
         shared = {"A": self.A, "D_skip": self.D, "dt_bias": self.dt_bias, "dt_softplus": True}
@@ -96,4 +96,12 @@ class Mamba2Mixer(StateSpaceMixer):
                 )
             )  # fmt: skip
         y = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, NH, P)
-        return self.out_proj(self.norm(y.reshape(-1, self.intermediate_size), z))
+        return self.out_proj(self._gate(y.reshape(-1, self.intermediate_size), z))
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The input projection `(T, H) -> (T, I + CD + NH)`; models with multipliers override."""
+        return self.in_proj(hidden)
+
+    def _gate(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated RMSNorm of the scan output `y (T, I)` by `z (T, I)`."""
+        return self.norm(y, z)

@@ -87,33 +87,9 @@ class FalconH1Mixer(Mamba2Mixer):
         normed = weightless_rms_norm(groups, self.norm.variance_epsilon).reshape(y.shape)
         return (self.norm.weight * normed.float() * F.silu(z.float())).to(y.dtype)
 
-    def forward(self, hidden: torch.Tensor, state: LayerState, meta: PagedMetadata) -> torch.Tensor:
-        """Mixes `hidden (T, H)` and advances each sequence's state in place; `(T, H)`."""
-        nd = meta.num_decodes
-        zxbcdt = self.in_proj(hidden * self.ssm_in_multiplier) * self.mup_vector
-        z, xbc, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.num_heads], -1)
-        x, B, C = self._split_heads(self.conv(xbc, state, meta))
-        shared = {"A": self.A, "D_skip": self.D, "dt_bias": self.dt_bias, "dt_softplus": True}
-        parts = []
-        if nd:
-            parts.append(
-                self.ops.ssd_state_update(
-                    ssm_states=state.ssm, x=x[:nd], dt=dt[:nd], B_=B[:nd], C=C[:nd],
-                    state_indices=meta.decode_state_indices, **shared,
-                )
-            )  # fmt: skip
-        if meta.num_prefills:
-            parts.append(
-                self.ops.ssd_chunk_scan_varlen(
-                    x=x[nd:], dt=dt[nd:], B_=B[nd:], C=C[nd:], dt_limit=self.time_step_limit,
-                    ssm_states=state.ssm, query_start_loc=meta.prefill_query_start_loc,
-                    state_indices=meta.prefill_state_indices,
-                    has_initial_state=meta.prefill_has_initial_state, chunk_size=self.chunk_size,
-                    **shared,
-                )
-            )  # fmt: skip
-        y = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, NH, P)
-        return self.out_proj(self._gate(y.reshape(-1, self.intermediate_size), z))
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The input projection with the SSM input multiplier and the muP section scales."""
+        return self.in_proj(hidden * self.ssm_in_multiplier) * self.mup_vector
 
 
 class FalconH1MLP(nn.Module):
