@@ -198,5 +198,7 @@ def message_text(message: dict[str, Any]) -> dict[str, str]:
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text":
             raise ValueError(f"messages: only text content parts are supported, got {part!r}")
-        pieces.append(str(part.get("text", "")))
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"messages: a text part needs a string text, got {part!r}")
+        pieces.append(part["text"])
     return {"role": role, "content": "".join(pieces)}

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm_mamba.entrypoints.chat_utils import message_text
 from vllm_mamba.entrypoints.openai.output_constraints import (
     ResponseFormat,
     StructuredOutputsRequest,
@@ -183,14 +184,7 @@ class ChatMessage(BaseModel):
         Raises:
             ValueError: a part that is not text.
         """
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        pieces = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"messages: only text content parts are supported, got {part}")
-            pieces.append(part["text"])
-        return "".join(pieces)
+        return message_text({"role": self.role, "content": self.content})["content"]
 
 
 class ChatCompletionRequest(SamplingRequest):
