@@ -9,6 +9,11 @@ from typing import Any
 
 import torch
 
+from vllm_mamba.engine.prefix_cache import (
+    DEFAULT_PREFIX_CACHE_MEMORY_BYTES,
+    DEFAULT_SNAPSHOT_INTERVAL,
+)
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -171,11 +176,18 @@ class CacheConfig:
         kv_cache_memory_bytes: the pool's byte budget (None: the default share of memory,
             see `vllm_mamba.kv_cache`).
         num_gpu_blocks_override: an exact block count, which wins over any budget.
+        enable_prefix_caching: keep state snapshots of prefixes for reuse.
+        prefix_cache_memory_bytes: bytes of the snapshot slots (each holds one sequence's
+            conv and SSM states of every layer).
+        prefix_snapshot_interval: long prompts are also saved every this many tokens.
     """
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = False
+    prefix_cache_memory_bytes: int = DEFAULT_PREFIX_CACHE_MEMORY_BYTES
+    prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
 
 
 @dataclass

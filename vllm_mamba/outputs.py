@@ -47,3 +47,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache

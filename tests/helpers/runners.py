@@ -96,9 +96,16 @@ class VllmRunner:
         return [o.outputs[0].token_ids for o in self.generate(prompts, sampling)]
 
     def assert_drained(self) -> None:
-        """No request waits or runs and every state slot and KV block is free."""
+        """No request waits or runs and every state slot and KV block is free (prefix-cache
+        snapshots hold slots and blocks of their own: they are evicted first, and then the
+        cache must hold nothing at all)."""
         sched = self.engine.scheduler
         assert not sched.running and not sched.waiting
         assert sched.slots.num_used == 0, f"{sched.slots.num_used} state slots still in use"
+        cache = self.engine.prefix_cache
+        if cache is not None:
+            cache.clear()
+            assert cache.num_snapshots == 0 and cache.slots.num_used == 0
+            assert not cache.tree.root.children, "the prefix tree still holds paths"
         blocks = sched.block_manager.num_used_blocks
         assert blocks == 0, f"{blocks} KV blocks still in use"

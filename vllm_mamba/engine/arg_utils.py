@@ -33,6 +33,10 @@ from vllm_mamba.config import (
     resolve_dtype,
     resolve_state_dtype,
 )
+from vllm_mamba.engine.prefix_cache import (
+    DEFAULT_PREFIX_CACHE_MEMORY_BYTES,
+    DEFAULT_SNAPSHOT_INTERVAL,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +99,18 @@ class EngineArgs:
         "exact number of KV cache blocks of hybrid models (wins over kv_cache_memory_bytes)",
         default=None,
     )
+    enable_prefix_caching: bool = _opt(
+        "reuse the saved state of earlier prefixes (shared system prompts, chat turns)",
+        default=False,
+    )
+    prefix_cache_memory_bytes: int = _opt(
+        "bytes of the prefix cache's state snapshots (one sequence's state each)",
+        default=DEFAULT_PREFIX_CACHE_MEMORY_BYTES,
+    )
+    prefix_snapshot_interval: int = _opt(
+        "with prefix caching, also save long prompts' state every this many tokens",
+        default=DEFAULT_SNAPSHOT_INTERVAL,
+    )
     generation_config: str = _opt(
         "sampling defaults: auto (the model's generation_config.json), vllm (none), or a "
         "directory holding a generation_config.json",
@@ -145,7 +161,8 @@ class EngineArgs:
     def check_values(self) -> None:
         """Range checks that need no model; `ValueError` naming the option."""
         optional = ("tensor_parallel_size", "kv_cache_memory_bytes", "num_gpu_blocks_override")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", *optional):
+        sized = ("block_size", "prefix_cache_memory_bytes", "prefix_snapshot_interval")
+        for name in ("max_num_seqs", "max_num_batched_tokens", *sized, *optional):
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
@@ -235,7 +252,12 @@ class EngineArgs:
             ssm_state_dtype=state_dtype,
             log_stats=not self.disable_log_stats,
             cache_config=CacheConfig(
-                self.block_size, self.kv_cache_memory_bytes, self.num_gpu_blocks_override
+                self.block_size,
+                self.kv_cache_memory_bytes,
+                self.num_gpu_blocks_override,
+                bool(self.enable_prefix_caching),
+                self.prefix_cache_memory_bytes,
+                self.prefix_snapshot_interval,
             ),
         )
 

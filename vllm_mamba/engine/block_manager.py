@@ -118,7 +118,27 @@ class BlockManager:
 
     def free(self, seq_id: int) -> None:
         """Drops the sequence's references; blocks nobody holds return to the pool."""
-        for block in self._tables.pop(seq_id, []):
+        self.release(self._tables.pop(seq_id, []))
+
+    def share(self, seq_id: int, num_tokens: int) -> list[int]:
+        """One more reference to each block holding tokens `[0, num_tokens)` of `seq_id`
+        (a prefix-cache snapshot keeps them); returns those blocks."""
+        blocks = self.block_table(seq_id)[: blocks_for(num_tokens, self.block_size)]
+        for block in blocks:
+            self._refs[block] += 1
+        return list(blocks)
+
+    def adopt(self, seq_id: int, blocks: list[int]) -> None:
+        """Gives a sequence with no blocks yet a reference to `blocks` (a prefix-cache hit);
+        its first write into the shared last block copies it."""
+        assert not self._tables.get(seq_id), f"sequence {seq_id} already holds blocks"
+        for block in blocks:
+            self._refs[block] += 1
+        self._tables[seq_id] = list(blocks)
+
+    def release(self, blocks: list[int]) -> None:
+        """Drops one reference to each of `blocks`; those nobody holds return to the pool."""
+        for block in blocks:
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 self._free.append(block)
@@ -169,6 +189,9 @@ class PlaceholderBlockManager:
 
     def free(self, seq_id: int) -> None:
         """Nothing to free."""
+
+    def adopt(self, seq_id: int, blocks: list[int]) -> None:
+        """Nothing to share (a prefix-cache hit of an attention-free model has no blocks)."""
 
     def take_copies(self) -> list[tuple[int, int]]:
         """No copies."""

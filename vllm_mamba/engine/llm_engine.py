@@ -4,6 +4,12 @@
 before anything enters the engine); `step` schedules, runs the model once, appends the sampled
 tokens, detokenizes, applies stop conditions and frees the slots of finished sequences. A step
 that raises ends only its own requests (`RequestsFailedError`).
+
+With `enable_prefix_caching`, the engine also keeps the prefix cache's snapshots
+(`engine.prefix_cache`): it scores the prompt token a hit skipped from the snapshot's saved
+hidden row, registers the snapshots the runner took after a successful forward (a failed step
+leaves none), and saves each finished sequence's state (prompt plus output: the next chat turn
+starts there).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from vllm_mamba.engine.errors import EngineStartupError, RequestsFailedError, is
 from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
 from vllm_mamba.engine.model_runner import ModelRunner
 from vllm_mamba.engine.output_processor import OutputProcessor
+from vllm_mamba.engine.prefix_cache import PrefixCache
 from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
@@ -69,7 +76,9 @@ class LLMEngine:
         shape = model.get_mamba_state_shape(mc.hf_config, mc.dtype)
         if config.ssm_state_dtype is not None:
             shape = dataclasses.replace(shape, ssm_dtype=config.ssm_state_dtype)
-        self.cache = MambaCache(shape, config.num_state_slots, config.device)
+        self.num_snapshot_slots = self._num_snapshot_slots(shape.bytes_per_slot())
+        num_slots = config.num_state_slots + self.num_snapshot_slots
+        self.cache = MambaCache(shape, num_slots, config.device)
         self.kv_cache = self._make_kv_cache()
         if self.kv_cache is None:  # a config whose layers happen to have no attention
             self.backend = PlaceholderAttentionBackend
@@ -95,7 +104,17 @@ class LLMEngine:
         blocks = None
         if self.kv_cache is not None:
             blocks = BlockManager(self.kv_cache.num_blocks, self.kv_cache.block_size)
-        self.scheduler = Scheduler(sc.max_num_seqs, sc.max_num_batched_tokens, blocks)
+        self.prefix_cache = None
+        if self.num_snapshot_slots:
+            self.prefix_cache = PrefixCache(
+                self.num_snapshot_slots,
+                config.num_state_slots,
+                blocks,
+                config.cache_config.prefix_snapshot_interval,
+            )
+        self.scheduler = Scheduler(
+            sc.max_num_seqs, sc.max_num_batched_tokens, blocks, self.prefix_cache
+        )
         self.stats = EngineCounters()
         self.inputs = InputProcessor(tokenizer, mc.vocab_size, mc.max_model_len)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_id, mc.max_model_len)
@@ -114,6 +133,13 @@ class LLMEngine:
         """
         config = args.create_engine_config()
         return cls(config, load_tokenizer(config.model_config.tokenizer))
+
+    def _num_snapshot_slots(self, slot_bytes: int) -> int:
+        """Prefix-cache snapshot slots that fit its memory budget (0 when it is off)."""
+        cc = self.config.cache_config
+        if not cc.enable_prefix_caching:
+            return 0
+        return max(cc.prefix_cache_memory_bytes // max(slot_bytes, 1), 1)
 
     def _make_kv_cache(self) -> KVCache | None:
         """The paged KV cache of the model's attention layers, bound to them; None when the
@@ -155,6 +181,9 @@ class LLMEngine:
             raise EngineStartupError(self._startup_failure(f"log-probability {logprob}"))
         self.stats = EngineCounters()
         self.runner.generator.manual_seed(self.config.model_config.seed)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            self.prefix_cache.queries = self.prefix_cache.hits = 0
 
     def _startup_failure(self, what: str) -> str:
         mc = self.config.model_config
@@ -183,6 +212,15 @@ class LLMEngine:
             per_seq * self.config.num_state_slots / 2**20,
             self.config.scheduler_config.max_num_batched_tokens,
         )
+        if self.prefix_cache is not None:
+            logger.info(
+                "Prefix caching: %d snapshot slots x %.3f MiB = %.2f MiB, a snapshot every %d "
+                "prompt tokens and at every branch point, prompt end and sequence end",
+                self.num_snapshot_slots,
+                per_seq / 2**20,
+                per_seq * self.num_snapshot_slots / 2**20,
+                self.prefix_cache.snapshot_interval,
+            )
         if self.kv_cache is not None:
             sizing = self.kv_cache.sizing
             logger.info(
@@ -224,6 +262,8 @@ class LLMEngine:
             preemptions=c.preemptions,
             kv_blocks_used=self.scheduler.block_manager.num_used_blocks,
             kv_blocks_total=self.scheduler.block_manager.num_blocks,
+            prefix_cache_queries=self.prefix_cache.queries if self.prefix_cache else 0,
+            prefix_cache_hits=self.prefix_cache.hits if self.prefix_cache else 0,
         )
 
     # ----- requests -------------------------------------------------------------------
@@ -336,6 +376,10 @@ class LLMEngine:
         try:
             return self._run_step(step)
         except Exception as err:
+            if self.prefix_cache is not None:
+                for pending in step.snapshots:  # no half-written snapshot survives
+                    self.prefix_cache.discard(pending)
+                step.snapshots = []
             if is_fatal(err):
                 raise
             failed = sorted({item.group.request_id for item in step.scheduled})
@@ -343,12 +387,18 @@ class LLMEngine:
             self.abort_request(failed)
             self.stats.failed_requests += len(failed)
             raise RequestsFailedError(failed, err) from err
+        finally:
+            if self.prefix_cache is not None:
+                for hit in step.hits:
+                    self.prefix_cache.unpin(hit.snapshot)
 
     def _run_step(self, step: SchedulerOutput) -> list[RequestOutput]:
         started = time.monotonic()
         for item in step.scheduled:
             if item.group.first_scheduled_time is None:
                 item.group.first_scheduled_time = started
+        for hit in step.hits:
+            self._hit_prompt_logprobs(hit.group, hit.seq, hit.snapshot)
         result = self.runner.execute(step)
         self.stats.steps += 1
         touched: dict[str, SequenceGroup] = {}
@@ -362,13 +412,65 @@ class LLMEngine:
             chunk = result.prompt_logprobs.get(item.group.request_id)
             if chunk is not None:
                 self.outputs.append_prompt_logprobs(item.group, chunk)
+        self._commit_snapshots(step)
+        for item in step.scheduled:
             for seq in [item.seq, *item.children]:
                 if seq.seq_id in result.samples:
                     row, out = result.samples[seq.seq_id]
                     self.outputs.append_token(item.group, seq, row, out, now_s)
                     self.stats.generation_tokens += 1
                     if seq.status.finished:
+                        self._snapshot_finished(item.group, seq, result.sampled_hidden)
                         self.scheduler.finish_seq(seq)
                     touched[item.group.request_id] = item.group
         self.scheduler.remove_finished()
         return [g.to_output() for g in touched.values()]
+
+    # ----- prefix caching -------------------------------------------------------------
+    def _hit_prompt_logprobs(self, group: SequenceGroup, seq: Sequence, snap: Any) -> None:
+        """Fills the prompt logprobs that a hit skipped: the snapshot's own (trimmed to the
+        request's count), and the next prompt token's from its saved hidden row."""
+        k = group.params.prompt_logprobs
+        if k is None or seq.index != 0 or group.prompt_logprobs is None:
+            return
+        depth, prompt = snap.num_tokens, group.prompt_token_ids
+        if len(group.prompt_logprobs) > depth:  # already scored (a preempted request)
+            return
+        kept = snap.prompt_logprobs[len(group.prompt_logprobs) - 1 :]
+        group.prompt_logprobs.extend(
+            _trim_top(e, k, prompt[depth - len(kept) + i]) for i, e in enumerate(kept)
+        )
+        chunk = self.runner.prompt_logprob_from_hidden(snap.hidden, prompt[depth], k, depth)
+        self.outputs.append_prompt_logprobs(group, chunk)
+
+    def _commit_snapshots(self, step: SchedulerOutput) -> None:
+        """Registers the snapshots the runner took in this step's forward."""
+        assert self.prefix_cache is not None or not step.snapshots
+        while step.snapshots:
+            pending = step.snapshots.pop(0)
+            group = pending.group
+            lps = group.prompt_logprobs if pending.index == 0 else None
+            self.prefix_cache.commit(pending, lps, group.params.prompt_logprobs or 0)
+
+    def _snapshot_finished(self, group: SequenceGroup, seq: Sequence, hidden: dict) -> None:
+        """Saves a finished sequence's state (prompt plus all but its last token, which was
+        sampled but never run) unless that prefix is saved already."""
+        cache = self.prefix_cache
+        if cache is None or seq.slot is None or seq.num_computed_tokens < 1:
+            return
+        tokens = seq.token_slice(0, seq.num_computed_tokens)
+        if cache.has_snapshot(tokens):
+            return
+        pending = cache.reserve(seq.seq_id, seq.slot, tokens, group, seq.index)
+        if pending is None:
+            return
+        row = hidden.get(seq.seq_id)
+        pending.hidden = row.clone() if row is not None else None
+        self.runner.copy_states([seq.slot], [pending.slot])
+        lps = group.prompt_logprobs if seq.index == 0 else None
+        cache.commit(pending, lps, group.params.prompt_logprobs or 0)
+
+
+def _trim_top(entry: dict, k: int, target: int) -> dict:
+    """A prompt-logprob entry kept with a larger top-k, cut to the request's `k`."""
+    return {t: lp for t, lp in entry.items() if lp.rank <= k or t == target}

@@ -2,9 +2,11 @@
 
 It lays the scheduled sequences out as one flat batch (decodes first, then prefill chunks),
 builds the step metadata with the selected backend (with block tables and context lengths
-when the model has a KV cache), makes the step's copy-on-write KV block copies, runs one
-forward, forks states for `n > 1`, applies the LM head to the sampled positions (and to
-prompt positions whose logprobs were asked for) and samples.
+when the model has a KV cache), makes the step's copy-on-write KV block copies and copies
+prefix-cache hits' snapshots into their sequences' slots, runs one forward, forks states for
+`n > 1`, copies the states of the step's new snapshots into their snapshot slots, applies
+the LM head to the sampled positions (and to prompt positions whose logprobs were asked
+for) and samples.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class StepResult:
 
     samples: dict[int, tuple[int, SamplerOutput]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobChunk] = field(default_factory=dict)
+    sampled_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> (H,)
 
 
 class ModelRunner:
@@ -81,12 +84,14 @@ class ModelRunner:
         items = step.scheduled
         layout = self._layout(items)
         token_ids: list[int] = []
+        last_row: dict[int, int] = {}  # seq id -> flat index of its chunk's last token
         sample_pos: list[int] = []
         prompt_pos: list[tuple[ScheduledSeq, int, int]] = []  # (item, flat start, prompt start)
         for item in items:
             start = item.seq.num_computed_tokens
             flat = len(token_ids)
             token_ids.extend(item.seq.token_slice(start, start + item.num_tokens))
+            last_row[item.seq.seq_id] = flat + item.num_tokens - 1
             if item.sample:
                 sample_pos.append(flat + item.num_tokens - 1)
             first = self._first_prompt_logprob_pos(item)
@@ -95,6 +100,8 @@ class ModelRunner:
         if self.kv_cache is not None and step.block_copies:
             src, dst = zip(*step.block_copies)
             self.kv_cache.copy_blocks(list(src), list(dst))
+        hits = step.state_copies
+        self.copy_states([s for s, _ in hits], [d for _, d in hits])
         if self.cuda_graphs is not None and not layout.prefill_lens:
             hidden = self.cuda_graphs.run(token_ids, layout.decode_slots)  # (T, H)
         else:
@@ -103,11 +110,18 @@ class ModelRunner:
             hidden = self.model(input_ids, self.cache, meta)  # (T, H)
 
         forks = [(item.seq.slot, c.slot) for item in items for c in item.children]
-        self.cache.copy_slots([s for s, _ in forks], [d for _, d in forks])
+        self.copy_states([s for s, _ in forks], [d for _, d in forks])
+        for snap in step.snapshots:
+            snap.hidden = hidden[last_row[snap.seq_id]].clone()  # (H,)
+        takes = [p for p in step.snapshots if p.slot is not None]
+        self.copy_states([p.seq_slot for p in takes], [p.slot for p in takes])
 
         result = StepResult()
         if sample_pos:
             self._sample(hidden, sample_pos, [i for i in items if i.sample], result)
+            for item, pos in zip([i for i in items if i.sample], sample_pos):
+                for seq in [item.seq, *item.children]:
+                    result.sampled_hidden[seq.seq_id] = hidden[pos]
         for item, flat_start, prompt_start in prompt_pos:
             end = min(
                 item.seq.num_computed_tokens + item.num_tokens, len(item.seq.prompt_token_ids) - 1
@@ -118,6 +132,19 @@ class ModelRunner:
                 rows, targets, item.group.params.prompt_logprobs, prompt_start + 1
             )
         return result
+
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        """Copies the conv and SSM states of slots `src[i]` into `dst[i]` (forks, prefix-cache
+        hits and snapshots)."""
+        self.cache.copy_slots(src, dst)
+
+    @torch.inference_mode()
+    def prompt_logprob_from_hidden(
+        self, hidden: torch.Tensor, target: int, k: int, position: int
+    ) -> PromptLogprobChunk:
+        """The prompt logprob of token `position` from the saved final hidden row `(H,)` of
+        position `position - 1` (a prefix-cache hit that skipped that position)."""
+        return self._prompt_logprobs(hidden[None], [target], k, position)
 
     def _layout(self, items: list[ScheduledSeq]) -> StepLayout:
         """The step's flat batch; block tables and context lengths with a KV cache."""

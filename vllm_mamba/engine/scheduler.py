@@ -15,6 +15,15 @@ only when the blocks of its scheduled chunk are free too, and when a running req
 the blocks of its next tokens, the most recently admitted request is preempted (vLLM's policy),
 possibly itself; no request is admitted in a step that preempted. Attention-free models get the
 placeholder block manager, which never limits anything.
+
+With prefix caching (`prefix_cache.PrefixCache`), every request's prompt is registered in the
+radix tree when it arrives. On admission a sequence starts from the deepest saved state of a
+prefix of its tokens (a hit: the snapshot is copied into its slot before the forward and, for
+hybrids, it shares the snapshot's KV blocks); prefill chunks end at the tree's node boundaries
+and interval multiples, where a snapshot is taken after the forward. A waiting request whose
+prompt shares a longer prefix with a request still prefilling waits until that request has
+saved the branch point, then starts from it. Under KV block pressure, snapshots are evicted
+before any request is preempted.
 """
 
 from __future__ import annotations
@@ -24,8 +33,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vllm_mamba.engine.block_manager import BlockManager, PlaceholderBlockManager
+from vllm_mamba.engine.prefix_cache import PendingSnapshot, PrefixCache, Snapshot
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from vllm_mamba.mamba_cache import SlotAllocator
+
+# A waiting request waits for a running one's snapshot only when it saves this many tokens.
+MIN_WAIT_TOKENS = 16
 
 
 @dataclass
@@ -51,12 +64,30 @@ class ScheduledSeq:
 
 
 @dataclass
+class PrefixHit:
+    """A sequence that starts from a snapshot: its first `snapshot.num_tokens` tokens are
+    cached."""
+
+    group: SequenceGroup
+    seq: Sequence
+    snapshot: Snapshot
+
+
+@dataclass
 class SchedulerOutput:
-    """The step's work, decodes first, then prefill chunks, and the KV block copies
-    (`(src, dst)`, copy-on-write of forks) to make before the forward."""
+    """The step's work, decodes first, then prefill chunks; the KV block copies (`(src, dst)`,
+    copy-on-write of forks) and the prefix-cache hits' state copies to make before the
+    forward; the snapshots to take after it."""
 
     scheduled: list[ScheduledSeq]
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    hits: list[PrefixHit] = field(default_factory=list)
+    snapshots: list[PendingSnapshot] = field(default_factory=list)
+
+    @property
+    def state_copies(self) -> list[tuple[int, int]]:
+        """`(snapshot slot, sequence slot)` of every hit."""
+        return [(h.snapshot.slot, h.seq.slot) for h in self.hits]  # type: ignore[misc]
 
 
 class Scheduler:
@@ -67,6 +98,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         block_manager: BlockManager | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.slots = SlotAllocator(max_num_seqs)
@@ -77,13 +109,16 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
+        self.prefix_cache = prefix_cache
 
     def new_seq_id(self) -> int:
         """A fresh sequence id."""
         return next(self._seq_ids)
 
     def add(self, group: SequenceGroup) -> None:
-        """Queues a new request."""
+        """Queues a new request (and registers its prompt's path with the prefix cache)."""
+        if self.prefix_cache is not None:
+            group.path_node = self.prefix_cache.add_path(group.prompt_token_ids)
         self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
@@ -99,6 +134,7 @@ class Scheduler:
                     for seq in group.unfinished_seqs():
                         seq.status = SequenceStatus.FINISHED_ABORTED
                     self._free_group(group)
+                    self._drop_path(group)
                     return group
         return None
 
@@ -113,7 +149,14 @@ class Scheduler:
         """Drops finished requests from the running queue and returns them."""
         done = [g for g in self.running if g.finished]
         self.running = [g for g in self.running if not g.finished]
+        for group in done:
+            self._drop_path(group)
         return done
+
+    def _drop_path(self, group: SequenceGroup) -> None:
+        if self.prefix_cache is not None and group.path_node is not None:
+            self.prefix_cache.drop_path(group.path_node)
+            group.path_node = None
 
     def preempt(self, group: SequenceGroup) -> None:
         """Preemption by recompute: frees the request's slots and blocks and requeues it at the
@@ -142,42 +185,146 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             group = self.running[index]
             plan = self._plan(group, budget)
-            if not self.block_manager.can_allocate(self._work(plan)):
+            if not self._fit_blocks(plan):
                 self.preempt(self.running[-1])  # the most recently admitted; maybe `group`
                 preempted = True
                 continue
             budget -= self._commit(group, plan, out)
             index += 1
-        while self.waiting and budget > 0 and not preempted:
-            group = self.waiting[0]
+        waiting = 0
+        while waiting < len(self.waiting) and budget > 0 and not preempted:
+            group = self.waiting[waiting]
             seqs = group.unfinished_seqs()
             if self.slots.num_free < len(seqs) + group.pending_forks:
                 break
-            plan = self._plan(group, budget)
-            if not self.block_manager.can_allocate(self._work(plan)):
-                break
-            self.waiting.popleft()
+            if self._should_wait(group):
+                waiting += 1
+                continue
             for seq in seqs:
                 seq.slot = self.slots.allocate()
+            hits = self._find_hits(group, seqs)
+            plan = self._plan(group, budget)
+            if not self._fit_blocks(plan):
+                self._undo_admission(seqs, hits)
+                break
+            del self.waiting[waiting]
+            for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             group.reserved_slots = [self.slots.allocate() for _ in range(group.pending_forks)]
             self.running.append(group)
+            self._count_hits(group, seqs, hits, out)
             budget -= self._commit(group, plan, out)
         out.scheduled.sort(key=lambda s: not s.is_decode)
         out.block_copies = self.block_manager.take_copies()
         return out
 
-    @staticmethod
-    def _plan(group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
-        """The group's sequences and their token counts within `budget`."""
+    def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+        """The group's sequences and their token counts within `budget`; with prefix caching,
+        a prefill chunk ends at the next point where a snapshot is due."""
         plan = []
         for seq in group.unfinished_seqs():
             num = min(seq.num_uncomputed_tokens, budget)
             if num == 0:
                 break
+            if self.prefix_cache is not None and num > 1:
+                start = seq.num_computed_tokens
+                tokens = seq.token_slice(0, start + num)
+                k = self._logprobs_k(group, seq)
+                num = self.prefix_cache.next_cut(tokens, start, start + num, k) - start
             plan.append((seq, num))
             budget -= num
         return plan
+
+    def _fit_blocks(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """True when the plan's KV blocks are free, after evicting prefix-cache snapshots
+        that hold blocks if needed."""
+        work = self._work(plan)
+        while not self.block_manager.can_allocate(work):
+            if self.prefix_cache is None or not self.prefix_cache.evict_one(need_blocks=True):
+                return False
+        return True
+
+    # ----- prefix caching ---------------------------------------------------------------
+    def _find_hits(self, group: SequenceGroup, seqs: list[Sequence]) -> list[PrefixHit]:
+        """Starts each new sequence of `group` from its deepest cached prefix (at most all
+        but its last token, which must run to be sampled); pins the snapshots."""
+        cache = self.prefix_cache
+        if cache is None:
+            return []
+        hits = []
+        for seq in seqs:
+            if seq.num_computed_tokens:
+                continue
+            tokens = seq.token_slice(0, seq.num_tokens)
+            snap = cache.match(tokens, len(tokens) - 1, self._logprobs_k(group, seq))
+            if snap is None:
+                continue
+            cache.pin(snap)
+            self.block_manager.adopt(seq.seq_id, snap.blocks)
+            seq.num_computed_tokens = snap.num_tokens
+            hits.append(PrefixHit(group, seq, snap))
+        return hits
+
+    @staticmethod
+    def _logprobs_k(group: SequenceGroup, seq: Sequence) -> int | None:
+        """The prompt-logprob count a hit must have kept (None when none is owed)."""
+        k = group.params.prompt_logprobs
+        owed = group.prompt_logprobs is not None and len(group.prompt_logprobs) < len(
+            group.prompt_token_ids
+        )
+        return k if k is not None and owed and seq.index == 0 else None
+
+    def _undo_admission(self, seqs: list[Sequence], hits: list[PrefixHit]) -> None:
+        for hit in hits:
+            assert self.prefix_cache is not None
+            self.prefix_cache.unpin(hit.snapshot)
+            hit.seq.num_computed_tokens = 0
+        for seq in seqs:
+            self.block_manager.free(seq.seq_id)
+            assert seq.slot is not None
+            self.slots.free(seq.slot)
+            seq.slot = None
+
+    def _count_hits(
+        self,
+        group: SequenceGroup,
+        seqs: list[Sequence],
+        hits: list[PrefixHit],
+        out: SchedulerOutput,
+    ) -> None:
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        cached = sum(h.snapshot.num_tokens for h in hits)
+        cache.queries += sum(s.num_tokens for s in seqs)
+        cache.hits += cached
+        if group.num_cached_tokens is None:
+            group.num_cached_tokens = cached
+        out.hits.extend(hits)
+
+    def _should_wait(self, group: SequenceGroup) -> bool:
+        """True when a running request is still prefilling toward a longer shared prefix
+        with `group` than any snapshot holds: it will save that branch point within a few
+        steps, and `group` starts from it then."""
+        cache = self.prefix_cache
+        if cache is None or len(group.seqs) != 1 or group.seqs[0].num_computed_tokens:
+            return False
+        tokens = group.prompt_token_ids
+        k = self._logprobs_k(group, group.seqs[0])
+        snap = cache.match(tokens, len(tokens) - 1, k)
+        have = snap.num_tokens if snap is not None else 0
+        for other in self.running:
+            seq = other.seqs[0]
+            prompt = other.prompt_token_ids
+            if seq.num_computed_tokens >= len(prompt) or seq.status.finished:
+                continue
+            if k is not None and (other.params.prompt_logprobs or -1) < k:
+                continue
+            shared = _common_prefix(tokens, prompt)
+            if shared < len(tokens) and shared - have >= MIN_WAIT_TOKENS:
+                if seq.num_computed_tokens < shared:
+                    return True
+        return False
 
     @staticmethod
     def _work(plan: list[tuple[Sequence, int]]) -> list[tuple[int, int, int]]:
@@ -191,12 +338,30 @@ class Scheduler:
         used = 0
         for seq, num in plan:
             self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens, num)
+            self._maybe_snapshot(group, seq, num, out)
             sample = num == seq.num_uncomputed_tokens
             children = self._fork(group, seq) if sample and group.pending_forks else []
             table = self.block_manager.block_table(seq.seq_id)
             out.scheduled.append(ScheduledSeq(seq, group, num, sample, children, table))
             used += num
         return used
+
+    def _maybe_snapshot(
+        self, group: SequenceGroup, seq: Sequence, num: int, out: SchedulerOutput
+    ) -> None:
+        """Reserves a snapshot of the state after this prefill chunk when it ends where one is
+        due (a node boundary of the tree or an interval multiple)."""
+        cache = self.prefix_cache
+        if cache is None or (num == 1 and seq.num_computed_tokens > 0):
+            return
+        end = seq.num_computed_tokens + num
+        tokens = seq.token_slice(0, end)
+        if not cache.wants_snapshot(tokens, end, self._logprobs_k(group, seq)):
+            return
+        assert seq.slot is not None
+        pending = cache.reserve(seq.seq_id, seq.slot, tokens, group, seq.index)
+        if pending is not None:
+            out.snapshots.append(pending)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         """Creates the request's remaining sequences in its reserved slots; they share the
@@ -214,3 +379,12 @@ class Scheduler:
             group.seqs.append(child)
             children.append(child)
         return children
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -102,6 +103,8 @@ class SequenceGroup:
     reserved_slots: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
+    path_node: Any = None  # the prompt's node in the prefix cache's radix tree
 
     @property
     def pending_forks(self) -> int:
@@ -133,4 +136,5 @@ class SequenceGroup:
             outputs=[s.to_output(with_logprobs) for s in sorted(self.seqs, key=lambda s: s.index)],
             finished=self.finished,
             metrics=metrics,
+            num_cached_tokens=self.num_cached_tokens,
         )

@@ -44,6 +44,8 @@ class StatsSnapshot:
     preemptions: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0  # 0 for attention-free models (no KV cache)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found there
 
 
 class StatLogger:

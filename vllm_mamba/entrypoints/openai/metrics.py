@@ -7,7 +7,9 @@ stream. For an attention-free model the state slots are its whole cache, so
 `vllm:kv_cache_usage_perc` reports the share of state slots in use (as do
 `vllm:state_slots_used` / `vllm:state_slots_total`); for a hybrid it reports the share of KV
 blocks in use (also `vllm:kv_cache_blocks_used` / `vllm:kv_cache_blocks_total`), the state
-slots staying in their own gauges. `vllm:num_preemptions_total` counts preemptions. Every app
+slots staying in their own gauges. `vllm:num_preemptions_total` counts preemptions;
+`vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` count prompt tokens looked
+up in the prefix cache and found there (0 when it is off). Every app
 has its own registry; label values are escaped by the library.
 """
 
@@ -65,6 +67,16 @@ class _EngineCollector(Collector):
             ("vllm:generation_tokens", "Tokens generated.", stats.generation_tokens),
             ("vllm:request_failures", "Requests ended by a failed step.", stats.failed_requests),
             ("vllm:num_preemptions", "Preemptions by recompute.", stats.preemptions),
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                stats.prefix_cache_hits,
+            ),
         ]
         for name, doc, value in counters:
             family = CounterMetricFamily(name, doc, labels=["model_name"])

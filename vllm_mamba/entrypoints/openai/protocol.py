@@ -243,12 +243,35 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class PromptTokensDetails(BaseModel):
+    """`usage.prompt_tokens_details`: prompt tokens served by the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
-    """Token counts of a response."""
+    """Token counts of a response (`prompt_tokens_details` when prefix caching is on)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, finals: list[Any], completion_tokens: int) -> UsageInfo:
+        """The usage of final `RequestOutput`s: each prompt once, the cached share of them
+        when the engine caches prefixes, and `completion_tokens`."""
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
+        cached = [out.num_cached_tokens for out in finals]
+        details = None
+        if cached and all(c is not None for c in cached):
+            details = PromptTokensDetails(cached_tokens=sum(cached))
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=details,
+        )
 
 
 class CompletionLogprobs(BaseModel):

@@ -307,10 +307,4 @@ class OpenAIServingChat:
 
 
 def _usage(final: RequestOutput) -> UsageInfo:
-    prompt_tokens = len(final.prompt_token_ids)
-    completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
+    return UsageInfo.of([final], sum(len(c.token_ids) for c in final.outputs))

@@ -291,9 +291,4 @@ async def _without_generation(stream: AsyncIterator[RequestOutput]) -> AsyncIter
 
 def _usage(finals: list[RequestOutput], completion_tokens: int) -> UsageInfo:
     """Token counts: each prompt once, every completion."""
-    prompt_tokens = sum(len(out.prompt_token_ids) for out in finals if out is not None)
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
+    return UsageInfo.of([out for out in finals if out is not None], completion_tokens)
