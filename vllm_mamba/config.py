@@ -190,6 +190,23 @@ class CacheConfig:
     prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor parallelism: how many ranks share each layer, and what runs them.
+
+    Attributes:
+        tensor_parallel_size: ranks (processes, one device each) that split every layer.
+        distributed_executor_backend: `mp` (worker processes on this machine) or `ray`
+            (Ray actors, across the machines of a Ray cluster).
+    """
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start."""
@@ -201,6 +218,7 @@ class EngineConfig:
     ssm_state_dtype: torch.dtype | None = None
     log_stats: bool = True
     cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def num_state_slots(self) -> int:

@@ -3,7 +3,8 @@
 Weights come from `model.safetensors`, sharded safetensors with their index, or
 `pytorch_model.bin` (sharded or not, read with `torch.load(weights_only=True)`). Every
 parameter must be present with its shape; anything missing, unexpected or misshaped is a
-`ValueError` naming the tensors.
+`ValueError` naming the tensors. A tensor-parallel rank reads only its slices of the sharded
+parameters (`vllm_mamba.layers.parallel_linear.Shard`), straight from the safetensors files.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.parallel_linear import named_shards
 from vllm_mamba.model_zoo import shipped_model_path
 from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config, is_mamba_ssm_config
 from vllm_mamba.models.registry import ModelRegistry
@@ -114,8 +117,12 @@ def _weight_files(path: str) -> tuple[list[str], str]:
     )
 
 
-def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields `(name, tensor)` for every tensor of the checkpoint in `path`."""
+def iterate_weights(path: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yields `(name, tensor)` for every tensor of the checkpoint in `path`.
+
+    With `lazy`, safetensors tensors come as slices (read on indexing), so a rank reads only
+    its part of a sharded parameter.
+    """
     files, fmt = _weight_files(path)
     bar = tqdm(files, desc=f"Loading {fmt} checkpoint shards", unit="shard", disable=None)
     for file in bar:
@@ -124,12 +131,12 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name) if lazy else f.get_tensor(name)
         else:
             yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> None:
     """Copies checkpoint tensors into `model`'s parameters, checking names and shapes.
 
     A tied head (`lm_head.weight` sharing the embedding) may be present or absent.
@@ -138,6 +145,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         ValueError: naming the missing, unexpected and misshaped tensors.
     """
     params = dict(model.named_parameters())
+    shards = named_shards(model)
     remap = getattr(model, "remap_weight_name", lambda name: name)
     tied = {
         name
@@ -154,6 +162,15 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         if param is None:
             unexpected.append(raw_name)
             continue
+        shard = shards.get(name)
+        if shard is not None:
+            try:
+                tensor = shard.read(tensor, raw_name)
+            except ValueError as err:
+                misshaped.append(str(err))
+                continue
+        elif not isinstance(tensor, torch.Tensor):
+            tensor = tensor[...]  # a whole safetensors slice
         if tuple(param.shape) != tuple(tensor.shape):
             misshaped.append(
                 f"{raw_name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
@@ -174,21 +191,47 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
 
 
+def check_tensor_parallel(hf_config: Any, tp_size: int) -> tuple[type[nn.Module], str]:
+    """The registered class and architecture name of the config, if it can run on `tp_size`
+    ranks.
+
+    Raises:
+        ValueError: `tp_size > 1` and the architecture has no tensor parallelism (named).
+    """
+    model_cls, arch = ModelRegistry.resolve_model_cls(getattr(hf_config, "architectures", None))
+    if tp_size > 1 and not getattr(model_cls, "supports_tensor_parallel", False):
+        raise ValueError(
+            f"tensor_parallel_size {tp_size}: {arch} does not support tensor parallelism yet"
+        )
+    return model_cls, arch
+
+
 def build_model(
-    path: str, hf_config: Any, dtype: torch.dtype, device: torch.device
+    path: str,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel = SINGLE,
 ) -> tuple[nn.Module, str]:
     """Instantiates the registered class for the config and loads its weights.
 
+    Args:
+        tp: with more than one rank, this rank's shard of the model is built and loaded.
+
     Returns:
         The model in eval mode on `device` with `dtype`, and its architecture name.
+
+    Raises:
+        ValueError: tensor parallelism asked of an architecture that does not support it.
     """
-    model_cls, arch = ModelRegistry.resolve_model_cls(getattr(hf_config, "architectures", None))
+    model_cls, arch = check_tensor_parallel(hf_config, tp.size)
     with torch.device("meta"):
-        model = model_cls(hf_config, get_mamba_ops(device))
+        ops = get_mamba_ops(device)
+        model = model_cls(hf_config, ops, tp) if tp.size > 1 else model_cls(hf_config, ops)
     model = model.to_empty(device=device).to(dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # materialising from meta unties shared parameters
-    load_weights(model, iterate_weights(path))
+    load_weights(model, iterate_weights(path, lazy=tp.size > 1))
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
     return model.eval().requires_grad_(False), arch

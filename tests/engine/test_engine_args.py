@@ -46,6 +46,7 @@ NON_DEFAULTS: dict[str, tuple[Any, list[str]]] = {
     "trust_remote_code": (True, []),
     "gpu_memory_utilization": (0.5, ["0.5"]),
     "tensor_parallel_size": (1, ["1"]),
+    "distributed_executor_backend": ("ray", ["ray"]),
 }
 
 
@@ -129,7 +130,8 @@ def test_unknown_option_is_a_type_error_naming_it() -> None:
         ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
         ({"max_model_len": 0}, "max_model_len must be an integer >= 1"),
         ({"seed": -1}, r"seed must be in \[0, 2\*\*63 - 1\]"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 is not supported"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
+        ({"distributed_executor_backend": "mpi"}, "distributed_executor_backend 'mpi' is not"),
         ({"dtype": "int8"}, "dtype 'int8' is not one of"),
     ],
 )

@@ -8,6 +8,7 @@ for a model that is not there).
 
 Options that vLLM has and that change nothing here (`trust_remote_code`,
 `gpu_memory_utilization` on the CPU, `tensor_parallel_size=1`) are accepted with one warning.
+`tensor_parallel_size` N > 1 runs N ranks (`distributed_executor_backend`: `mp` or `ray`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import torch
 
 from vllm_mamba.config import (
     DTYPE_CHOICES,
+    EXECUTOR_BACKENDS,
     STATE_DTYPE_CHOICES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     derive_max_model_len,
     generation_defaults,
@@ -123,7 +126,13 @@ class EngineArgs:
         "accepted for vLLM compatibility; state slots are sized by --max-num-seqs", default=None
     )
     tensor_parallel_size: int | None = _opt(
-        "accepted for vLLM compatibility; only 1 is supported", default=None
+        "ranks that split every layer (one process and device each; default 1)", default=None
+    )
+    distributed_executor_backend: str = _opt(
+        "what runs the ranks of tensor_parallel_size > 1: mp (processes on this machine) or "
+        "ray (actors of a Ray cluster, across machines)",
+        default="mp",
+        choices=EXECUTOR_BACKENDS,
     )
 
     def __post_init__(self) -> None:
@@ -179,14 +188,11 @@ class EngineArgs:
         gmu = self.gpu_memory_utilization
         if gmu is not None and not (isinstance(gmu, (int, float)) and 0.0 < gmu <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu!r}")
-        if self.tensor_parallel_size not in (None, 1):
-            raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} is not supported: only 1"
-            )
         for name, choices in (
             ("dtype", DTYPE_CHOICES),
             ("ssm_state_dtype", STATE_DTYPE_CHOICES),
             ("device", DEVICE_CHOICES),
+            ("distributed_executor_backend", EXECUTOR_BACKENDS),
         ):
             value = getattr(self, name)
             if isinstance(value, str) and value not in choices:
@@ -258,6 +264,9 @@ class EngineArgs:
                 bool(self.enable_prefix_caching),
                 self.prefix_cache_memory_bytes,
                 self.prefix_snapshot_interval,
+            ),
+            parallel_config=ParallelConfig(
+                self.tensor_parallel_size or 1, self.distributed_executor_backend
             ),
         )
 

@@ -11,7 +11,8 @@ Each request has its own `asyncio.Queue` of `RequestOutput`s, which `generate` t
 async iterator; the queue is dropped on every path (finished, aborted, failed). Leaving the
 iterator early (the client went away, the task was cancelled) aborts the request and frees its
 state slots. A step that fails ends only its own requests; an unrecoverable failure marks the
-engine dead and calls `on_dead` (the server then exits non-zero).
+engine dead and calls `on_dead` (the server then exits non-zero); so does a tensor-parallel
+worker that dies, even while the engine is idle (the executor's monitor reports it).
 
 After every step the engine thread hands over a `StatsSnapshot` (`stats`), which `/metrics`
 and the periodic statistics line read.
@@ -93,7 +94,9 @@ class AsyncLLMEngine:
     def start(self) -> None:
         """Starts the background loop on the running event loop (idempotent)."""
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+            loop = asyncio.get_running_loop()
+            self._loop_task = loop.create_task(self._run_loop())
+            self.engine.executor.watch(lambda err: loop.call_soon_threadsafe(self._die, err))
 
     async def shutdown(self) -> None:
         """Aborts every request still in flight, stops the loop and the worker thread."""
@@ -111,6 +114,7 @@ class AsyncLLMEngine:
             self._loop_task = None
         self._executor.shutdown(wait=True)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.executor.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -254,6 +258,8 @@ class AsyncLLMEngine:
                 queue.put_nowait(err)
 
     def _die(self, err: BaseException) -> None:
+        if self._error is not None:
+            return
         logger.critical("the engine failed beyond recovery: %r", err, exc_info=err)
         self._error = err
         dead = EngineDeadError(f"the engine loop failed: {err!r}")

@@ -39,6 +39,6 @@ _FATAL_MARKERS = ("CUDA error", "device-side assert", "illegal memory access", "
 
 def is_fatal(err: BaseException) -> bool:
     """True for errors after which the device or the engine's memory cannot be trusted."""
-    if isinstance(err, (MemoryError, SystemError)):
+    if isinstance(err, (MemoryError, SystemError, EngineDeadError)):
         return True
     return any(marker in str(err) for marker in _FATAL_MARKERS)

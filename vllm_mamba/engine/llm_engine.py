@@ -35,9 +35,8 @@ from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
 from vllm_mamba.engine.structured_outputs import StructuredOutputs
+from vllm_mamba.executor import make_executor
 from vllm_mamba.kv_cache import AttentionSpec, KVCache, plan_num_blocks
-from vllm_mamba.mamba_cache import MambaCache
-from vllm_mamba.model_loader import build_model
 from vllm_mamba.ops.cpu_kernels import flush_denormals
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.outputs import RequestOutput
@@ -69,8 +68,8 @@ class LLMEngine:
             # Flush denormals to zero (as llama.cpp does): SSM states and activations that
             # decay toward zero otherwise slow every CPU kernel by an order of magnitude.
             flush_denormals()
-        model, _ = build_model(mc.path, mc.hf_config, mc.dtype, config.device)
-        self.model = model
+        self.executor = make_executor(config)  # loads the model (each rank its shard)
+        model = self.model = self.executor.model
         self.kernels = get_mamba_ops(config.device).name
         self.backend = select_attention_backend(type(model))
         shape = model.get_mamba_state_shape(mc.hf_config, mc.dtype)
@@ -78,7 +77,7 @@ class LLMEngine:
             shape = dataclasses.replace(shape, ssm_dtype=config.ssm_state_dtype)
         self.num_snapshot_slots = self._num_snapshot_slots(shape.bytes_per_slot())
         num_slots = config.num_state_slots + self.num_snapshot_slots
-        self.cache = MambaCache(shape, num_slots, config.device)
+        self.cache = self.executor.make_state_cache(shape, num_slots)
         self.kv_cache = self._make_kv_cache()
         if self.kv_cache is None:  # a config whose layers happen to have no attention
             self.backend = PlaceholderAttentionBackend
@@ -87,7 +86,7 @@ class LLMEngine:
             self.eos_token_id = getattr(mc.hf_config, "eos_token_id", None)
         self.structured_outputs = StructuredOutputs(tokenizer, mc.vocab_size, self.eos_token_id)
         self.runner = ModelRunner(
-            model,
+            self.executor.runner_model,
             self.cache,
             self.backend,
             config.device,
@@ -99,7 +98,7 @@ class LLMEngine:
         sc = config.scheduler_config
         # Decode CUDA graphs are captured for attention-free models; hybrids run eagerly.
         graphs = self.backend is PlaceholderAttentionBackend and not config.enforce_eager
-        if config.device.type == "cuda" and graphs:
+        if config.device.type == "cuda" and graphs and self.executor.tp.size == 1:
             self.runner.capture_cuda_graphs(sc.max_num_seqs)
         blocks = None
         if self.kv_cache is not None:
@@ -159,9 +158,7 @@ class LLMEngine:
             cc.kv_cache_memory_bytes,
             cc.num_gpu_blocks_override,
         )
-        kv_cache = KVCache(attention, sizing, self.config.device)
-        kv_cache.bind(self.model)
-        return kv_cache
+        return self.executor.make_kv_cache(attention, sizing)
 
     def _warm_up(self) -> None:
         """One short prefill and decode through every configured path; leaves no trace."""
@@ -399,7 +396,7 @@ class LLMEngine:
                 item.group.first_scheduled_time = started
         for hit in step.hits:
             self._hit_prompt_logprobs(hit.group, hit.seq, hit.snapshot)
-        result = self.runner.execute(step)
+        result = self.executor.execute(self.runner, step)
         self.stats.steps += 1
         touched: dict[str, SequenceGroup] = {}
         now_s = time.monotonic()

@@ -5,6 +5,12 @@ P head dim (`I = NH * P`), G groups sharing B and C, N state size, K conv kernel
 CD conv channels (`I + 2 G N`: x, B and C go through the conv together). Parameter names
 follow the Hugging Face checkpoints (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`,
 `out_proj`).
+
+With tensor parallelism (`tp`) each rank holds `NH / tp.size` heads (the counts above are then
+this rank's), their channels of z and x, the B and C groups they read (split, or replicated
+when there are fewer groups than ranks), their `dt_bias`, `A_log` and `D`, and the matching
+part of the state; `out_proj` is row-parallel and the gated norm all-reduces its variance when
+a group spans ranks (`vllm_mamba.layers.parallel_norm`).
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ import torch
 from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
-from vllm_mamba.layers.layernorm import GatedRMSNorm
-from vllm_mamba.layers.linear import Linear
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.mixer_base import StateSpaceMixer
+from vllm_mamba.layers.mixer_sharding import mamba2_shard, shard_mixer_params
+from vllm_mamba.layers.parallel_linear import column_linear, row_linear
+from vllm_mamba.layers.parallel_norm import gated_rms_norm
 from vllm_mamba.mamba_cache import LayerState
 from vllm_mamba.ops.table import MambaOps
 
@@ -37,22 +45,32 @@ class Mamba2Mixer(StateSpaceMixer):
         use_conv_bias: bool,
         norm_eps: float,
         ops: MambaOps,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         intermediate = num_heads * head_dim
-        conv_dim = intermediate + 2 * n_groups * state_size
-        super().__init__(conv_dim, conv_kernel, use_conv_bias, (num_heads,), ops)
-        self.num_heads = num_heads
+        gn = n_groups * state_size
+        shard = mamba2_shard(num_heads, head_dim, n_groups, tp)
+        local = shard.channels[1]
+        conv_dim = local + 2 * shard.n_groups * state_size
+        super().__init__(conv_dim, conv_kernel, use_conv_bias, (shard.num_heads,), ops)
+        self.num_heads = shard.num_heads
         self.head_dim = head_dim
-        self.n_groups = n_groups
+        self.n_groups = shard.n_groups
         self.state_size = state_size
         self.chunk_size = chunk_size
         self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
-        self.intermediate_size = intermediate
+        self.intermediate_size = local
         self.conv_dim = conv_dim
-        self.in_proj = Linear(hidden_size, intermediate + conv_dim + num_heads, use_bias, ops)
-        self.dt_bias = nn.Parameter(torch.empty(num_heads))
-        self.norm = GatedRMSNorm(intermediate, intermediate // n_groups, norm_eps, ops)
-        self.out_proj = Linear(intermediate, hidden_size, use_bias, ops)
+        in_sections = [intermediate, intermediate + 2 * gn, num_heads]
+        in_ranges = shard.in_proj_ranges(intermediate, gn, state_size) if tp.size > 1 else None
+        self.in_proj = column_linear(hidden_size, in_sections, use_bias, ops, tp, in_ranges)
+        self.dt_bias = nn.Parameter(torch.empty(shard.num_heads))
+        group_size = intermediate // n_groups
+        self.norm = gated_rms_norm(intermediate, group_size, norm_eps, ops, tp, shard.channels)
+        self.out_proj = row_linear(intermediate, hidden_size, use_bias, ops, tp)
+        if tp.size > 1:
+            conv_ranges = shard.conv_ranges(intermediate, gn, state_size)
+            shard_mixer_params(self, conv_ranges, intermediate + 2 * gn, [shard.heads], num_heads)
 
     def _split_heads(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output `(T, CD)` -> x `(T, NH, P)`, B `(T, G, N)`, C `(T, G, N)` (views)."""

@@ -3,8 +3,11 @@
 Also FalconMamba's: with `mixer_rms_eps` set, the time step, B and C that `x_proj` produces
 are each RMS-normalised (no weight) before the scan.
 
-Glossary: T tokens in the step, H hidden size, I intermediate size, N state size, R time-step
-rank, K conv kernel width. Parameter names follow the Hugging Face checkpoints
+With tensor parallelism (`tp`) each rank holds `I / tp.size` channels: `in_proj`, `conv1d` and
+`dt_proj` are column-parallel, `x_proj` and `out_proj` row-parallel (all-reduced).
+
+Glossary: T tokens in the step, H hidden size, I intermediate size (this rank's), N state
+size, R time-step rank, K conv kernel width. Parameter names follow the Hugging Face checkpoints
 (`in_proj`, `conv1d`, `x_proj`, `dt_proj`, `A_log`, `D`, `out_proj`).
 """
 
@@ -13,9 +16,11 @@ from __future__ import annotations
 import torch
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.layernorm import weightless_rms_norm
-from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mixer_base import StateSpaceMixer
+from vllm_mamba.layers.mixer_sharding import shard_mixer_params
+from vllm_mamba.layers.parallel_linear import column_linear, row_linear
 from vllm_mamba.mamba_cache import LayerState
 from vllm_mamba.ops.table import MambaOps
 
@@ -34,18 +39,22 @@ class MambaMixer(StateSpaceMixer):
         use_conv_bias: bool,
         ops: MambaOps,
         mixer_rms_eps: float | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
-        super().__init__(
-            intermediate_size, conv_kernel, use_conv_bias, (intermediate_size, state_size), ops
-        )
-        self.intermediate_size = intermediate_size
+        local = tp.split(intermediate_size, "intermediate_size")  # this rank's channels
+        super().__init__(local, conv_kernel, use_conv_bias, (local, state_size), ops)
+        self.intermediate_size = local
         self.state_size = state_size
         self.time_step_rank = time_step_rank
         self.mixer_rms_eps = mixer_rms_eps
-        self.in_proj = Linear(hidden_size, 2 * intermediate_size, use_bias, ops)
-        self.x_proj = Linear(intermediate_size, time_step_rank + 2 * state_size, False, ops)
-        self.dt_proj = Linear(time_step_rank, intermediate_size, True, ops)
-        self.out_proj = Linear(intermediate_size, hidden_size, use_bias, ops)
+        inter = intermediate_size
+        self.in_proj = column_linear(hidden_size, [inter, inter], use_bias, ops, tp)
+        self.x_proj = row_linear(inter, time_step_rank + 2 * state_size, False, ops, tp)
+        self.dt_proj = column_linear(time_step_rank, [inter], True, ops, tp)
+        self.out_proj = row_linear(inter, hidden_size, use_bias, ops, tp)
+        if tp.size > 1:
+            channels = [tp.range(inter, "intermediate_size")]
+            shard_mixer_params(self, channels, inter, channels, inter)
 
     def _ssm_params(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`xc (T, I)` -> dt `(T, I)` (before its bias), B `(T, N)`, C `(T, N)`."""

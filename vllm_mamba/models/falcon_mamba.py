@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.mamba_mixer import MambaMixer
 from vllm_mamba.models.mamba import MambaForCausalLM
 from vllm_mamba.ops.table import MambaOps
@@ -21,7 +22,7 @@ class FalconMambaForCausalLM(MambaForCausalLM):
     """FalconMamba language model: Mamba whose mixers normalise dt, B and C."""
 
     @staticmethod
-    def make_mixer(config: Any, ops: MambaOps) -> nn.Module:
+    def make_mixer(config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> nn.Module:
         """One layer's mixer: Mamba's, with `mixer_rms_eps` set."""
         return MambaMixer(
             hidden_size=config.hidden_size,
@@ -33,4 +34,5 @@ class FalconMambaForCausalLM(MambaForCausalLM):
             use_conv_bias=config.use_conv_bias,
             ops=ops,
             mixer_rms_eps=config.mixer_rms_eps,
+            tp=tp,
         )

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.layernorm import RMSNorm
-from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba_mixer import MambaMixer
+from vllm_mamba.layers.parallel_linear import lm_head, vocab_embedding
 from vllm_mamba.mamba_cache import MambaCache, MambaStateShape
 from vllm_mamba.ops.table import MambaOps
 
@@ -41,9 +42,11 @@ class MambaBlock(nn.Module):
 class MambaBackbone(nn.Module):
     """Embeddings, the blocks (one new mixer each) and the final norm."""
 
-    def __init__(self, config: Any, make_mixer: Callable[[], nn.Module]) -> None:
+    def __init__(
+        self, config: Any, make_mixer: Callable[[], nn.Module], tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
             [MambaBlock(config, make_mixer()) for _ in range(config.num_hidden_layers)]
         )
@@ -54,20 +57,22 @@ class MambaForCausalLM(nn.Module):
     """Mamba language model; attention-free, so it runs with the placeholder backend."""
 
     is_attention_free = True
+    supports_tensor_parallel = True
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported; the kernels apply SiLU")
         self.config = config
-        self.backbone = MambaBackbone(config, lambda: self.make_mixer(config, ops))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
+        self.backbone = MambaBackbone(config, lambda: self.make_mixer(config, ops, tp), tp)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, ops, tp)
         self.tie_weights()
 
     @staticmethod
-    def make_mixer(config: Any, ops: MambaOps) -> nn.Module:
-        """One layer's mixer; subclasses with another mixer (Mamba2, FalconMamba) override this."""
+    def make_mixer(config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> nn.Module:
+        """One layer's mixer (this rank's shard of it); subclasses with another mixer (Mamba2,
+        FalconMamba) override this."""
         return MambaMixer(
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
@@ -77,6 +82,7 @@ class MambaForCausalLM(nn.Module):
             use_bias=config.use_bias,
             use_conv_bias=config.use_conv_bias,
             ops=ops,
+            tp=tp,
         )
 
     def tie_weights(self) -> None:

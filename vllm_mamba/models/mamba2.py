@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
 from vllm_mamba.mamba_cache import MambaStateShape
 from vllm_mamba.models.mamba import MambaForCausalLM
@@ -41,13 +42,13 @@ def _check_config(config: Any) -> None:
 class Mamba2ForCausalLM(MambaForCausalLM):
     """Mamba2 language model: Mamba's model with the multi-head SSD mixer."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         _check_config(config)
-        super().__init__(config, ops)
+        super().__init__(config, ops, tp)
 
     @staticmethod
-    def make_mixer(config: Any, ops: MambaOps) -> nn.Module:
-        """One layer's Mamba2 mixer."""
+    def make_mixer(config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> nn.Module:
+        """One layer's Mamba2 mixer (this rank's shard of it)."""
         return Mamba2Mixer(
             hidden_size=config.hidden_size,
             num_heads=config.num_heads,
@@ -61,6 +62,7 @@ class Mamba2ForCausalLM(MambaForCausalLM):
             use_conv_bias=config.use_conv_bias,
             norm_eps=config.layer_norm_epsilon,
             ops=ops,
+            tp=tp,
         )
 
     @staticmethod

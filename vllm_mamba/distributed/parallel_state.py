@@ -1,0 +1,80 @@
+"""Which tensor-parallel rank this process is, and the torch.distributed group it belongs to.
+
+A model is built with a `TensorParallel` (`rank`, `size`): the sharded layers size their
+parameters and pick their slices from it. `SINGLE` (rank 0 of 1) is the default everywhere
+and makes every sharded layer the plain layer. `init_tensor_parallel` joins the process group
+of an engine's ranks (gloo on the CPU, NCCL on CUDA) and makes it the one the collectives use.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT_ENV = "VLLM_MAMBA_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place among the `size` ranks that share each layer."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is not in [0, {self.size})")
+
+    def split(self, total: int, what: str) -> int:
+        """This rank's share of `total` items split evenly.
+
+        Raises:
+            ValueError: `total` is not a multiple of the size (naming `what`).
+        """
+        if total % self.size:
+            raise ValueError(
+                f"{what} ({total}) must be a multiple of tensor_parallel_size ({self.size})"
+            )
+        return total // self.size
+
+    def range(self, total: int, what: str) -> tuple[int, int]:
+        """`(start, length)` of this rank's even share of `total` items."""
+        part = self.split(total, what)
+        return self.rank * part, part
+
+
+SINGLE = TensorParallel()
+
+
+def collective_timeout_s() -> float:
+    """How long a collective waits for a missing rank (`VLLM_MAMBA_DIST_TIMEOUT_S`)."""
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+
+
+def init_tensor_parallel(tp: TensorParallel, init_method: str, device: torch.device) -> None:
+    """Joins the group of `tp.size` ranks at `init_method` (a `tcp://host:port` address).
+
+    Gloo on the CPU, NCCL on CUDA (each rank on `cuda:rank` of its machine); a collective
+    that waits longer than `collective_timeout_s()` for a rank raises.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=tp.rank,
+        world_size=tp.size,
+        timeout=datetime.timedelta(seconds=collective_timeout_s()),
+    )
+
+
+def destroy_tensor_parallel() -> None:
+    """Leaves the process group, if this process is in one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,158 @@
+"""`MultiprocExecutor` (vLLM's `mp` backend): ranks 1..N-1 in worker processes on this machine.
+
+Each worker is a spawned process with a pipe from rank 0: it joins the group, loads its shard,
+says `ready`, then runs rank 0's commands in order until `shutdown` (or until rank 0's end of
+the pipe closes). A worker whose command fails sends the traceback and exits.
+
+A dead worker is noticed in bounded time: a monitor thread waits on the workers' process
+sentinels and tells the watchers (the server's engine) at once; a step in flight fails when
+its collective loses the peer (or after the group's timeout, `VLLM_MAMBA_DIST_TIMEOUT_S`).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import pickle
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+from vllm_mamba.config import EngineConfig
+from vllm_mamba.distributed.parallel_state import TensorParallel, collective_timeout_s
+from vllm_mamba.executor.driver import DriverExecutor
+from vllm_mamba.executor.worker import Command, Worker
+
+logger = logging.getLogger(__name__)
+
+EXIT_WAIT_S = 2.0  # how long a failed step waits for a dying worker's exit status
+
+
+def worker_device(device: torch.device, rank: int) -> torch.device:
+    """Rank `rank`'s device on this machine: `cuda:rank`, or the CPU."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _worker_main(
+    config: EngineConfig, rank: int, size: int, init_method: str, conn: Connection
+) -> None:
+    """The body of a worker process."""
+    try:
+        device = worker_device(config.device, rank)
+        worker = Worker(config, TensorParallel(rank, size), init_method, device)
+        conn.send(("ready", None))
+        while True:
+            command: Command = pickle.loads(conn.recv_bytes())
+            if command[0] == "shutdown":
+                break
+            worker.handle(command)
+    except (EOFError, KeyboardInterrupt):
+        return  # rank 0 is gone
+    except BaseException as err:  # noqa: BLE001 - reported to rank 0, then this rank exits
+        try:
+            conn.send(("error", f"{err!r}\n{traceback.format_exc()}"))
+        finally:
+            raise SystemExit(1) from err
+
+
+class MultiprocExecutor(DriverExecutor):
+    """Rank 0 here, ranks 1..N-1 in spawned processes."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.procs: list[mp.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        self._errors: dict[int, str] = {}
+        self._start("127.0.0.1")
+        self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.procs, self.conns)
+        threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
+
+    def _start_workers(self, init_method: str) -> None:
+        # A fork server with the engine's modules imported starts each worker in well under
+        # a second after the first (nothing in it has touched CUDA or started threads).
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+        size = self.tp.size
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(self.config, rank, size, init_method, child),
+                name=f"vllm-mamba-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + collective_timeout_s()
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while not conn.poll(0.1):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} did not start")
+            kind, detail = conn.recv()
+            if kind != "ready":
+                raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start: {detail}")
+
+    def _send(self, command: Command) -> None:
+        data = pickle.dumps(command)
+        for conn in self.conns:
+            conn.send_bytes(data)
+
+    def _failed_ranks(self, wait_s: float = EXIT_WAIT_S) -> list[str]:
+        deadline = time.monotonic() + wait_s
+        failed = []
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            if proc.is_alive() and wait_s > 0:
+                proc.join(max(deadline - time.monotonic(), 0.0))
+            error = self._read_error(rank, conn)
+            if proc.is_alive() and error is None:
+                continue
+            line = f"worker rank {rank} (pid {proc.pid})"
+            line += f" exited with code {proc.exitcode}" if not proc.is_alive() else " failed"
+            failed.append(line + (f": {error}" if error else ""))
+        return failed
+
+    def _read_error(self, rank: int, conn: Connection) -> str | None:
+        """The error a worker reported before exiting, if any."""
+        try:
+            while rank not in self._errors and conn.poll(0):
+                kind, detail = conn.recv()
+                if kind == "error":
+                    self._errors[rank] = detail.splitlines()[0]
+        except (EOFError, OSError):
+            pass
+        return self._errors.get(rank)
+
+    def _monitor(self) -> None:
+        """Waits for any worker to exit; tells the watchers unless shutting down."""
+        wait([p.sentinel for p in self.procs])
+        self._worker_died()
+
+    def _stop_workers(self) -> None:
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        MultiprocExecutor._stop(self.procs, self.conns)
+
+    @staticmethod
+    def _stop(procs: list[mp.process.BaseProcess], conns: list[Connection]) -> None:
+        """Asks each worker to exit; terminates those that do not within a few seconds."""
+        for conn in conns:
+            try:
+                conn.send_bytes(pickle.dumps(("shutdown",)))
+            except OSError:
+                pass
+        for proc in procs:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(5.0)
+        for conn in conns:
+            conn.close()

@@ -1,0 +1,78 @@
+"""Which channels, heads and groups of a state-space mixer one tensor-parallel rank holds.
+
+Mamba splits its intermediate channels evenly: rank r holds channels `[r I/N, (r+1) I/N)` of
+x, z, the conv, `dt_proj`, `A_log` and `D` (and their state). Mamba2 splits by heads; the B
+and C groups are split when `n_groups` is a multiple of N, else (N a multiple of `n_groups`)
+each rank holds the one group its heads read, so groups are replicated over N / G ranks.
+
+Glossary: I intermediate size, NH heads, P head dim, G groups, N state size, CD conv channels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from vllm_mamba.distributed.parallel_state import TensorParallel
+from vllm_mamba.layers.parallel_linear import Ranges, shard_param
+
+
+@dataclass(frozen=True)
+class Mamba2Shard:
+    """One rank's part of a Mamba2 mixer (local counts and global ranges)."""
+
+    num_heads: int  # local heads
+    n_groups: int  # local groups
+    heads: tuple[int, int]  # (first head, heads)
+    channels: tuple[int, int]  # (first channel of x / z, channels)
+    groups: tuple[int, int]  # (first group, groups)
+
+    def conv_ranges(self, intermediate: int, gn_total: int, state_size: int) -> Ranges:
+        """Ranges of the conv channels `[x (I), B (G N), C (G N)]` this rank holds."""
+        g0, g = self.groups
+        return [
+            self.channels,
+            (intermediate + g0 * state_size, g * state_size),
+            (intermediate + gn_total + g0 * state_size, g * state_size),
+        ]
+
+    def in_proj_ranges(self, intermediate: int, gn_total: int, state_size: int) -> Ranges:
+        """Ranges of `in_proj`'s outputs `[z (I), x B C (CD), dt (NH)]` this rank holds."""
+        c0, c = self.channels
+        conv_ranges = self.conv_ranges(intermediate, gn_total, state_size)
+        conv = [(intermediate + s, n) for s, n in conv_ranges]
+        dt = (intermediate + intermediate + 2 * gn_total + self.heads[0], self.heads[1])
+        return [(c0, c), *conv, dt]
+
+
+def mamba2_shard(num_heads: int, head_dim: int, n_groups: int, tp: TensorParallel) -> Mamba2Shard:
+    """This rank's heads, channels and groups.
+
+    Raises:
+        ValueError: heads not a multiple of N, or groups neither a multiple nor a divisor of N.
+    """
+    h0, nh = tp.range(num_heads, "num_heads")
+    if n_groups % tp.size == 0:
+        groups = tp.range(n_groups, "n_groups")
+    elif tp.size % n_groups == 0:
+        groups = (tp.rank // (tp.size // n_groups), 1)
+    else:
+        raise ValueError(
+            f"n_groups ({n_groups}) must be a multiple or a divisor of tensor_parallel_size "
+            f"({tp.size})"
+        )
+    return Mamba2Shard(nh, groups[1], (h0, nh), (h0 * head_dim, nh * head_dim), groups)
+
+
+def shard_mixer_params(
+    mixer: nn.Module, conv_ranges: Ranges, conv_total: int, head_ranges: Ranges, head_total: int
+) -> None:
+    """Marks the conv (`conv1d.*`) and per-channel / per-head parameters (`A_log`, `D`,
+    `dt_bias` when present) of `mixer` as this rank's slices."""
+    shard_param(mixer.conv1d, "weight", 0, conv_ranges, conv_total)
+    if mixer.conv1d.bias is not None:
+        shard_param(mixer.conv1d, "bias", 0, conv_ranges, conv_total)
+    for name in ("A_log", "D", "dt_bias"):
+        if getattr(mixer, name, None) is not None:
+            shard_param(mixer, name, 0, head_ranges, head_total)
