@@ -112,6 +112,7 @@ class DriverExecutor(Executor):
         self.tp = TensorParallel(0, size)
         self._watchers: list[Callable[[BaseException], None]] = []
         self._dead: TensorParallelError | None = None
+        self._fail_lock = threading.Lock()
         self._closed = False
 
     def _start(self, host: str) -> None:
@@ -204,7 +205,12 @@ class DriverExecutor(Executor):
             raise self._fail(err) from err
 
     def _fail(self, err: BaseException | None) -> TensorParallelError:
-        """Records and returns the error that ends this executor."""
+        """Records and returns the error that ends this executor (the engine thread and the
+        monitor may both find it; the first one words it)."""
+        with self._fail_lock:
+            return self._fail_locked(err)
+
+    def _fail_locked(self, err: BaseException | None) -> TensorParallelError:
         if self._dead is None:
             failed = self._failed_ranks()
             what = "; ".join(failed) if failed else f"a step failed on rank 0: {err!r}"
