@@ -147,9 +147,7 @@ def test_forks_and_preemption_with_cache() -> None:
     kwargs = dict(max_num_seqs=16, max_num_batched_tokens=40)
     with VllmRunner(path, **kwargs) as off:
         ref = off.generate(prompts, params)
-    with VllmRunner(
-        path, enable_prefix_caching=True, num_gpu_blocks_override=14, **kwargs
-    ) as on:
+    with VllmRunner(path, enable_prefix_caching=True, num_gpu_blocks_override=14, **kwargs) as on:
         got = on.generate(prompts, params)
         assert on.engine.stats.preemptions > 0
         assert on.engine.prefix_cache.hits > 0

@@ -149,23 +149,59 @@ class AsyncLLMEngine:
             ValueError: a bad prompt or parameters (nothing entered the engine).
             EngineDeadError: the engine is shut down or its loop failed.
         """
+        return (await self.add_requests([(request_id, prompt)], params))[0]
+
+    async def add_requests(
+        self, requests: list[tuple[str, PromptInput]], params: SamplingParams
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Adds several requests in one engine call (the prompts of one API request), so that
+        they enter the same step: requests sharing a prefix then start from one prefix-cache
+        snapshot. All or none are added.
+
+        Raises:
+            ValueError: a bad prompt or parameters (nothing entered the engine).
+            EngineDeadError: the engine is shut down or its loop failed.
+        """
         self._check_alive()
         self.start()
-        text, ids = await self.run_tokenizer(self.inputs.process_prompt, prompt)
+        tokenized = []
+        for request_id, prompt in requests:
+            text, ids = await self.run_tokenizer(self.inputs.process_prompt, prompt)
+            tokenized.append((request_id, {"prompt": text, "prompt_token_ids": ids}))
         self._check_alive()
-        if self.log_requests:
-            shown = repr(text[:200]) if text is not None else f"{len(ids)} token ids"
-            logger.info("Received request %s: prompt: %s, params: %s", request_id, shown, params)
-        queue: asyncio.Queue[Item] = asyncio.Queue()
-        self._queues[request_id] = queue
+        queues: list[asyncio.Queue[Item]] = []
+        for request_id, _ in requests:
+            queues.append(asyncio.Queue())
+            self._queues[request_id] = queues[-1]
         try:
-            tokenized = {"prompt": text, "prompt_token_ids": ids}
-            await self.call(self.engine.add_request, request_id, tokenized, params)
+            await self.call(self._add_all, tokenized, params)
         except BaseException:
-            self._queues.pop(request_id, None)
+            for request_id, _ in requests:
+                self._queues.pop(request_id, None)
             raise
         self._work.set()
-        return self._stream(request_id, queue)
+        return [self._stream(rid, q) for (rid, _), q in zip(requests, queues)]
+
+    def _add_all(self, tokenized: list[tuple[str, dict]], params: SamplingParams) -> None:
+        """Adds every request on the engine thread, or none (the added ones are aborted)."""
+        added: list[str] = []
+        try:
+            for request_id, prompt in tokenized:
+                if self.log_requests:
+                    text = prompt["prompt"]
+                    shown = (
+                        repr(text[:200])
+                        if text is not None
+                        else f"{len(prompt['prompt_token_ids'])} token ids"
+                    )
+                    logger.info(
+                        "Received request %s: prompt: %s, params: %s", request_id, shown, params
+                    )
+                self.engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except BaseException:
+            self.engine.abort_request(added)
+            raise
 
     async def generate(
         self, prompt: PromptInput, params: SamplingParams, request_id: str

@@ -108,9 +108,9 @@ class OpenAIServingCompletion:
         arrival = time.monotonic()
         streams = []
         try:
-            for rid, prompt in zip(ids, prompts):
-                added = await self.engine.add_request(rid, prompt, params)
-                stream = self.metrics.track(added, arrival)
+            added = await self.engine.add_requests(list(zip(ids, prompts)), params)
+            for one in added:
+                stream = self.metrics.track(one, arrival)
                 streams.append(_without_generation(stream) if prompt_only else stream)
         except BaseException:
             for rid in ids:
