@@ -23,6 +23,7 @@ _DTYPES = {
 }
 DTYPE_CHOICES = ("auto", *_DTYPES)
 STATE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_CHOICES = ("int8",)
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
@@ -60,6 +61,40 @@ def resolve_state_dtype(name: str) -> torch.dtype | None:
             f"use one of {', '.join(STATE_DTYPE_CHOICES)}"
         )
     return _DTYPES[name]
+
+
+def record_quantization(hf_config: Any, quantization: str | None) -> None:
+    """Records a load-time quantisation in the model's config, where the loader reads it.
+
+    It goes in `quantization_config` (`{"quant_method": "int8"}`), the field transformers sets
+    on a model it quantises while loading; every process that builds the model gets it with
+    the config.
+
+    Raises:
+        ValueError: `quantization` is not supported, or the checkpoint is already quantised.
+    """
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"quantization {quantization!r} is not supported; use one of "
+            f"{', '.join(QUANTIZATION_CHOICES)}, or leave it unset for float weights"
+        )
+    existing = getattr(hf_config, "quantization_config", None)
+    if existing:
+        method = existing.get("quant_method") if isinstance(existing, dict) else existing
+        raise ValueError(
+            f"quantization {quantization!r}: the checkpoint is already quantised "
+            f"({method}); {quantization} quantises a float checkpoint while loading it"
+        )
+    hf_config.quantization_config = {"quant_method": quantization}
+
+
+def recorded_quantization(hf_config: Any) -> str | None:
+    """The load-time quantisation `record_quantization` put in the config, or None."""
+    existing = getattr(hf_config, "quantization_config", None)
+    method = existing.get("quant_method") if isinstance(existing, dict) else None
+    return method if method in QUANTIZATION_CHOICES else None
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -144,6 +179,7 @@ class ModelConfig:
     seed: int = 0
     served_model_name: list[str] | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    quantization: str | None = None
 
     @property
     def vocab_size(self) -> int:

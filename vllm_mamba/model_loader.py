@@ -5,6 +5,9 @@ Weights come from `model.safetensors`, sharded safetensors with their index, or
 parameter must be present with its shape; anything missing, unexpected or misshaped is a
 `ValueError` naming the tensors. A tensor-parallel rank reads only its slices of the sharded
 parameters (`vllm_mamba.layers.parallel_linear.Shard`), straight from the safetensors files.
+
+A load-time quantisation recorded in the config (`quantization="int8"`, see
+`vllm_mamba.config.record_quantization`) is applied once the float weights are loaded.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from vllm_mamba.config import recorded_quantization
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.parallel_linear import named_shards
+from vllm_mamba.layers.quantization import quantize_model_int8
 from vllm_mamba.model_zoo import shipped_model_path
 from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config, is_mamba_ssm_config
 from vllm_mamba.models.registry import ModelRegistry
@@ -234,4 +239,6 @@ def build_model(
     load_weights(model, iterate_weights(path, lazy=tp.size > 1))
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
+    if recorded_quantization(hf_config) == "int8":
+        quantize_model_int8(model, get_mamba_ops(device))
     return model.eval().requires_grad_(False), arch

@@ -29,6 +29,7 @@ NON_DEFAULTS: dict[str, tuple[Any, list[str]]] = {
     "served_model_name": (["a", "b"], ["a", "b"]),
     "dtype": ("bfloat16", ["bfloat16"]),
     "ssm_state_dtype": ("bfloat16", ["bfloat16"]),
+    "quantization": ("int8", ["int8"]),
     "device": ("cpu", ["cpu"]),
     "max_model_len": (77, ["77"]),
     "max_num_seqs": (5, ["5"]),

@@ -1,6 +1,6 @@
-"""The Mamba2 hybrids (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1) through the OpenAI server:
-the same greedy text as `LLM.generate` for concurrent requests under KV pressure (preemptions),
-and a drained KV cache afterwards."""
+"""The Mamba2 hybrids (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1, Zamba2) through the OpenAI
+server: the same greedy text as `LLM.generate` for concurrent requests under KV pressure
+(preemptions), and a drained KV cache afterwards."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def _metric(text: str, name: str) -> float:
 
 
 @pytest.mark.parametrize(
-    "name", ["bamba-gqa", "granite-moe-rope", "nemotron-h-moe", "falcon-h1-norm"]
+    "name",
+    ["bamba-gqa", "granite-moe-rope", "nemotron-h-moe", "falcon-h1-norm", "zamba2-lora-rope"],
 )
 def test_served_hybrid_equals_llm_generate(name: str) -> None:
     path = hybrid_model_dir(name)

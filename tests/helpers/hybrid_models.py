@@ -1,8 +1,10 @@
-"""Tiny seeded checkpoints of the Mamba2 hybrids (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1).
+"""Tiny seeded checkpoints of the Mamba2 hybrids (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1,
+Zamba2).
 
 Each is a transformers model built from a small config with fixed seeds, every weight except
-`A_log`, `D` and the norms re-drawn from N(0, 0.3^2) (so greedy generations are varied), saved
-with `save_pretrained` (the checkpoints' own tensor names) beside the GPT-NeoX tokenizer.
+`A_log`, `D` and the norms re-drawn from N(0, 0.3^2) (so greedy generations are varied; a
+smaller std where `WEIGHT_STD` says so), saved with `save_pretrained` (the checkpoints' own
+tensor names) beside the GPT-NeoX tokenizer.
 """
 
 from __future__ import annotations
@@ -249,11 +251,73 @@ FALCON_H1_CONFIGS: dict[str, dict] = {
     ),
 }
 
+ZAMBA2_CONFIGS: dict[str, dict] = {
+    # 6 layers, hybrid at 1, 3 and 5 over two shared blocks (block 0 serves layers 1 and 5):
+    # q/k/v adapters of rank 8 and MLP adapters per use, RoPE (base 1000) over 4 heads of 32
+    # (the block attends over 2 x 64); 8 SSD heads of 16 in 2 groups, chunks of 16; tied head
+    # (transformers ties the shared blocks only then).
+    "zamba2-lora-rope": dict(
+        _COMMON,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "mamba", "hybrid"],
+        num_mem_blocks=2,
+        use_shared_attention_adapter=True,
+        adapter_rank=8,
+        use_mem_rope=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_mamba_heads=8,
+        mamba_ngroups=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        chunk_size=16,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+    # 5 layers, hybrid first and at 3 and 4, one block (MLP adapters only) untied: as in
+    # transformers, without tie_word_embeddings each use loads its own copy; GQA 3 (6 query
+    # heads of 16), no position embedding; tanh GELU; 3 SSD heads of 32, one group, chunks of
+    # 8, conv 3; linear biases; untied head.
+    "zamba2-gqa-nope": dict(
+        _COMMON,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        layers_block_type=["hybrid", "mamba", "mamba", "hybrid", "hybrid"],
+        num_mem_blocks=1,
+        use_shared_attention_adapter=False,
+        adapter_rank=4,
+        use_mem_rope=False,
+        hidden_act="gelu_pytorch_tanh",
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        n_mamba_heads=3,
+        mamba_ngroups=1,
+        mamba_d_state=8,
+        mamba_d_conv=3,
+        mamba_expand=2,
+        chunk_size=8,
+        add_bias_linear=True,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+}
+
+# Zamba2's shared block attends over 2H-wide inputs with the scale (D / 2) ** -0.5: at std 0.3
+# its logits are so large that float32 rounding alone moves transformers' own logprobs by up to
+# 0.2 (against float64); at 0.15 both transformers and this engine stay within 5e-5 of float64.
+WEIGHT_STD: dict[str, float] = {name: 0.15 for name in ZAMBA2_CONFIGS}
+
 HYBRID_CONFIGS: dict[str, tuple[str, dict]] = {
     **{name: ("BambaForCausalLM", cfg) for name, cfg in BAMBA_CONFIGS.items()},
     **{name: ("GraniteMoeHybridForCausalLM", cfg) for name, cfg in GRANITE_CONFIGS.items()},
     **{name: ("NemotronHForCausalLM", cfg) for name, cfg in NEMOTRON_H_CONFIGS.items()},
     **{name: ("FalconH1ForCausalLM", cfg) for name, cfg in FALCON_H1_CONFIGS.items()},
+    **{name: ("Zamba2ForCausalLM", cfg) for name, cfg in ZAMBA2_CONFIGS.items()},
 }
 
 
@@ -271,7 +335,7 @@ def build_hybrid_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - transform
         for pname, p in model.named_parameters():
             if pname.endswith(("A_log", ".D")) or "norm" in pname:
                 continue
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            p.copy_(torch.randn(p.shape, generator=g) * WEIGHT_STD.get(name, 0.3))
         for bname, b in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):  # MoE routing: varied choices
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)

@@ -24,6 +24,7 @@ import torch
 from vllm_mamba.config import (
     DTYPE_CHOICES,
     EXECUTOR_BACKENDS,
+    QUANTIZATION_CHOICES,
     STATE_DTYPE_CHOICES,
     CacheConfig,
     EngineConfig,
@@ -32,6 +33,7 @@ from vllm_mamba.config import (
     SchedulerConfig,
     derive_max_model_len,
     generation_defaults,
+    record_quantization,
     resolve_device,
     resolve_dtype,
     resolve_state_dtype,
@@ -78,6 +80,12 @@ class EngineArgs:
         "dtype of the SSM state (auto: the model's, float32 for Mamba)",
         default="auto",
         choices=STATE_DTYPE_CHOICES,
+    )
+    quantization: str | None = _opt(
+        "quantise the weights while loading: int8 (weight-only, one scale per output channel; "
+        "about a quarter of the float32 weight memory); unset: float weights",
+        default=None,
+        choices=QUANTIZATION_CHOICES,
     )
     device: str = _opt(
         "where the model runs (auto: CUDA if present)", default="auto", choices=DEVICE_CHOICES
@@ -197,6 +205,11 @@ class EngineArgs:
             value = getattr(self, name)
             if isinstance(value, str) and value not in choices:
                 raise ValueError(f"{name} {value!r} is not one of {', '.join(choices)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not one of "
+                f"{', '.join(QUANTIZATION_CHOICES)} (or unset: float weights)"
+            )
 
     def warn_no_effect(self, device: torch.device) -> None:
         """One warning per vLLM option that is set but does nothing here."""
@@ -226,6 +239,7 @@ class EngineArgs:
         device = resolve_device(self.device)
         path = resolve_model_path(self.model, self.revision, self.download_dir)
         hf_config = load_hf_config(path)
+        record_quantization(hf_config, self.quantization)
         _, arch = ModelRegistry.resolve_model_cls(getattr(hf_config, "architectures", None))
         tokenizer = self.tokenizer or default_tokenizer_source(path)
         tok_path = (
@@ -248,6 +262,7 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=list(self.served_model_name or [self.model]),
             sampling_defaults=_checked_defaults(generation_defaults(self.generation_config, path)),
+            quantization=self.quantization,
         )
         self.warn_no_effect(device)
         return EngineConfig(

@@ -267,4 +267,4 @@ class JambaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden (R, H)` of the sampled positions -> float32 logits `(R, V)`."""
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        return self.lm_head(hidden.to(self.lm_head.compute_dtype)).float()

@@ -19,6 +19,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     ),
     "NemotronHForCausalLM": "vllm_mamba.models.nemotron_h:NemotronHForCausalLM",
     "FalconH1ForCausalLM": "vllm_mamba.models.falcon_h1:FalconH1ForCausalLM",
+    "Zamba2ForCausalLM": "vllm_mamba.models.zamba2:Zamba2ForCausalLM",
 }
 
 

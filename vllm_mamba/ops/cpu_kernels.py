@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_mamba.ops.int8_linear import has_int8_kernel, int8_linear_cpp, int8_linear_ref
 from vllm_mamba.ops.table import MambaOps
 
 try:
@@ -357,4 +358,5 @@ def make_ops() -> MambaOps:
         reshape_and_cache=reshape_and_cache,
         paged_decode_attention=paged_decode_attention,
         paged_prefill_attention=paged_prefill_attention,
+        int8_linear=int8_linear_cpp if has_int8_kernel() else int8_linear_ref,
     )

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
+from vllm_mamba.ops.int8_linear import int8_linear_ref
 from vllm_mamba.ops.paged_attention import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
@@ -30,6 +31,14 @@ class LinearOp(Protocol):
     """`x (B, K) @ weight (N, K)^T + bias` -> `(B, N)`."""
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor: ...
+
+
+class Int8LinearOp(Protocol):
+    """See `int8_linear_ref`: `x (B, K) @ (qweight (N, K) * scale (N,))^T + bias` -> `(B, N)`."""
+
+    def __call__(
+        self, x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None
+    ) -> Tensor: ...
 
 
 class ConvVarlenOp(Protocol):
@@ -131,9 +140,10 @@ class MambaOps:
     """The kernels the layers call, with the signatures of the `_ref` functions.
 
     Mamba uses the conv and selective-scan ops; Mamba2 the conv, SSD and gated-norm ops; every
-    projection goes through `linear`; the attention layers of hybrids write their KV cache with
-    `reshape_and_cache` and read it with the paged attention ops. A backend without its own
-    kernel for an op with a default keeps that default (`F.linear` or the reference).
+    projection goes through `linear` (`int8_linear` once its weight is int8); the attention
+    layers of hybrids write their KV cache with `reshape_and_cache` and read it with the paged
+    attention ops. A backend without its own kernel for an op with a default keeps that
+    default (`F.linear` or the reference).
     """
 
     name: str
@@ -148,3 +158,4 @@ class MambaOps:
     reshape_and_cache: ReshapeAndCacheOp = reshape_and_cache_ref
     paged_decode_attention: PagedDecodeOp = paged_decode_attention_ref
     paged_prefill_attention: PagedPrefillOp = paged_prefill_attention_ref
+    int8_linear: Int8LinearOp = int8_linear_ref

@@ -1,0 +1,126 @@
+"""Zamba2 against transformers' `Zamba2ForCausalLM` (Mamba2 layers; shared attention blocks
+reused at several depths on the concatenated embeddings, with per-use LoRA adapters, RoPE or
+none), and the engine's invariances on it: batching, chunked prefill across SSD chunks and KV
+blocks, KV pressure with preemption, forks; every slot and block free after each run. Also:
+one KV cache layer per use of a shared block, both checkpoint layouts of the shared blocks, and
+the config errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import family_checks as checks
+from tests.helpers import hybrid_checks
+from tests.helpers.hybrid_models import ZAMBA2_CONFIGS, hf_class, hybrid_model_dir
+from tests.helpers.runners import VllmRunner
+from vllm_mamba import SamplingParams
+from vllm_mamba.model_loader import load_hf_config
+from vllm_mamba.models.zamba2 import Zamba2ForCausalLM
+from vllm_mamba.ops.dispatch import get_mamba_ops
+
+NAMES = list(ZAMBA2_CONFIGS)
+MODEL = "zamba2-lora-rope"  # two shared blocks, block 0 used twice, tied
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_tokens_equal_transformers(name: str) -> None:
+    checks.assert_matches_transformers(hf_class(name), hybrid_model_dir(name))
+
+
+def test_batched_equals_alone() -> None:
+    checks.assert_batched_equals_alone(hybrid_model_dir(MODEL))
+
+
+@pytest.mark.parametrize("budget", [1, 23])  # 5 in the logprobs test below
+def test_chunked_prefill_equals_whole(budget: int) -> None:
+    checks.assert_chunked_equals_whole(hybrid_model_dir(MODEL), budget)
+
+
+def test_kv_pressure_preempts_and_equals_no_pressure() -> None:
+    hybrid_checks.assert_kv_pressure_equals_no_pressure(hybrid_model_dir(MODEL))
+
+
+def test_forks_and_chunks_under_kv_pressure() -> None:
+    hybrid_checks.assert_forks_and_chunks_under_pressure(hybrid_model_dir("zamba2-gqa-nope"))
+
+
+def test_forks_equal_alone() -> None:
+    checks.assert_forks_equal_alone(hybrid_model_dir(MODEL))
+
+
+def test_forks_equal_independent_seeded_runs() -> None:
+    hybrid_checks.assert_forks_equal_independent_seeded_runs(hybrid_model_dir("zamba2-gqa-nope"))
+
+
+def test_each_use_of_a_shared_block_has_its_own_kv_layer() -> None:
+    """Three hybrid layers over two blocks: one weight set per block, three KV layers."""
+    with VllmRunner(hybrid_model_dir(MODEL)) as runner:
+        model = runner.engine.runner.model
+        hybrid = [layer for layer in model.model.layers if hasattr(layer, "shared_transformer")]
+        assert hybrid[0].shared_transformer is hybrid[2].shared_transformer
+        assert hybrid[0].shared_transformer is not hybrid[1].shared_transformer
+        kv = {id(layer.attn.kv.k) for layer in hybrid}
+        assert len(kv) == 3
+
+
+def test_checkpoint_with_every_use_copied_loads_the_same() -> None:
+    """Checkpoints may store a shared block under each use (tied copies), not only the first."""
+    src = hybrid_model_dir(MODEL)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    first, again = "model.layers.1.shared_transformer.", "model.layers.5.shared_transformer."
+    copies = {again + k[len(first) :]: v.clone() for k, v in weights.items() if k.startswith(first)}
+    assert copies and not any(k.startswith(again) for k in weights)
+    path = tempfile.mkdtemp(prefix="tiny-zamba2-copies-")
+    for file in os.listdir(src):
+        if file != "model.safetensors":
+            shutil.copy(os.path.join(src, file), path)
+    save_file({**weights, **copies}, os.path.join(path, "model.safetensors"))
+    prompts = checks.prompts()[:4]
+    with VllmRunner(path) as runner:
+        assert checks.tokens(runner.generate(prompts, checks.GREEDY)) == checks.alone(src)[:4]
+
+
+def test_chunked_prefill_logprobs_close_to_whole() -> None:
+    """Prompt logprobs of one-token and 5-token chunks against one whole prefill (100 tokens:
+    SSD chunks of 16 and KV blocks of 16 cut everywhere). They differ by float32 rounding only
+    (about 4e-5: the SSD splits its sums at other chunk boundaries, attention its blocks). The
+    time step clamp at `time_step_min` never binds here; where it binds, a one-token chunk runs
+    as a decode, which does not clamp (transformers' and vLLM's decode step neither), and
+    chunked prefill departs from whole prefill there."""
+    path = hybrid_model_dir(MODEL)
+    prompt = checks.prompts()[6]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    ids = prompt["prompt_token_ids"]
+
+    def prompt_logprobs(**kwargs: int) -> torch.Tensor:
+        with VllmRunner(path, **kwargs) as runner:
+            out = runner.generate(prompt, params)[0].prompt_logprobs
+        return torch.tensor([out[i][t].logprob for i, t in enumerate(ids) if i])
+
+    whole = prompt_logprobs()
+    for budget in (1, 5):
+        got = prompt_logprobs(max_num_batched_tokens=budget)
+        torch.testing.assert_close(got, whole, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (dict(num_key_value_heads=2), "use_shared_attention_adapter"),
+        (dict(num_attention_heads=5), "num_attention_heads"),
+        (dict(hidden_act="quick_gelu"), "hidden_act"),
+        (dict(layers_block_type=["mamba", "attention"] * 3), "layers_block_type"),
+    ],
+)
+def test_bad_config_names_the_field(change: dict, field: str) -> None:
+    config = load_hf_config(hybrid_model_dir(MODEL))
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=field), torch.device("meta"):
+        Zamba2ForCausalLM(config, get_mamba_ops(torch.device("cpu")))

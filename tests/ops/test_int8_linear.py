@@ -1,0 +1,135 @@
+"""The int8 weight quantiser, and the C++ `int8_linear` kernel against `int8_linear_ref`.
+
+Shapes: every projection of the mamba-130m and mamba2-130m shapes (the benchmark models), and
+for the larger models (FalconMamba-7B, Jamba, Falcon-H1, Nemotron-H, Granite 4.0-H, Bamba) their
+input sizes `K` with a small odd number of output channels: each output channel is one dot
+product over `K`, so `K` (with its tail past a multiple of 16) is what the kernel's
+accumulation depends on, and `N` only splits the work over the threads. Rows 1 to 64 cover the
+decode kernel (up to 4 rows per pass), the float32 tiled path and the bfloat16 dense path
+(more than 32 rows).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_mamba.ops import cpu_kernels
+from vllm_mamba.ops.dispatch import REF_OPS, get_mamba_ops
+from vllm_mamba.ops.int8_linear import (
+    dequantize_int8,
+    has_int8_kernel,
+    int8_linear_ref,
+    quantize_int8,
+)
+
+needs_kernel = pytest.mark.skipif(
+    not has_int8_kernel(), reason="C++ extension not built (pip install --no-build-isolation -e .)"
+)
+
+# (N, K): mamba-130m in_proj, x_proj, out_proj; mamba2-130m in_proj; then K of the larger
+# models (hidden 1024 / 1536 / 2048 / 2560 / 4096, intermediate 8192) with odd N.
+MODEL_SHAPES = [
+    (3072, 768), (80, 1536), (768, 1536), (3352, 768),
+    (37, 1024), (29, 1536), (21, 2048), (19, 2560), (13, 4096), (11, 8192),
+]  # fmt: skip
+ODD_SHAPES = [(1, 1), (5, 17), (7, 15), (33, 100), (50, 130)]
+ROWS = [1, 2, 3, 4, 5, 8, 13, 16, 17, 32, 33, 64]
+
+
+@functools.cache
+def _weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n * 10007 + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0, : max(1, k // 3)] *= 20.0  # one channel with a much larger range than the others
+    qweight, scale = quantize_int8(w)
+    return qweight, scale, torch.randn(n, generator=g)
+
+
+@functools.cache
+def _dequantised(n: int, k: int) -> torch.Tensor:
+    """`int8_linear_ref`'s float32 weight, made once per shape."""
+    qweight, scale, _ = _weight(n, k)
+    return dequantize_int8(qweight, scale, torch.float32)  # (N, K)
+
+
+def _case(n: int, k: int, rows: int, seed: int) -> tuple[torch.Tensor, ...]:
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    return x, *_weight(n, k)
+
+
+def test_quantize_round_trip_within_half_a_step() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 300, generator=g) * torch.rand(64, 1, generator=g) * 3
+    w[5] = 0.0
+    qweight, scale = quantize_int8(w)
+    assert qweight.dtype == torch.int8 and qweight.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.shape == (64,)
+    assert int(qweight.abs().max()) == 127 and int(qweight.min()) >= -127
+    assert torch.equal(qweight[5], torch.zeros(300, dtype=torch.int8)) and scale[5] == 1.0
+    err = (dequantize_int8(qweight, scale, torch.float32) - w).abs()  # (64, 300)
+    assert bool((err <= scale[:, None] / 2 * (1 + 1e-6)).all())
+
+
+def test_ref_is_f_linear_of_the_dequantised_weight() -> None:
+    x, qweight, scale, bias = _case(40, 70, 3, 0)
+    w = qweight.float() * scale[:, None]
+    torch.testing.assert_close(int8_linear_ref(x, qweight, scale, bias), x @ w.T + bias)
+    out = int8_linear_ref(x[None], qweight, scale, None)  # leading dims pass through
+    assert out.shape == (1, 3, 40)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", MODEL_SHAPES + ODD_SHAPES, ids=str)
+def test_float32_matches_ref(shape: tuple[int, int]) -> None:
+    n, k = shape
+    for i, rows in enumerate(ROWS):
+        x, qweight, scale, bias = _case(n, k, rows, n * 7 + k + rows)
+        b = bias if i % 2 else None
+        got = torch.ops.vllm_mamba.int8_linear(x, qweight, scale, b)
+        want = F.linear(x, _dequantised(n, k), b)  # = int8_linear_ref(x, qweight, scale, b)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        tol = 2e-6 * float(want.abs().max()) + 1e-6
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=tol, msg=f"rows {rows}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", MODEL_SHAPES + ODD_SHAPES, ids=str)
+def test_bfloat16_matches_ref_within_bfloat16_rounding(shape: tuple[int, int]) -> None:
+    """bfloat16 inputs and outputs: within 1% of the largest output of the float32 reference
+    (bfloat16 keeps 8 bits; the dense path also rounds the dequantised weight to bfloat16)."""
+    n, k = shape
+    for rows in ROWS:
+        x, qweight, scale, bias = _case(n, k, rows, n * 5 + k + rows)
+        xb = x.bfloat16()
+        got = torch.ops.vllm_mamba.int8_linear(xb, qweight, scale, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        want = F.linear(xb.float(), _dequantised(n, k), bias)  # the float32 reference
+        tol = 1e-2 * float(want.abs().max())
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=tol, msg=f"rows {rows}")
+
+
+@needs_kernel
+def test_empty_batch_and_bad_inputs() -> None:
+    x, qweight, scale, _ = _case(9, 20, 0, 1)
+    assert torch.ops.vllm_mamba.int8_linear(x, qweight, scale, None).shape == (0, 9)
+    with pytest.raises(RuntimeError, match="int8"):
+        torch.ops.vllm_mamba.int8_linear(torch.randn(2, 20), qweight.float(), scale, None)
+    with pytest.raises(RuntimeError, match="scale"):
+        torch.ops.vllm_mamba.int8_linear(torch.randn(2, 20), qweight, scale[:3], None)
+
+
+def test_tables_hold_the_int8_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert REF_OPS.int8_linear is int8_linear_ref
+    monkeypatch.setenv("VLLM_MAMBA_OPS", "ref")
+    assert get_mamba_ops("cpu").int8_linear is int8_linear_ref
+    if cpu_kernels.available() and has_int8_kernel():
+        monkeypatch.setenv("VLLM_MAMBA_OPS", "cpp")
+        x, qweight, scale, bias = _case(12, 40, 2, 3)
+        op = get_mamba_ops("cpu").int8_linear
+        torch.testing.assert_close(
+            op(x, qweight, scale, bias), int8_linear_ref(x, qweight, scale, bias)
+        )

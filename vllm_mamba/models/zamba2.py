@@ -1,0 +1,312 @@
+"""Zamba2 (`Zamba2ForCausalLM`: `Zyphra/Zamba2-1.2B`, `Zamba2-1.2B-instruct`, `Zamba2-2.7B`,
+`Zamba2-2.7B-instruct`, `Zamba2-7B`, `Zamba2-7B-instruct`).
+
+A stack of Mamba2 layers (`layers_block_type`: `mamba` / `linear_attention`) in which some are
+`hybrid`: before their Mamba2 layer they run one of `num_mem_blocks` shared transformer blocks,
+reused at several depths (hybrid layer `i` runs block `i % num_mem_blocks`):
+
+- The shared block's input is the hidden state concatenated with the original embeddings
+  `(T, 2H)`, normed (`input_layernorm` over 2H); attention projects 2H to heads of
+  `head_dim = 2H / num_attention_heads`, softmax scale `(head_dim / 2) ** -0.5`, RoPE when
+  `use_mem_rope`; then `pre_ff_layernorm` and a gated MLP `down(act(g) * u)` (`g, u` the halves
+  of `gate_up_proj`; `hidden_act`, GELU in the checkpoints). The block has no residual.
+- Each use has its own adapters (LoRA: `Linear(in, adapter_rank)` then `Linear(adapter_rank,
+  out)`, added to the projection): on `gate_up_proj` always, on q, k and v when
+  `use_shared_attention_adapter`. Slot `i` of a block's adapter lists belongs to hybrid layer `i`
+  (the other slots are empty). Each use also has its own KV cache layer: one `PagedAttention`
+  per hybrid layer (the block's weights are shared, its keys and values are not).
+- The block's output goes through the layer's own `linear (H, H)` and is added to the Mamba2
+  layer's input before its norm; the residual is the hidden state without it:
+  `h = h + mamba(norm(h + linear(block(h, emb))))`.
+- Mamba2 is the SSD mixer (state in `mamba_cache`), conv with bias, gated norm eps 1e-5 as
+  transformers has it, time step clamped below at `time_step_min` in prefill (not in decode, as
+  transformers and mamba-ssm).
+
+Names are the checkpoints' (`model.embed_tokens`, `model.layers.N.mamba.*`,
+`model.layers.N.input_layernorm`, `model.layers.N.shared_transformer.{self_attn,feed_forward,
+input_layernorm,pre_ff_layernorm}.*`, `model.layers.N.linear`, `model.layers.N.mamba_decoder.*`,
+`model.final_layernorm`, `lm_head` tied to the embeddings). A shared block's tensors are stored
+under its first use; copies under later uses, where a checkpoint has them, are accepted (tied
+names). As in transformers, the blocks are shared only when `tie_word_embeddings` (all the
+published checkpoints): otherwise each hybrid layer loads its own copy. Zamba2-1.2B: 38
+layers of hidden size 2048, 6 of them hybrid, sharing one block (attention over the 4096-wide
+concatenation, adapters of rank 128); Zamba2-2.7B (54 layers) and -7B (81): two shared blocks
+used alternately.
+
+Glossary: T tokens in the step, H hidden size, F MLP size, R adapter rank.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_mamba.attention.backends.paged import PagedMetadata
+from vllm_mamba.layers.attention import PagedAttention
+from vllm_mamba.layers.layernorm import RMSNorm
+from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
+from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
+from vllm_mamba.mamba_cache import LayerState, MambaCache
+from vllm_mamba.models.mamba2_hybrid import Mamba2HybridForCausalLM, check_mamba2_args
+from vllm_mamba.ops.table import MambaOps
+
+MAMBA_TYPES = ("mamba", "linear_attention")
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "silu": F.silu,
+    "swish": F.silu,
+    "relu": F.relu,
+}
+GATED_NORM_EPS = 1e-5  # transformers' Zamba2MambaMixer hard-codes it
+
+
+def layer_types(config: Any) -> list[str]:
+    """Each layer's kind, `mamba` or `hybrid`, checked."""
+    types = ["mamba" if t in MAMBA_TYPES else t for t in config.layers_block_type]
+    if len(types) != config.num_hidden_layers or set(types) - {"mamba", "hybrid"}:
+        raise ValueError(
+            f"layers_block_type must name {config.num_hidden_layers} layers, each mamba or "
+            f"hybrid; got {config.layers_block_type}"
+        )
+    return types
+
+
+def check_config(config: Any) -> None:
+    """Raises ValueError naming the field when the config is outside what this model runs."""
+    if config.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not one of {sorted(ACTIVATIONS)}")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if (2 * config.hidden_size) % heads:
+        raise ValueError(
+            f"num_attention_heads ({heads}) must divide the attention width 2 * hidden_size "
+            f"({2 * config.hidden_size})"
+        )
+    if config.use_shared_attention_adapter and kv_heads != heads:
+        raise ValueError(
+            f"use_shared_attention_adapter needs num_key_value_heads ({kv_heads}) equal to "
+            f"num_attention_heads ({heads}): the k and v adapters are 2 * hidden_size wide"
+        )
+    width = int(config.mamba_expand * config.hidden_size)
+    check_mamba2_args(Zamba2ForCausalLM.mamba2_args(config), width)
+
+
+def adapter_list(
+    num_uses: int, num_blocks: int, block: int, sizes: tuple[int, int, int], ops: MambaOps
+) -> nn.ModuleList:
+    """Slot `i` holds hybrid layer `i`'s LoRA `(in -> R -> out)` when block `block` serves it,
+    else nothing (`nn.Identity`, never called): the checkpoints' `*_adapter_list.I.{0,1}`."""
+    d_in, rank, d_out = sizes
+    return nn.ModuleList(
+        nn.Sequential(Linear(d_in, rank, False, ops), Linear(rank, d_out, False, ops))
+        if i % num_blocks == block
+        else nn.Identity()
+        for i in range(num_uses)
+    )
+
+
+class Zamba2Attention(nn.Module):
+    """The shared block's projections and RoPE; the paged attention is the caller's."""
+
+    def __init__(self, config: Any, block: int, ops: MambaOps) -> None:
+        super().__init__()
+        width, head_dim = 2 * config.hidden_size, Zamba2ForCausalLM.head_dim(config)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = Linear(width, heads * head_dim, False, ops)
+        self.k_proj = Linear(width, kv_heads * head_dim, False, ops)
+        self.v_proj = Linear(width, kv_heads * head_dim, False, ops)
+        self.o_proj = Linear(heads * head_dim, config.hidden_size, False, ops)
+        self.use_adapters = bool(config.use_shared_attention_adapter)
+        if self.use_adapters:
+            args = (len(config.hybrid_layer_ids), config.num_mem_blocks, block)
+            sizes = (width, config.adapter_rank, width)
+            self.linear_q_adapter_list = adapter_list(*args, sizes, ops)
+            self.linear_k_adapter_list = adapter_list(*args, sizes, ops)
+            self.linear_v_adapter_list = adapter_list(*args, sizes, ops)
+        self.rotary = None
+        if config.use_mem_rope:
+            base, _ = rope_settings(config, head_dim)  # transformers rotates whole heads
+            self.rotary = RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, base)
+
+    def forward(
+        self, x: torch.Tensor, use: int, attn: PagedAttention, meta: PagedMetadata
+    ) -> torch.Tensor:
+        """`x (T, 2H)` normed, for hybrid layer `use` with its KV layer `attn` -> `(T, H)`."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_adapters:
+            q = q + self.linear_q_adapter_list[use](x)
+            k = k + self.linear_k_adapter_list[use](x)
+            v = v + self.linear_v_adapter_list[use](x)
+        if self.rotary is not None:
+            q, k = self.rotary(meta.positions, q, k)
+        return self.o_proj(attn(q, k, v, meta))
+
+
+class Zamba2MLP(nn.Module):
+    """`down(act(g) * u)`, `g, u` the halves of `gate_up_proj(x)` plus the use's adapter."""
+
+    def __init__(self, config: Any, block: int, ops: MambaOps) -> None:
+        super().__init__()
+        hidden, ffn, bias = config.hidden_size, config.intermediate_size, config.add_bias_linear
+        self.gate_up_proj = Linear(hidden, 2 * ffn, bias, ops)
+        self.down_proj = Linear(ffn, hidden, bias, ops)
+        args = (len(config.hybrid_layer_ids), config.num_mem_blocks, block)
+        self.gate_up_proj_adapter_list = adapter_list(
+            *args, (hidden, config.adapter_rank, 2 * ffn), ops
+        )
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, use: int) -> torch.Tensor:
+        """`x (T, H)` -> `(T, H)`."""
+        gate_up = self.gate_up_proj(x) + self.gate_up_proj_adapter_list[use](x)  # (T, 2F)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Zamba2SharedBlock(nn.Module):
+    """One shared transformer block (`shared_transformer`): norm of `[h, emb]`, attention,
+    norm, MLP; no residual."""
+
+    def __init__(self, config: Any, block: int, ops: MambaOps) -> None:
+        super().__init__()
+        self.self_attn = Zamba2Attention(config, block, ops)
+        self.feed_forward = Zamba2MLP(config, block, ops)
+        self.input_layernorm = RMSNorm(2 * config.hidden_size, eps=config.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        use: int,
+        attn: PagedAttention,
+        meta: PagedMetadata,
+    ) -> torch.Tensor:
+        """`hidden`, `embeds (T, H)` -> `(T, H)` for hybrid layer `use`."""
+        x = self.input_layernorm(torch.cat([hidden, embeds], dim=-1))  # (T, 2H)
+        x = self.self_attn(x, use, attn, meta)
+        return self.feed_forward(self.pre_ff_layernorm(x), use)
+
+
+class Zamba2MambaLayer(nn.Module):
+    """`h + mamba(norm(h + injected))`; `injected` is a hybrid layer's block output."""
+
+    def __init__(self, config: Any, ops: MambaOps) -> None:
+        super().__init__()
+        self.mamba = Mamba2Mixer(**Zamba2ForCausalLM.mamba2_args(config), ops=ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor,
+        state: LayerState,
+        meta: PagedMetadata,
+        injected: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`hidden (T, H)` -> `(T, H)`; `state` is the layer's Mamba2 cache view."""
+        x = hidden if injected is None else hidden + injected
+        return hidden + self.mamba(self.input_layernorm(x), state, meta)
+
+
+class Zamba2HybridLayer(nn.Module):
+    """A shared block (use `use`), the layer's `linear`, then its Mamba2 layer
+    (`mamba_decoder`); `attn` is this use's KV cache layer."""
+
+    def __init__(self, config: Any, shared: Zamba2SharedBlock, use: int, ops: MambaOps) -> None:
+        super().__init__()
+        self.shared_transformer = shared
+        self.linear = Linear(config.hidden_size, config.hidden_size, False, ops)
+        self.mamba_decoder = Zamba2MambaLayer(config, ops)
+        head_dim = Zamba2ForCausalLM.head_dim(config)
+        self.attn = PagedAttention(
+            config.num_attention_heads, config.num_key_value_heads, head_dim,
+            (head_dim / 2) ** -0.5, ops,
+        )  # fmt: skip
+        self.use = use
+
+    def forward(
+        self, hidden: torch.Tensor, embeds: torch.Tensor, state: LayerState, meta: PagedMetadata
+    ) -> torch.Tensor:
+        """`hidden`, `embeds (T, H)` -> `(T, H)`."""
+        block_out = self.shared_transformer(hidden, embeds, self.use, self.attn, meta)
+        return self.mamba_decoder(hidden, embeds, state, meta, injected=self.linear(block_out))
+
+
+class Zamba2Model(nn.Module):
+    """Embeddings, the layers (hybrid layers holding the shared blocks) and the final norm."""
+
+    def __init__(self, config: Any, ops: MambaOps) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        blocks = [Zamba2SharedBlock(config, b, ops) for b in range(config.num_mem_blocks)]
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        layers: list[nn.Module] = []
+        for kind in layer_types(config):
+            if kind == "hybrid":
+                use = sum(isinstance(m, Zamba2HybridLayer) for m in layers)
+                block_id = use % config.num_mem_blocks
+                if tied or use < config.num_mem_blocks:
+                    block = blocks[block_id]
+                else:  # an untied copy, as transformers loads it
+                    block = Zamba2SharedBlock(config, block_id, ops)
+                layers.append(Zamba2HybridLayer(config, block, use, ops))
+            else:
+                layers.append(Zamba2MambaLayer(config, ops))
+        self.layers = nn.ModuleList(layers)
+        self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class Zamba2ForCausalLM(Mamba2HybridForCausalLM):
+    """Zamba2 language model: Mamba2 layers and shared attention blocks with per-use adapters."""
+
+    def __init__(self, config: Any, ops: MambaOps) -> None:
+        super().__init__()
+        check_config(config)
+        self.model = Zamba2Model(config, ops)
+        self.init_lm_head(config, ops)
+
+    @classmethod
+    def head_dim(cls, config: Any) -> int:
+        """`2H / num_attention_heads` (the block attends over the concatenated input)."""
+        return 2 * config.hidden_size // config.num_attention_heads
+
+    @classmethod
+    def attention_layers(cls, config: Any) -> list[bool]:
+        return [t == "hybrid" for t in layer_types(config)]
+
+    @classmethod
+    def mamba_layers(cls, config: Any) -> list[bool]:
+        return [True] * config.num_hidden_layers
+
+    @classmethod
+    def mamba2_args(cls, config: Any) -> dict[str, Any]:
+        heads = config.n_mamba_heads
+        return dict(
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            head_dim=int(config.mamba_expand * config.hidden_size) // heads,
+            n_groups=config.mamba_ngroups,
+            state_size=config.mamba_d_state,
+            conv_kernel=config.mamba_d_conv,
+            chunk_size=config.chunk_size,
+            time_step_limit=(float(config.time_step_min), float("inf")),
+            use_bias=config.add_bias_linear,
+            use_conv_bias=True,  # transformers' conv1d always has a bias
+            norm_eps=GATED_NORM_EPS,
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, cache: MambaCache, meta: PagedMetadata
+    ) -> torch.Tensor:
+        """Runs the step's tokens `input_ids (T,)`; returns normed hidden states `(T, H)`."""
+        embeds = self.model.embed_tokens(input_ids)  # (T, H)
+        hidden = embeds
+        for layer, index in zip(self.model.layers, self.state_index):
+            hidden = layer(hidden, embeds, cache.layer(index), meta)
+        return self.model.final_layernorm(hidden)

@@ -1,0 +1,85 @@
+"""Weight-only int8 linear layers: the per-channel quantiser, the op, and its `_ref` twin.
+
+A float weight `W (N, K)` becomes `qweight (N, K)` int8 and `scale (N,)` float32 with
+`W ~ qweight * scale[:, None]`: symmetric, one scale per output channel, `scale = max|W_n| / 127`
+(round to nearest, clamped to [-127, 127]). Activations stay float32 or bfloat16 and products
+accumulate in float32, so the only error against the float model is the weight rounding
+(at most half a step, `scale / 2`, per weight).
+
+`int8_linear_ref` dequantises and calls `F.linear`; the C++ kernel (`csrc/int8_linear.cpp`)
+streams the int8 weight instead and is what `int8_linear_cpp` returns when the extension has
+it. `vllm_mamba.ops.dispatch` puts one of them in the ops table.
+
+Glossary: M rows of x, K input features, N output features (channels).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INT8_MAX = 127
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 quantisation of a float weight.
+
+    Args:
+        weight: `(N, K)` float32 or bfloat16.
+
+    Returns:
+        `qweight (N, K)` int8 (contiguous) and `scale (N,)` float32; an all-zero row gets
+        scale 1 and zeros.
+    """
+    w = weight.detach().float()  # (N, K)
+    absmax = w.abs().amax(dim=1)  # (N,)
+    scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))  # (N,)
+    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX)  # (N, K)
+    return q.to(torch.int8).contiguous(), scale.contiguous()
+
+
+def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`qweight (N, K) * scale (N,)` as a float `(N, K)` weight in `dtype`."""
+    return (qweight.float() * scale[:, None]).to(dtype)
+
+
+def int8_linear_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`x (..., K) @ (qweight * scale)^T + bias` -> `(..., N)` in x's dtype.
+
+    Args:
+        x: `(..., K)` float32 or bfloat16 activations.
+        qweight: `(N, K)` int8.
+        scale: `(N,)` float32 per-output-channel scales.
+        bias: `(N,)` or None.
+
+    Returns:
+        `(..., N)` in the dtype of `x`: the float layer with the dequantised weight.
+    """
+    weight = dequantize_int8(qweight, scale, x.dtype)  # (N, K)
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def int8_linear_cpp(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The C++ kernel for `(M, K)` CPU inputs in float32 or bfloat16; the reference otherwise.
+
+    Up to a few rows (decode) it streams each int8 weight row once (the float32 products of
+    widened weights, scaled at the end); more rows run the same tiled kernel (float32) or
+    dequantise blocks of the weight for the dense bfloat16 GEMM. Same signature as
+    `int8_linear_ref`.
+    """
+    if x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        return torch.ops.vllm_mamba.int8_linear(x, qweight, scale, bias)
+    return int8_linear_ref(x, qweight, scale, bias)
+
+
+def has_int8_kernel() -> bool:
+    """Whether the C++ extension is loaded and registers `int8_linear`."""
+    try:
+        import vllm_mamba._C  # noqa: F401  (registers torch.ops.vllm_mamba.*)
+    except (ImportError, OSError):
+        return False
+    return hasattr(torch.ops.vllm_mamba, "int8_linear")
