@@ -20,6 +20,7 @@ Never part of CI.
     python benchmarks/make_model.py /tmp/mamba-130m-random
     python benchmarks/compare.py --model /tmp/mamba-130m-random
     python benchmarks/compare.py --model /tmp/mamba-130m-random --dtype bfloat16
+    python benchmarks/compare.py --model /tmp/mamba-130m-random --quantization int8
     python benchmarks/make_model.py /tmp/mamba2-130m-random --arch mamba2
     python benchmarks/compare.py --model /tmp/mamba2-130m-random --batches 1,32
 """
@@ -40,12 +41,19 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = "/tmp/mamba-130m-random"
 DEFAULT_LLAMA_HOME = "/tmp/llamacpp"
 GGUF_TYPES = {"float32": ["f32"], "bfloat16": ["bf16", "f16"], "float16": ["f16"]}
+QUANTIZED_GGUF_TYPES = {"int8": ["q8_0"]}  # llama.cpp's counterpart of each quantization
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help="Hugging Face model directory")
     p.add_argument("--dtype", default="float32", choices=sorted(GGUF_TYPES))
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=sorted(QUANTIZED_GGUF_TYPES),
+        help="the engine's weight quantization; llama.cpp then runs its counterpart (Q8_0)",
+    )
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every system")
     p.add_argument("--reps", type=int, default=3, help="repetitions; the median is reported")
     p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill prompt")
@@ -67,7 +75,7 @@ def parse_args() -> argparse.Namespace:
 
 def build_systems(args: argparse.Namespace) -> list:
     """The systems to measure; llama.cpp ones only when their tools and GGUF files exist."""
-    systems: list = [EngineSystem(args.model, args.dtype, max(args.batches))]
+    systems: list = [EngineSystem(args.model, args.dtype, max(args.batches), args.quantization)]
     if not args.skip_transformers:
         systems.append(
             TransformersSystem(args.model, args.dtype, args.hf_decode_tokens, args.hf_max_batch)
@@ -81,7 +89,8 @@ def build_systems(args: argparse.Namespace) -> list:
         print(f"llama.cpp skipped: {', '.join(missing)} not built (benchmarks/setup_llama_cpp.sh)")
         return systems
     stem = os.path.basename(os.path.normpath(args.model))
-    for gguf_type in GGUF_TYPES[args.dtype]:
+    gguf_types = QUANTIZED_GGUF_TYPES.get(args.quantization) or GGUF_TYPES[args.dtype]
+    for gguf_type in gguf_types:
         gguf = os.path.join(args.llama_cpp_home, "gguf", f"{stem}-{gguf_type}.gguf")
         if os.path.exists(gguf):
             systems.append(LlamaCppSystem(bin_dir, gguf, gguf_type.upper(), args.threads))
@@ -147,7 +156,8 @@ def main() -> None:
     systems = build_systems(args)
     samples = measure(args, systems)
     print(
-        f"\n{started}, {args.dtype}, {args.threads} threads, medians of {args.reps} runs, "
+        f"\n{started}, {args.dtype}{', ' + args.quantization if args.quantization else ''}, "
+        f"{args.threads} threads, medians of {args.reps} runs, "
         f"decode: {args.prompt_len}-token prompts, {args.decode_tokens} tokens "
         f"(transformers {args.hf_decode_tokens}), total {time.perf_counter() - t0:.0f} s, "
         f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n"

@@ -28,7 +28,9 @@ def random_prompts(num: int, length: int, seed: int) -> list[list[int]]:
 class EngineSystem:
     """This engine through `LLM` (prefill) and `LLMEngine.step` (decode)."""
 
-    def __init__(self, model: str, dtype: str, max_batch: int) -> None:
+    def __init__(
+        self, model: str, dtype: str, max_batch: int, quantization: str | None = None
+    ) -> None:
         from vllm_mamba import LLM
 
         self.name = "engine"
@@ -40,6 +42,7 @@ class EngineSystem:
             max_num_seqs=max_batch,
             max_num_batched_tokens=2048,
             max_model_len=4096,
+            quantization=quantization,
         )
         self._ids = itertools.count()
 
