@@ -4,6 +4,8 @@ The Mamba and FalconMamba checkpoints are those of `tests.tiny_models`; Mamba2 c
 shapes whose heads split over 2 ranks: `n_groups` 2 (each rank holds one group) and
 `n_groups` 1 (the group is replicated and the gated norm's statistics are all-reduced), the
 latter with biases, a tied head and an odd vocabulary (the last vocabulary shard is padded).
+Bamba comes as `bamba-gqa` (2 KV heads, split) of `tests.helpers.hybrid_models` and as
+`bamba-mqa-even` (one KV head, replicated on both ranks; one Mamba2 group; tied head).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import tempfile
 
 import torch
 
+from tests.helpers.hybrid_models import hybrid_model_dir
 from tests.tiny_models import TOKENIZER_DIR, other_model_dir, tiny_model_dir
 
 MAMBA2_G1 = dict(
@@ -35,20 +38,21 @@ MAMBA2_G1 = dict(
 )
 
 
-@functools.cache
-def mamba2_g1_dir() -> str:
-    """Saves the `n_groups` 1 Mamba2 (varied random weights, as `tests.tiny_models`)."""
-    from transformers import Mamba2Config, Mamba2ForCausalLM
+def _save_tiny(cls_name: str, kwargs: dict, prefix: str) -> str:
+    """Saves a transformers model of config `kwargs` with varied random weights (every weight
+    but `A_log`, `D` and the norms from N(0, 0.3^2), as `tests.tiny_models`)."""
+    import transformers
 
+    model_cls = getattr(transformers, cls_name)
     torch.manual_seed(0)
-    config = Mamba2Config(**MAMBA2_G1, bos_token_id=0, eos_token_id=0, pad_token_id=1)
-    model = Mamba2ForCausalLM(config).eval()
+    config = model_cls.config_class(**kwargs, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    model = model_cls(config).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not (name.endswith(("A_log", ".D")) or "norm" in name):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    path = tempfile.mkdtemp(prefix="tiny-mamba2-g1-")
+    path = tempfile.mkdtemp(prefix=prefix)
     model.save_pretrained(path)
     for file in os.listdir(TOKENIZER_DIR):
         if file.endswith(".json"):
@@ -56,10 +60,43 @@ def mamba2_g1_dir() -> str:
     return path
 
 
+# Bamba with MQA (one KV head, replicated on both ranks) and 4 SSD heads in one group.
+BAMBA_MQA_EVEN = dict(
+    vocab_size=50280,
+    max_position_embeddings=1024,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=3,
+    attn_layer_indices=[0],
+    num_attention_heads=6,
+    num_key_value_heads=1,
+    mamba_n_heads=4,
+    mamba_n_groups=1,
+    mamba_d_state=8,
+    mamba_d_conv=3,
+    mamba_expand=2,
+    mamba_chunk_size=8,
+    mamba_proj_bias=True,
+    attention_bias=True,
+    mlp_bias=True,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+
+OWN = {
+    "mamba2-g1": ("Mamba2ForCausalLM", MAMBA2_G1),
+    "bamba-mqa-even": ("BambaForCausalLM", BAMBA_MQA_EVEN),
+}
+
+
+@functools.cache
 def model_dir(name: str) -> str:
-    """The checkpoint directory of a tensor-parallel test model."""
+    """The checkpoint directory of a tensor-parallel test model (saved once per session)."""
     if name in ("tied", "untied"):
         return tiny_model_dir(name)
-    if name == "mamba2-g1":
-        return mamba2_g1_dir()
+    if name in OWN:
+        return _save_tiny(*OWN[name], prefix=f"tiny-{name}-")
+    if name.startswith("bamba"):
+        return hybrid_model_dir(name)
     return other_model_dir(name)

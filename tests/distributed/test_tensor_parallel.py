@@ -17,7 +17,7 @@ from tests.helpers.prompts import make_prompts
 from tests.helpers.runners import VllmRunner
 from vllm_mamba import SamplingParams
 
-MODELS = ["falcon-untied", "mamba2-groups", "mamba2-g1"]
+MODELS = ["falcon-untied", "mamba2-groups", "mamba2-g1", "bamba-gqa", "bamba-mqa-even"]
 ATOL = 1e-3
 
 

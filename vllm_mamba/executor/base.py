@@ -8,6 +8,7 @@ of a rank into `TensorParallelError`, after which the engine is dead.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -58,11 +59,16 @@ class Executor(ABC):
 
 def local_state_shape(model: nn.Module, shape: MambaStateShape) -> MambaStateShape:
     """The per-slot state of this rank's shard: the channel / head counts of its mixers."""
-    import dataclasses
-
     mixer = next((m for m in model.modules() if hasattr(m, "A_log") and hasattr(m, "conv1d")), None)
     if mixer is None:
         return shape
     conv = (mixer.conv1d.weight.shape[0], *shape.conv_shape[1:])
     ssm = (mixer.A_log.shape[0], *shape.ssm_shape[1:])
     return dataclasses.replace(shape, conv_shape=conv, ssm_shape=ssm)
+
+
+def local_kv_specs(model: nn.Module, specs: list[AttentionSpec]) -> list[AttentionSpec]:
+    """The KV cache specs of this rank's shard: the KV heads its attention layers hold."""
+    layers = [m for m in model.modules() if hasattr(m, "bind_kv_cache")]
+    assert len(layers) == len(specs), (len(layers), len(specs))
+    return [dataclasses.replace(s, num_kv_heads=m.num_kv_heads) for s, m in zip(specs, layers)]

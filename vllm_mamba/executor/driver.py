@@ -25,7 +25,12 @@ from vllm_mamba.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
-from vllm_mamba.executor.base import Executor, TensorParallelError, local_state_shape
+from vllm_mamba.executor.base import (
+    Executor,
+    TensorParallelError,
+    local_kv_specs,
+    local_state_shape,
+)
 from vllm_mamba.executor.worker import Command, metadata_to
 from vllm_mamba.kv_cache import AttentionSpec, KVCache, KVCacheSizing
 from vllm_mamba.mamba_cache import MambaCache, MambaStateShape
@@ -185,6 +190,7 @@ class DriverExecutor(Executor):
 
     def make_kv_cache(self, specs: list[AttentionSpec], sizing: KVCacheSizing) -> KVCache:
         """Every rank's KV cache (its KV heads), bound to its shard; returns rank 0's."""
+        specs = local_kv_specs(self.model, specs)
         self.send(("init_kv_cache", specs, sizing))
         kv_cache = DriverKVCache(specs, sizing, self.device, self.send)
         kv_cache.bind(self.model)

@@ -1,11 +1,16 @@
-"""Which channels, heads and groups of a state-space mixer one tensor-parallel rank holds.
+"""Which channels, heads and groups of a mixer (state-space or attention) one tensor-parallel
+rank holds.
 
 Mamba splits its intermediate channels evenly: rank r holds channels `[r I/N, (r+1) I/N)` of
 x, z, the conv, `dt_proj`, `A_log` and `D` (and their state). Mamba2 splits by heads; the B
 and C groups are split when `n_groups` is a multiple of N, else (N a multiple of `n_groups`)
 each rank holds the one group its heads read, so groups are replicated over N / G ranks.
 
-Glossary: I intermediate size, NH heads, P head dim, G groups, N state size, CD conv channels.
+Attention splits its query heads; its key/value heads are split when there are at least as
+many as ranks, else each rank holds the one its queries read (replicated over N / Hkv ranks).
+
+Glossary: I intermediate size, NH heads, P head dim, G groups, N state size, CD conv channels,
+Hkv key/value heads, D attention head dim.
 """
 
 from __future__ import annotations
@@ -76,3 +81,22 @@ def shard_mixer_params(
     for name in ("A_log", "D", "dt_bias"):
         if getattr(mixer, name, None) is not None:
             shard_param(mixer, name, 0, head_ranges, head_total)
+
+
+def kv_head_ranges(
+    num_kv_heads: int, head_dim: int, tp: TensorParallel
+) -> tuple[Ranges | None, int]:
+    """This rank's key/value projection rows (None: an even split) and its KV head count.
+
+    Raises:
+        ValueError: `num_kv_heads` neither a multiple nor a divisor of the ranks.
+    """
+    if num_kv_heads % tp.size == 0:
+        return None, num_kv_heads // tp.size
+    if tp.size % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads ({num_kv_heads}) must be a multiple or a divisor of "
+            f"tensor_parallel_size ({tp.size})"
+        )
+    head = tp.rank // (tp.size // num_kv_heads)
+    return [(head * head_dim, head_dim)], 1

@@ -6,6 +6,10 @@ identity mapping. GQA/MQA by `num_kv_heads`; the softmax scale is the config's
 (`head_dim ** -0.5`, or Granite's `attention_multiplier`); `key_multiplier` scales the keys
 (Falcon-H1).
 
+With tensor parallelism (`tp`) each rank holds `Hq / tp.size` query heads and their key/value
+heads (split when `Hkv` is a multiple of the ranks, else the one each rank's queries read,
+replicated); `o_proj` is row-parallel.
+
 Glossary: T tokens in the step, H hidden size, Hq query heads, Hkv key/value heads, D head dim.
 """
 
@@ -15,8 +19,10 @@ import torch
 from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.attention import PagedAttention
-from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.mixer_sharding import kv_head_ranges
+from vllm_mamba.layers.parallel_linear import column_linear, row_linear
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.ops.table import MambaOps
 
@@ -37,16 +43,20 @@ class SelfAttention(nn.Module):
         ops: MambaOps,
         out_bias: bool | None = None,
         key_multiplier: float = 1.0,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.q_proj = Linear(hidden_size, num_heads * head_dim, bias, ops)
-        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias, ops)
-        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias, ops)
+        heads = tp.split(num_heads, "num_attention_heads")  # this rank's
+        kv_ranges, kv_heads = kv_head_ranges(num_kv_heads, head_dim, tp)
+        kv_size = [num_kv_heads * head_dim]
+        self.q_proj = column_linear(hidden_size, [num_heads * head_dim], bias, ops, tp)
+        self.k_proj = column_linear(hidden_size, kv_size, bias, ops, tp, kv_ranges)
+        self.v_proj = column_linear(hidden_size, kv_size, bias, ops, tp, kv_ranges)
         out_bias = bias if out_bias is None else out_bias
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, out_bias, ops)
+        self.o_proj = row_linear(num_heads * head_dim, hidden_size, out_bias, ops, tp)
         self.rotary = rotary
         self.key_multiplier = key_multiplier
-        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, scale, ops)
+        self.attn = PagedAttention(heads, kv_heads, head_dim, scale, ops)
 
     def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`."""

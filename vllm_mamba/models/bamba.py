@@ -18,6 +18,9 @@ Names are the checkpoints' (`model.embed_tokens`, `model.layers.N.mamba.*`,
 layers 9, 18 and 27 (32 query and 8 key/value heads), Mamba2 with 128 heads of 64, d_state
 128, one group, conv 4, chunk 256.
 
+Tensor parallelism (`tp`): Mamba2 by heads, attention by heads, the MLP's `gate_proj` and
+`up_proj` column-parallel and `down_proj` row-parallel, vocabulary-parallel embedding and head.
+
 Glossary: T tokens in the step, H hidden size, F feed-forward size.
 """
 
@@ -30,9 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.layernorm import RMSNorm
-from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
+from vllm_mamba.layers.parallel_linear import column_linear, row_linear, vocab_embedding
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.mamba_cache import LayerState, MambaCache
@@ -59,11 +63,18 @@ def make_rotary(config: Any, head_dim: int) -> RotaryEmbedding:
 class GatedMLP(nn.Module):
     """`down(silu(gate(x)) * up(x))`, with optional biases."""
 
-    def __init__(self, hidden_size: int, ffn_size: int, bias: bool, ops: MambaOps) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_size: int,
+        bias: bool,
+        ops: MambaOps,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, ffn_size, bias, ops)
-        self.up_proj = Linear(hidden_size, ffn_size, bias, ops)
-        self.down_proj = Linear(ffn_size, hidden_size, bias, ops)
+        self.gate_proj = column_linear(hidden_size, [ffn_size], bias, ops, tp)
+        self.up_proj = column_linear(hidden_size, [ffn_size], bias, ops, tp)
+        self.down_proj = row_linear(ffn_size, hidden_size, bias, ops, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x (T, H)` -> `(T, H)`."""
@@ -73,7 +84,7 @@ class GatedMLP(nn.Module):
 class BambaLayer(nn.Module):
     """Norm, mixer (`mamba` or `self_attn`), residual; norm, gated MLP, residual."""
 
-    def __init__(self, config: Any, index: int, ops: MambaOps) -> None:
+    def __init__(self, config: Any, index: int, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.is_attention = is_attention_layer(config, index)
         if self.is_attention:
@@ -81,12 +92,12 @@ class BambaLayer(nn.Module):
             self.self_attn = SelfAttention(
                 config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                 head_dim, bias=config.attention_bias, scale=head_dim**-0.5,
-                rotary=make_rotary(config, head_dim), ops=ops,
+                rotary=make_rotary(config, head_dim), ops=ops, tp=tp,
             )  # fmt: skip
         else:
-            self.mamba = Mamba2Mixer(**BambaForCausalLM.mamba2_args(config), ops=ops)
+            self.mamba = Mamba2Mixer(**BambaForCausalLM.mamba2_args(config), ops=ops, tp=tp)
         bias = getattr(config, "mlp_bias", False)
-        self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, bias, ops)
+        self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, bias, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -105,11 +116,11 @@ class BambaLayer(nn.Module):
 class BambaModel(nn.Module):
     """Embeddings, the layers and the final norm (`model.*` in the checkpoints)."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            BambaLayer(config, i, ops) for i in range(config.num_hidden_layers)
+            BambaLayer(config, i, ops, tp) for i in range(config.num_hidden_layers)
         )
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -117,13 +128,15 @@ class BambaModel(nn.Module):
 class BambaForCausalLM(Mamba2HybridForCausalLM):
     """Bamba language model: Mamba2 and RoPE attention layers."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    supports_tensor_parallel = True
+
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         check_silu(config)
         args = self.mamba2_args(config)
         check_mamba2_args(args, int(config.mamba_expand * config.hidden_size))
-        self.model = BambaModel(config, ops)
-        self.init_lm_head(config, ops)
+        self.model = BambaModel(config, ops, tp)
+        self.init_lm_head(config, ops, tp)
 
     @classmethod
     def attention_layers(cls, config: Any) -> list[bool]:

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.kv_cache import AttentionSpec, LayerCacheSpec, MambaSpec
-from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
+from vllm_mamba.layers.parallel_linear import lm_head
 from vllm_mamba.mamba_cache import MambaStateShape
 from vllm_mamba.ops.table import MambaOps
 
@@ -90,10 +91,11 @@ class Mamba2HybridForCausalLM(nn.Module):
         """The attention head dim."""
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
-    def init_lm_head(self, config: Any, ops: MambaOps) -> None:
-        """The LM head and the per-layer `mamba_cache` index (None for other layers)."""
+    def init_lm_head(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
+        """The LM head (this rank's vocabulary rows) and the per-layer `mamba_cache` index
+        (None for other layers)."""
         self.config = config
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, ops, tp)
         index = iter(range(len(self.mamba_layers(config))))
         self.state_index = [next(index) if m else None for m in self.mamba_layers(config)]
         self.tie_weights()
