@@ -20,6 +20,8 @@ from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.fused_decode_layer import mamba2_decode_block
+from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mixer_base import StateSpaceMixer
 from vllm_mamba.layers.mixer_sharding import mamba2_shard, shard_mixer_params
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
@@ -82,6 +84,18 @@ class Mamba2Mixer(StateSpaceMixer):
         C = C.reshape(num_tokens, self.n_groups, self.state_size)
         return x, B, C
 
+    def decode_block(
+        self,
+        hidden: torch.Tensor,
+        norm: RMSNorm | None,
+        residual_in_fp32: bool,
+        state: LayerState,
+        meta: MambaMetadata,
+    ) -> torch.Tensor | None:
+        """A decode-only step in one fused kernel call (with the block's `norm` and residual
+        when given), or None where it does not apply; see `fused_decode_layer`."""
+        return mamba2_decode_block(self, Mamba2Mixer, hidden, norm, residual_in_fp32, state, meta)
+
     def forward(self, hidden: torch.Tensor, state: LayerState, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's state in place.
 
@@ -90,6 +104,9 @@ class Mamba2Mixer(StateSpaceMixer):
         Returns:
             `(T, H)` in the model dtype.
         """
+        fused = self.decode_block(hidden, None, False, state, meta)
+        if fused is not None:
+            return fused
         nd = meta.num_decodes
         zxbcdt = self._project(hidden)  # (T, I + CD + NH)
         z, xbc, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.num_heads], -1)

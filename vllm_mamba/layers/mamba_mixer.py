@@ -17,7 +17,8 @@ import torch
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
-from vllm_mamba.layers.layernorm import weightless_rms_norm
+from vllm_mamba.layers.fused_decode_layer import mamba_decode_block
+from vllm_mamba.layers.layernorm import RMSNorm, weightless_rms_norm
 from vllm_mamba.layers.mixer_base import StateSpaceMixer
 from vllm_mamba.layers.mixer_sharding import shard_mixer_params
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
@@ -65,12 +66,27 @@ class MambaMixer(StateSpaceMixer):
         dt = self.ops.linear(ts, self.dt_proj.weight, None)  # (T, I), bias added in the scan
         return dt, B, C
 
+    def decode_block(
+        self,
+        hidden: torch.Tensor,
+        norm: RMSNorm | None,
+        residual_in_fp32: bool,
+        state: LayerState,
+        meta: MambaMetadata,
+    ) -> torch.Tensor | None:
+        """A decode-only step in one fused kernel call (with the block's `norm` and residual
+        when given), or None where it does not apply; see `fused_decode_layer`."""
+        return mamba_decode_block(self, MambaMixer, hidden, norm, residual_in_fp32, state, meta)
+
     def forward(self, hidden: torch.Tensor, state: LayerState, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's state in place.
 
         Returns:
             `(T, H)` in the model dtype.
         """
+        fused = self.decode_block(hidden, None, False, state, meta)
+        if fused is not None:
+            return fused
         nd = meta.num_decodes
         x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (T, I) each
         xc = self.conv(x, state, meta)  # (T, I)

@@ -34,6 +34,9 @@ class MambaBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, state: Any, meta: MambaMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`; the residual stream is float32 with residual_in_fp32."""
+        fused = self.mixer.decode_block(hidden, self.norm, self.residual_in_fp32, state, meta)
+        if fused is not None:  # a decode-only step in one kernel call (`fused_decode_layer`)
+            return fused
         residual = hidden.float() if self.residual_in_fp32 else hidden
         mixed = self.mixer(self.norm(hidden.to(self.norm.weight.dtype)), state, meta)
         return residual + mixed

@@ -5,13 +5,15 @@ through it, projections included, and never pick a kernel themselves. On the CPU
 extension (`vllm_mamba.ops.cpu_kernels`) runs when it is built, else the references with one
 warning; on CUDA the Triton kernels (`vllm_mamba.ops.triton_ops`).
 `VLLM_MAMBA_OPS=ref|cpp|triton` forces a choice for every op; `ref` runs `F.linear` and the
-`_ref` functions only.
+`_ref` functions only. The C++ backend also gets the fused decode layers
+(`vllm_mamba.ops.fused_decode`) unless `VLLM_MAMBA_FUSED_DECODE=0`.
 
 Each backend module exposes `available() -> bool` and `make_ops() -> MambaOps`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -19,6 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from vllm_mamba.ops import fused_decode
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
 from vllm_mamba.ops.int8_linear import int8_linear_ref
@@ -53,7 +56,16 @@ def _load_backend(name: str) -> MambaOps | None:
         module = importlib.import_module(_BACKEND_MODULES[name])
     except ImportError:
         return None
-    return module.make_ops() if module.available() else None
+    if not module.available():
+        return None
+    ops = module.make_ops()
+    if name == "cpp" and fused_decode.available():
+        ops = dataclasses.replace(
+            ops,
+            fused_mamba_decode=fused_decode.fused_mamba_decode,
+            fused_mamba2_decode=fused_decode.fused_mamba2_decode,
+        )
+    return ops
 
 
 def get_mamba_ops(device: torch.device | str) -> MambaOps:

@@ -135,6 +135,26 @@ class PagedPrefillOp(Protocol):
     ) -> Tensor: ...  # fmt: skip
 
 
+class FusedMambaDecodeOp(Protocol):
+    """See `fused_mamba_decode_ref`."""
+
+    def __call__(
+        self, hidden: Tensor, params: list[Tensor | None], conv_states: Tensor,
+        ssm_states: Tensor, state_indices: Tensor, norm_eps: float, mixer_eps: float,
+        out_float: bool,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class FusedMamba2DecodeOp(Protocol):
+    """See `fused_mamba2_decode_ref`."""
+
+    def __call__(
+        self, hidden: Tensor, params: list[Tensor | None], conv_states: Tensor,
+        ssm_states: Tensor, state_indices: Tensor, n_groups: int, group_size: int,
+        norm_eps: float, gate_eps: float, out_float: bool,
+    ) -> Tensor: ...  # fmt: skip
+
+
 @dataclass(frozen=True)
 class MambaOps:
     """The kernels the layers call, with the signatures of the `_ref` functions.
@@ -158,4 +178,6 @@ class MambaOps:
     reshape_and_cache: ReshapeAndCacheOp = reshape_and_cache_ref
     paged_decode_attention: PagedDecodeOp = paged_decode_attention_ref
     paged_prefill_attention: PagedPrefillOp = paged_prefill_attention_ref
+    fused_mamba_decode: FusedMambaDecodeOp | None = None
+    fused_mamba2_decode: FusedMamba2DecodeOp | None = None
     int8_linear: Int8LinearOp = int8_linear_ref

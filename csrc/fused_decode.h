@@ -1,0 +1,153 @@
+// Building blocks of the fused decode layers (`fused_decode_mamba.cpp`,
+// `fused_decode_mamba2.cpp`): matrix-vector products that stream a weight once for a few
+// batch rows, the block RMSNorm, and the split of a range over the threads of one parallel
+// region.
+//
+// Decode with a few sequences is bound by reading the weights from memory, so the products
+// go through the weight in blocks of 8 rows (8 independent AVX-512 accumulators, one row's
+// bytes each) and dot each block with every batch row while it is still in L1/L2. Weights are
+// float32 or bfloat16 (widened on the fly); activations and accumulation are float32.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace vllm_mamba {
+namespace fused {
+
+constexpr int64_t kRowBlock = 8;  // weight rows per pass; ranges split on this unit
+
+inline int thread_id() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+inline int num_threads() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+// [lo, hi) of `n` items for thread `tid` of `nth`, in whole units of `unit` items.
+inline void split(int64_t n, int64_t unit, int tid, int nth, int64_t& lo, int64_t& hi) {
+  const int64_t units = (n + unit - 1) / unit;
+  const int64_t per = units / nth, extra = units % nth;
+  const int64_t u0 = tid * per + std::min<int64_t>(tid, extra);
+  const int64_t u1 = u0 + per + (tid < extra ? 1 : 0);
+  lo = std::min(n, u0 * unit);
+  hi = std::min(n, u1 * unit);
+}
+
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i v = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// out[r] = w[r, :k] . x[:k] for R consecutive rows of `w` (row stride k).
+template <int R, typename W>
+inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(load16(w + r * k + i), xv, acc[r]);
+  }
+  if (i < k) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (k - i)) - 1u);
+    const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(load16(w + r * k + i, m), xv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+#else
+template <int R, typename W>
+inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
+  for (int r = 0; r < R; ++r) {
+    const W* wr = w + r * k;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < k; ++i) acc += widen(wr[i]) * x[i];
+    out[r] = acc;
+  }
+}
+#endif
+
+// out[b, r - lo] (row stride ldo) = w[r] . x[b] (row stride ldx) for rows r in [lo, hi) and
+// batch rows b < batch; each block of kRowBlock weight rows is read from memory once.
+template <typename W>
+inline void gemv_rows(const W* w, int64_t k, const float* x, int64_t ldx, int64_t batch,
+                      int64_t lo, int64_t hi, float* out, int64_t ldo) {
+  int64_t r = lo;
+  for (; r + kRowBlock <= hi; r += kRowBlock) {
+    for (int64_t b = 0; b < batch; ++b) {
+      dot_rows<kRowBlock>(w + r * k, k, x + b * ldx, out + b * ldo + (r - lo));
+    }
+  }
+  for (; r < hi; ++r) {
+    for (int64_t b = 0; b < batch; ++b) dot_rows<1>(w + r * k, k, x + b * ldx, out + b * ldo + (r - lo));
+  }
+}
+
+// The block norm of one row: out = weight * x / sqrt(mean(x^2) + eps), as `RMSNorm` in float32.
+inline void rms_norm_row(const float* x, const float* weight, int64_t n, float eps, float* out) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * r);
+}
+
+// Reads an optional float32 parameter of a params list; nullptr when absent.
+inline const float* param_f32(const c10::List<std::optional<at::Tensor>>& params, size_t i,
+                              int64_t numel, const char* what) {
+  const std::optional<at::Tensor> t = params.get(i);
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == numel, what,
+              " must be a contiguous float32 tensor of ", numel, " elements");
+  return t->data_ptr<float>();
+}
+
+// A required weight of a params list, contiguous, of the weight dtype, shaped (rows, cols).
+inline const at::Tensor& weight_of(const c10::List<std::optional<at::Tensor>>& params, size_t i,
+                                   at::ScalarType dtype, int64_t rows, int64_t cols,
+                                   const char* what, at::Tensor& holder) {
+  const std::optional<at::Tensor> t = params.get(i);
+  TORCH_CHECK(t.has_value(), what, " is required");
+  holder = *t;
+  TORCH_CHECK(holder.dim() == 2 && holder.size(0) == rows && holder.size(1) == cols, what,
+              " must be (", rows, ", ", cols, "), got ", holder.sizes());
+  TORCH_CHECK(holder.scalar_type() == dtype && holder.is_contiguous(), what,
+              " must be contiguous and of the in_proj weight's dtype");
+  return holder;
+}
+
+}  // namespace fused
+}  // namespace vllm_mamba

@@ -1,0 +1,259 @@
+// One Mamba (S6) layer's decode step for a few sequences in one call (`fused_mamba_decode`):
+// block RMSNorm (optional) -> in_proj -> causal conv + SiLU -> x_proj (FalconMamba: weightless
+// RMS norms of dt, B and C) -> dt_proj -> selective state update (dt bias and softplus, D skip)
+// -> gate by silu(z) -> out_proj (+ the residual when the block norm is given).
+//
+// Semantics are those of the unfused path: `MambaMixer.forward` with the ops
+// `causal_conv1d_update` and `selective_state_update`; a slot index of -1 marks a padding row,
+// computed from a zero history and state and never written. Intermediates stay float32.
+//
+// One OpenMP region per call: in_proj rows (conv fused per channel), x_proj rows, then
+// channels (dt_proj, state update, gate), then out_proj rows are split over the threads, with
+// a barrier between the stages.
+//
+// Glossary: B batch rows, H hidden, I inner channels, N state size, R time-step rank,
+// K conv width, XP = R + 2 N x_proj rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "fused_decode.h"
+#include "kernel_math.h"
+
+namespace vllm_mamba {
+namespace {
+
+using fused::gemv_rows;
+using fused::split;
+
+// Index of each entry of the `params` list (see `vllm_mamba/ops/fused_decode.py`).
+enum Param : size_t {
+  kNormW, kInW, kInB, kConvW, kConvB, kXW, kDtW, kDtB, kA, kD, kOutW, kOutB, kNumParams
+};
+
+struct Dims {
+  int64_t batch, hidden, inter, nstate, rank, kernel, xp;
+};
+
+struct Small {  // float32 parameters; nullptr when absent
+  const float *norm_w, *in_b, *conv_w, *conv_b, *dt_b, *A, *D, *out_b;
+  float norm_eps, mixer_eps;  // mixer_eps < 0: no normalisation of dt, B, C
+};
+
+template <typename W, typename S>
+struct Io {
+  const W *in_w, *x_w, *dt_w, *out_w;
+  W* conv_states;  // (S, I, K - 1)
+  S* ssm_states;   // (S, I, N)
+  const int64_t* slots;
+  const float* hidden;  // (B, H)
+  float *xn, *xz, *dbc, *y, *mixed;  // (B, H), (B, 2 I), (B, XP), (B, I), (B, H) scratch
+};
+
+// Conv + SiLU of channel c of batch row b (value in place in xz), shifting its history.
+template <typename W, typename S>
+inline void conv_channel(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b,
+                         int64_t c) {
+  float* v = io.xz + b * 2 * d.inter + c;
+  const int64_t km1 = d.kernel - 1, slot = io.slots[b];
+  const float* w = s.conv_w + c * d.kernel;
+  W* hist = slot >= 0 ? io.conv_states + (slot * d.inter + c) * km1 : nullptr;
+  float acc = 0.0f;
+  for (int64_t j = 0; j < km1; ++j) acc += w[j] * (hist ? fused::widen(hist[j]) : 0.0f);
+  acc += w[km1] * *v;
+  if (s.conv_b) acc += s.conv_b[c];
+  if (hist) {
+    for (int64_t j = 0; j + 1 < km1; ++j) hist[j] = hist[j + 1];
+    if (km1 > 0) hist[km1 - 1] = static_cast<W>(*v);
+  }
+  *v = silu_f32(acc);
+}
+
+template <typename W, typename S>
+void in_proj_and_conv(const Dims& d, const Small& s, const Io<W, S>& io, int tid, int nth) {
+  int64_t lo, hi;
+  const int64_t n = 2 * d.inter;
+  split(n, fused::kRowBlock, tid, nth, lo, hi);
+  gemv_rows(io.in_w, d.hidden, io.xn, d.hidden, d.batch, lo, hi, io.xz + lo, n);
+  for (int64_t b = 0; b < d.batch; ++b) {
+    if (s.in_b) {
+      for (int64_t r = lo; r < hi; ++r) io.xz[b * n + r] += s.in_b[r];
+    }
+    for (int64_t c = lo; c < std::min(hi, d.inter); ++c) conv_channel(d, s, io, b, c);
+  }
+}
+
+// x / sqrt(mean(x^2) + eps) in place (FalconMamba's weightless norm).
+inline void weightless_rms(float* x, int64_t n, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) x[i] *= r;
+}
+
+// dt_proj, state update and gate of channels [lo, hi) of batch row b; `row` is its
+// (normalised) x_proj output (R + 2 N).
+template <typename W, typename S>
+void channels(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, const float* row,
+              int64_t lo, int64_t hi) {
+  const int64_t N = d.nstate, slot = io.slots[b];
+  const float* Bv = row + d.rank;
+  const float* Cv = row + d.rank + N;
+  const float* u = io.xz + b * 2 * d.inter;
+  const float* z = u + d.inter;
+  float dt[fused::kRowBlock];
+  for (int64_t c0 = lo; c0 < hi; c0 += fused::kRowBlock) {
+    const int64_t nc = std::min(fused::kRowBlock, hi - c0);
+    gemv_rows(io.dt_w, d.rank, row, d.rank, 1, c0, c0 + nc, dt, fused::kRowBlock);
+    for (int64_t j = 0; j < nc; ++j) {
+      const int64_t c = c0 + j;
+      const float delta = softplus_f32(dt[j] + (s.dt_b ? s.dt_b[c] : 0.0f));
+      const float* a = s.A + c * N;
+      S* st = slot >= 0 ? io.ssm_states + (slot * d.inter + c) * N : nullptr;
+      float acc = 0.0f;
+      if (st) {
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; ++n) {
+          const float v = fused::widen(st[n]) * exp_f32(delta * a[n]) + (delta * Bv[n]) * u[c];
+          st[n] = static_cast<S>(v);
+          acc += v * Cv[n];
+        }
+      } else {
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; ++n) acc += (delta * Bv[n]) * u[c] * Cv[n];
+      }
+      const float yv = acc + (s.D ? s.D[c] * u[c] : 0.0f);
+      io.y[b * d.inter + c] = yv * silu_f32(z[c]);
+    }
+  }
+}
+
+template <typename W, typename S>
+void run_layer(const Dims& d, const Small& s, const Io<W, S>& io) {
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int tid = fused::thread_id(), nth = fused::num_threads();
+    if (s.norm_w) {
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < d.batch; ++b) {
+        fused::rms_norm_row(io.hidden + b * d.hidden, s.norm_w, d.hidden, s.norm_eps,
+                            io.xn + b * d.hidden);
+      }
+    }
+    in_proj_and_conv(d, s, io, tid, nth);
+#pragma omp barrier
+    int64_t lo, hi;
+    split(d.xp, fused::kRowBlock, tid, nth, lo, hi);
+    gemv_rows(io.x_w, d.inter, io.xz, 2 * d.inter, d.batch, lo, hi, io.dbc + lo, d.xp);
+#pragma omp barrier
+    std::vector<float> row(d.xp);
+    split(d.inter, fused::kRowBlock, tid, nth, lo, hi);
+    for (int64_t b = 0; b < d.batch; ++b) {
+      std::copy(io.dbc + b * d.xp, io.dbc + (b + 1) * d.xp, row.begin());
+      if (s.mixer_eps >= 0.0f) {
+        weightless_rms(row.data(), d.rank, s.mixer_eps);
+        weightless_rms(row.data() + d.rank, d.nstate, s.mixer_eps);
+        weightless_rms(row.data() + d.rank + d.nstate, d.nstate, s.mixer_eps);
+      }
+      channels(d, s, io, b, row.data(), lo, hi);
+    }
+#pragma omp barrier
+    split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
+    gemv_rows(io.out_w, d.inter, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden);
+    for (int64_t b = 0; b < d.batch; ++b) {
+      float* m = io.mixed + b * d.hidden;
+      for (int64_t r = lo; r < hi; ++r) {
+        m[r] += (s.out_b ? s.out_b[r] : 0.0f) + (s.norm_w ? io.hidden[b * d.hidden + r] : 0.0f);
+      }
+    }
+  }
+}
+
+Dims check_dims(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& params,
+                const at::Tensor& conv_states, const at::Tensor& ssm_states,
+                const at::Tensor& slots) {
+  TORCH_CHECK(params.size() == kNumParams, "params must hold ", kNumParams, " entries");
+  TORCH_CHECK(hidden.dim() == 2, "hidden must be (B, H)");
+  TORCH_CHECK(ssm_states.dim() == 3 && ssm_states.is_contiguous(),
+              "ssm_states must be contiguous (S, I, N)");
+  TORCH_CHECK(conv_states.dim() == 3 && conv_states.is_contiguous(),
+              "conv_states must be contiguous (S, I, K - 1)");
+  const std::optional<at::Tensor> dt_w = params.get(kDtW);
+  TORCH_CHECK(dt_w.has_value() && dt_w->dim() == 2, "dt_proj weight must be (I, R)");
+  Dims d{};
+  d.batch = hidden.size(0);
+  d.hidden = hidden.size(1);
+  d.inter = ssm_states.size(1);
+  d.nstate = ssm_states.size(2);
+  d.rank = dt_w->size(1);
+  d.kernel = conv_states.size(2) + 1;
+  d.xp = d.rank + 2 * d.nstate;
+  TORCH_CHECK(conv_states.size(1) == d.inter, "conv_states must have I channels");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == d.batch, "state_indices must be (B,)");
+  return d;
+}
+
+at::Tensor fused_mamba_decode(const at::Tensor& hidden_in,
+                              const c10::List<std::optional<at::Tensor>>& params,
+                              at::Tensor& conv_states, at::Tensor& ssm_states,
+                              const at::Tensor& state_indices, double norm_eps,
+                              double mixer_eps, bool out_float) {
+  const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices);
+  const at::ScalarType wt = params.get(kInW).value().scalar_type();
+  at::Tensor in_w, x_w, dt_w, out_w;
+  fused::weight_of(params, kInW, wt, 2 * d.inter, d.hidden, "in_proj weight", in_w);
+  fused::weight_of(params, kXW, wt, d.xp, d.inter, "x_proj weight", x_w);
+  fused::weight_of(params, kDtW, wt, d.inter, d.rank, "dt_proj weight", dt_w);
+  fused::weight_of(params, kOutW, wt, d.hidden, d.inter, "out_proj weight", out_w);
+  TORCH_CHECK(conv_states.scalar_type() == wt, "conv_states must have the weights' dtype");
+  Small s{};
+  s.norm_w = fused::param_f32(params, kNormW, d.hidden, "norm weight");
+  s.in_b = fused::param_f32(params, kInB, 2 * d.inter, "in_proj bias");
+  s.conv_w = fused::param_f32(params, kConvW, d.inter * d.kernel, "conv weight");
+  s.conv_b = fused::param_f32(params, kConvB, d.inter, "conv bias");
+  s.dt_b = fused::param_f32(params, kDtB, d.inter, "dt_proj bias");
+  s.A = fused::param_f32(params, kA, d.inter * d.nstate, "A");
+  s.D = fused::param_f32(params, kD, d.inter, "D");
+  s.out_b = fused::param_f32(params, kOutB, d.hidden, "out_proj bias");
+  TORCH_CHECK(s.conv_w && s.A, "conv weight and A are required");
+  s.norm_eps = static_cast<float>(norm_eps);
+  s.mixer_eps = static_cast<float>(mixer_eps);
+
+  const at::Tensor hidden = hidden_in.to(at::kFloat).contiguous();
+  const at::Tensor slots = as_index(state_indices);
+  const auto f32 = hidden.options();
+  at::Tensor xn = s.norm_w ? at::empty({d.batch, d.hidden}, f32) : hidden;
+  at::Tensor xz = at::empty({d.batch, 2 * d.inter}, f32);
+  at::Tensor dbc = at::empty({d.batch, d.xp}, f32);
+  at::Tensor y = at::empty({d.batch, d.inter}, f32);
+  at::Tensor mixed = at::empty({d.batch, d.hidden}, f32);
+  auto run = [&](auto* w_tag, auto* s_tag) {
+    using W = std::remove_pointer_t<decltype(w_tag)>;
+    using S = std::remove_pointer_t<decltype(s_tag)>;
+    Io<W, S> io{in_w.data_ptr<W>(),          x_w.data_ptr<W>(),        dt_w.data_ptr<W>(),
+                out_w.data_ptr<W>(),         conv_states.data_ptr<W>(), ssm_states.data_ptr<S>(),
+                slots.data_ptr<int64_t>(),   hidden.data_ptr<float>(), xn.data_ptr<float>(),
+                xz.data_ptr<float>(),        dbc.data_ptr<float>(),    y.data_ptr<float>(),
+                mixed.data_ptr<float>()};
+    run_layer(d, s, io);
+  };
+  dispatch_float_bf16(in_w, "in_proj weight", [&](auto* w_tag) {
+    dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* s_tag) { run(w_tag, s_tag); });
+  });
+  return out_float ? mixed : mixed.to(in_w.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
+  m.def(
+      "fused_mamba_decode(Tensor hidden, Tensor?[] params, Tensor(a!) conv_states, "
+      "Tensor(b!) ssm_states, Tensor state_indices, float norm_eps, float mixer_eps, "
+      "bool out_float) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_mamba_decode", &fused_mamba_decode); }
+
+}  // namespace vllm_mamba

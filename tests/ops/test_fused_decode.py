@@ -1,0 +1,206 @@
+"""The fused decode layers against their references, and the engine with and without them.
+
+Kernel cases cover the shapes of the supported models' Mamba and Mamba2 layers (scaled down):
+conv widths 3 and 4, time-step ranks, biases or not, FalconMamba's dt/B/C norms, Mamba2 group
+counts 1, 2 and one per head, head dims and state sizes, padding rows (`PAD_SLOT_ID`), the
+block norm and residual or the mixer alone, float32 (tight) and bfloat16 weights (tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import other_model_dir, tiny_model_dir
+from vllm_mamba import LLM, SamplingParams
+from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.ops import fused_decode as fd
+
+pytestmark = pytest.mark.skipif(not fd.available(), reason="C++ extension not built")
+
+SLOTS = 10
+
+
+def _w(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """Random weights: N(0, 1/fan_in) for matrices, N(0, 0.3^2) for vectors."""
+    scale = shape[-1] ** -0.5 if len(shape) > 1 else 0.3
+    return torch.randn(*shape, generator=g) * scale
+
+
+def _indices(batch: int, pad: bool) -> torch.Tensor:
+    """Distinct slots, the second row a padding row when `pad`."""
+    idx = torch.tensor([7, 2, 9, 0, 5, 3, 8, 1][:batch], dtype=torch.int32)
+    if pad and batch > 1:
+        idx[1] = PAD_SLOT_ID
+    return idx
+
+
+def _mamba_case(g, hidden, inter, nstate, rank, kernel, bias, norm, dtype):  # noqa: ANN001, ANN202
+    params = [
+        1 + 0.1 * torch.randn(hidden, generator=g) if norm else None,
+        _w(g, 2 * inter, hidden),
+        _w(g, 2 * inter) if bias else None,
+        _w(g, inter, kernel),
+        _w(g, inter) if bias else None,
+        _w(g, rank + 2 * nstate, inter),
+        _w(g, inter, rank),
+        _w(g, inter) - 1.0,
+        -torch.exp(torch.rand(inter, nstate, generator=g) * 2),
+        torch.randn(inter, generator=g),
+        _w(g, hidden, inter),
+        _w(g, hidden) if bias else None,
+    ]
+    for i in (1, 5, 6, 10):
+        params[i] = params[i].to(dtype)
+    conv = torch.randn(SLOTS, inter, kernel - 1, generator=g).to(dtype)
+    ssm = torch.randn(SLOTS, inter, nstate, generator=g)
+    return params, conv, ssm
+
+
+def _mamba2_case(g, hidden, heads, head_dim, groups, nstate, kernel, bias, norm, dtype):  # noqa: ANN001, ANN202
+    inter = heads * head_dim
+    cd = inter + 2 * groups * nstate
+    params = [
+        1 + 0.1 * torch.randn(hidden, generator=g) if norm else None,
+        _w(g, inter + cd + heads, hidden),
+        _w(g, inter + cd + heads) if bias else None,
+        _w(g, cd, kernel),
+        _w(g, cd) if bias else None,
+        _w(g, heads) - 1.0,
+        -torch.exp(torch.rand(heads, generator=g) * 2),
+        torch.randn(heads, generator=g),
+        1 + 0.1 * torch.randn(inter, generator=g),
+        _w(g, hidden, inter),
+        _w(g, hidden) if bias else None,
+    ]
+    for i in (1, 9):
+        params[i] = params[i].to(dtype)
+    conv = torch.randn(SLOTS, cd, kernel - 1, generator=g).to(dtype)
+    ssm = torch.randn(SLOTS, heads, head_dim, nstate, generator=g)
+    return params, conv, ssm
+
+
+def _check(run, ref, hidden, conv, ssm, idx, tol) -> None:  # noqa: ANN001
+    """Runs kernel and reference on copies of the states; compares outputs and states."""
+    conv_k, ssm_k, conv_r, ssm_r = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
+    got = run(hidden, conv_k, ssm_k, idx)
+    want = ref(hidden, conv_r, ssm_r, idx)
+    assert got.dtype == want.dtype
+    live = idx != PAD_SLOT_ID
+    torch.testing.assert_close(got[live], want[live], **tol)
+    torch.testing.assert_close(conv_k.float(), conv_r.float(), **tol)
+    torch.testing.assert_close(ssm_k, ssm_r, **tol)
+    untouched = torch.ones(SLOTS, dtype=torch.bool)
+    untouched[idx[live].long()] = False
+    assert torch.equal(ssm_k[untouched], ssm[untouched]), "slots of no live row must not change"
+
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+# (hidden, inter, nstate, rank, kernel, bias, mixer_eps): mamba-130m-like, the tiny test models,
+# FalconMamba (normed dt/B/C), a rank that is not a multiple of 16.
+MAMBA_SHAPES = [
+    (96, 192, 16, 6, 4, False, None),
+    (48, 96, 16, 8, 3, True, None),
+    (64, 128, 8, 4, 4, False, 1e-6),
+    (40, 72, 16, 20, 4, True, 1e-3),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", MAMBA_SHAPES)
+@pytest.mark.parametrize("batch,pad,norm", [(1, False, True), (3, True, True), (8, True, False)])
+def test_fused_mamba_decode_matches_reference(dtype, shape, batch, pad, norm) -> None:  # noqa: ANN001
+    hidden, inter, nstate, rank, kernel, bias, mixer_eps = shape
+    g = torch.Generator().manual_seed(hash((shape, batch)) % 1000)
+    params, conv, ssm = _mamba_case(g, hidden, inter, nstate, rank, kernel, bias, norm, dtype)
+    x = torch.randn(batch, hidden, generator=g)
+    eps = -1.0 if mixer_eps is None else mixer_eps
+    out_float = dtype == torch.float32 or norm
+    args = (1e-5, eps, out_float)
+
+    def run(h, c, s, i):  # noqa: ANN001, ANN202
+        return fd.fused_mamba_decode(h, params, c, s, i, *args)
+
+    def ref(h, c, s, i):  # noqa: ANN001, ANN202
+        return fd.fused_mamba_decode_ref(h, params, c, s, i, *args)
+
+    _check(run, ref, x, conv, ssm, _indices(batch, pad), TOL[dtype])
+
+
+# (hidden, heads, head_dim, groups, nstate, kernel, bias): mamba2-130m-like (one group,
+# state 128), two groups, one group per head, the tiny test models.
+MAMBA2_SHAPES = [
+    (64, 4, 32, 1, 128, 4, False),
+    (64, 8, 16, 2, 16, 4, False),
+    (48, 6, 16, 6, 8, 4, True),
+    (48, 3, 32, 1, 8, 3, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", MAMBA2_SHAPES)
+@pytest.mark.parametrize("batch,pad,norm", [(1, False, True), (3, True, True), (8, True, False)])
+def test_fused_mamba2_decode_matches_reference(dtype, shape, batch, pad, norm) -> None:  # noqa: ANN001
+    hidden, heads, head_dim, groups, nstate, kernel, bias = shape
+    g = torch.Generator().manual_seed(hash((shape, batch)) % 1000 + 1)
+    params, conv, ssm = _mamba2_case(
+        g, hidden, heads, head_dim, groups, nstate, kernel, bias, norm, dtype
+    )
+    x = torch.randn(batch, hidden, generator=g)
+    group_size = heads * head_dim // groups
+    args = (groups, group_size, 1e-5, 1e-6, dtype == torch.float32 or norm)
+
+    def run(h, c, s, i):  # noqa: ANN001, ANN202
+        return fd.fused_mamba2_decode(h, params, c, s, i, *args)
+
+    def ref(h, c, s, i):  # noqa: ANN001, ANN202
+        return fd.fused_mamba2_decode_ref(h, params, c, s, i, *args)
+
+    _check(run, ref, x, conv, ssm, _indices(batch, pad), TOL[dtype])
+
+
+def test_fused_decode_rejects_bad_shapes() -> None:
+    g = torch.Generator().manual_seed(0)
+    params, conv, ssm = _mamba2_case(g, 64, 4, 32, 1, 16, 4, False, True, torch.float32)
+    x = torch.randn(2, 64, generator=g)
+    idx = _indices(2, False)
+    with pytest.raises(RuntimeError, match="n_groups"):
+        fd.fused_mamba2_decode(x, params, conv, ssm, idx, 3, 128, 1e-5, 1e-6, True)
+    with pytest.raises(RuntimeError, match="in_proj weight"):
+        fd.fused_mamba2_decode(x[:, :32], params, conv, ssm, idx, 1, 128, 1e-5, 1e-6, True)
+
+
+def _generate(model: str) -> tuple[list[list[int]], list[list[float]], bool]:
+    """Greedy tokens and logprobs of 9 prompts (decode batches of 9 and then fewer rows) and
+    whether the fused kernels ran."""
+    llm = LLM(model, max_num_seqs=9)
+    g = torch.Generator().manual_seed(3)
+    prompts = [
+        {"prompt_token_ids": torch.randint(0, 50000, (n,), generator=g).tolist()}
+        for n in (5, 12, 3, 7, 20, 1, 9, 4, 15)
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, logprobs=0) for i in range(9)]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    logprobs = [[next(iter(d.values())).logprob for d in o.logprobs] for o in outs]
+    mixer = llm.llm_engine.model.backbone.layers[0].mixer
+    used = any(p is not None for _, p in mixer.__dict__.get("_fused_decode_params", {}).values())
+    return [o.token_ids for o in outs], logprobs, used
+
+
+@pytest.mark.parametrize("name", ["tied", "falcon-untied", "mamba2-groups", "mamba2-tied"])
+def test_engine_outputs_equal_with_and_without_fused_decode(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_MAMBA_OPS", raising=False)
+    model = tiny_model_dir(name) if name == "tied" else other_model_dir(name)
+    monkeypatch.setenv(fd.ENV_SWITCH, "0")
+    want, want_lp, used = _generate(model)
+    assert not used
+    assert len({tuple(t) for t in want}) > 5, "reference generations should be varied"
+    monkeypatch.delenv(fd.ENV_SWITCH)
+    got, got_lp, used = _generate(model)
+    assert used, "the fused decode kernels did not run"
+    assert got == want
+    for a, b in zip(got_lp, want_lp, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)

@@ -1,0 +1,184 @@
+"""How the Mamba and Mamba2 mixers hand a decode-only step to the fused decode kernels.
+
+`mamba_decode_block` / `mamba2_decode_block` run one layer's step in one call of the ops
+table's `fused_mamba_decode` / `fused_mamba2_decode` (`vllm_mamba.ops.fused_decode`), with the
+block's RMSNorm and residual when the block passes its norm, or return None where the fused
+kernel does not apply: no kernel in the table, prefill rows, more than `MAX_BATCH` rows,
+autograd, a subclass that changes the mixer's math (Jamba's normed dt/B/C, Falcon-H1's
+multipliers), or weights that are not plain float32 / bfloat16 `Linear` weights (quantized or
+tensor-parallel layers). The caller then runs its unfused path, which is the definition.
+
+The parameter list of each (mixer, norm) pair is built once and kept on the mixer; it is
+rebuilt when the mixer's derived `A` changes (`process_weights_after_loading`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.layers.layernorm import GatedRMSNorm, RMSNorm
+from vllm_mamba.layers.linear import Linear
+from vllm_mamba.mamba_cache import LayerState
+from vllm_mamba.ops.fused_decode import MAX_BATCH
+
+Params = list[torch.Tensor | None]
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def plain_weight(linear: nn.Module, linear_op: object) -> torch.Tensor | None:
+    """The weight of an unmodified `Linear` running the table's float product, else None."""
+    weight = getattr(linear, "weight", None)
+    if (
+        type(linear) is not Linear
+        or linear.linear_op is not linear_op
+        or not isinstance(weight, torch.Tensor)
+        or weight.dtype not in _FLOAT_DTYPES
+        or weight.device.type != "cpu"
+        or not weight.is_contiguous()
+    ):
+        return None
+    return weight.detach()
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A small parameter as contiguous float32 (None stays None)."""
+    return None if t is None else t.detach().float().contiguous()
+
+
+def _weights(mixer: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor] | None:
+    """The named projections' plain weights, all of one dtype, or None."""
+    weights = [plain_weight(getattr(mixer, n), mixer.ops.linear) for n in names]
+    if any(w is None for w in weights) or len({w.dtype for w in weights}) != 1:
+        return None
+    return weights
+
+
+def _mamba_params(mixer: nn.Module, norm: RMSNorm | None) -> Params | None:
+    """`MAMBA_PARAMS` of a `MambaMixer` (norm weight first), or None."""
+    weights = _weights(mixer, ("in_proj", "x_proj", "dt_proj", "out_proj"))
+    if weights is None:
+        return None
+    in_w, x_w, dt_w, out_w = weights
+    return [
+        _f32(norm.weight) if norm is not None else None, in_w, _f32(mixer.in_proj.bias),
+        _f32(mixer.conv_weight), _f32(mixer.conv1d.bias), x_w, dt_w, _f32(mixer.dt_proj.bias),
+        mixer.A.contiguous(), _f32(mixer.D), out_w, _f32(mixer.out_proj.bias),
+    ]  # fmt: skip
+
+
+def _mamba2_params(mixer: nn.Module, norm: RMSNorm | None) -> Params | None:
+    """`MAMBA2_PARAMS` of a `Mamba2Mixer` (norm weight first), or None."""
+    weights = _weights(mixer, ("in_proj", "out_proj"))
+    if weights is None or type(mixer.norm) is not GatedRMSNorm:
+        return None
+    in_w, out_w = weights
+    return [
+        _f32(norm.weight) if norm is not None else None, in_w, _f32(mixer.in_proj.bias),
+        _f32(mixer.conv_weight), _f32(mixer.conv1d.bias), _f32(mixer.dt_bias),
+        mixer.A.contiguous(), _f32(mixer.D), _f32(mixer.norm.weight), out_w,
+        _f32(mixer.out_proj.bias),
+    ]  # fmt: skip
+
+
+def _cached_params(mixer: nn.Module, norm: RMSNorm | None, build) -> Params | None:  # noqa: ANN001
+    """The parameter list of (mixer, norm), built on first use and after `A` changes."""
+    cache = mixer.__dict__.setdefault("_fused_decode_params", {})
+    key = None if norm is None else id(norm)
+    entry = cache.get(key)
+    if entry is None or entry[0] is not mixer.A:
+        entry = cache[key] = (mixer.A, build(mixer, norm))
+    return entry[1]
+
+
+def _applies(hidden: torch.Tensor, meta: MambaMetadata) -> bool:
+    """A decode-only step of 1 to `MAX_BATCH` rows, without autograd."""
+    rows = hidden.shape[0]
+    return (
+        not meta.num_prefills
+        and meta.num_decodes == rows
+        and 0 < rows <= MAX_BATCH
+        and not torch.is_grad_enabled()
+    )
+
+
+def _out_float(weights: torch.Tensor, hidden: torch.Tensor, norm: RMSNorm | None, fp32: bool):  # noqa: ANN202
+    """Whether the unfused path returns float32: the mixer returns the weights' dtype, the
+    block `residual + mixed` with a float32 residual when `residual_in_fp32` (`fp32`)."""
+    if weights.dtype == torch.float32:
+        return True
+    return norm is not None and (fp32 or hidden.dtype == torch.float32)
+
+
+def mamba_decode_block(
+    mixer: nn.Module,
+    base: type,
+    hidden: torch.Tensor,
+    norm: RMSNorm | None,
+    residual_in_fp32: bool,
+    state: LayerState,
+    meta: MambaMetadata,
+) -> torch.Tensor | None:
+    """A `MambaMixer`'s decode-only step in one fused call, or None where it does not apply.
+
+    Args:
+        mixer: the mixer; base: `MambaMixer` (a subclass overriding its math is not covered).
+        hidden: `(T, H)`, the block input with `norm`, else the mixer input.
+        norm: the block's pre-norm; given, the result is `residual + mixer(norm(hidden))`.
+        residual_in_fp32: the block keeps its residual stream in float32.
+        state, meta: as for the mixer's `forward`.
+
+    Returns:
+        `(T, H)` as the unfused block (or mixer) returns it, or None.
+    """
+    op = mixer.ops.fused_mamba_decode
+    if op is None or not _applies(hidden, meta):
+        return None
+    cls = type(mixer)
+    if cls.forward is not base.forward or cls._ssm_params is not base._ssm_params:
+        return None
+    params = _cached_params(mixer, norm, _mamba_params)
+    if params is None or state.conv.dtype != params[1].dtype:
+        return None
+    eps = norm.variance_epsilon if norm is not None else 0.0
+    mixer_eps = -1.0 if mixer.mixer_rms_eps is None else float(mixer.mixer_rms_eps)
+    out_float = _out_float(params[1], hidden, norm, residual_in_fp32)
+    return op(
+        hidden, params, state.conv, state.ssm, meta.decode_state_indices, eps, mixer_eps,
+        out_float,
+    )  # fmt: skip
+
+
+def mamba2_decode_block(
+    mixer: nn.Module,
+    base: type,
+    hidden: torch.Tensor,
+    norm: RMSNorm | None,
+    residual_in_fp32: bool,
+    state: LayerState,
+    meta: MambaMetadata,
+) -> torch.Tensor | None:
+    """A `Mamba2Mixer`'s decode-only step in one fused call, or None where it does not apply.
+
+    Args: as `mamba_decode_block`, with base `Mamba2Mixer` (subclasses overriding `forward`,
+    `_project` or `_gate` are not covered).
+
+    Returns:
+        `(T, H)` as the unfused block (or mixer) returns it, or None.
+    """
+    op = mixer.ops.fused_mamba2_decode
+    if op is None or not _applies(hidden, meta):
+        return None
+    cls = type(mixer)
+    if any(getattr(cls, f) is not getattr(base, f) for f in ("forward", "_project", "_gate")):
+        return None
+    params = _cached_params(mixer, norm, _mamba2_params)
+    if params is None or state.conv.dtype != params[1].dtype:
+        return None
+    eps = norm.variance_epsilon if norm is not None else 0.0
+    out_float = _out_float(params[1], hidden, norm, residual_in_fp32)
+    return op(
+        hidden, params, state.conv, state.ssm, meta.decode_state_indices, mixer.n_groups,
+        mixer.norm.group_size, eps, mixer.norm.variance_epsilon, out_float,
+    )  # fmt: skip

@@ -1,0 +1,205 @@
+"""Fused decode layers: one kernel call per Mamba or Mamba2 layer for a few sequences.
+
+Decode with a few sequences reads every weight once per token, and the unfused layer spends
+a third of its time in per-op Python and dispatch. `fused_mamba_decode` and
+`fused_mamba2_decode` (C++, `csrc/fused_decode_mamba*.cpp`) run a whole layer (optionally
+with the block's RMSNorm and residual) in one call. Their pure-PyTorch twins
+`fused_mamba_decode_ref` / `fused_mamba2_decode_ref` compose the reference ops of the unfused
+path, so the two paths have one definition.
+
+`params` is a list of the layer's tensors in a fixed order (`MAMBA_PARAMS`, `MAMBA2_PARAMS`);
+absent optional entries are None. The projection weights (`*_proj_w`) are float32 or bfloat16
+and share one dtype; every other entry is a contiguous float32 tensor.
+
+Glossary: B decode rows, H hidden, I inner channels, N state size, S state slots; Mamba2: NH
+heads of P (`I = NH P`), G groups, CD = I + 2 G N conv channels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref
+from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
+from vllm_mamba.ops.selective_scan import selective_state_update_ref
+from vllm_mamba.ops.ssd import ssd_state_update_ref
+
+MAMBA_PARAMS = (
+    "norm_w", "in_proj_w", "in_proj_b", "conv_w", "conv_b", "x_proj_w", "dt_proj_w", "dt_proj_b",
+    "A", "D", "out_proj_w", "out_proj_b",
+)  # fmt: skip
+MAMBA2_PARAMS = (
+    "norm_w", "in_proj_w", "in_proj_b", "conv_w", "conv_b", "dt_bias", "A", "D", "gate_norm_w",
+    "out_proj_w", "out_proj_b",
+)  # fmt: skip
+MAX_BATCH = 8  # decode rows up to which the fused layer runs (it streams each weight once)
+ENV_SWITCH = "VLLM_MAMBA_FUSED_DECODE"  # "0" turns the fused layers off
+
+Params = list[torch.Tensor | None]
+
+
+def available() -> bool:
+    """Whether the C++ fused layers are built and not switched off by `VLLM_MAMBA_FUSED_DECODE=0`.
+
+    Returns:
+        True when `torch.ops.vllm_mamba` has both fused decode ops and the switch is not "0".
+    """
+    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+        return False
+    try:
+        import vllm_mamba._C  # noqa: F401  (registers torch.ops.vllm_mamba.*)
+    except (ImportError, OSError):
+        return False
+    ops = torch.ops.vllm_mamba
+    return hasattr(ops, "fused_mamba_decode") and hasattr(ops, "fused_mamba2_decode")
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * x / sqrt(mean(x^2) + eps)` in float32 (the block norm, `RMSNorm`)."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` in float32 whatever the weight dtype."""
+    return F.linear(x, weight.float(), bias)
+
+
+def _finish(
+    hidden: torch.Tensor, mixed: torch.Tensor, with_norm: bool, out_float: bool, dtype
+) -> torch.Tensor:
+    """Adds the residual (block mode) and casts to float32 or the weights' dtype."""
+    out = hidden.float() + mixed if with_norm else mixed
+    return out if out_float else out.to(dtype)
+
+
+def fused_mamba_decode_ref(
+    hidden: torch.Tensor,
+    params: Params,
+    conv_states: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    norm_eps: float,
+    mixer_eps: float,
+    out_float: bool,
+) -> torch.Tensor:
+    """One Mamba layer's decode step from the reference ops; states advanced in place.
+
+    Args:
+        hidden: `(B, H)` the block input (norm given) or the mixer input (norm_w None).
+        params: the tensors named by `MAMBA_PARAMS`: norm_w `(H,)` or None, in_proj_w
+            `(2I, H)`, in_proj_b, conv_w `(I, K)`, conv_b, x_proj_w `(R + 2N, I)`, dt_proj_w
+            `(I, R)`, dt_proj_b `(I,)`, A `(I, N)`, D `(I,)`, out_proj_w `(H, I)`, out_proj_b.
+        conv_states: `(S, I, K - 1)`; ssm_states: `(S, I, N)`; updated in place.
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
+        norm_eps: the block norm's epsilon (unused without norm_w).
+        mixer_eps: FalconMamba's epsilon of the weightless norms of dt, B and C; < 0: none.
+        out_float: return float32 (else the weights' dtype).
+
+    Returns:
+        `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
+    """
+    p = dict(zip(MAMBA_PARAMS, params, strict=True))
+    x = hidden.float()
+    xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
+    u, z = _linear(xn, p["in_proj_w"], p["in_proj_b"]).chunk(2, dim=-1)  # (B, I) each
+    xc = causal_conv1d_update_ref(u, conv_states, p["conv_w"], p["conv_b"], state_indices)
+    rank = p["dt_proj_w"].shape[1]
+    nstate = p["A"].shape[1]
+    ts, B, C = _linear(xc, p["x_proj_w"], None).split([rank, nstate, nstate], dim=-1)
+    if mixer_eps >= 0:
+        ts, B, C = (
+            t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + mixer_eps) for t in (ts, B, C)
+        )
+    dt = _linear(ts, p["dt_proj_w"], None)  # (B, I)
+    y = selective_state_update_ref(
+        ssm_states, xc, dt, p["A"], B, C, p["D"], z, p["dt_proj_b"], True, state_indices
+    )
+    mixed = _linear(y, p["out_proj_w"], p["out_proj_b"])
+    return _finish(hidden, mixed, p["norm_w"] is not None, out_float, p["in_proj_w"].dtype)
+
+
+def fused_mamba2_decode_ref(
+    hidden: torch.Tensor,
+    params: Params,
+    conv_states: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    n_groups: int,
+    group_size: int,
+    norm_eps: float,
+    gate_eps: float,
+    out_float: bool,
+) -> torch.Tensor:
+    """One Mamba2 layer's decode step from the reference ops; states advanced in place.
+
+    Args:
+        hidden: `(B, H)` the block input (norm given) or the mixer input (norm_w None).
+        params: the tensors named by `MAMBA2_PARAMS`: norm_w `(H,)` or None, in_proj_w
+            `(I + CD + NH, H)` (rows z, x B C, dt), in_proj_b, conv_w `(CD, K)`, conv_b,
+            dt_bias `(NH,)`, A `(NH,)`, D `(NH,)`, gate_norm_w `(I,)`, out_proj_w `(H, I)`,
+            out_proj_b.
+        conv_states: `(S, CD, K - 1)`; ssm_states: `(S, NH, P, N)`; updated in place.
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
+        n_groups: G; group_size: channels per group of the gated norm.
+        norm_eps: the block norm's epsilon; gate_eps: the gated norm's.
+        out_float: return float32 (else the weights' dtype).
+
+    Returns:
+        `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
+    """
+    p = dict(zip(MAMBA2_PARAMS, params, strict=True))
+    batch = hidden.shape[0]
+    _, heads, head_dim, nstate = ssm_states.shape
+    inter, gn = heads * head_dim, n_groups * nstate
+    x = hidden.float()
+    xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
+    zxbcdt = _linear(xn, p["in_proj_w"], p["in_proj_b"])
+    z, xbc, dt = zxbcdt.split([inter, inter + 2 * gn, heads], dim=-1)
+    xbc = causal_conv1d_update_ref(xbc, conv_states, p["conv_w"], p["conv_b"], state_indices)
+    xs, B, C = xbc.split([inter, gn, gn], dim=-1)
+    y = ssd_state_update_ref(
+        ssm_states, xs.reshape(batch, heads, head_dim), dt, p["A"],
+        B.reshape(batch, n_groups, nstate), C.reshape(batch, n_groups, nstate), p["D"],
+        p["dt_bias"], True, state_indices,
+    )  # fmt: skip
+    g = gated_rms_norm_ref(y.reshape(batch, inter), z, p["gate_norm_w"], group_size, gate_eps)
+    mixed = _linear(g, p["out_proj_w"], p["out_proj_b"])
+    return _finish(hidden, mixed, p["norm_w"] is not None, out_float, p["in_proj_w"].dtype)
+
+
+def fused_mamba_decode(
+    hidden: torch.Tensor,
+    params: Params,
+    conv_states: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    norm_eps: float,
+    mixer_eps: float,
+    out_float: bool,
+) -> torch.Tensor:
+    """The C++ kernel of `fused_mamba_decode_ref` (same arguments and result)."""
+    return torch.ops.vllm_mamba.fused_mamba_decode(
+        hidden, params, conv_states, ssm_states, state_indices, norm_eps, mixer_eps, out_float
+    )
+
+
+def fused_mamba2_decode(
+    hidden: torch.Tensor,
+    params: Params,
+    conv_states: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    n_groups: int,
+    group_size: int,
+    norm_eps: float,
+    gate_eps: float,
+    out_float: bool,
+) -> torch.Tensor:
+    """The C++ kernel of `fused_mamba2_decode_ref` (same arguments and result)."""
+    return torch.ops.vllm_mamba.fused_mamba2_decode(
+        hidden, params, conv_states, ssm_states, state_indices, n_groups, group_size,
+        norm_eps, gate_eps, out_float,
+    )  # fmt: skip
