@@ -5,11 +5,8 @@ before anything enters the engine); `step` schedules, runs the model once, appen
 tokens, detokenizes, applies stop conditions and frees the slots of finished sequences. A step
 that raises ends only its own requests (`RequestsFailedError`).
 
-With `enable_prefix_caching`, the engine also keeps the prefix cache's snapshots
-(`engine.prefix_cache`): it scores the prompt token a hit skipped from the snapshot's saved
-hidden row, registers the snapshots the runner took after a successful forward (a failed step
-leaves none), and saves each finished sequence's state (prompt plus output: the next chat turn
-starts there).
+With `enable_prefix_caching`, `engine.prefix_cache` holds the state snapshots and
+`prefix_steps.PrefixCacheSteps` does the engine's part of each step with them.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
 from vllm_mamba.engine.model_runner import ModelRunner
 from vllm_mamba.engine.output_processor import OutputProcessor
 from vllm_mamba.engine.prefix_cache import PrefixCache
+from vllm_mamba.engine.prefix_steps import PrefixCacheSteps
 from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
@@ -117,6 +115,9 @@ class LLMEngine:
         self.stats = EngineCounters()
         self.inputs = InputProcessor(tokenizer, mc.vocab_size, mc.max_model_len)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_id, mc.max_model_len)
+        self.prefix_steps = None
+        if self.prefix_cache is not None:
+            self.prefix_steps = PrefixCacheSteps(self.prefix_cache, self.runner, self.outputs)
         self._warm_up()
         self.load_seconds = time.perf_counter() - started
         self._log_banner()
@@ -370,13 +371,12 @@ class LLMEngine:
         self.stats.preemptions += self.scheduler.num_preemptions - preempted
         if not step.scheduled:
             return []
+        ran = False
         try:
-            return self._run_step(step)
+            outputs = self._run_step(step)
+            ran = True
+            return outputs
         except Exception as err:
-            if self.prefix_cache is not None:
-                for pending in step.snapshots:  # no half-written snapshot survives
-                    self.prefix_cache.discard(pending)
-                step.snapshots = []
             if is_fatal(err):
                 raise
             failed = sorted({item.group.request_id for item in step.scheduled})
@@ -385,17 +385,16 @@ class LLMEngine:
             self.stats.failed_requests += len(failed)
             raise RequestsFailedError(failed, err) from err
         finally:
-            if self.prefix_cache is not None:
-                for hit in step.hits:
-                    self.prefix_cache.unpin(hit.snapshot)
+            if self.prefix_steps is not None:
+                self.prefix_steps.end_step(step, failed=not ran)
 
     def _run_step(self, step: SchedulerOutput) -> list[RequestOutput]:
         started = time.monotonic()
         for item in step.scheduled:
             if item.group.first_scheduled_time is None:
                 item.group.first_scheduled_time = started
-        for hit in step.hits:
-            self._hit_prompt_logprobs(hit.group, hit.seq, hit.snapshot)
+        if self.prefix_steps is not None:
+            self.prefix_steps.before_forward(step)
         result = self.executor.execute(self.runner, step)
         self.stats.steps += 1
         touched: dict[str, SequenceGroup] = {}
@@ -409,7 +408,8 @@ class LLMEngine:
             chunk = result.prompt_logprobs.get(item.group.request_id)
             if chunk is not None:
                 self.outputs.append_prompt_logprobs(item.group, chunk)
-        self._commit_snapshots(step)
+        if self.prefix_steps is not None:
+            self.prefix_steps.after_forward(step)
         for item in step.scheduled:
             for seq in [item.seq, *item.children]:
                 if seq.seq_id in result.samples:
@@ -417,57 +417,10 @@ class LLMEngine:
                     self.outputs.append_token(item.group, seq, row, out, now_s)
                     self.stats.generation_tokens += 1
                     if seq.status.finished:
-                        self._snapshot_finished(item.group, seq, result.sampled_hidden)
+                        if self.prefix_steps is not None:
+                            hidden = result.sampled_hidden.get(seq.seq_id)
+                            self.prefix_steps.on_finished(item.group, seq, hidden)
                         self.scheduler.finish_seq(seq)
                     touched[item.group.request_id] = item.group
         self.scheduler.remove_finished()
         return [g.to_output() for g in touched.values()]
-
-    # ----- prefix caching -------------------------------------------------------------
-    def _hit_prompt_logprobs(self, group: SequenceGroup, seq: Sequence, snap: Any) -> None:
-        """Fills the prompt logprobs that a hit skipped: the snapshot's own (trimmed to the
-        request's count), and the next prompt token's from its saved hidden row."""
-        k = group.params.prompt_logprobs
-        if k is None or seq.index != 0 or group.prompt_logprobs is None:
-            return
-        depth, prompt = snap.num_tokens, group.prompt_token_ids
-        if len(group.prompt_logprobs) > depth:  # already scored (a preempted request)
-            return
-        kept = snap.prompt_logprobs[len(group.prompt_logprobs) - 1 :]
-        group.prompt_logprobs.extend(
-            _trim_top(e, k, prompt[depth - len(kept) + i]) for i, e in enumerate(kept)
-        )
-        chunk = self.runner.prompt_logprob_from_hidden(snap.hidden, prompt[depth], k, depth)
-        self.outputs.append_prompt_logprobs(group, chunk)
-
-    def _commit_snapshots(self, step: SchedulerOutput) -> None:
-        """Registers the snapshots the runner took in this step's forward."""
-        assert self.prefix_cache is not None or not step.snapshots
-        while step.snapshots:
-            pending = step.snapshots.pop(0)
-            group = pending.group
-            lps = group.prompt_logprobs if pending.index == 0 else None
-            self.prefix_cache.commit(pending, lps, group.params.prompt_logprobs or 0)
-
-    def _snapshot_finished(self, group: SequenceGroup, seq: Sequence, hidden: dict) -> None:
-        """Saves a finished sequence's state (prompt plus all but its last token, which was
-        sampled but never run) unless that prefix is saved already."""
-        cache = self.prefix_cache
-        if cache is None or seq.slot is None or seq.num_computed_tokens < 1:
-            return
-        tokens = seq.token_slice(0, seq.num_computed_tokens)
-        if cache.has_snapshot(tokens):
-            return
-        pending = cache.reserve(seq.seq_id, seq.slot, tokens, group, seq.index)
-        if pending is None:
-            return
-        row = hidden.get(seq.seq_id)
-        pending.hidden = row.clone() if row is not None else None
-        self.runner.copy_states([seq.slot], [pending.slot])
-        lps = group.prompt_logprobs if seq.index == 0 else None
-        cache.commit(pending, lps, group.params.prompt_logprobs or 0)
-
-
-def _trim_top(entry: dict, k: int, target: int) -> dict:
-    """A prompt-logprob entry kept with a larger top-k, cut to the request's `k`."""
-    return {t: lp for t, lp in entry.items() if lp.rank <= k or t == target}
