@@ -33,12 +33,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vllm_mamba.engine.block_manager import BlockManager, PlaceholderBlockManager
-from vllm_mamba.engine.prefix_cache import PendingSnapshot, PrefixCache, Snapshot
+from vllm_mamba.engine.prefix_cache import PendingSnapshot, PrefixCache
+from vllm_mamba.engine.prefix_scheduling import PrefixHit, PrefixScheduling
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from vllm_mamba.mamba_cache import SlotAllocator
-
-# A waiting request waits for a running one's snapshot only when it saves this many tokens.
-MIN_WAIT_TOKENS = 16
 
 
 @dataclass
@@ -61,16 +59,6 @@ class ScheduledSeq:
     def is_decode(self) -> bool:
         """One token on top of an existing state."""
         return self.num_tokens == 1 and self.seq.num_computed_tokens > 0
-
-
-@dataclass
-class PrefixHit:
-    """A sequence that starts from a snapshot: its first `snapshot.num_tokens` tokens are
-    cached."""
-
-    group: SequenceGroup
-    seq: Sequence
-    snapshot: Snapshot
 
 
 @dataclass
@@ -110,6 +98,7 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
         self.prefix_cache = prefix_cache
+        self.prefix = PrefixScheduling(prefix_cache, self.block_manager) if prefix_cache else None
 
     def new_seq_id(self) -> int:
         """A fresh sequence id."""
@@ -197,12 +186,12 @@ class Scheduler:
             seqs = group.unfinished_seqs()
             if self.slots.num_free < len(seqs) + group.pending_forks:
                 break
-            if self._should_wait(group):
+            if self.prefix is not None and self.prefix.should_wait(group, self.running):
                 waiting += 1
                 continue
             for seq in seqs:
                 seq.slot = self.slots.allocate()
-            hits = self._find_hits(group, seqs)
+            hits = self.prefix.find_hits(group, seqs) if self.prefix is not None else []
             plan = self._plan(group, budget)
             if not self._fit_blocks(plan):
                 self._undo_admission(seqs, hits)
@@ -212,7 +201,9 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             group.reserved_slots = [self.slots.allocate() for _ in range(group.pending_forks)]
             self.running.append(group)
-            self._count_hits(group, seqs, hits, out)
+            if self.prefix is not None:
+                self.prefix.count(group, seqs, hits)
+                out.hits.extend(hits)
             budget -= self._commit(group, plan, out)
         out.scheduled.sort(key=lambda s: not s.is_decode)
         out.block_copies = self.block_manager.take_copies()
@@ -226,14 +217,22 @@ class Scheduler:
             num = min(seq.num_uncomputed_tokens, budget)
             if num == 0:
                 break
-            if self.prefix_cache is not None and num > 1:
+            if self.prefix is not None and num > 1:
                 start = seq.num_computed_tokens
-                tokens = seq.token_slice(0, start + num)
-                k = self._logprobs_k(group, seq)
-                num = self.prefix_cache.next_cut(tokens, start, start + num, k) - start
+                num = self.prefix.chunk_end(group, seq, start + num) - start
             plan.append((seq, num))
             budget -= num
         return plan
+
+    def _undo_admission(self, seqs: list[Sequence], hits: list[PrefixHit]) -> None:
+        """Frees what an admission that did not fit took: hits, blocks and slots."""
+        if self.prefix is not None:
+            self.prefix.undo_hits(hits)
+        for seq in seqs:
+            self.block_manager.free(seq.seq_id)
+            assert seq.slot is not None
+            self.slots.free(seq.slot)
+            seq.slot = None
 
     def _fit_blocks(self, plan: list[tuple[Sequence, int]]) -> bool:
         """True when the plan's KV blocks are free, after evicting prefix-cache snapshots
@@ -243,88 +242,6 @@ class Scheduler:
             if self.prefix_cache is None or not self.prefix_cache.evict_one(need_blocks=True):
                 return False
         return True
-
-    # ----- prefix caching ---------------------------------------------------------------
-    def _find_hits(self, group: SequenceGroup, seqs: list[Sequence]) -> list[PrefixHit]:
-        """Starts each new sequence of `group` from its deepest cached prefix (at most all
-        but its last token, which must run to be sampled); pins the snapshots."""
-        cache = self.prefix_cache
-        if cache is None:
-            return []
-        hits = []
-        for seq in seqs:
-            if seq.num_computed_tokens:
-                continue
-            tokens = seq.token_slice(0, seq.num_tokens)
-            snap = cache.match(tokens, len(tokens) - 1, self._logprobs_k(group, seq))
-            if snap is None:
-                continue
-            cache.pin(snap)
-            self.block_manager.adopt(seq.seq_id, snap.blocks)
-            seq.num_computed_tokens = snap.num_tokens
-            hits.append(PrefixHit(group, seq, snap))
-        return hits
-
-    @staticmethod
-    def _logprobs_k(group: SequenceGroup, seq: Sequence) -> int | None:
-        """The prompt-logprob count a hit must have kept (None when none is owed)."""
-        k = group.params.prompt_logprobs
-        owed = group.prompt_logprobs is not None and len(group.prompt_logprobs) < len(
-            group.prompt_token_ids
-        )
-        return k if k is not None and owed and seq.index == 0 else None
-
-    def _undo_admission(self, seqs: list[Sequence], hits: list[PrefixHit]) -> None:
-        for hit in hits:
-            assert self.prefix_cache is not None
-            self.prefix_cache.unpin(hit.snapshot)
-            hit.seq.num_computed_tokens = 0
-        for seq in seqs:
-            self.block_manager.free(seq.seq_id)
-            assert seq.slot is not None
-            self.slots.free(seq.slot)
-            seq.slot = None
-
-    def _count_hits(
-        self,
-        group: SequenceGroup,
-        seqs: list[Sequence],
-        hits: list[PrefixHit],
-        out: SchedulerOutput,
-    ) -> None:
-        cache = self.prefix_cache
-        if cache is None:
-            return
-        cached = sum(h.snapshot.num_tokens for h in hits)
-        cache.queries += sum(s.num_tokens for s in seqs)
-        cache.hits += cached
-        if group.num_cached_tokens is None:
-            group.num_cached_tokens = cached
-        out.hits.extend(hits)
-
-    def _should_wait(self, group: SequenceGroup) -> bool:
-        """True when a running request is still prefilling toward a longer shared prefix
-        with `group` than any snapshot holds: it will save that branch point within a few
-        steps, and `group` starts from it then."""
-        cache = self.prefix_cache
-        if cache is None or len(group.seqs) != 1 or group.seqs[0].num_computed_tokens:
-            return False
-        tokens = group.prompt_token_ids
-        k = self._logprobs_k(group, group.seqs[0])
-        snap = cache.match(tokens, len(tokens) - 1, k)
-        have = snap.num_tokens if snap is not None else 0
-        for other in self.running:
-            seq = other.seqs[0]
-            prompt = other.prompt_token_ids
-            if seq.num_computed_tokens >= len(prompt) or seq.status.finished:
-                continue
-            if k is not None and (other.params.prompt_logprobs or -1) < k:
-                continue
-            shared = _common_prefix(tokens, prompt)
-            if shared < len(tokens) and shared - have >= MIN_WAIT_TOKENS:
-                if seq.num_computed_tokens < shared:
-                    return True
-        return False
 
     @staticmethod
     def _work(plan: list[tuple[Sequence, int]]) -> list[tuple[int, int, int]]:
@@ -338,30 +255,16 @@ class Scheduler:
         used = 0
         for seq, num in plan:
             self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens, num)
-            self._maybe_snapshot(group, seq, num, out)
+            if self.prefix is not None:
+                pending = self.prefix.maybe_snapshot(group, seq, num)
+                if pending is not None:
+                    out.snapshots.append(pending)
             sample = num == seq.num_uncomputed_tokens
             children = self._fork(group, seq) if sample and group.pending_forks else []
             table = self.block_manager.block_table(seq.seq_id)
             out.scheduled.append(ScheduledSeq(seq, group, num, sample, children, table))
             used += num
         return used
-
-    def _maybe_snapshot(
-        self, group: SequenceGroup, seq: Sequence, num: int, out: SchedulerOutput
-    ) -> None:
-        """Reserves a snapshot of the state after this prefill chunk when it ends where one is
-        due (a node boundary of the tree or an interval multiple)."""
-        cache = self.prefix_cache
-        if cache is None or (num == 1 and seq.num_computed_tokens > 0):
-            return
-        end = seq.num_computed_tokens + num
-        tokens = seq.token_slice(0, end)
-        if not cache.wants_snapshot(tokens, end, self._logprobs_k(group, seq)):
-            return
-        assert seq.slot is not None
-        pending = cache.reserve(seq.seq_id, seq.slot, tokens, group, seq.index)
-        if pending is not None:
-            out.snapshots.append(pending)
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         """Creates the request's remaining sequences in its reserved slots; they share the
@@ -379,12 +282,3 @@ class Scheduler:
             group.seqs.append(child)
             children.append(child)
         return children
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

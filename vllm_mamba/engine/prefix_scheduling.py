@@ -1,0 +1,141 @@
+"""The scheduler's side of prefix caching: hits on admission, chunk ends, snapshots to take,
+and waiting for a branch point.
+
+`Scheduler` calls these when the engine has a `prefix_cache.PrefixCache`; each decision is
+plain bookkeeping over the radix tree, the block manager and the sequences:
+
+- `find_hits`: a sequence being admitted starts from the deepest snapshot of its tokens (at
+  most all but its last token, which must run to be sampled); the snapshot is pinned until the
+  step's copy has read it, and a hybrid's sequence shares the snapshot's KV blocks.
+- `chunk_end`: a prefill chunk ends at the next point where a snapshot is due.
+- `maybe_snapshot`: reserves a snapshot slot when a chunk ends at such a point.
+- `should_wait`: a waiting request whose prompt shares a longer prefix with a request still
+  prefilling than any snapshot holds waits for that request's snapshot of the branch point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_mamba.engine.prefix_cache import PrefixCache, Snapshot
+from vllm_mamba.engine.sequence import Sequence, SequenceGroup
+
+__all__ = ["PrefixHit", "PrefixScheduling", "MIN_WAIT_TOKENS"]
+
+# A waiting request waits for a running one's snapshot only when it saves this many tokens.
+MIN_WAIT_TOKENS = 16
+
+
+@dataclass
+class PrefixHit:
+    """A sequence that starts from a snapshot: its first `snapshot.num_tokens` tokens are
+    cached."""
+
+    group: SequenceGroup
+    seq: Sequence
+    snapshot: Snapshot
+
+
+class PrefixScheduling:
+    """Prefix-cache decisions of the scheduler (see the module docstring).
+
+    Args:
+        cache: the engine's prefix cache.
+        block_manager: the scheduler's block manager (the placeholder for attention-free
+            models).
+    """
+
+    def __init__(self, cache: PrefixCache, block_manager: Any) -> None:
+        self.cache = cache
+        self.block_manager = block_manager
+
+    def chunk_end(self, group: SequenceGroup, seq: Sequence, end: int) -> int:
+        """Where a prefill chunk of `seq` planned to end at `end` should end instead."""
+        start = seq.num_computed_tokens
+        tokens = seq.token_slice(0, end)
+        return self.cache.next_cut(tokens, start, end, logprobs_owed(group, seq))
+
+    def find_hits(self, group: SequenceGroup, seqs: list[Sequence]) -> list[PrefixHit]:
+        """Starts each new sequence of `group` from its deepest cached prefix; pins it."""
+        hits = []
+        for seq in seqs:
+            if seq.num_computed_tokens:
+                continue
+            tokens = seq.token_slice(0, seq.num_tokens)
+            snap = self.cache.match(tokens, len(tokens) - 1, logprobs_owed(group, seq))
+            if snap is None:
+                continue
+            self.cache.pin(snap)
+            self.block_manager.adopt(seq.seq_id, snap.blocks)
+            seq.num_computed_tokens = snap.num_tokens
+            hits.append(PrefixHit(group, seq, snap))
+        return hits
+
+    def undo_hits(self, hits: list[PrefixHit]) -> None:
+        """Takes back `find_hits` (the request was not admitted after all); the caller frees
+        the sequences' blocks."""
+        for hit in hits:
+            self.cache.unpin(hit.snapshot)
+            hit.seq.num_computed_tokens = 0
+
+    def count(self, group: SequenceGroup, seqs: list[Sequence], hits: list[PrefixHit]) -> None:
+        """Counts an admitted request's queried and cached tokens (in tokens, as vLLM)."""
+        cached = sum(h.snapshot.num_tokens for h in hits)
+        self.cache.queries += sum(s.num_tokens for s in seqs)
+        self.cache.hits += cached
+        if group.num_cached_tokens is None:
+            group.num_cached_tokens = cached
+
+    def maybe_snapshot(self, group: SequenceGroup, seq: Sequence, num: int) -> Any:
+        """A `PendingSnapshot` when the chunk of `num` tokens of `seq` ends where one is due
+        (a node boundary of the tree or an interval multiple), else None."""
+        if num == 1 and seq.num_computed_tokens > 0:  # a decode
+            return None
+        end = seq.num_computed_tokens + num
+        tokens = seq.token_slice(0, end)
+        if not self.cache.wants_snapshot(tokens, end, logprobs_owed(group, seq)):
+            return None
+        assert seq.slot is not None
+        return self.cache.reserve(seq.seq_id, seq.slot, tokens, group, seq.index)
+
+    def should_wait(self, group: SequenceGroup, running: list[SequenceGroup]) -> bool:
+        """True when a running request is still prefilling toward a longer shared prefix
+        with `group` than any snapshot holds: it will save that branch point within a few
+        steps, and `group` starts from it then."""
+        if len(group.seqs) != 1 or group.seqs[0].num_computed_tokens:
+            return False
+        tokens = group.prompt_token_ids
+        k = logprobs_owed(group, group.seqs[0])
+        snap = self.cache.match(tokens, len(tokens) - 1, k)
+        have = snap.num_tokens if snap is not None else 0
+        for other in running:
+            seq = other.seqs[0]
+            prompt = other.prompt_token_ids
+            if seq.num_computed_tokens >= len(prompt) or seq.status.finished:
+                continue
+            if k is not None and (other.params.prompt_logprobs or -1) < k:
+                continue  # its snapshot would not keep the prompt logprobs `group` needs
+            shared = _common_prefix(tokens, prompt)
+            if shared < len(tokens) and shared - have >= MIN_WAIT_TOKENS:
+                if seq.num_computed_tokens < shared:
+                    return True
+        return False
+
+
+def logprobs_owed(group: SequenceGroup, seq: Sequence) -> int | None:
+    """The prompt-logprob count a hit of `seq` must have kept (None when none is owed)."""
+    k = group.params.prompt_logprobs
+    owed = group.prompt_logprobs is not None and len(group.prompt_logprobs) < len(
+        group.prompt_token_ids
+    )
+    return k if k is not None and owed and seq.index == 0 else None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
