@@ -29,9 +29,11 @@ from tests.helpers.hybrid_models import hybrid_model_dir
 from tests.helpers.runners import VllmRunner
 from tests.tiny_models import other_model_dir, tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
+from vllm_mamba.config import record_quantization
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.quantization import Int8Embedding
+from vllm_mamba.model_loader import build_model, load_hf_config
 from vllm_mamba.model_zoo import DEFAULT_MODEL, shipped_model_path
 from vllm_mamba.ops.int8_linear import dequantize_int8
 
@@ -60,16 +62,19 @@ TRAINED_MEAN_LOGPROB_DIFF = 0.02
 TRAINED_MAX_LOGPROB_DIFF = 0.3
 
 
-def _sequences(vocab: int) -> list[list[int]]:
+def _sequences(vocab: int) -> tuple[tuple[int, ...], ...]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in (9, 50)]
+    return tuple(tuple(torch.randint(2, vocab, (n,), generator=g).tolist()) for n in (9, 50))
 
 
-def _teacher_forced(path: str, seqs: list[list[int]], **kwargs) -> tuple[list[int], torch.Tensor]:  # noqa: ANN003
+@functools.cache
+def _teacher_forced(
+    path: str, seqs: tuple[tuple[int, ...], ...], quantization: str | None = None
+) -> tuple[list[int], torch.Tensor]:
     """Top-1 token and the log-probability of the sequence's own token, at every position."""
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    with VllmRunner(path, max_num_seqs=4, **kwargs) as runner:
-        outs = runner.generate([{"prompt_token_ids": s} for s in seqs], params)
+    with VllmRunner(path, max_num_seqs=4, quantization=quantization) as runner:
+        outs = runner.generate([{"prompt_token_ids": list(s)} for s in seqs], params)
     top1, own = [], []
     for seq, out in zip(seqs, outs):
         for pos in range(1, len(seq)):
@@ -85,16 +90,17 @@ def _compare(name: str) -> tuple[float, torch.Tensor]:
     path = MODELS[name]()
     seqs = _sequences(50000)
     top_f, lp_f = _teacher_forced(path, seqs)
-    top_q, lp_q = _teacher_forced(path, seqs, quantization="int8")
+    top_q, lp_q = _teacher_forced(path, seqs, "int8")
     agree = sum(a == b for a, b in zip(top_f, top_q)) / len(top_f)
     return agree, (lp_f - lp_q).abs()
 
 
 def _dequantised_checkpoint(path: str) -> str:
     """A copy of the checkpoint in `path` whose weights that int8 quantises are replaced by
-    their dequantised values (taken from an int8 engine's model)."""
-    llm = LLM(path, quantization="int8", max_num_seqs=1)
-    model = llm.llm_engine.model
+    their dequantised values (taken from the int8 model the loader builds)."""
+    hf_config = load_hf_config(path)
+    record_quantization(hf_config, "int8")
+    model, _ = build_model(path, hf_config, torch.float32, torch.device("cpu"))
     dequantised = {}
     for name, module in model.named_modules():
         int8 = isinstance(module, Int8Embedding) or (
@@ -123,7 +129,7 @@ def _dequantised_checkpoint(path: str) -> str:
 def test_int8_is_the_float_model_with_dequantised_weights(name: str) -> None:
     path = MODELS[name]()
     seqs = _sequences(50000)
-    top_q, lp_q = _teacher_forced(path, seqs, quantization="int8")
+    top_q, lp_q = _teacher_forced(path, seqs, "int8")
     top_d, lp_d = _teacher_forced(_dequantised_checkpoint(path), seqs)
     assert top_q == top_d
     torch.testing.assert_close(lp_q, lp_d, rtol=0, atol=2e-3)
@@ -142,9 +148,9 @@ def test_int8_close_to_float_on_the_trained_model() -> None:
     seqs = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in (40, 90)]
     with VllmRunner(path) as runner:  # natural text: the float model's greedy continuations
         outs = runner.generate_greedy([{"prompt_token_ids": s[:8]} for s in seqs], 60)
-    seqs = [s[:8] + o for s, o in zip(seqs, outs)]
+    seqs = tuple(tuple(s[:8] + o) for s, o in zip(seqs, outs))
     top_f, lp_f = _teacher_forced(path, seqs)
-    top_q, lp_q = _teacher_forced(path, seqs, quantization="int8")
+    top_q, lp_q = _teacher_forced(path, seqs, "int8")
     diff = (lp_f - lp_q).abs()
     agree = sum(a == b for a, b in zip(top_f, top_q)) / len(top_f)
     assert agree >= TRAINED_TOP1_AGREEMENT, agree
