@@ -4,8 +4,9 @@ The Mamba and FalconMamba checkpoints are those of `tests.tiny_models`; Mamba2 c
 shapes whose heads split over 2 ranks: `n_groups` 2 (each rank holds one group) and
 `n_groups` 1 (the group is replicated and the gated norm's statistics are all-reduced), the
 latter with biases, a tied head and an odd vocabulary (the last vocabulary shard is padded).
-Bamba comes as `bamba-gqa` (2 KV heads, split) of `tests.helpers.hybrid_models` and as
-`bamba-mqa-even` (one KV head, replicated on both ranks; one Mamba2 group; tied head).
+The hybrids are those of `tests.helpers.hybrid_models` and `tests.tiny_models` whose heads
+split over 2 ranks, and `nemotron-h-mqa-even`: Nemotron-H with one KV head (replicated on both
+ranks), MoE and 4 Mamba2 heads in one group.
 """
 
 from __future__ import annotations
@@ -60,33 +61,43 @@ def _save_tiny(cls_name: str, kwargs: dict, prefix: str) -> str:
     return path
 
 
-# Bamba with MQA (one KV head, replicated on both ranks) and 4 SSD heads in one group.
-BAMBA_MQA_EVEN = dict(
+# Nemotron-H with MoE (grouped routing, shared expert) and MQA (one KV head, replicated),
+# 4 Mamba2 heads in one group.
+NEMOTRON_H_MQA_EVEN = dict(
     vocab_size=50280,
     max_position_embeddings=1024,
     hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=3,
-    attn_layer_indices=[0],
+    hybrid_override_pattern="ME*M-E",
+    num_hidden_layers=6,
     num_attention_heads=6,
     num_key_value_heads=1,
-    mamba_n_heads=4,
-    mamba_n_groups=1,
-    mamba_d_state=8,
-    mamba_d_conv=3,
-    mamba_expand=2,
-    mamba_chunk_size=8,
-    mamba_proj_bias=True,
-    attention_bias=True,
+    head_dim=8,
+    intermediate_size=64,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    routed_scaling_factor=1.5,
+    norm_topk_prob=True,
     mlp_bias=True,
-    rms_norm_eps=1e-6,
+    mamba_num_heads=4,
+    mamba_head_dim=24,
+    n_groups=1,
+    ssm_state_size=8,
+    conv_kernel=3,
+    chunk_size=8,
+    use_bias=True,
+    use_conv_bias=False,
+    layer_norm_epsilon=1e-6,
     tie_word_embeddings=True,
 )
 
 
 OWN = {
     "mamba2-g1": ("Mamba2ForCausalLM", MAMBA2_G1),
-    "bamba-mqa-even": ("BambaForCausalLM", BAMBA_MQA_EVEN),
+    "nemotron-h-mqa-even": ("NemotronHForCausalLM", NEMOTRON_H_MQA_EVEN),
 }
 
 
@@ -97,6 +108,6 @@ def model_dir(name: str) -> str:
         return tiny_model_dir(name)
     if name in OWN:
         return _save_tiny(*OWN[name], prefix=f"tiny-{name}-")
-    if name.startswith("bamba"):
+    if name.startswith(("bamba", "granite", "nemotron", "falcon-h1")):
         return hybrid_model_dir(name)
     return other_model_dir(name)

@@ -7,17 +7,21 @@ of the weights.
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.distributed.conftest import model_dir
-from tests.tiny_models import other_model_dir
 from vllm_mamba import LLM
 from vllm_mamba.distributed.parallel_state import TensorParallel
 from vllm_mamba.executor.ray_executor import _import_ray
 from vllm_mamba.model_loader import build_model, load_hf_config
+from vllm_mamba.models.mamba import MambaForCausalLM
+from vllm_mamba.models.registry import ModelRegistry
 
 CPU = torch.device("cpu")
 
@@ -32,7 +36,7 @@ def _nbytes(model: torch.nn.Module) -> int:
 
 
 def test_mamba_shards_are_the_model_split_by_channels() -> None:
-    path = model_dir("untied")
+    path = model_dir("falcon-untied")
     full, shards = _build(path, 0, 1), [_build(path, r, 2) for r in range(2)]
     f, s = full.backbone.layers[1].mixer, [m.backbone.layers[1].mixer for m in shards]
     inter = f.intermediate_size
@@ -69,9 +73,23 @@ def test_mamba2_one_group_is_replicated_and_heads_split() -> None:
     assert not emb[full.config.vocab_size :].any()
 
 
-def test_architecture_without_tensor_parallelism_is_refused() -> None:
-    with pytest.raises(ValueError, match="JambaForCausalLM does not support tensor parallelism"):
-        LLM(other_model_dir("jamba-gqa"), device="cpu", tensor_parallel_size=2)
+class SingleRankMamba(MambaForCausalLM):
+    """A plugin architecture that does not declare tensor parallelism."""
+
+    supports_tensor_parallel = False
+
+
+def test_architecture_without_tensor_parallelism_is_refused(tmp_path: Path) -> None:
+    shutil.copytree(model_dir("tied"), tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["SingleRankMamba"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ModelRegistry.register_model("SingleRankMamba", SingleRankMamba)
+    try:
+        with pytest.raises(ValueError, match="SingleRankMamba does not support tensor paral"):
+            LLM(str(tmp_path), device="cpu", tensor_parallel_size=2)
+    finally:
+        ModelRegistry._models.pop("SingleRankMamba")
 
 
 def test_shapes_that_do_not_split_are_refused() -> None:

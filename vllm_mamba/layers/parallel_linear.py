@@ -114,19 +114,31 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """`Linear` over this rank's input features; the partial outputs are summed over ranks."""
+    """`Linear` over this rank's input features; the partial outputs are summed over ranks
+    (or, with `reduce=False`, left for the caller to sum once: the bias is then rank 0's)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, ops: MambaOps, tp: TensorParallel
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        ops: MambaOps,
+        tp: TensorParallel,
+        reduce: bool = True,
     ) -> None:
         start, length = tp.range(in_features, "input features of a row-parallel layer")
         super().__init__(length, out_features, bias, ops)
         self.tp = tp
+        self.reduce = reduce
         shard_param(self, "weight", 1, [(start, length)], in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x (T, in / N)` -> `(T, out)`, the same on every rank."""
-        y = all_reduce(self.linear_op(x, self.weight, None), self.tp)  # (T, out)
+        """`x (T, in / N)` -> `(T, out)`: the same on every rank, or this rank's part."""
+        y = self.linear_op(x, self.weight, None)  # (T, out)
+        if self.reduce:
+            y = all_reduce(y, self.tp)
+        elif self.tp.rank != 0:
+            return y
         return y if self.bias is None else y + self.bias
 
 
@@ -147,12 +159,18 @@ def column_linear(
 
 
 def row_linear(
-    in_features: int, out_features: int, bias: bool, ops: MambaOps, tp: TensorParallel
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    ops: MambaOps,
+    tp: TensorParallel,
+    reduce: bool = True,
 ) -> Linear:
-    """A row-parallel `Linear`; the plain `Linear` with one rank."""
+    """A row-parallel `Linear` (`reduce=False`: the caller sums the ranks' outputs); the
+    plain `Linear` with one rank."""
     if tp.size == 1:
         return Linear(in_features, out_features, bias, ops)
-    return RowParallelLinear(in_features, out_features, bias, ops, tp)
+    return RowParallelLinear(in_features, out_features, bias, ops, tp, reduce)
 
 
 def vocab_range(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:

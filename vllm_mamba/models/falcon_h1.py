@@ -20,6 +20,11 @@ Names are the checkpoints' (`model.embed_tokens`, `model.layers.N.mamba.*`,
 `lm_head`). Falcon-H1-0.5B: 36 layers of hidden size 1024, 8 query and 2 key/value heads of 64,
 Mamba2 width 1536 in 24 heads of 64, d_state 128, one group, conv 4.
 
+Tensor parallelism (`tp`): Mamba2 and attention by heads (the muP section scales follow each
+rank's sections), the MLP's `gate_proj` and `up_proj` column-parallel and `down_proj`
+row-parallel, vocabulary-parallel embedding and head. A norm before the gate needs whole
+groups on each rank.
+
 Glossary: T tokens in the step, H hidden size, I Mamba2 width, NH heads, P head dim, G groups,
 N state size, CD conv channels.
 """
@@ -33,9 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.layernorm import RMSNorm, weightless_rms_norm
-from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
+from vllm_mamba.layers.parallel_linear import column_linear, row_linear, vocab_embedding
+from vllm_mamba.layers.parallel_norm import SplitGroupGatedRMSNorm
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.mamba_cache import LayerState, MambaCache
 from vllm_mamba.models.bamba import make_rotary
@@ -56,15 +63,20 @@ class FalconH1Mixer(Mamba2Mixer):
     """Mamba2 with Falcon-H1's input multiplier, per-section projection multipliers, optional
     gated norm (before or after the gate) and its own `out_proj` bias."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
-        super().__init__(**FalconH1ForCausalLM.mamba2_args(config), ops=ops)
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(**FalconH1ForCausalLM.mamba2_args(config), ops=ops, tp=tp)
         self.ssm_in_multiplier = float(config.ssm_in_multiplier)
         self.ssm_multipliers = [float(m) for m in config.ssm_multipliers]
         self.norm_before_gate = bool(config.mamba_norm_before_gate)
         if not config.mamba_rms_norm:
             self.norm = None
-        self.out_proj = Linear(self.intermediate_size, config.hidden_size,
-                               config.projectors_bias, ops)  # fmt: skip
+        elif self.norm_before_gate and isinstance(self.norm, SplitGroupGatedRMSNorm):
+            raise ValueError(
+                f"Falcon-H1 with mamba_norm_before_gate: mamba_n_groups "
+                f"({config.mamba_n_groups}) must be a multiple of tensor_parallel_size ({tp.size})"
+            )
+        self.out_proj = row_linear(_ssm_width(config), config.hidden_size,
+                                   config.projectors_bias, ops, tp)  # fmt: skip
         self.register_buffer("mup_vector", torch.empty(0), persistent=False)
 
     def process_weights_after_loading(self) -> None:
@@ -95,12 +107,12 @@ class FalconH1Mixer(Mamba2Mixer):
 class FalconH1MLP(nn.Module):
     """`down(up(x) * silu(gate(x) * gate_mult)) * down_mult`."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         hidden, ffn, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(hidden, ffn, bias, ops)
-        self.up_proj = Linear(hidden, ffn, bias, ops)
-        self.down_proj = Linear(ffn, hidden, bias, ops)
+        self.gate_proj = column_linear(hidden, [ffn], bias, ops, tp)
+        self.up_proj = column_linear(hidden, [ffn], bias, ops, tp)
+        self.down_proj = row_linear(ffn, hidden, bias, ops, tp)
         self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,17 +124,17 @@ class FalconH1MLP(nn.Module):
 class FalconH1Layer(nn.Module):
     """Norm; Mamba2 and attention in parallel, scaled and added; norm, MLP, residual."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         head_dim = FalconH1ForCausalLM.head_dim(config)
-        self.mamba = FalconH1Mixer(config, ops)
+        self.mamba = FalconH1Mixer(config, ops, tp)
         self.self_attn = SelfAttention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
             bias=config.attention_bias, scale=head_dim**-0.5,
             rotary=make_rotary(config, head_dim), ops=ops,
-            key_multiplier=float(config.key_multiplier),
+            key_multiplier=float(config.key_multiplier), tp=tp,
         )  # fmt: skip
-        self.feed_forward = FalconH1MLP(config, ops)
+        self.feed_forward = FalconH1MLP(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attention_in_multiplier = float(config.attention_in_multiplier)
@@ -141,11 +153,11 @@ class FalconH1Layer(nn.Module):
 class FalconH1Model(nn.Module):
     """Embeddings, the layers and the final norm (`model.*` in the checkpoints)."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            FalconH1Layer(config, ops) for _ in range(config.num_hidden_layers)
+            FalconH1Layer(config, ops, tp) for _ in range(config.num_hidden_layers)
         )
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -153,14 +165,16 @@ class FalconH1Model(nn.Module):
 class FalconH1ForCausalLM(Mamba2HybridForCausalLM):
     """Falcon-H1 language model: attention and Mamba2 in parallel in every layer."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    supports_tensor_parallel = True
+
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         check_silu(config)
         check_mamba2_args(self.mamba2_args(config), _ssm_width(config))
-        self.model = FalconH1Model(config, ops)
+        self.model = FalconH1Model(config, ops, tp)
         self.embedding_multiplier = float(config.embedding_multiplier)
         self.lm_head_multiplier = float(config.lm_head_multiplier)
-        self.init_lm_head(config, ops)
+        self.init_lm_head(config, ops, tp)
 
     @classmethod
     def attention_layers(cls, config: Any) -> list[bool]:

@@ -22,6 +22,11 @@ output}_linear`, `model.norm`, `lm_head`). granite-4.0-h-tiny: 40 layers of hidd
 attention at 4 of them (12 query and 4 key/value heads, NoPE), 64 experts top-6 of size 512 and
 a shared expert of 1024, Mamba2 with 48 heads of 64, d_state 128, one group, conv 4.
 
+Tensor parallelism (`tp`): Mamba2 and attention by heads; the shared MLP's `input_linear`
+(its gate and up halves each split) column-parallel and `output_linear` row-parallel; every
+expert's matrices split the same way over F (the router is replicated and the experts' partial
+sums all-reduced once); vocabulary-parallel embedding and head.
+
 Glossary: T tokens in the step, H hidden size, E experts, k experts per token, F expert size,
 S shared-expert size.
 """
@@ -35,9 +40,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
+from vllm_mamba.distributed.communication import all_reduce
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.layernorm import RMSNorm
-from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
+from vllm_mamba.layers.parallel_linear import (
+    column_linear,
+    even_ranges,
+    row_linear,
+    shard_param,
+    vocab_embedding,
+)
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.mamba_cache import LayerState, MambaCache
@@ -68,10 +81,12 @@ def layer_types(config: Any) -> list[str]:
 class SharedMLP(nn.Module):
     """`output_linear(silu(g) * u)` with `g, u` the halves of `input_linear(x)`."""
 
-    def __init__(self, hidden_size: int, ffn_size: int, ops: MambaOps) -> None:
+    def __init__(
+        self, hidden_size: int, ffn_size: int, ops: MambaOps, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.input_linear = Linear(hidden_size, 2 * ffn_size, False, ops)
-        self.output_linear = Linear(ffn_size, hidden_size, False, ops)
+        self.input_linear = column_linear(hidden_size, [ffn_size, ffn_size], False, ops, tp)
+        self.output_linear = row_linear(ffn_size, hidden_size, False, ops, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x (T, H)` -> `(T, H)`."""
@@ -94,7 +109,7 @@ class GraniteMoE(nn.Module):
     (E, H, F)`.
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         num_experts, hidden, ffn = (
             config.num_local_experts,
@@ -102,9 +117,15 @@ class GraniteMoE(nn.Module):
             config.intermediate_size,
         )
         self.top_k = config.num_experts_per_tok
+        self.tp = tp
         self.router = GraniteRouter(hidden, num_experts)
-        self.input_linear = _StackedWeight(num_experts, 2 * ffn, hidden)
-        self.output_linear = _StackedWeight(num_experts, hidden, ffn)
+        local = tp.split(ffn, "intermediate_size")  # this rank's expert width
+        self.input_linear = _StackedWeight(num_experts, 2 * local, hidden)
+        self.output_linear = _StackedWeight(num_experts, hidden, local)
+        if tp.size > 1:
+            halves = even_ranges([ffn, ffn], tp, "intermediate_size")
+            shard_param(self.input_linear, "weight", 1, halves, 2 * ffn)
+            shard_param(self.output_linear, "weight", 2, [tp.range(ffn, "ffn")], ffn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x (T, H)` -> `(T, H)`: each token's chosen experts, summed by weight."""
@@ -117,7 +138,7 @@ class GraniteMoE(nn.Module):
             gate, up = F.linear(x[token_idx], self.input_linear.weight[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.output_linear.weight[expert])  # (M, H)
             out[token_idx] += y * weights[token_idx, k_pos, None]
-        return out
+        return all_reduce(out, self.tp)
 
 
 class _StackedWeight(nn.Module):
@@ -132,7 +153,7 @@ class GraniteLayer(nn.Module):
     """Norm, mixer (`mamba` or `self_attn`), scaled residual; norm, MoE + shared MLP (or the
     shared MLP alone), scaled residual."""
 
-    def __init__(self, config: Any, index: int, ops: MambaOps) -> None:
+    def __init__(self, config: Any, index: int, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.is_attention = layer_types(config)[index] in ATTENTION_TYPES
         if self.is_attention:
@@ -144,12 +165,13 @@ class GraniteLayer(nn.Module):
             self.self_attn = SelfAttention(
                 config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                 head_dim, bias=config.attention_bias, scale=config.attention_multiplier,
-                rotary=rotary, ops=ops,
+                rotary=rotary, ops=ops, tp=tp,
             )  # fmt: skip
         else:
-            self.mamba = Mamba2Mixer(**GraniteMoeHybridForCausalLM.mamba2_args(config), ops=ops)
-        self.block_sparse_moe = GraniteMoE(config) if config.num_local_experts > 0 else None
-        self.shared_mlp = SharedMLP(config.hidden_size, config.shared_intermediate_size, ops)
+            args = GraniteMoeHybridForCausalLM.mamba2_args(config)
+            self.mamba = Mamba2Mixer(**args, ops=ops, tp=tp)
+        self.block_sparse_moe = GraniteMoE(config, tp) if config.num_local_experts > 0 else None
+        self.shared_mlp = SharedMLP(config.hidden_size, config.shared_intermediate_size, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.residual_multiplier = config.residual_multiplier
@@ -174,11 +196,11 @@ class GraniteLayer(nn.Module):
 class GraniteModel(nn.Module):
     """Embeddings, the layers and the final norm (`model.*` in the checkpoints)."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            GraniteLayer(config, i, ops) for i in range(config.num_hidden_layers)
+            GraniteLayer(config, i, ops, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -186,17 +208,19 @@ class GraniteModel(nn.Module):
 class GraniteMoeHybridForCausalLM(Mamba2HybridForCausalLM):
     """Granite 4.0-H language model: Mamba2 and attention layers, MoE with a shared expert."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    supports_tensor_parallel = True
+
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         check_silu(config)
         check_mamba2_args(self.mamba2_args(config), int(config.mamba_expand * config.hidden_size))
         pe = getattr(config, "position_embedding_type", None)
         if pe not in (None, "nope", "rope"):
             raise ValueError(f"position_embedding_type {pe!r} is not supported (rope or none)")
-        self.model = GraniteModel(config, ops)
+        self.model = GraniteModel(config, ops, tp)
         self.embedding_multiplier = float(config.embedding_multiplier)
         self.logits_scaling = float(config.logits_scaling)
-        self.init_lm_head(config, ops)
+        self.init_lm_head(config, ops, tp)
 
     @classmethod
     def attention_layers(cls, config: Any) -> list[bool]:

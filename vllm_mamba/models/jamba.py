@@ -23,6 +23,11 @@ all have this layout: Jamba-v0.1 and Jamba 1.5 / 1.7 Mini are 32 layers of hidde
 8 key/value heads, Mamba d_state 16, d_conv 4, expand 2, dt rank 256); Jamba-tiny-dev is a
 small model of the same layout.
 
+Tensor parallelism (`tp`): the Mamba mixers by channels (the dt/B/C norms act on the
+all-reduced `x_proj` output, so they are replicated), attention by heads, the MLPs' `gate_proj`
+and `up_proj` column-parallel and `down_proj` row-parallel (the experts' parts all-reduced
+once per MoE layer; the router is replicated), vocabulary-parallel embedding and head.
+
 Glossary: T tokens in the step, H hidden size, F feed-forward size, E experts, k experts per
 token.
 """
@@ -36,11 +41,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
+from vllm_mamba.distributed.communication import all_reduce
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.kv_cache import AttentionSpec, LayerCacheSpec, MambaSpec
 from vllm_mamba.layers.attention import PagedAttention
 from vllm_mamba.layers.layernorm import RMSNorm
-from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba_mixer import MambaMixer
+from vllm_mamba.layers.mixer_sharding import kv_head_ranges
+from vllm_mamba.layers.parallel_linear import column_linear, lm_head, row_linear, vocab_embedding
 from vllm_mamba.mamba_cache import LayerState, MambaCache, MambaStateShape
 from vllm_mamba.ops.table import MambaOps
 
@@ -64,7 +72,7 @@ def _head_dim(config: Any) -> int:
 class JambaMambaMixer(MambaMixer):
     """Mamba's mixer with weighted RMS norms on the time step, B and C."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__(
             hidden_size=config.hidden_size,
             intermediate_size=config.mamba_expand * config.hidden_size,
@@ -74,6 +82,7 @@ class JambaMambaMixer(MambaMixer):
             use_bias=config.mamba_proj_bias,
             use_conv_bias=config.mamba_conv_bias,
             ops=ops,
+            tp=tp,
         )
         eps = config.rms_norm_eps
         self.dt_layernorm = RMSNorm(self.time_step_rank, eps=eps)
@@ -92,7 +101,7 @@ class JambaMambaMixer(MambaMixer):
 class JambaAttention(nn.Module):
     """GQA attention without rotary or biases over the paged KV cache."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         hidden, heads, kv_heads = (
             config.hidden_size,
@@ -100,11 +109,14 @@ class JambaAttention(nn.Module):
             config.num_key_value_heads,
         )
         head_dim = _head_dim(config)
-        self.q_proj = Linear(hidden, heads * head_dim, False, ops)
-        self.k_proj = Linear(hidden, kv_heads * head_dim, False, ops)
-        self.v_proj = Linear(hidden, kv_heads * head_dim, False, ops)
-        self.o_proj = Linear(heads * head_dim, hidden, False, ops)
-        self.attn = PagedAttention(heads, kv_heads, head_dim, head_dim**-0.5, ops)
+        kv_ranges, local_kv = kv_head_ranges(kv_heads, head_dim, tp)
+        kv_size = [kv_heads * head_dim]
+        self.q_proj = column_linear(hidden, [heads * head_dim], False, ops, tp)
+        self.k_proj = column_linear(hidden, kv_size, False, ops, tp, kv_ranges)
+        self.v_proj = column_linear(hidden, kv_size, False, ops, tp, kv_ranges)
+        self.o_proj = row_linear(heads * head_dim, hidden, False, ops, tp)
+        local = tp.split(heads, "num_attention_heads")
+        self.attn = PagedAttention(local, local_kv, head_dim, head_dim**-0.5, ops)
 
     def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`."""
@@ -113,13 +125,21 @@ class JambaAttention(nn.Module):
 
 
 class JambaMLP(nn.Module):
-    """Dense gated MLP: `down(silu(gate(x)) * up(x))`."""
+    """Dense gated MLP: `down(silu(gate(x)) * up(x))` (`reduce=False`: with tensor
+    parallelism the caller sums the ranks' parts)."""
 
-    def __init__(self, hidden_size: int, ffn_size: int, ops: MambaOps) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_size: int,
+        ops: MambaOps,
+        tp: TensorParallel = SINGLE,
+        reduce: bool = True,
+    ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, ffn_size, False, ops)
-        self.up_proj = Linear(hidden_size, ffn_size, False, ops)
-        self.down_proj = Linear(ffn_size, hidden_size, False, ops)
+        self.gate_proj = column_linear(hidden_size, [ffn_size], False, ops, tp)
+        self.up_proj = column_linear(hidden_size, [ffn_size], False, ops, tp)
+        self.down_proj = row_linear(ffn_size, hidden_size, False, ops, tp, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x (T, H)` -> `(T, H)`."""
@@ -137,12 +157,13 @@ class JambaRouter(nn.Module):
 class JambaSparseMoe(nn.Module):
     """Top-k of `num_experts` gated MLPs per token, weighted by the router's probabilities."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
+        self.tp = tp
         self.router = JambaRouter(config.hidden_size, config.num_experts)
         self.experts = nn.ModuleList(
-            JambaMLP(config.hidden_size, config.intermediate_size, ops)
+            JambaMLP(config.hidden_size, config.intermediate_size, ops, tp, reduce=False)
             for _ in range(config.num_experts)
         )
 
@@ -156,24 +177,24 @@ class JambaSparseMoe(nn.Module):
         for expert in torch.unique(chosen).tolist():  # ascending, as transformers adds them
             token_idx, k_pos = torch.where(chosen == expert)  # (M,), (M,): tokens are distinct
             out[token_idx] += self.experts[expert](x[token_idx]) * weights[token_idx, k_pos, None]
-        return out
+        return all_reduce(out, self.tp)
 
 
 class JambaLayer(nn.Module):
     """One decoder layer: norm, mixer (`mamba` or `self_attn`), residual; norm, feed-forward,
     residual."""
 
-    def __init__(self, config: Any, index: int, ops: MambaOps) -> None:
+    def __init__(self, config: Any, index: int, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.is_attention = is_attention_layer(config, index)
         if self.is_attention:
-            self.self_attn = JambaAttention(config, ops)
+            self.self_attn = JambaAttention(config, ops, tp)
         else:
-            self.mamba = JambaMambaMixer(config, ops)
+            self.mamba = JambaMambaMixer(config, ops, tp)
         if is_expert_layer(config, index):
-            self.feed_forward: nn.Module = JambaSparseMoe(config, ops)
+            self.feed_forward: nn.Module = JambaSparseMoe(config, ops, tp)
         else:
-            self.feed_forward = JambaMLP(config.hidden_size, config.intermediate_size, ops)
+            self.feed_forward = JambaMLP(config.hidden_size, config.intermediate_size, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -193,11 +214,11 @@ class JambaLayer(nn.Module):
 class JambaModel(nn.Module):
     """Embeddings, the layers and the final norm (`model.*` in the checkpoints)."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            JambaLayer(config, i, ops) for i in range(config.num_hidden_layers)
+            JambaLayer(config, i, ops, tp) for i in range(config.num_hidden_layers)
         )
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -206,15 +227,16 @@ class JambaForCausalLM(nn.Module):
     """Jamba language model: Mamba and attention layers, a state slot and KV blocks each."""
 
     is_attention_free = False
+    supports_tensor_parallel = True
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported; the kernels apply SiLU")
         self.config = config
-        self.model = JambaModel(config, ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, ops)
+        self.model = JambaModel(config, ops, tp)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, ops, tp)
         # Per layer, its index in mamba_cache (None for attention layers).
         mamba_index = iter(range(config.num_hidden_layers))
         self.state_index = [

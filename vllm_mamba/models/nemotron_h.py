@@ -34,9 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
+from vllm_mamba.distributed.communication import all_reduce
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
+from vllm_mamba.layers.parallel_linear import column_linear, row_linear, vocab_embedding
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.mamba_cache import LayerState, MambaCache
 from vllm_mamba.models.mamba2_hybrid import Mamba2HybridForCausalLM, check_silu
@@ -67,12 +70,21 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
 
 
 class ReLU2MLP(nn.Module):
-    """`down(relu(up(x))^2)`."""
+    """`down(relu(up(x))^2)`; with tensor parallelism `up_proj` is column-parallel and
+    `down_proj` row-parallel (`reduce=False`: the caller sums the ranks' parts)."""
 
-    def __init__(self, hidden_size: int, ffn_size: int, bias: bool, ops: MambaOps) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_size: int,
+        bias: bool,
+        ops: MambaOps,
+        tp: TensorParallel = SINGLE,
+        reduce: bool = True,
+    ) -> None:
         super().__init__()
-        self.up_proj = Linear(hidden_size, ffn_size, bias, ops)
-        self.down_proj = Linear(ffn_size, hidden_size, bias, ops)
+        self.up_proj = column_linear(hidden_size, [ffn_size], bias, ops, tp)
+        self.down_proj = row_linear(ffn_size, hidden_size, bias, ops, tp, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x (T, H)` -> `(T, H)`."""
@@ -113,18 +125,19 @@ class NemotronHRouter(nn.Module):
 class NemotronHMoE(nn.Module):
     """Routed squared-ReLU experts (in the latent space when configured) plus shared ones."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, config.mlp_bias
         latent = getattr(config, "moe_latent_size", None)
         inner = latent or hidden
+        self.tp = tp
         self.gate = NemotronHRouter(config)
         self.experts = nn.ModuleList(
-            ReLU2MLP(inner, config.moe_intermediate_size, False, ops)
+            ReLU2MLP(inner, config.moe_intermediate_size, False, ops, tp, reduce=False)
             for _ in range(config.n_routed_experts)
         )
         self.shared_experts = ReLU2MLP(
-            hidden, config.moe_shared_expert_intermediate_size, bias, ops
+            hidden, config.moe_shared_expert_intermediate_size, bias, ops, tp
         )
         self.fc1_latent_proj = Linear(hidden, latent, bias, ops) if latent else None
         self.fc2_latent_proj = Linear(latent, hidden, bias, ops) if latent else None
@@ -138,7 +151,7 @@ class NemotronHMoE(nn.Module):
             token_idx, k_pos = torch.where(chosen == expert)  # (M,), (M,)
             y = self.experts[expert](inner[token_idx])
             out[token_idx] += (y * weights[token_idx, k_pos, None]).float()
-        out = out.to(x.dtype)
+        out = all_reduce(out, self.tp).to(x.dtype)  # the experts' parts, summed once
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         return out + self.shared_experts(x)
@@ -147,24 +160,25 @@ class NemotronHMoE(nn.Module):
 class NemotronHBlock(nn.Module):
     """`x + mixer(norm(x))`, the mixer one of Mamba2, attention, MLP or MoE."""
 
-    def __init__(self, config: Any, kind: str, ops: MambaOps) -> None:
+    def __init__(self, config: Any, kind: str, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         if kind == "mamba":
-            self.mixer: nn.Module = Mamba2Mixer(**NemotronHForCausalLM.mamba2_args(config), ops=ops)
+            args = NemotronHForCausalLM.mamba2_args(config)
+            self.mixer: nn.Module = Mamba2Mixer(**args, ops=ops, tp=tp)
         elif kind == "attention":
             head_dim = NemotronHForCausalLM.head_dim(config)
             self.mixer = SelfAttention(
                 config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                head_dim, bias=False, scale=head_dim**-0.5, rotary=None, ops=ops,
+                head_dim, bias=False, scale=head_dim**-0.5, rotary=None, ops=ops, tp=tp,
             )  # fmt: skip
         elif kind == "mlp":
             self.mixer = ReLU2MLP(
-                config.hidden_size, config.intermediate_size, config.mlp_bias, ops
+                config.hidden_size, config.intermediate_size, config.mlp_bias, ops, tp
             )
         else:
-            self.mixer = NemotronHMoE(config, ops)
+            self.mixer = NemotronHMoE(config, ops, tp)
 
     def forward(
         self, hidden: torch.Tensor, state: LayerState | None, meta: PagedMetadata
@@ -181,17 +195,19 @@ class NemotronHBlock(nn.Module):
 class NemotronHBackbone(nn.Module):
     """Embeddings, the blocks and the final norm (`backbone.*` in the checkpoints)."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(NemotronHBlock(config, k, ops) for k in block_types(config))
+        self.embeddings = vocab_embedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(NemotronHBlock(config, k, ops, tp) for k in block_types(config))
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
 
 class NemotronHForCausalLM(Mamba2HybridForCausalLM):
     """Nemotron-H language model: Mamba2, attention, MLP and MoE blocks by pattern."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    supports_tensor_parallel = True
+
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         check_silu(config, "mamba_hidden_act")
         act = getattr(config, "mlp_hidden_act", "relu2")
@@ -200,8 +216,8 @@ class NemotronHForCausalLM(Mamba2HybridForCausalLM):
         args = self.mamba2_args(config)
         if args["num_heads"] % args["n_groups"]:
             raise ValueError("mamba_num_heads must be a multiple of n_groups")
-        self.backbone = NemotronHBackbone(config, ops)
-        self.init_lm_head(config, ops)
+        self.backbone = NemotronHBackbone(config, ops, tp)
+        self.init_lm_head(config, ops, tp)
 
     def input_embeddings(self) -> nn.Embedding:
         return self.backbone.embeddings
