@@ -35,7 +35,7 @@ from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.quantization import Int8Embedding
 from vllm_mamba.model_loader import build_model, load_hf_config
 from vllm_mamba.model_zoo import DEFAULT_MODEL, shipped_model_path
-from vllm_mamba.ops.int8_linear import dequantize_int8
+from vllm_mamba.ops.int8_linear import dequantize_int8, int8_linear_ref
 
 MODELS = {
     "mamba-tied": lambda: tiny_model_dir("tied"),
@@ -187,3 +187,18 @@ def test_cli_flag() -> None:
     assert parser.parse_args([]).quantization is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "fp8"])
+
+
+def test_reference_ops_run_int8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`VLLM_MAMBA_OPS=ref` (no extension needed): the same function as the C++ kernels."""
+    path, seqs = MODELS["mamba-tied"](), _sequences(50000)
+    top_cpp, lp_cpp = _teacher_forced(path, seqs, "int8")
+    monkeypatch.setenv("VLLM_MAMBA_OPS", "ref")
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    with VllmRunner(path, max_num_seqs=4, quantization="int8") as runner:
+        assert runner.engine.model.lm_head.int8_op is int8_linear_ref
+        outs = runner.generate([{"prompt_token_ids": list(s)} for s in seqs], params)
+    own = [
+        out.prompt_logprobs[p][s[p]].logprob for s, out in zip(seqs, outs) for p in range(1, len(s))
+    ]
+    torch.testing.assert_close(torch.tensor(own, dtype=torch.float64), lp_cpp, rtol=0, atol=2e-3)
