@@ -5,7 +5,8 @@ Mamba2 (one group replicated, the gated norm's variance all-reduced, an odd voca
 Bamba (Mamba2 with 2 groups split, GQA with KV heads split), Granite 4.0-H (MoE experts split
 over their width, shared MLP), Nemotron-H (grouped-routing MoE, squared-ReLU MLP, MQA with the
 KV head replicated), Falcon-H1 (muP sections, norm before the gate) and Jamba (Mamba with
-dt/B/C norms, GQA, MoE).
+dt/B/C norms, GQA, MoE); and Mamba with int8 weights (`tied+int8`: row-parallel layers take
+their whole rows' scales, the vocabulary-parallel embedding reads the tied int8 head).
 
 Per architecture, one engine with `tensor_parallel_size=2` and chunked prefill (16-token
 budget) against one single-rank engine with whole prefills: the same greedy tokens, the same
@@ -32,6 +33,7 @@ MODELS = [
     "nemotron-h-mqa-even",
     "falcon-h1-norm",
     "jamba-gqa",
+    "tied+int8",
 ]
 ATOL = 1e-3
 
@@ -39,10 +41,16 @@ ATOL = 1e-3
 @pytest.fixture(scope="module", params=MODELS)
 def engines(request: pytest.FixtureRequest) -> Iterator[tuple[VllmRunner, VllmRunner]]:
     """(single rank, 2 ranks with chunked prefill) on the same checkpoint."""
-    path = model_dir(request.param)
-    one = VllmRunner(path, device="cpu", max_num_seqs=8)
+    name, _, quantization = request.param.partition("+")
+    path, kwargs = model_dir(name), {"quantization": quantization or None}
+    one = VllmRunner(path, device="cpu", max_num_seqs=8, **kwargs)
     two = VllmRunner(
-        path, device="cpu", max_num_seqs=8, max_num_batched_tokens=16, tensor_parallel_size=2
+        path,
+        device="cpu",
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+        tensor_parallel_size=2,
+        **kwargs,
     )
     try:
         yield one, two

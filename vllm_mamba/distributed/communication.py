@@ -43,3 +43,10 @@ def broadcast(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     if tp.size > 1:
         dist.broadcast(x, src=0)
     return x
+
+
+def all_reduce_max(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The elementwise maximum of `x` over the ranks (in place; returns `x`)."""
+    if tp.size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_mamba.distributed.communication import all_gather, all_reduce
+from vllm_mamba.distributed.communication import all_gather, all_reduce, all_reduce_max
 from vllm_mamba.distributed.parallel_state import TensorParallel
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.ops.table import MambaOps
@@ -132,6 +132,12 @@ class RowParallelLinear(Linear):
         self.reduce = reduce
         shard_param(self, "weight", 1, [(start, length)], in_features)
 
+    def row_absmax(self) -> torch.Tensor:
+        """`(out,)` float32: the largest `|w|` of each whole row (over every rank's columns), so
+        that int8 quantisation scales the rows as one rank would."""
+        absmax = self.weight.detach().float().abs().amax(dim=1)  # (out,)
+        return all_reduce_max(absmax, self.tp)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x (T, in / N)` -> `(T, out)`: the same on every rank, or this rank's part."""
         y = self.linear_op(x, self.weight, None)  # (T, out)
@@ -189,11 +195,20 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
         shard_param(self, "weight", 0, [(self.start, rows)], vocab_size)
 
+    def use_int8_table(self, weight: nn.Parameter, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        """Reads the tied LM head's int8 rows `weight` with their `scale (rows,)` instead."""
+        self.weight = weight
+        self.register_buffer("weight_scale", scale)
+        self.dtype = dtype
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids (T,)` -> `(T, H)`, the same on every rank."""
         local = input_ids - self.start  # (T,)
         outside = (local < 0) | (local >= self.weight.shape[0])
-        hidden = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)  # (T, H)
+        local = local.masked_fill(outside, 0)
+        hidden = nn.functional.embedding(local, self.weight)  # (T, H)
+        if hidden.dtype == torch.int8:
+            hidden = (hidden.float() * self.weight_scale[local, None]).to(self.dtype)
         hidden = hidden.masked_fill(outside[:, None], 0)
         return all_reduce(hidden, self.tp)
 

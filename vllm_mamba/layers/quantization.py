@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.parallel_linear import VocabParallelEmbedding
 from vllm_mamba.ops.int8_linear import quantize_int8
 from vllm_mamba.ops.table import MambaOps
 
@@ -77,7 +78,10 @@ def _int8_product(
 def quantize_linear_int8(linear: Linear, ops: MambaOps) -> None:
     """Makes `linear`'s weight int8 in place (see the module docstring)."""
     dtype = linear.weight.dtype
-    qweight, scale = quantize_int8(linear.weight)  # (N, K) int8, (N,) float32
+    # A row-parallel shard holds some columns of each row: its scales are the whole row's.
+    row_absmax = getattr(linear, "row_absmax", None)
+    absmax = row_absmax() if row_absmax is not None else None
+    qweight, scale = quantize_int8(linear.weight, absmax)  # (N, K) int8, (N,) float32
     linear.weight = nn.Parameter(qweight.to(linear.weight.device), requires_grad=False)
     linear.register_buffer("weight_scale", scale.to(qweight.device))
     linear.activation_dtype = dtype
@@ -103,7 +107,7 @@ def quantize_model_int8(model: nn.Module, ops: MambaOps) -> QuantizationReport:
         id(module.weight): (parent, name)
         for parent in model.modules()
         for name, module in parent.named_children()
-        if type(module) is nn.Embedding
+        if type(module) is nn.Embedding or isinstance(module, VocabParallelEmbedding)
     }
     quantised = 0
     for name, module in list(model.named_modules()):
@@ -116,6 +120,11 @@ def quantize_model_int8(model: nn.Module, ops: MambaOps) -> QuantizationReport:
         quantised += 1
         if tied is not None:
             parent, child = tied
+            embedding = getattr(parent, child)
+            if isinstance(embedding, VocabParallelEmbedding):  # this rank's rows of the table
+                scale, dtype = module.weight_scale, module.activation_dtype
+                embedding.use_int8_table(module.weight, scale, dtype)
+                continue
             table = Int8Embedding(module.weight, module.weight_scale, module.activation_dtype)
             setattr(parent, child, table)
     after = _weight_bytes(model)

@@ -21,18 +21,23 @@ import torch.nn.functional as F
 INT8_MAX = 127
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(
+    weight: torch.Tensor, absmax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 quantisation of a float weight.
 
     Args:
         weight: `(N, K)` float32 or bfloat16.
+        absmax: `(N,)` the largest `|w|` of each row when `weight` is a slice of the rows'
+            columns (a row-parallel shard); default: `weight`'s own.
 
     Returns:
         `qweight (N, K)` int8 (contiguous) and `scale (N,)` float32; an all-zero row gets
         scale 1 and zeros.
     """
     w = weight.detach().float()  # (N, K)
-    absmax = w.abs().amax(dim=1)  # (N,)
+    if absmax is None:
+        absmax = w.abs().amax(dim=1)  # (N,)
     scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))  # (N,)
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX)  # (N, K)
     return q.to(torch.int8).contiguous(), scale.contiguous()
