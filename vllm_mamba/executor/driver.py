@@ -246,7 +246,7 @@ class DriverExecutor(Executor):
             return
         self._closed = True
         self._stop_workers()
-        destroy_tensor_parallel()
+        destroy_tensor_parallel()  # idempotent (the mp backend's stop already left the group)
 
     @abstractmethod
     def _stop_workers(self) -> None:

@@ -23,7 +23,11 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from vllm_mamba.config import EngineConfig
-from vllm_mamba.distributed.parallel_state import TensorParallel, collective_timeout_s
+from vllm_mamba.distributed.parallel_state import (
+    TensorParallel,
+    collective_timeout_s,
+    destroy_tensor_parallel,
+)
 from vllm_mamba.executor.driver import DriverExecutor
 from vllm_mamba.executor.worker import Command, Worker
 
@@ -59,17 +63,39 @@ def _worker_main(
             raise SystemExit(1) from err
 
 
+def _monitor(sentinels: list[int], executor: weakref.ref[MultiprocExecutor]) -> None:
+    """Waits for any worker to exit; tells the executor's watchers unless it is gone or
+    shutting down."""
+    wait(sentinels)
+    alive = executor()
+    if alive is not None:
+        alive._worker_died()
+
+
 class MultiprocExecutor(DriverExecutor):
     """Rank 0 here, ranks 1..N-1 in spawned processes."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        size = self.tp.size
+        if config.device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(
+                f"tensor_parallel_size {size} needs {size} GPUs on this machine with the mp "
+                f"backend; {torch.cuda.device_count()} are visible (use the ray backend across "
+                "machines)"
+            )
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         self._errors: dict[int, str] = {}
         self._start("127.0.0.1")
+        # Dropping the engine stops its workers and leaves the group (the monitor holds only
+        # a weak reference, so it does not keep the executor alive).
         self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.procs, self.conns)
-        threading.Thread(target=self._monitor, name="tp-monitor", daemon=True).start()
+        sentinels = [p.sentinel for p in self.procs]
+        monitor = threading.Thread(
+            target=_monitor, args=(sentinels, weakref.ref(self)), name="tp-monitor", daemon=True
+        )
+        monitor.start()
 
     def _start_workers(self, init_method: str) -> None:
         # A fork server with the engine's modules imported starts each worker in well under
@@ -130,11 +156,6 @@ class MultiprocExecutor(DriverExecutor):
             pass
         return self._errors.get(rank)
 
-    def _monitor(self) -> None:
-        """Waits for any worker to exit; tells the watchers unless shutting down."""
-        wait([p.sentinel for p in self.procs])
-        self._worker_died()
-
     def _stop_workers(self) -> None:
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
@@ -156,3 +177,4 @@ class MultiprocExecutor(DriverExecutor):
                 proc.join(5.0)
         for conn in conns:
             conn.close()
+        destroy_tensor_parallel()
