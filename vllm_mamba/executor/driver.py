@@ -25,6 +25,7 @@ from vllm_mamba.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
+from vllm_mamba.engine.errors import EngineStartupError
 from vllm_mamba.executor.base import (
     Executor,
     TensorParallelError,
@@ -155,7 +156,7 @@ class DriverExecutor(Executor):
             thread.join(0.1)
             failed = self._failed_ranks(wait_s=0.0)
             if failed:
-                raise RuntimeError(f"tensor parallelism could not start: {'; '.join(failed)}")
+                raise EngineStartupError(f"tensor parallelism could not start: {'; '.join(failed)}")
         if errors:
             raise errors[0]
 

@@ -28,6 +28,7 @@ from vllm_mamba.distributed.parallel_state import (
     collective_timeout_s,
     destroy_tensor_parallel,
 )
+from vllm_mamba.engine.errors import EngineStartupError
 from vllm_mamba.executor.driver import DriverExecutor
 from vllm_mamba.executor.worker import Command, Worker
 
@@ -121,10 +122,12 @@ class MultiprocExecutor(DriverExecutor):
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
             while not conn.poll(0.1):
                 if not proc.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel worker rank {rank} did not start")
+                    raise EngineStartupError(f"tensor-parallel worker rank {rank} did not start")
             kind, detail = conn.recv()
             if kind != "ready":
-                raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start: {detail}")
+                raise EngineStartupError(
+                    f"tensor-parallel worker rank {rank} failed to start: {detail}"
+                )
 
     def _send(self, command: Command) -> None:
         data = pickle.dumps(command)
