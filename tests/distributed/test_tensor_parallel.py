@@ -11,7 +11,8 @@ their whole rows' scales, the vocabulary-parallel embedding reads the tied int8 
 Per architecture, one engine with `tensor_parallel_size=2` and chunked prefill (16-token
 budget) against one single-rank engine with whole prefills: the same greedy tokens, the same
 sampled tokens of seeded forks (`n > 1`), log-probabilities (sampled and prompt) within
-1e-3, and every state slot free afterwards on rank 0.
+1e-3, and every state slot free afterwards on rank 0. Prefix caching is on in both: a
+second turn hits the first one's snapshot (copied on every rank) and still matches.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ ATOL = 1e-3
 def engines(request: pytest.FixtureRequest) -> Iterator[tuple[VllmRunner, VllmRunner]]:
     """(single rank, 2 ranks with chunked prefill) on the same checkpoint."""
     name, _, quantization = request.param.partition("+")
-    path, kwargs = model_dir(name), {"quantization": quantization or None}
+    path = model_dir(name)
+    kwargs = {"quantization": quantization or None, "enable_prefix_caching": True}
     one = VllmRunner(path, device="cpu", max_num_seqs=8, **kwargs)
     two = VllmRunner(
         path,
@@ -87,4 +89,20 @@ def test_seeded_forks_match(engines: tuple[VllmRunner, VllmRunner]) -> None:
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in r.outputs]
         for rc, gc in zip(r.outputs, g.outputs):
             assert gc.cumulative_logprob == pytest.approx(rc.cumulative_logprob, abs=ATOL)
+    two.assert_drained()
+
+
+def test_prefix_cache_hits_match(engines: tuple[VllmRunner, VllmRunner]) -> None:
+    one, two = engines
+    first = make_prompts()[5]  # 100 tokens: its end is snapshotted on every rank
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=1)
+    for runner in (one, two):
+        runner.generate([{"prompt_token_ids": first}], params)
+    turn = [{"prompt_token_ids": first + [11, 12, 13]}]
+    ref, got = one.generate(turn, params)[0], two.generate(turn, params)[0]
+    assert got.num_cached_tokens == ref.num_cached_tokens > 0
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert got.outputs[0].cumulative_logprob == pytest.approx(
+        ref.outputs[0].cumulative_logprob, abs=ATOL
+    )
     two.assert_drained()
