@@ -16,6 +16,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernel_math.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -27,6 +29,7 @@ namespace vllm_mamba {
 namespace fused {
 
 constexpr int64_t kRowBlock = 8;  // weight rows per pass; ranges split on this unit
+constexpr int64_t kGemvMaxBatch = 8;  // more rows than this: the projections run as GEMMs
 
 inline int thread_id() {
 #ifdef _OPENMP
@@ -123,6 +126,47 @@ inline void rms_norm_row(const float* x, const float* weight, int64_t n, float e
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * r);
+}
+
+// out (B, N) float32 = x (B, K) float32 @ w (N, K)^T by torch's GEMM (x may have a row
+// stride); bfloat16 weights multiply bfloat16 activations, as the unfused layer does.
+inline void project(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+  if (w.scalar_type() == at::kFloat) {
+    at::mm_out(out, x, w.t());
+  } else {
+    out.copy_(at::mm(x.to(w.scalar_type()), w.t()));
+  }
+}
+
+// mixed[:n] += bias (optional) + residual (optional): the end of a layer.
+inline void finish_row(float* mixed, const float* bias, const float* residual, int64_t n) {
+  for (int64_t r = 0; r < n; ++r) {
+    mixed[r] += (bias ? bias[r] : 0.0f) + (residual ? residual[r] : 0.0f);
+  }
+}
+
+// Causal conv of channels [c0, c1) for one row: v[c] (the new input) becomes
+// silu(bias[c] + w[c, K-1] v[c] + sum_j w[c, j] hist[c, j]), and each history (K - 1 values
+// per channel, nullptr for a padding row: zeros, not written) shifts the input in. The SiLU
+// runs as a second, vectorised pass.
+template <typename H>
+inline void conv_update(float* v, H* hist, const float* conv_w, const float* conv_b,
+                        int64_t kernel, int64_t c0, int64_t c1) {
+  const int64_t km1 = kernel - 1;
+  for (int64_t c = c0; c < c1; ++c) {
+    const float* w = conv_w + c * kernel;
+    const float xin = v[c];
+    float acc = w[km1] * xin + (conv_b ? conv_b[c] : 0.0f);
+    if (hist) {
+      H* h = hist + c * km1;
+      for (int64_t j = 0; j < km1; ++j) acc += w[j] * widen(h[j]);
+      for (int64_t j = 0; j + 1 < km1; ++j) h[j] = h[j + 1];
+      if (km1 > 0) h[km1 - 1] = static_cast<H>(xin);
+    }
+    v[c] = acc;
+  }
+#pragma omp simd
+  for (int64_t c = c0; c < c1; ++c) v[c] = silu_f32(v[c]);
 }
 
 // Reads an optional float32 parameter of a params list; nullptr when absent.

@@ -7,9 +7,10 @@
 // `causal_conv1d_update` and `selective_state_update`; a slot index of -1 marks a padding row,
 // computed from a zero history and state and never written. Intermediates stay float32.
 //
-// One OpenMP region per call: in_proj rows (conv fused per channel), x_proj rows, then
-// channels (dt_proj, state update, gate), then out_proj rows are split over the threads, with
-// a barrier between the stages.
+// Up to `kGemvMaxBatch` rows, one OpenMP region per call: in_proj rows (conv fused per
+// channel), x_proj rows, then channels (dt_proj, state update, gate), then out_proj rows are
+// split over the threads, with a barrier between the stages. More rows run the projections as
+// GEMMs between parallel stages.
 //
 // Glossary: B batch rows, H hidden, I inner channels, N state size, R time-step rank,
 // K conv width, XP = R + 2 N x_proj rows.
@@ -52,23 +53,14 @@ struct Io {
   float *xn, *xz, *dbc, *y, *mixed;  // (B, H), (B, 2 I), (B, XP), (B, I), (B, H) scratch
 };
 
-// Conv + SiLU of channel c of batch row b (value in place in xz), shifting its history.
+// Conv + SiLU of channels [c0, c1) of batch row b (values in place in xz), shifting their
+// histories.
 template <typename W, typename S>
-inline void conv_channel(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b,
-                         int64_t c) {
-  float* v = io.xz + b * 2 * d.inter + c;
-  const int64_t km1 = d.kernel - 1, slot = io.slots[b];
-  const float* w = s.conv_w + c * d.kernel;
-  W* hist = slot >= 0 ? io.conv_states + (slot * d.inter + c) * km1 : nullptr;
-  float acc = 0.0f;
-  for (int64_t j = 0; j < km1; ++j) acc += w[j] * (hist ? fused::widen(hist[j]) : 0.0f);
-  acc += w[km1] * *v;
-  if (s.conv_b) acc += s.conv_b[c];
-  if (hist) {
-    for (int64_t j = 0; j + 1 < km1; ++j) hist[j] = hist[j + 1];
-    if (km1 > 0) hist[km1 - 1] = static_cast<W>(*v);
-  }
-  *v = silu_f32(acc);
+inline void conv_rows(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, int64_t c0,
+                      int64_t c1) {
+  const int64_t slot = io.slots[b];
+  W* hist = slot >= 0 ? io.conv_states + slot * d.inter * (d.kernel - 1) : nullptr;
+  fused::conv_update(io.xz + b * 2 * d.inter, hist, s.conv_w, s.conv_b, d.kernel, c0, c1);
 }
 
 template <typename W, typename S>
@@ -81,7 +73,7 @@ void in_proj_and_conv(const Dims& d, const Small& s, const Io<W, S>& io, int tid
     if (s.in_b) {
       for (int64_t r = lo; r < hi; ++r) io.xz[b * n + r] += s.in_b[r];
     }
-    for (int64_t c = lo; c < std::min(hi, d.inter); ++c) conv_channel(d, s, io, b, c);
+    if (lo < std::min(hi, d.inter)) conv_rows(d, s, io, b, lo, std::min(hi, d.inter));
   }
 }
 
@@ -93,11 +85,19 @@ inline void weightless_rms(float* x, int64_t n, float eps) {
   for (int64_t i = 0; i < n; ++i) x[i] *= r;
 }
 
+// x_proj output row b normalised in place (FalconMamba: dt, B and C each).
+inline void norm_ssm_params(float* row, const Dims& d, float eps) {
+  weightless_rms(row, d.rank, eps);
+  weightless_rms(row + d.rank, d.nstate, eps);
+  weightless_rms(row + d.rank + d.nstate, d.nstate, eps);
+}
+
 // dt_proj, state update and gate of channels [lo, hi) of batch row b; `row` is its
-// (normalised) x_proj output (R + 2 N).
+// (normalised) x_proj output (R + 2 N); `dt_row` its dt_proj output (I), or nullptr to
+// compute it here.
 template <typename W, typename S>
 void channels(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, const float* row,
-              int64_t lo, int64_t hi) {
+              const float* dt_row, int64_t lo, int64_t hi) {
   const int64_t N = d.nstate, slot = io.slots[b];
   const float* Bv = row + d.rank;
   const float* Cv = row + d.rank + N;
@@ -106,7 +106,11 @@ void channels(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, cons
   float dt[fused::kRowBlock];
   for (int64_t c0 = lo; c0 < hi; c0 += fused::kRowBlock) {
     const int64_t nc = std::min(fused::kRowBlock, hi - c0);
-    gemv_rows(io.dt_w, d.rank, row, d.rank, 1, c0, c0 + nc, dt, fused::kRowBlock);
+    if (dt_row) {
+      std::copy(dt_row + c0, dt_row + c0 + nc, dt);
+    } else {
+      gemv_rows(io.dt_w, d.rank, row, d.rank, 1, c0, c0 + nc, dt, fused::kRowBlock);
+    }
     for (int64_t j = 0; j < nc; ++j) {
       const int64_t c = c0 + j;
       const float delta = softplus_f32(dt[j] + (s.dt_b ? s.dt_b[c] : 0.0f));
@@ -152,12 +156,8 @@ void run_layer(const Dims& d, const Small& s, const Io<W, S>& io) {
     split(d.inter, fused::kRowBlock, tid, nth, lo, hi);
     for (int64_t b = 0; b < d.batch; ++b) {
       std::copy(io.dbc + b * d.xp, io.dbc + (b + 1) * d.xp, row.begin());
-      if (s.mixer_eps >= 0.0f) {
-        weightless_rms(row.data(), d.rank, s.mixer_eps);
-        weightless_rms(row.data() + d.rank, d.nstate, s.mixer_eps);
-        weightless_rms(row.data() + d.rank + d.nstate, d.nstate, s.mixer_eps);
-      }
-      channels(d, s, io, b, row.data(), lo, hi);
+      if (s.mixer_eps >= 0.0f) norm_ssm_params(row.data(), d, s.mixer_eps);
+      channels(d, s, io, b, row.data(), nullptr, lo, hi);
     }
 #pragma omp barrier
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
@@ -169,6 +169,50 @@ void run_layer(const Dims& d, const Small& s, const Io<W, S>& io) {
       }
     }
   }
+}
+
+// The same layer for more rows than `kGemvMaxBatch`: the projections run as GEMMs (torch's,
+// between the parallel stages) instead of weight-streaming products.
+template <typename W, typename S>
+void run_layer_gemm(const Dims& d, const Small& s, const Io<W, S>& io, const at::Tensor& xn,
+                    const at::Tensor* w, at::Tensor& xz, at::Tensor& dbc, const at::Tensor& y,
+                    at::Tensor& mixed) {
+  if (s.norm_w) {
+    at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t b = lo; b < hi; ++b) {
+        fused::rms_norm_row(io.hidden + b * d.hidden, s.norm_w, d.hidden, s.norm_eps,
+                            io.xn + b * d.hidden);
+      }
+    });
+  }
+  fused::project(xn, w[0], xz);
+  at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      if (s.in_b) {
+        for (int64_t r = 0; r < 2 * d.inter; ++r) io.xz[b * 2 * d.inter + r] += s.in_b[r];
+      }
+      conv_rows(d, s, io, b, 0, d.inter);
+    }
+  });
+  fused::project(xz.narrow(1, 0, d.inter), w[1], dbc);
+  if (s.mixer_eps >= 0.0f) {
+    for (int64_t b = 0; b < d.batch; ++b) norm_ssm_params(io.dbc + b * d.xp, d, s.mixer_eps);
+  }
+  at::Tensor dt = at::empty({d.batch, d.inter}, xz.options());
+  fused::project(dbc.narrow(1, 0, d.rank), w[2], dt);
+  const int64_t blocks = (d.inter + fused::kRowBlock - 1) / fused::kRowBlock;
+  at::parallel_for(0, d.batch * blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / blocks, c0 = (t % blocks) * fused::kRowBlock;
+      channels(d, s, io, b, io.dbc + b * d.xp, dt.data_ptr<float>() + b * d.inter, c0,
+               std::min(d.inter, c0 + fused::kRowBlock));
+    }
+  });
+  fused::project(y, w[3], mixed);
+  at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) fused::finish_row(io.mixed + b * d.hidden, s.out_b,
+        s.norm_w ? io.hidden + b * d.hidden : nullptr, d.hidden);
+  });
 }
 
 Dims check_dims(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& params,
@@ -237,7 +281,12 @@ at::Tensor fused_mamba_decode(const at::Tensor& hidden_in,
                 slots.data_ptr<int64_t>(),   hidden.data_ptr<float>(), xn.data_ptr<float>(),
                 xz.data_ptr<float>(),        dbc.data_ptr<float>(),    y.data_ptr<float>(),
                 mixed.data_ptr<float>()};
-    run_layer(d, s, io);
+    if (d.batch <= fused::kGemvMaxBatch) {
+      run_layer(d, s, io);
+    } else {
+      const at::Tensor w[4] = {in_w, x_w, dt_w, out_w};
+      run_layer_gemm(d, s, io, xn, w, xz, dbc, y, mixed);
+    }
   };
   dispatch_float_bf16(in_w, "in_proj weight", [&](auto* w_tag) {
     dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* s_tag) { run(w_tag, s_tag); });

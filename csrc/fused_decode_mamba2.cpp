@@ -9,9 +9,10 @@
 // zero history and state and never written. All intermediates stay float32 (the unfused path
 // rounds them to the model dtype between ops; in float32 the two agree to rounding).
 //
-// One OpenMP region per call: the in_proj rows (with the conv fused per channel), then the
-// (sequence, head) pairs of the SSD update, then the (sequence, group) pairs of the norm,
-// then the out_proj rows are split over the threads, with a barrier between the stages.
+// Up to `kGemvMaxBatch` rows, one OpenMP region per call: the in_proj rows (with the conv
+// fused per channel), then the (sequence, head) pairs of the SSD update, then the (sequence,
+// group) pairs of the norm, then the out_proj rows are split over the threads, with a barrier
+// between the stages. More rows run the projections as GEMMs between parallel stages.
 //
 // Glossary: B batch rows, H hidden, I = NH * P inner channels, NH heads of P, G groups,
 // N state size, CD = I + 2 G N conv channels, K conv width, NIN = I + CD + NH in_proj rows.
@@ -55,23 +56,15 @@ struct Io {
   float *xn, *zx, *y, *mixed;  // (B, H), (B, NIN), (B, I), (B, H) scratch
 };
 
-// Conv + SiLU of channel c of batch row b (value in place in zx), shifting its history.
+// Conv + SiLU of channels [c0, c1) of batch row b (values in place in zx), shifting their
+// histories; the SiLU runs as a second, vectorised pass.
 template <typename W, typename S>
-inline void conv_channel(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b,
-                         int64_t c) {
-  float* v = io.zx + b * d.nin + d.inter + c;
-  const int64_t km1 = d.kernel - 1, slot = io.slots[b];
-  const float* w = s.conv_w + c * d.kernel;
-  W* hist = slot >= 0 ? io.conv_states + (slot * d.conv_dim + c) * km1 : nullptr;
-  float acc = 0.0f;
-  for (int64_t j = 0; j < km1; ++j) acc += w[j] * (hist ? fused::widen(hist[j]) : 0.0f);
-  acc += w[km1] * *v;
-  if (s.conv_b) acc += s.conv_b[c];
-  if (hist) {
-    for (int64_t j = 0; j + 1 < km1; ++j) hist[j] = hist[j + 1];
-    if (km1 > 0) hist[km1 - 1] = static_cast<W>(*v);
-  }
-  *v = silu_f32(acc);
+inline void conv_rows(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, int64_t c0,
+                      int64_t c1) {
+  float* v = io.zx + b * d.nin + d.inter;
+  const int64_t slot = io.slots[b];
+  W* hist = slot >= 0 ? io.conv_states + slot * d.conv_dim * (d.kernel - 1) : nullptr;
+  fused::conv_update(v, hist, s.conv_w, s.conv_b, d.kernel, c0, c1);
 }
 
 template <typename W, typename S>
@@ -85,7 +78,7 @@ void in_proj_and_conv(const Dims& d, const Small& s, const Io<W, S>& io, int tid
     }
     const int64_t c0 = std::max(lo, d.inter) - d.inter;
     const int64_t c1 = std::min(hi, d.inter + d.conv_dim) - d.inter;
-    for (int64_t c = c0; c < c1; ++c) conv_channel(d, s, io, b, c);
+    if (c0 < c1) conv_rows(d, s, io, b, c0, c1);
   }
 }
 
@@ -173,6 +166,44 @@ void run_layer(const Dims& d, const Small& s, const Io<W, S>& io) {
   }
 }
 
+// The same layer for more rows than `kGemvMaxBatch`: the projections run as GEMMs (torch's,
+// between the parallel stages) instead of weight-streaming products.
+template <typename W, typename S>
+void run_layer_gemm(const Dims& d, const Small& s, const Io<W, S>& io, const at::Tensor& xn,
+                    const at::Tensor& in_w, at::Tensor& zx, const at::Tensor& y,
+                    const at::Tensor& out_w, at::Tensor& mixed) {
+  if (s.norm_w) {
+    at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t b = lo; b < hi; ++b) {
+        fused::rms_norm_row(io.hidden + b * d.hidden, s.norm_w, d.hidden, s.norm_eps,
+                            io.xn + b * d.hidden);
+      }
+    });
+  }
+  fused::project(xn, in_w, zx);
+  at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      if (s.in_b) {
+        for (int64_t r = 0; r < d.nin; ++r) io.zx[b * d.nin + r] += s.in_b[r];
+      }
+      conv_rows(d, s, io, b, 0, d.conv_dim);
+    }
+  });
+  at::parallel_for(0, d.batch * d.heads, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> zero_state(d.nstate, 0.0f);
+    for (int64_t t = lo; t < hi; ++t) ssd_head(d, s, io, t / d.heads, t % d.heads, zero_state.data());
+  });
+  const int64_t ngroups = d.inter / d.group_size;
+  at::parallel_for(0, d.batch * ngroups, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) gate_group(d, s, io, t / ngroups, t % ngroups);
+  });
+  fused::project(y, out_w, mixed);
+  at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) fused::finish_row(io.mixed + b * d.hidden, s.out_b,
+        s.norm_w ? io.hidden + b * d.hidden : nullptr, d.hidden);
+  });
+}
+
 Dims check_dims(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& params,
                 const at::Tensor& conv_states, const at::Tensor& ssm_states,
                 const at::Tensor& slots, int64_t n_groups, int64_t group_size) {
@@ -242,7 +273,11 @@ at::Tensor fused_mamba2_decode(const at::Tensor& hidden_in,
                 ssm_states.data_ptr<S>(), slots.data_ptr<int64_t>(), hidden.data_ptr<float>(),
                 xn.data_ptr<float>(), zx.data_ptr<float>(), y.data_ptr<float>(),
                 mixed.data_ptr<float>()};
-    run_layer(d, s, io);
+    if (d.batch <= fused::kGemvMaxBatch) {
+      run_layer(d, s, io);
+    } else {
+      run_layer_gemm(d, s, io, xn, in_w, zx, y, out_w, mixed);
+    }
   };
   dispatch_float_bf16(in_w, "in_proj weight", [&](auto* w_tag) {
     dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* s_tag) { run(w_tag, s_tag); });

@@ -18,7 +18,7 @@ from vllm_mamba.ops import fused_decode as fd
 
 pytestmark = pytest.mark.skipif(not fd.available(), reason="C++ extension not built")
 
-SLOTS = 10
+SLOTS = 13
 
 
 def _w(g: torch.Generator, *shape: int) -> torch.Tensor:
@@ -29,7 +29,7 @@ def _w(g: torch.Generator, *shape: int) -> torch.Tensor:
 
 def _indices(batch: int, pad: bool) -> torch.Tensor:
     """Distinct slots, the second row a padding row when `pad`."""
-    idx = torch.tensor([7, 2, 9, 0, 5, 3, 8, 1][:batch], dtype=torch.int32)
+    idx = torch.tensor([7, 2, 9, 0, 5, 3, 8, 1, 4, 6, 12, 11][:batch], dtype=torch.int32)
     if pad and batch > 1:
         idx[1] = PAD_SLOT_ID
     return idx
@@ -109,7 +109,9 @@ MAMBA_SHAPES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", MAMBA_SHAPES)
-@pytest.mark.parametrize("batch,pad,norm", [(1, False, True), (3, True, True), (8, True, False)])
+@pytest.mark.parametrize(
+    "batch,pad,norm", [(1, False, True), (3, True, True), (8, True, False), (12, True, True)]
+)
 def test_fused_mamba_decode_matches_reference(dtype, shape, batch, pad, norm) -> None:  # noqa: ANN001
     hidden, inter, nstate, rank, kernel, bias, mixer_eps = shape
     g = torch.Generator().manual_seed(hash((shape, batch)) % 1000)
@@ -140,7 +142,9 @@ MAMBA2_SHAPES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", MAMBA2_SHAPES)
-@pytest.mark.parametrize("batch,pad,norm", [(1, False, True), (3, True, True), (8, True, False)])
+@pytest.mark.parametrize(
+    "batch,pad,norm", [(1, False, True), (3, True, True), (8, True, False), (12, True, True)]
+)
 def test_fused_mamba2_decode_matches_reference(dtype, shape, batch, pad, norm) -> None:  # noqa: ANN001
     hidden, heads, head_dim, groups, nstate, kernel, bias = shape
     g = torch.Generator().manual_seed(hash((shape, batch)) % 1000 + 1)

@@ -3,10 +3,10 @@
 `mamba_decode_block` / `mamba2_decode_block` run one layer's step in one call of the ops
 table's `fused_mamba_decode` / `fused_mamba2_decode` (`vllm_mamba.ops.fused_decode`), with the
 block's RMSNorm and residual when the block passes its norm, or return None where the fused
-kernel does not apply: no kernel in the table, prefill rows, more than `MAX_BATCH` rows,
-autograd, a subclass that changes the mixer's math (Jamba's normed dt/B/C, Falcon-H1's
-multipliers), or weights that are not plain float32 / bfloat16 `Linear` weights (quantized or
-tensor-parallel layers). The caller then runs its unfused path, which is the definition.
+kernel does not apply: no kernel in the table, prefill rows, autograd, a subclass that
+changes the mixer's math (Jamba's normed dt/B/C, Falcon-H1's multipliers), or weights that
+are not plain float32 / bfloat16 `Linear` weights (quantized or tensor-parallel layers). The
+caller then runs its unfused path, which is the definition.
 
 The parameter list of each (mixer, norm) pair is built once and kept on the mixer; it is
 rebuilt when the mixer's derived `A` changes (`process_weights_after_loading`).
@@ -21,7 +21,6 @@ from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.layers.layernorm import GatedRMSNorm, RMSNorm
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.mamba_cache import LayerState
-from vllm_mamba.ops.fused_decode import MAX_BATCH
 
 Params = list[torch.Tensor | None]
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
@@ -93,14 +92,9 @@ def _cached_params(mixer: nn.Module, norm: RMSNorm | None, build) -> Params | No
 
 
 def _applies(hidden: torch.Tensor, meta: MambaMetadata) -> bool:
-    """A decode-only step of 1 to `MAX_BATCH` rows, without autograd."""
+    """A decode-only step (every row a decode), without autograd."""
     rows = hidden.shape[0]
-    return (
-        not meta.num_prefills
-        and meta.num_decodes == rows
-        and 0 < rows <= MAX_BATCH
-        and not torch.is_grad_enabled()
-    )
+    return not meta.num_prefills and meta.num_decodes == rows > 0 and not torch.is_grad_enabled()
 
 
 def _out_float(weights: torch.Tensor, hidden: torch.Tensor, norm: RMSNorm | None, fp32: bool):  # noqa: ANN202

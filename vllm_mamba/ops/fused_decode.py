@@ -3,7 +3,9 @@
 Decode with a few sequences reads every weight once per token, and the unfused layer spends
 a third of its time in per-op Python and dispatch. `fused_mamba_decode` and
 `fused_mamba2_decode` (C++, `csrc/fused_decode_mamba*.cpp`) run a whole layer (optionally
-with the block's RMSNorm and residual) in one call. Their pure-PyTorch twins
+with the block's RMSNorm and residual) in one call: up to 8 rows with weight-streaming
+matrix-vector products inside one parallel region, more rows with torch's GEMMs between
+fused parallel stages (conv, state update, gate or gated norm, residual). Their pure-PyTorch twins
 `fused_mamba_decode_ref` / `fused_mamba2_decode_ref` compose the reference ops of the unfused
 path, so the two paths have one definition.
 
@@ -35,7 +37,6 @@ MAMBA2_PARAMS = (
     "norm_w", "in_proj_w", "in_proj_b", "conv_w", "conv_b", "dt_bias", "A", "D", "gate_norm_w",
     "out_proj_w", "out_proj_b",
 )  # fmt: skip
-MAX_BATCH = 8  # decode rows up to which the fused layer runs (it streams each weight once)
 ENV_SWITCH = "VLLM_MAMBA_FUSED_DECODE"  # "0" turns the fused layers off
 
 Params = list[torch.Tensor | None]
