@@ -1,8 +1,8 @@
 """Tensor parallelism over 2 ranks (worker processes, gloo) gives what one rank gives.
 
 Architectures: FalconMamba (Mamba's mixer by channels, with biases and an untied head),
-Mamba2 (one group replicated, the gated norm's variance all-reduced, an odd vocabulary),
-Bamba (Mamba2 with 2 groups split, GQA with KV heads split), Granite 4.0-H (MoE experts split
+Mamba2 with one group (replicated, the gated norm's variance all-reduced, an odd vocabulary)
+and with two (one per rank), Bamba (GQA with KV heads split), Granite 4.0-H (MoE experts split
 over their width, shared MLP), Nemotron-H (grouped-routing MoE, squared-ReLU MLP, MQA with the
 KV head replicated), Falcon-H1 (muP sections, norm before the gate) and Jamba (Mamba with
 dt/B/C norms, GQA, MoE); and Mamba with int8 weights (`tied+int8`: row-parallel layers take
@@ -29,6 +29,7 @@ from vllm_mamba import SamplingParams
 MODELS = [
     "falcon-untied",
     "mamba2-g1",
+    "mamba2-groups",
     "bamba-gqa",
     "granite-moe-rope",
     "nemotron-h-mqa-even",
