@@ -23,6 +23,11 @@ from vllm_mamba.layers.linear import Linear
 from vllm_mamba.mamba_cache import LayerState
 
 Params = list[torch.Tensor | None]
+# Mamba rows up to which the fused layer runs. Above it the kernel's GEMM path was measured
+# no faster than the unfused one (its per-channel selective-scan stage costs as much as the
+# dispatch it saves: benchmarks/README.md), so larger Mamba batches stay unfused. Mamba2's
+# fused layer runs at every batch size.
+MAMBA_MAX_ROWS = 8
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -127,7 +132,7 @@ def mamba_decode_block(
         `(T, H)` as the unfused block (or mixer) returns it, or None.
     """
     op = mixer.ops.fused_mamba_decode
-    if op is None or not _applies(hidden, meta):
+    if op is None or not _applies(hidden, meta) or hidden.shape[0] > MAMBA_MAX_ROWS:
         return None
     cls = type(mixer)
     if cls.forward is not base.forward or cls._ssm_params is not base._ssm_params:
