@@ -108,6 +108,6 @@ def model_dir(name: str) -> str:
         return tiny_model_dir(name)
     if name in OWN:
         return _save_tiny(*OWN[name], prefix=f"tiny-{name}-")
-    if name.startswith(("bamba", "granite", "nemotron", "falcon-h1")):
+    if name.startswith(("bamba", "granite", "nemotron", "falcon-h1", "zamba2")):
         return hybrid_model_dir(name)
     return other_model_dir(name)

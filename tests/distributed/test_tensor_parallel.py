@@ -4,8 +4,9 @@ Architectures: FalconMamba (Mamba's mixer by channels, with biases and an untied
 Mamba2 with one group (replicated, the gated norm's variance all-reduced, an odd vocabulary)
 and with two (one per rank), Bamba (GQA with KV heads split), Granite 4.0-H (MoE experts split
 over their width, shared MLP), Nemotron-H (grouped-routing MoE, squared-ReLU MLP, MQA with the
-KV head replicated), Falcon-H1 (muP sections, norm before the gate) and Jamba (Mamba with
-dt/B/C norms, GQA, MoE); and Mamba with int8 weights (`tied+int8`: row-parallel layers take
+KV head replicated), Falcon-H1 (muP sections, norm before the gate), Jamba (Mamba with
+dt/B/C norms, GQA, MoE) and Zamba2 (shared attention blocks by heads with per-use LoRA
+adapters split like their projections, two groups); and Mamba with int8 weights (`tied+int8`: row-parallel layers take
 their whole rows' scales, the vocabulary-parallel embedding reads the tied int8 head).
 
 Per architecture, one engine with `tensor_parallel_size=2` and chunked prefill (16-token
@@ -35,6 +36,7 @@ MODELS = [
     "nemotron-h-mqa-even",
     "falcon-h1-norm",
     "jamba-gqa",
+    "zamba2-lora-rope",
     "tied+int8",
 ]
 ATOL = 1e-3

@@ -33,6 +33,12 @@ layers of hidden size 2048, 6 of them hybrid, sharing one block (attention over 
 concatenation, adapters of rank 128); Zamba2-2.7B (54 layers) and -7B (81): two shared blocks
 used alternately.
 
+Tensor parallelism (`tp`): Mamba2 by heads; the shared blocks' attention by heads (q, k, v
+column-parallel with their adapters' second factor, `o_proj` row-parallel), their MLP's
+`gate_up_proj` halves each split (and its adapter's second factor), `down_proj` row-parallel;
+adapters' first factors and each hybrid layer's `linear` replicated (their inputs are whole);
+vocabulary-parallel embedding and head.
+
 Glossary: T tokens in the step, H hidden size, F MLP size, R adapter rank.
 """
 
@@ -46,10 +52,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.attention import PagedAttention
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
+from vllm_mamba.layers.mixer_sharding import kv_head_ranges
+from vllm_mamba.layers.parallel_linear import (
+    Ranges,
+    column_linear,
+    row_linear,
+    vocab_embedding,
+)
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
 from vllm_mamba.mamba_cache import LayerState, MambaCache
 from vllm_mamba.models.mamba2_hybrid import Mamba2HybridForCausalLM, check_mamba2_args
@@ -97,13 +111,23 @@ def check_config(config: Any) -> None:
 
 
 def adapter_list(
-    num_uses: int, num_blocks: int, block: int, sizes: tuple[int, int, int], ops: MambaOps
+    num_uses: int,
+    num_blocks: int,
+    block: int,
+    sizes: tuple[int, int, list[int]],
+    ops: MambaOps,
+    tp: TensorParallel = SINGLE,
+    ranges: Ranges | None = None,
 ) -> nn.ModuleList:
     """Slot `i` holds hybrid layer `i`'s LoRA `(in -> R -> out)` when block `block` serves it,
-    else nothing (`nn.Identity`, never called): the checkpoints' `*_adapter_list.I.{0,1}`."""
+    else nothing (`nn.Identity`, never called): the checkpoints' `*_adapter_list.I.{0,1}`.
+    The second factor is split like the projection it adds to (`sizes[2]` its sections,
+    `ranges` its explicit rows)."""
     d_in, rank, d_out = sizes
     return nn.ModuleList(
-        nn.Sequential(Linear(d_in, rank, False, ops), Linear(rank, d_out, False, ops))
+        nn.Sequential(
+            Linear(d_in, rank, False, ops), column_linear(rank, d_out, False, ops, tp, ranges)
+        )
         if i % num_blocks == block
         else nn.Identity()
         for i in range(num_uses)
@@ -113,21 +137,28 @@ def adapter_list(
 class Zamba2Attention(nn.Module):
     """The shared block's projections and RoPE; the paged attention is the caller's."""
 
-    def __init__(self, config: Any, block: int, ops: MambaOps) -> None:
+    def __init__(self, config: Any, block: int, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         width, head_dim = 2 * config.hidden_size, Zamba2ForCausalLM.head_dim(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = Linear(width, heads * head_dim, False, ops)
-        self.k_proj = Linear(width, kv_heads * head_dim, False, ops)
-        self.v_proj = Linear(width, kv_heads * head_dim, False, ops)
-        self.o_proj = Linear(heads * head_dim, config.hidden_size, False, ops)
+        tp.split(heads, "num_attention_heads")
+        kv_ranges, _ = kv_head_ranges(kv_heads, head_dim, tp)
+        q_size, kv_size = [heads * head_dim], [kv_heads * head_dim]
+        self.q_proj = column_linear(width, q_size, False, ops, tp)
+        self.k_proj = column_linear(width, kv_size, False, ops, tp, kv_ranges)
+        self.v_proj = column_linear(width, kv_size, False, ops, tp, kv_ranges)
+        self.o_proj = row_linear(heads * head_dim, config.hidden_size, False, ops, tp)
         self.use_adapters = bool(config.use_shared_attention_adapter)
         if self.use_adapters:
             args = (len(config.hybrid_layer_ids), config.num_mem_blocks, block)
-            sizes = (width, config.adapter_rank, width)
-            self.linear_q_adapter_list = adapter_list(*args, sizes, ops)
-            self.linear_k_adapter_list = adapter_list(*args, sizes, ops)
-            self.linear_v_adapter_list = adapter_list(*args, sizes, ops)
+            rank = config.adapter_rank
+            self.linear_q_adapter_list = adapter_list(*args, (width, rank, q_size), ops, tp)
+            self.linear_k_adapter_list = adapter_list(
+                *args, (width, rank, kv_size), ops, tp, kv_ranges
+            )
+            self.linear_v_adapter_list = adapter_list(
+                *args, (width, rank, kv_size), ops, tp, kv_ranges
+            )
         self.rotary = None
         if config.use_mem_rope:
             base, _ = rope_settings(config, head_dim)  # transformers rotates whole heads
@@ -150,14 +181,14 @@ class Zamba2Attention(nn.Module):
 class Zamba2MLP(nn.Module):
     """`down(act(g) * u)`, `g, u` the halves of `gate_up_proj(x)` plus the use's adapter."""
 
-    def __init__(self, config: Any, block: int, ops: MambaOps) -> None:
+    def __init__(self, config: Any, block: int, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         hidden, ffn, bias = config.hidden_size, config.intermediate_size, config.add_bias_linear
-        self.gate_up_proj = Linear(hidden, 2 * ffn, bias, ops)
-        self.down_proj = Linear(ffn, hidden, bias, ops)
+        self.gate_up_proj = column_linear(hidden, [ffn, ffn], bias, ops, tp)
+        self.down_proj = row_linear(ffn, hidden, bias, ops, tp)
         args = (len(config.hybrid_layer_ids), config.num_mem_blocks, block)
         self.gate_up_proj_adapter_list = adapter_list(
-            *args, (hidden, config.adapter_rank, 2 * ffn), ops
+            *args, (hidden, config.adapter_rank, [ffn, ffn]), ops, tp
         )
         self.act = ACTIVATIONS[config.hidden_act]
 
@@ -172,10 +203,10 @@ class Zamba2SharedBlock(nn.Module):
     """One shared transformer block (`shared_transformer`): norm of `[h, emb]`, attention,
     norm, MLP; no residual."""
 
-    def __init__(self, config: Any, block: int, ops: MambaOps) -> None:
+    def __init__(self, config: Any, block: int, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Zamba2Attention(config, block, ops)
-        self.feed_forward = Zamba2MLP(config, block, ops)
+        self.self_attn = Zamba2Attention(config, block, ops, tp)
+        self.feed_forward = Zamba2MLP(config, block, ops, tp)
         self.input_layernorm = RMSNorm(2 * config.hidden_size, eps=config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -196,9 +227,9 @@ class Zamba2SharedBlock(nn.Module):
 class Zamba2MambaLayer(nn.Module):
     """`h + mamba(norm(h + injected))`; `injected` is a hybrid layer's block output."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.mamba = Mamba2Mixer(**Zamba2ForCausalLM.mamba2_args(config), ops=ops)
+        self.mamba = Mamba2Mixer(**Zamba2ForCausalLM.mamba2_args(config), ops=ops, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
@@ -218,16 +249,22 @@ class Zamba2HybridLayer(nn.Module):
     """A shared block (use `use`), the layer's `linear`, then its Mamba2 layer
     (`mamba_decoder`); `attn` is this use's KV cache layer."""
 
-    def __init__(self, config: Any, shared: Zamba2SharedBlock, use: int, ops: MambaOps) -> None:
+    def __init__(
+        self,
+        config: Any,
+        shared: Zamba2SharedBlock,
+        use: int,
+        ops: MambaOps,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.shared_transformer = shared
         self.linear = Linear(config.hidden_size, config.hidden_size, False, ops)
-        self.mamba_decoder = Zamba2MambaLayer(config, ops)
+        self.mamba_decoder = Zamba2MambaLayer(config, ops, tp)
         head_dim = Zamba2ForCausalLM.head_dim(config)
-        self.attn = PagedAttention(
-            config.num_attention_heads, config.num_key_value_heads, head_dim,
-            (head_dim / 2) ** -0.5, ops,
-        )  # fmt: skip
+        heads = tp.split(config.num_attention_heads, "num_attention_heads")  # this rank's
+        _, kv_heads = kv_head_ranges(config.num_key_value_heads, head_dim, tp)
+        self.attn = PagedAttention(heads, kv_heads, head_dim, (head_dim / 2) ** -0.5, ops)
         self.use = use
 
     def forward(
@@ -241,10 +278,10 @@ class Zamba2HybridLayer(nn.Module):
 class Zamba2Model(nn.Module):
     """Embeddings, the layers (hybrid layers holding the shared blocks) and the final norm."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        blocks = [Zamba2SharedBlock(config, b, ops) for b in range(config.num_mem_blocks)]
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
+        blocks = [Zamba2SharedBlock(config, b, ops, tp) for b in range(config.num_mem_blocks)]
         tied = bool(getattr(config, "tie_word_embeddings", False))
         layers: list[nn.Module] = []
         for kind in layer_types(config):
@@ -254,10 +291,10 @@ class Zamba2Model(nn.Module):
                 if tied or use < config.num_mem_blocks:
                     block = blocks[block_id]
                 else:  # an untied copy, as transformers loads it
-                    block = Zamba2SharedBlock(config, block_id, ops)
-                layers.append(Zamba2HybridLayer(config, block, use, ops))
+                    block = Zamba2SharedBlock(config, block_id, ops, tp)
+                layers.append(Zamba2HybridLayer(config, block, use, ops, tp))
             else:
-                layers.append(Zamba2MambaLayer(config, ops))
+                layers.append(Zamba2MambaLayer(config, ops, tp))
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -265,11 +302,13 @@ class Zamba2Model(nn.Module):
 class Zamba2ForCausalLM(Mamba2HybridForCausalLM):
     """Zamba2 language model: Mamba2 layers and shared attention blocks with per-use adapters."""
 
-    def __init__(self, config: Any, ops: MambaOps) -> None:
+    supports_tensor_parallel = True
+
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         check_config(config)
-        self.model = Zamba2Model(config, ops)
-        self.init_lm_head(config, ops)
+        self.model = Zamba2Model(config, ops, tp)
+        self.init_lm_head(config, ops, tp)
 
     @classmethod
     def head_dim(cls, config: Any) -> int:
