@@ -6,8 +6,9 @@ and with two (one per rank), Bamba (GQA with KV heads split), Granite 4.0-H (MoE
 over their width, shared MLP), Nemotron-H (grouped-routing MoE, squared-ReLU MLP, MQA with the
 KV head replicated), Falcon-H1 (muP sections, norm before the gate), Jamba (Mamba with
 dt/B/C norms, GQA, MoE) and Zamba2 (shared attention blocks by heads with per-use LoRA
-adapters split like their projections, two groups); and Mamba with int8 weights (`tied+int8`: row-parallel layers take
-their whole rows' scales, the vocabulary-parallel embedding reads the tied int8 head).
+adapters split like their projections, two groups); and Mamba with int8 weights
+(`tied+int8`: row-parallel layers take their whole rows' scales, the vocabulary-parallel
+embedding reads the tied int8 head).
 
 Per architecture, one engine with `tensor_parallel_size=2` and chunked prefill (16-token
 budget) against one single-rank engine with whole prefills: the same greedy tokens, the same
