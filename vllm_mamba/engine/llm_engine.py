@@ -118,6 +118,7 @@ class LLMEngine:
         self.prefix_steps = None
         if self.prefix_cache is not None:
             self.prefix_steps = PrefixCacheSteps(self.prefix_cache, self.runner, self.outputs)
+            self.runner.keep_sampled_hidden = True
         self._warm_up()
         self.load_seconds = time.perf_counter() - started
         self._log_banner()

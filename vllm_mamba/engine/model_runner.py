@@ -42,7 +42,8 @@ class StepResult:
 
     samples: dict[int, tuple[int, SamplerOutput]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobChunk] = field(default_factory=dict)
-    sampled_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> (H,)
+    # seq id -> (H,), when the runner keeps them (prefix caching)
+    sampled_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -68,6 +69,9 @@ class ModelRunner:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        # Prefix caching saves finished sequences with their last hidden row; off, the
+        # decode step keeps none.
+        self.keep_sampled_hidden = False
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Captures decode forwards for replay (CUDA only)."""
@@ -119,9 +123,10 @@ class ModelRunner:
         result = StepResult()
         if sample_pos:
             self._sample(hidden, sample_pos, [i for i in items if i.sample], result)
-            for item, pos in zip([i for i in items if i.sample], sample_pos):
-                for seq in [item.seq, *item.children]:
-                    result.sampled_hidden[seq.seq_id] = hidden[pos]
+            if self.keep_sampled_hidden:
+                for item, pos in zip([i for i in items if i.sample], sample_pos):
+                    for seq in [item.seq, *item.children]:
+                        result.sampled_hidden[seq.seq_id] = hidden[pos]
         for item, flat_start, prompt_start in prompt_pos:
             end = min(
                 item.seq.num_computed_tokens + item.num_tokens, len(item.seq.prompt_token_ids) - 1

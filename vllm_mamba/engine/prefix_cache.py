@@ -105,7 +105,7 @@ class RadixTree:
                 leaf = RadixNode(list(tokens[pos:]), node, len(tokens))
                 node.children[tokens[pos]] = leaf
                 return leaf
-            common = _common_len(child.tokens, tokens, pos)
+            common = common_len(child.tokens, tokens, pos)
             if common < len(child.tokens):
                 child = self._split(child, common)
             node, pos = child, pos + common
@@ -132,7 +132,7 @@ class RadixTree:
             child = node.children.get(tokens[pos])
             if child is None or child.depth > limit:
                 break
-            if _common_len(child.tokens, tokens, pos) < len(child.tokens):
+            if common_len(child.tokens, tokens, pos) < len(child.tokens):
                 break
             nodes.append(child)
             node, pos = child, child.depth
@@ -171,7 +171,7 @@ def _due(node: RadixNode, logprobs_k: int | None) -> bool:
     return logprobs_k is not None and (snap.prompt_logprobs is None or snap.logprobs_k < logprobs_k)
 
 
-def _common_len(edge: list[int], tokens: list[int], pos: int) -> int:
+def common_len(edge: list[int], tokens: list[int], pos: int = 0) -> int:
     """How many tokens of `edge` equal `tokens[pos:]`, from the start."""
     n = min(len(edge), len(tokens) - pos)
     i = 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_mamba.engine.prefix_cache import PrefixCache, Snapshot
+from vllm_mamba.engine.prefix_cache import PrefixCache, Snapshot, common_len
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 
 __all__ = ["PrefixHit", "PrefixScheduling", "MIN_WAIT_TOKENS"]
@@ -116,7 +116,7 @@ class PrefixScheduling:
                 continue
             if k is not None and (other.params.prompt_logprobs or -1) < k:
                 continue  # its snapshot would not keep the prompt logprobs `group` needs
-            shared = _common_prefix(tokens, prompt)
+            shared = common_len(tokens, prompt)
             if shared < len(tokens) and shared - have >= MIN_WAIT_TOKENS:
                 if seq.num_computed_tokens < shared:
                     return True
@@ -130,12 +130,3 @@ def logprobs_owed(group: SequenceGroup, seq: Sequence) -> int | None:
         group.prompt_token_ids
     )
     return k if k is not None and owed and seq.index == 0 else None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
