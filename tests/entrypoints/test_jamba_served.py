@@ -36,18 +36,25 @@ def test_served_jamba_equals_llm_under_kv_pressure(vllm_runner: type[VllmRunner]
     flags = ("--num-gpu-blocks-override", str(BLOCKS), "--block-size", "16")
     with launch_server(*flags, model_dir=path) as server:
 
-        def complete(ids: list[int]) -> httpx.Response:
+        def complete(ids: list[int] | list[list[int]]) -> httpx.Response:
             body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 20, "temperature": 0}
             url = f"{server.url}/v1/completions"
             return httpx.post(url, json=body, headers=server.headers, timeout=300)
 
         with ThreadPoolExecutor(8) as pool:
             replies = list(pool.map(complete, make_prompts()))
+        # One request carrying all eight prompts: they enter the engine in one step, so the
+        # running ones outgrow the 14 blocks while decoding, whatever the machine's speed
+        # (separate requests may each finish before the next arrives on a fast machine).
+        batched = complete(make_prompts())
         too_long = complete(make_prompts()[7] * 2)  # 262 tokens: more than 14 x 16
         metrics = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=30).text
     bodies = [r.json() for r in replies]
     assert all(r.status_code == 200 for r in replies), bodies
     assert [b["choices"][0]["text"] for b in bodies] == want
+    assert batched.status_code == 200, batched.text
+    choices = sorted(batched.json()["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices] == want
     assert too_long.status_code == 400 and "KV cache" in too_long.text, too_long.text
     assert _metric(metrics, "vllm:num_preemptions_total") > 0
     assert _metric(metrics, "vllm:kv_cache_blocks_total") == BLOCKS
