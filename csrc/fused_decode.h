@@ -6,10 +6,12 @@
 // Decode with a few sequences is bound by reading the weights from memory, so the products
 // go through the weight in blocks of 8 rows (8 independent AVX-512 accumulators, one row's
 // bytes each) and dot each block with every batch row while it is still in L1/L2. Weights are
-// float32 or bfloat16 (widened on the fly); activations and accumulation are float32.
+// float32, bfloat16 or int8 with one float32 scale per row (`quantization="int8"`), widened on
+// the fly; activations and accumulation are float32.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -59,6 +61,7 @@ inline void split(int64_t n, int64_t unit, int tid, int nth, int64_t& lo, int64_
 
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float widen(int8_t v) { return static_cast<float>(v); }
 
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -70,6 +73,13 @@ inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps
 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   const __m256i v = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+}
+inline __m512 load16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 
 // out[r] = w[r, :k] . x[:k] for R consecutive rows of `w` (row stride k).
@@ -128,13 +138,49 @@ inline void rms_norm_row(const float* x, const float* weight, int64_t n, float e
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * r);
 }
 
+// A projection weight (rows, k) as the kernels read it: float32 or bfloat16 (the model dtype),
+// or int8 with one float32 scale per row (row r stands for w[r] * scale[r]).
+struct Weight {
+  at::Tensor tensor;  // (rows, k), contiguous
+  at::Tensor scale;   // (rows,) float32 for int8, else undefined
+  const void* data = nullptr;
+  const float* scales = nullptr;
+  at::ScalarType dtype = at::kFloat;
+  int64_t k = 0;
+};
+
+// out[b, r - lo] (row stride ldo) = w[r] . x[b] for rows r in [lo, hi), whatever w's dtype.
+inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, int64_t lo,
+                 int64_t hi, float* out, int64_t ldo) {
+  if (w.dtype == at::kFloat) {
+    gemv_rows(static_cast<const float*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
+  } else if (w.dtype == at::kBFloat16) {
+    gemv_rows(static_cast<const c10::BFloat16*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
+  } else {  // int8, checked by `weight_of`
+    gemv_rows(static_cast<const int8_t*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
+    for (int64_t b = 0; b < batch; ++b) {
+      float* o = out + b * ldo - lo;
+#pragma omp simd
+      for (int64_t r = lo; r < hi; ++r) o[r] *= w.scales[r];
+    }
+  }
+}
+
 // out (B, N) float32 = x (B, K) float32 @ w (N, K)^T by torch's GEMM (x may have a row
-// stride); bfloat16 weights multiply bfloat16 activations, as the unfused layer does.
-inline void project(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
-  if (w.scalar_type() == at::kFloat) {
-    at::mm_out(out, x, w.t());
+// stride); bfloat16 weights multiply bfloat16 activations, as the unfused layer does, and int8
+// weights go through the `int8_linear` op.
+inline void project(const at::Tensor& x, const Weight& w, at::Tensor& out) {
+  if (w.dtype == at::kFloat) {
+    at::mm_out(out, x, w.tensor.t());
+  } else if (w.dtype == at::kBFloat16) {
+    out.copy_(at::mm(x.to(w.dtype), w.tensor.t()));
   } else {
-    out.copy_(at::mm(x.to(w.scalar_type()), w.t()));
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("vllm_mamba::int8_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&)>();
+    out.copy_(op.call(x, w.tensor, w.scale, std::nullopt));
   }
 }
 
@@ -179,18 +225,34 @@ inline const float* param_f32(const c10::List<std::optional<at::Tensor>>& params
   return t->data_ptr<float>();
 }
 
-// A required weight of a params list, contiguous, of the weight dtype, shaped (rows, cols).
-inline const at::Tensor& weight_of(const c10::List<std::optional<at::Tensor>>& params, size_t i,
-                                   at::ScalarType dtype, int64_t rows, int64_t cols,
-                                   const char* what, at::Tensor& holder) {
+// A required projection weight of a params list, contiguous and shaped (rows, cols): of the
+// model dtype `dtype`, or int8 with its (rows,) float32 scale at `scale_i` (absent otherwise).
+inline Weight weight_of(const c10::List<std::optional<at::Tensor>>& params, size_t i,
+                        size_t scale_i, at::ScalarType dtype, int64_t rows, int64_t cols,
+                        const char* what) {
   const std::optional<at::Tensor> t = params.get(i);
   TORCH_CHECK(t.has_value(), what, " is required");
-  holder = *t;
-  TORCH_CHECK(holder.dim() == 2 && holder.size(0) == rows && holder.size(1) == cols, what,
-              " must be (", rows, ", ", cols, "), got ", holder.sizes());
-  TORCH_CHECK(holder.scalar_type() == dtype && holder.is_contiguous(), what,
-              " must be contiguous and of the in_proj weight's dtype");
-  return holder;
+  Weight w;
+  w.tensor = *t;
+  w.dtype = w.tensor.scalar_type();
+  w.k = cols;
+  TORCH_CHECK(w.tensor.dim() == 2 && w.tensor.size(0) == rows && w.tensor.size(1) == cols, what,
+              " must be (", rows, ", ", cols, "), got ", w.tensor.sizes());
+  TORCH_CHECK(w.tensor.is_contiguous() && (w.dtype == dtype || w.dtype == at::kChar), what,
+              " must be contiguous, of the model dtype (the conv states') or int8");
+  const std::optional<at::Tensor> scale = params.get(scale_i);
+  if (w.dtype == at::kChar) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat &&
+                    scale->is_contiguous() && scale->numel() == rows,
+                what, " is int8: its scale must be a contiguous float32 tensor of ", rows,
+                " elements");
+    w.scale = *scale;
+    w.scales = w.scale.data_ptr<float>();
+  } else {
+    TORCH_CHECK(!scale.has_value(), what, " is not int8 but has a scale");
+  }
+  w.data = w.tensor.data_ptr();
+  return w;
 }
 
 }  // namespace fused

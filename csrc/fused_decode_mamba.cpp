@@ -26,12 +26,14 @@
 namespace vllm_mamba {
 namespace {
 
-using fused::gemv_rows;
+using fused::gemv;
 using fused::split;
+using fused::Weight;
 
 // Index of each entry of the `params` list (see `vllm_mamba/ops/fused_decode.py`).
 enum Param : size_t {
-  kNormW, kInW, kInB, kConvW, kConvB, kXW, kDtW, kDtB, kA, kD, kOutW, kOutB, kNumParams
+  kNormW, kInW, kInB, kConvW, kConvB, kXW, kDtW, kDtB, kA, kD, kOutW, kOutB,
+  kInScale, kXScale, kDtScale, kOutScale, kNumParams
 };
 
 struct Dims {
@@ -43,10 +45,11 @@ struct Small {  // float32 parameters; nullptr when absent
   float norm_eps, mixer_eps;  // mixer_eps < 0: no normalisation of dt, B, C
 };
 
-template <typename W, typename S>
+// C: the conv states' dtype (the model dtype); S: the SSM states'.
+template <typename C, typename S>
 struct Io {
-  const W *in_w, *x_w, *dt_w, *out_w;
-  W* conv_states;  // (S, I, K - 1)
+  const Weight *in_w, *x_w, *dt_w, *out_w;
+  C* conv_states;  // (S, I, K - 1)
   S* ssm_states;   // (S, I, N)
   const int64_t* slots;
   const float* hidden;  // (B, H)
@@ -55,20 +58,20 @@ struct Io {
 
 // Conv + SiLU of channels [c0, c1) of batch row b (values in place in xz), shifting their
 // histories.
-template <typename W, typename S>
-inline void conv_rows(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, int64_t c0,
+template <typename C, typename S>
+inline void conv_rows(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t c0,
                       int64_t c1) {
   const int64_t slot = io.slots[b];
-  W* hist = slot >= 0 ? io.conv_states + slot * d.inter * (d.kernel - 1) : nullptr;
+  C* hist = slot >= 0 ? io.conv_states + slot * d.inter * (d.kernel - 1) : nullptr;
   fused::conv_update(io.xz + b * 2 * d.inter, hist, s.conv_w, s.conv_b, d.kernel, c0, c1);
 }
 
-template <typename W, typename S>
-void in_proj_and_conv(const Dims& d, const Small& s, const Io<W, S>& io, int tid, int nth) {
+template <typename C, typename S>
+void in_proj_and_conv(const Dims& d, const Small& s, const Io<C, S>& io, int tid, int nth) {
   int64_t lo, hi;
   const int64_t n = 2 * d.inter;
   split(n, fused::kRowBlock, tid, nth, lo, hi);
-  gemv_rows(io.in_w, d.hidden, io.xn, d.hidden, d.batch, lo, hi, io.xz + lo, n);
+  gemv(*io.in_w, io.xn, d.hidden, d.batch, lo, hi, io.xz + lo, n);
   for (int64_t b = 0; b < d.batch; ++b) {
     if (s.in_b) {
       for (int64_t r = lo; r < hi; ++r) io.xz[b * n + r] += s.in_b[r];
@@ -95,8 +98,8 @@ inline void norm_ssm_params(float* row, const Dims& d, float eps) {
 // dt_proj, state update and gate of channels [lo, hi) of batch row b; `row` is its
 // (normalised) x_proj output (R + 2 N); `dt_row` its dt_proj output (I), or nullptr to
 // compute it here.
-template <typename W, typename S>
-void channels(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, const float* row,
+template <typename C, typename S>
+void channels(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, const float* row,
               const float* dt_row, int64_t lo, int64_t hi) {
   const int64_t N = d.nstate, slot = io.slots[b];
   const float* Bv = row + d.rank;
@@ -109,7 +112,7 @@ void channels(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, cons
     if (dt_row) {
       std::copy(dt_row + c0, dt_row + c0 + nc, dt);
     } else {
-      gemv_rows(io.dt_w, d.rank, row, d.rank, 1, c0, c0 + nc, dt, fused::kRowBlock);
+      gemv(*io.dt_w, row, d.rank, 1, c0, c0 + nc, dt, fused::kRowBlock);
     }
     for (int64_t j = 0; j < nc; ++j) {
       const int64_t c = c0 + j;
@@ -134,8 +137,8 @@ void channels(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, cons
   }
 }
 
-template <typename W, typename S>
-void run_layer(const Dims& d, const Small& s, const Io<W, S>& io) {
+template <typename C, typename S>
+void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int tid = fused::thread_id(), nth = fused::num_threads();
@@ -150,7 +153,7 @@ void run_layer(const Dims& d, const Small& s, const Io<W, S>& io) {
 #pragma omp barrier
     int64_t lo, hi;
     split(d.xp, fused::kRowBlock, tid, nth, lo, hi);
-    gemv_rows(io.x_w, d.inter, io.xz, 2 * d.inter, d.batch, lo, hi, io.dbc + lo, d.xp);
+    gemv(*io.x_w, io.xz, 2 * d.inter, d.batch, lo, hi, io.dbc + lo, d.xp);
 #pragma omp barrier
     std::vector<float> row(d.xp);
     split(d.inter, fused::kRowBlock, tid, nth, lo, hi);
@@ -161,7 +164,7 @@ void run_layer(const Dims& d, const Small& s, const Io<W, S>& io) {
     }
 #pragma omp barrier
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
-    gemv_rows(io.out_w, d.inter, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden);
+    gemv(*io.out_w, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden);
     for (int64_t b = 0; b < d.batch; ++b) {
       float* m = io.mixed + b * d.hidden;
       for (int64_t r = lo; r < hi; ++r) {
@@ -173,9 +176,9 @@ void run_layer(const Dims& d, const Small& s, const Io<W, S>& io) {
 
 // The same layer for more rows than `kGemvMaxBatch`: the projections run as GEMMs (torch's,
 // between the parallel stages) instead of weight-streaming products.
-template <typename W, typename S>
-void run_layer_gemm(const Dims& d, const Small& s, const Io<W, S>& io, const at::Tensor& xn,
-                    const at::Tensor* w, at::Tensor& xz, at::Tensor& dbc, const at::Tensor& y,
+template <typename C, typename S>
+void run_layer_gemm(const Dims& d, const Small& s, const Io<C, S>& io, const at::Tensor& xn,
+                    at::Tensor& xz, at::Tensor& dbc, const at::Tensor& y,
                     at::Tensor& mixed) {
   if (s.norm_w) {
     at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
@@ -185,7 +188,7 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<W, S>& io, const at:
       }
     });
   }
-  fused::project(xn, w[0], xz);
+  fused::project(xn, *io.in_w, xz);
   at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       if (s.in_b) {
@@ -194,12 +197,12 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<W, S>& io, const at:
       conv_rows(d, s, io, b, 0, d.inter);
     }
   });
-  fused::project(xz.narrow(1, 0, d.inter), w[1], dbc);
+  fused::project(xz.narrow(1, 0, d.inter), *io.x_w, dbc);
   if (s.mixer_eps >= 0.0f) {
     for (int64_t b = 0; b < d.batch; ++b) norm_ssm_params(io.dbc + b * d.xp, d, s.mixer_eps);
   }
   at::Tensor dt = at::empty({d.batch, d.inter}, xz.options());
-  fused::project(dbc.narrow(1, 0, d.rank), w[2], dt);
+  fused::project(dbc.narrow(1, 0, d.rank), *io.dt_w, dt);
   const int64_t blocks = (d.inter + fused::kRowBlock - 1) / fused::kRowBlock;
   at::parallel_for(0, d.batch * blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
@@ -208,7 +211,7 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<W, S>& io, const at:
                std::min(d.inter, c0 + fused::kRowBlock));
     }
   });
-  fused::project(y, w[3], mixed);
+  fused::project(y, *io.out_w, mixed);
   at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) fused::finish_row(io.mixed + b * d.hidden, s.out_b,
         s.norm_w ? io.hidden + b * d.hidden : nullptr, d.hidden);
@@ -245,13 +248,14 @@ at::Tensor fused_mamba_decode(const at::Tensor& hidden_in,
                               const at::Tensor& state_indices, double norm_eps,
                               double mixer_eps, bool out_float) {
   const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices);
-  const at::ScalarType wt = params.get(kInW).value().scalar_type();
-  at::Tensor in_w, x_w, dt_w, out_w;
-  fused::weight_of(params, kInW, wt, 2 * d.inter, d.hidden, "in_proj weight", in_w);
-  fused::weight_of(params, kXW, wt, d.xp, d.inter, "x_proj weight", x_w);
-  fused::weight_of(params, kDtW, wt, d.inter, d.rank, "dt_proj weight", dt_w);
-  fused::weight_of(params, kOutW, wt, d.hidden, d.inter, "out_proj weight", out_w);
-  TORCH_CHECK(conv_states.scalar_type() == wt, "conv_states must have the weights' dtype");
+  const at::ScalarType mt = conv_states.scalar_type();
+  const Weight in_w =
+      fused::weight_of(params, kInW, kInScale, mt, 2 * d.inter, d.hidden, "in_proj weight");
+  const Weight x_w = fused::weight_of(params, kXW, kXScale, mt, d.xp, d.inter, "x_proj weight");
+  const Weight dt_w =
+      fused::weight_of(params, kDtW, kDtScale, mt, d.inter, d.rank, "dt_proj weight");
+  const Weight out_w =
+      fused::weight_of(params, kOutW, kOutScale, mt, d.hidden, d.inter, "out_proj weight");
   Small s{};
   s.norm_w = fused::param_f32(params, kNormW, d.hidden, "norm weight");
   s.in_b = fused::param_f32(params, kInB, 2 * d.inter, "in_proj bias");
@@ -273,25 +277,23 @@ at::Tensor fused_mamba_decode(const at::Tensor& hidden_in,
   at::Tensor dbc = at::empty({d.batch, d.xp}, f32);
   at::Tensor y = at::empty({d.batch, d.inter}, f32);
   at::Tensor mixed = at::empty({d.batch, d.hidden}, f32);
-  auto run = [&](auto* w_tag, auto* s_tag) {
-    using W = std::remove_pointer_t<decltype(w_tag)>;
+  auto run = [&](auto* c_tag, auto* s_tag) {
+    using C = std::remove_pointer_t<decltype(c_tag)>;
     using S = std::remove_pointer_t<decltype(s_tag)>;
-    Io<W, S> io{in_w.data_ptr<W>(),          x_w.data_ptr<W>(),        dt_w.data_ptr<W>(),
-                out_w.data_ptr<W>(),         conv_states.data_ptr<W>(), ssm_states.data_ptr<S>(),
-                slots.data_ptr<int64_t>(),   hidden.data_ptr<float>(), xn.data_ptr<float>(),
-                xz.data_ptr<float>(),        dbc.data_ptr<float>(),    y.data_ptr<float>(),
-                mixed.data_ptr<float>()};
+    Io<C, S> io{&in_w,           &x_w,      &dt_w, &out_w, conv_states.data_ptr<C>(),
+                ssm_states.data_ptr<S>(), slots.data_ptr<int64_t>(), hidden.data_ptr<float>(),
+                xn.data_ptr<float>(),     xz.data_ptr<float>(),      dbc.data_ptr<float>(),
+                y.data_ptr<float>(),      mixed.data_ptr<float>()};
     if (d.batch <= fused::kGemvMaxBatch) {
       run_layer(d, s, io);
     } else {
-      const at::Tensor w[4] = {in_w, x_w, dt_w, out_w};
-      run_layer_gemm(d, s, io, xn, w, xz, dbc, y, mixed);
+      run_layer_gemm(d, s, io, xn, xz, dbc, y, mixed);
     }
   };
-  dispatch_float_bf16(in_w, "in_proj weight", [&](auto* w_tag) {
-    dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* s_tag) { run(w_tag, s_tag); });
+  dispatch_float_bf16(conv_states, "conv_states", [&](auto* c_tag) {
+    dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* s_tag) { run(c_tag, s_tag); });
   });
-  return out_float ? mixed : mixed.to(in_w.scalar_type());
+  return out_float ? mixed : mixed.to(mt);
 }
 
 }  // namespace

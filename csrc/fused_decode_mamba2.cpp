@@ -28,12 +28,14 @@
 namespace vllm_mamba {
 namespace {
 
-using fused::gemv_rows;
+using fused::gemv;
 using fused::split;
+using fused::Weight;
 
 // Index of each entry of the `params` list (see `vllm_mamba/ops/fused_decode.py`).
 enum Param : size_t {
-  kNormW, kInW, kInB, kConvW, kConvB, kDtBias, kA, kD, kGateW, kOutW, kOutB, kNumParams
+  kNormW, kInW, kInB, kConvW, kConvB, kDtBias, kA, kD, kGateW, kOutW, kOutB, kInScale,
+  kOutScale, kNumParams
 };
 
 struct Dims {
@@ -46,10 +48,11 @@ struct Small {  // float32 parameters; nullptr when absent
   float norm_eps, gate_eps;
 };
 
-template <typename W, typename S>
+// C: the conv states' dtype (the model dtype); S: the SSM states'.
+template <typename C, typename S>
 struct Io {
-  const W *in_w, *out_w;
-  W* conv_states;     // (S, CD, K - 1)
+  const Weight *in_w, *out_w;
+  C* conv_states;     // (S, CD, K - 1)
   S* ssm_states;      // (S, NH, P, N)
   const int64_t* slots;
   const float* hidden;  // (B, H)
@@ -58,20 +61,20 @@ struct Io {
 
 // Conv + SiLU of channels [c0, c1) of batch row b (values in place in zx), shifting their
 // histories; the SiLU runs as a second, vectorised pass.
-template <typename W, typename S>
-inline void conv_rows(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, int64_t c0,
+template <typename C, typename S>
+inline void conv_rows(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t c0,
                       int64_t c1) {
   float* v = io.zx + b * d.nin + d.inter;
   const int64_t slot = io.slots[b];
-  W* hist = slot >= 0 ? io.conv_states + slot * d.conv_dim * (d.kernel - 1) : nullptr;
+  C* hist = slot >= 0 ? io.conv_states + slot * d.conv_dim * (d.kernel - 1) : nullptr;
   fused::conv_update(v, hist, s.conv_w, s.conv_b, d.kernel, c0, c1);
 }
 
-template <typename W, typename S>
-void in_proj_and_conv(const Dims& d, const Small& s, const Io<W, S>& io, int tid, int nth) {
+template <typename C, typename S>
+void in_proj_and_conv(const Dims& d, const Small& s, const Io<C, S>& io, int tid, int nth) {
   int64_t lo, hi;
   split(d.nin, fused::kRowBlock, tid, nth, lo, hi);
-  gemv_rows(io.in_w, d.hidden, io.xn, d.hidden, d.batch, lo, hi, io.zx + lo, d.nin);
+  gemv(*io.in_w, io.xn, d.hidden, d.batch, lo, hi, io.zx + lo, d.nin);
   for (int64_t b = 0; b < d.batch; ++b) {
     if (s.in_b) {
       for (int64_t r = lo; r < hi; ++r) io.zx[b * d.nin + r] += s.in_b[r];
@@ -83,8 +86,8 @@ void in_proj_and_conv(const Dims& d, const Small& s, const Io<W, S>& io, int tid
 }
 
 // SSD update of head h of batch row b: h = exp(dt A) h + dt x B^T, y = h C + D x.
-template <typename W, typename S>
-void ssd_head(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, int64_t h,
+template <typename C, typename S>
+void ssd_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t h,
               float* zero_state) {
   const float* row = io.zx + b * d.nin;
   float dt = row[d.inter + d.conv_dim + h] + (s.dt_bias ? s.dt_bias[h] : 0.0f);
@@ -117,8 +120,8 @@ void ssd_head(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, int6
 }
 
 // Gated RMSNorm of group g of batch row b, in place in y: w * rms(y * silu(z)).
-template <typename W, typename S>
-void gate_group(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, int64_t g) {
+template <typename C, typename S>
+void gate_group(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t g) {
   const int64_t gs = d.group_size, off = g * gs;
   float* y = io.y + b * d.inter + off;
   const float* z = io.zx + b * d.nin + off;
@@ -132,8 +135,8 @@ void gate_group(const Dims& d, const Small& s, const Io<W, S>& io, int64_t b, in
   for (int64_t i = 0; i < gs; ++i) y[i] = s.gate_w[off + i] * (y[i] * r);
 }
 
-template <typename W, typename S>
-void run_layer(const Dims& d, const Small& s, const Io<W, S>& io) {
+template <typename C, typename S>
+void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int tid = fused::thread_id(), nth = fused::num_threads();
@@ -156,7 +159,7 @@ void run_layer(const Dims& d, const Small& s, const Io<W, S>& io) {
     for (int64_t t = lo; t < hi; ++t) gate_group(d, s, io, t / ngroups, t % ngroups);
 #pragma omp barrier
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
-    gemv_rows(io.out_w, d.inter, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden);
+    gemv(*io.out_w, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden);
     for (int64_t b = 0; b < d.batch; ++b) {
       float* m = io.mixed + b * d.hidden;
       for (int64_t r = lo; r < hi; ++r) {
@@ -168,10 +171,9 @@ void run_layer(const Dims& d, const Small& s, const Io<W, S>& io) {
 
 // The same layer for more rows than `kGemvMaxBatch`: the projections run as GEMMs (torch's,
 // between the parallel stages) instead of weight-streaming products.
-template <typename W, typename S>
-void run_layer_gemm(const Dims& d, const Small& s, const Io<W, S>& io, const at::Tensor& xn,
-                    const at::Tensor& in_w, at::Tensor& zx, const at::Tensor& y,
-                    const at::Tensor& out_w, at::Tensor& mixed) {
+template <typename C, typename S>
+void run_layer_gemm(const Dims& d, const Small& s, const Io<C, S>& io, const at::Tensor& xn,
+                    at::Tensor& zx, const at::Tensor& y, at::Tensor& mixed) {
   if (s.norm_w) {
     at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t b = lo; b < hi; ++b) {
@@ -180,7 +182,7 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<W, S>& io, const at:
       }
     });
   }
-  fused::project(xn, in_w, zx);
+  fused::project(xn, *io.in_w, zx);
   at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       if (s.in_b) {
@@ -197,7 +199,7 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<W, S>& io, const at:
   at::parallel_for(0, d.batch * ngroups, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) gate_group(d, s, io, t / ngroups, t % ngroups);
   });
-  fused::project(y, out_w, mixed);
+  fused::project(y, *io.out_w, mixed);
   at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) fused::finish_row(io.mixed + b * d.hidden, s.out_b,
         s.norm_w ? io.hidden + b * d.hidden : nullptr, d.hidden);
@@ -240,11 +242,11 @@ at::Tensor fused_mamba2_decode(const at::Tensor& hidden_in,
                                bool out_float) {
   const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices, n_groups,
                             group_size);
-  const at::ScalarType wt = params.get(kInW).value().scalar_type();
-  at::Tensor in_w, out_w;
-  fused::weight_of(params, kInW, wt, d.nin, d.hidden, "in_proj weight", in_w);
-  fused::weight_of(params, kOutW, wt, d.hidden, d.inter, "out_proj weight", out_w);
-  TORCH_CHECK(conv_states.scalar_type() == wt, "conv_states must have the weights' dtype");
+  const at::ScalarType mt = conv_states.scalar_type();
+  const Weight in_w =
+      fused::weight_of(params, kInW, kInScale, mt, d.nin, d.hidden, "in_proj weight");
+  const Weight out_w =
+      fused::weight_of(params, kOutW, kOutScale, mt, d.hidden, d.inter, "out_proj weight");
   Small s{};
   s.norm_w = fused::param_f32(params, kNormW, d.hidden, "norm weight");
   s.in_b = fused::param_f32(params, kInB, d.nin, "in_proj bias");
@@ -266,23 +268,23 @@ at::Tensor fused_mamba2_decode(const at::Tensor& hidden_in,
   at::Tensor zx = at::empty({d.batch, d.nin}, f32);
   at::Tensor y = at::empty({d.batch, d.inter}, f32);
   at::Tensor mixed = at::empty({d.batch, d.hidden}, f32);
-  auto run = [&](auto* w_tag, auto* s_tag) {
-    using W = std::remove_pointer_t<decltype(w_tag)>;
+  auto run = [&](auto* c_tag, auto* s_tag) {
+    using C = std::remove_pointer_t<decltype(c_tag)>;
     using S = std::remove_pointer_t<decltype(s_tag)>;
-    Io<W, S> io{in_w.data_ptr<W>(), out_w.data_ptr<W>(), conv_states.data_ptr<W>(),
+    Io<C, S> io{&in_w, &out_w, conv_states.data_ptr<C>(),
                 ssm_states.data_ptr<S>(), slots.data_ptr<int64_t>(), hidden.data_ptr<float>(),
                 xn.data_ptr<float>(), zx.data_ptr<float>(), y.data_ptr<float>(),
                 mixed.data_ptr<float>()};
     if (d.batch <= fused::kGemvMaxBatch) {
       run_layer(d, s, io);
     } else {
-      run_layer_gemm(d, s, io, xn, in_w, zx, y, out_w, mixed);
+      run_layer_gemm(d, s, io, xn, zx, y, mixed);
     }
   };
-  dispatch_float_bf16(in_w, "in_proj weight", [&](auto* w_tag) {
-    dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* s_tag) { run(w_tag, s_tag); });
+  dispatch_float_bf16(conv_states, "conv_states", [&](auto* c_tag) {
+    dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* s_tag) { run(c_tag, s_tag); });
   });
-  return out_float ? mixed : mixed.to(in_w.scalar_type());
+  return out_float ? mixed : mixed.to(mt);
 }
 
 }  // namespace

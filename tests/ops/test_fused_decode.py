@@ -3,7 +3,9 @@
 Kernel cases cover the shapes of the supported models' Mamba and Mamba2 layers (scaled down):
 conv widths 3 and 4, time-step ranks, biases or not, FalconMamba's dt/B/C norms, Mamba2 group
 counts 1, 2 and one per head, head dims and state sizes, padding rows (`PAD_SLOT_ID`), the
-block norm and residual or the mixer alone, float32 (tight) and bfloat16 weights (tolerance).
+block norm and residual or the mixer alone, float32 (tight) and bfloat16 weights (tolerance),
+and int8 weights with per-row scales (`quantization="int8"`) in float32 and bfloat16 models,
+against the reference run on the same int8 weights (tight in float32).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from tests.tiny_models import other_model_dir, tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.mamba_cache import PAD_SLOT_ID
 from vllm_mamba.ops import fused_decode as fd
+from vllm_mamba.ops.int8_linear import quantize_int8
 
 pytestmark = pytest.mark.skipif(not fd.available(), reason="C++ extension not built")
 
@@ -35,6 +38,29 @@ def _indices(batch: int, pad: bool) -> torch.Tensor:
     return idx
 
 
+# A case's weight dtype: float32 or bfloat16, or int8 weights in a float32 / bfloat16 model.
+INT8_F32, INT8_BF16 = "int8-float32", "int8-bfloat16"
+
+
+def _model(dtype: torch.dtype | str) -> torch.dtype:
+    """The model dtype (activations, conv states) of a case's weight dtype."""
+    return {INT8_F32: torch.float32, INT8_BF16: torch.bfloat16}.get(dtype, dtype)
+
+
+def _weight_dtypes(params, ids, dtype, float_ids=()) -> list[torch.Tensor | None]:  # noqa: ANN001
+    """Casts the projection weights `params[i]` (i in `ids`) to `dtype` in place, or quantises
+    them to int8 (but `float_ids`); returns their scale entries (None for a float weight)."""
+    scales = []
+    for i in ids:
+        if dtype in (INT8_F32, INT8_BF16) and i not in float_ids:
+            params[i], scale = quantize_int8(params[i])
+            scales.append(scale)
+        else:
+            params[i] = params[i].to(_model(dtype))
+            scales.append(None)
+    return scales
+
+
 def _mamba_case(g, hidden, inter, nstate, rank, kernel, bias, norm, dtype):  # noqa: ANN001, ANN202
     params = [
         1 + 0.1 * torch.randn(hidden, generator=g) if norm else None,
@@ -50,9 +76,9 @@ def _mamba_case(g, hidden, inter, nstate, rank, kernel, bias, norm, dtype):  # n
         _w(g, hidden, inter),
         _w(g, hidden) if bias else None,
     ]
-    for i in (1, 5, 6, 10):
-        params[i] = params[i].to(dtype)
-    conv = torch.randn(SLOTS, inter, kernel - 1, generator=g).to(dtype)
+    # in_proj, x_proj, dt_proj, out_proj; int8 models keep dt_proj float, as the quantiser does
+    params += _weight_dtypes(params, (1, 5, 6, 10), dtype, float_ids=(6,))
+    conv = torch.randn(SLOTS, inter, kernel - 1, generator=g).to(_model(dtype))
     ssm = torch.randn(SLOTS, inter, nstate, generator=g)
     return params, conv, ssm
 
@@ -73,9 +99,8 @@ def _mamba2_case(g, hidden, heads, head_dim, groups, nstate, kernel, bias, norm,
         _w(g, hidden, inter),
         _w(g, hidden) if bias else None,
     ]
-    for i in (1, 9):
-        params[i] = params[i].to(dtype)
-    conv = torch.randn(SLOTS, cd, kernel - 1, generator=g).to(dtype)
+    params += _weight_dtypes(params, (1, 9), dtype)
+    conv = torch.randn(SLOTS, cd, kernel - 1, generator=g).to(_model(dtype))
     ssm = torch.randn(SLOTS, heads, head_dim, nstate, generator=g)
     return params, conv, ssm
 
@@ -96,6 +121,8 @@ def _check(run, ref, hidden, conv, ssm, idx, tol) -> None:  # noqa: ANN001
 
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+TOL[INT8_F32], TOL[INT8_BF16] = TOL[torch.float32], TOL[torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, INT8_F32, INT8_BF16]
 
 # (hidden, inter, nstate, rank, kernel, bias, mixer_eps): mamba-130m-like, the tiny test models,
 # FalconMamba (normed dt/B/C), a rank that is not a multiple of 16.
@@ -107,7 +134,7 @@ MAMBA_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", MAMBA_SHAPES)
 @pytest.mark.parametrize(
     "batch,pad,norm", [(1, False, True), (3, True, True), (8, True, False), (12, True, True)]
@@ -118,7 +145,7 @@ def test_fused_mamba_decode_matches_reference(dtype, shape, batch, pad, norm) ->
     params, conv, ssm = _mamba_case(g, hidden, inter, nstate, rank, kernel, bias, norm, dtype)
     x = torch.randn(batch, hidden, generator=g)
     eps = -1.0 if mixer_eps is None else mixer_eps
-    out_float = dtype == torch.float32 or norm
+    out_float = _model(dtype) == torch.float32 or norm
     args = (1e-5, eps, out_float)
 
     def run(h, c, s, i):  # noqa: ANN001, ANN202
@@ -140,7 +167,7 @@ MAMBA2_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", MAMBA2_SHAPES)
 @pytest.mark.parametrize(
     "batch,pad,norm", [(1, False, True), (3, True, True), (8, True, False), (12, True, True)]
@@ -153,7 +180,7 @@ def test_fused_mamba2_decode_matches_reference(dtype, shape, batch, pad, norm) -
     )
     x = torch.randn(batch, hidden, generator=g)
     group_size = heads * head_dim // groups
-    args = (groups, group_size, 1e-5, 1e-6, dtype == torch.float32 or norm)
+    args = (groups, group_size, 1e-5, 1e-6, _model(dtype) == torch.float32 or norm)
 
     def run(h, c, s, i):  # noqa: ANN001, ANN202
         return fd.fused_mamba2_decode(h, params, c, s, i, *args)
@@ -173,12 +200,21 @@ def test_fused_decode_rejects_bad_shapes() -> None:
         fd.fused_mamba2_decode(x, params, conv, ssm, idx, 3, 128, 1e-5, 1e-6, True)
     with pytest.raises(RuntimeError, match="in_proj weight"):
         fd.fused_mamba2_decode(x[:, :32], params, conv, ssm, idx, 1, 128, 1e-5, 1e-6, True)
+    int8, _ = quantize_int8(params[1])
+    unscaled = [*params[:1], int8, *params[2:]]  # an int8 weight without its scale
+    with pytest.raises(RuntimeError, match="in_proj weight is int8"):
+        fd.fused_mamba2_decode(x, unscaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, True)
+    scaled = [*params[:-2], torch.ones(params[1].shape[0]), None]  # a float weight with one
+    with pytest.raises(RuntimeError, match="has a scale"):
+        fd.fused_mamba2_decode(x, scaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, True)
 
 
-def _generate(model: str) -> tuple[list[list[int]], list[list[float]], bool]:
+def _generate(
+    model: str, quantization: str | None
+) -> tuple[list[list[int]], list[list[float]], bool]:
     """Greedy tokens and logprobs of 9 prompts (decode batches of 9 and then fewer rows) and
     whether the fused kernels ran."""
-    llm = LLM(model, max_num_seqs=9)
+    llm = LLM(model, max_num_seqs=9, quantization=quantization)
     g = torch.Generator().manual_seed(3)
     prompts = [
         {"prompt_token_ids": torch.randint(0, 50000, (n,), generator=g).tolist()}
@@ -188,22 +224,34 @@ def _generate(model: str) -> tuple[list[list[int]], list[list[float]], bool]:
     outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     logprobs = [[next(iter(d.values())).logprob for d in o.logprobs] for o in outs]
     mixer = llm.llm_engine.model.backbone.layers[0].mixer
-    used = any(p is not None for _, p in mixer.__dict__.get("_fused_decode_params", {}).values())
-    return [o.token_ids for o in outs], logprobs, used
+    prepared = [p for _, p in mixer.__dict__.get("_fused_decode_params", {}).values() if p]
+    if quantization == "int8":  # the fused layer ran on the int8 weights themselves
+        assert all(params[1].dtype == torch.int8 for params, _ in prepared)
+    return [o.token_ids for o in outs], logprobs, bool(prepared)
 
 
-@pytest.mark.parametrize("name", ["tied", "falcon-untied", "mamba2-groups", "mamba2-tied"])
+@pytest.mark.parametrize(
+    "name,quantization",
+    [
+        ("tied", None),
+        ("falcon-untied", None),
+        ("mamba2-groups", None),
+        ("mamba2-tied", None),
+        ("tied", "int8"),
+        ("mamba2-groups", "int8"),
+    ],
+)
 def test_engine_outputs_equal_with_and_without_fused_decode(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, quantization: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("VLLM_MAMBA_OPS", raising=False)
     model = tiny_model_dir(name) if name == "tied" else other_model_dir(name)
     monkeypatch.setenv(fd.ENV_SWITCH, "0")
-    want, want_lp, used = _generate(model)
+    want, want_lp, used = _generate(model, quantization)
     assert not used
     assert len({tuple(t) for t in want}) > 5, "reference generations should be varied"
     monkeypatch.delenv(fd.ENV_SWITCH)
-    got, got_lp, used = _generate(model)
+    got, got_lp, used = _generate(model, quantization)
     assert used, "the fused decode kernels did not run"
     assert got == want
     for a, b in zip(got_lp, want_lp, strict=True):

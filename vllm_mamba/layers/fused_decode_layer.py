@@ -4,8 +4,9 @@
 table's `fused_mamba_decode` / `fused_mamba2_decode` (`vllm_mamba.ops.fused_decode`), with the
 block's RMSNorm and residual when the block passes its norm, or return None where the fused
 kernel does not apply: no kernel in the table, prefill rows, autograd, a subclass that
-changes the mixer's math (Jamba's normed dt/B/C, Falcon-H1's multipliers), or weights that
-are not plain float32 / bfloat16 `Linear` weights (quantized or tensor-parallel layers). The
+changes the mixer's math (Jamba's normed dt/B/C, Falcon-H1's multipliers), or projections
+that are not plain `Linear`s with float32 / bfloat16 weights of the model dtype or int8
+weights with per-row scales (`quantization="int8"`; tensor-parallel layers are not). The
 caller then runs its unfused path, which is the definition.
 
 The parameter list of each (mixer, norm) pair is built once and kept on the mixer; it is
@@ -20,9 +21,12 @@ from torch import nn
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.layers.layernorm import GatedRMSNorm, RMSNorm
 from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.quantization import is_int8_linear
 from vllm_mamba.mamba_cache import LayerState
 
 Params = list[torch.Tensor | None]
+# A layer's fused parameters and its model dtype (that of its activations and conv states).
+Prepared = tuple[Params, torch.dtype]
 # Mamba rows up to which the fused layer runs. Above it the kernel's GEMM path was measured
 # no faster than the unfused one (its per-channel selective-scan stage costs as much as the
 # dispatch it saves: benchmarks/README.md), so larger Mamba batches stay unfused. Mamba2's
@@ -31,19 +35,27 @@ MAMBA_MAX_ROWS = 8
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def plain_weight(linear: nn.Module, linear_op: object) -> torch.Tensor | None:
-    """The weight of an unmodified `Linear` running the table's float product, else None."""
+def plain_weight(
+    linear: nn.Module, linear_op: object
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype] | None:
+    """`(weight, scale, model dtype)` of an unmodified `Linear`, else None.
+
+    The layer runs the table's float product (scale None, the weight's dtype) or is an int8
+    layer (`weight_scale` per row, the dtype of its activations).
+    """
     weight = getattr(linear, "weight", None)
     if (
         type(linear) is not Linear
-        or linear.linear_op is not linear_op
         or not isinstance(weight, torch.Tensor)
-        or weight.dtype not in _FLOAT_DTYPES
         or weight.device.type != "cpu"
         or not weight.is_contiguous()
     ):
         return None
-    return weight.detach()
+    if is_int8_linear(linear):
+        return weight.detach(), linear.weight_scale, linear.activation_dtype
+    if linear.linear_op is not linear_op or weight.dtype not in _FLOAT_DTYPES:
+        return None
+    return weight.detach(), None, weight.dtype
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -51,43 +63,45 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().float().contiguous()
 
 
-def _weights(mixer: nn.Module, names: tuple[str, ...]) -> list[torch.Tensor] | None:
-    """The named projections' plain weights, all of one dtype, or None."""
-    weights = [plain_weight(getattr(mixer, n), mixer.ops.linear) for n in names]
-    if any(w is None for w in weights) or len({w.dtype for w in weights}) != 1:
+def _weights(
+    mixer: nn.Module, names: tuple[str, ...]
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], torch.dtype] | None:
+    """The named projections' weights and scales and their one model dtype, or None."""
+    found = [plain_weight(getattr(mixer, n), mixer.ops.linear) for n in names]
+    if any(f is None for f in found) or len({f[2] for f in found}) != 1:
         return None
-    return weights
+    return [f[0] for f in found], [f[1] for f in found], found[0][2]
 
 
-def _mamba_params(mixer: nn.Module, norm: RMSNorm | None) -> Params | None:
-    """`MAMBA_PARAMS` of a `MambaMixer` (norm weight first), or None."""
-    weights = _weights(mixer, ("in_proj", "x_proj", "dt_proj", "out_proj"))
-    if weights is None:
+def _mamba_params(mixer: nn.Module, norm: RMSNorm | None) -> Prepared | None:
+    """`MAMBA_PARAMS` of a `MambaMixer` (norm weight first) and its model dtype, or None."""
+    found = _weights(mixer, ("in_proj", "x_proj", "dt_proj", "out_proj"))
+    if found is None:
         return None
-    in_w, x_w, dt_w, out_w = weights
+    (in_w, x_w, dt_w, out_w), scales, dtype = found
     return [
         _f32(norm.weight) if norm is not None else None, in_w, _f32(mixer.in_proj.bias),
         _f32(mixer.conv_weight), _f32(mixer.conv1d.bias), x_w, dt_w, _f32(mixer.dt_proj.bias),
-        mixer.A.contiguous(), _f32(mixer.D), out_w, _f32(mixer.out_proj.bias),
-    ]  # fmt: skip
+        mixer.A.contiguous(), _f32(mixer.D), out_w, _f32(mixer.out_proj.bias), *scales,
+    ], dtype  # fmt: skip
 
 
-def _mamba2_params(mixer: nn.Module, norm: RMSNorm | None) -> Params | None:
-    """`MAMBA2_PARAMS` of a `Mamba2Mixer` (norm weight first), or None."""
-    weights = _weights(mixer, ("in_proj", "out_proj"))
-    if weights is None or type(mixer.norm) is not GatedRMSNorm:
+def _mamba2_params(mixer: nn.Module, norm: RMSNorm | None) -> Prepared | None:
+    """`MAMBA2_PARAMS` of a `Mamba2Mixer` (norm weight first) and its model dtype, or None."""
+    found = _weights(mixer, ("in_proj", "out_proj"))
+    if found is None or type(mixer.norm) is not GatedRMSNorm:
         return None
-    in_w, out_w = weights
+    (in_w, out_w), scales, dtype = found
     return [
         _f32(norm.weight) if norm is not None else None, in_w, _f32(mixer.in_proj.bias),
         _f32(mixer.conv_weight), _f32(mixer.conv1d.bias), _f32(mixer.dt_bias),
         mixer.A.contiguous(), _f32(mixer.D), _f32(mixer.norm.weight), out_w,
-        _f32(mixer.out_proj.bias),
-    ]  # fmt: skip
+        _f32(mixer.out_proj.bias), *scales,
+    ], dtype  # fmt: skip
 
 
-def _cached_params(mixer: nn.Module, norm: RMSNorm | None, build) -> Params | None:  # noqa: ANN001
-    """The parameter list of (mixer, norm), built on first use and after `A` changes."""
+def _cached_params(mixer: nn.Module, norm: RMSNorm | None, build) -> Prepared | None:  # noqa: ANN001
+    """The parameters of (mixer, norm), built on first use and after `A` changes."""
     cache = mixer.__dict__.setdefault("_fused_decode_params", {})
     key = None if norm is None else id(norm)
     entry = cache.get(key)
@@ -102,10 +116,10 @@ def _applies(hidden: torch.Tensor, meta: MambaMetadata) -> bool:
     return not meta.num_prefills and meta.num_decodes == rows > 0 and not torch.is_grad_enabled()
 
 
-def _out_float(weights: torch.Tensor, hidden: torch.Tensor, norm: RMSNorm | None, fp32: bool):  # noqa: ANN202
-    """Whether the unfused path returns float32: the mixer returns the weights' dtype, the
+def _out_float(dtype: torch.dtype, hidden: torch.Tensor, norm: RMSNorm | None, fp32: bool):  # noqa: ANN202
+    """Whether the unfused path returns float32: the mixer returns the model dtype, the
     block `residual + mixed` with a float32 residual when `residual_in_fp32` (`fp32`)."""
-    if weights.dtype == torch.float32:
+    if dtype == torch.float32:
         return True
     return norm is not None and (fp32 or hidden.dtype == torch.float32)
 
@@ -137,12 +151,13 @@ def mamba_decode_block(
     cls = type(mixer)
     if cls.forward is not base.forward or cls._ssm_params is not base._ssm_params:
         return None
-    params = _cached_params(mixer, norm, _mamba_params)
-    if params is None or state.conv.dtype != params[1].dtype:
+    prepared = _cached_params(mixer, norm, _mamba_params)
+    if prepared is None or state.conv.dtype != prepared[1]:
         return None
+    params, dtype = prepared
     eps = norm.variance_epsilon if norm is not None else 0.0
     mixer_eps = -1.0 if mixer.mixer_rms_eps is None else float(mixer.mixer_rms_eps)
-    out_float = _out_float(params[1], hidden, norm, residual_in_fp32)
+    out_float = _out_float(dtype, hidden, norm, residual_in_fp32)
     return op(
         hidden, params, state.conv, state.ssm, meta.decode_state_indices, eps, mixer_eps,
         out_float,
@@ -172,11 +187,12 @@ def mamba2_decode_block(
     cls = type(mixer)
     if any(getattr(cls, f) is not getattr(base, f) for f in ("forward", "_project", "_gate")):
         return None
-    params = _cached_params(mixer, norm, _mamba2_params)
-    if params is None or state.conv.dtype != params[1].dtype:
+    prepared = _cached_params(mixer, norm, _mamba2_params)
+    if prepared is None or state.conv.dtype != prepared[1]:
         return None
+    params, dtype = prepared
     eps = norm.variance_epsilon if norm is not None else 0.0
-    out_float = _out_float(params[1], hidden, norm, residual_in_fp32)
+    out_float = _out_float(dtype, hidden, norm, residual_in_fp32)
     return op(
         hidden, params, state.conv, state.ssm, meta.decode_state_indices, mixer.n_groups,
         mixer.norm.group_size, eps, mixer.norm.variance_epsilon, out_float,

@@ -75,6 +75,16 @@ def _int8_product(
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def is_int8_linear(linear: nn.Module) -> bool:
+    """Whether `linear` is a `Linear` that `quantize_linear_int8` made int8."""
+    op = getattr(linear, "linear_op", None)
+    return (
+        isinstance(linear, Linear)
+        and linear.weight.dtype == torch.int8
+        and getattr(op, "__func__", None) is _int8_product
+    )
+
+
 def quantize_linear_int8(linear: Linear, ops: MambaOps) -> None:
     """Makes `linear`'s weight int8 in place (see the module docstring)."""
     dtype = linear.weight.dtype

@@ -10,8 +10,10 @@ fused parallel stages (conv, state update, gate or gated norm, residual). Their 
 path, so the two paths have one definition.
 
 `params` is a list of the layer's tensors in a fixed order (`MAMBA_PARAMS`, `MAMBA2_PARAMS`);
-absent optional entries are None. The projection weights (`*_proj_w`) are float32 or bfloat16
-and share one dtype; every other entry is a contiguous float32 tensor.
+absent optional entries are None. Each projection weight (`*_proj_w`) is of the model dtype
+(float32 or bfloat16: the conv states' dtype) or int8 (`quantization="int8"`) with its
+per-row float32 scale in the matching `*_proj_scale` entry (None for a float weight); every
+other entry is a contiguous float32 tensor.
 
 Glossary: B decode rows, H hidden, I inner channels, N state size, S state slots; Mamba2: NH
 heads of P (`I = NH P`), G groups, CD = I + 2 G N conv channels.
@@ -26,16 +28,18 @@ import torch.nn.functional as F
 
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
+from vllm_mamba.ops.int8_linear import dequantize_int8
 from vllm_mamba.ops.selective_scan import selective_state_update_ref
 from vllm_mamba.ops.ssd import ssd_state_update_ref
 
 MAMBA_PARAMS = (
     "norm_w", "in_proj_w", "in_proj_b", "conv_w", "conv_b", "x_proj_w", "dt_proj_w", "dt_proj_b",
-    "A", "D", "out_proj_w", "out_proj_b",
+    "A", "D", "out_proj_w", "out_proj_b", "in_proj_scale", "x_proj_scale", "dt_proj_scale",
+    "out_proj_scale",
 )  # fmt: skip
 MAMBA2_PARAMS = (
     "norm_w", "in_proj_w", "in_proj_b", "conv_w", "conv_b", "dt_bias", "A", "D", "gate_norm_w",
-    "out_proj_w", "out_proj_b",
+    "out_proj_w", "out_proj_b", "in_proj_scale", "out_proj_scale",
 )  # fmt: skip
 ENV_SWITCH = "VLLM_MAMBA_FUSED_DECODE"  # "0" turns the fused layers off
 
@@ -63,15 +67,21 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` in float32 whatever the weight dtype."""
-    return F.linear(x, weight.float(), bias)
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`F.linear` in float32 whatever the weight dtype (int8 weights times their row scales)."""
+    w = weight.float() if scale is None else dequantize_int8(weight, scale, torch.float32)
+    return F.linear(x, w, bias)
 
 
 def _finish(
     hidden: torch.Tensor, mixed: torch.Tensor, with_norm: bool, out_float: bool, dtype
 ) -> torch.Tensor:
-    """Adds the residual (block mode) and casts to float32 or the weights' dtype."""
+    """Adds the residual (block mode) and casts to float32 or the model dtype."""
     out = hidden.float() + mixed if with_norm else mixed
     return out if out_float else out.to(dtype)
 
@@ -92,12 +102,13 @@ def fused_mamba_decode_ref(
         hidden: `(B, H)` the block input (norm given) or the mixer input (norm_w None).
         params: the tensors named by `MAMBA_PARAMS`: norm_w `(H,)` or None, in_proj_w
             `(2I, H)`, in_proj_b, conv_w `(I, K)`, conv_b, x_proj_w `(R + 2N, I)`, dt_proj_w
-            `(I, R)`, dt_proj_b `(I,)`, A `(I, N)`, D `(I,)`, out_proj_w `(H, I)`, out_proj_b.
+            `(I, R)`, dt_proj_b `(I,)`, A `(I, N)`, D `(I,)`, out_proj_w `(H, I)`, out_proj_b, and
+            the four weights' scales (None, or `(rows,)` float32 for an int8 weight).
         conv_states: `(S, I, K - 1)`; ssm_states: `(S, I, N)`; updated in place.
         state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
         norm_eps: the block norm's epsilon (unused without norm_w).
         mixer_eps: FalconMamba's epsilon of the weightless norms of dt, B and C; < 0: none.
-        out_float: return float32 (else the weights' dtype).
+        out_float: return float32 (else the model dtype, the conv states').
 
     Returns:
         `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
@@ -105,21 +116,23 @@ def fused_mamba_decode_ref(
     p = dict(zip(MAMBA_PARAMS, params, strict=True))
     x = hidden.float()
     xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
-    u, z = _linear(xn, p["in_proj_w"], p["in_proj_b"]).chunk(2, dim=-1)  # (B, I) each
+    u, z = _linear(xn, p["in_proj_w"], p["in_proj_b"], p["in_proj_scale"]).chunk(2, dim=-1)
     xc = causal_conv1d_update_ref(u, conv_states, p["conv_w"], p["conv_b"], state_indices)
     rank = p["dt_proj_w"].shape[1]
     nstate = p["A"].shape[1]
-    ts, B, C = _linear(xc, p["x_proj_w"], None).split([rank, nstate, nstate], dim=-1)
+    ts, B, C = _linear(xc, p["x_proj_w"], None, p["x_proj_scale"]).split(
+        [rank, nstate, nstate], dim=-1
+    )
     if mixer_eps >= 0:
         ts, B, C = (
             t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + mixer_eps) for t in (ts, B, C)
         )
-    dt = _linear(ts, p["dt_proj_w"], None)  # (B, I)
+    dt = _linear(ts, p["dt_proj_w"], None, p["dt_proj_scale"])  # (B, I)
     y = selective_state_update_ref(
         ssm_states, xc, dt, p["A"], B, C, p["D"], z, p["dt_proj_b"], True, state_indices
     )
-    mixed = _linear(y, p["out_proj_w"], p["out_proj_b"])
-    return _finish(hidden, mixed, p["norm_w"] is not None, out_float, p["in_proj_w"].dtype)
+    mixed = _linear(y, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"])
+    return _finish(hidden, mixed, p["norm_w"] is not None, out_float, conv_states.dtype)
 
 
 def fused_mamba2_decode_ref(
@@ -141,12 +154,12 @@ def fused_mamba2_decode_ref(
         params: the tensors named by `MAMBA2_PARAMS`: norm_w `(H,)` or None, in_proj_w
             `(I + CD + NH, H)` (rows z, x B C, dt), in_proj_b, conv_w `(CD, K)`, conv_b,
             dt_bias `(NH,)`, A `(NH,)`, D `(NH,)`, gate_norm_w `(I,)`, out_proj_w `(H, I)`,
-            out_proj_b.
+            out_proj_b, in_proj_scale and out_proj_scale (None, or float32 for int8).
         conv_states: `(S, CD, K - 1)`; ssm_states: `(S, NH, P, N)`; updated in place.
         state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
         n_groups: G; group_size: channels per group of the gated norm.
         norm_eps: the block norm's epsilon; gate_eps: the gated norm's.
-        out_float: return float32 (else the weights' dtype).
+        out_float: return float32 (else the model dtype, the conv states').
 
     Returns:
         `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
@@ -157,7 +170,7 @@ def fused_mamba2_decode_ref(
     inter, gn = heads * head_dim, n_groups * nstate
     x = hidden.float()
     xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
-    zxbcdt = _linear(xn, p["in_proj_w"], p["in_proj_b"])
+    zxbcdt = _linear(xn, p["in_proj_w"], p["in_proj_b"], p["in_proj_scale"])
     z, xbc, dt = zxbcdt.split([inter, inter + 2 * gn, heads], dim=-1)
     xbc = causal_conv1d_update_ref(xbc, conv_states, p["conv_w"], p["conv_b"], state_indices)
     xs, B, C = xbc.split([inter, gn, gn], dim=-1)
@@ -167,8 +180,8 @@ def fused_mamba2_decode_ref(
         p["dt_bias"], True, state_indices,
     )  # fmt: skip
     g = gated_rms_norm_ref(y.reshape(batch, inter), z, p["gate_norm_w"], group_size, gate_eps)
-    mixed = _linear(g, p["out_proj_w"], p["out_proj_b"])
-    return _finish(hidden, mixed, p["norm_w"] is not None, out_float, p["in_proj_w"].dtype)
+    mixed = _linear(g, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"])
+    return _finish(hidden, mixed, p["norm_w"] is not None, out_float, conv_states.dtype)
 
 
 def fused_mamba_decode(
