@@ -1,4 +1,5 @@
-"""The small-batch C++ matrix-vector kernel, and the `cpp` table's `linear`, against `F.linear`."""
+"""The small-batch C++ matrix-vector kernel, the oneDNN float32 GEMM path, and the `cpp` table's
+`linear`, against `F.linear`."""
 
 from __future__ import annotations
 
@@ -50,6 +51,28 @@ def test_linear_module_uses_the_same_math_for_any_batch() -> None:
         torch.testing.assert_close(
             cpu_kernels.linear(view, layer.weight, layer.bias), layer(view.clone())
         )
+
+
+@pytest.mark.skipif(not cpu_kernels._ONEDNN_LINEAR, reason="torch without oneDNN's linear")
+@pytest.mark.parametrize("rows", [9, 32, 77, 512])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_onednn_path_matches_f_linear(rows: int, with_bias: bool) -> None:
+    """Float32 batches above `SMALL_BATCH`: oneDNN's GEMM in full float32 precision (a
+    reduced-precision GEMM would miss this tolerance by orders of magnitude), also for
+    strided, 3-D and empty inputs."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 768, generator=g)
+    b = torch.randn(300, generator=g) if with_bias else None
+    x = torch.randn(rows, 2 * 768, generator=g)[:, :768]  # a row stride, as a split's view
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    with torch.no_grad():
+        got = cpu_kernels.linear(x, w, b)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4)
+        x3 = x.reshape(rows, 3, 256)[:, 0].reshape(1, rows, 256)
+        w3 = w[:, :256].contiguous()
+        got3 = cpu_kernels.linear(x3, w3, b)
+        torch.testing.assert_close(got3, F.linear(x3, w3, b), rtol=0, atol=2e-4)
+        assert cpu_kernels.linear(x[:0], w, b).shape == (0, 300)
 
 
 def test_reference_table_runs_f_linear() -> None:

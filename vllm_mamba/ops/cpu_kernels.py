@@ -10,6 +10,8 @@ must be contiguous.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -319,23 +321,43 @@ def paged_prefill_attention(
     )
 
 
+def _onednn_linear_available() -> bool:
+    """Whether torch has oneDNN's linear op, unless `VLLM_MAMBA_ONEDNN_LINEAR=0`."""
+    if os.environ.get(ONEDNN_SWITCH, "1").strip() == "0":
+        return False
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+ONEDNN_SWITCH = "VLLM_MAMBA_ONEDNN_LINEAR"  # "0": float32 GEMMs through F.linear (MKL)
+_ONEDNN_LINEAR = _onednn_linear_available()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x (B, K) @ weight (N, K)^T + bias` -> `(B, N)`, by the fastest path for the shape.
+    """`x (..., K) @ weight (N, K)^T + bias` -> `(..., N)`, by the fastest path for the shape.
 
     Up to `SMALL_BATCH` rows (decode) the C++ kernel `linear_small_batch` streams the weight
-    once at close to memory speed; larger batches (compute-bound), other shapes and autograd
-    use `torch.nn.functional.linear`.
+    once at close to memory speed. More float32 rows (prefill, many-stream decode: bound by
+    compute) go through oneDNN's float32 GEMM (`mkldnn._linear_pointwise`, full float32
+    precision), which reached 2.3x the rate of `F.linear`'s MKL GEMM on the AMD CPUs measured
+    (`benchmarks/README.md`). Other dtypes, devices and autograd use `F.linear`.
     """
+    on_cpu = x.device.type == "cpu" and not torch.is_grad_enabled() and weight.is_contiguous()
     if (
-        x.dim() == 2
+        on_cpu
+        and x.dim() == 2
         and x.shape[0] <= SMALL_BATCH
-        and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype in (torch.float32, torch.bfloat16)
-        and weight.is_contiguous()
-        and not torch.is_grad_enabled()
     ):
         return torch.ops.vllm_mamba.linear_small_batch(x, weight, bias)
+    if (
+        _ONEDNN_LINEAR
+        and on_cpu
+        and x.dtype == weight.dtype == torch.float32
+        and (bias is None or bias.dtype == torch.float32)
+        and x.numel() > 0
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
