@@ -17,12 +17,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <optional>
-#include <string>
-#include <vector>
 
 #include "kernel_math.h"
+#include "onednn_linear.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -170,30 +167,13 @@ inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, in
   }
 }
 
-// x (B, K) @ w (N, K)^T by oneDNN's float32 linear (`mkldnn::_linear_pointwise`, the op of
-// the unfused layers' `linear`, `vllm_mamba/ops/cpu_kernels.py`); false when torch lacks it
-// or `VLLM_MAMBA_ONEDNN_LINEAR=0` (read once).
-inline bool onednn_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
-  static const std::optional<c10::OperatorHandle> op = []() -> std::optional<c10::OperatorHandle> {
-    const char* env = std::getenv("VLLM_MAMBA_ONEDNN_LINEAR");
-    if (env != nullptr && std::string(env) == "0") return std::nullopt;
-    return c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
-  }();
-  if (!op.has_value()) return false;
-  std::vector<c10::IValue> stack{x, w, c10::IValue(), std::string("none"),
-                                 c10::List<std::optional<at::Scalar>>(), std::string("")};
-  op->callBoxed(&stack);
-  out.copy_(stack[0].toTensor());
-  return true;
-}
-
 // out (B, N) float32 = x (B, K) float32 @ w (N, K)^T by a GEMM (x may have a row stride):
 // float32 weights through oneDNN where it is available (else MKL's `mm`);
 // bfloat16 weights multiply bfloat16 activations, as the unfused layer does; int8 weights go
 // through the `int8_linear` op.
 inline void project(const at::Tensor& x, const Weight& w, at::Tensor& out) {
   if (w.dtype == at::kFloat) {
-    if (!onednn_linear(x, w.tensor, out)) at::mm_out(out, x, w.tensor.t());
+    if (!onednn_linear(x, w.tensor, at::Tensor(), out)) at::mm_out(out, x, w.tensor.t());
   } else if (w.dtype == at::kBFloat16) {
     out.copy_(at::mm(x.to(w.dtype), w.tensor.t()));
   } else {

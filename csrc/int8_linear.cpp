@@ -5,13 +5,15 @@
 // accumulated in float32, so the only error against a float model is the weight rounding.
 //
 // Two paths, chosen by the number of rows:
-// - up to kMaxGemvRows (decode): a matrix-vector kernel that streams each weight row once,
-//   widens 16 int8 values to float32 per step and multiplies them with every input row, four
-//   weight rows at a time (independent accumulators hide the FMA latency). The scale is applied
-//   to the finished dot product. Threads split the output channels.
+// - up to kMaxF32TiledRows float32 / kMaxBf16TiledRows bfloat16 rows (decode): a tiled kernel
+//   that streams each weight row once, widens 16 int8 values to float32 per step and multiplies
+//   them with several input rows, four weight rows at a time (independent accumulators hide the
+//   FMA latency). The scale is applied to the finished dot product. Threads split the output
+//   channels.
 // - more rows (prefill, many-stream decode): the weight is dequantised a block of output
 //   channels at a time into a float32 (or bfloat16) buffer that stays in the cache, and the
-//   block is multiplied by the optimised dense GEMM of ATen (MKL / oneDNN).
+//   block is multiplied by a dense GEMM: oneDNN's float32 linear (`onednn_linear.h`) or ATen's
+//   bfloat16 `mm` (oneDNN as well).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -19,6 +21,8 @@
 
 #include <algorithm>
 #include <cstdint>
+
+#include "onednn_linear.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -29,6 +33,7 @@ namespace vllm_mamba {
 namespace {
 
 constexpr int64_t kMaxBf16TiledRows = 32;   // bfloat16 rows of x up to which the tiled kernel runs
+constexpr int64_t kMaxF32TiledRows = 256;   // float32 rows of x up to which the tiled kernel runs
 constexpr int64_t kGemvRowGroup = 4;         // rows of x sharing one pass over a weight row
 constexpr int64_t kWeightRowsPerStep = 4;    // weight rows sharing one pass over x
 constexpr int64_t kMinTaskBytes = 1 << 15;   // int8 weight bytes per parallel task, at least
@@ -194,9 +199,12 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor
       dequantize_block(qw, sc, w.data_ptr<c10::BFloat16>(), n0, rows, k);
     }
     if (rows == n) {
+      if (x.scalar_type() == at::kFloat && onednn_linear(x, w, bias, out)) return out;
       return bias.defined() ? at::addmm(bias.to(x.scalar_type()), x, w.t()) : at::mm(x, w.t());
     }
     at::Tensor part = out.narrow(1, n0, rows);
+    const at::Tensor part_bias = bias.defined() ? bias.narrow(0, n0, rows) : at::Tensor();
+    if (x.scalar_type() == at::kFloat && onednn_linear(x, w, part_bias, part)) continue;
     if (bias.defined()) {
       at::addmm_out(part, bias.narrow(0, n0, rows).to(x.scalar_type()), x, w.t());
     } else {
@@ -224,7 +232,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& qweight, const 
     TORCH_CHECK(bias_in->numel() == n, "int8_linear: bias must be (N,)");
     bias = bias_in->to(at::kFloat).contiguous();
   }
-  if (x_in.scalar_type() == at::kBFloat16 && m > kMaxBf16TiledRows) {
+  if (m > (x_in.scalar_type() == at::kBFloat16 ? kMaxBf16TiledRows : kMaxF32TiledRows)) {
     return gemm(x_in.contiguous(), qweight, scale, bias);
   }
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
