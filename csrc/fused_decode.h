@@ -84,12 +84,26 @@ inline __m512 load16(const int8_t* p, __mmask16 m) {
 }
 
 // out[r] = w[r, :k] . x[:k] for R consecutive rows of `w` (row stride k).
+//
+// While it reads these rows it prefetches (into L2) the rows two blocks of R ahead, spread
+// evenly over its steps: a block of 8 rows is 8 short interleaved streams (768 bytes each for
+// an int8 row of 768), which the hardware prefetchers follow poorly. Measured on 24 layers of
+// mamba-130m at batch 1: 36 -> 42 GB/s (float32), 23 -> 34 (int8), 29 -> 40 (bfloat16); one
+// block ahead gave less, four blocks ahead lost.
 template <int R, typename W>
 inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const char* ahead = reinterpret_cast<const char*>(w + 2 * R * k);
+  const int64_t ahead_lines = (R * k * static_cast<int64_t>(sizeof(W)) + 63) / 64;
+  const int64_t steps = std::max<int64_t>(k / 16, 1);
+  const int64_t lines_per_step = (ahead_lines + steps - 1) / steps;
+  int64_t line = 0;
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
+    for (int64_t l = 0; l < lines_per_step && line < ahead_lines; ++l, ++line) {
+      _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+    }
     const __m512 xv = _mm512_loadu_ps(x + i);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(load16(w + r * k + i), xv, acc[r]);
   }
