@@ -54,6 +54,12 @@ def parse_args() -> argparse.Namespace:
         choices=sorted(QUANTIZED_GGUF_TYPES),
         help="the engine's weight quantization; llama.cpp then runs its counterpart (Q8_0)",
     )
+    p.add_argument(
+        "--ssm-state-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the engine's conv and SSM state dtype (auto: the model dtype)",
+    )
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every system")
     p.add_argument("--reps", type=int, default=3, help="repetitions; the median is reported")
     p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill prompt")
@@ -75,7 +81,11 @@ def parse_args() -> argparse.Namespace:
 
 def build_systems(args: argparse.Namespace) -> list:
     """The systems to measure; llama.cpp ones only when their tools and GGUF files exist."""
-    systems: list = [EngineSystem(args.model, args.dtype, max(args.batches), args.quantization)]
+    systems: list = [
+        EngineSystem(
+            args.model, args.dtype, max(args.batches), args.quantization, args.ssm_state_dtype
+        )
+    ]
     if not args.skip_transformers:
         systems.append(
             TransformersSystem(args.model, args.dtype, args.hf_decode_tokens, args.hf_max_batch)
@@ -157,6 +167,7 @@ def main() -> None:
     samples = measure(args, systems)
     print(
         f"\n{started}, {args.dtype}{', ' + args.quantization if args.quantization else ''}, "
+        f"state {args.ssm_state_dtype}, "
         f"{args.threads} threads, medians of {args.reps} runs, "
         f"decode: {args.prompt_len}-token prompts, {args.decode_tokens} tokens "
         f"(transformers {args.hf_decode_tokens}), total {time.perf_counter() - t0:.0f} s, "

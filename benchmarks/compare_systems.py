@@ -29,7 +29,12 @@ class EngineSystem:
     """This engine through `LLM` (prefill) and `LLMEngine.step` (decode)."""
 
     def __init__(
-        self, model: str, dtype: str, max_batch: int, quantization: str | None = None
+        self,
+        model: str,
+        dtype: str,
+        max_batch: int,
+        quantization: str | None = None,
+        ssm_state_dtype: str = "auto",
     ) -> None:
         from vllm_mamba import LLM
 
@@ -43,6 +48,7 @@ class EngineSystem:
             max_num_batched_tokens=2048,
             max_model_len=4096,
             quantization=quantization,
+            ssm_state_dtype=ssm_state_dtype,
         )
         self._ids = itertools.count()
 

@@ -153,8 +153,8 @@ inline void rms_norm_row(const float* x, const float* weight, int64_t n, float e
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * r);
 }
 
-// A projection weight (rows, k) as the kernels read it: float32 or bfloat16 (the model dtype),
-// or int8 with one float32 scale per row (row r stands for w[r] * scale[r]).
+// A projection weight (rows, k) as the kernels read it: float32 or bfloat16, or int8 with one
+// float32 scale per row (row r stands for w[r] * scale[r]).
 struct Weight {
   at::Tensor tensor;  // (rows, k), contiguous
   at::Tensor scale;   // (rows,) float32 for int8, else undefined
@@ -241,11 +241,11 @@ inline const float* param_f32(const c10::List<std::optional<at::Tensor>>& params
   return t->data_ptr<float>();
 }
 
-// A required projection weight of a params list, contiguous and shaped (rows, cols): of the
-// model dtype `dtype`, or int8 with its (rows,) float32 scale at `scale_i` (absent otherwise).
+// A required projection weight of a params list, contiguous and shaped (rows, cols): float32,
+// bfloat16, or int8 with its (rows,) float32 scale at `scale_i` (absent otherwise). Each
+// weight of a layer may have its own dtype.
 inline Weight weight_of(const c10::List<std::optional<at::Tensor>>& params, size_t i,
-                        size_t scale_i, at::ScalarType dtype, int64_t rows, int64_t cols,
-                        const char* what) {
+                        size_t scale_i, int64_t rows, int64_t cols, const char* what) {
   const std::optional<at::Tensor> t = params.get(i);
   TORCH_CHECK(t.has_value(), what, " is required");
   Weight w;
@@ -254,8 +254,9 @@ inline Weight weight_of(const c10::List<std::optional<at::Tensor>>& params, size
   w.k = cols;
   TORCH_CHECK(w.tensor.dim() == 2 && w.tensor.size(0) == rows && w.tensor.size(1) == cols, what,
               " must be (", rows, ", ", cols, "), got ", w.tensor.sizes());
-  TORCH_CHECK(w.tensor.is_contiguous() && (w.dtype == dtype || w.dtype == at::kChar), what,
-              " must be contiguous, of the model dtype (the conv states') or int8");
+  TORCH_CHECK(w.tensor.is_contiguous() &&
+                  (w.dtype == at::kFloat || w.dtype == at::kBFloat16 || w.dtype == at::kChar),
+              what, " must be contiguous float32, bfloat16 or int8");
   const std::optional<at::Tensor> scale = params.get(scale_i);
   if (w.dtype == at::kChar) {
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat &&

@@ -45,7 +45,7 @@ struct Small {  // float32 parameters; nullptr when absent
   float norm_eps, mixer_eps;  // mixer_eps < 0: no normalisation of dt, B, C
 };
 
-// C: the conv states' dtype (the model dtype); S: the SSM states'.
+// C: the conv states' dtype; S: the SSM states' (each float32 or bfloat16).
 template <typename C, typename S>
 struct Io {
   const Weight *in_w, *x_w, *dt_w, *out_w;
@@ -246,16 +246,15 @@ at::Tensor fused_mamba_decode(const at::Tensor& hidden_in,
                               const c10::List<std::optional<at::Tensor>>& params,
                               at::Tensor& conv_states, at::Tensor& ssm_states,
                               const at::Tensor& state_indices, double norm_eps,
-                              double mixer_eps, bool out_float) {
+                              double mixer_eps, at::ScalarType out_dtype) {
   const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices);
-  const at::ScalarType mt = conv_states.scalar_type();
   const Weight in_w =
-      fused::weight_of(params, kInW, kInScale, mt, 2 * d.inter, d.hidden, "in_proj weight");
-  const Weight x_w = fused::weight_of(params, kXW, kXScale, mt, d.xp, d.inter, "x_proj weight");
+      fused::weight_of(params, kInW, kInScale, 2 * d.inter, d.hidden, "in_proj weight");
+  const Weight x_w = fused::weight_of(params, kXW, kXScale, d.xp, d.inter, "x_proj weight");
   const Weight dt_w =
-      fused::weight_of(params, kDtW, kDtScale, mt, d.inter, d.rank, "dt_proj weight");
+      fused::weight_of(params, kDtW, kDtScale, d.inter, d.rank, "dt_proj weight");
   const Weight out_w =
-      fused::weight_of(params, kOutW, kOutScale, mt, d.hidden, d.inter, "out_proj weight");
+      fused::weight_of(params, kOutW, kOutScale, d.hidden, d.inter, "out_proj weight");
   Small s{};
   s.norm_w = fused::param_f32(params, kNormW, d.hidden, "norm weight");
   s.in_b = fused::param_f32(params, kInB, 2 * d.inter, "in_proj bias");
@@ -293,7 +292,7 @@ at::Tensor fused_mamba_decode(const at::Tensor& hidden_in,
   dispatch_float_bf16(conv_states, "conv_states", [&](auto* c_tag) {
     dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* s_tag) { run(c_tag, s_tag); });
   });
-  return out_float ? mixed : mixed.to(mt);
+  return mixed.to(out_dtype);
 }
 
 }  // namespace
@@ -302,7 +301,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
   m.def(
       "fused_mamba_decode(Tensor hidden, Tensor?[] params, Tensor(a!) conv_states, "
       "Tensor(b!) ssm_states, Tensor state_indices, float norm_eps, float mixer_eps, "
-      "bool out_float) -> Tensor");
+      "ScalarType out_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_mamba_decode", &fused_mamba_decode); }

@@ -48,7 +48,7 @@ struct Small {  // float32 parameters; nullptr when absent
   float norm_eps, gate_eps;
 };
 
-// C: the conv states' dtype (the model dtype); S: the SSM states'.
+// C: the conv states' dtype; S: the SSM states' (each float32 or bfloat16).
 template <typename C, typename S>
 struct Io {
   const Weight *in_w, *out_w;
@@ -239,14 +239,13 @@ at::Tensor fused_mamba2_decode(const at::Tensor& hidden_in,
                                at::Tensor& conv_states, at::Tensor& ssm_states,
                                const at::Tensor& state_indices, int64_t n_groups,
                                int64_t group_size, double norm_eps, double gate_eps,
-                               bool out_float) {
+                               at::ScalarType out_dtype) {
   const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices, n_groups,
                             group_size);
-  const at::ScalarType mt = conv_states.scalar_type();
   const Weight in_w =
-      fused::weight_of(params, kInW, kInScale, mt, d.nin, d.hidden, "in_proj weight");
+      fused::weight_of(params, kInW, kInScale, d.nin, d.hidden, "in_proj weight");
   const Weight out_w =
-      fused::weight_of(params, kOutW, kOutScale, mt, d.hidden, d.inter, "out_proj weight");
+      fused::weight_of(params, kOutW, kOutScale, d.hidden, d.inter, "out_proj weight");
   Small s{};
   s.norm_w = fused::param_f32(params, kNormW, d.hidden, "norm weight");
   s.in_b = fused::param_f32(params, kInB, d.nin, "in_proj bias");
@@ -284,7 +283,7 @@ at::Tensor fused_mamba2_decode(const at::Tensor& hidden_in,
   dispatch_float_bf16(conv_states, "conv_states", [&](auto* c_tag) {
     dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* s_tag) { run(c_tag, s_tag); });
   });
-  return out_float ? mixed : mixed.to(mt);
+  return mixed.to(out_dtype);
 }
 
 }  // namespace
@@ -293,7 +292,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
   m.def(
       "fused_mamba2_decode(Tensor hidden, Tensor?[] params, Tensor(a!) conv_states, "
       "Tensor(b!) ssm_states, Tensor state_indices, int n_groups, int group_size, "
-      "float norm_eps, float gate_eps, bool out_float) -> Tensor");
+      "float norm_eps, float gate_eps, ScalarType out_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_mamba2_decode", &fused_mamba2_decode); }

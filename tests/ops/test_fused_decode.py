@@ -38,13 +38,24 @@ def _indices(batch: int, pad: bool) -> torch.Tensor:
     return idx
 
 
-# A case's weight dtype: float32 or bfloat16, or int8 weights in a float32 / bfloat16 model.
+# A case's weight dtype: float32 or bfloat16, int8 weights in a float32 / bfloat16 model, or
+# float32 weights with bfloat16 conv and SSM states (`ssm_state_dtype="bfloat16"`).
 INT8_F32, INT8_BF16 = "int8-float32", "int8-bfloat16"
+STATE_BF16 = "float32-state-bfloat16"
 
 
 def _model(dtype: torch.dtype | str) -> torch.dtype:
-    """The model dtype (activations, conv states) of a case's weight dtype."""
-    return {INT8_F32: torch.float32, INT8_BF16: torch.bfloat16}.get(dtype, dtype)
+    """The model dtype (activations) of a case's weight dtype."""
+    return {INT8_F32: torch.float32, INT8_BF16: torch.bfloat16, STATE_BF16: torch.float32}.get(
+        dtype, dtype
+    )
+
+
+def _states(dtype: torch.dtype | str) -> tuple[torch.dtype, torch.dtype]:
+    """The conv and SSM state dtypes of a case."""
+    if dtype == STATE_BF16:
+        return torch.bfloat16, torch.bfloat16
+    return _model(dtype), torch.float32
 
 
 def _weight_dtypes(params, ids, dtype, float_ids=()) -> list[torch.Tensor | None]:  # noqa: ANN001
@@ -78,8 +89,8 @@ def _mamba_case(g, hidden, inter, nstate, rank, kernel, bias, norm, dtype):  # n
     ]
     # in_proj, x_proj, dt_proj, out_proj; int8 models keep dt_proj float, as the quantiser does
     params += _weight_dtypes(params, (1, 5, 6, 10), dtype, float_ids=(6,))
-    conv = torch.randn(SLOTS, inter, kernel - 1, generator=g).to(_model(dtype))
-    ssm = torch.randn(SLOTS, inter, nstate, generator=g)
+    conv = torch.randn(SLOTS, inter, kernel - 1, generator=g).to(_states(dtype)[0])
+    ssm = torch.randn(SLOTS, inter, nstate, generator=g).to(_states(dtype)[1])
     return params, conv, ssm
 
 
@@ -100,8 +111,8 @@ def _mamba2_case(g, hidden, heads, head_dim, groups, nstate, kernel, bias, norm,
         _w(g, hidden) if bias else None,
     ]
     params += _weight_dtypes(params, (1, 9), dtype)
-    conv = torch.randn(SLOTS, cd, kernel - 1, generator=g).to(_model(dtype))
-    ssm = torch.randn(SLOTS, heads, head_dim, nstate, generator=g)
+    conv = torch.randn(SLOTS, cd, kernel - 1, generator=g).to(_states(dtype)[0])
+    ssm = torch.randn(SLOTS, heads, head_dim, nstate, generator=g).to(_states(dtype)[1])
     return params, conv, ssm
 
 
@@ -122,7 +133,8 @@ def _check(run, ref, hidden, conv, ssm, idx, tol) -> None:  # noqa: ANN001
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 TOL[INT8_F32], TOL[INT8_BF16] = TOL[torch.float32], TOL[torch.bfloat16]
-DTYPES = [torch.float32, torch.bfloat16, INT8_F32, INT8_BF16]
+TOL[STATE_BF16] = TOL[torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, INT8_F32, INT8_BF16, STATE_BF16]
 
 # (hidden, inter, nstate, rank, kernel, bias, mixer_eps): mamba-130m-like, the tiny test models,
 # FalconMamba (normed dt/B/C), a rank that is not a multiple of 16.
@@ -145,8 +157,8 @@ def test_fused_mamba_decode_matches_reference(dtype, shape, batch, pad, norm) ->
     params, conv, ssm = _mamba_case(g, hidden, inter, nstate, rank, kernel, bias, norm, dtype)
     x = torch.randn(batch, hidden, generator=g)
     eps = -1.0 if mixer_eps is None else mixer_eps
-    out_float = _model(dtype) == torch.float32 or norm
-    args = (1e-5, eps, out_float)
+    out_dtype = torch.float32 if norm else _model(dtype)
+    args = (1e-5, eps, out_dtype)
 
     def run(h, c, s, i):  # noqa: ANN001, ANN202
         return fd.fused_mamba_decode(h, params, c, s, i, *args)
@@ -180,7 +192,7 @@ def test_fused_mamba2_decode_matches_reference(dtype, shape, batch, pad, norm) -
     )
     x = torch.randn(batch, hidden, generator=g)
     group_size = heads * head_dim // groups
-    args = (groups, group_size, 1e-5, 1e-6, _model(dtype) == torch.float32 or norm)
+    args = (groups, group_size, 1e-5, 1e-6, torch.float32 if norm else _model(dtype))
 
     def run(h, c, s, i):  # noqa: ANN001, ANN202
         return fd.fused_mamba2_decode(h, params, c, s, i, *args)
@@ -197,24 +209,24 @@ def test_fused_decode_rejects_bad_shapes() -> None:
     x = torch.randn(2, 64, generator=g)
     idx = _indices(2, False)
     with pytest.raises(RuntimeError, match="n_groups"):
-        fd.fused_mamba2_decode(x, params, conv, ssm, idx, 3, 128, 1e-5, 1e-6, True)
+        fd.fused_mamba2_decode(x, params, conv, ssm, idx, 3, 128, 1e-5, 1e-6, torch.float32)
     with pytest.raises(RuntimeError, match="in_proj weight"):
-        fd.fused_mamba2_decode(x[:, :32], params, conv, ssm, idx, 1, 128, 1e-5, 1e-6, True)
+        fd.fused_mamba2_decode(x[:, :32], params, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32)
     int8, _ = quantize_int8(params[1])
     unscaled = [*params[:1], int8, *params[2:]]  # an int8 weight without its scale
     with pytest.raises(RuntimeError, match="in_proj weight is int8"):
-        fd.fused_mamba2_decode(x, unscaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, True)
+        fd.fused_mamba2_decode(x, unscaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32)
     scaled = [*params[:-2], torch.ones(params[1].shape[0]), None]  # a float weight with one
     with pytest.raises(RuntimeError, match="has a scale"):
-        fd.fused_mamba2_decode(x, scaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, True)
+        fd.fused_mamba2_decode(x, scaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32)
 
 
 def _generate(
-    model: str, quantization: str | None
+    model: str, quantization: str | None, state_dtype: str
 ) -> tuple[list[list[int]], list[list[float]], bool]:
     """Greedy tokens and logprobs of 9 prompts (decode batches of 9 and then fewer rows) and
     whether the fused kernels ran."""
-    llm = LLM(model, max_num_seqs=9, quantization=quantization)
+    llm = LLM(model, max_num_seqs=9, quantization=quantization, ssm_state_dtype=state_dtype)
     g = torch.Generator().manual_seed(3)
     prompts = [
         {"prompt_token_ids": torch.randint(0, 50000, (n,), generator=g).tolist()}
@@ -231,28 +243,32 @@ def _generate(
 
 
 @pytest.mark.parametrize(
-    "name,quantization",
+    "name,quantization,state_dtype",
     [
-        ("tied", None),
-        ("falcon-untied", None),
-        ("mamba2-groups", None),
-        ("mamba2-tied", None),
-        ("tied", "int8"),
-        ("mamba2-groups", "int8"),
+        ("tied", None, "auto"),
+        ("falcon-untied", None, "auto"),
+        ("mamba2-groups", None, "auto"),
+        ("mamba2-tied", None, "auto"),
+        ("tied", "int8", "auto"),
+        ("mamba2-groups", "int8", "auto"),
+        ("tied", None, "bfloat16"),
+        ("mamba2-groups", None, "bfloat16"),
     ],
 )
 def test_engine_outputs_equal_with_and_without_fused_decode(
-    name: str, quantization: str | None, monkeypatch: pytest.MonkeyPatch
+    name: str, quantization: str | None, state_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("VLLM_MAMBA_OPS", raising=False)
     model = tiny_model_dir(name) if name == "tied" else other_model_dir(name)
     monkeypatch.setenv(fd.ENV_SWITCH, "0")
-    want, want_lp, used = _generate(model, quantization)
+    want, want_lp, used = _generate(model, quantization, state_dtype)
     assert not used
     assert len({tuple(t) for t in want}) > 5, "reference generations should be varied"
     monkeypatch.delenv(fd.ENV_SWITCH)
-    got, got_lp, used = _generate(model, quantization)
+    got, got_lp, used = _generate(model, quantization, state_dtype)
     assert used, "the fused decode kernels did not run"
     assert got == want
+    # bfloat16 states round the same values at slightly different points in the two paths
+    atol = 1e-4 if state_dtype == "auto" else 1e-3
     for a, b in zip(got_lp, want_lp, strict=True):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=atol)

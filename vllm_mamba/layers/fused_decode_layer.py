@@ -110,18 +110,25 @@ def _cached_params(mixer: nn.Module, norm: RMSNorm | None, build) -> Prepared | 
     return entry[1]
 
 
+def _states_apply(state: LayerState) -> bool:
+    """States the kernels read: float32 or bfloat16 each (any `ssm_state_dtype` but float16)."""
+    return state.conv.dtype in _FLOAT_DTYPES and state.ssm.dtype in _FLOAT_DTYPES
+
+
 def _applies(hidden: torch.Tensor, meta: MambaMetadata) -> bool:
     """A decode-only step (every row a decode), without autograd."""
     rows = hidden.shape[0]
     return not meta.num_prefills and meta.num_decodes == rows > 0 and not torch.is_grad_enabled()
 
 
-def _out_float(dtype: torch.dtype, hidden: torch.Tensor, norm: RMSNorm | None, fp32: bool):  # noqa: ANN202
-    """Whether the unfused path returns float32: the mixer returns the model dtype, the
-    block `residual + mixed` with a float32 residual when `residual_in_fp32` (`fp32`)."""
-    if dtype == torch.float32:
-        return True
-    return norm is not None and (fp32 or hidden.dtype == torch.float32)
+def _out_dtype(
+    dtype: torch.dtype, hidden: torch.Tensor, norm: RMSNorm | None, fp32: bool
+) -> torch.dtype:
+    """The unfused path's result dtype: the mixer returns the model dtype `dtype`, the block
+    `residual + mixed` float32 with a float32 residual (`residual_in_fp32`: `fp32`)."""
+    if norm is not None and (fp32 or hidden.dtype == torch.float32):
+        return torch.float32
+    return dtype
 
 
 def mamba_decode_block(
@@ -152,15 +159,15 @@ def mamba_decode_block(
     if cls.forward is not base.forward or cls._ssm_params is not base._ssm_params:
         return None
     prepared = _cached_params(mixer, norm, _mamba_params)
-    if prepared is None or state.conv.dtype != prepared[1]:
+    if prepared is None or not _states_apply(state):
         return None
     params, dtype = prepared
     eps = norm.variance_epsilon if norm is not None else 0.0
     mixer_eps = -1.0 if mixer.mixer_rms_eps is None else float(mixer.mixer_rms_eps)
-    out_float = _out_float(dtype, hidden, norm, residual_in_fp32)
+    out_dtype = _out_dtype(dtype, hidden, norm, residual_in_fp32)
     return op(
         hidden, params, state.conv, state.ssm, meta.decode_state_indices, eps, mixer_eps,
-        out_float,
+        out_dtype,
     )  # fmt: skip
 
 
@@ -188,12 +195,12 @@ def mamba2_decode_block(
     if any(getattr(cls, f) is not getattr(base, f) for f in ("forward", "_project", "_gate")):
         return None
     prepared = _cached_params(mixer, norm, _mamba2_params)
-    if prepared is None or state.conv.dtype != prepared[1]:
+    if prepared is None or not _states_apply(state):
         return None
     params, dtype = prepared
     eps = norm.variance_epsilon if norm is not None else 0.0
-    out_float = _out_float(dtype, hidden, norm, residual_in_fp32)
+    out_dtype = _out_dtype(dtype, hidden, norm, residual_in_fp32)
     return op(
         hidden, params, state.conv, state.ssm, meta.decode_state_indices, mixer.n_groups,
-        mixer.norm.group_size, eps, mixer.norm.variance_epsilon, out_float,
+        mixer.norm.group_size, eps, mixer.norm.variance_epsilon, out_dtype,
     )  # fmt: skip

@@ -10,10 +10,10 @@ fused parallel stages (conv, state update, gate or gated norm, residual). Their 
 path, so the two paths have one definition.
 
 `params` is a list of the layer's tensors in a fixed order (`MAMBA_PARAMS`, `MAMBA2_PARAMS`);
-absent optional entries are None. Each projection weight (`*_proj_w`) is of the model dtype
-(float32 or bfloat16: the conv states' dtype) or int8 (`quantization="int8"`) with its
-per-row float32 scale in the matching `*_proj_scale` entry (None for a float weight); every
-other entry is a contiguous float32 tensor.
+absent optional entries are None. Each projection weight (`*_proj_w`) is float32, bfloat16 or
+int8 (`quantization="int8"`) with its per-row float32 scale in the matching `*_proj_scale`
+entry (None for a float weight); every other entry is a contiguous float32 tensor. The conv
+and SSM states are float32 or bfloat16 each (`ssm_state_dtype`), whatever the weights.
 
 Glossary: B decode rows, H hidden, I inner channels, N state size, S state slots; Mamba2: NH
 heads of P (`I = NH P`), G groups, CD = I + 2 G N conv channels.
@@ -79,11 +79,11 @@ def _linear(
 
 
 def _finish(
-    hidden: torch.Tensor, mixed: torch.Tensor, with_norm: bool, out_float: bool, dtype
+    hidden: torch.Tensor, mixed: torch.Tensor, with_norm: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """Adds the residual (block mode) and casts to float32 or the model dtype."""
+    """Adds the residual (block mode) and casts to `out_dtype`."""
     out = hidden.float() + mixed if with_norm else mixed
-    return out if out_float else out.to(dtype)
+    return out.to(out_dtype)
 
 
 def fused_mamba_decode_ref(
@@ -94,7 +94,7 @@ def fused_mamba_decode_ref(
     state_indices: torch.Tensor,
     norm_eps: float,
     mixer_eps: float,
-    out_float: bool,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """One Mamba layer's decode step from the reference ops; states advanced in place.
 
@@ -108,7 +108,7 @@ def fused_mamba_decode_ref(
         state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
         norm_eps: the block norm's epsilon (unused without norm_w).
         mixer_eps: FalconMamba's epsilon of the weightless norms of dt, B and C; < 0: none.
-        out_float: return float32 (else the model dtype, the conv states').
+        out_dtype: the result's dtype (float32 or the model dtype, as the unfused path).
 
     Returns:
         `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
@@ -132,7 +132,7 @@ def fused_mamba_decode_ref(
         ssm_states, xc, dt, p["A"], B, C, p["D"], z, p["dt_proj_b"], True, state_indices
     )
     mixed = _linear(y, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"])
-    return _finish(hidden, mixed, p["norm_w"] is not None, out_float, conv_states.dtype)
+    return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
 
 
 def fused_mamba2_decode_ref(
@@ -145,7 +145,7 @@ def fused_mamba2_decode_ref(
     group_size: int,
     norm_eps: float,
     gate_eps: float,
-    out_float: bool,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """One Mamba2 layer's decode step from the reference ops; states advanced in place.
 
@@ -159,7 +159,7 @@ def fused_mamba2_decode_ref(
         state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
         n_groups: G; group_size: channels per group of the gated norm.
         norm_eps: the block norm's epsilon; gate_eps: the gated norm's.
-        out_float: return float32 (else the model dtype, the conv states').
+        out_dtype: the result's dtype (float32 or the model dtype, as the unfused path).
 
     Returns:
         `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
@@ -181,7 +181,7 @@ def fused_mamba2_decode_ref(
     )  # fmt: skip
     g = gated_rms_norm_ref(y.reshape(batch, inter), z, p["gate_norm_w"], group_size, gate_eps)
     mixed = _linear(g, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"])
-    return _finish(hidden, mixed, p["norm_w"] is not None, out_float, conv_states.dtype)
+    return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
 
 
 def fused_mamba_decode(
@@ -192,11 +192,11 @@ def fused_mamba_decode(
     state_indices: torch.Tensor,
     norm_eps: float,
     mixer_eps: float,
-    out_float: bool,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The C++ kernel of `fused_mamba_decode_ref` (same arguments and result)."""
     return torch.ops.vllm_mamba.fused_mamba_decode(
-        hidden, params, conv_states, ssm_states, state_indices, norm_eps, mixer_eps, out_float
+        hidden, params, conv_states, ssm_states, state_indices, norm_eps, mixer_eps, out_dtype
     )
 
 
@@ -210,10 +210,10 @@ def fused_mamba2_decode(
     group_size: int,
     norm_eps: float,
     gate_eps: float,
-    out_float: bool,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The C++ kernel of `fused_mamba2_decode_ref` (same arguments and result)."""
     return torch.ops.vllm_mamba.fused_mamba2_decode(
         hidden, params, conv_states, ssm_states, state_indices, n_groups, group_size,
-        norm_eps, gate_eps, out_float,
+        norm_eps, gate_eps, out_dtype,
     )  # fmt: skip

@@ -141,7 +141,7 @@ class FusedMambaDecodeOp(Protocol):
     def __call__(
         self, hidden: Tensor, params: list[Tensor | None], conv_states: Tensor,
         ssm_states: Tensor, state_indices: Tensor, norm_eps: float, mixer_eps: float,
-        out_float: bool,
+        out_dtype: torch.dtype,
     ) -> Tensor: ...  # fmt: skip
 
 
@@ -151,7 +151,7 @@ class FusedMamba2DecodeOp(Protocol):
     def __call__(
         self, hidden: Tensor, params: list[Tensor | None], conv_states: Tensor,
         ssm_states: Tensor, state_indices: Tensor, n_groups: int, group_size: int,
-        norm_eps: float, gate_eps: float, out_float: bool,
+        norm_eps: float, gate_eps: float, out_dtype: torch.dtype,
     ) -> Tensor: ...  # fmt: skip
 
 
