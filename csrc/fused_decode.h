@@ -143,6 +143,31 @@ inline void gemv_rows(const W* w, int64_t k, const float* x, int64_t ldx, int64_
   }
 }
 
+// A float32 view of `n` state values for an update in place: the values themselves for a
+// float32 state; for a bfloat16 state, `buf` filled with them widened (then written back by
+// `store_state`). Both directions are vectorised, which a loop over c10::BFloat16 is not.
+inline float* load_state(float* st, float*, int64_t) { return st; }
+inline float* load_state(c10::BFloat16* st, float* buf, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(buf + i, load16(st + i));
+#endif
+  for (; i < n; ++i) buf[i] = static_cast<float>(st[i]);
+  return buf;
+}
+
+inline void store_state(const float*, float*, int64_t) {}
+inline void store_state(const float* buf, c10::BFloat16* st, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  for (; i + 16 <= n; i += 16) {  // round to nearest even, as c10::BFloat16
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(buf + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(st + i), reinterpret_cast<const __m256i&>(v));
+  }
+#endif
+  for (; i < n; ++i) st[i] = static_cast<c10::BFloat16>(buf[i]);
+}
+
 // The block norm of one row: out = weight * x / sqrt(mean(x^2) + eps), as `RMSNorm` in float32.
 inline void rms_norm_row(const float* x, const float* weight, int64_t n, float eps, float* out) {
   float ss = 0.0f;

@@ -107,6 +107,7 @@ void channels(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, cons
   const float* u = io.xz + b * 2 * d.inter;
   const float* z = u + d.inter;
   float dt[fused::kRowBlock];
+  std::vector<float> scratch(N);  // a bfloat16 state row, widened
   for (int64_t c0 = lo; c0 < hi; c0 += fused::kRowBlock) {
     const int64_t nc = std::min(fused::kRowBlock, hi - c0);
     if (dt_row) {
@@ -121,12 +122,14 @@ void channels(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, cons
       S* st = slot >= 0 ? io.ssm_states + (slot * d.inter + c) * N : nullptr;
       float acc = 0.0f;
       if (st) {
+        float* sf = fused::load_state(st, scratch.data(), N);
 #pragma omp simd reduction(+ : acc)
         for (int64_t n = 0; n < N; ++n) {
-          const float v = fused::widen(st[n]) * exp_f32(delta * a[n]) + (delta * Bv[n]) * u[c];
-          st[n] = static_cast<S>(v);
+          const float v = sf[n] * exp_f32(delta * a[n]) + (delta * Bv[n]) * u[c];
+          sf[n] = v;
           acc += v * Cv[n];
         }
+        fused::store_state(sf, st, N);
       } else {
 #pragma omp simd reduction(+ : acc)
         for (int64_t n = 0; n < N; ++n) acc += (delta * Bv[n]) * u[c] * Cv[n];

@@ -86,9 +86,11 @@ void in_proj_and_conv(const Dims& d, const Small& s, const Io<C, S>& io, int tid
 }
 
 // SSD update of head h of batch row b: h = exp(dt A) h + dt x B^T, y = h C + D x.
+// `zero_state` (N zeros) stands for a padding row's state; `scratch` (N) holds a bfloat16
+// state row widened.
 template <typename C, typename S>
 void ssd_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t h,
-              float* zero_state) {
+              float* zero_state, float* scratch) {
   const float* row = io.zx + b * d.nin;
   float dt = row[d.inter + d.conv_dim + h] + (s.dt_bias ? s.dt_bias[h] : 0.0f);
   dt = softplus_f32(dt);
@@ -104,13 +106,14 @@ void ssd_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int6
     const float xdt = x[p] * dt;
     float acc = 0.0f;
     if (st) {
-      S* sp = st + p * N;
+      float* sp = fused::load_state(st + p * N, scratch, N);
 #pragma omp simd reduction(+ : acc)
       for (int64_t n = 0; n < N; ++n) {
-        const float v = fused::widen(sp[n]) * dA + xdt * Bv[n];
-        sp[n] = static_cast<S>(v);
+        const float v = sp[n] * dA + xdt * Bv[n];
+        sp[n] = v;
         acc += v * Cv[n];
       }
+      fused::store_state(sp, st + p * N, N);
     } else {
 #pragma omp simd reduction(+ : acc)
       for (int64_t n = 0; n < N; ++n) acc += (zero_state[n] * dA + xdt * Bv[n]) * Cv[n];
@@ -140,7 +143,7 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int tid = fused::thread_id(), nth = fused::num_threads();
-    std::vector<float> zero_state(d.nstate, 0.0f);
+    std::vector<float> zero_state(d.nstate, 0.0f), scratch(d.nstate);
     if (s.norm_w) {
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < d.batch; ++b) {
@@ -152,7 +155,9 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
 #pragma omp barrier
     int64_t lo, hi;
     split(d.batch * d.heads, 1, tid, nth, lo, hi);
-    for (int64_t t = lo; t < hi; ++t) ssd_head(d, s, io, t / d.heads, t % d.heads, zero_state.data());
+    for (int64_t t = lo; t < hi; ++t) {
+      ssd_head(d, s, io, t / d.heads, t % d.heads, zero_state.data(), scratch.data());
+    }
 #pragma omp barrier
     const int64_t ngroups = d.inter / d.group_size;
     split(d.batch * ngroups, 1, tid, nth, lo, hi);
@@ -192,8 +197,10 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<C, S>& io, const at:
     }
   });
   at::parallel_for(0, d.batch * d.heads, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> zero_state(d.nstate, 0.0f);
-    for (int64_t t = lo; t < hi; ++t) ssd_head(d, s, io, t / d.heads, t % d.heads, zero_state.data());
+    std::vector<float> zero_state(d.nstate, 0.0f), scratch(d.nstate);
+    for (int64_t t = lo; t < hi; ++t) {
+      ssd_head(d, s, io, t / d.heads, t % d.heads, zero_state.data(), scratch.data());
+    }
   });
   const int64_t ngroups = d.inter / d.group_size;
   at::parallel_for(0, d.batch * ngroups, 1, [&](int64_t lo, int64_t hi) {
