@@ -8,7 +8,7 @@
 # Layout under $LLAMA_CPP_HOME (default /tmp/llamacpp), which compare.py reads:
 #   llama_cpp_python-<version>/vendor/llama.cpp   sources (with convert_hf_to_gguf.py)
 #   bin/llama-bench, bin/llama-batched-bench      links to the tools built with cmake
-#   gguf/<model dir name>-{f32,bf16,f16}.gguf     the converted model
+#   gguf/<model dir name>-{f32,bf16,f16,q8_0}.gguf     the converted model
 #
 # Set INSTALL_PYTHON_PACKAGE=1 to also `pip install llama-cpp-python` (builds llama.cpp once
 # more, about 5+ minutes on 2 cores). Steps already done are skipped.
@@ -48,12 +48,13 @@ if [ ! -x "$LLAMA_DIR/build/bin/llama-batched-bench" ]; then
 fi
 ln -sf "$LLAMA_DIR/build/bin/llama-bench" "$LLAMA_DIR/build/bin/llama-batched-bench" bin/
 
-# 4. GGUF files: F32 for the float32 table, BF16 and F16 for the bfloat16 one. The converter
-#    needs gguf-py (vendored beside it), numpy, torch, safetensors and transformers.
+# 4. GGUF files: F32 for the float32 table, BF16 and F16 for the bfloat16 one, Q8_0 for the
+#    int8 one. The converter needs gguf-py (vendored beside it), numpy, torch, safetensors and
+#    transformers.
 STEM="$(basename "$(realpath "$MODEL_DIR")")"
-for TYPE in f32 bf16 f16; do
+for TYPE in f32 bf16 f16 q8_0; do
     OUT="gguf/$STEM-$TYPE.gguf"
-    [ -f "$OUT" ] || "$PYTHON" "$LLAMA_DIR/convert_hf_to_gguf.py" "$MODEL_DIR" \
+    [ -f "$OUT" ] || PYTHONPATH="$LLAMA_DIR/gguf-py" "$PYTHON" "$LLAMA_DIR/convert_hf_to_gguf.py" "$MODEL_DIR" \
         --outtype "$TYPE" --outfile "$OUT"
 done
 
