@@ -25,7 +25,7 @@ from vllm_mamba.layers.quantization import is_int8_linear
 from vllm_mamba.mamba_cache import LayerState
 
 Params = list[torch.Tensor | None]
-# A layer's fused parameters and its model dtype (that of its activations and conv states).
+# A layer's fused parameters and its model dtype (that of its activations).
 Prepared = tuple[Params, torch.dtype]
 # Mamba rows up to which the fused layer runs. Above it the kernel's GEMM path was measured
 # no faster than the unfused one (its per-channel selective-scan stage costs as much as the
