@@ -23,11 +23,7 @@ def _ext_modules() -> tuple[list, dict]:
     if os.environ.get("VLLM_MAMBA_PORTABLE") != "1":
         flags.append("-march=native")
     ext = CppExtension(
-        "vllm_mamba._C",
-        sources,
-        extra_compile_args=flags,
-        extra_link_args=["-fopenmp"],
-        depends=sorted(glob.glob("csrc/*.h")),  # a changed header rebuilds every source
+        "vllm_mamba._C", sources, extra_compile_args=flags, extra_link_args=["-fopenmp"]
     )
     return [ext], {"build_ext": BuildExtension}
 
