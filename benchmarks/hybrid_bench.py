@@ -23,8 +23,14 @@ Workloads, medians of `--reps` interleaved repetitions, `--threads` threads:
 - `step @ C`: one sequence with a C-token context, milliseconds per decode step (16 steps);
   `--no-steps` leaves these rows out.
 
+With `--gguf` (the model converted by llama.cpp's `convert_hf_to_gguf.py`, see
+`setup_llama_cpp.sh`) llama.cpp runs in the same repetitions through `compare_systems`'
+`LlamaCppSystem` (`llama-bench` for prefill and b1, `llama-batched-bench` S_TG for b32; no
+`step @ C` rows); its tools come from `--llama-cpp-home` / `$LLAMA_CPP_HOME`.
+
     python benchmarks/hybrid_bench.py --model /tmp/jamba-300m-random
-    python benchmarks/hybrid_bench.py --arch granitemoehybrid
+    python benchmarks/hybrid_bench.py --arch granitemoehybrid --no-steps \
+        --gguf /tmp/llamacpp/gguf/granite-4.0-h-300m-random-f32.gguf
 """
 
 from __future__ import annotations
@@ -65,7 +71,9 @@ GRANITE_CONFIG = dict(
     num_key_value_heads=4,
     position_embedding_type=None,
     num_local_experts=0,
+    num_experts_per_tok=0,  # as the dense Granite 4.0-H configs (llama.cpp asserts it)
     shared_intermediate_size=2048,
+    intermediate_size=2048,  # llama.cpp sizes the dense MLP by it; transformers by the shared one
     mamba_n_heads=24,
     mamba_d_head=64,
     mamba_n_groups=1,
@@ -161,6 +169,26 @@ class Engine:
         return 1000 * self._decode(1, context, 16) / 16
 
 
+class LlamaCpp:
+    """llama.cpp on the model's GGUF, through `compare_systems.LlamaCppSystem`."""
+
+    name = "llama.cpp"
+
+    def __init__(self, home: str, gguf: str, threads: int) -> None:
+        from compare_systems import LlamaCppSystem
+
+        self.system = LlamaCppSystem(os.path.join(home, "bin"), gguf, "F32", threads)
+
+    def prefill(self, length: int) -> float:
+        return self.system.prefill([0] * length)
+
+    def decode(self, batch: int) -> float:
+        return self.system.decode([[0] * PROMPT_LEN] * batch, DECODE_TOKENS)
+
+    def step_ms(self, context: int) -> float:
+        raise NotImplementedError("llama.cpp has no step @ C row (use --no-steps)")
+
+
 class Transformers:
     """transformers' model class (its PyTorch paths; no mamba-ssm kernels on the CPU)."""
 
@@ -204,7 +232,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--no-steps", action="store_true", help="leave out the step @ C rows")
+    p.add_argument("--gguf", help="the model as llama.cpp GGUF: adds llama.cpp to the run")
+    p.add_argument(
+        "--llama-cpp-home",
+        default=os.environ.get("LLAMA_CPP_HOME", "/tmp/llamacpp"),
+        help="bin/llama-bench and bin/llama-batched-bench live here",
+    )
     args = p.parse_args()
+    if args.gguf and not args.no_steps:
+        p.error("--gguf needs --no-steps (llama.cpp has no step @ C rows)")
     cls_name, config, default_path = ARCHS[args.arch]
     path = args.model or default_path
     torch.set_num_threads(args.threads)
@@ -216,6 +252,8 @@ def main() -> None:
     systems = [Engine(path, config["vocab_size"])]
     if not args.skip_transformers:
         systems.append(Transformers(path, cls_name, config["vocab_size"]))
+    if args.gguf:
+        systems.append(LlamaCpp(args.llama_cpp_home, args.gguf, args.threads))
     rows = {
         "prefill 512 (tok/s)": lambda s: s.prefill(512),
         "decode b1 (tok/s)": lambda s: s.decode(1),
@@ -233,14 +271,16 @@ def main() -> None:
                     f"rep {rep} {row} {system.name}: {results[row][system.name][-1]:.2f}",
                     flush=True,
                 )
-    print("\n| workload | " + " | ".join(s.name for s in systems) + " | ratio |")
-    print("|---|" + "---|" * (len(systems) + 1))
+    others = systems[1:]
+    head = " | ".join(s.name for s in systems) + "".join(f" | vs {s.name}" for s in others)
+    print(f"\n| workload | {head} |")
+    print("|---|" + "---|" * (len(systems) + len(others)))
     for row in rows:
         med = [statistics.median(results[row][s.name]) for s in systems]
-        ratio = ""
-        if len(med) == 2:
-            ratio = f"{(med[1] / med[0] if 'ms' in row else med[0] / med[1]):.1f}x"
-        print(f"| {row} | " + " | ".join(f"{m:,.1f}" for m in med) + f" | {ratio} |")
+        # the engine's speed-up: a rate over the other's, or the other's time over the engine's
+        ratios = [(m / med[0] if "ms" in row else med[0] / m) for m in med[1:]]
+        cells = [f"{m:,.1f}" for m in med] + [f"{r:.2f}x" for r in ratios]
+        print(f"| {row} | " + " | ".join(cells) + " |")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 
