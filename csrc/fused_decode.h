@@ -5,7 +5,8 @@
 //
 // Decode with a few sequences is bound by reading the weights from memory, so the products
 // go through the weight in blocks of 8 rows (8 independent AVX-512 accumulators, one row's
-// bytes each) and dot each block with every batch row while it is still in L1/L2. Weights are
+// bytes each) and dot each block with every batch row while it is still in L1/L2; with a
+// single batch row they read the weight row by row, strictly in order. Weights are
 // float32, bfloat16 or int8 with one float32 scale per row (`quantization="int8"`), widened on
 // the fly; activations and accumulation are float32.
 #pragma once
@@ -114,6 +115,29 @@ inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
+
+// w[:k] . x[:k] for one weight row, four independent accumulators. With one row of x the
+// products read the weight strictly in order, which the hardware prefetchers follow better
+// than blocks of 8 interleaved rows: 24 `mamba-130m` layers at batch 1, interleaved in one
+// process, streamed 50 against 40-41 GB/s (float32) and 40-41 against 34-35 (bfloat16); int8
+// was equal. At 4 rows of x the blocks stay faster (26 against 23 GB/s, float32).
+template <typename W>
+inline float dot_row(const W* w, int64_t k, const float* x) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 64 <= k; i += 64) {
+    a0 = _mm512_fmadd_ps(load16(w + i), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(load16(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    a2 = _mm512_fmadd_ps(load16(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+    a3 = _mm512_fmadd_ps(load16(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+  }
+  for (; i + 16 <= k; i += 16) a0 = _mm512_fmadd_ps(load16(w + i), _mm512_loadu_ps(x + i), a0);
+  if (i < k) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (k - i)) - 1u);
+    a1 = _mm512_fmadd_ps(load16(w + i, m), _mm512_maskz_loadu_ps(m, x + i), a1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
 #else
 template <int R, typename W>
 inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
@@ -125,6 +149,13 @@ inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
     out[r] = acc;
   }
 }
+
+template <typename W>
+inline float dot_row(const W* w, int64_t k, const float* x) {
+  float out;
+  dot_rows<1>(w, k, x, &out);
+  return out;
+}
 #endif
 
 // out[b, r - lo] (row stride ldo) = w[r] . x[b] (row stride ldx) for rows r in [lo, hi) and
@@ -132,6 +163,10 @@ inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
 template <typename W>
 inline void gemv_rows(const W* w, int64_t k, const float* x, int64_t ldx, int64_t batch,
                       int64_t lo, int64_t hi, float* out, int64_t ldo) {
+  if (batch == 1) {  // one row of x: stream the weight row by row (see `dot_row`)
+    for (int64_t r = lo; r < hi; ++r) out[r - lo] = dot_row(w + r * k, k, x);
+    return;
+  }
   int64_t r = lo;
   for (; r + kRowBlock <= hi; r += kRowBlock) {
     for (int64_t b = 0; b < batch; ++b) {
