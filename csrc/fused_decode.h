@@ -86,11 +86,12 @@ inline __m512 load16(const int8_t* p, __mmask16 m) {
 
 // out[r] = w[r, :k] . x[:k] for R consecutive rows of `w` (row stride k).
 //
-// While it reads these rows it prefetches (into L2) the rows two blocks of R ahead, spread
-// evenly over its steps: a block of 8 rows is 8 short interleaved streams (768 bytes each for
-// an int8 row of 768), which the hardware prefetchers follow poorly. Measured on 24 layers of
-// mamba-130m at batch 1: 36 -> 42 GB/s (float32), 23 -> 34 (int8), 29 -> 40 (bfloat16); one
-// block ahead gave less, four blocks ahead lost.
+// For bfloat16 and int8 weights it prefetches (into L2) the rows two blocks of R ahead while
+// it reads these, spread evenly over its steps: a block of 8 narrow rows is 8 short
+// interleaved streams (768 bytes each for an int8 row of 768), which the hardware prefetchers
+// follow poorly. Measured on 24 `mamba-130m` layers at 2, 4 and 8 rows of x, prefetching on
+// and off interleaved in one process: +8-30% for int8, +1-15% for bfloat16, and -7 to -17%
+// for float32, which therefore streams without it. (One row of x goes through `dot_row`.)
 template <int R, typename W>
 inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
   __m512 acc[R];
@@ -101,8 +102,9 @@ inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
   const int64_t lines_per_step = (ahead_lines + steps - 1) / steps;
   int64_t line = 0;
   int64_t i = 0;
+  constexpr bool kPrefetch = sizeof(W) < sizeof(float);
   for (; i + 16 <= k; i += 16) {
-    for (int64_t l = 0; l < lines_per_step && line < ahead_lines; ++l, ++line) {
+    for (int64_t l = 0; kPrefetch && l < lines_per_step && line < ahead_lines; ++l, ++line) {
       _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
     }
     const __m512 xv = _mm512_loadu_ps(x + i);
@@ -121,6 +123,9 @@ inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
 // than blocks of 8 interleaved rows: 24 `mamba-130m` layers at batch 1, interleaved in one
 // process, streamed 50 against 40-41 GB/s (float32) and 40-41 against 34-35 (bfloat16); int8
 // was equal. At 4 rows of x the blocks stay faster (26 against 23 GB/s, float32).
+// `linear.cpp`'s `dot` (the LM head's kernel) does the same job with `omp simd` over 64
+// lanes; it stays separate because it measured faster on the LM head in float32 (40 against
+// 34 GB/s with this function in its place, bfloat16 equal).
 template <typename W>
 inline float dot_row(const W* w, int64_t k, const float* x) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
