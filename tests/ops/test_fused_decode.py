@@ -10,6 +10,8 @@ against the reference run on the same int8 weights (tight in float32).
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -134,6 +136,17 @@ def _check(run, ref, hidden, conv, ssm, idx, tol) -> None:  # noqa: ANN001
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 TOL[INT8_F32], TOL[INT8_BF16] = TOL[torch.float32], TOL[torch.bfloat16]
 TOL[STATE_BF16] = TOL[torch.bfloat16]
+# Above 8 rows the kernels' GEMMs multiply bfloat16 weights by bfloat16-rounded activations, as
+# the unfused layer does, while the references keep float32 activations: up to 0.056 apart on
+# these shapes over 150 seeds (at most 8 rows: 1e-6).
+GEMM_BF16_TOL = dict(rtol=2e-2, atol=8e-2)
+
+
+def _tol(dtype: torch.dtype | str, batch: int) -> dict[str, float]:
+    """The comparison tolerance of a case."""
+    return GEMM_BF16_TOL if dtype == torch.bfloat16 and batch > 8 else TOL[dtype]
+
+
 DTYPES = [torch.float32, torch.bfloat16, INT8_F32, INT8_BF16, STATE_BF16]
 
 # (hidden, inter, nstate, rank, kernel, bias, mixer_eps): mamba-130m-like, the tiny test models,
@@ -153,7 +166,7 @@ MAMBA_SHAPES = [
 )
 def test_fused_mamba_decode_matches_reference(dtype, shape, batch, pad, norm) -> None:  # noqa: ANN001
     hidden, inter, nstate, rank, kernel, bias, mixer_eps = shape
-    g = torch.Generator().manual_seed(hash((shape, batch)) % 1000)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((shape, batch)).encode()))
     params, conv, ssm = _mamba_case(g, hidden, inter, nstate, rank, kernel, bias, norm, dtype)
     x = torch.randn(batch, hidden, generator=g)
     eps = -1.0 if mixer_eps is None else mixer_eps
@@ -166,7 +179,7 @@ def test_fused_mamba_decode_matches_reference(dtype, shape, batch, pad, norm) ->
     def ref(h, c, s, i):  # noqa: ANN001, ANN202
         return fd.fused_mamba_decode_ref(h, params, c, s, i, *args)
 
-    _check(run, ref, x, conv, ssm, _indices(batch, pad), TOL[dtype])
+    _check(run, ref, x, conv, ssm, _indices(batch, pad), _tol(dtype, batch))
 
 
 # (hidden, heads, head_dim, groups, nstate, kernel, bias): mamba2-130m-like (one group,
@@ -186,7 +199,7 @@ MAMBA2_SHAPES = [
 )
 def test_fused_mamba2_decode_matches_reference(dtype, shape, batch, pad, norm) -> None:  # noqa: ANN001
     hidden, heads, head_dim, groups, nstate, kernel, bias = shape
-    g = torch.Generator().manual_seed(hash((shape, batch)) % 1000 + 1)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((shape, batch)).encode()) + 1)
     params, conv, ssm = _mamba2_case(
         g, hidden, heads, head_dim, groups, nstate, kernel, bias, norm, dtype
     )
@@ -200,7 +213,7 @@ def test_fused_mamba2_decode_matches_reference(dtype, shape, batch, pad, norm) -
     def ref(h, c, s, i):  # noqa: ANN001, ANN202
         return fd.fused_mamba2_decode_ref(h, params, c, s, i, *args)
 
-    _check(run, ref, x, conv, ssm, _indices(batch, pad), TOL[dtype])
+    _check(run, ref, x, conv, ssm, _indices(batch, pad), _tol(dtype, batch))
 
 
 def test_fused_decode_rejects_bad_shapes() -> None:
