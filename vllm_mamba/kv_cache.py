@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm_mamba.huge_pages import huge_page_zeros
+
 __all__ = [
     "AttentionSpec",
     "MambaSpec",
@@ -162,10 +164,9 @@ class KVCache:
         shape = (sizing.num_blocks, sizing.block_size)
         # Zeroed so that no kernel ever reads uninitialised memory (NaN) in a masked lane.
         self.k_caches = [
-            torch.zeros((*shape, s.num_kv_heads, s.head_dim), dtype=s.dtype, device=device)
-            for s in specs
+            huge_page_zeros((*shape, s.num_kv_heads, s.head_dim), s.dtype, device) for s in specs
         ]
-        self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
+        self.v_caches = [huge_page_zeros(k.shape, k.dtype, device) for k in self.k_caches]
 
     def layer(self, index: int) -> LayerKV:
         """Views of attention layer `index` (counted among the attention layers only)."""

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_mamba.huge_pages import huge_page_zeros
+
 __all__ = ["PAD_SLOT_ID", "MambaStateShape", "SlotAllocator", "MambaCache", "LayerState"]
 
 PAD_SLOT_ID = -1  # the slot index of a padding row; every kernel imports it from here
@@ -102,11 +104,11 @@ class MambaCache:
     def __init__(self, shape: MambaStateShape, num_slots: int, device: torch.device) -> None:
         self.shape = shape
         self.num_slots = num_slots
-        self.conv_state = torch.zeros(
-            (shape.num_layers, num_slots, *shape.conv_shape), dtype=shape.conv_dtype, device=device
+        self.conv_state = huge_page_zeros(
+            (shape.num_layers, num_slots, *shape.conv_shape), shape.conv_dtype, device
         )
-        self.ssm_state = torch.zeros(
-            (shape.num_layers, num_slots, *shape.ssm_shape), dtype=shape.ssm_dtype, device=device
+        self.ssm_state = huge_page_zeros(
+            (shape.num_layers, num_slots, *shape.ssm_shape), shape.ssm_dtype, device
         )
 
     def layer(self, index: int) -> LayerState:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from vllm_mamba.config import recorded_quantization
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.huge_pages import move_to_huge_pages
 from vllm_mamba.layers.parallel_linear import named_shards
 from vllm_mamba.layers.quantization import quantize_model_int8
 from vllm_mamba.model_zoo import shipped_model_path
@@ -241,4 +242,6 @@ def build_model(
         model.process_weights_after_loading()
     if recorded_quantization(hf_config) == "int8":
         quantize_model_int8(model, get_mamba_ops(device))
+    if device.type == "cpu":
+        move_to_huge_pages(model)  # decode streams every weight each step: 2 MiB pages
     return model.eval().requires_grad_(False), arch

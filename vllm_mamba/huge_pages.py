@@ -1,0 +1,123 @@
+"""CPU memory backed by transparent huge pages, for the tensors that decode streams every step.
+
+Single-stream decode on a CPU reads every weight once per token, so its speed is memory
+bandwidth. With the default 4 KiB pages the hardware prefetchers stop at every page boundary
+and each page costs a TLB entry; on 2 MiB pages the same GEMV streams 13-18% faster
+(`benchmarks/README.md`, "Huge pages"). PyTorch's CPU allocator asks for huge pages only when
+`THP_MEM_ALLOC_ENABLE=1` is set before its first allocation, which a library cannot arrange,
+so this module maps its own memory:
+
+- `huge_page_zeros(shape, dtype)`: a zeroed tensor in its own `madvise(MADV_HUGEPAGE)` mapping
+  (the state and KV caches);
+- `move_to_huge_pages(model)`: every parameter and buffer storage of a model copied into one
+  such mapping, each tensor re-pointed in place (`tensor.data = ...`), so modules, tied
+  weights and views that share a storage keep sharing it.
+
+The mapping is freed when the last tensor viewing it is. Linux only; elsewhere, with THP off
+(`/sys/kernel/mm/transparent_hugepage/enabled` = never) or with `VLLM_MAMBA_HUGE_PAGES=0`,
+both fall back to ordinary allocations.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+from torch import nn
+
+HUGE_PAGE = 2 << 20  # bytes; x86-64 and arm64 (4 KiB base pages) transparent huge pages
+_ALIGN = 64  # every tensor in an arena starts on a cache line
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def enabled() -> bool:
+    """True when huge-page mappings are wanted and the kernel can give them."""
+    if os.environ.get("VLLM_MAMBA_HUGE_PAGES", "1") == "0":
+        return False
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open(_THP_MODE) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def _arena(nbytes: int) -> torch.Tensor | None:
+    """A `(nbytes,)` uint8 tensor at a huge-page boundary of a fresh `MADV_HUGEPAGE` mapping
+    (zero-filled, pages faulted in on first touch), or None when it cannot be made."""
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return None
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start : start + nbytes]
+
+
+def huge_page_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """`torch.zeros(shape, dtype=dtype, device=device)`, on huge pages when on the CPU."""
+    device = torch.device(device)
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    arena = _arena(nbytes) if device.type == "cpu" and nbytes >= HUGE_PAGE and enabled() else None
+    if arena is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    arena.zero_()  # fault every page in now, not in the first decode step
+    return arena.view(dtype).view(shape)
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of `model`, each tensor object once."""
+    seen: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            if tensor is not None:
+                seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+def move_to_huge_pages(model: nn.Module) -> int:
+    """Copies the storages of `model`'s parameters and buffers into one huge-page arena.
+
+    Each tensor keeps its identity, dtype, shape, strides and offset; tensors that shared a
+    storage (tied embeddings, views) share the new one. Call it before anything caches a
+    derived view of a weight (the fused decode layers build theirs on first use).
+
+    Returns:
+        The bytes moved; 0 when nothing was (not on the CPU, disabled, or no mapping).
+    """
+    tensors = _tensors(model)
+    if not tensors or any(t.device.type != "cpu" for t in tensors) or not enabled():
+        return 0
+    storages: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages.setdefault(storage.data_ptr(), storage)
+    offsets, total = {}, 0
+    for key, storage in storages.items():
+        offsets[key] = total
+        total += -(-storage.nbytes() // _ALIGN) * _ALIGN
+    arena = _arena(total)
+    if arena is None:
+        return 0
+    for key, storage in storages.items():
+        src = torch.empty(0, dtype=torch.uint8).set_(storage)
+        arena[offsets[key] : offsets[key] + storage.nbytes()].copy_(src)
+    new_storage = arena.untyped_storage()
+    base = arena.storage_offset()  # bytes from the mapping's start to the aligned arena
+    with torch.no_grad():
+        for t in tensors:
+            size = t.element_size()
+            offset = base + offsets[t.untyped_storage().data_ptr()] + t.storage_offset() * size
+            moved = torch.empty(0, dtype=t.dtype).set_(
+                new_storage, offset // size, t.shape, t.stride()
+            )
+            t.data = moved
+    return total
