@@ -66,17 +66,23 @@ inline void conv_rows(const Dims& d, const Small& s, const Io<C, S>& io, int64_t
   fused::conv_update(io.xz + b * 2 * d.inter, hist, s.conv_w, s.conv_b, d.kernel, c0, c1);
 }
 
+// in_proj rows, then conv + SiLU of the x rows. Each thread takes a share of the x rows and
+// one of the z rows, so that the conv work is split evenly too.
 template <typename C, typename S>
 void in_proj_and_conv(const Dims& d, const Small& s, const Io<C, S>& io, int tid, int nth) {
-  int64_t lo, hi;
   const int64_t n = 2 * d.inter;
-  split(n, fused::kRowBlock, tid, nth, lo, hi);
-  gemv(*io.in_w, io.xn, d.hidden, d.batch, lo, hi, io.xz + lo, n);
-  for (int64_t b = 0; b < d.batch; ++b) {
+  int64_t lo, hi;
+  split(d.inter, fused::kRowBlock, tid, nth, lo, hi);
+  for (const int64_t base : {int64_t{0}, d.inter}) {  // x rows, then z rows
+    gemv(*io.in_w, io.xn, d.hidden, d.batch, base + lo, base + hi, io.xz + base + lo, n);
     if (s.in_b) {
-      for (int64_t r = lo; r < hi; ++r) io.xz[b * n + r] += s.in_b[r];
+      for (int64_t b = 0; b < d.batch; ++b) {
+        for (int64_t r = base + lo; r < base + hi; ++r) io.xz[b * n + r] += s.in_b[r];
+      }
     }
-    if (lo < std::min(hi, d.inter)) conv_rows(d, s, io, b, lo, std::min(hi, d.inter));
+  }
+  for (int64_t b = 0; b < d.batch; ++b) {
+    if (lo < hi) conv_rows(d, s, io, b, lo, hi);
   }
 }
 
@@ -106,7 +112,8 @@ void channels(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, cons
   const float* Cv = row + d.rank + N;
   const float* u = io.xz + b * 2 * d.inter;
   const float* z = u + d.inter;
-  float dt[fused::kRowBlock];
+  float dt[fused::kRowBlock], gate[fused::kRowBlock];
+  float acc[fused::kRowBlock];
   std::vector<float> scratch(N);  // a bfloat16 state row, widened
   for (int64_t c0 = lo; c0 < hi; c0 += fused::kRowBlock) {
     const int64_t nc = std::min(fused::kRowBlock, hi - c0);
@@ -115,27 +122,37 @@ void channels(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, cons
     } else {
       gemv(*io.dt_w, row, d.rank, 1, c0, c0 + nc, dt, fused::kRowBlock);
     }
+    // The per-channel scalars of the block, vectorised across its channels.
+#pragma omp simd
+    for (int64_t j = 0; j < nc; ++j) {
+      dt[j] = softplus_f32(dt[j] + (s.dt_b ? s.dt_b[c0 + j] : 0.0f));  // delta
+      gate[j] = silu_f32(z[c0 + j]);
+    }
     for (int64_t j = 0; j < nc; ++j) {
       const int64_t c = c0 + j;
-      const float delta = softplus_f32(dt[j] + (s.dt_b ? s.dt_b[c] : 0.0f));
+      const float delta = dt[j], uc = u[c];
       const float* a = s.A + c * N;
       S* st = slot >= 0 ? io.ssm_states + (slot * d.inter + c) * N : nullptr;
-      float acc = 0.0f;
+      float sum = 0.0f;
       if (st) {
         float* sf = fused::load_state(st, scratch.data(), N);
-#pragma omp simd reduction(+ : acc)
+#pragma omp simd reduction(+ : sum)
         for (int64_t n = 0; n < N; ++n) {
-          const float v = sf[n] * exp_f32(delta * a[n]) + (delta * Bv[n]) * u[c];
+          const float v = sf[n] * exp_f32(delta * a[n]) + (delta * Bv[n]) * uc;
           sf[n] = v;
-          acc += v * Cv[n];
+          sum += v * Cv[n];
         }
         fused::store_state(sf, st, N);
       } else {
-#pragma omp simd reduction(+ : acc)
-        for (int64_t n = 0; n < N; ++n) acc += (delta * Bv[n]) * u[c] * Cv[n];
+#pragma omp simd reduction(+ : sum)
+        for (int64_t n = 0; n < N; ++n) sum += (delta * Bv[n]) * uc * Cv[n];
       }
-      const float yv = acc + (s.D ? s.D[c] * u[c] : 0.0f);
-      io.y[b * d.inter + c] = yv * silu_f32(z[c]);
+      acc[j] = sum;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < nc; ++j) {
+      const int64_t c = c0 + j;
+      io.y[b * d.inter + c] = (acc[j] + (s.D ? s.D[c] * u[c] : 0.0f)) * gate[j];
     }
   }
 }
