@@ -9,7 +9,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
+#include "fused_decode.h"
 #include "kernel_math.h"
 
 namespace vllm_mamba {
@@ -167,6 +169,12 @@ void conv_update_rows(const T* x, S* states, const float* w, const float* bias,
       const int64_t slot = slots[b];
       const T* xr = x + b * dim;
       T* o = out + b * dim;
+      if constexpr (std::is_same_v<T, float>) {  // in place in the output row
+        std::copy(xr, xr + dim, o);
+        fused::conv_update(o, slot >= 0 ? states + slot * dim * hist : nullptr, w, bias, width,
+                           0, dim, activation);
+        continue;
+      }
       for (int64_t d = 0; d < dim; ++d) {
         S* st = slot >= 0 ? states + (slot * dim + d) * hist : nullptr;
         const float* wd = w + d * width;

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernel_math.h"
 #include "onednn_linear.h"
@@ -272,15 +273,82 @@ inline void finish_row(float* mixed, const float* bias, const float* residual, i
   }
 }
 
+#ifdef __AVX512F__
+// Permutes that write back the shifted histories of 16 width-4 channels: output vector o holds
+// positions 16 o .. 16 o + 15 of the 48 values, position p being value p % 3 of channel p / 3:
+// h1 (index c of the pair h1, h2), h2 (16 + c), or the new input x[c] (lanes of `from_x`).
+struct Conv4Shift {
+  int32_t from_h[3][16] = {};
+  int32_t channel[3][16] = {};
+  uint16_t from_x[3] = {};
+};
+
+constexpr Conv4Shift make_conv4_shift() {
+  Conv4Shift t;
+  for (int o = 0; o < 3; ++o) {
+    for (int l = 0; l < 16; ++l) {
+      const int p = 16 * o + l, c = p / 3, k = p % 3;
+      t.from_h[o][l] = k == 0 ? c : 16 + c;
+      t.channel[o][l] = c;
+      if (k == 2) t.from_x[o] = static_cast<uint16_t>(t.from_x[o] | (1u << l));
+    }
+  }
+  return t;
+}
+
+inline constexpr Conv4Shift kConv4Shift = make_conv4_shift();
+
+// Width-4 conv of 16 channels at once (float32 histories, 3 values per channel, interleaved):
+// the taps and histories are gathered into one vector per tap, and the shifted histories
+// interleaved back with two permutes per output vector. Returns the pre-activation values.
+inline __m512 conv4_update16(const float* v, float* hist, const float* conv_w,
+                             const float* conv_b) {
+  const __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i by3 = _mm512_mullo_epi32(j, _mm512_set1_epi32(3));
+  const __m512i by4 = _mm512_slli_epi32(j, 2);
+  const __m512 xin = _mm512_loadu_ps(v);
+  __m512 acc = conv_b ? _mm512_loadu_ps(conv_b) : _mm512_setzero_ps();
+  acc = _mm512_fmadd_ps(_mm512_i32gather_ps(_mm512_add_epi32(by4, _mm512_set1_epi32(3)), conv_w, 4),
+                        xin, acc);
+  __m512 h[3];
+  for (int k = 0; k < 3; ++k) {
+    h[k] = _mm512_i32gather_ps(_mm512_add_epi32(by3, _mm512_set1_epi32(k)), hist, 4);
+    const __m512 wk = _mm512_i32gather_ps(_mm512_add_epi32(by4, _mm512_set1_epi32(k)), conv_w, 4);
+    acc = _mm512_fmadd_ps(wk, h[k], acc);
+  }
+  // New history of channel c: (h1[c], h2[c], x[c]) at hist[3c .. 3c + 2].
+  for (int o = 0; o < 3; ++o) {
+    __m512 out = _mm512_permutex2var_ps(h[1], _mm512_loadu_si512(kConv4Shift.from_h[o]), h[2]);
+    out = _mm512_mask_permutexvar_ps(out, kConv4Shift.from_x[o],
+                                     _mm512_loadu_si512(kConv4Shift.channel[o]), xin);
+    _mm512_storeu_ps(hist + 16 * o, out);
+  }
+  return acc;
+}
+#endif
+
 // Causal conv of channels [c0, c1) for one row: v[c] (the new input) becomes
 // silu(bias[c] + w[c, K-1] v[c] + sum_j w[c, j] hist[c, j]), and each history (K - 1 values
 // per channel, nullptr for a padding row: zeros, not written) shifts the input in. The SiLU
-// runs as a second, vectorised pass.
+// runs as a second, vectorised pass (skipped when `silu` is false). Float32 histories of width-4 convs (every Mamba and
+// Mamba2 checkpoint) go 16 channels at a time through `conv4_update16`.
 template <typename H>
 inline void conv_update(float* v, H* hist, const float* conv_w, const float* conv_b,
-                        int64_t kernel, int64_t c0, int64_t c1) {
+                        int64_t kernel, int64_t c0, int64_t c1, bool silu = true) {
   const int64_t km1 = kernel - 1;
-  for (int64_t c = c0; c < c1; ++c) {
+  int64_t c = c0;
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<H, float>) {
+    if (kernel == 4 && hist) {
+      for (; c + 16 <= c1; c += 16) {
+        const __m512 acc =
+            conv4_update16(v + c, hist + c * 3, conv_w + c * 4, conv_b ? conv_b + c : nullptr);
+        _mm512_storeu_ps(v + c, acc);
+      }
+    }
+  }
+#endif
+  for (; c < c1; ++c) {
     const float* w = conv_w + c * kernel;
     const float xin = v[c];
     float acc = w[km1] * xin + (conv_b ? conv_b[c] : 0.0f);
@@ -292,6 +360,7 @@ inline void conv_update(float* v, H* hist, const float* conv_w, const float* con
     }
     v[c] = acc;
   }
+  if (!silu) return;
 #pragma omp simd
   for (int64_t c = c0; c < c1; ++c) v[c] = silu_f32(v[c]);
 }
