@@ -16,6 +16,10 @@
 
 #include "kernel_math.h"
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 namespace vllm_mamba {
 namespace {
 
@@ -81,10 +85,16 @@ void token_outputs(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t t,
                    int64_t nd, const float* y, const float* ut) {
   const T* z_row = io.z ? io.z + t * p.dim + d0 : nullptr;
   T* o = io.out + t * p.dim + d0;
+  float v[kBlock], zf[kBlock];
   for (int64_t j = 0; j < nd; ++j) {
-    float v = p.D_skip ? y[j] + ut[j] * p.D_skip[d0 + j] : y[j];
-    o[j] = static_cast<T>(z_row ? v * silu_f32(to_f32(z_row[j])) : v);
+    v[j] = p.D_skip ? y[j] + ut[j] * p.D_skip[d0 + j] : y[j];
+    zf[j] = z_row ? to_f32(z_row[j]) : 0.0f;
   }
+  if (z_row) {
+#pragma omp simd
+    for (int64_t j = 0; j < nd; ++j) v[j] *= silu_f32(zf[j]);
+  }
+  for (int64_t j = 0; j < nd; ++j) o[j] = static_cast<T>(v[j]);
 }
 
 // One token for a block: advances the transposed h (N, kBlock) and writes the outputs.
@@ -126,6 +136,46 @@ float step_channel(const float* a, const float* b_row, const float* c_row, int64
   return y;
 }
 
+#ifdef __AVX512F__
+// sum(rows[c]) for 16 rows of 16 floats, as one vector (lane c): a transpose-and-add tree,
+// 15 shuffles and 15 adds instead of 16 horizontal reductions.
+inline __m512 sum_rows16(const float* rows) {
+  __m512 s[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i) {  // quarters 0-1: row 2i, 2-3: row 2i + 1
+    const __m512 a = _mm512_loadu_ps(rows + 32 * i), b = _mm512_loadu_ps(rows + 32 * i + 16);
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int k = 0; k < 4; ++k) {  // quarter j: row 4k + j
+    const __m512 a = s[2 * k], b = s[2 * k + 1];
+    t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  for (int m = 0; m < 2; ++m) {  // quarter j: rows 8m + j, 8m + 4 + j, each in two lanes
+    const __m512 a = t[2 * m], b = t[2 * m + 1];
+    u[m] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  // Lane 4j + e: row 4e + j.
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i order =
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, w);
+}
+#endif
+
+// h over the 16 entries of one channel, in place in the slot when it has one; `prod` gets
+// h * C (summed later by `sum_rows16`).
+template <typename S, bool kRead, bool kWrite>
+void step_channel16(const float* a, const float* b_row, const float* c_row, float delta,
+                    float u, S* st, float* prod) {
+#pragma omp simd
+  for (int64_t n = 0; n < 16; ++n) {
+    const float prev = kRead ? to_f32(st[n]) : 0.0f;
+    const float h = exp_f32(delta * a[n]) * prev + (delta * b_row[n]) * u;
+    prod[n] = h * c_row[n];
+    if (kWrite) st[n] = static_cast<S>(h);
+  }
+}
+
 // A one-token sequence (decode): the state stays in its (D, N) layout, vectorised over N.
 template <typename T, typename S>
 void scan_one_token(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t b, int64_t d0,
@@ -139,7 +189,28 @@ void scan_one_token(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t b
   token_inputs(p, io, t, d0, nd, delta, ut);
   const float* b_row = p.B + t * p.nstate;
   const float* c_row = p.C + t * p.nstate;
-  for (int64_t j = 0; j < nd; ++j) {
+  int64_t j = 0;
+#ifdef __AVX512F__
+  if (p.nstate == 16) {  // Mamba's and FalconMamba's state size
+    alignas(64) float prod[16 * 16];
+    for (; j + 16 <= nd; j += 16) {
+      for (int64_t i = 0; i < 16; ++i) {
+        const float* a = p.A + (d0 + j + i) * 16;
+        S* st = slot >= 0 ? io.states + (slot * p.dim + d0 + j + i) * 16 : nullptr;
+        const float dl = delta[j + i], uu = ut[j + i];
+        if (from_state) {
+          step_channel16<S, true, true>(a, b_row, c_row, dl, uu, st, prod + 16 * i);
+        } else if (st) {
+          step_channel16<S, false, true>(a, b_row, c_row, dl, uu, st, prod + 16 * i);
+        } else {
+          step_channel16<S, false, false>(a, b_row, c_row, dl, uu, st, prod + 16 * i);
+        }
+      }
+      _mm512_storeu_ps(y + j, sum_rows16(prod));
+    }
+  }
+#endif
+  for (; j < nd; ++j) {
     const float* a = p.A + (d0 + j) * p.nstate;
     S* st = slot >= 0 ? io.states + (slot * p.dim + d0 + j) * p.nstate : nullptr;
     if (from_state) {
