@@ -13,6 +13,10 @@ that the machine's noise hits them alike):
   `generate` of T tokens minus `generate` of 1 token; llama.cpp: `llama-bench -n` for b1,
   `llama-batched-bench` S_TG for more).
 
+Each ratio is the ratio of the medians, followed by the median of each repetition's own ratio
+("paired"): the host's memory bandwidth moves in phases of seconds to minutes that every
+system feels, and the paired figure compares runs a few seconds apart.
+
 llama.cpp is optional: its tools and GGUF files come from `benchmarks/setup_llama_cpp.sh`
 (`--llama-cpp-home` or `$LLAMA_CPP_HOME`); without them it is skipped with a message.
 Never part of CI.
@@ -136,6 +140,16 @@ def measure(args: argparse.Namespace, systems: list) -> dict[str, dict[str, list
     return samples
 
 
+def paired(samples: dict[str, dict[str, list[float]]], engine: str, other: str, w: str) -> str:
+    """` (paired R)`: the median of the repetitions' own ratios, which the host's slow and fast
+    phases (minutes long, moving every system's memory bandwidth) disturb less than the ratio
+    of medians; empty unless both systems ran every repetition."""
+    a, b = samples[engine][w], samples[other][w]
+    if len(a) != len(b) or len(a) < 2:
+        return ""
+    return f" (paired {statistics.median(x / y for x, y in zip(a, b)):.2f}x)"
+
+
 def table(args: argparse.Namespace, samples: dict[str, dict[str, list[float]]]) -> str:
     """One markdown table: each system's median tokens/s and the engine's ratios vs each."""
     systems = list(samples)
@@ -146,8 +160,10 @@ def table(args: argparse.Namespace, samples: dict[str, dict[str, list[float]]]) 
         med = {s: statistics.median(samples[s][w]) if samples[s][w] else None for s in systems}
         cells = [w] + [f"{med[s]:.1f}" if med[s] else "—" for s in systems]
         for o in others:
-            ok = med[engine] and med[o]
-            cells.append(f"{med[engine] / med[o]:.2f}x" if ok else "—")
+            if med[engine] and med[o]:
+                cells.append(f"{med[engine] / med[o]:.2f}x{paired(samples, engine, o, w)}")
+            else:
+                cells.append("—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
