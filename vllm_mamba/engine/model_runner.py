@@ -192,7 +192,9 @@ class ModelRunner:
             (seq, r, item) for r, item in enumerate(items) for seq in [item.seq, *item.children]
         ]
         logits = self.model.compute_logits(hidden[positions])  # (len(items), V)
-        logits = logits[[r for _, r, _ in pairs]]  # (R, V)
+        rows = [r for _, r, _ in pairs]
+        if len(rows) != len(items):  # forks sample from their parent's row: (R, V)
+            logits = logits[rows]
         out = sample(logits, [self._row(seq, item) for seq, _, item in pairs])
         for i, (seq, _, _) in enumerate(pairs):
             result.samples[seq.seq_id] = (i, out)
