@@ -117,3 +117,17 @@ def test_engine_outputs_equal_without_huge_pages(
             runner.assert_drained()
     assert len({tuple(r[0]) for r in runs[0]}) == len(prompts)  # varied outputs
     assert runs[0] == runs[1]
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@needs_thp
+def test_move_leaves_no_second_copy() -> None:
+    """The old storages (8 MiB each: kept by glibc's heap unless trimmed) are given back."""
+    model = nn.Sequential(*[nn.Linear(1024, 2048, bias=False) for _ in range(8)])  # 64 MiB
+    before = _rss()
+    assert move_to_huge_pages(model) == 8 * 1024 * 2048 * 4
+    assert _rss() - before < 16 << 20
