@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import tempfile
 
 import torch
+
+from tests.helpers.tmp_dirs import make_tmp_dir
 
 TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "data", "gpt-neox-20b-tokenizer")
 
@@ -73,7 +74,7 @@ def tiny_model_dir(name: str, fmt: str = "safetensors") -> str:
         fmt: `safetensors`, `sharded` (several safetensors shards with an index) or `bin`.
     """
     model = build_hf_model(name)
-    path = tempfile.mkdtemp(prefix=f"tiny-mamba-{name}-{fmt}-")
+    path = make_tmp_dir(f"tiny-mamba-{name}-{fmt}-")
     if fmt == "bin":
         model.save_pretrained(path)
         os.remove(os.path.join(path, "model.safetensors"))
@@ -165,7 +166,7 @@ def build_other_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - transforme
 def other_model_dir(name: str) -> str:
     """Saves tiny model `OTHER_CONFIGS[name]` (safetensors) once per session; its directory."""
     model = build_other_hf_model(name)
-    path = tempfile.mkdtemp(prefix=f"tiny-{name}-")
+    path = make_tmp_dir(f"tiny-{name}-")
     model.save_pretrained(path)
     for file in os.listdir(TOKENIZER_DIR):
         if file.endswith(".json"):

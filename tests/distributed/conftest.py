@@ -14,11 +14,11 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import tempfile
 
 import torch
 
 from tests.helpers.hybrid_models import hybrid_model_dir
+from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import TOKENIZER_DIR, other_model_dir, tiny_model_dir
 
 MAMBA2_G1 = dict(
@@ -53,7 +53,7 @@ def _save_tiny(cls_name: str, kwargs: dict, prefix: str) -> str:
         for name, p in model.named_parameters():
             if not (name.endswith(("A_log", ".D")) or "norm" in name):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    path = tempfile.mkdtemp(prefix=prefix)
+    path = make_tmp_dir(prefix)
     model.save_pretrained(path)
     for file in os.listdir(TOKENIZER_DIR):
         if file.endswith(".json"):

@@ -19,7 +19,6 @@ import argparse
 import functools
 import os
 import shutil
-import tempfile
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers.hybrid_models import hybrid_model_dir
 from tests.helpers.runners import VllmRunner
+from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import other_model_dir, tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.config import record_quantization
@@ -110,7 +110,7 @@ def _dequantised_checkpoint(path: str) -> str:
             w = dequantize_int8(module.weight, module.weight_scale, torch.float32)
             dequantised[f"{name}.weight"] = w
     remap = getattr(model, "remap_weight_name", lambda n: n)
-    out = tempfile.mkdtemp(prefix="tiny-dequantised-")
+    out = make_tmp_dir("tiny-dequantised-")
     for file in os.listdir(path):
         src = os.path.join(path, file)
         if file.endswith(".safetensors"):

@@ -12,10 +12,10 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import tempfile
 
 import torch
 
+from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import TOKENIZER_DIR
 
 _COMMON = dict(vocab_size=50280, max_position_embeddings=1024)
@@ -346,7 +346,7 @@ def build_hybrid_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - transform
 def hybrid_model_dir(name: str) -> str:
     """Saves tiny model `HYBRID_CONFIGS[name]` once per session; its directory."""
     model = build_hybrid_hf_model(name)
-    path = tempfile.mkdtemp(prefix=f"tiny-{name}-")
+    path = make_tmp_dir(f"tiny-{name}-")
     model.save_pretrained(path)
     for file in os.listdir(TOKENIZER_DIR):
         if file.endswith(".json"):

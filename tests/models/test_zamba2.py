@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from tests.helpers import family_checks as checks
 from tests.helpers import hybrid_checks
 from tests.helpers.hybrid_models import ZAMBA2_CONFIGS, hf_class, hybrid_model_dir
 from tests.helpers.runners import VllmRunner
+from tests.helpers.tmp_dirs import make_tmp_dir
 from vllm_mamba import SamplingParams
 from vllm_mamba.model_loader import load_hf_config
 from vllm_mamba.models.zamba2 import Zamba2ForCausalLM
@@ -76,7 +76,7 @@ def test_checkpoint_with_every_use_copied_loads_the_same() -> None:
     first, again = "model.layers.1.shared_transformer.", "model.layers.5.shared_transformer."
     copies = {again + k[len(first) :]: v.clone() for k, v in weights.items() if k.startswith(first)}
     assert copies and not any(k.startswith(again) for k in weights)
-    path = tempfile.mkdtemp(prefix="tiny-zamba2-copies-")
+    path = make_tmp_dir("tiny-zamba2-copies-")
     for file in os.listdir(src):
         if file != "model.safetensors":
             shutil.copy(os.path.join(src, file), path)
