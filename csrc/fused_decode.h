@@ -308,12 +308,13 @@ inline __m512 conv4_update16(const float* v, float* hist, const float* conv_w,
   const __m512i by4 = _mm512_slli_epi32(j, 2);
   const __m512 xin = _mm512_loadu_ps(v);
   __m512 acc = conv_b ? _mm512_loadu_ps(conv_b) : _mm512_setzero_ps();
-  acc = _mm512_fmadd_ps(_mm512_i32gather_ps(_mm512_add_epi32(by4, _mm512_set1_epi32(3)), conv_w, 4),
-                        xin, acc);
+  const __m512 w_last = _mm512_i32gather_ps(_mm512_add_epi32(by4, _mm512_set1_epi32(3)), conv_w, 4);
+  acc = _mm512_fmadd_ps(w_last, xin, acc);
   __m512 h[3];
   for (int k = 0; k < 3; ++k) {
     h[k] = _mm512_i32gather_ps(_mm512_add_epi32(by3, _mm512_set1_epi32(k)), hist, 4);
-    const __m512 wk = _mm512_i32gather_ps(_mm512_add_epi32(by4, _mm512_set1_epi32(k)), conv_w, 4);
+    const __m512i taps = _mm512_add_epi32(by4, _mm512_set1_epi32(k));
+    const __m512 wk = _mm512_i32gather_ps(taps, conv_w, 4);
     acc = _mm512_fmadd_ps(wk, h[k], acc);
   }
   // New history of channel c: (h1[c], h2[c], x[c]) at hist[3c .. 3c + 2].
@@ -330,8 +331,9 @@ inline __m512 conv4_update16(const float* v, float* hist, const float* conv_w,
 // Causal conv of channels [c0, c1) for one row: v[c] (the new input) becomes
 // silu(bias[c] + w[c, K-1] v[c] + sum_j w[c, j] hist[c, j]), and each history (K - 1 values
 // per channel, nullptr for a padding row: zeros, not written) shifts the input in. The SiLU
-// runs as a second, vectorised pass (skipped when `silu` is false). Float32 histories of width-4 convs (every Mamba and
-// Mamba2 checkpoint) go 16 channels at a time through `conv4_update16`.
+// runs as a second, vectorised pass (skipped when `silu` is false). Float32 histories of
+// width-4 convs (every Mamba and Mamba2 checkpoint) go 16 channels at a time through
+// `conv4_update16`.
 template <typename H>
 inline void conv_update(float* v, H* hist, const float* conv_w, const float* conv_b,
                         int64_t kernel, int64_t c0, int64_t c1, bool silu = true) {

@@ -3,7 +3,7 @@
 Single-stream decode on a CPU reads every weight once per token, so its speed is memory
 bandwidth. With the default 4 KiB pages the hardware prefetchers stop at every page boundary
 and each page costs a TLB entry; on 2 MiB pages the same GEMV streams 13-18% faster
-(`benchmarks/README.md`, "Huge pages"). PyTorch's CPU allocator asks for huge pages only when
+(`benchmarks/README.md`, "Current results"). PyTorch's CPU allocator asks for huge pages only when
 `THP_MEM_ALLOC_ENABLE=1` is set before its first allocation, which a library cannot arrange,
 so this module maps its own memory:
 
