@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "fused_decode.h"
 #include "kernel_math.h"
@@ -157,35 +158,32 @@ at::Tensor causal_conv1d_varlen(const at::Tensor& x, const at::Tensor& weight,
 }
 
 // Decode: one new input per row. Each channel convolves its saved history and the new input
-// with its (D, K) filter, then shifts the input into the history. Rows run in parallel only
-// when the batch is large enough to pay for the threads.
+// with its (D, K) filter, then shifts the input into the history (`fused::conv_update`, the
+// fused decode layers' step, on the row in float32). Rows run in parallel only when the batch
+// is large enough to pay for the threads.
 template <typename T, typename S>
 void conv_update_rows(const T* x, S* states, const float* w, const float* bias,
                       const int64_t* slots, T* out, int64_t batch, int64_t dim, int64_t width,
                       bool activation) {
   const int64_t hist = width - 1;
   at::parallel_for(0, batch, 8, [&](int64_t lo, int64_t hi) {
+    std::vector<float> widened;  // a bfloat16 row in float32 (a float32 row works in `out`)
     for (int64_t b = lo; b < hi; ++b) {
       const int64_t slot = slots[b];
       const T* xr = x + b * dim;
       T* o = out + b * dim;
-      if constexpr (std::is_same_v<T, float>) {  // in place in the output row
+      float* v;
+      if constexpr (std::is_same_v<T, float>) {
         std::copy(xr, xr + dim, o);
-        fused::conv_update(o, slot >= 0 ? states + slot * dim * hist : nullptr, w, bias, width,
-                           0, dim, activation);
-        continue;
+        v = o;
+      } else {
+        widened.assign(xr, xr + dim);
+        v = widened.data();
       }
-      for (int64_t d = 0; d < dim; ++d) {
-        S* st = slot >= 0 ? states + (slot * dim + d) * hist : nullptr;
-        const float* wd = w + d * width;
-        const float xin = to_f32(xr[d]);
-        float acc = wd[hist] * xin + (bias ? bias[d] : 0.0f);
-        for (int64_t k = 0; k < hist; ++k) acc += st ? wd[k] * to_f32(st[k]) : 0.0f;
-        if (st) {
-          for (int64_t k = 0; k + 1 < hist; ++k) st[k] = st[k + 1];
-          if (hist > 0) st[hist - 1] = static_cast<S>(xin);
-        }
-        o[d] = static_cast<T>(activation ? silu_f32(acc) : acc);
+      fused::conv_update(v, slot >= 0 ? states + slot * dim * hist : nullptr, w, bias, width, 0,
+                         dim, activation);
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(v[d]);
       }
     }
   });

@@ -21,6 +21,7 @@ both fall back to ordinary allocations.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 
@@ -63,10 +64,7 @@ def huge_page_zeros(
 ) -> torch.Tensor:
     """`torch.zeros(shape, dtype=dtype, device=device)`, on huge pages when on the CPU."""
     device = torch.device(device)
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     arena = _arena(nbytes) if device.type == "cpu" and nbytes >= HUGE_PAGE and enabled() else None
     if arena is None:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -106,20 +104,20 @@ def move_to_huge_pages(model: nn.Module) -> int:
     if arena is None:
         return 0
     new_storage = arena.untyped_storage()
-    offset = arena.storage_offset()  # bytes from the mapping's start to the aligned arena
+    start = 0  # of the next storage, in bytes from the arena's start
     with torch.no_grad():
         # One storage at a time, so that each old one is freed before the next is copied:
         # the model is never held twice.
         for key, group in groups.items():
             src = torch.empty(0, dtype=torch.uint8).set_(group[0].untyped_storage())
-            start = offset - arena.storage_offset()
             arena[start : start + sizes[key]].copy_(src)
             del src
+            offset = arena.storage_offset() + start  # in bytes from the mapping's start
             for t in group:
                 size = t.element_size()
                 first = (offset + t.storage_offset() * size) // size
                 t.data = torch.empty(0, dtype=t.dtype).set_(new_storage, first, t.shape, t.stride())
-            offset += -(-sizes[key] // _ALIGN) * _ALIGN
+            start += -(-sizes[key] // _ALIGN) * _ALIGN
     _release_freed_heap()
     return total
 

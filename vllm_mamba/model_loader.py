@@ -242,6 +242,5 @@ def build_model(
         model.process_weights_after_loading()
     if recorded_quantization(hf_config) == "int8":
         quantize_model_int8(model, get_mamba_ops(device))
-    if device.type == "cpu":
-        move_to_huge_pages(model)  # decode streams every weight each step: 2 MiB pages
+    move_to_huge_pages(model)  # on the CPU: decode streams every weight each step
     return model.eval().requires_grad_(False), arch
