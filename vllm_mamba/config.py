@@ -9,10 +9,8 @@ from typing import Any
 
 import torch
 
-from vllm_mamba.engine.prefix_cache import (
-    DEFAULT_PREFIX_CACHE_MEMORY_BYTES,
-    DEFAULT_SNAPSHOT_INTERVAL,
-)
+DEFAULT_SNAPSHOT_INTERVAL = 512  # prompt tokens between prefix-cache snapshots
+DEFAULT_PREFIX_CACHE_MEMORY_BYTES = 1 << 30  # the snapshot slots' budget
 
 _DTYPES = {
     "float32": torch.float32,

@@ -23,10 +23,11 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-import os
 
 import torch
 from torch import nn
+
+from vllm_mamba import envs
 
 HUGE_PAGE = 2 << 20  # bytes; x86-64 and arm64 (4 KiB base pages) transparent huge pages
 _ALIGN = 64  # every tensor in an arena starts on a cache line
@@ -35,7 +36,7 @@ _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 def enabled() -> bool:
     """True when huge-page mappings are wanted and the kernel can give them."""
-    if os.environ.get("VLLM_MAMBA_HUGE_PAGES", "1") == "0":
+    if not envs.VLLM_MAMBA_HUGE_PAGES:
         return False
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False

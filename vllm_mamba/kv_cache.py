@@ -1,7 +1,7 @@
 """The paged KV cache of hybrid models: per-layer cache specs, the K/V tensors and their sizing.
 
-Each layer of a model declares the cache it needs (`LayerCacheSpec`): a state-space layer a
-slot in `mamba_cache`, an attention layer KV blocks (`AttentionSpec`). The attention layers
+Each attention layer of a model declares its KV blocks (`AttentionSpec`, from its
+`KVCacheLayer.kv_spec`); recurrent layers hold a slot of `mamba_cache` instead. The attention layers
 share one pool of `num_blocks` blocks of `block_size` tokens: block `b` holds tokens
 `[b * block_size, (b + 1) * block_size)` of whichever sequence's block table lists it. Each
 attention layer has its own K and V tensors `(num_blocks, block_size, num_kv_heads, head_dim)`;
@@ -25,13 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm_mamba.cache_specs import AttentionSpec
 from vllm_mamba.huge_pages import huge_page_zeros
+from vllm_mamba.layers.cache_layers import LayerKV, kv_cache_layers
 
 __all__ = [
-    "AttentionSpec",
-    "MambaSpec",
-    "LayerCacheSpec",
-    "LayerKV",
     "KVCache",
     "KVCacheSizing",
     "default_kv_cache_bytes",
@@ -41,35 +39,6 @@ __all__ = [
 CPU_KV_SHARE = 0.25  # of the memory available at startup
 CPU_KV_CAP_BYTES = 4 * 2**30  # vLLM's default CPU KV cache space
 CUDA_KV_SHARE = 0.5  # of the free device memory
-
-
-@dataclass(frozen=True)
-class MambaSpec:
-    """A state-space layer: one slot of `mamba_cache` per sequence."""
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """An attention layer: KV blocks of `num_kv_heads x head_dim` per token in `dtype`."""
-
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def bytes_per_token(self) -> int:
-        """K and V bytes of one token in this layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-
-LayerCacheSpec = MambaSpec | AttentionSpec
-
-
-@dataclass
-class LayerKV:
-    """One attention layer's view of the pool: `k`, `v (num_blocks, block_size, Hkv, D)`."""
-
-    k: torch.Tensor
-    v: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -187,11 +156,8 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
 
     def bind(self, model: nn.Module) -> None:
-        """Gives each attention layer of `model` its view, in model order.
-
-        Every module with a `bind_kv_cache(LayerKV)` method is an attention layer.
-        """
-        layers = [m for m in model.modules() if hasattr(m, "bind_kv_cache")]
+        """Gives each attention layer (`KVCacheLayer`) of `model` its view, in module order."""
+        layers = kv_cache_layers(model)
         assert len(layers) == len(self.specs), (len(layers), len(self.specs))
         for i, module in enumerate(layers):
             module.bind_kv_cache(self.layer(i))

@@ -8,7 +8,8 @@ On import, the `vllm_mamba` logger gets a stderr handler at INFO (as vLLM does),
 from __future__ import annotations
 
 import logging
-import os
+
+from vllm_mamba import envs
 
 LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 DATE_FORMAT = "%m-%d %H:%M:%S"
@@ -24,7 +25,7 @@ def _handler() -> logging.Handler:
 
 def init_logger() -> None:
     """Gives the `vllm_mamba` logger its default handler (once)."""
-    if os.environ.get("VLLM_MAMBA_CONFIGURE_LOGGING", "1") == "0":
+    if not envs.VLLM_MAMBA_CONFIGURE_LOGGING:
         return
     logger = logging.getLogger(_ROOT_NAME)
     if logger.handlers:

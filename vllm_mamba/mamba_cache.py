@@ -1,54 +1,34 @@
-"""Per-sequence recurrent state of state-space models: the state tensors and the slot allocator.
+"""Per-sequence recurrent state of every recurrent layer: the state tensors and the slot allocator.
 
-A state-space layer keeps, for every sequence, a fixed-size state: the last `K - 1` inputs of
-its causal conv and its SSM state. This module owns them for every model (Mamba, Mamba2, the
-Mamba layers of hybrids): a model only describes the per-slot shapes (`MambaStateShape`).
+A recurrent layer keeps, for every sequence, a fixed-size state, declared by the layer as a
+`StateSpec` (named tensors: Mamba's conv history and SSM state, a delta rule's matrix, a
+plugin's own). This module owns those tensors for every model; it knows no names but the
+specs'.
 
 - `SlotAllocator` is plain Python bookkeeping (no tensors), used by the scheduler: a slot is
   taken when a sequence is admitted or forked, and freed when it finishes, is aborted or is
   preempted.
-- `MambaCache` holds `conv_state (layers, slots, *conv_shape)` and
-  `ssm_state (layers, slots, *ssm_shape)`, and copies slots when a sequence forks.
+- `MambaCache` allocates, for each group of layers with the same spec, one tensor per named
+  state `(layers_in_group, slots, *shape)`; layer `i` sees `(slots, *shape)` views
+  (`layer(i)`, bound to the layer by `bind`). Forks, prefix snapshots and preemption copy
+  slots through `copy_slots`, over every tensor of every group.
 
-`PAD_SLOT_ID` (-1) marks padding rows; the kernels neither read nor write them.
+`PAD_SLOT_ID` (-1, in `vllm_mamba.cache_specs`) marks padding rows; the kernels neither read
+nor write them.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from vllm_mamba.cache_specs import StateSpec
 from vllm_mamba.huge_pages import huge_page_zeros
+from vllm_mamba.layers.cache_layers import LayerState, stateful_layers
 
-__all__ = ["PAD_SLOT_ID", "MambaStateShape", "SlotAllocator", "MambaCache", "LayerState"]
-
-PAD_SLOT_ID = -1  # the slot index of a padding row; every kernel imports it from here
-
-
-@dataclass(frozen=True)
-class MambaStateShape:
-    """Per-slot state shapes of one model; e.g. Mamba: conv `(D, K-1)`, ssm `(D, N)`."""
-
-    num_layers: int
-    conv_shape: tuple[int, ...]
-    ssm_shape: tuple[int, ...]
-    conv_dtype: torch.dtype
-    ssm_dtype: torch.dtype
-
-    def bytes_per_slot(self) -> int:
-        """State bytes one sequence holds across all layers."""
-
-        def numel(shape: tuple[int, ...]) -> int:
-            n = 1
-            for s in shape:
-                n *= s
-            return n
-
-        conv = numel(self.conv_shape) * self.conv_dtype.itemsize
-        ssm = numel(self.ssm_shape) * self.ssm_dtype.itemsize
-        return self.num_layers * (conv + ssm)
+__all__ = ["SlotAllocator", "MambaCache", "state_specs_of"]
 
 
 class SlotAllocator:
@@ -90,41 +70,72 @@ class SlotAllocator:
         heapq.heappush(self._free, slot)
 
 
-@dataclass
-class LayerState:
-    """The state tensors of one layer: `conv (S, *conv_shape)`, `ssm (S, *ssm_shape)`."""
-
-    conv: torch.Tensor
-    ssm: torch.Tensor
+def state_specs_of(
+    model: nn.Module, model_dtype: torch.dtype, state_dtype: torch.dtype | None
+) -> list[StateSpec]:
+    """The resolved state spec of each recurrent layer of `model` (this rank's shard), in
+    module order; `state_dtype` is the `ssm_state_dtype` option (None: the default rule)."""
+    return [m.state_spec().resolve(model_dtype, state_dtype) for m in stateful_layers(model)]
 
 
 class MambaCache:
-    """The state tensors of all layers and slots of one model."""
+    """The state tensors of all recurrent layers and slots of one model (one rank's shard)."""
 
-    def __init__(self, shape: MambaStateShape, num_slots: int, device: torch.device) -> None:
-        self.shape = shape
+    def __init__(self, specs: list[StateSpec], num_slots: int, device: torch.device) -> None:
+        self.specs = list(specs)
         self.num_slots = num_slots
-        self.conv_state = huge_page_zeros(
-            (shape.num_layers, num_slots, *shape.conv_shape), shape.conv_dtype, device
-        )
-        self.ssm_state = huge_page_zeros(
-            (shape.num_layers, num_slots, *shape.ssm_shape), shape.ssm_dtype, device
-        )
+        self.device = device
+        groups: dict[StateSpec, list[int]] = {}
+        for i, spec in enumerate(self.specs):
+            groups.setdefault(spec, []).append(i)
+        # Per group: name -> (layers in the group, S, *shape).
+        self.tensors: list[dict[str, torch.Tensor]] = []
+        self._views: list[LayerState] = [{} for _ in self.specs]
+        for spec, layers in groups.items():
+            group = {
+                t.name: huge_page_zeros((len(layers), num_slots, *t.shape), t.dtype, device)
+                for t in spec.tensors
+            }
+            self.tensors.append(group)
+            for j, layer in enumerate(layers):
+                self._views[layer] = {name: t[j] for name, t in group.items()}
+
+    @property
+    def num_layers(self) -> int:
+        """Recurrent layers."""
+        return len(self.specs)
 
     def layer(self, index: int) -> LayerState:
-        """Views of layer `index`'s state over all slots."""
-        return LayerState(conv=self.conv_state[index], ssm=self.ssm_state[index])
+        """Views of recurrent layer `index`'s state over all slots: name -> `(S, *shape)`."""
+        return self._views[index]
+
+    def bind(self, model: nn.Module) -> None:
+        """Gives each recurrent layer of `model` its views, in module order."""
+        layers = stateful_layers(model)
+        assert len(layers) == len(self.specs), (len(layers), len(self.specs))
+        for i, module in enumerate(layers):
+            module.bind_state(self.layer(i))
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        """Copies the state of slots `src[i]` into `dst[i]` in every layer (a fork)."""
+        """Copies the state of slots `src[i]` into `dst[i]` in every layer (a fork, a prefix
+        snapshot taken or restored)."""
         if not src:
             return
-        device = self.conv_state.device
-        src_t = torch.tensor(src, dtype=torch.long, device=device)
-        dst_t = torch.tensor(dst, dtype=torch.long, device=device)
-        self.conv_state[:, dst_t] = self.conv_state[:, src_t]
-        self.ssm_state[:, dst_t] = self.ssm_state[:, src_t]
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for group in self.tensors:
+            for t in group.values():
+                t[:, dst_t] = t[:, src_t]
+
+    def bytes_per_slot(self) -> int:
+        """State bytes one sequence holds across all layers."""
+        return sum(spec.bytes_per_slot() for spec in self.specs)
+
+    def state_dtypes(self) -> list[torch.dtype]:
+        """The distinct dtypes of the recurrent (non-conv) states, for the startup banner."""
+        found = {t.dtype for s in self.specs for t in s.tensors if t.kind == "recurrent"}
+        return sorted(found, key=str)
 
     def nbytes(self) -> int:
         """Bytes of all state tensors."""
-        return sum(t.numel() * t.element_size() for t in (self.conv_state, self.ssm_state))
+        return sum(t.numel() * t.element_size() for g in self.tensors for t in g.values())

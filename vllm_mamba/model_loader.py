@@ -27,6 +27,7 @@ from vllm_mamba.huge_pages import move_to_huge_pages
 from vllm_mamba.layers.parallel_linear import named_shards
 from vllm_mamba.layers.quantization import quantize_model_int8
 from vllm_mamba.model_zoo import shipped_model_path
+from vllm_mamba.models.causal_lm import CausalLM
 from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config, is_mamba_ssm_config
 from vllm_mamba.models.registry import ModelRegistry
 from vllm_mamba.ops.dispatch import get_mamba_ops
@@ -142,7 +143,7 @@ def iterate_weights(path: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
             yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> None:
+def load_weights(model: CausalLM, weights: Iterator[tuple[str, Any]]) -> None:
     """Copies checkpoint tensors into `model`'s parameters, checking names and shapes.
 
     A tied head (`lm_head.weight` sharing the embedding) may be present or absent.
@@ -152,7 +153,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, Any]]) -> None:
     """
     params = dict(model.named_parameters())
     shards = named_shards(model)
-    remap = getattr(model, "remap_weight_name", lambda name: name)
+    remap = model.remap_weight_name
     tied = {
         name
         for name, p in model.named_parameters(remove_duplicate=False)
@@ -205,7 +206,12 @@ def check_tensor_parallel(hf_config: Any, tp_size: int) -> tuple[type[nn.Module]
         ValueError: `tp_size > 1` and the architecture has no tensor parallelism (named).
     """
     model_cls, arch = ModelRegistry.resolve_model_cls(getattr(hf_config, "architectures", None))
-    if tp_size > 1 and not getattr(model_cls, "supports_tensor_parallel", False):
+    if not (isinstance(model_cls, type) and issubclass(model_cls, CausalLM)):
+        raise TypeError(
+            f"{arch}: the registered class {model_cls!r} is not a vllm_mamba CausalLM (a "
+            "model must subclass vllm_mamba.models.causal_lm.CausalLM)"
+        )
+    if tp_size > 1 and not model_cls.supports_tensor_parallel:
         raise ValueError(
             f"tensor_parallel_size {tp_size}: {arch} does not support tensor parallelism yet"
         )
@@ -235,12 +241,12 @@ def build_model(
         ops = get_mamba_ops(device)
         model = model_cls(hf_config, ops, tp) if tp.size > 1 else model_cls(hf_config, ops)
     model = model.to_empty(device=device).to(dtype)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # materialising from meta unties shared parameters
+    model.tie_weights()  # materialising from meta unties shared parameters
     load_weights(model, iterate_weights(path, lazy=tp.size > 1))
-    if hasattr(model, "process_weights_after_loading"):
-        model.process_weights_after_loading()
+    model.process_weights_after_loading()
     if recorded_quantization(hf_config) == "int8":
+        if not model_cls.supports_quantization:
+            raise ValueError(f"quantization int8: {arch} does not support quantization")
         quantize_model_int8(model, get_mamba_ops(device))
     move_to_huge_pages(model)  # on the CPU: decode streams every weight each step
     return model.eval().requires_grad_(False), arch

@@ -15,10 +15,10 @@ import torch
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.engine.arg_utils import EngineArgs
-from vllm_mamba.engine.errors import EngineStartupError
 from vllm_mamba.engine.llm_engine import LLMEngine
 from vllm_mamba.engine.model_runner import ModelRunner
 from vllm_mamba.entrypoints.cli import build_parser, main
+from vllm_mamba.errors import EngineStartupError
 
 # A value different from the default for every option, as Python and as command-line words.
 NON_DEFAULTS: dict[str, tuple[Any, list[str]]] = {
@@ -105,7 +105,11 @@ def test_loaded_engine_reflects_the_options() -> None:
     assert config.model_config.max_model_len == 99
     assert config.model_config.seed == 5
     assert config.model_config.served_model_name == ["tiny"]
-    assert engine.cache.shape.ssm_dtype == torch.bfloat16
+    # the option applies to the recurrent states; the conv histories keep the model dtype
+    assert engine.cache.state_dtypes() == [torch.bfloat16]
+    layer = engine.cache.layer(0)
+    assert layer["ssm"].dtype == torch.bfloat16
+    assert layer["conv"].dtype == config.model_config.dtype
     assert not config.log_stats
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

@@ -13,9 +13,9 @@ import pytest
 
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
-from vllm_mamba.engine.errors import RequestsFailedError
 from vllm_mamba.engine.llm_engine import LLMEngine
 from vllm_mamba.engine.model_runner import ModelRunner
+from vllm_mamba.errors import RequestsFailedError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPT = {"prompt_token_ids": [11, 22, 33, 44, 55]}

@@ -121,7 +121,7 @@ def test_tiny_budget_evicts_and_stays_correct(name: str) -> None:
         ref = _run(off, prompts, PARAMS)
         ref_batch = off.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
     with VllmRunner(path, enable_prefix_caching=True, **ENGINE) as probe:
-        slot_bytes = probe.engine.cache.shape.bytes_per_slot()
+        slot_bytes = probe.engine.cache.bytes_per_slot()
     tight = dict(ENGINE, prefix_cache_memory_bytes=2 * slot_bytes)
     if name == "jamba":
         tight["num_gpu_blocks_override"] = 24
@@ -208,10 +208,17 @@ def test_snapshot_never_written_after_it_is_taken() -> None:
         runner.generate({"prompt_token_ids": system + [7, 8]}, PARAMS)
         snap = engine.prefix_cache.match(system + [9], len(system))
         assert snap is not None and snap.num_tokens == len(system)
-        saved = engine.cache.ssm_state[:, snap.slot].clone()
+
+        def slot_states() -> list[torch.Tensor]:
+            """Every named state of the snapshot's slot, in every layer."""
+            layers = [engine.cache.layer(i) for i in range(engine.cache.num_layers)]
+            return [t[snap.slot].clone() for layer in layers for t in layer.values()]
+
+        saved = slot_states()
         out = runner.generate({"prompt_token_ids": system + [9, 10]}, PARAMS)[0]
         assert out.num_cached_tokens == len(system)
-        torch.testing.assert_close(engine.cache.ssm_state[:, snap.slot], saved, rtol=0, atol=0)
+        for now, before in zip(slot_states(), saved):
+            torch.testing.assert_close(now, before, rtol=0, atol=0)
 
 
 def _nodes(root: object) -> list:

@@ -23,12 +23,17 @@ def test_configs_differ_where_it_matters() -> None:
         assert a[key] != b[key]
 
 
-def test_state_shapes_come_from_mamba_cache() -> None:
+def test_state_shapes_come_from_the_mixers_specs() -> None:
     llm = checks.engine(other_model_dir("mamba2-groups"))
     cache = llm.llm_engine.cache
     # conv over x, B and C: 128 + 2 * 2 * 16 channels; ssm per head: (heads, head_dim, state).
-    assert tuple(cache.conv_state.shape[2:]) == (192, 3)
-    assert tuple(cache.ssm_state.shape[2:]) == (8, 16, 16)
+    layer = cache.layer(0)
+    assert tuple(layer["conv"].shape[1:]) == (192, 3)
+    assert tuple(layer["ssm"].shape[1:]) == (8, 16, 16)
+    assert layer["conv"].shape[0] == layer["ssm"].shape[0] == cache.num_slots
+    # every layer has the same spec, so the cache holds one tensor per name for all of them
+    num_layers = llm.llm_engine.model.config.num_hidden_layers
+    assert len(cache.tensors) == 1 and cache.num_layers == num_layers
 
 
 def test_batched_equals_alone() -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.cache_specs import PAD_SLOT_ID
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.ops.test_ssd import NO_LIMIT, SSDCase, make_ssd_case
-from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops import cpu_kernels
 from vllm_mamba.ops.ssd import ssd_chunk_scan_varlen_ref, ssd_state_update_ref
 

@@ -17,7 +17,7 @@ import torch
 
 from tests.tiny_models import other_model_dir, tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
-from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops import fused_decode as fd
 from vllm_mamba.ops.int8_linear import quantize_int8
 
@@ -273,11 +273,11 @@ def test_engine_outputs_equal_with_and_without_fused_decode(
 ) -> None:
     monkeypatch.delenv("VLLM_MAMBA_OPS", raising=False)
     model = tiny_model_dir(name) if name == "tied" else other_model_dir(name)
-    monkeypatch.setenv(fd.ENV_SWITCH, "0")
+    monkeypatch.setenv("VLLM_MAMBA_FUSED_DECODE", "0")
     want, want_lp, used = _generate(model, quantization, state_dtype)
     assert not used
     assert len({tuple(t) for t in want}) > 5, "reference generations should be varied"
-    monkeypatch.delenv(fd.ENV_SWITCH)
+    monkeypatch.delenv("VLLM_MAMBA_FUSED_DECODE")
     got, got_lp, used = _generate(model, quantization, state_dtype)
     assert used, "the fused decode kernels did not run"
     assert got == want

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops import cpu_kernels
 from vllm_mamba.ops.paged_attention import (
     paged_decode_attention_ref,

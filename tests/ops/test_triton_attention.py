@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.ops.test_paged_attention import _run_chunked, make_paged_case
-from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops.paged_attention import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,

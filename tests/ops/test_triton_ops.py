@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.ops.cases import VarlenCase, make_case
-from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops.causal_conv1d import (
     causal_conv1d_update_ref,
     causal_conv1d_varlen_ref,

@@ -1,4 +1,4 @@
-"""Chooses the attention backend for a model class."""
+"""Chooses the attention backend for a built model."""
 
 from __future__ import annotations
 
@@ -7,17 +7,15 @@ from vllm_mamba.attention.backends.paged import PagedAttentionBackend
 from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionBackend
 
 
-def select_attention_backend(model_cls: type) -> type[AttentionBackend]:
-    """Returns the backend for `model_cls`.
+def select_attention_backend(has_kv_cache: bool) -> type[AttentionBackend]:
+    """Returns the backend for a model with (or without) attention layers.
 
     Args:
-        model_cls: a model class; `is_attention_free = True` marks a pure state-space model
-            (the placeholder backend: no KV cache); any other model has attention layers and
-            gets the paged backend (KV blocks beside the state slots).
+        has_kv_cache: the built model has attention layers, so a paged KV cache beside the
+            state slots (the paged backend); without, it is attention-free (the placeholder
+            backend: `MambaMetadata` only).
 
     Returns:
         The backend class.
     """
-    if getattr(model_cls, "is_attention_free", False):
-        return PlaceholderAttentionBackend
-    return PagedAttentionBackend
+    return PagedAttentionBackend if has_kv_cache else PlaceholderAttentionBackend

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from vllm_mamba.config import (
+    DEFAULT_PREFIX_CACHE_MEMORY_BYTES,
+    DEFAULT_SNAPSHOT_INTERVAL,
     DTYPE_CHOICES,
     EXECUTOR_BACKENDS,
     QUANTIZATION_CHOICES,
@@ -37,10 +39,6 @@ from vllm_mamba.config import (
     resolve_device,
     resolve_dtype,
     resolve_state_dtype,
-)
-from vllm_mamba.engine.prefix_cache import (
-    DEFAULT_PREFIX_CACHE_MEMORY_BYTES,
-    DEFAULT_SNAPSHOT_INTERVAL,
 )
 
 logger = logging.getLogger(__name__)

@@ -29,10 +29,10 @@ from typing import Any, TypeVar
 
 from vllm_mamba.config import ModelConfig
 from vllm_mamba.engine.arg_utils import EngineArgs
-from vllm_mamba.engine.errors import EngineDeadError, RequestsFailedError
 from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
 from vllm_mamba.engine.llm_engine import LLMEngine
 from vllm_mamba.engine.stats import StatLogger, StatsSnapshot
+from vllm_mamba.errors import EngineDeadError, RequestsFailedError
 from vllm_mamba.outputs import RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
 

@@ -3,7 +3,8 @@
 A decode step runs one token per sequence; its shapes depend only on the batch size, so the
 forward is captured once per size (1, 2, 4, 8, 16, 32, then every 32 up to `max_num_seqs`)
 and replayed. A batch is padded up to the next captured size with `PAD_SLOT_ID` rows, which
-the kernels neither read nor write; the state tensors stay where they are (static addresses).
+the kernels neither read nor write; the state tensors (bound to the layers from `cache`) stay
+where they are (static addresses).
 Each size's metadata comes from the backend's builder, as in eager steps; a replay writes the
 step's slots into that metadata's `decode_state_indices` in place.
 """
@@ -16,7 +17,8 @@ import torch
 
 from vllm_mamba.attention.backend import AttentionBackend, StepLayout
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
-from vllm_mamba.mamba_cache import PAD_SLOT_ID, MambaCache
+from vllm_mamba.cache_specs import PAD_SLOT_ID
+from vllm_mamba.mamba_cache import MambaCache
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -38,7 +40,7 @@ class DecodeCudaGraphs:
         backend: type[AttentionBackend],
         max_num_seqs: int,
     ) -> None:
-        device = cache.conv_state.device
+        device = cache.device
         self.sizes = capture_sizes(max_num_seqs)
         self.input_ids = torch.zeros(self.sizes[-1], dtype=torch.long, device=device)  # (max_bs,)
         # Per size: the graph, its metadata (static slot indices) and its output (bs, H).
@@ -49,11 +51,11 @@ class DecodeCudaGraphs:
             meta = backend.build_metadata(layout, device)
             assert isinstance(meta, MambaMetadata)
             with torch.inference_mode():
-                model(self.input_ids[:bs], cache, meta)  # warm-up; PAD slots leave states alone
+                model(self.input_ids[:bs], meta)  # warm-up; PAD slots leave states alone
                 torch.cuda.synchronize(device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = model(self.input_ids[:bs], cache, meta)  # (bs, H)
+                    out = model(self.input_ids[:bs], meta)  # (bs, H)
             pool = graph.pool()
             self.graphs[bs] = (graph, meta, out)
 

@@ -11,7 +11,6 @@ With `enable_prefix_caching`, `engine.prefix_cache` holds the state snapshots an
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -20,12 +19,11 @@ from typing import Any
 
 from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionBackend
 from vllm_mamba.attention.selector import select_attention_backend
+from vllm_mamba.cache_specs import AttentionSpec
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.block_manager import BlockManager, blocks_for
-from vllm_mamba.engine.errors import EngineStartupError, RequestsFailedError, is_fatal
 from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
-from vllm_mamba.engine.model_runner import ModelRunner
 from vllm_mamba.engine.output_processor import OutputProcessor
 from vllm_mamba.engine.prefix_cache import PrefixCache
 from vllm_mamba.engine.prefix_steps import PrefixCacheSteps
@@ -33,8 +31,9 @@ from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
 from vllm_mamba.engine.structured_outputs import StructuredOutputs
+from vllm_mamba.errors import EngineStartupError, RequestsFailedError, is_fatal
 from vllm_mamba.executor import make_executor
-from vllm_mamba.kv_cache import AttentionSpec, KVCache, plan_num_blocks
+from vllm_mamba.kv_cache import KVCacheSizing, plan_num_blocks
 from vllm_mamba.ops.cpu_kernels import flush_denormals
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.outputs import RequestOutput
@@ -67,31 +66,22 @@ class LLMEngine:
             # decay toward zero otherwise slow every CPU kernel by an order of magnitude.
             flush_denormals()
         self.executor = make_executor(config)  # loads the model (each rank its shard)
-        model = self.model = self.executor.model
         self.kernels = get_mamba_ops(config.device).name
-        self.backend = select_attention_backend(type(model))
-        shape = model.get_mamba_state_shape(mc.hf_config, mc.dtype)
-        if config.ssm_state_dtype is not None:
-            shape = dataclasses.replace(shape, ssm_dtype=config.ssm_state_dtype)
-        self.num_snapshot_slots = self._num_snapshot_slots(shape.bytes_per_slot())
+        specs = self.executor.cache_specs()
+        self.state_bytes_per_slot = specs.state_bytes_per_slot()
+        self.num_snapshot_slots = self._num_snapshot_slots(self.state_bytes_per_slot)
         num_slots = config.num_state_slots + self.num_snapshot_slots
-        self.cache = self.executor.make_state_cache(shape, num_slots)
-        self.kv_cache = self._make_kv_cache()
-        if self.kv_cache is None:  # a config whose layers happen to have no attention
-            self.backend = PlaceholderAttentionBackend
+        sizing = self._plan_kv_cache(specs.kv)
+        self.executor.init_caches(num_slots, sizing)
+        self.cache, self.kv_cache = self.executor.cache, self.executor.kv_cache
+        # Attention-free models (no attention layer built) run with the placeholder backend.
+        self.backend = select_attention_backend(has_kv_cache=self.kv_cache is not None)
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = getattr(mc.hf_config, "eos_token_id", None)
         self.structured_outputs = StructuredOutputs(tokenizer, mc.vocab_size, self.eos_token_id)
-        self.runner = ModelRunner(
-            self.executor.runner_model,
-            self.cache,
-            self.backend,
-            config.device,
-            mc.seed,
-            self.eos_token_id,
-            self.structured_outputs,
-            self.kv_cache,
+        self.runner = self.executor.init_runner(
+            self.backend, self.eos_token_id, self.structured_outputs
         )
         sc = config.scheduler_config
         # Decode CUDA graphs are captured for attention-free models; hybrids run eagerly.
@@ -123,6 +113,11 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - started
         self._log_banner()
 
+    @property
+    def model(self) -> Any:
+        """Rank 0's model (the whole model with one rank), for inspection."""
+        return self.executor.model
+
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         """Resolves and loads `args.model` (a local directory or a hub id) into a new engine.
@@ -142,17 +137,13 @@ class LLMEngine:
             return 0
         return max(cc.prefix_cache_memory_bytes // max(slot_bytes, 1), 1)
 
-    def _make_kv_cache(self) -> KVCache | None:
-        """The paged KV cache of the model's attention layers, bound to them; None when the
-        model has none."""
-        mc, cc = self.config.model_config, self.config.cache_config
-        get_specs = getattr(self.model, "get_cache_specs", None)
-        specs = get_specs(mc.hf_config, mc.dtype) if get_specs is not None else []
-        attention = [s for s in specs if isinstance(s, AttentionSpec)]
-        if not attention:
+    def _plan_kv_cache(self, specs: list[AttentionSpec]) -> KVCacheSizing | None:
+        """The KV pool's sizing for the model's attention layers; None when it has none."""
+        if not specs:
             return None
-        sizing = plan_num_blocks(
-            attention,
+        mc, cc = self.config.model_config, self.config.cache_config
+        return plan_num_blocks(
+            specs,
             cc.block_size,
             self.config.scheduler_config.max_num_seqs,
             mc.max_model_len,
@@ -160,7 +151,6 @@ class LLMEngine:
             cc.kv_cache_memory_bytes,
             cc.num_gpu_blocks_override,
         )
-        return self.executor.make_kv_cache(attention, sizing)
 
     def _warm_up(self) -> None:
         """One short prefill and decode through every configured path; leaves no trace."""
@@ -192,8 +182,8 @@ class LLMEngine:
         )
 
     def _log_banner(self) -> None:
-        mc, shape = self.config.model_config, self.cache.shape
-        per_seq = shape.bytes_per_slot()
+        mc = self.config.model_config
+        per_seq = self.state_bytes_per_slot
         logger.info(
             "Loaded %s (%s) in %.1f s: dtype %s, state dtype %s, device %s, kernels %s, "
             "max_model_len %d, %d state slots x %.3f MiB = %.2f MiB of state, "
@@ -202,7 +192,7 @@ class LLMEngine:
             mc.architecture,
             self.load_seconds,
             str(mc.dtype).removeprefix("torch."),
-            str(shape.ssm_dtype).removeprefix("torch."),
+            "/".join(str(d).removeprefix("torch.") for d in self.cache.state_dtypes()) or "-",
             self.config.device,
             self.kernels,
             mc.max_model_len,
@@ -396,7 +386,7 @@ class LLMEngine:
                 item.group.first_scheduled_time = started
         if self.prefix_steps is not None:
             self.prefix_steps.before_forward(step)
-        result = self.executor.execute(self.runner, step)
+        result = self.executor.execute(step)
         self.stats.steps += 1
         touched: dict[str, SequenceGroup] = {}
         now_s = time.monotonic()

@@ -111,7 +111,7 @@ class ModelRunner:
         else:
             input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
             meta = self.backend.build_metadata(layout, self.device)
-            hidden = self.model(input_ids, self.cache, meta)  # (T, H)
+            hidden = self.model(input_ids, meta)  # (T, H)
 
         forks = [(item.seq.slot, c.slot) for item in items for c in item.children]
         self.copy_states([s for s, _ in forks], [d for _, d in forks])
@@ -139,8 +139,8 @@ class ModelRunner:
         return result
 
     def copy_states(self, src: list[int], dst: list[int]) -> None:
-        """Copies the conv and SSM states of slots `src[i]` into `dst[i]` (forks, prefix-cache
-        hits and snapshots)."""
+        """Copies every state of slots `src[i]` into `dst[i]` (forks, prefix-cache hits and
+        snapshots)."""
         self.cache.copy_slots(src, dst)
 
     @torch.inference_mode()

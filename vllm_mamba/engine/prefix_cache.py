@@ -29,13 +29,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from vllm_mamba.config import DEFAULT_SNAPSHOT_INTERVAL
 from vllm_mamba.mamba_cache import SlotAllocator
 from vllm_mamba.outputs import PositionLogprobs
 
 __all__ = ["PrefixCache", "RadixTree", "RadixNode", "Snapshot", "PendingSnapshot"]
-
-DEFAULT_SNAPSHOT_INTERVAL = 512
-DEFAULT_PREFIX_CACHE_MEMORY_BYTES = 1 << 30
 
 
 class BlockRefs(Protocol):

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from vllm_mamba.engine.arg_utils import EngineArgs
-from vllm_mamba.engine.errors import STARTUP_ERRORS
+from vllm_mamba.errors import STARTUP_ERRORS
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)

@@ -14,7 +14,7 @@ import sys
 from typing import Any, TextIO
 
 from vllm_mamba.engine.arg_utils import EngineArgs
-from vllm_mamba.engine.errors import STARTUP_ERRORS
+from vllm_mamba.errors import STARTUP_ERRORS
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 EXAMPLES = """examples:

@@ -8,7 +8,7 @@ import sys
 import time
 
 from vllm_mamba.engine.arg_utils import EngineArgs
-from vllm_mamba.engine.errors import STARTUP_ERRORS
+from vllm_mamba.errors import STARTUP_ERRORS
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 EXAMPLES = """examples:

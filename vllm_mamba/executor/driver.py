@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_mamba.cache_specs import AttentionSpec, StateSpec
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.communication import broadcast
 from vllm_mamba.distributed.parallel_state import (
@@ -25,16 +26,12 @@ from vllm_mamba.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
-from vllm_mamba.engine.errors import EngineStartupError
-from vllm_mamba.executor.base import (
-    Executor,
-    TensorParallelError,
-    local_kv_specs,
-    local_state_shape,
-)
+from vllm_mamba.engine.model_runner import StepResult
+from vllm_mamba.errors import EngineStartupError
+from vllm_mamba.executor.base import Executor, TensorParallelError, make_caches
 from vllm_mamba.executor.worker import Command, metadata_to
-from vllm_mamba.kv_cache import AttentionSpec, KVCache, KVCacheSizing
-from vllm_mamba.mamba_cache import MambaCache, MambaStateShape
+from vllm_mamba.kv_cache import KVCache, KVCacheSizing
+from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.model_loader import build_model, check_tensor_parallel
 
 logger = logging.getLogger(__name__)
@@ -51,10 +48,10 @@ class DriverModel:
         self.send = send
         self.tp = tp
 
-    def __call__(self, input_ids: torch.Tensor, cache: MambaCache, meta: Any) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
         """The step's forward on every rank; rank 0's hidden states `(T, H)`."""
         self.send(("forward", input_ids.to(CPU), metadata_to(meta, CPU)))
-        return self.model(input_ids, cache, meta)
+        return self.model(input_ids, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits `(R, V)` of rows `hidden (R, H)`, each rank scoring its vocabulary rows."""
@@ -68,9 +65,9 @@ class DriverMambaCache(MambaCache):
     """Rank 0's state cache; slot copies (forks, snapshots) are made on every rank."""
 
     def __init__(
-        self, shape: MambaStateShape, num_slots: int, device: torch.device, send: Send
+        self, specs: list[StateSpec], num_slots: int, device: torch.device, send: Send
     ) -> None:
-        super().__init__(shape, num_slots, device)
+        super().__init__(specs, num_slots, device)
         self.send = send
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
@@ -183,21 +180,17 @@ class DriverExecutor(Executor):
             raise self._dead
         self._send(command)
 
-    def make_state_cache(self, shape: MambaStateShape, num_slots: int) -> MambaCache:
-        """Every rank's state cache of its channels / heads; returns rank 0's."""
-        local = local_state_shape(self.model, shape)
-        self.send(("init_state_cache", local, num_slots))
-        return DriverMambaCache(local, num_slots, self.device, self.send)
+    def init_caches(self, num_slots: int, sizing: KVCacheSizing | None) -> None:
+        """Every rank's caches, each of its own shard's specs and bound to it; rank 0's copy
+        slots and blocks on every rank."""
+        self.send(("init_caches", num_slots, sizing))
+        self.cache, self.kv_cache = make_caches(
+            self.model, self.config, num_slots, sizing, self.device,
+            state_cls=lambda *a: DriverMambaCache(*a, self.send),
+            kv_cls=lambda *a: DriverKVCache(*a, self.send),
+        )  # fmt: skip
 
-    def make_kv_cache(self, specs: list[AttentionSpec], sizing: KVCacheSizing) -> KVCache:
-        """Every rank's KV cache (its KV heads), bound to its shard; returns rank 0's."""
-        specs = local_kv_specs(self.model, specs)
-        self.send(("init_kv_cache", specs, sizing))
-        kv_cache = DriverKVCache(specs, sizing, self.device, self.send)
-        kv_cache.bind(self.model)
-        return kv_cache
-
-    def execute(self, runner: Any, step: Any) -> Any:
+    def execute(self, step: Any) -> StepResult:
         """The step on every rank.
 
         Raises:
@@ -207,7 +200,7 @@ class DriverExecutor(Executor):
         if self._dead is not None:
             raise self._dead
         try:
-            return runner.execute(step)
+            return self.runner.execute(step)
         except Exception as err:
             raise self._fail(err) from err
 

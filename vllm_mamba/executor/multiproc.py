@@ -28,7 +28,7 @@ from vllm_mamba.distributed.parallel_state import (
     collective_timeout_s,
     destroy_tensor_parallel,
 )
-from vllm_mamba.engine.errors import EngineStartupError
+from vllm_mamba.errors import EngineStartupError
 from vllm_mamba.executor.driver import DriverExecutor
 from vllm_mamba.executor.worker import Command, Worker
 

@@ -2,7 +2,8 @@
 
 Rank 0 (in the engine's process) sends one command per model call of a step, in order:
 
-- `("init_state_cache", shape, num_slots)`, `("init_kv_cache", specs, sizing)`: at startup.
+- `("init_caches", num_slots, sizing)`: at startup; the worker allocates the caches of its
+  own shard's specs (`executor.base.make_caches`) and binds them to its layers.
 - `("forward", input_ids, metadata)`: the step's flat batch (CPU tensors); the worker runs
   its shard, joining the layers' collectives, and advances its part of the state.
 - `("logits", shape, dtype)`: rank 0 broadcasts the hidden rows to score; the worker scores
@@ -22,6 +23,7 @@ import torch
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.communication import broadcast
 from vllm_mamba.distributed.parallel_state import TensorParallel, init_tensor_parallel
+from vllm_mamba.executor.base import make_caches
 from vllm_mamba.kv_cache import KVCache
 from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.model_loader import build_model
@@ -49,6 +51,7 @@ class Worker:
         if device.type == "cpu":
             flush_denormals()  # as the engine does for rank 0
         self.device = device
+        self.config = config
         self.tp = tp
         init_tensor_parallel(tp, init_method, device)
         mc = config.model_config
@@ -63,7 +66,7 @@ class Worker:
         if kind == "forward":
             _, input_ids, meta = command
             assert self.cache is not None
-            self.model(input_ids.to(self.device), self.cache, metadata_to(meta, self.device))
+            self.model(input_ids.to(self.device), metadata_to(meta, self.device))
         elif kind == "logits":
             _, shape, dtype = command
             hidden = broadcast(torch.empty(shape, dtype=dtype, device=self.device), self.tp)
@@ -74,10 +77,9 @@ class Worker:
         elif kind == "copy_blocks":
             assert self.kv_cache is not None
             self.kv_cache.copy_blocks(command[1], command[2])
-        elif kind == "init_state_cache":
-            self.cache = MambaCache(command[1], command[2], self.device)
-        elif kind == "init_kv_cache":
-            self.kv_cache = KVCache(command[1], command[2], self.device)
-            self.kv_cache.bind(self.model)
+        elif kind == "init_caches":
+            self.cache, self.kv_cache = make_caches(
+                self.model, self.config, command[1], command[2], self.device
+            )
         else:
             raise ValueError(f"unknown worker command {kind!r}")

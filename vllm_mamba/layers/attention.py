@@ -12,14 +12,13 @@ Glossary: T tokens in the step, Hq query heads, Hkv key/value heads, D head dim.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
-from vllm_mamba.kv_cache import LayerKV
+from vllm_mamba.layers.cache_layers import KVCacheLayer
 from vllm_mamba.ops.table import MambaOps
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(KVCacheLayer):
     """Attention of one layer; no parameters (the projections belong to the model)."""
 
     def __init__(
@@ -36,11 +35,6 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.ops = ops
-        self.kv: LayerKV | None = None
-
-    def bind_kv_cache(self, kv: LayerKV) -> None:
-        """Takes this layer's K and V tensors `(num_blocks, block_size, Hkv, D)`."""
-        self.kv = kv
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PagedMetadata

@@ -3,8 +3,9 @@
 `mamba_decode_block` / `mamba2_decode_block` run one layer's step in one call of the ops
 table's `fused_mamba_decode` / `fused_mamba2_decode` (`vllm_mamba.ops.fused_decode`), with the
 block's RMSNorm and residual when the block passes its norm, or return None where the fused
-kernel does not apply: no kernel in the table, prefill rows, autograd, a subclass that
-changes the mixer's math (Jamba's normed dt/B/C, Falcon-H1's multipliers), or projections
+kernel does not apply: no kernel in the table, prefill rows, autograd, a mixer that declares
+`fused_decode = False` (a subclass that changes the math: Jamba's normed dt/B/C, Falcon-H1's
+multipliers), or projections
 that are not plain `Linear`s with float32 / bfloat16 weights of the model dtype or int8
 weights with per-row scales (`quantization="int8"`; tensor-parallel layers are not). The
 caller then runs its unfused path, which is the definition.
@@ -19,10 +20,10 @@ import torch
 from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.layers.cache_layers import LayerState
 from vllm_mamba.layers.layernorm import GatedRMSNorm, RMSNorm
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.quantization import is_int8_linear
-from vllm_mamba.mamba_cache import LayerState
 
 Params = list[torch.Tensor | None]
 # A layer's fused parameters and its model dtype (that of its activations).
@@ -112,7 +113,7 @@ def _cached_params(mixer: nn.Module, norm: RMSNorm | None, build) -> Prepared | 
 
 def _states_apply(state: LayerState) -> bool:
     """States the kernels read: float32 or bfloat16 each (any `ssm_state_dtype` but float16)."""
-    return state.conv.dtype in _FLOAT_DTYPES and state.ssm.dtype in _FLOAT_DTYPES
+    return state["conv"].dtype in _FLOAT_DTYPES and state["ssm"].dtype in _FLOAT_DTYPES
 
 
 def _applies(hidden: torch.Tensor, meta: MambaMetadata) -> bool:
@@ -133,31 +134,28 @@ def _out_dtype(
 
 def mamba_decode_block(
     mixer: nn.Module,
-    base: type,
     hidden: torch.Tensor,
     norm: RMSNorm | None,
     residual_in_fp32: bool,
-    state: LayerState,
     meta: MambaMetadata,
 ) -> torch.Tensor | None:
     """A `MambaMixer`'s decode-only step in one fused call, or None where it does not apply.
 
     Args:
-        mixer: the mixer; base: `MambaMixer` (a subclass overriding its math is not covered).
+        mixer: the mixer (its bound `state` is advanced in place).
         hidden: `(T, H)`, the block input with `norm`, else the mixer input.
         norm: the block's pre-norm; given, the result is `residual + mixer(norm(hidden))`.
         residual_in_fp32: the block keeps its residual stream in float32.
-        state, meta: as for the mixer's `forward`.
+        meta: as for the mixer's `forward`.
 
     Returns:
         `(T, H)` as the unfused block (or mixer) returns it, or None.
     """
     op = mixer.ops.fused_mamba_decode
-    if op is None or not _applies(hidden, meta) or hidden.shape[0] > MAMBA_MAX_ROWS:
+    rows_apply = hidden.shape[0] <= MAMBA_MAX_ROWS and _applies(hidden, meta)
+    if op is None or not mixer.fused_decode or not rows_apply:
         return None
-    cls = type(mixer)
-    if cls.forward is not base.forward or cls._ssm_params is not base._ssm_params:
-        return None
+    state = mixer.state
     prepared = _cached_params(mixer, norm, _mamba_params)
     if prepared is None or not _states_apply(state):
         return None
@@ -166,34 +164,29 @@ def mamba_decode_block(
     mixer_eps = -1.0 if mixer.mixer_rms_eps is None else float(mixer.mixer_rms_eps)
     out_dtype = _out_dtype(dtype, hidden, norm, residual_in_fp32)
     return op(
-        hidden, params, state.conv, state.ssm, meta.decode_state_indices, eps, mixer_eps,
+        hidden, params, state["conv"], state["ssm"], meta.decode_state_indices, eps, mixer_eps,
         out_dtype,
     )  # fmt: skip
 
 
 def mamba2_decode_block(
     mixer: nn.Module,
-    base: type,
     hidden: torch.Tensor,
     norm: RMSNorm | None,
     residual_in_fp32: bool,
-    state: LayerState,
     meta: MambaMetadata,
 ) -> torch.Tensor | None:
     """A `Mamba2Mixer`'s decode-only step in one fused call, or None where it does not apply.
 
-    Args: as `mamba_decode_block`, with base `Mamba2Mixer` (subclasses overriding `forward`,
-    `_project` or `_gate` are not covered).
+    Args: as `mamba_decode_block`.
 
     Returns:
         `(T, H)` as the unfused block (or mixer) returns it, or None.
     """
     op = mixer.ops.fused_mamba2_decode
-    if op is None or not _applies(hidden, meta):
+    if op is None or not mixer.fused_decode or not _applies(hidden, meta):
         return None
-    cls = type(mixer)
-    if any(getattr(cls, f) is not getattr(base, f) for f in ("forward", "_project", "_gate")):
-        return None
+    state = mixer.state
     prepared = _cached_params(mixer, norm, _mamba2_params)
     if prepared is None or not _states_apply(state):
         return None
@@ -201,6 +194,6 @@ def mamba2_decode_block(
     eps = norm.variance_epsilon if norm is not None else 0.0
     out_dtype = _out_dtype(dtype, hidden, norm, residual_in_fp32)
     return op(
-        hidden, params, state.conv, state.ssm, meta.decode_state_indices, mixer.n_groups,
+        hidden, params, state["conv"], state["ssm"], meta.decode_state_indices, mixer.n_groups,
         mixer.norm.group_size, eps, mixer.norm.variance_epsilon, out_dtype,
     )  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.fused_decode_layer import mamba2_decode_block
 from vllm_mamba.layers.layernorm import RMSNorm
@@ -26,7 +27,6 @@ from vllm_mamba.layers.mixer_base import StateSpaceMixer
 from vllm_mamba.layers.mixer_sharding import mamba2_shard, shard_mixer_params
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
 from vllm_mamba.layers.parallel_norm import gated_rms_norm
-from vllm_mamba.mamba_cache import LayerState
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -74,6 +74,14 @@ class Mamba2Mixer(StateSpaceMixer):
             conv_ranges = shard.conv_ranges(intermediate, gn, state_size)
             shard_mixer_params(self, conv_ranges, intermediate + 2 * gn, [shard.heads], num_heads)
 
+    def state_spec(self) -> StateSpec:
+        """conv `(CD, K - 1)` (the model dtype) and ssm `(NH, P, N)` (float32 by default)."""
+        kernel = self.conv1d.weight.shape[-1]
+        return StateSpec((
+            StateTensor("conv", (self.conv_dim, kernel - 1), "conv"),
+            StateTensor("ssm", (self.num_heads, self.head_dim, self.state_size)),
+        ))  # fmt: skip
+
     def _split_heads(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output `(T, CD)` -> x `(T, NH, P)`, B `(T, G, N)`, C `(T, G, N)` (views)."""
         num_tokens = xbc.shape[0]
@@ -89,34 +97,33 @@ class Mamba2Mixer(StateSpaceMixer):
         hidden: torch.Tensor,
         norm: RMSNorm | None,
         residual_in_fp32: bool,
-        state: LayerState,
         meta: MambaMetadata,
     ) -> torch.Tensor | None:
         """A decode-only step in one fused kernel call (with the block's `norm` and residual
         when given), or None where it does not apply; see `fused_decode_layer`."""
-        return mamba2_decode_block(self, Mamba2Mixer, hidden, norm, residual_in_fp32, state, meta)
+        return mamba2_decode_block(self, hidden, norm, residual_in_fp32, meta)
 
-    def forward(self, hidden: torch.Tensor, state: LayerState, meta: MambaMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's state in place.
 
-        `state.conv` is `(S, CD, K - 1)` and `state.ssm` is `(S, NH, P, N)`.
+        `self.state["conv"]` is `(S, CD, K - 1)` and `self.state["ssm"]` `(S, NH, P, N)`.
 
         Returns:
             `(T, H)` in the model dtype.
         """
-        fused = self.decode_block(hidden, None, False, state, meta)
+        fused = self.decode_block(hidden, None, False, meta)
         if fused is not None:
             return fused
         nd = meta.num_decodes
         zxbcdt = self._project(hidden)  # (T, I + CD + NH)
         z, xbc, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.num_heads], -1)
-        x, B, C = self._split_heads(self.conv(xbc, state, meta))
+        x, B, C = self._split_heads(self.conv(xbc, meta))
         shared = {"A": self.A, "D_skip": self.D, "dt_bias": self.dt_bias, "dt_softplus": True}
         parts = []
         if nd:
             parts.append(
                 self.ops.ssd_state_update(
-                    ssm_states=state.ssm, x=x[:nd], dt=dt[:nd], B_=B[:nd], C=C[:nd],
+                    ssm_states=self.state["ssm"], x=x[:nd], dt=dt[:nd], B_=B[:nd], C=C[:nd],
                     state_indices=meta.decode_state_indices, **shared,
                 )
             )  # fmt: skip
@@ -124,7 +131,7 @@ class Mamba2Mixer(StateSpaceMixer):
             parts.append(
                 self.ops.ssd_chunk_scan_varlen(
                     x=x[nd:], dt=dt[nd:], B_=B[nd:], C=C[nd:], dt_limit=self.time_step_limit,
-                    ssm_states=state.ssm, query_start_loc=meta.prefill_query_start_loc,
+                    ssm_states=self.state["ssm"], query_start_loc=meta.prefill_query_start_loc,
                     state_indices=meta.prefill_state_indices,
                     has_initial_state=meta.prefill_has_initial_state, chunk_size=self.chunk_size,
                     **shared,

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.fused_decode_layer import mamba_decode_block
 from vllm_mamba.layers.layernorm import RMSNorm, weightless_rms_norm
 from vllm_mamba.layers.mixer_base import StateSpaceMixer
 from vllm_mamba.layers.mixer_sharding import shard_mixer_params
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
-from vllm_mamba.mamba_cache import LayerState
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -57,6 +57,14 @@ class MambaMixer(StateSpaceMixer):
             channels = [tp.range(inter, "intermediate_size")]
             shard_mixer_params(self, channels, inter, channels, inter)
 
+    def state_spec(self) -> StateSpec:
+        """conv `(I, K - 1)` (the model dtype) and ssm `(I, N)` (float32 by default)."""
+        kernel = self.conv1d.weight.shape[-1]
+        return StateSpec((
+            StateTensor("conv", (self.intermediate_size, kernel - 1), "conv"),
+            StateTensor("ssm", (self.intermediate_size, self.state_size)),
+        ))  # fmt: skip
+
     def _ssm_params(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`xc (T, I)` -> dt `(T, I)` (before its bias), B `(T, N)`, C `(T, N)`."""
         sizes = [self.time_step_rank, self.state_size, self.state_size]
@@ -71,39 +79,39 @@ class MambaMixer(StateSpaceMixer):
         hidden: torch.Tensor,
         norm: RMSNorm | None,
         residual_in_fp32: bool,
-        state: LayerState,
         meta: MambaMetadata,
     ) -> torch.Tensor | None:
         """A decode-only step in one fused kernel call (with the block's `norm` and residual
         when given), or None where it does not apply; see `fused_decode_layer`."""
-        return mamba_decode_block(self, MambaMixer, hidden, norm, residual_in_fp32, state, meta)
+        return mamba_decode_block(self, hidden, norm, residual_in_fp32, meta)
 
-    def forward(self, hidden: torch.Tensor, state: LayerState, meta: MambaMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's state in place.
 
         Returns:
             `(T, H)` in the model dtype.
         """
-        fused = self.decode_block(hidden, None, False, state, meta)
+        fused = self.decode_block(hidden, None, False, meta)
         if fused is not None:
             return fused
         nd = meta.num_decodes
         x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (T, I) each
-        xc = self.conv(x, state, meta)  # (T, I)
+        xc = self.conv(x, meta)  # (T, I)
         dt, B, C = self._ssm_params(xc)
         shared = {"A": self.A, "D_skip": self.D, "dt_bias": self.dt_proj.bias, "dt_softplus": True}
+        ssm = self.state["ssm"]  # (S, I, N)
         parts = []
         if nd:
             parts.append(
                 self.ops.selective_state_update(
-                    ssm_states=state.ssm, u=xc[:nd], dt=dt[:nd], B_=B[:nd], C=C[:nd], z=z[:nd],
+                    ssm_states=ssm, u=xc[:nd], dt=dt[:nd], B_=B[:nd], C=C[:nd], z=z[:nd],
                     state_indices=meta.decode_state_indices, **shared,
                 )
             )  # fmt: skip
         if meta.num_prefills:
             parts.append(
                 self.ops.selective_scan_varlen(
-                    u=xc[nd:], dt=dt[nd:], B_=B[nd:], C=C[nd:], z=z[nd:], ssm_states=state.ssm,
+                    u=xc[nd:], dt=dt[nd:], B_=B[nd:], C=C[nd:], z=z[nd:], ssm_states=ssm,
                     query_start_loc=meta.prefill_query_start_loc,
                     state_indices=meta.prefill_state_indices,
                     has_initial_state=meta.prefill_has_initial_state, **shared,

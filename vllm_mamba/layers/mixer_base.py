@@ -1,5 +1,6 @@
 """What every state-space mixer shares: the conv1d and SSM parameters, their derived tensors,
-and the causal conv over a step's flat batch.
+and the causal conv over a step's flat batch. Its state (bound by the state cache) is
+`conv (S, CD, K - 1)` and `ssm`, whose shape each mixer declares in its `state_spec`.
 
 Glossary: T tokens in the step, CD conv channels, K conv kernel width. `A_log` is `(I, N)` for
 Mamba and `(NH,)` for Mamba2; `D` has one entry per channel (Mamba) or head (Mamba2).
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
-from vllm_mamba.mamba_cache import LayerState
+from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -24,8 +25,14 @@ class Conv1dWeights(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
 
-class StateSpaceMixer(nn.Module):
-    """Base of the Mamba and Mamba2 mixers: `conv1d`, `A_log`, `D`, and the ops table."""
+class StateSpaceMixer(StatefulLayer):
+    """Base of the Mamba and Mamba2 mixers: `conv1d`, `A_log`, `D`, and the ops table.
+
+    `fused_decode` says whether the mixer's decode-only steps may run as one fused kernel call
+    (`fused_decode_layer`); a subclass that changes the mixer's math sets it False.
+    """
+
+    fused_decode: bool = True
 
     def __init__(
         self,
@@ -48,10 +55,10 @@ class StateSpaceMixer(nn.Module):
         self.A = -torch.exp(self.A_log.detach().float())
         self.conv_weight = self.conv1d.weight.detach()[:, 0, :].contiguous()
 
-    def conv(self, x: torch.Tensor, state: LayerState, meta: MambaMetadata) -> torch.Tensor:
+    def conv(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Causal conv + SiLU of `x (T, CD)`: decode rows by update, prefill chunks by varlen.
 
-        `state.conv` is `(S, CD, K - 1)`, advanced in place.
+        `self.state["conv"]` is `(S, CD, K - 1)`, advanced in place.
         """
         nd = meta.num_decodes
         parts = []
@@ -59,7 +66,7 @@ class StateSpaceMixer(nn.Module):
             parts.append(
                 self.ops.causal_conv1d_update(
                     x=x[:nd],
-                    conv_states=state.conv,
+                    conv_states=self.state["conv"],
                     weight=self.conv_weight,
                     bias=self.conv1d.bias,
                     state_indices=meta.decode_state_indices,
@@ -71,7 +78,7 @@ class StateSpaceMixer(nn.Module):
                     x=x[nd:],
                     weight=self.conv_weight,
                     bias=self.conv1d.bias,
-                    conv_states=state.conv,
+                    conv_states=self.state["conv"],
                     query_start_loc=meta.prefill_query_start_loc,
                     state_indices=meta.prefill_state_indices,
                     has_initial_state=meta.prefill_has_initial_state,

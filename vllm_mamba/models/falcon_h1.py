@@ -37,21 +37,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
 from vllm_mamba.layers.layernorm import RMSNorm, weightless_rms_norm
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
-from vllm_mamba.layers.parallel_linear import column_linear, row_linear, vocab_embedding
+from vllm_mamba.layers.mlp import GatedMLP
+from vllm_mamba.layers.parallel_linear import row_linear, vocab_embedding
 from vllm_mamba.layers.parallel_norm import SplitGroupGatedRMSNorm
 from vllm_mamba.layers.self_attention import SelfAttention
-from vllm_mamba.mamba_cache import LayerState, MambaCache
 from vllm_mamba.models.bamba import make_rotary
-from vllm_mamba.models.mamba2_hybrid import (
-    Mamba2HybridForCausalLM,
+from vllm_mamba.models.causal_lm import CausalLM, StackNames
+from vllm_mamba.models.mamba2_args import (
+    attention_head_dim,
     check_mamba2_args,
     check_silu,
+    mamba2_args_from_mamba_prefix,
 )
 from vllm_mamba.ops.table import MambaOps
+
+NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="final_layernorm")
 
 
 def _ssm_width(config: Any) -> int:
@@ -61,10 +65,13 @@ def _ssm_width(config: Any) -> int:
 
 class FalconH1Mixer(Mamba2Mixer):
     """Mamba2 with Falcon-H1's input multiplier, per-section projection multipliers, optional
-    gated norm (before or after the gate) and its own `out_proj` bias."""
+    gated norm (before or after the gate) and its own `out_proj` bias (so not the fused decode
+    kernel, which has none of them)."""
+
+    fused_decode = False
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__(**FalconH1ForCausalLM.mamba2_args(config), ops=ops, tp=tp)
+        super().__init__(**mamba2_args_from_mamba_prefix(config), ops=ops, tp=tp)
         self.ssm_in_multiplier = float(config.ssm_in_multiplier)
         self.ssm_multipliers = [float(m) for m in config.ssm_multipliers]
         self.norm_before_gate = bool(config.mamba_norm_before_gate)
@@ -104,113 +111,51 @@ class FalconH1Mixer(Mamba2Mixer):
         return self.in_proj(hidden * self.ssm_in_multiplier) * self.mup_vector
 
 
-class FalconH1MLP(nn.Module):
-    """`down(up(x) * silu(gate(x) * gate_mult)) * down_mult`."""
-
-    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        hidden, ffn, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = column_linear(hidden, [ffn], bias, ops, tp)
-        self.up_proj = column_linear(hidden, [ffn], bias, ops, tp)
-        self.down_proj = row_linear(ffn, hidden, bias, ops, tp)
-        self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x (T, H)` -> `(T, H)`."""
-        y = self.up_proj(x) * F.silu(self.gate_proj(x) * self.gate_multiplier)
-        return self.down_proj(y) * self.down_multiplier
-
-
-class FalconH1Layer(nn.Module):
+def _layer(config: Any, ops: MambaOps, tp: TensorParallel) -> nn.Module:
     """Norm; Mamba2 and attention in parallel, scaled and added; norm, MLP, residual."""
-
-    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        head_dim = FalconH1ForCausalLM.head_dim(config)
-        self.mamba = FalconH1Mixer(config, ops, tp)
-        self.self_attn = SelfAttention(
-            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
-            bias=config.attention_bias, scale=head_dim**-0.5,
-            rotary=make_rotary(config, head_dim), ops=ops,
-            key_multiplier=float(config.key_multiplier), tp=tp,
-        )  # fmt: skip
-        self.feed_forward = FalconH1MLP(config, ops, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.attention_in_multiplier = float(config.attention_in_multiplier)
-        self.ssm_out_multiplier = float(config.ssm_out_multiplier)
-        self.attn_out_multiplier = float(config.attention_out_multiplier)
-
-    def forward(self, hidden: torch.Tensor, state: LayerState, meta: PagedMetadata) -> torch.Tensor:
-        """`hidden (T, H)` -> `(T, H)`; `state` is the layer's Mamba2 cache view."""
-        normed = self.input_layernorm(hidden)
-        ssm = self.mamba(normed, state, meta) * self.ssm_out_multiplier
-        attn = self.self_attn(normed * self.attention_in_multiplier, meta)
-        hidden = hidden + (ssm + attn * self.attn_out_multiplier)
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
-
-
-class FalconH1Model(nn.Module):
-    """Embeddings, the layers and the final norm (`model.*` in the checkpoints)."""
-
-    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            FalconH1Layer(config, ops, tp) for _ in range(config.num_hidden_layers)
-        )
-        self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    hidden, eps = config.hidden_size, config.rms_norm_eps
+    head_dim = attention_head_dim(config)
+    attn = SelfAttention(
+        hidden, config.num_attention_heads, config.num_key_value_heads, head_dim,
+        bias=config.attention_bias, scale=head_dim**-0.5, rotary=make_rotary(config, head_dim),
+        ops=ops, key_multiplier=float(config.key_multiplier), tp=tp,
+    )  # fmt: skip
+    gate_mult, down_mult = (float(m) for m in config.mlp_multipliers)
+    mlp = GatedMLP(hidden, config.intermediate_size, config.mlp_bias, ops, tp,
+                   gate_multiplier=gate_mult, down_multiplier=down_mult)  # fmt: skip
+    return DecoderLayer(
+        norm=("input_layernorm", RMSNorm(hidden, eps=eps)),
+        mixers=[
+            MixerPart(
+                "mamba", FalconH1Mixer(config, ops, tp), out_scale=float(config.ssm_out_multiplier)
+            ),
+            MixerPart(
+                "self_attn",
+                attn,
+                in_scale=float(config.attention_in_multiplier),
+                out_scale=float(config.attention_out_multiplier),
+            ),
+        ],  # fmt: skip
+        ffn_norm=("pre_ff_layernorm", RMSNorm(hidden, eps=eps)),
+        ffns=[("feed_forward", mlp)],
+    )
 
 
-class FalconH1ForCausalLM(Mamba2HybridForCausalLM):
+class FalconH1ForCausalLM(CausalLM):
     """Falcon-H1 language model: attention and Mamba2 in parallel in every layer."""
 
-    supports_tensor_parallel = True
-
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
         check_silu(config)
-        check_mamba2_args(self.mamba2_args(config), _ssm_width(config))
-        self.model = FalconH1Model(config, ops, tp)
-        self.embedding_multiplier = float(config.embedding_multiplier)
+        check_mamba2_args(mamba2_args_from_mamba_prefix(config), _ssm_width(config))
+        super().__init__(
+            config, ops, tp, names=NAMES,
+            embeddings=vocab_embedding(config.vocab_size, config.hidden_size, tp),
+            layers=[_layer(config, ops, tp) for _ in range(config.num_hidden_layers)],
+            final_norm=RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+            embedding_multiplier=config.embedding_multiplier,
+        )  # fmt: skip
         self.lm_head_multiplier = float(config.lm_head_multiplier)
-        self.init_lm_head(config, ops, tp)
 
-    @classmethod
-    def attention_layers(cls, config: Any) -> list[bool]:
-        return [True] * config.num_hidden_layers
-
-    @classmethod
-    def mamba_layers(cls, config: Any) -> list[bool]:
-        return [True] * config.num_hidden_layers
-
-    @classmethod
-    def mamba2_args(cls, config: Any) -> dict[str, Any]:
-        limit = getattr(config, "time_step_limit", None) or (0.0, float("inf"))
-        return dict(
-            hidden_size=config.hidden_size,
-            num_heads=config.mamba_n_heads,
-            head_dim=config.mamba_d_head,
-            n_groups=config.mamba_n_groups,
-            state_size=config.mamba_d_state,
-            conv_kernel=config.mamba_d_conv,
-            chunk_size=config.mamba_chunk_size,
-            time_step_limit=tuple(limit),
-            use_bias=config.mamba_proj_bias,
-            use_conv_bias=config.mamba_conv_bias,
-            norm_eps=config.rms_norm_eps,
-        )
-
-    def forward(
-        self, input_ids: torch.Tensor, cache: MambaCache, meta: PagedMetadata
-    ) -> torch.Tensor:
-        """Runs the step's tokens `input_ids (T,)`; returns normed hidden states `(T, H)`."""
-        hidden = self.model.embed_tokens(input_ids) * self.embedding_multiplier  # (T, H)
-        for layer, index in zip(self.model.layers, self.state_index):
-            hidden = layer(hidden, cache.layer(index), meta)
-        return self.model.final_layernorm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden (R, H)` of the sampled positions -> float32 logits `(R, V)`, times
-        `lm_head_multiplier`."""
-        return super().compute_logits(hidden) * self.lm_head_multiplier
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits times `lm_head_multiplier`."""
+        return logits * self.lm_head_multiplier

@@ -37,20 +37,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from vllm_mamba.attention.backends.paged import PagedMetadata
-from vllm_mamba.distributed.communication import all_reduce
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
-from vllm_mamba.kv_cache import AttentionSpec, LayerCacheSpec, MambaSpec
-from vllm_mamba.layers.attention import PagedAttention
+from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mamba_mixer import MambaMixer
-from vllm_mamba.layers.mixer_sharding import kv_head_ranges
-from vllm_mamba.layers.parallel_linear import column_linear, lm_head, row_linear, vocab_embedding
-from vllm_mamba.mamba_cache import LayerState, MambaCache, MambaStateShape
+from vllm_mamba.layers.mlp import GatedMLP
+from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, SparseMoE
+from vllm_mamba.layers.parallel_linear import vocab_embedding
+from vllm_mamba.layers.self_attention import SelfAttention
+from vllm_mamba.models.causal_lm import CausalLM, StackNames
+from vllm_mamba.models.mamba2_args import attention_head_dim, check_silu
 from vllm_mamba.ops.table import MambaOps
+
+NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="final_layernorm")
 
 
 def is_attention_layer(config: Any, index: int) -> bool:
@@ -65,12 +66,11 @@ def is_expert_layer(config: Any, index: int) -> bool:
     )
 
 
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class JambaMambaMixer(MambaMixer):
-    """Mamba's mixer with weighted RMS norms on the time step, B and C."""
+    """Mamba's mixer with weighted RMS norms on the time step, B and C (so not the fused
+    decode kernel, which has no such norms)."""
+
+    fused_decode = False
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__(
@@ -98,195 +98,47 @@ class JambaMambaMixer(MambaMixer):
         return dt, B, C
 
 
-class JambaAttention(nn.Module):
-    """GQA attention without rotary or biases over the paged KV cache."""
-
-    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        hidden, heads, kv_heads = (
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-        )
-        head_dim = _head_dim(config)
-        kv_ranges, local_kv = kv_head_ranges(kv_heads, head_dim, tp)
-        kv_size = [kv_heads * head_dim]
-        self.q_proj = column_linear(hidden, [heads * head_dim], False, ops, tp)
-        self.k_proj = column_linear(hidden, kv_size, False, ops, tp, kv_ranges)
-        self.v_proj = column_linear(hidden, kv_size, False, ops, tp, kv_ranges)
-        self.o_proj = row_linear(heads * head_dim, hidden, False, ops, tp)
-        local = tp.split(heads, "num_attention_heads")
-        self.attn = PagedAttention(local, local_kv, head_dim, head_dim**-0.5, ops)
-
-    def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
-        """`hidden (T, H)` -> `(T, H)`."""
-        out = self.attn(self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden), meta)
-        return self.o_proj(out)
+def _moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
+    """Top-k of `num_experts` gated MLPs, softmax-weighted and not renormalised."""
+    hidden, ffn = config.hidden_size, config.intermediate_size
+    route = RouterConfig("softmax_topk", config.num_experts, config.num_experts_per_tok)
+    experts = ExpertList(
+        GatedMLP(hidden, ffn, False, ops, tp, reduce=False) for _ in range(config.num_experts)
+    )
+    return SparseMoE(ExpertRouter(hidden, route), experts, tp)
 
 
-class JambaMLP(nn.Module):
-    """Dense gated MLP: `down(silu(gate(x)) * up(x))` (`reduce=False`: with tensor
-    parallelism the caller sums the ranks' parts)."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_size: int,
-        ops: MambaOps,
-        tp: TensorParallel = SINGLE,
-        reduce: bool = True,
-    ) -> None:
-        super().__init__()
-        self.gate_proj = column_linear(hidden_size, [ffn_size], False, ops, tp)
-        self.up_proj = column_linear(hidden_size, [ffn_size], False, ops, tp)
-        self.down_proj = row_linear(ffn_size, hidden_size, False, ops, tp, reduce)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x (T, H)` -> `(T, H)`."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class JambaRouter(nn.Module):
-    """Expert logits `x @ weight^T`; the checkpoint's `router.weight (E, H)`."""
-
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+def _layer(config: Any, index: int, ops: MambaOps, tp: TensorParallel) -> nn.Module:
+    """Norm, mixer (`mamba` or `self_attn`), residual; norm, feed-forward, residual."""
+    hidden, eps = config.hidden_size, config.rms_norm_eps
+    if is_attention_layer(config, index):
+        head_dim = attention_head_dim(config)
+        mixer = MixerPart("self_attn", SelfAttention(
+            hidden, config.num_attention_heads, config.num_key_value_heads, head_dim,
+            bias=False, scale=head_dim**-0.5, rotary=None, ops=ops, tp=tp,
+        ))  # fmt: skip
+    else:
+        mixer = MixerPart("mamba", JambaMambaMixer(config, ops, tp))
+    if is_expert_layer(config, index):
+        ffn: nn.Module = _moe(config, ops, tp)
+    else:
+        ffn = GatedMLP(hidden, config.intermediate_size, False, ops, tp)
+    return DecoderLayer(
+        norm=("input_layernorm", RMSNorm(hidden, eps=eps)),
+        mixers=[mixer],
+        ffn_norm=("pre_ff_layernorm", RMSNorm(hidden, eps=eps)),
+        ffns=[("feed_forward", ffn)],
+    )
 
 
-class JambaSparseMoe(nn.Module):
-    """Top-k of `num_experts` gated MLPs per token, weighted by the router's probabilities."""
-
-    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.tp = tp
-        self.router = JambaRouter(config.hidden_size, config.num_experts)
-        self.experts = nn.ModuleList(
-            JambaMLP(config.hidden_size, config.intermediate_size, ops, tp, reduce=False)
-            for _ in range(config.num_experts)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x (T, H)` -> `(T, H)`: each token's chosen experts, summed by weight."""
-        logits = F.linear(x, self.router.weight)  # (T, E)
-        probs = logits.softmax(dim=-1, dtype=torch.float32)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # (T, k) each
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(chosen).tolist():  # ascending, as transformers adds them
-            token_idx, k_pos = torch.where(chosen == expert)  # (M,), (M,): tokens are distinct
-            out[token_idx] += self.experts[expert](x[token_idx]) * weights[token_idx, k_pos, None]
-        return all_reduce(out, self.tp)
-
-
-class JambaLayer(nn.Module):
-    """One decoder layer: norm, mixer (`mamba` or `self_attn`), residual; norm, feed-forward,
-    residual."""
-
-    def __init__(self, config: Any, index: int, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.is_attention = is_attention_layer(config, index)
-        if self.is_attention:
-            self.self_attn = JambaAttention(config, ops, tp)
-        else:
-            self.mamba = JambaMambaMixer(config, ops, tp)
-        if is_expert_layer(config, index):
-            self.feed_forward: nn.Module = JambaSparseMoe(config, ops, tp)
-        else:
-            self.feed_forward = JambaMLP(config.hidden_size, config.intermediate_size, ops, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self, hidden: torch.Tensor, state: LayerState | None, meta: PagedMetadata
-    ) -> torch.Tensor:
-        """`hidden (T, H)` -> `(T, H)`; `state` is the Mamba layer's cache view."""
-        normed = self.input_layernorm(hidden)
-        if self.is_attention:
-            mixed = self.self_attn(normed, meta)
-        else:
-            mixed = self.mamba(normed, state, meta)
-        hidden = hidden + mixed
-        return hidden + self.feed_forward(self.pre_ff_layernorm(hidden))
-
-
-class JambaModel(nn.Module):
-    """Embeddings, the layers and the final norm (`model.*` in the checkpoints)."""
-
-    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            JambaLayer(config, i, ops, tp) for i in range(config.num_hidden_layers)
-        )
-        self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-
-class JambaForCausalLM(nn.Module):
+class JambaForCausalLM(CausalLM):
     """Jamba language model: Mamba and attention layers, a state slot and KV blocks each."""
 
-    is_attention_free = False
-    supports_tensor_parallel = True
-
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported; the kernels apply SiLU")
-        self.config = config
-        self.model = JambaModel(config, ops, tp)
-        self.lm_head = lm_head(config.hidden_size, config.vocab_size, ops, tp)
-        # Per layer, its index in mamba_cache (None for attention layers).
-        mamba_index = iter(range(config.num_hidden_layers))
-        self.state_index = [
-            None if layer.is_attention else next(mamba_index) for layer in self.model.layers
-        ]
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Shares the embedding with the LM head when the config ties them."""
-        if getattr(self.config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @staticmethod
-    def get_cache_specs(config: Any, dtype: torch.dtype) -> list[LayerCacheSpec]:
-        """One spec per layer: KV blocks for attention layers, a state slot for Mamba's."""
-        attn = AttentionSpec(config.num_key_value_heads, _head_dim(config), dtype)
-        return [
-            attn if is_attention_layer(config, i) else MambaSpec()
-            for i in range(config.num_hidden_layers)
-        ]
-
-    @staticmethod
-    def get_mamba_state_shape(config: Any, dtype: torch.dtype) -> MambaStateShape:
-        """Per-slot state of the Mamba layers: conv `(I, K - 1)`, ssm `(I, N)` in float32."""
-        intermediate = config.mamba_expand * config.hidden_size
-        num_mamba = sum(not is_attention_layer(config, i) for i in range(config.num_hidden_layers))
-        return MambaStateShape(
-            num_layers=num_mamba,
-            conv_shape=(intermediate, config.mamba_d_conv - 1),
-            ssm_shape=(intermediate, config.mamba_d_state),
-            conv_dtype=dtype,
-            ssm_dtype=torch.float32,
-        )
-
-    def process_weights_after_loading(self) -> None:
-        """Lets each Mamba mixer precompute its derived tensors."""
-        for layer in self.model.layers:
-            if not layer.is_attention:
-                layer.mamba.process_weights_after_loading()
-
-    def forward(
-        self, input_ids: torch.Tensor, cache: MambaCache, meta: PagedMetadata
-    ) -> torch.Tensor:
-        """Runs the step's tokens `input_ids (T,)`; returns normed hidden states `(T, H)`."""
-        hidden = self.model.embed_tokens(input_ids)  # (T, H)
-        for layer, index in zip(self.model.layers, self.state_index):
-            state = None if index is None else cache.layer(index)
-            hidden = layer(hidden, state, meta)
-        return self.model.final_layernorm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden (R, H)` of the sampled positions -> float32 logits `(R, V)`."""
-        return self.lm_head(hidden.to(self.lm_head.compute_dtype)).float()
+        check_silu(config)
+        super().__init__(
+            config, ops, tp, names=NAMES,
+            embeddings=vocab_embedding(config.vocab_size, config.hidden_size, tp),
+            layers=[_layer(config, i, ops, tp) for i in range(config.num_hidden_layers)],
+            final_norm=RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+        )  # fmt: skip

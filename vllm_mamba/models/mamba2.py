@@ -1,27 +1,20 @@
 """Mamba2 (`Mamba2ForCausalLM`: `state-spaces/mamba2-*` converted to HF, Codestral Mamba).
 
 Same layout as Mamba (`backbone.embeddings`, `backbone.layers.N.norm`, `backbone.layers.N.mixer.*`,
-`backbone.norm_f`, `lm_head`) with the multi-head SSD mixer. Its per-slot state, described to
-`mamba_cache` like every state-space model's, is conv `(I + 2 G N, K - 1)` and ssm `(NH, P, N)`.
+`backbone.norm_f`, `lm_head`) with the multi-head SSD mixer, whose per-slot state (its
+`state_spec`) is conv `(I + 2 G N, K - 1)` and ssm `(NH, P, N)`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
-from vllm_mamba.mamba_cache import MambaStateShape
 from vllm_mamba.models.mamba import MambaForCausalLM
 from vllm_mamba.ops.table import MambaOps
-
-
-def _conv_dim(config: Any) -> int:
-    """Channels of the conv: x, B and C of all groups."""
-    return config.num_heads * config.head_dim + 2 * config.n_groups * config.state_size
 
 
 def _check_config(config: Any) -> None:
@@ -63,15 +56,4 @@ class Mamba2ForCausalLM(MambaForCausalLM):
             norm_eps=config.layer_norm_epsilon,
             ops=ops,
             tp=tp,
-        )
-
-    @staticmethod
-    def get_mamba_state_shape(config: Any, dtype: torch.dtype) -> MambaStateShape:
-        """Per-slot state: conv `(CD, K - 1)` in the model dtype, ssm `(NH, P, N)` in float32."""
-        return MambaStateShape(
-            num_layers=config.num_hidden_layers,
-            conv_shape=(_conv_dim(config), config.conv_kernel - 1),
-            ssm_shape=(config.num_heads, config.head_dim, config.state_size),
-            conv_dtype=dtype,
-            ssm_dtype=torch.float32,
         )

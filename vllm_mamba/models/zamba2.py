@@ -44,11 +44,9 @@ Glossary: T tokens in the step, H hidden size, F MLP size, R adapter rank.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
@@ -58,6 +56,7 @@ from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
 from vllm_mamba.layers.mixer_sharding import kv_head_ranges
+from vllm_mamba.layers.mlp import ACTIVATIONS, activation
 from vllm_mamba.layers.parallel_linear import (
     Ranges,
     column_linear,
@@ -65,18 +64,12 @@ from vllm_mamba.layers.parallel_linear import (
     vocab_embedding,
 )
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
-from vllm_mamba.mamba_cache import LayerState, MambaCache
-from vllm_mamba.models.mamba2_hybrid import Mamba2HybridForCausalLM, check_mamba2_args
+from vllm_mamba.models.causal_lm import CausalLM, StackNames
+from vllm_mamba.models.mamba2_args import check_mamba2_args
 from vllm_mamba.ops.table import MambaOps
 
 MAMBA_TYPES = ("mamba", "linear_attention")
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-    "silu": F.silu,
-    "swish": F.silu,
-    "relu": F.relu,
-}
+NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="final_layernorm")
 GATED_NORM_EPS = 1e-5  # transformers' Zamba2MambaMixer hard-codes it
 
 
@@ -93,8 +86,7 @@ def layer_types(config: Any) -> list[str]:
 
 def check_config(config: Any) -> None:
     """Raises ValueError naming the field when the config is outside what this model runs."""
-    if config.hidden_act not in ACTIVATIONS:
-        raise ValueError(f"hidden_act {config.hidden_act!r} is not one of {sorted(ACTIVATIONS)}")
+    activation(config.hidden_act)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if (2 * config.hidden_size) % heads:
         raise ValueError(
@@ -107,7 +99,7 @@ def check_config(config: Any) -> None:
             f"num_attention_heads ({heads}): the k and v adapters are 2 * hidden_size wide"
         )
     width = int(config.mamba_expand * config.hidden_size)
-    check_mamba2_args(Zamba2ForCausalLM.mamba2_args(config), width)
+    check_mamba2_args(mamba2_args(config), width)
 
 
 def adapter_list(
@@ -139,7 +131,7 @@ class Zamba2Attention(nn.Module):
 
     def __init__(self, config: Any, block: int, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        width, head_dim = 2 * config.hidden_size, Zamba2ForCausalLM.head_dim(config)
+        width, head_dim = 2 * config.hidden_size, head_dim_of(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         tp.split(heads, "num_attention_heads")
         kv_ranges, _ = kv_head_ranges(kv_heads, head_dim, tp)
@@ -229,20 +221,19 @@ class Zamba2MambaLayer(nn.Module):
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.mamba = Mamba2Mixer(**Zamba2ForCausalLM.mamba2_args(config), ops=ops, tp=tp)
+        self.mamba = Mamba2Mixer(**mamba2_args(config), ops=ops, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self,
         hidden: torch.Tensor,
-        embeds: torch.Tensor,
-        state: LayerState,
         meta: PagedMetadata,
+        embeds: torch.Tensor | None = None,
         injected: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`hidden (T, H)` -> `(T, H)`; `state` is the layer's Mamba2 cache view."""
+        """`hidden (T, H)` -> `(T, H)`."""
         x = hidden if injected is None else hidden + injected
-        return hidden + self.mamba(self.input_layernorm(x), state, meta)
+        return hidden + self.mamba(self.input_layernorm(x), meta)
 
 
 class Zamba2HybridLayer(nn.Module):
@@ -261,91 +252,71 @@ class Zamba2HybridLayer(nn.Module):
         self.shared_transformer = shared
         self.linear = Linear(config.hidden_size, config.hidden_size, False, ops)
         self.mamba_decoder = Zamba2MambaLayer(config, ops, tp)
-        head_dim = Zamba2ForCausalLM.head_dim(config)
+        head_dim = head_dim_of(config)
         heads = tp.split(config.num_attention_heads, "num_attention_heads")  # this rank's
         _, kv_heads = kv_head_ranges(config.num_key_value_heads, head_dim, tp)
         self.attn = PagedAttention(heads, kv_heads, head_dim, (head_dim / 2) ** -0.5, ops)
         self.use = use
 
     def forward(
-        self, hidden: torch.Tensor, embeds: torch.Tensor, state: LayerState, meta: PagedMetadata
+        self, hidden: torch.Tensor, meta: PagedMetadata, embeds: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`hidden`, `embeds (T, H)` -> `(T, H)`."""
         block_out = self.shared_transformer(hidden, embeds, self.use, self.attn, meta)
-        return self.mamba_decoder(hidden, embeds, state, meta, injected=self.linear(block_out))
+        return self.mamba_decoder(hidden, meta, injected=self.linear(block_out))
 
 
-class Zamba2Model(nn.Module):
-    """Embeddings, the layers (hybrid layers holding the shared blocks) and the final norm."""
-
-    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, tp)
-        blocks = [Zamba2SharedBlock(config, b, ops, tp) for b in range(config.num_mem_blocks)]
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        layers: list[nn.Module] = []
-        for kind in layer_types(config):
-            if kind == "hybrid":
-                use = sum(isinstance(m, Zamba2HybridLayer) for m in layers)
-                block_id = use % config.num_mem_blocks
-                if tied or use < config.num_mem_blocks:
-                    block = blocks[block_id]
-                else:  # an untied copy, as transformers loads it
-                    block = Zamba2SharedBlock(config, block_id, ops, tp)
-                layers.append(Zamba2HybridLayer(config, block, use, ops, tp))
-            else:
-                layers.append(Zamba2MambaLayer(config, ops, tp))
-        self.layers = nn.ModuleList(layers)
-        self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+def _layers(config: Any, ops: MambaOps, tp: TensorParallel) -> list[nn.Module]:
+    """The layers; hybrid layers hold the shared blocks (untied copies unless
+    `tie_word_embeddings`, as transformers loads them)."""
+    blocks = [Zamba2SharedBlock(config, b, ops, tp) for b in range(config.num_mem_blocks)]
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    layers: list[nn.Module] = []
+    for kind in layer_types(config):
+        if kind == "hybrid":
+            use = sum(isinstance(m, Zamba2HybridLayer) for m in layers)
+            block_id = use % config.num_mem_blocks
+            if tied or use < config.num_mem_blocks:
+                block = blocks[block_id]
+            else:  # an untied copy, as transformers loads it
+                block = Zamba2SharedBlock(config, block_id, ops, tp)
+            layers.append(Zamba2HybridLayer(config, block, use, ops, tp))
+        else:
+            layers.append(Zamba2MambaLayer(config, ops, tp))
+    return layers
 
 
-class Zamba2ForCausalLM(Mamba2HybridForCausalLM):
+def head_dim_of(config: Any) -> int:
+    """`2H / num_attention_heads` (the block attends over the concatenated input)."""
+    return 2 * config.hidden_size // config.num_attention_heads
+
+
+def mamba2_args(config: Any) -> dict[str, Any]:
+    """`Mamba2Mixer` arguments from Zamba2's config names."""
+    heads = config.n_mamba_heads
+    return dict(
+        hidden_size=config.hidden_size,
+        num_heads=heads,
+        head_dim=int(config.mamba_expand * config.hidden_size) // heads,
+        n_groups=config.mamba_ngroups,
+        state_size=config.mamba_d_state,
+        conv_kernel=config.mamba_d_conv,
+        chunk_size=config.chunk_size,
+        time_step_limit=(float(config.time_step_min), float("inf")),
+        use_bias=config.add_bias_linear,
+        use_conv_bias=True,  # transformers' conv1d always has a bias
+        norm_eps=GATED_NORM_EPS,
+    )
+
+
+class Zamba2ForCausalLM(CausalLM):
     """Zamba2 language model: Mamba2 layers and shared attention blocks with per-use adapters."""
 
-    supports_tensor_parallel = True
-
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
         check_config(config)
-        self.model = Zamba2Model(config, ops, tp)
-        self.init_lm_head(config, ops, tp)
-
-    @classmethod
-    def head_dim(cls, config: Any) -> int:
-        """`2H / num_attention_heads` (the block attends over the concatenated input)."""
-        return 2 * config.hidden_size // config.num_attention_heads
-
-    @classmethod
-    def attention_layers(cls, config: Any) -> list[bool]:
-        return [t == "hybrid" for t in layer_types(config)]
-
-    @classmethod
-    def mamba_layers(cls, config: Any) -> list[bool]:
-        return [True] * config.num_hidden_layers
-
-    @classmethod
-    def mamba2_args(cls, config: Any) -> dict[str, Any]:
-        heads = config.n_mamba_heads
-        return dict(
-            hidden_size=config.hidden_size,
-            num_heads=heads,
-            head_dim=int(config.mamba_expand * config.hidden_size) // heads,
-            n_groups=config.mamba_ngroups,
-            state_size=config.mamba_d_state,
-            conv_kernel=config.mamba_d_conv,
-            chunk_size=config.chunk_size,
-            time_step_limit=(float(config.time_step_min), float("inf")),
-            use_bias=config.add_bias_linear,
-            use_conv_bias=True,  # transformers' conv1d always has a bias
-            norm_eps=GATED_NORM_EPS,
-        )
-
-    def forward(
-        self, input_ids: torch.Tensor, cache: MambaCache, meta: PagedMetadata
-    ) -> torch.Tensor:
-        """Runs the step's tokens `input_ids (T,)`; returns normed hidden states `(T, H)`."""
-        embeds = self.model.embed_tokens(input_ids)  # (T, H)
-        hidden = embeds
-        for layer, index in zip(self.model.layers, self.state_index):
-            hidden = layer(hidden, embeds, cache.layer(index), meta)
-        return self.model.final_layernorm(hidden)
+        super().__init__(
+            config, ops, tp, names=NAMES,
+            embeddings=vocab_embedding(config.vocab_size, config.hidden_size, tp),
+            layers=_layers(config, ops, tp),
+            final_norm=RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+        )  # fmt: skip

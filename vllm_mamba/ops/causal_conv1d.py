@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.cache_specs import PAD_SLOT_ID
 
 
 def causal_conv1d_varlen_ref(

@@ -10,11 +10,10 @@ must be contiguous.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from vllm_mamba import envs
 from vllm_mamba.ops.int8_linear import has_int8_kernel, int8_linear_cpp, int8_linear_ref
 from vllm_mamba.ops.table import MambaOps
 
@@ -323,12 +322,11 @@ def paged_prefill_attention(
 
 def _onednn_linear_available() -> bool:
     """Whether torch has oneDNN's linear op, unless `VLLM_MAMBA_ONEDNN_LINEAR=0`."""
-    if os.environ.get(ONEDNN_SWITCH, "1").strip() == "0":
+    if not envs.VLLM_MAMBA_ONEDNN_LINEAR:
         return False
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-ONEDNN_SWITCH = "VLLM_MAMBA_ONEDNN_LINEAR"  # "0": float32 GEMMs through F.linear (MKL)
 _ONEDNN_LINEAR = _onednn_linear_available()
 
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
+from vllm_mamba import envs
 from vllm_mamba.ops import fused_decode
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
@@ -81,7 +81,7 @@ def get_mamba_ops(device: torch.device | str) -> MambaOps:
         ValueError: `VLLM_MAMBA_OPS` names an unknown or unavailable backend.
     """
     device_type = torch.device(device).type
-    forced = os.environ.get("VLLM_MAMBA_OPS", "").strip().lower()
+    forced = envs.VLLM_MAMBA_OPS
     if forced == "ref":
         return REF_OPS
     if forced:

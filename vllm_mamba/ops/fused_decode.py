@@ -21,11 +21,10 @@ heads of P (`I = NH P`), G groups, CD = I + 2 G N conv channels.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from vllm_mamba import envs
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
 from vllm_mamba.ops.int8_linear import dequantize_int8
@@ -41,7 +40,6 @@ MAMBA2_PARAMS = (
     "norm_w", "in_proj_w", "in_proj_b", "conv_w", "conv_b", "dt_bias", "A", "D", "gate_norm_w",
     "out_proj_w", "out_proj_b", "in_proj_scale", "out_proj_scale",
 )  # fmt: skip
-ENV_SWITCH = "VLLM_MAMBA_FUSED_DECODE"  # "0" turns the fused layers off
 
 Params = list[torch.Tensor | None]
 
@@ -52,7 +50,7 @@ def available() -> bool:
     Returns:
         True when `torch.ops.vllm_mamba` has both fused decode ops and the switch is not "0".
     """
-    if os.environ.get(ENV_SWITCH, "1").strip() == "0":
+    if not envs.VLLM_MAMBA_FUSED_DECODE:
         return False
     try:
         import vllm_mamba._C  # noqa: F401  (registers torch.ops.vllm_mamba.*)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops.discretize import discretize_dt
 
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.cache_specs import PAD_SLOT_ID
 
 _MAX_BLOCK_D = 32
 

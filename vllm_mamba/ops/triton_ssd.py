@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_mamba.mamba_cache import PAD_SLOT_ID
+from vllm_mamba.cache_specs import PAD_SLOT_ID
 
 _BLOCK_Q = 32  # tokens per chunk of the varlen scan
 _MAX_BLOCK_P_SCAN = 32

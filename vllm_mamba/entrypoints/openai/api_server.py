@@ -28,7 +28,6 @@ from pydantic import BaseModel
 from vllm_mamba import __version__
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
-from vllm_mamba.engine.errors import STARTUP_ERRORS
 from vllm_mamba.entrypoints.chat_utils import ChatTemplate
 from vllm_mamba.entrypoints.openai.cli_serve import API_KEY_ENV, HelpFormatter, add_server_args
 from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
@@ -46,6 +45,7 @@ from vllm_mamba.entrypoints.openai.served_model import ServedModel
 from vllm_mamba.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm_mamba.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm_mamba.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from vllm_mamba.errors import STARTUP_ERRORS
 from vllm_mamba.logger import configure_logging
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm_mamba.engine.errors import EngineDeadError, RequestsFailedError
 from vllm_mamba.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from vllm_mamba.errors import EngineDeadError, RequestsFailedError
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,111 @@
+"""What each layer keeps per sequence: the cache specs the engine allocates from.
+
+A leaf module (torch dtypes only, no tensors): layers declare their specs, the state cache
+(`mamba_cache`) and the paged KV cache (`kv_cache`) allocate from them, and the kernels read
+`PAD_SLOT_ID`.
+
+- `StateSpec`: a recurrent layer's per-sequence state, as named tensors (`StateTensor`) with
+  shapes, dtypes and a kind. Mamba: `conv (I, K - 1)` and `ssm (I, N)`; Mamba2:
+  `conv (CD, K - 1)` and `ssm (NH, P, N)`; a short conv would have one tensor, a delta rule a
+  conv history and a `(heads, key_dim, value_dim)` matrix, RWKV-7 three tensors. A spec is
+  declared with the dtype of each tensor left to the engine's rule (`resolve`): a `conv` history
+  is kept in the model dtype, a `recurrent` state in float32 unless `ssm_state_dtype` says
+  otherwise; a tensor declared with a dtype keeps it.
+- `AttentionSpec`: an attention layer's KV blocks.
+
+Specs are read off the built model (under tensor parallelism, each rank's shard), layer by
+layer in module order, by `collect_layer_specs`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "PAD_SLOT_ID",
+    "StateKind",
+    "StateTensor",
+    "StateSpec",
+    "AttentionSpec",
+    "LayerCacheSpec",
+]
+
+PAD_SLOT_ID = -1  # the slot index of a padding row; the kernels neither read nor write it
+
+# "conv": a history of recent inputs, kept in the model dtype; "recurrent": a state the layer
+# accumulates into (an SSM state, a delta-rule matrix), float32 unless `ssm_state_dtype`.
+StateKind = Literal["conv", "recurrent"]
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One named per-sequence state tensor of a layer: `shape` per slot, its kind and dtype
+    (None: decided by the engine's rule, see `StateSpec.resolve`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: StateKind = "recurrent"
+    dtype: torch.dtype | None = None
+
+    def nbytes(self) -> int:
+        """Bytes of this tensor for one sequence (its dtype must be resolved)."""
+        assert self.dtype is not None, f"state {self.name!r} has no dtype yet"
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A recurrent layer's per-sequence state: its named tensors, in a fixed order.
+
+    Layers with equal specs share one tensor per name in the state cache.
+    """
+
+    tensors: tuple[StateTensor, ...]
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tensors]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a state spec needs distinct tensor names, got {names}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tensors' names, in order."""
+        return tuple(t.name for t in self.tensors)
+
+    def resolve(self, model_dtype: torch.dtype, state_dtype: torch.dtype | None) -> StateSpec:
+        """This spec with every dtype decided: `conv` tensors in `model_dtype`, `recurrent`
+        ones in `state_dtype` (the `ssm_state_dtype` option; None: float32); a tensor that
+        declared its dtype keeps it."""
+
+        def dtype_of(t: StateTensor) -> torch.dtype:
+            if t.dtype is not None:
+                return t.dtype
+            if t.kind == "conv":
+                return model_dtype
+            return state_dtype if state_dtype is not None else torch.float32
+
+        return StateSpec(tuple(replace(t, dtype=dtype_of(t)) for t in self.tensors))
+
+    def bytes_per_slot(self) -> int:
+        """State bytes of one sequence in this layer (dtypes resolved)."""
+        return sum(t.nbytes() for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """An attention layer: KV blocks of `num_kv_heads x head_dim` per token in `dtype`."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token in this layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+LayerCacheSpec = StateSpec | AttentionSpec

@@ -1,0 +1,80 @@
+"""The two kinds of layer that hold per-sequence cache, as the engine sees them.
+
+- `StatefulLayer`: a recurrent mixer (Mamba, Mamba2, a plugin's own layer, ...). It declares
+  its per-sequence state (`state_spec`, this rank's shard) and is given its view of the state
+  cache (`bind_state`) before the first step: `self.state[name]` is `(S, *shape)` over all
+  slots, read and advanced in place by its forward.
+- `KVCacheLayer`: an attention layer. It declares its KV blocks (`kv_spec`) and is given its
+  K and V tensors (`bind_kv_cache`).
+
+The engine finds them by type, in module order (`stateful_layers`, `kv_cache_layers`), never
+by probing for attributes; a model's forward never passes caches around.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm_mamba.cache_specs import AttentionSpec, StateSpec
+
+LayerState = dict[str, torch.Tensor]  # state name -> (S, *shape) over all slots
+
+
+@dataclass
+class LayerKV:
+    """One attention layer's view of the pool: `k`, `v (num_blocks, block_size, Hkv, D)`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class StatefulLayer(nn.Module):
+    """Base of every layer with per-sequence recurrent state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: LayerState = {}
+
+    def state_spec(self) -> StateSpec:
+        """This layer's per-sequence state (its shard's shapes under tensor parallelism)."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self) -> None:
+        """Precomputes derived tensors after the weights are loaded (nothing by default)."""
+
+    def bind_state(self, state: LayerState) -> None:
+        """Takes this layer's views of the state cache, one per name of its spec."""
+        assert set(state) == set(self.state_spec().names), (set(state), self.state_spec())
+        self.state = state
+
+
+class KVCacheLayer(nn.Module):
+    """Base of every attention layer over the paged KV cache."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv: LayerKV | None = None
+
+    def kv_spec(self, dtype: torch.dtype) -> AttentionSpec:
+        """This layer's KV blocks (its shard's KV heads) in `dtype`."""
+        return AttentionSpec(self.num_kv_heads, self.head_dim, dtype)
+
+    def bind_kv_cache(self, kv: LayerKV) -> None:
+        """Takes this layer's K and V tensors `(num_blocks, block_size, Hkv, D)`."""
+        self.kv = kv
+
+
+def stateful_layers(model: nn.Module) -> list[StatefulLayer]:
+    """The model's recurrent layers, in module order (a shared module once)."""
+    return [m for m in model.modules() if isinstance(m, StatefulLayer)]
+
+
+def kv_cache_layers(model: nn.Module) -> list[KVCacheLayer]:
+    """The model's attention layers, in module order (a shared module once)."""
+    return [m for m in model.modules() if isinstance(m, KVCacheLayer)]

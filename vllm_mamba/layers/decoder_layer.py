@@ -1,0 +1,125 @@
+"""`DecoderLayer`: the one decoder layer every model is built from.
+
+A layer is up to two residual stages, each a pre-norm and parts whose outputs are summed:
+
+    x = norm(h)                                              (the mixer stage)
+    h = h + rm * sum_i out_i * mixer_i(in_i * x, meta)
+    y = ffn_norm(h)                                          (the feed-forward stage)
+    h = h + rm * sum_j ffn_j(y)
+
+A mixer is any module called `mixer(x (T, H), meta) -> (T, H)` (Mamba, Mamba2, attention, a
+plugin's recurrent layer; each reaches its own cache through what the engine bound to it); a
+feed-forward part is called `ffn(x (T, H)) -> (T, H)` (a dense MLP, an MoE, a shared expert).
+Either stage may be absent (Mamba has no feed-forward; Nemotron-H's MLP layers no mixer).
+`rm` is the residual multiplier (Granite), `in_i` / `out_i` the mixers' input and output
+multipliers (Falcon-H1 runs attention and Mamba2 side by side). With `residual_in_fp32`
+(Mamba) the residual stream is float32 and the norm sees the model dtype.
+
+Each part is registered under the checkpoint's own name (`mixer`, `mamba`, `self_attn`,
+`feed_forward`, `input_layernorm`, ...), so loading stays an identity mapping.
+
+A decode-only step of a layer whose one mixer is a state-space mixer with `fused_decode`
+runs norm, mixer and residual as one fused kernel call (`fused_decode_layer`).
+
+Glossary: T tokens in the step, H hidden size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm_mamba.layers.layernorm import RMSNorm
+from vllm_mamba.layers.mixer_base import StateSpaceMixer
+
+Named = tuple[str, nn.Module]
+
+
+@dataclass(frozen=True)
+class MixerPart:
+    """A mixer under its checkpoint name, with its input and output multipliers."""
+
+    name: str
+    module: nn.Module
+    in_scale: float = 1.0
+    out_scale: float = 1.0
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer built from parts (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        norm: Named | None = None,
+        mixers: Sequence[MixerPart] = (),
+        ffn_norm: Named | None = None,
+        ffns: Sequence[Named] = (),
+        residual_multiplier: float = 1.0,
+        residual_in_fp32: bool = False,
+    ) -> None:
+        super().__init__()
+        if bool(mixers) != (norm is not None) or bool(ffns) != (ffn_norm is not None):
+            raise ValueError("each stage of a decoder layer needs both its norm and its parts")
+        self._norm_name = norm[0] if norm is not None else None
+        self._ffn_norm_name = ffn_norm[0] if ffn_norm is not None else None
+        for name, module in [*([norm] if norm else []), *([ffn_norm] if ffn_norm else [])]:
+            self.add_module(name, module)
+        self._mixers = [(p.name, p.in_scale, p.out_scale) for p in mixers]
+        for part in mixers:
+            self.add_module(part.name, part.module)
+        self._ffn_names = [name for name, _ in ffns]
+        for name, module in ffns:
+            self.add_module(name, module)
+        self.residual_multiplier = float(residual_multiplier)
+        self.residual_in_fp32 = residual_in_fp32
+        self._fusable = self._fused_mixer() is not None
+
+    def _fused_mixer(self) -> StateSpaceMixer | None:
+        """The one mixer whose decode steps may fuse with this layer's norm and residual."""
+        if len(self._mixers) != 1 or self.residual_multiplier != 1.0:
+            return None
+        name, in_scale, out_scale = self._mixers[0]
+        mixer, norm = getattr(self, name), getattr(self, self._norm_name)
+        plain = in_scale == out_scale == 1.0 and type(norm) is RMSNorm
+        return mixer if plain and isinstance(mixer, StateSpaceMixer) else None
+
+    def forward(
+        self, hidden: torch.Tensor, meta: object, embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`hidden (T, H)` -> `(T, H)`; `embeds` (the step's embeddings) is not read here."""
+        if self._mixers:
+            hidden = self._mix(hidden, meta)
+        if self._ffn_names:
+            x = getattr(self, self._ffn_norm_name)(hidden)
+            ff = None
+            for name in self._ffn_names:
+                y = getattr(self, name)(x)
+                ff = y if ff is None else ff + y
+            hidden = hidden + self._scaled(ff)
+        return hidden
+
+    def _mix(self, hidden: torch.Tensor, meta: object) -> torch.Tensor:
+        """The mixer stage: `h + rm * sum_i out_i * mixer_i(in_i * norm(h))`."""
+        norm = getattr(self, self._norm_name)
+        if self._fusable:
+            mixer = getattr(self, self._mixers[0][0])
+            fused = mixer.decode_block(hidden, norm, self.residual_in_fp32, meta)
+            if fused is not None:
+                return fused
+        if self.residual_in_fp32:
+            residual, x = hidden.float(), norm(hidden.to(norm.weight.dtype))
+        else:
+            residual, x = hidden, norm(hidden)
+        mixed = None
+        for name, in_scale, out_scale in self._mixers:
+            y = getattr(self, name)(x if in_scale == 1.0 else x * in_scale, meta)
+            y = y if out_scale == 1.0 else y * out_scale
+            mixed = y if mixed is None else mixed + y
+        return residual + self._scaled(mixed)
+
+    def _scaled(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier

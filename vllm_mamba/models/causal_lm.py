@@ -1,0 +1,147 @@
+"""`CausalLM`: the one causal-LM skeleton every model (built in or plugin) is an instance of.
+
+    embeds = embeddings(input_ids) * embedding_multiplier   # (T, H)
+    hidden = embeds
+    for layer in layers: hidden = layer(hidden, meta, embeds)
+    hidden = final_norm(hidden)                               # what the runner gets
+    logits = scale_logits(lm_head(hidden[sampled]))           # compute_logits, float32
+
+A model file builds its layers (usually `DecoderLayer`s from parts) and hands them here with
+the checkpoint's names of the container (`StackNames`: `backbone.embeddings` ... `norm_f` for
+Mamba, `model.embed_tokens` ... `final_layernorm` for most hybrids); it keeps only what is its
+own: the config mapping, the layer plan, the weight-name mapping (`remap_weight_name`) and odd
+scalings. Layers reach their caches through what the engine bound to them
+(`layers.cache_layers`), so the forward passes no cache.
+
+Capabilities are class attributes the engine and loader read (never probes):
+`supports_tensor_parallel` (the class accepts a `tp` shard argument and its layers shard),
+`supports_quantization` (its `Linear`s may be replaced by int8 ones) and `ties_word_embeddings`
+(whether `tie_word_embeddings` in the config shares the embedding with the head). Whether a
+model has attention (hence a KV cache and the paged backend) is read off its built layers.
+
+Glossary: T tokens in the step, H hidden size, R sampled rows, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from vllm_mamba.distributed.parallel_state import TensorParallel
+from vllm_mamba.layers.cache_layers import stateful_layers
+from vllm_mamba.layers.parallel_linear import lm_head
+from vllm_mamba.ops.table import MambaOps
+
+
+@dataclass(frozen=True)
+class StackNames:
+    """The checkpoint's names of the decoder container and its ends."""
+
+    prefix: str = "model"
+    embeddings: str = "embed_tokens"
+    final_norm: str = "norm"
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, the layers and the final norm, under the checkpoint's names."""
+
+    def __init__(
+        self,
+        names: StackNames,
+        embeddings: nn.Module,
+        layers: Sequence[nn.Module],
+        final_norm: nn.Module,
+    ) -> None:
+        super().__init__()
+        self._names = names
+        self.add_module(names.embeddings, embeddings)
+        self.layers = nn.ModuleList(layers)
+        self.add_module(names.final_norm, final_norm)
+
+    @property
+    def token_embedding(self) -> nn.Module:
+        """The token embedding."""
+        return getattr(self, self._names.embeddings)
+
+    @property
+    def last_norm(self) -> nn.Module:
+        """The norm after the last layer."""
+        return getattr(self, self._names.final_norm)
+
+
+class CausalLM(nn.Module):
+    """A decoder stack and its LM head (see the module docstring)."""
+
+    supports_tensor_parallel: ClassVar[bool] = True
+    supports_quantization: ClassVar[bool] = True
+    ties_word_embeddings: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        config: Any,
+        ops: MambaOps,
+        tp: TensorParallel,
+        *,
+        names: StackNames,
+        embeddings: nn.Module,
+        layers: Sequence[nn.Module],
+        final_norm: nn.Module,
+        embedding_multiplier: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self._stack_name = names.prefix
+        self.add_module(names.prefix, DecoderStack(names, embeddings, layers, final_norm))
+        self.embedding_multiplier = float(embedding_multiplier)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, ops, tp)
+        self.tie_weights()
+
+    @property
+    def stack(self) -> DecoderStack:
+        """The decoder container (`model` or `backbone` in the checkpoints)."""
+        return getattr(self, self._stack_name)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers."""
+        return self.stack.layers
+
+    def tie_weights(self) -> None:
+        """Shares the embedding with the LM head when the class and the config tie them."""
+        if self.ties_word_embeddings and getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.stack.token_embedding.weight
+
+    @staticmethod
+    def remap_weight_name(name: str) -> str:
+        """Checkpoint tensor name -> parameter name (identity unless a model maps names)."""
+        return name
+
+    def process_weights_after_loading(self) -> None:
+        """Lets each recurrent layer precompute its derived tensors."""
+        for layer in stateful_layers(self):
+            layer.process_weights_after_loading()
+
+    def forward(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Runs the step's tokens `input_ids (T,)`; returns normed hidden states `(T, H)`."""
+        embeds = self.stack.token_embedding(input_ids)  # (T, H)
+        if self.embedding_multiplier != 1.0:
+            embeds = embeds * self.embedding_multiplier
+        hidden = embeds
+        for layer in self.stack.layers:
+            hidden = layer(hidden, meta, embeds)
+        return self.stack.last_norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden (R, H)` of the sampled positions -> float32 logits `(R, V)`."""
+        return self.scale_logits(self.lm_head(hidden.to(self.lm_head.compute_dtype)).float())
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's scaling of its float32 logits `(R, V)` (none by default)."""
+        return logits
+
+
+__all__ = ["CausalLM", "DecoderStack", "StackNames"]
