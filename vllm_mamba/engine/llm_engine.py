@@ -6,7 +6,8 @@ tokens, detokenizes, applies stop conditions and frees the slots of finished seq
 that raises ends only its own requests (`RequestsFailedError`).
 
 With `enable_prefix_caching`, `engine.prefix_cache` holds the state snapshots and
-`prefix_steps.PrefixCacheSteps` does the engine's part of each step with them.
+`prefix_steps.PrefixCacheSteps` does the engine's part of each step with them; with it off,
+`prefix_steps.NoPrefixSteps` does nothing, so the step calls the same hooks either way.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from vllm_mamba.engine.block_manager import BlockManager, blocks_for
 from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
 from vllm_mamba.engine.output_processor import OutputProcessor
 from vllm_mamba.engine.prefix_cache import PrefixCache
-from vllm_mamba.engine.prefix_steps import PrefixCacheSteps
+from vllm_mamba.engine.prefix_steps import NoPrefixSteps, PrefixCacheSteps
 from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
@@ -105,10 +106,9 @@ class LLMEngine:
         self.stats = EngineCounters()
         self.inputs = InputProcessor(tokenizer, mc.vocab_size, mc.max_model_len)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_id, mc.max_model_len)
-        self.prefix_steps = None
+        self.prefix_steps: PrefixCacheSteps | NoPrefixSteps = NoPrefixSteps()
         if self.prefix_cache is not None:
             self.prefix_steps = PrefixCacheSteps(self.prefix_cache, self.runner, self.outputs)
-            self.runner.keep_sampled_hidden = True
         self._warm_up()
         self.load_seconds = time.perf_counter() - started
         self._log_banner()
@@ -170,9 +170,7 @@ class LLMEngine:
             raise EngineStartupError(self._startup_failure(f"log-probability {logprob}"))
         self.stats = EngineCounters()
         self.runner.generator.manual_seed(self.config.model_config.seed)
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
-            self.prefix_cache.queries = self.prefix_cache.hits = 0
+        self.prefix_steps.reset()
 
     def _startup_failure(self, what: str) -> str:
         mc = self.config.model_config
@@ -251,8 +249,8 @@ class LLMEngine:
             preemptions=c.preemptions,
             kv_blocks_used=self.scheduler.block_manager.num_used_blocks,
             kv_blocks_total=self.scheduler.block_manager.num_blocks,
-            prefix_cache_queries=self.prefix_cache.queries if self.prefix_cache else 0,
-            prefix_cache_hits=self.prefix_cache.hits if self.prefix_cache else 0,
+            prefix_cache_queries=self.prefix_steps.queries,
+            prefix_cache_hits=self.prefix_steps.hits,
         )
 
     # ----- requests -------------------------------------------------------------------
@@ -376,16 +374,14 @@ class LLMEngine:
             self.stats.failed_requests += len(failed)
             raise RequestsFailedError(failed, err) from err
         finally:
-            if self.prefix_steps is not None:
-                self.prefix_steps.end_step(step, failed=not ran)
+            self.prefix_steps.end_step(step, failed=not ran)
 
     def _run_step(self, step: SchedulerOutput) -> list[RequestOutput]:
         started = time.monotonic()
         for item in step.scheduled:
             if item.group.first_scheduled_time is None:
                 item.group.first_scheduled_time = started
-        if self.prefix_steps is not None:
-            self.prefix_steps.before_forward(step)
+        self.prefix_steps.before_forward(step)
         result = self.executor.execute(step)
         self.stats.steps += 1
         touched: dict[str, SequenceGroup] = {}
@@ -399,8 +395,7 @@ class LLMEngine:
             chunk = result.prompt_logprobs.get(item.group.request_id)
             if chunk is not None:
                 self.outputs.append_prompt_logprobs(item.group, chunk)
-        if self.prefix_steps is not None:
-            self.prefix_steps.after_forward(step)
+        self.prefix_steps.after_forward(step)
         for item in step.scheduled:
             for seq in [item.seq, *item.children]:
                 if seq.seq_id in result.samples:
@@ -408,9 +403,8 @@ class LLMEngine:
                     self.outputs.append_token(item.group, seq, row, out, now_s)
                     self.stats.generation_tokens += 1
                     if seq.status.finished:
-                        if self.prefix_steps is not None:
-                            hidden = result.sampled_hidden.get(seq.seq_id)
-                            self.prefix_steps.on_finished(item.group, seq, hidden)
+                        hidden = result.sampled_hidden.get(seq.seq_id)
+                        self.prefix_steps.on_finished(item.group, seq, hidden)
                         self.scheduler.finish_seq(seq)
                     touched[item.group.request_id] = item.group
         self.scheduler.remove_finished()

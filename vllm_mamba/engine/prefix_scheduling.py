@@ -1,8 +1,14 @@
 """The scheduler's side of prefix caching: hits on admission, chunk ends, snapshots to take,
 and waiting for a branch point.
 
-`Scheduler` calls these when the engine has a `prefix_cache.PrefixCache`; each decision is
-plain bookkeeping over the radix tree, the block manager and the sequences:
+`Scheduler` calls these unconditionally: `PrefixScheduling` when the engine has a
+`prefix_cache.PrefixCache`, `NoPrefixScheduling` (every decision a no-op) when prefix caching
+is off. Each decision is plain bookkeeping over the radix tree, the block manager and the
+sequences:
+
+- `add_path` / `drop_path`: a request's prompt is registered in the tree while it runs (its
+  branch points are where snapshots are due).
+- `evict_for_blocks`: frees a snapshot's KV blocks when the pool is short.
 
 - `find_hits`: a sequence being admitted starts from the deepest snapshot of its tokens (at
   most all but its last token, which must run to be sampled); the snapshot is pinned until the
@@ -21,7 +27,7 @@ from typing import Any
 from vllm_mamba.engine.prefix_cache import PrefixCache, Snapshot, common_len
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 
-__all__ = ["PrefixHit", "PrefixScheduling", "MIN_WAIT_TOKENS"]
+__all__ = ["PrefixHit", "PrefixScheduling", "NoPrefixScheduling", "MIN_WAIT_TOKENS"]
 
 # A waiting request waits for a running one's snapshot only when it saves this many tokens.
 MIN_WAIT_TOKENS = 16
@@ -49,6 +55,20 @@ class PrefixScheduling:
     def __init__(self, cache: PrefixCache, block_manager: Any) -> None:
         self.cache = cache
         self.block_manager = block_manager
+
+    def add_path(self, group: SequenceGroup) -> None:
+        """Registers a new request's prompt in the tree."""
+        group.path_node = self.cache.add_path(group.prompt_token_ids)
+
+    def drop_path(self, group: SequenceGroup) -> None:
+        """Unregisters a request's prompt (it finished or was aborted)."""
+        if group.path_node is not None:
+            self.cache.drop_path(group.path_node)
+            group.path_node = None
+
+    def evict_for_blocks(self) -> bool:
+        """Evicts one snapshot that holds KV blocks; False when there is none."""
+        return self.cache.evict_one(need_blocks=True)
 
     def chunk_end(self, group: SequenceGroup, seq: Sequence, end: int) -> int:
         """Where a prefill chunk of `seq` planned to end at `end` should end instead."""
@@ -120,6 +140,42 @@ class PrefixScheduling:
             if shared < len(tokens) and shared - have >= MIN_WAIT_TOKENS:
                 if seq.num_computed_tokens < shared:
                     return True
+        return False
+
+
+class NoPrefixScheduling:
+    """The scheduler's prefix-cache decisions when prefix caching is off: none."""
+
+    def add_path(self, group: SequenceGroup) -> None:
+        """Nothing to register."""
+
+    def drop_path(self, group: SequenceGroup) -> None:
+        """Nothing to unregister."""
+
+    def evict_for_blocks(self) -> bool:
+        """No snapshot holds blocks."""
+        return False
+
+    def chunk_end(self, group: SequenceGroup, seq: Sequence, end: int) -> int:
+        """Chunks end where the budget ends."""
+        return end
+
+    def find_hits(self, group: SequenceGroup, seqs: list[Sequence]) -> list[PrefixHit]:
+        """No hits."""
+        return []
+
+    def undo_hits(self, hits: list[PrefixHit]) -> None:
+        """No hits to undo."""
+
+    def count(self, group: SequenceGroup, seqs: list[Sequence], hits: list[PrefixHit]) -> None:
+        """Nothing is counted."""
+
+    def maybe_snapshot(self, group: SequenceGroup, seq: Sequence, num: int) -> Any:
+        """No snapshot is due."""
+        return None
+
+    def should_wait(self, group: SequenceGroup, running: list[SequenceGroup]) -> bool:
+        """Never waits."""
         return False
 
 

@@ -11,6 +11,9 @@ copies states. This module does what lies between, on the engine thread:
   the snapshots its hits read;
 - when a sequence finishes, it saves its state (prompt plus all but its last token, which was
   sampled but never run): the next chat turn starts there.
+
+The engine calls these unconditionally: `PrefixCacheSteps` with prefix caching on,
+`NoPrefixSteps` (no-ops, no counters) when it is off.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from vllm_mamba.engine.scheduler import SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 from vllm_mamba.outputs import PositionLogprobs
 
-__all__ = ["PrefixCacheSteps"]
+__all__ = ["PrefixCacheSteps", "NoPrefixSteps"]
 
 
 class PrefixCacheSteps:
@@ -34,6 +37,22 @@ class PrefixCacheSteps:
         self.cache = cache
         self.runner = runner
         self.outputs = outputs
+        runner.keep_sampled_hidden = True  # finished sequences are saved with their last row
+
+    @property
+    def queries(self) -> int:
+        """Prompt tokens looked up in the cache (vLLM's counter)."""
+        return self.cache.queries
+
+    @property
+    def hits(self) -> int:
+        """Prompt tokens found in the cache."""
+        return self.cache.hits
+
+    def reset(self) -> None:
+        """Forgets every snapshot and zeroes the counters (after the warm-up)."""
+        self.cache.clear()
+        self.cache.queries = self.cache.hits = 0
 
     def before_forward(self, step: SchedulerOutput) -> None:
         """Fills the prompt logprobs of the step's hits."""
@@ -92,6 +111,28 @@ class PrefixCacheSteps:
         )
         chunk = self.runner.prompt_logprob_from_hidden(snap.hidden, prompt[depth], k, depth)
         self.outputs.append_prompt_logprobs(group, chunk)
+
+
+class NoPrefixSteps:
+    """The engine's prefix-cache work when prefix caching is off: none."""
+
+    queries = 0
+    hits = 0
+
+    def reset(self) -> None:
+        """Nothing to forget."""
+
+    def before_forward(self, step: SchedulerOutput) -> None:
+        """No hits to fill."""
+
+    def after_forward(self, step: SchedulerOutput) -> None:
+        """No snapshots to register."""
+
+    def end_step(self, step: SchedulerOutput, failed: bool) -> None:
+        """Nothing pinned."""
+
+    def on_finished(self, group: SequenceGroup, seq: Sequence, hidden: Any) -> None:
+        """Nothing saved."""
 
 
 def _trim_top(entry: PositionLogprobs, k: int, target: int) -> PositionLogprobs:

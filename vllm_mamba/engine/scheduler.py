@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from vllm_mamba.engine.block_manager import BlockManager, PlaceholderBlockManager
 from vllm_mamba.engine.prefix_cache import PendingSnapshot, PrefixCache
-from vllm_mamba.engine.prefix_scheduling import PrefixHit, PrefixScheduling
+from vllm_mamba.engine.prefix_scheduling import NoPrefixScheduling, PrefixHit, PrefixScheduling
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from vllm_mamba.mamba_cache import SlotAllocator
 
@@ -97,8 +97,11 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
-        self.prefix_cache = prefix_cache
-        self.prefix = PrefixScheduling(prefix_cache, self.block_manager) if prefix_cache else None
+        self.prefix: PrefixScheduling | NoPrefixScheduling = (
+            PrefixScheduling(prefix_cache, self.block_manager)
+            if prefix_cache is not None
+            else NoPrefixScheduling()
+        )
 
     def new_seq_id(self) -> int:
         """A fresh sequence id."""
@@ -106,8 +109,7 @@ class Scheduler:
 
     def add(self, group: SequenceGroup) -> None:
         """Queues a new request (and registers its prompt's path with the prefix cache)."""
-        if self.prefix_cache is not None:
-            group.path_node = self.prefix_cache.add_path(group.prompt_token_ids)
+        self.prefix.add_path(group)
         self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
@@ -123,7 +125,7 @@ class Scheduler:
                     for seq in group.unfinished_seqs():
                         seq.status = SequenceStatus.FINISHED_ABORTED
                     self._free_group(group)
-                    self._drop_path(group)
+                    self.prefix.drop_path(group)
                     return group
         return None
 
@@ -139,13 +141,8 @@ class Scheduler:
         done = [g for g in self.running if g.finished]
         self.running = [g for g in self.running if not g.finished]
         for group in done:
-            self._drop_path(group)
+            self.prefix.drop_path(group)
         return done
-
-    def _drop_path(self, group: SequenceGroup) -> None:
-        if self.prefix_cache is not None and group.path_node is not None:
-            self.prefix_cache.drop_path(group.path_node)
-            group.path_node = None
 
     def preempt(self, group: SequenceGroup) -> None:
         """Preemption by recompute: frees the request's slots and blocks and requeues it at the
@@ -186,12 +183,12 @@ class Scheduler:
             seqs = group.unfinished_seqs()
             if self.slots.num_free < len(seqs) + group.pending_forks:
                 break
-            if self.prefix is not None and self.prefix.should_wait(group, self.running):
+            if self.prefix.should_wait(group, self.running):
                 waiting += 1
                 continue
             for seq in seqs:
                 seq.slot = self.slots.allocate()
-            hits = self.prefix.find_hits(group, seqs) if self.prefix is not None else []
+            hits = self.prefix.find_hits(group, seqs)
             plan = self._plan(group, budget)
             if not self._fit_blocks(plan):
                 self._undo_admission(seqs, hits)
@@ -201,9 +198,8 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             group.reserved_slots = [self.slots.allocate() for _ in range(group.pending_forks)]
             self.running.append(group)
-            if self.prefix is not None:
-                self.prefix.count(group, seqs, hits)
-                out.hits.extend(hits)
+            self.prefix.count(group, seqs, hits)
+            out.hits.extend(hits)
             budget -= self._commit(group, plan, out)
         out.scheduled.sort(key=lambda s: not s.is_decode)
         out.block_copies = self.block_manager.take_copies()
@@ -217,7 +213,7 @@ class Scheduler:
             num = min(seq.num_uncomputed_tokens, budget)
             if num == 0:
                 break
-            if self.prefix is not None and num > 1:
+            if num > 1:
                 start = seq.num_computed_tokens
                 num = self.prefix.chunk_end(group, seq, start + num) - start
             plan.append((seq, num))
@@ -226,8 +222,7 @@ class Scheduler:
 
     def _undo_admission(self, seqs: list[Sequence], hits: list[PrefixHit]) -> None:
         """Frees what an admission that did not fit took: hits, blocks and slots."""
-        if self.prefix is not None:
-            self.prefix.undo_hits(hits)
+        self.prefix.undo_hits(hits)
         for seq in seqs:
             self.block_manager.free(seq.seq_id)
             assert seq.slot is not None
@@ -239,7 +234,7 @@ class Scheduler:
         that hold blocks if needed."""
         work = self._work(plan)
         while not self.block_manager.can_allocate(work):
-            if self.prefix_cache is None or not self.prefix_cache.evict_one(need_blocks=True):
+            if not self.prefix.evict_for_blocks():
                 return False
         return True
 
@@ -255,10 +250,9 @@ class Scheduler:
         used = 0
         for seq, num in plan:
             self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens, num)
-            if self.prefix is not None:
-                pending = self.prefix.maybe_snapshot(group, seq, num)
-                if pending is not None:
-                    out.snapshots.append(pending)
+            pending = self.prefix.maybe_snapshot(group, seq, num)
+            if pending is not None:
+                out.snapshots.append(pending)
             sample = num == seq.num_uncomputed_tokens
             children = self._fork(group, seq) if sample and group.pending_forks else []
             table = self.block_manager.block_table(seq.seq_id)

@@ -35,7 +35,6 @@ from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
 from vllm_mamba.layers.mlp import GatedMLP
-from vllm_mamba.layers.parallel_linear import vocab_embedding
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
@@ -96,7 +95,6 @@ class BambaForCausalLM(CausalLM):
         check_mamba2_args(args, int(config.mamba_expand * config.hidden_size))
         super().__init__(
             config, ops, tp, names=NAMES,
-            embeddings=vocab_embedding(config.vocab_size, config.hidden_size, tp),
             layers=[_layer(config, i, ops, tp) for i in range(config.num_hidden_layers)],
-            final_norm=RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+            norm_eps=config.rms_norm_eps,
         )  # fmt: skip

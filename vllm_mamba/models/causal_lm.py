@@ -33,7 +33,8 @@ from torch import nn
 
 from vllm_mamba.distributed.parallel_state import TensorParallel
 from vllm_mamba.layers.cache_layers import stateful_layers
-from vllm_mamba.layers.parallel_linear import lm_head
+from vllm_mamba.layers.layernorm import RMSNorm
+from vllm_mamba.layers.parallel_linear import lm_head, vocab_embedding
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -87,14 +88,17 @@ class CausalLM(nn.Module):
         tp: TensorParallel,
         *,
         names: StackNames,
-        embeddings: nn.Module,
         layers: Sequence[nn.Module],
-        final_norm: nn.Module,
+        norm_eps: float,
         embedding_multiplier: float = 1.0,
     ) -> None:
+        """Args: `layers` the decoder layers; `norm_eps` the final RMSNorm's epsilon; the
+        embedding is vocabulary-parallel under tensor parallelism."""
         super().__init__()
         self.config = config
         self._stack_name = names.prefix
+        embeddings = vocab_embedding(config.vocab_size, config.hidden_size, tp)
+        final_norm = RMSNorm(config.hidden_size, eps=norm_eps)
         self.add_module(names.prefix, DecoderStack(names, embeddings, layers, final_norm))
         self.embedding_multiplier = float(embedding_multiplier)
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, ops, tp)

@@ -42,7 +42,7 @@ from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
 from vllm_mamba.layers.layernorm import RMSNorm, weightless_rms_norm
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
 from vllm_mamba.layers.mlp import GatedMLP
-from vllm_mamba.layers.parallel_linear import row_linear, vocab_embedding
+from vllm_mamba.layers.parallel_linear import row_linear
 from vllm_mamba.layers.parallel_norm import SplitGroupGatedRMSNorm
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.bamba import make_rotary
@@ -149,9 +149,8 @@ class FalconH1ForCausalLM(CausalLM):
         check_mamba2_args(mamba2_args_from_mamba_prefix(config), _ssm_width(config))
         super().__init__(
             config, ops, tp, names=NAMES,
-            embeddings=vocab_embedding(config.vocab_size, config.hidden_size, tp),
             layers=[_layer(config, ops, tp) for _ in range(config.num_hidden_layers)],
-            final_norm=RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+            norm_eps=config.rms_norm_eps,
             embedding_multiplier=config.embedding_multiplier,
         )  # fmt: skip
         self.lm_head_multiplier = float(config.lm_head_multiplier)

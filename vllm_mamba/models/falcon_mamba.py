@@ -10,29 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
-from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
-from vllm_mamba.layers.mamba_mixer import MambaMixer
 from vllm_mamba.models.mamba import MambaForCausalLM
-from vllm_mamba.ops.table import MambaOps
 
 
 class FalconMambaForCausalLM(MambaForCausalLM):
     """FalconMamba language model: Mamba whose mixers normalise dt, B and C."""
 
     @staticmethod
-    def make_mixer(config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> nn.Module:
-        """One layer's mixer: Mamba's, with `mixer_rms_eps` set."""
-        return MambaMixer(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            state_size=config.state_size,
-            conv_kernel=config.conv_kernel,
-            time_step_rank=int(config.time_step_rank),
-            use_bias=config.use_bias,
-            use_conv_bias=config.use_conv_bias,
-            ops=ops,
-            mixer_rms_eps=config.mixer_rms_eps,
-            tp=tp,
-        )
+    def mixer_args(config: Any) -> dict[str, Any]:
+        """Mamba's mixer arguments, with `mixer_rms_eps` set."""
+        return dict(MambaForCausalLM.mixer_args(config), mixer_rms_eps=config.mixer_rms_eps)

@@ -45,7 +45,6 @@ from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
 from vllm_mamba.layers.mlp import GatedMLP
 from vllm_mamba.layers.moe import ExpertRouter, RouterConfig, SparseMoE, StackedGatedExperts
-from vllm_mamba.layers.parallel_linear import vocab_embedding
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
@@ -137,9 +136,8 @@ class GraniteMoeHybridForCausalLM(CausalLM):
             raise ValueError(f"position_embedding_type {pe!r} is not supported (rope or none)")
         super().__init__(
             config, ops, tp, names=NAMES,
-            embeddings=vocab_embedding(config.vocab_size, config.hidden_size, tp),
             layers=[_layer(config, kind, ops, tp) for kind in layer_types(config)],
-            final_norm=RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+            norm_eps=config.rms_norm_eps,
             embedding_multiplier=config.embedding_multiplier,
         )  # fmt: skip
         self.logits_scaling = float(config.logits_scaling)

@@ -45,7 +45,6 @@ from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mamba_mixer import MambaMixer
 from vllm_mamba.layers.mlp import GatedMLP
 from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, SparseMoE
-from vllm_mamba.layers.parallel_linear import vocab_embedding
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.mamba2_args import attention_head_dim, check_silu
@@ -138,7 +137,6 @@ class JambaForCausalLM(CausalLM):
         check_silu(config)
         super().__init__(
             config, ops, tp, names=NAMES,
-            embeddings=vocab_embedding(config.vocab_size, config.hidden_size, tp),
             layers=[_layer(config, i, ops, tp) for i in range(config.num_hidden_layers)],
-            final_norm=RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+            norm_eps=config.rms_norm_eps,
         )  # fmt: skip

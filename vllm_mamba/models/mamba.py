@@ -16,7 +16,6 @@ from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mamba_mixer import MambaMixer
-from vllm_mamba.layers.parallel_linear import vocab_embedding
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.mamba2_args import check_silu
 from vllm_mamba.ops.table import MambaOps
@@ -27,7 +26,7 @@ NAMES = StackNames(prefix="backbone", embeddings="embeddings", final_norm="norm_
 class MambaForCausalLM(CausalLM):
     """Mamba language model: pre-norm residual blocks around one mixer each (`norm`, `mixer`);
     attention-free, so it runs with the placeholder backend. Subclasses with another mixer
-    (Mamba2, FalconMamba) override `make_mixer`."""
+    (Mamba2) override `make_mixer`, and variants of its mixer (FalconMamba) `mixer_args`."""
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         check_silu(config)
@@ -42,14 +41,18 @@ class MambaForCausalLM(CausalLM):
         ]
         super().__init__(
             config, ops, tp, names=NAMES,
-            embeddings=vocab_embedding(config.vocab_size, config.hidden_size, tp),
-            layers=layers, final_norm=RMSNorm(config.hidden_size, eps=eps),
+            layers=layers, norm_eps=eps,
         )  # fmt: skip
 
-    @staticmethod
-    def make_mixer(config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> nn.Module:
+    @classmethod
+    def make_mixer(cls, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> nn.Module:
         """One layer's mixer (this rank's shard of it)."""
-        return MambaMixer(
+        return MambaMixer(**cls.mixer_args(config), ops=ops, tp=tp)
+
+    @staticmethod
+    def mixer_args(config: Any) -> dict[str, Any]:
+        """`MambaMixer` arguments (without `ops` and `tp`) from the config."""
+        return dict(
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
             state_size=config.state_size,
@@ -57,8 +60,6 @@ class MambaForCausalLM(CausalLM):
             time_step_rank=int(config.time_step_rank),
             use_bias=config.use_bias,
             use_conv_bias=config.use_conv_bias,
-            ops=ops,
-            tp=tp,
         )
 
     @staticmethod

@@ -36,7 +36,6 @@ from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
 from vllm_mamba.layers.mlp import MLP
 from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, SparseMoE
-from vllm_mamba.layers.parallel_linear import vocab_embedding
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.mamba2_args import attention_head_dim, check_silu
@@ -141,9 +140,8 @@ class NemotronHForCausalLM(CausalLM):
             raise ValueError("mamba_num_heads must be a multiple of n_groups")
         super().__init__(
             config, ops, tp, names=NAMES,
-            embeddings=vocab_embedding(config.vocab_size, config.hidden_size, tp),
             layers=[_layer(config, kind, ops, tp) for kind in block_types(config)],
-            final_norm=RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon),
+            norm_eps=config.layer_norm_epsilon,
         )  # fmt: skip
 
     @staticmethod

@@ -61,7 +61,6 @@ from vllm_mamba.layers.parallel_linear import (
     Ranges,
     column_linear,
     row_linear,
-    vocab_embedding,
 )
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
@@ -316,7 +315,6 @@ class Zamba2ForCausalLM(CausalLM):
         check_config(config)
         super().__init__(
             config, ops, tp, names=NAMES,
-            embeddings=vocab_embedding(config.vocab_size, config.hidden_size, tp),
             layers=_layers(config, ops, tp),
-            final_norm=RMSNorm(config.hidden_size, eps=config.rms_norm_eps),
+            norm_eps=config.rms_norm_eps,
         )  # fmt: skip
