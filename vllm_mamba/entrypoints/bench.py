@@ -120,7 +120,7 @@ def memory_report(llm: Any, budget_gb: float | None) -> dict[str, Any]:
         `budget_bytes` and `max_concurrent_seqs` (budget minus weights, over the state bytes).
     """
     engine = llm.llm_engine
-    state = engine.cache.shape.bytes_per_slot()
+    state = engine.cache.bytes_per_slot()
     seen: set[int] = set()
     weights = 0
     for t in [*engine.model.parameters(), *engine.model.buffers()]:
