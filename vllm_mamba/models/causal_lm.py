@@ -8,8 +8,9 @@
 
 A model file builds its layers (usually `DecoderLayer`s from parts) and hands them here with
 the checkpoint's names of the container (`StackNames`: `backbone.embeddings` ... `norm_f` for
-Mamba, `model.embed_tokens` ... `final_layernorm` for most hybrids); it keeps only what is its
-own: the config mapping, the layer plan, the weight-name mapping (`remap_weight_name`) and odd
+Mamba, `model.embed_tokens` ... `final_layernorm` for most hybrids), under which this class
+adds the (vocabulary-parallel) embedding and the final RMSNorm; the model keeps only what is
+its own: the config mapping, the layer plan, the weight-name mapping (`remap_weight_name`) and odd
 scalings. Layers reach their caches through what the engine bound to them
 (`layers.cache_layers`), so the forward passes no cache.
 

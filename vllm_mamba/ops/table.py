@@ -10,11 +10,13 @@ This module imports no backend, so the backends and the dispatcher can all impor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from vllm_mamba.ops.families import family_ops
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
 from vllm_mamba.ops.int8_linear import int8_linear_ref
 from vllm_mamba.ops.paged_attention import (
@@ -181,3 +183,7 @@ class MambaOps:
     fused_mamba_decode: FusedMambaDecodeOp | None = None
     fused_mamba2_decode: FusedMamba2DecodeOp | None = None
     int8_linear: Int8LinearOp = int8_linear_ref
+
+    def family(self, name: str) -> SimpleNamespace:
+        """The ops of family `name` (`vllm_mamba.ops.families`) for this backend."""
+        return family_ops(name, self.name)
