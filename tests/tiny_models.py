@@ -220,6 +220,10 @@ def _check_registry() -> None:
         for key in f.differ:  # the variants differ where the family's code branches
             values = [str(c.get(key)) for c in variants]
             assert len(set(values)) == len(values), (f.name, key, values)
+        for name in f.tp:  # the SSD and attention heads split over 2 ranks
+            heads = ("num_heads", "mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
+            for key in (*heads, "num_attention_heads"):
+                assert f.configs[name].get(key, 2) % 2 == 0, (name, key)
     assert cfg.MAMBA["untied"]["vocab_size"] > 50277  # padded beyond the tokenizer's
     jamba = [cfg.JAMBA[n] for n in FAMILY["jamba"].reference]
     ratios = {c["num_attention_heads"] // c["num_key_value_heads"] for c in jamba}
