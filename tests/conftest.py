@@ -7,8 +7,8 @@
 
 Tests marked `cuda` are skipped on a machine without an NVIDIA GPU.
 
-Tiny checkpoints come from `tests.tiny_models` (saved once per session); the OpenAI server
-fixtures are in `tests/entrypoints/conftest.py`.
+Tiny checkpoints of every family come from the one registry, `tests.tiny_models` (by name,
+saved once per session); the OpenAI server fixtures are in `tests/entrypoints/conftest.py`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, ModelRegistry, SamplingParams
 
@@ -18,8 +19,8 @@ PROMPTS = ["Hello world", "The quick brown fox"]
 
 
 def run(path: str) -> list[list[int]]:
-    outs = LLM(path).generate(PROMPTS, GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    with VllmRunner(path) as runner:
+        return runner.generate_greedy(PROMPTS, 12)
 
 
 @pytest.mark.parametrize("name", ["tied", "untied"])
@@ -125,9 +126,9 @@ def test_hub_id_from_offline_cache(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_dtype_option(dtype: str) -> None:
-    llm = LLM(tiny_model_dir("tied"), dtype=dtype)
-    assert llm.llm_engine.model.lm_head.weight.dtype == getattr(torch, dtype)
-    out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with VllmRunner(tiny_model_dir("tied"), dtype=dtype) as runner:
+        assert runner.engine.model.lm_head.weight.dtype == getattr(torch, dtype)
+        out = runner.generate(PROMPTS, GREEDY)
     assert all(len(o.outputs[0].token_ids) == 12 for o in out)
 
 

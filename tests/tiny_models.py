@@ -1,80 +1,284 @@
-"""Tiny Mamba checkpoints built from configs with fixed seeds, saved in Hugging Face format.
+"""The one registry of tiny models: every family, its variants, and what the checks need.
 
-Default initialisation gives near-constant outputs, so every weight except `A_log`, `D` and
-the norms is re-drawn from N(0, 0.3^2): the generations are then varied. The real GPT-NeoX
-tokenizer of the `state-spaces/mamba-*-hf` checkpoints is saved beside the weights.
+Each `Family` names its transformers class, its variants (configs in
+`tests.helpers.tiny_configs`), the recurrent layer kind, whether it is a hybrid (attention
+layers, so a KV cache), which variants split over 2 tensor-parallel ranks, and what its checks
+need (prefill chunk budgets, a weight scale with its reason). `tests/models/test_families.py`
+runs the same checks over every family; every test that needs a tiny model gets it here, by
+name, through `tiny_model_dir`.
+
+The checkpoints are transformers models built from their configs with fixed seeds. Default
+initialisation gives near-constant outputs, so every weight except `A_log`, `D` and the norms
+is re-drawn from N(0, std^2) (std 0.3 unless the family says otherwise; MoE score-correction
+biases from N(0, 0.1^2), so routing varies): the generations are then varied. Each is saved
+once per session with `save_pretrained` (the checkpoints' own tensor names) beside the real
+GPT-NeoX tokenizer of the `state-spaces/mamba-*-hf` checkpoints.
+
+What the registry states about its own configs (the variants differ where the family's code
+branches) is asserted when this module is imported, not in tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
 
 import torch
 
+from tests.helpers import tiny_configs as cfg
 from tests.helpers.tmp_dirs import make_tmp_dir
 
 TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "data", "gpt-neox-20b-tokenizer")
 
-CONFIGS: dict[str, dict] = {
-    # conv 4, auto time-step rank, no linear biases, fp32 residual, tied head.
-    "tied": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        state_size=8,
-        conv_kernel=4,
-        expand=2,
-        use_bias=False,
-        use_conv_bias=True,
-        residual_in_fp32=True,
-        tie_word_embeddings=True,
-        vocab_size=50280,
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family and the tiny checkpoints its checks run on.
+
+    Attributes:
+        name: the family's name (test ids).
+        hf_class: the transformers class, also the architecture the engine loads.
+        configs: variant name -> transformers config keyword arguments.
+        mixer: the recurrent layer kind: `mamba` (selective scan) or `mamba2` (SSD).
+        hybrid: has attention layers, so a paged KV cache beside the state slots.
+        main: the variant the batching, chunking, pressure and prefix checks run on.
+        second: the variant of the seeded-fork checks (another shape than `main`).
+        tp: the variants whose heads split over 2 ranks; empty where TP is not supported.
+        chunk_budgets: the odd token budgets of the chunked-prefill check (chosen to cut
+            across SSD chunks and KV blocks of 16).
+        weight_std: the std of the re-drawn weights.
+        cuda_graphs: its CUDA-graph decode is checked against eager and the CPU (on a GPU).
+        differ: config keys whose value differs between every two variants checked
+            against transformers (asserted on import).
+        reference: the variants checked against transformers (all but TP-only shapes); all
+            of `configs` when empty.
+    """
+
+    name: str
+    hf_class: str
+    configs: dict[str, dict]
+    mixer: str
+    hybrid: bool
+    main: str
+    second: str
+    tp: tuple[str, ...]
+    chunk_budgets: tuple[int, ...]
+    differ: tuple[str, ...]
+    reference: tuple[str, ...] = ()
+    weight_std: float = 0.3
+    cuda_graphs: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.reference:
+            object.__setattr__(self, "reference", tuple(self.configs))
+
+
+_HYBRID_BUDGETS = (1, 5, 17, 23)
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "mamba",
+        "MambaForCausalLM",
+        cfg.MAMBA,
+        mixer="mamba",
+        hybrid=False,
+        main="tied",
+        second="untied",
+        # Mamba's mixer under TP: FalconMamba's entry (the same mixer with dt/B/C norms);
+        # Mamba with int8 weights under TP: tests/distributed/test_tensor_parallel.py.
+        tp=(),
+        chunk_budgets=(1, 4, 16),
+        differ=("conv_kernel", "use_bias", "residual_in_fp32", "tie_word_embeddings"),
     ),
-    # conv 3, explicit rank, biases, no conv bias, untied head, vocab padded further.
-    "untied": dict(
-        hidden_size=48,
-        num_hidden_layers=3,
-        state_size=16,
-        conv_kernel=3,
-        expand=2,
-        time_step_rank=8,
-        use_bias=True,
-        use_conv_bias=False,
-        residual_in_fp32=False,
-        tie_word_embeddings=False,
-        vocab_size=50304,
-        layer_norm_epsilon=1e-5,
+    Family(
+        "falcon_mamba",
+        "FalconMambaForCausalLM",
+        cfg.FALCON_MAMBA,
+        mixer="mamba",
+        hybrid=False,
+        main="falcon-untied",
+        second="falcon-tied",
+        tp=("falcon-untied",),
+        chunk_budgets=(1, 7),
+        differ=("mixer_rms_eps", "tie_word_embeddings"),
+        cuda_graphs=True,
     ),
-}
+    Family(
+        "mamba2",
+        "Mamba2ForCausalLM",
+        cfg.MAMBA2,
+        mixer="mamba2",
+        hybrid=False,
+        main="mamba2-groups",
+        second="mamba2-tied",
+        tp=("mamba2-g1", "mamba2-groups"),
+        chunk_budgets=(1, 5, 23),
+        differ=("n_groups", "conv_kernel", "chunk_size", "use_bias", "tie_word_embeddings"),
+        reference=("mamba2-groups", "mamba2-tied"),
+        cuda_graphs=True,
+    ),
+    Family(
+        "jamba",
+        "JambaForCausalLM",
+        cfg.JAMBA,
+        mixer="mamba",
+        hybrid=True,
+        main="jamba-gqa",
+        second="jamba-mqa",
+        tp=("jamba-gqa",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=("attn_layer_period", "attn_layer_offset", "num_experts", "mamba_d_conv"),
+    ),
+    Family(
+        "bamba",
+        "BambaForCausalLM",
+        cfg.BAMBA,
+        mixer="mamba2",
+        hybrid=True,
+        main="bamba-gqa",
+        second="bamba-mqa",
+        tp=("bamba-gqa",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "attn_layer_indices",
+            "num_key_value_heads",
+            "mamba_n_groups",
+            "tie_word_embeddings",
+        ),
+    ),
+    Family(
+        "granite_hybrid",
+        "GraniteMoeHybridForCausalLM",
+        cfg.GRANITE,
+        mixer="mamba2",
+        hybrid=True,
+        main="granite-moe-rope",
+        second="granite-dense-nope",
+        tp=("granite-moe-rope",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=("num_local_experts", "position_embedding_type", "tie_word_embeddings"),
+    ),
+    Family(
+        "nemotron_h",
+        "NemotronHForCausalLM",
+        cfg.NEMOTRON_H,
+        mixer="mamba2",
+        hybrid=True,
+        main="nemotron-h-dense",
+        second="nemotron-h-moe",
+        tp=("nemotron-h-mqa-even",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=("hybrid_override_pattern", "num_key_value_heads", "n_groups"),
+        reference=("nemotron-h-dense", "nemotron-h-moe"),
+    ),
+    Family(
+        "falcon_h1",
+        "FalconH1ForCausalLM",
+        cfg.FALCON_H1,
+        mixer="mamba2",
+        hybrid=True,
+        main="falcon-h1-norm",
+        second="falcon-h1-plain",
+        tp=("falcon-h1-norm",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=("mamba_rms_norm", "num_key_value_heads", "tie_word_embeddings"),
+    ),
+    Family(
+        "zamba2",
+        "Zamba2ForCausalLM",
+        cfg.ZAMBA2,
+        mixer="mamba2",
+        hybrid=True,
+        main="zamba2-lora-rope",
+        second="zamba2-gqa-nope",
+        tp=("zamba2-lora-rope",),
+        # 1 and 5 are checked on prompt logprobs in tests/models/test_zamba2.py.
+        chunk_budgets=(23,),
+        differ=("num_mem_blocks", "use_shared_attention_adapter", "tie_word_embeddings"),
+        # Zamba2's shared block attends over 2H-wide inputs with the scale (D / 2) ** -0.5: at
+        # std 0.3 its logits are so large that float32 rounding alone moves transformers' own
+        # logprobs by up to 0.2 (against float64); at 0.15 both transformers and this engine
+        # stay within 5e-5 of float64.
+        weight_std=0.15,
+    ),
+)
+
+FAMILY: dict[str, Family] = {f.name: f for f in FAMILIES}
+MODEL_FAMILY: dict[str, Family] = {m: f for f in FAMILIES for m in f.configs}
 
 
-def build_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - transformers model
-    """The transformers `MambaForCausalLM` of config `name`, with varied random weights."""
-    from transformers import MambaConfig, MambaForCausalLM
+def _check_registry() -> None:
+    """The registry's own promises, asserted when it is built."""
+    assert len(MODEL_FAMILY) == sum(len(f.configs) for f in FAMILIES), "a name is used twice"
+    for f in FAMILIES:
+        assert f.mixer in ("mamba", "mamba2"), f.name
+        assert {f.main, f.second, *f.tp, *f.reference} <= set(f.configs), f.name
+        assert f.main != f.second and f.main in f.reference, f.name
+        variants = [f.configs[n] for n in f.reference]
+        for key in f.differ:  # the variants differ where the family's code branches
+            values = [str(c.get(key)) for c in variants]
+            assert len(set(values)) == len(values), (f.name, key, values)
+        for name in f.tp:  # the SSD and attention heads split over 2 ranks
+            heads = ("num_heads", "mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
+            for key in (*heads, "num_attention_heads"):
+                assert f.configs[name].get(key, 2) % 2 == 0, (name, key)
+    assert cfg.MAMBA["untied"]["vocab_size"] > 50277  # padded beyond the tokenizer's
+    jamba = [cfg.JAMBA[n] for n in FAMILY["jamba"].reference]
+    ratios = {c["num_attention_heads"] // c["num_key_value_heads"] for c in jamba}
+    assert ratios == {1, 2, 6}  # MHA, GQA, MQA
+    assert {c["num_experts_per_tok"] for c in jamba if c["num_experts"] > 1} == {1, 2}
 
+
+_check_registry()
+
+
+def hf_class(name: str) -> str:
+    """The transformers class name of tiny model `name`."""
+    return MODEL_FAMILY[name].hf_class
+
+
+def build_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - a transformers model
+    """The transformers model of tiny model `name`, with varied random weights."""
+    import transformers
+
+    family = MODEL_FAMILY[name]
+    model_cls = getattr(transformers, family.hf_class)
     torch.manual_seed(seed)
-    config = MambaConfig(**CONFIGS[name], bos_token_id=0, eos_token_id=0, pad_token_id=1)
-    model = MambaForCausalLM(config).eval()
+    config = model_cls.config_class(
+        **family.configs[name], bos_token_id=0, eos_token_id=0, pad_token_id=1
+    )
+    model = model_cls(config).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith(("A_log", ".D")) or "norm" in pname:
                 continue
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            p.copy_(torch.randn(p.shape, generator=g) * family.weight_std)
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):  # MoE routing: varied choices
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return model
+
+
+def copy_tokenizer(path: str) -> None:
+    """Copies the GPT-NeoX tokenizer files into checkpoint directory `path`."""
+    for file in os.listdir(TOKENIZER_DIR):
+        if file.endswith(".json"):
+            shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
 
 
 @functools.cache
 def tiny_model_dir(name: str, fmt: str = "safetensors") -> str:
-    """Saves tiny model `name` once per session and returns its directory.
+    """Saves tiny model `name` once per session (and format) and returns its directory.
 
     Args:
-        name: a key of `CONFIGS`.
+        name: a variant of one of `FAMILIES`.
         fmt: `safetensors`, `sharded` (several safetensors shards with an index) or `bin`.
     """
     model = build_hf_model(name)
-    path = make_tmp_dir(f"tiny-mamba-{name}-{fmt}-")
+    path = make_tmp_dir(f"tiny-{name}-{fmt}-")
     if fmt == "bin":
         model.save_pretrained(path)
         os.remove(os.path.join(path, "model.safetensors"))
@@ -83,163 +287,7 @@ def tiny_model_dir(name: str, fmt: str = "safetensors") -> str:
     elif fmt == "sharded":
         model.save_pretrained(path, max_shard_size="1MB")
     else:
+        assert fmt == "safetensors", fmt
         model.save_pretrained(path)
-    for file in os.listdir(TOKENIZER_DIR):
-        if file.endswith(".json"):
-            shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
+    copy_tokenizer(path)
     return path
-
-
-# FalconMamba and Mamba2 tiny checkpoints: name -> (transformers class, config kwargs).
-OTHER_CONFIGS: dict[str, tuple[str, dict]] = {
-    # Mamba's "tied" shape; the dt/B/C norms use the default epsilon.
-    "falcon-tied": ("FalconMambaForCausalLM", dict(CONFIGS["tied"], mixer_rms_eps=1e-6)),
-    # Mamba's "untied" shape; the mixer epsilon differs from the layer norms'.
-    "falcon-untied": ("FalconMambaForCausalLM", dict(CONFIGS["untied"], mixer_rms_eps=1e-3)),
-    # 8 heads of 16 in 2 groups, SSD chunks of 16, untied head (Mamba2's default).
-    "mamba2-groups": (
-        "Mamba2ForCausalLM",
-        dict(
-            hidden_size=64,
-            num_hidden_layers=2,
-            expand=2,
-            num_heads=8,
-            head_dim=16,
-            n_groups=2,
-            state_size=16,
-            conv_kernel=4,
-            chunk_size=16,
-            use_bias=False,
-            use_conv_bias=True,
-            residual_in_fp32=True,
-            tie_word_embeddings=False,
-            vocab_size=50280,
-        ),
-    ),
-    # 3 heads of 32 in one group, conv 3, SSD chunks of 8, biases, tied head, vocab 50277
-    # padded to a multiple of 16 (as the mamba-ssm checkpoints are).
-    "mamba2-tied": (
-        "Mamba2ForCausalLM",
-        dict(
-            hidden_size=48,
-            num_hidden_layers=3,
-            expand=2,
-            num_heads=3,
-            head_dim=32,
-            n_groups=1,
-            state_size=8,
-            conv_kernel=3,
-            chunk_size=8,
-            use_bias=True,
-            use_conv_bias=False,
-            residual_in_fp32=False,
-            tie_word_embeddings=True,
-            vocab_size=50288,
-        ),
-    ),
-}
-
-
-def build_other_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - transformers model
-    """The transformers model of `OTHER_CONFIGS[name]`, with varied random weights.
-
-    Every weight except `A_log`, `D` and the norms is re-drawn from N(0, 0.3^2); Mamba2's
-    `dt_bias` too.
-    """
-    import transformers
-
-    cls_name, kwargs = OTHER_CONFIGS[name]
-    model_cls = getattr(transformers, cls_name)
-    torch.manual_seed(seed)
-    config = model_cls.config_class(**kwargs, bos_token_id=0, eos_token_id=0, pad_token_id=1)
-    model = model_cls(config).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith(("A_log", ".D")) or "norm" in pname:
-                continue
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model
-
-
-@functools.cache
-def other_model_dir(name: str) -> str:
-    """Saves tiny model `OTHER_CONFIGS[name]` (safetensors) once per session; its directory."""
-    model = build_other_hf_model(name)
-    path = make_tmp_dir(f"tiny-{name}-")
-    model.save_pretrained(path)
-    for file in os.listdir(TOKENIZER_DIR):
-        if file.endswith(".json"):
-            shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
-    return path
-
-
-# Jamba hybrids: attention every `attn_layer_period` from `attn_layer_offset`, MoE every
-# `expert_layer_period` from `expert_layer_offset`. Varied GQA ratios, expert counts, top-k
-# and conv widths.
-_JAMBA_COMMON = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-6)
-JAMBA_CONFIGS: dict[str, dict] = {
-    # 4 layers: Mamba, attention (+MoE), Mamba, attention (+MoE); GQA 2; 4 experts, top-2.
-    "jamba-gqa": dict(
-        _JAMBA_COMMON,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        tie_word_embeddings=False,
-    ),
-    # 5 layers: attention at 0 and 3; MQA (6 query heads, 1 kv head); 3 experts, top-1 at
-    # layer 2; conv 3, explicit dt rank, projection biases, no conv bias, tied head.
-    "jamba-mqa": dict(
-        _JAMBA_COMMON,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=5,
-        attn_layer_period=3,
-        attn_layer_offset=0,
-        num_attention_heads=6,
-        num_key_value_heads=1,
-        num_experts=3,
-        num_experts_per_tok=1,
-        expert_layer_period=3,
-        expert_layer_offset=2,
-        mamba_d_state=16,
-        mamba_d_conv=3,
-        mamba_expand=2,
-        mamba_dt_rank=8,
-        mamba_proj_bias=True,
-        mamba_conv_bias=False,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
-    ),
-    # 3 layers: attention at 2 only, plain multi-head (4 = 4); dense MLPs only; conv 2.
-    "jamba-dense": dict(
-        _JAMBA_COMMON,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        attn_layer_period=4,
-        attn_layer_offset=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        num_experts=1,
-        num_experts_per_tok=1,
-        expert_layer_period=1,
-        expert_layer_offset=0,
-        mamba_d_state=8,
-        mamba_d_conv=2,
-        mamba_expand=2,
-        tie_word_embeddings=False,
-    ),
-}
-OTHER_CONFIGS.update({name: ("JambaForCausalLM", cfg) for name, cfg in JAMBA_CONFIGS.items()})

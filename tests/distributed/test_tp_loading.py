@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.conftest import model_dir
+from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM
 from vllm_mamba.distributed.parallel_state import TensorParallel
 from vllm_mamba.executor.ray_executor import _import_ray
@@ -36,7 +36,7 @@ def _nbytes(model: torch.nn.Module) -> int:
 
 
 def test_mamba_shards_are_the_model_split_by_channels() -> None:
-    path = model_dir("falcon-untied")
+    path = tiny_model_dir("falcon-untied")
     full, shards = _build(path, 0, 1), [_build(path, r, 2) for r in range(2)]
     f, s = full.backbone.layers[1].mixer, [m.backbone.layers[1].mixer for m in shards]
     inter = f.intermediate_size
@@ -56,7 +56,7 @@ def test_mamba_shards_are_the_model_split_by_channels() -> None:
 
 
 def test_mamba2_one_group_is_replicated_and_heads_split() -> None:
-    path = model_dir("mamba2-g1")
+    path = tiny_model_dir("mamba2-g1")
     full, shards = _build(path, 0, 1), [_build(path, r, 2) for r in range(2)]
     f, s = full.backbone.layers[0].mixer, [m.backbone.layers[0].mixer for m in shards]
     inter, gn = f.intermediate_size, f.n_groups * f.state_size
@@ -80,7 +80,7 @@ class SingleRankMamba(MambaForCausalLM):
 
 
 def test_architecture_without_tensor_parallelism_is_refused(tmp_path: Path) -> None:
-    shutil.copytree(model_dir("tied"), tmp_path, dirs_exist_ok=True)
+    shutil.copytree(tiny_model_dir("tied"), tmp_path, dirs_exist_ok=True)
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["SingleRankMamba"]
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -94,7 +94,7 @@ def test_architecture_without_tensor_parallelism_is_refused(tmp_path: Path) -> N
 
 def test_shapes_that_do_not_split_are_refused() -> None:
     with pytest.raises(ValueError, match=r"num_heads \(3\) must be a multiple of tensor_paral"):
-        _build(model_dir("mamba2-tied"), 0, 2)
+        _build(tiny_model_dir("mamba2-tied"), 0, 2)
 
 
 def test_ray_backend_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

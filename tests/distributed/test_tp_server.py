@@ -22,8 +22,9 @@ import pytest
 
 from tests.entrypoints.conftest import _wait_healthy, free_port
 from tests.helpers.prompts import make_prompts
+from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
-from vllm_mamba import LLM, SamplingParams
+from vllm_mamba import SamplingParams
 
 DEATH_BOUND_S = 30.0  # the stream fails, /health fails and the server exits within this
 
@@ -71,12 +72,11 @@ def tp_server() -> Iterator[tuple[subprocess.Popen, str]]:
 def test_completions_equal_one_rank(tp_server: tuple[subprocess.Popen, str]) -> None:
     _, url = tp_server
     prompts = make_prompts()[2:6]
-    llm = LLM(tiny_model_dir("tied"), device="cpu", max_num_seqs=8)
-    ref = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-        use_tqdm=False,
-    )
+    with VllmRunner(tiny_model_dir("tied"), device="cpu", max_num_seqs=8) as runner:
+        ref = runner.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        )
     body = {"model": "tp", "prompt": prompts, "max_tokens": 10, "temperature": 0}
     body["ignore_eos"] = True
     resp = httpx.post(f"{url}/v1/completions", json=body, timeout=60)

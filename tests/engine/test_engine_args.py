@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.engine.arg_utils import EngineArgs
@@ -88,7 +89,7 @@ def test_option_reaches_the_engine_the_same_way(name: str, monkeypatch: pytest.M
 
 
 def test_loaded_engine_reflects_the_options() -> None:
-    llm = LLM(
+    with VllmRunner(
         tiny_model_dir("tied"),
         max_num_seqs=3,
         max_model_len=99,
@@ -97,22 +98,22 @@ def test_loaded_engine_reflects_the_options() -> None:
         ssm_state_dtype="bfloat16",
         served_model_name=["tiny"],
         disable_log_stats=True,
-    )
-    engine = llm.llm_engine
-    config = engine.config
-    assert config.scheduler_config.max_num_seqs == 3 == engine.scheduler.slots.num_slots
-    assert config.scheduler_config.max_num_batched_tokens == 17
-    assert config.model_config.max_model_len == 99
-    assert config.model_config.seed == 5
-    assert config.model_config.served_model_name == ["tiny"]
-    # the option applies to the recurrent states; the conv histories keep the model dtype
-    assert engine.cache.state_dtypes() == [torch.bfloat16]
-    layer = engine.cache.layer(0)
-    assert layer["ssm"].dtype == torch.bfloat16
-    assert layer["conv"].dtype == config.model_config.dtype
-    assert not config.log_stats
-    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    ) as runner:
+        llm, engine = runner.llm, runner.engine
+        config = engine.config
+        assert config.scheduler_config.max_num_seqs == 3 == engine.scheduler.slots.num_slots
+        assert config.scheduler_config.max_num_batched_tokens == 17
+        assert config.model_config.max_model_len == 99
+        assert config.model_config.seed == 5
+        assert config.model_config.served_model_name == ["tiny"]
+        # the option applies to the recurrent states; the conv histories keep the model dtype
+        assert engine.cache.state_dtypes() == [torch.bfloat16]
+        layer = engine.cache.layer(0)
+        assert layer["ssm"].dtype == torch.bfloat16
+        assert layer["conv"].dtype == config.model_config.dtype
+        assert not config.log_stats
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_float16_on_cpu_is_a_clear_startup_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -218,7 +219,6 @@ def test_warm_up_failure_is_a_startup_error(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_warm_up_leaves_no_trace() -> None:
-    engine = LLM(tiny_model_dir("tied"), max_num_seqs=2).llm_engine
-    assert not engine.has_unfinished_requests()
-    assert engine.scheduler.slots.num_used == 0
-    assert engine.stats.prompt_tokens == engine.stats.generation_tokens == 0
+    with VllmRunner(tiny_model_dir("tied"), max_num_seqs=2) as runner:
+        runner.assert_drained()
+        assert runner.engine.stats.prompt_tokens == runner.engine.stats.generation_tokens == 0

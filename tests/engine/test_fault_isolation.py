@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.helpers.runners import VllmRunner, assert_drained
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
-from vllm_mamba.engine.llm_engine import LLMEngine
 from vllm_mamba.engine.model_runner import ModelRunner
 from vllm_mamba.errors import RequestsFailedError
 
@@ -22,17 +23,14 @@ PROMPT = {"prompt_token_ids": [11, 22, 33, 44, 55]}
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(tiny_model_dir("tied"), max_num_seqs=6, max_model_len=96)
+def llm() -> Iterator[LLM]:
+    """One engine for the module; drained (every slot free) when the module ends."""
+    with VllmRunner(tiny_model_dir("tied"), max_num_seqs=6, max_model_len=96) as runner:
+        yield runner.llm
 
 
 def _tokens(llm: LLM, prompt: Any = PROMPT) -> list[int]:
     return llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-
-
-def _assert_drained(engine: LLMEngine) -> None:
-    assert not engine.has_unfinished_requests()
-    assert engine.scheduler.slots.num_used == 0
 
 
 def _fail_next_steps(monkeypatch: pytest.MonkeyPatch, count: int) -> list[int]:
@@ -57,9 +55,9 @@ def test_a_failed_step_fails_its_request_and_the_next_succeeds(
     _fail_next_steps(monkeypatch, 1)
     with pytest.raises(RequestsFailedError, match="injected step failure"):
         _tokens(llm)
-    _assert_drained(llm.llm_engine)
+    assert_drained(llm.llm_engine)
     assert _tokens(llm) == want
-    _assert_drained(llm.llm_engine)
+    assert_drained(llm.llm_engine)
 
 
 def test_only_the_requests_of_the_failed_step_end(
@@ -74,7 +72,7 @@ def test_only_the_requests_of_the_failed_step_end(
     with pytest.raises(RequestsFailedError) as err:
         engine.step()
     assert sorted(err.value.request_ids) == ["early", "late"]
-    _assert_drained(engine)
+    assert_drained(engine)
     engine.add_request("after", PROMPT, GREEDY)
     outs = []
     while engine.has_unfinished_requests():
@@ -117,7 +115,7 @@ def test_values_outside_the_model_are_refused_at_the_door(
 ) -> None:
     with pytest.raises(ValueError, match=field):
         llm.generate(PROMPT, SamplingParams(max_tokens=4, **params), use_tqdm=False)
-    _assert_drained(llm.llm_engine)
+    assert_drained(llm.llm_engine)
 
 
 @pytest.mark.parametrize("prompt", ["a\ud800b", "\udfff"])
@@ -197,6 +195,6 @@ def test_random_requests_never_take_the_engine_down(
         except RequestsFailedError:
             pass
     assert accepted > 30
-    _assert_drained(engine)
+    assert_drained(engine)
     monkeypatch.setattr(ModelRunner, "execute", real)
     assert _tokens(llm) == want

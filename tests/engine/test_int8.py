@@ -24,10 +24,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.hybrid_models import hybrid_model_dir
 from tests.helpers.runners import VllmRunner
 from tests.helpers.tmp_dirs import make_tmp_dir
-from tests.tiny_models import other_model_dir, tiny_model_dir
+from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.config import record_quantization
 from vllm_mamba.engine.arg_utils import EngineArgs
@@ -40,13 +39,13 @@ from vllm_mamba.ops.int8_linear import dequantize_int8, int8_linear_ref
 MODELS = {
     "mamba-tied": lambda: tiny_model_dir("tied"),
     "mamba-untied-bias": lambda: tiny_model_dir("untied"),
-    "falcon-mamba": lambda: other_model_dir("falcon-untied"),
-    "mamba2": lambda: other_model_dir("mamba2-groups"),
-    "jamba": lambda: other_model_dir("jamba-gqa"),
-    "bamba": lambda: hybrid_model_dir("bamba-gqa"),
-    "granite-moe": lambda: hybrid_model_dir("granite-moe-rope"),
-    "nemotron-h-moe": lambda: hybrid_model_dir("nemotron-h-moe"),
-    "falcon-h1": lambda: hybrid_model_dir("falcon-h1-norm"),
+    "falcon-mamba": lambda: tiny_model_dir("falcon-untied"),
+    "mamba2": lambda: tiny_model_dir("mamba2-groups"),
+    "jamba": lambda: tiny_model_dir("jamba-gqa"),
+    "bamba": lambda: tiny_model_dir("bamba-gqa"),
+    "granite-moe": lambda: tiny_model_dir("granite-moe-rope"),
+    "nemotron-h-moe": lambda: tiny_model_dir("nemotron-h-moe"),
+    "falcon-h1": lambda: tiny_model_dir("falcon-h1-norm"),
 }
 EXACT_MODELS = ["mamba-tied", "mamba-untied-bias", "mamba2", "jamba"]
 
@@ -159,16 +158,16 @@ def test_int8_close_to_float_on_the_trained_model() -> None:
 
 
 def test_int8_layers_and_memory() -> None:
-    llm = LLM(tiny_model_dir("tied"), quantization="int8", max_num_seqs=1)
-    model = llm.llm_engine.model
-    mixer = model.backbone.layers[0].mixer
-    for linear in (mixer.in_proj, mixer.x_proj, mixer.out_proj, model.lm_head):
-        assert linear.weight.dtype == torch.int8 and linear.weight_scale.dtype == torch.float32
-        assert linear.compute_dtype == torch.float32
-    assert mixer.dt_proj.weight.dtype == torch.float32  # read directly by the mixer
-    assert isinstance(model.backbone.embeddings, Int8Embedding)  # the tied head's table
-    assert model.backbone.embeddings.weight is model.lm_head.weight
-    assert llm.llm_engine.config.model_config.quantization == "int8"
+    with VllmRunner(tiny_model_dir("tied"), quantization="int8", max_num_seqs=1) as runner:
+        model = runner.engine.model
+        mixer = model.backbone.layers[0].mixer
+        for linear in (mixer.in_proj, mixer.x_proj, mixer.out_proj, model.lm_head):
+            assert linear.weight.dtype == torch.int8 and linear.weight_scale.dtype == torch.float32
+            assert linear.compute_dtype == torch.float32
+        assert mixer.dt_proj.weight.dtype == torch.float32  # read directly by the mixer
+        assert isinstance(model.backbone.embeddings, Int8Embedding)  # the tied head's table
+        assert model.backbone.embeddings.weight is model.lm_head.weight
+        assert runner.engine.config.model_config.quantization == "int8"
 
 
 def test_unknown_quantization_is_a_value_error() -> None:

@@ -7,6 +7,9 @@ length, a multi-turn follow-up (the last prompt plus its answer plus a new messa
 logprobs asked for with a larger top-k than the snapshot kept, and a batch arriving at once
 (later requests wait for the branch point). Every slot, block and snapshot is accounted for
 after draining and after aborts.
+
+A smaller shared-prefix, batch and multi-turn check runs on every family in
+`tests/models/test_families.py`.
 """
 
 from __future__ import annotations
@@ -16,16 +19,15 @@ import random
 import pytest
 import torch
 
-from tests.helpers.hybrid_models import hybrid_model_dir
 from tests.helpers.runners import VllmRunner
-from tests.tiny_models import other_model_dir, tiny_model_dir
+from tests.tiny_models import tiny_model_dir
 from vllm_mamba import RequestOutput, SamplingParams
 
 MODELS = {
     "mamba": lambda: tiny_model_dir("tied"),
-    "mamba2": lambda: other_model_dir("mamba2-groups"),
-    "jamba": lambda: other_model_dir("jamba-gqa"),
-    "bamba": lambda: hybrid_model_dir("bamba-gqa"),
+    "mamba2": lambda: tiny_model_dir("mamba2-groups"),
+    "jamba": lambda: tiny_model_dir("jamba-gqa"),
+    "bamba": lambda: tiny_model_dir("bamba-gqa"),
 }
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
 ECHO = SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1)
@@ -228,34 +230,3 @@ def _nodes(root: object) -> list:
         out.append(node)
         stack.extend(node.children.values())
     return out
-
-
-# Every other supported architecture: a shared prefix, a batch, a multi-turn follow-up.
-OTHERS = {
-    "falcon-mamba": lambda: other_model_dir("falcon-untied"),
-    "granite": lambda: hybrid_model_dir("granite-moe-rope"),
-    "nemotron-h": lambda: hybrid_model_dir("nemotron-h-moe"),
-    "falcon-h1": lambda: hybrid_model_dir("falcon-h1-norm"),
-    "zamba2": lambda: hybrid_model_dir("zamba2-lora-rope"),
-}
-
-
-@pytest.mark.parametrize("name", sorted(OTHERS))
-def test_every_architecture_cache_on_equals_off(name: str) -> None:
-    path = OTHERS[name]()
-    rng = random.Random(5)
-    system = _ids(rng, 37)
-    prompts = [system + _ids(rng, 3 + i) for i in range(4)]
-    with VllmRunner(path, **ENGINE) as off:
-        ref = _run(off, prompts[:2], PARAMS)
-        ref_batch = off.generate([{"prompt_token_ids": p} for p in prompts[2:]], PARAMS)
-        turn2 = prompts[0] + ref[0].outputs[0].token_ids + [11, 12]
-        ref2 = _run(off, [turn2], PARAMS)[0]
-    with VllmRunner(path, enable_prefix_caching=True, **ENGINE) as on:
-        got = _run(on, prompts[:2], PARAMS)
-        got_batch = on.generate([{"prompt_token_ids": p} for p in prompts[2:]], PARAMS)
-        got2 = _run(on, [turn2], PARAMS)[0]
-        for g, r in zip([*got, *got_batch, got2], [*ref, *ref_batch, ref2]):
-            _assert_same(g, r)
-        assert [g.num_cached_tokens for g in got_batch] == [37, 37]
-        assert got2.num_cached_tokens == len(turn2) - 3

@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.entrypoints.conftest import ROLE_CONTENT_TEMPLATE
+from tests.helpers.runners import VllmRunner, assert_drained
 from tests.tiny_models import tiny_model_dir
-from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.engine.llm_engine import LLMEngine
 from vllm_mamba.engine.model_runner import ModelRunner
@@ -26,9 +26,10 @@ BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def llm_engine() -> LLMEngine:
-    model = tiny_model_dir("tied")
-    return LLMEngine.from_engine_args(EngineArgs(model=model, max_num_seqs=4, max_model_len=128))
+def llm_engine() -> Iterator[LLMEngine]:
+    """One engine for the module (a `VllmRunner`'s: drained when the module ends)."""
+    with VllmRunner(tiny_model_dir("tied"), max_num_seqs=4, max_model_len=128) as runner:
+        yield runner.engine
 
 
 class Served:
@@ -50,8 +51,7 @@ class Served:
     def assert_clean(self) -> None:
         assert self.client.get("/health").status_code == 200
         assert self.engine.num_requests == 0
-        assert not self.engine.engine.has_unfinished_requests()
-        assert self.engine.engine.scheduler.slots.num_used == 0
+        assert_drained(self.engine.engine)
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import pytest
 
 from tests.entrypoints.conftest import MODEL_NAME, launch_server
 from tests.helpers import family_checks as checks
-from tests.helpers.hybrid_models import hybrid_model_dir
 from tests.helpers.prompts import make_prompts
 from tests.helpers.runners import VllmRunner
+from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
 
 BLOCKS = 14
@@ -32,7 +32,7 @@ def _metric(text: str, name: str) -> float:
     ["bamba-gqa", "granite-moe-rope", "nemotron-h-moe", "falcon-h1-norm", "zamba2-lora-rope"],
 )
 def test_served_hybrid_equals_llm_generate(name: str) -> None:
-    path = hybrid_model_dir(name)
+    path = tiny_model_dir(name)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     with VllmRunner(path) as runner:
         want = [o.outputs[0].text for o in runner.generate(checks.prompts(), params)]

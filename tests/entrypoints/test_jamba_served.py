@@ -14,7 +14,7 @@ from tests.entrypoints.conftest import MODEL_NAME, launch_server
 from tests.helpers import family_checks as checks
 from tests.helpers.prompts import make_prompts
 from tests.helpers.runners import VllmRunner
-from tests.tiny_models import other_model_dir
+from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
 from vllm_mamba.entrypoints.cli import main
 
@@ -28,7 +28,7 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_served_jamba_equals_llm_under_kv_pressure(vllm_runner: type[VllmRunner]) -> None:
-    path = other_model_dir("jamba-gqa")
+    path = tiny_model_dir("jamba-gqa")
     params = SamplingParams(temperature=0, max_tokens=20)
     with vllm_runner(path) as runner:
         want = [o.outputs[0].text for o in runner.generate(checks.prompts(), params)]
@@ -64,7 +64,7 @@ def test_served_jamba_equals_llm_under_kv_pressure(vllm_runner: type[VllmRunner]
 def test_generate_command_runs_jamba(
     capsys: pytest.CaptureFixture[str], vllm_runner: type[VllmRunner]
 ) -> None:
-    path = other_model_dir("jamba-mqa")
+    path = tiny_model_dir("jamba-mqa")
     prompt = "def fibonacci(n):"
     with vllm_runner(path, num_gpu_blocks_override=16) as runner:
         want = runner.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]

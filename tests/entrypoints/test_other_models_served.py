@@ -7,7 +7,7 @@ import pytest
 
 from tests.entrypoints.conftest import MODEL_NAME, launch_server
 from tests.helpers.runners import VllmRunner
-from tests.tiny_models import other_model_dir
+from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
 
 PROMPTS = ["The quick brown fox", "def main():"]
@@ -15,7 +15,7 @@ PROMPTS = ["The quick brown fox", "def main():"]
 
 @pytest.mark.parametrize("name", ["falcon-tied", "mamba2-tied"])
 def test_server_greedy_text_equals_llm(vllm_runner: type[VllmRunner], name: str) -> None:
-    model_dir = other_model_dir(name)
+    model_dir = tiny_model_dir(name)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with vllm_runner(model_dir) as runner:
         want = [o.outputs[0].text for o in runner.generate(PROMPTS, params)]

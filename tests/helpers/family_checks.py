@@ -1,65 +1,76 @@
-"""Checks shared by the tests of every model family: transformers parity and invariances.
+"""The checks every model family is held to (`tests/models/test_families.py` runs them).
 
-Each family's test module calls these on its tiny checkpoints (`tests.tiny_models`), so every
-model is held to the same table: greedy tokens equal to transformers with varied references,
-close logprobs, batching invariance, chunked prefill equal to whole prefill, `n > 1` forks
-and no state slot left in use (`VllmRunner` checks it when its block ends).
+Against independent references: transformers (greedy tokens equal with varied references,
+logprobs close), each prompt run alone (batched, queued, chunked prefill, KV pressure with
+preemption, forks), seeded lone requests (forked samples), the same engine with the prefix
+cache off, and one rank (tensor parallelism). Every engine is a `VllmRunner`, whose block
+checks on exit that no request is left and every state slot and KV block is free. The
+references are computed once per checkpoint and session (`hf_reference`, `alone`).
 """
 
 from __future__ import annotations
 
 import functools
+import random
 
+import pytest
 import torch
 
 from tests.helpers.prompts import MAX_TOKENS, make_prompts
 from tests.helpers.runners import HfRunner, VllmRunner
-from vllm_mamba import LLM, RequestOutput, SamplingParams
+from tests.tiny_models import hf_class, tiny_model_dir
+from vllm_mamba import RequestOutput, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
+LOGPROB_ATOL = 1e-4  # float32 rounding of two implementations of the same sums
+TP_ATOL = 1e-3  # sums split over ranks and all-reduced, and chunked against whole prefill
+
+
+def prompts() -> list[dict]:
+    """`make_prompts()` (1 to 131 tokens) as `LLM.generate` inputs."""
+    return [{"prompt_token_ids": p} for p in make_prompts()]
+
+
+def tokens(outs: list[RequestOutput]) -> list[list[int]]:
+    """The token ids of each request's first completion."""
+    return [o.outputs[0].token_ids for o in outs]
 
 
 @functools.cache
-def hf_reference(cls_name: str, path: str) -> list[tuple[list[int], torch.Tensor]]:
+def hf_reference(name: str) -> list[tuple[list[int], torch.Tensor]]:
     """Greedy tokens and per-step log-softmax `(steps, V)` from transformers, prompt by prompt."""
-    return HfRunner(path, cls_name).generate_greedy_logprobs(make_prompts(), MAX_TOKENS)
+    runner = HfRunner(tiny_model_dir(name), hf_class(name))
+    return runner.generate_greedy_logprobs(make_prompts(), MAX_TOKENS)
 
 
-def assert_matches_transformers(cls_name: str, path: str) -> None:
-    """Greedy tokens equal, top-5 logprobs within 1e-4 (abs + rel), references varied."""
-    refs = hf_reference(cls_name, path)
+def assert_matches_transformers(name: str) -> None:
+    """Greedy tokens equal, top-5 logprobs within `LOGPROB_ATOL`, the sampled
+    token ranked first, references varied."""
+    refs = hf_reference(name)
     ref_tokens = [t for t, _ in refs]
     # A model that repeats itself proves nothing: the references must be varied.
     assert all(len(set(t)) >= MAX_TOKENS // 2 for t in ref_tokens), ref_tokens
     assert len({tuple(t) for t in ref_tokens}) == len(ref_tokens)
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
-    with VllmRunner(path) as runner:
+    with VllmRunner(tiny_model_dir(name)) as runner:
         outs = runner.generate(prompts(), params)
-    for out, (tokens, ref_lp) in zip(outs, refs):
+    for out, (want, ref_lp) in zip(outs, refs):
         got = out.outputs[0]
-        assert got.token_ids == tokens
-        assert len(got.logprobs) == len(tokens)
+        assert got.token_ids == want
+        assert got.finish_reason == "length"
+        assert len(got.logprobs) == len(want)
         for step, entry in enumerate(got.logprobs):
             top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:5]
             ref_top = ref_lp[step].topk(5)
             assert [t for t, _ in top] == ref_top.indices.tolist()
+            assert entry[got.token_ids[step]].rank == 1
             torch.testing.assert_close(
-                torch.tensor([lp.logprob for _, lp in top]), ref_top.values, rtol=1e-4, atol=1e-4
+                torch.tensor([lp.logprob for _, lp in top]),
+                ref_top.values,
+                rtol=0,
+                atol=LOGPROB_ATOL,
             )
-
-
-def prompts() -> list[dict]:
-    return [{"prompt_token_ids": p} for p in make_prompts()]
-
-
-def tokens(outs: list[RequestOutput]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def engine(path: str, **kwargs) -> LLM:  # noqa: ANN003 - LLM's keyword arguments
-    """A fresh engine on `path`."""
-    return LLM(path, **kwargs)
 
 
 @functools.cache
@@ -70,7 +81,7 @@ def alone(path: str) -> list[list[int]]:
 
 
 def assert_batched_equals_alone(path: str) -> None:
-    """All prompts in one batch, then queued through two slots; every slot freed after."""
+    """All prompts in one batch, then queued through two slots."""
     with VllmRunner(path) as runner:
         assert tokens(runner.generate(prompts(), GREEDY)) == alone(path)
     with VllmRunner(path, max_num_seqs=2) as runner:
@@ -83,9 +94,39 @@ def assert_chunked_equals_whole(path: str, budget: int) -> None:
         assert tokens(runner.generate(prompts()[2:8], GREEDY)) == alone(path)[2:8]
 
 
+def assert_kv_pressure_equals_no_pressure(path: str, blocks: int = 14) -> None:
+    """8 prompts of 1..131 tokens + 20 generated need 37 blocks of 16; `blocks` forces
+    preemptions (counted, and reported by the stats snapshot), and the outputs stay those of
+    each prompt alone."""
+    with VllmRunner(path, block_size=16, num_gpu_blocks_override=blocks) as runner:
+        outs = runner.generate(prompts(), GREEDY)
+        engine = runner.engine
+        assert engine.stats.preemptions > 0
+        assert engine.stats_snapshot().preemptions == engine.stats.preemptions
+        assert engine.stats_snapshot().kv_blocks_total == blocks
+        assert engine.scheduler.block_manager.num_free_blocks == blocks
+    assert tokens(outs) == alone(path)
+
+
+def assert_forks_and_chunks_under_pressure(path: str) -> None:
+    """Seeded forked requests under KV pressure and chunked prefill equal a free run."""
+    params = [SamplingParams(temperature=1.0, max_tokens=12, n=1 + i % 3, seed=i) for i in range(8)]
+    with VllmRunner(path, max_num_seqs=16) as runner:
+        free = runner.generate(prompts(), params)
+    with VllmRunner(
+        path, max_num_seqs=16, num_gpu_blocks_override=30, max_num_batched_tokens=40
+    ) as runner:
+        tight = runner.generate(prompts(), params)
+        assert runner.engine.stats.preemptions > 0
+    assert [[o.token_ids for o in r.outputs] for r in tight] == [
+        [o.token_ids for o in r.outputs] for r in free
+    ]
+
+
 def assert_forks_equal_alone(path: str) -> None:
-    """Greedy `n = 3` gives three copies of the lone run; the forked slots are freed."""
-    sampled = SamplingParams(temperature=1.0, max_tokens=12, n=3, seed=3)
+    """Greedy `n = 3` gives three copies of the lone run; a seeded `n = 3` request (top-p)
+    gives the same samples alone and beside other requests, and its samples differ."""
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, n=3, seed=3)
     with VllmRunner(path, max_num_seqs=4) as runner:
         out = runner.generate(prompts()[5], SamplingParams(temperature=0, max_tokens=20, n=3))[0]
         first = runner.generate(prompts()[3], sampled)[0]
@@ -93,6 +134,105 @@ def assert_forks_equal_alone(path: str) -> None:
     assert [o.token_ids for o in out.outputs] == [alone(path)[5]] * 3
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in first.outputs]
     assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+
+
+def assert_forks_equal_independent_seeded_runs(path: str) -> None:
+    """Sample `i` of a seeded `n = 3` request equals a lone request seeded `seed + 7919 * i`:
+    the forks' copied state slots (and shared and copied KV blocks) hold the right values."""
+    prompt = prompts()[6]  # 100 tokens: 6 full blocks and a partial one
+    forked = SamplingParams(temperature=1.0, max_tokens=16, n=3, seed=11)
+    with VllmRunner(path, max_num_seqs=4) as runner:
+        out = runner.generate(prompt, forked)[0]
+        lone = [
+            runner.generate(prompt, SamplingParams(temperature=1.0, max_tokens=16, seed=s))[0]
+            for s in (11, 11 + 7919, 11 + 2 * 7919)
+        ]
+    assert [o.token_ids for o in out.outputs] == [lo.outputs[0].token_ids for lo in lone]
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+
+
+def _assert_close_outputs(got: RequestOutput, ref: RequestOutput, atol: float) -> None:
+    """Same tokens, same top-k token sets and logprobs within `atol` (sampled and prompt)."""
+    a, b = got.outputs[0], ref.outputs[0]
+    assert a.token_ids == b.token_ids
+    for ea, eb in zip(a.logprobs, b.logprobs):
+        assert ea.keys() == eb.keys()
+        for t in ea:
+            assert ea[t].logprob == pytest.approx(eb[t].logprob, abs=atol)
+    for ea, eb in zip((got.prompt_logprobs or [])[1:], (ref.prompt_logprobs or [])[1:]):
+        for t in eb:
+            assert ea[t].logprob == pytest.approx(eb[t].logprob, abs=atol)
+
+
+def assert_prefix_cache_on_equals_off(path: str) -> None:
+    """Four prompts sharing a 37-token system prompt (an unaligned length), two one by one and
+    two in one batch, then the first one's next chat turn: with the cache on, the batch reuses
+    the system prompt and the turn everything but its 3 new tokens (the last generated one and
+    two more); outputs equal those with the cache off."""
+    rng = random.Random(5)
+    system = _random_ids(rng, 37)
+    asks = [system + _random_ids(rng, 3 + i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+    engine = dict(max_num_batched_tokens=48, block_size=16, prefix_snapshot_interval=32)
+
+    def run(runner: VllmRunner) -> tuple[list[RequestOutput], RequestOutput]:
+        alone = [runner.generate({"prompt_token_ids": p}, params)[0] for p in asks[:2]]
+        batch = runner.generate([{"prompt_token_ids": p} for p in asks[2:]], params)
+        turn = asks[0] + alone[0].outputs[0].token_ids + [11, 12]
+        return [*alone, *batch], runner.generate({"prompt_token_ids": turn}, params)[0]
+
+    with VllmRunner(path, **engine) as off:
+        ref, ref_turn = run(off)
+    with VllmRunner(path, enable_prefix_caching=True, **engine) as on:
+        got, got_turn = run(on)
+        assert on.engine.stats_snapshot().prefix_cache_hits > 0
+    for g_out, r_out in zip([*got, got_turn], [*ref, ref_turn]):
+        _assert_close_outputs(g_out, r_out, LOGPROB_ATOL)
+    assert [g.num_cached_tokens for g in got[2:]] == [37, 37]
+    assert got_turn.num_cached_tokens == len(asks[0]) + len(ref[0].outputs[0].token_ids) - 1
+
+
+def _random_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 50000) for _ in range(n)]
+
+
+def assert_tensor_parallel_equals_one_rank(path: str, quantization: str | None = None) -> None:
+    """2 ranks (worker processes, gloo) with chunked prefill (16-token budget) against one
+    rank with whole prefills, prefix caching on in both: the same greedy tokens, the same
+    samples of seeded forks, logprobs (sampled and prompt) within `TP_ATOL`, and a second
+    turn that hits the first one's snapshot (copied on every rank) still matches."""
+    kwargs = dict(device="cpu", max_num_seqs=8, enable_prefix_caching=True)
+    short = [{"prompt_token_ids": p} for p in make_prompts()[1:5]]  # 2 to 31 tokens
+    greedy = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    forks = SamplingParams(n=3, temperature=0.8, max_tokens=6, seed=7)
+    first = make_prompts()[5]  # 100 tokens: its end is snapshotted on every rank
+    hit = SamplingParams(temperature=0, max_tokens=4, logprobs=1)
+    turn = [{"prompt_token_ids": first + [11, 12, 13]}]
+    with (
+        VllmRunner(path, quantization=quantization, **kwargs) as one,
+        VllmRunner(
+            path,
+            quantization=quantization,
+            max_num_batched_tokens=16,
+            tensor_parallel_size=2,
+            **kwargs,
+        ) as two,
+    ):
+        runs = []
+        for runner in (one, two):
+            outs = runner.generate(short, greedy)
+            sampled = runner.generate(short[:3], forks)
+            runner.generate([{"prompt_token_ids": first}], hit)
+            runs.append((outs, sampled, runner.generate(turn, hit)[0]))
+    (ref, ref_forks, ref_turn), (got, got_forks, got_turn) = runs
+    assert len({tuple(o.outputs[0].token_ids) for o in ref}) == len(ref)  # varied outputs
+    for g_out, r_out in zip([*got, got_turn], [*ref, ref_turn]):
+        _assert_close_outputs(g_out, r_out, TP_ATOL)
+    for r, g in zip(ref_forks, got_forks):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in r.outputs]
+        for rc, gc in zip(r.outputs, g.outputs):
+            assert gc.cumulative_logprob == pytest.approx(rc.cumulative_logprob, abs=TP_ATOL)
+    assert got_turn.num_cached_tokens == ref_turn.num_cached_tokens > 0
 
 
 def assert_gpu_graphs_equal_eager_and_cpu(path: str, dtype: str) -> None:

@@ -1,9 +1,10 @@
 """The two sides of every comparison, after vLLM's `hf_runner` / `vllm_runner`.
 
 `HfRunner` is `transformers` on a checkpoint directory (float32): the reference. `VllmRunner`
-is this engine on the same directory, one per test, used as a context manager; leaving the
-block without an error checks that the engine drained: no request left and every state slot
-and KV block free.
+is this engine on the same directory, used as a context manager: every engine the tests build
+goes through it, and leaving the block without an error checks that the engine drained (no
+request left, every state slot, KV block and prefix snapshot free: `assert_drained`, the one
+such check); leaving it in any way shuts the engine's workers down (tensor parallelism).
 """
 
 from __future__ import annotations
@@ -76,8 +77,11 @@ class VllmRunner:
         return self
 
     def __exit__(self, exc_type: type | None, *_: object) -> None:
-        if exc_type is None:
-            self.assert_drained()
+        try:
+            if exc_type is None:
+                self.assert_drained()
+        finally:
+            self.engine.executor.shutdown()
 
     @property
     def engine(self) -> Any:
@@ -96,16 +100,22 @@ class VllmRunner:
         return [o.outputs[0].token_ids for o in self.generate(prompts, sampling)]
 
     def assert_drained(self) -> None:
-        """No request waits or runs and every state slot and KV block is free (prefix-cache
-        snapshots hold slots and blocks of their own: they are evicted first, and then the
-        cache must hold nothing at all)."""
-        sched = self.engine.scheduler
-        assert not sched.running and not sched.waiting
-        assert sched.slots.num_used == 0, f"{sched.slots.num_used} state slots still in use"
-        cache = self.engine.prefix_cache
-        if cache is not None:
-            cache.clear()
-            assert cache.num_snapshots == 0 and cache.slots.num_used == 0
-            assert not cache.tree.root.children, "the prefix tree still holds paths"
-        blocks = sched.block_manager.num_used_blocks
-        assert blocks == 0, f"{blocks} KV blocks still in use"
+        """`assert_drained` on this runner's engine."""
+        assert_drained(self.engine)
+
+
+def assert_drained(engine: Any) -> None:
+    """No request waits or runs and every state slot and KV block of `engine` (an
+    `LLMEngine`) is free (prefix-cache snapshots hold slots and blocks of their own: they are
+    evicted first, and then the cache must hold nothing at all)."""
+    assert not engine.has_unfinished_requests()
+    sched = engine.scheduler
+    assert not sched.running and not sched.waiting
+    assert sched.slots.num_used == 0, f"{sched.slots.num_used} state slots still in use"
+    cache = engine.prefix_cache
+    if cache is not None:
+        cache.clear()
+        assert cache.num_snapshots == 0 and cache.slots.num_used == 0
+        assert not cache.tree.root.children, "the prefix tree still holds paths"
+    blocks = sched.block_manager.num_used_blocks
+    assert blocks == 0, f"{blocks} KV blocks still in use"

@@ -1,80 +1,26 @@
-"""Jamba against transformers' `JambaForCausalLM`, and the engine's invariances on a hybrid:
-batching, chunked prefill across block boundaries, forks sharing KV blocks, and requests that
-can never fit."""
+"""What is Jamba's own beyond the family checks (`tests/models/test_families.py`): forks share
+the prompt's full KV blocks and copy the partial one, requests that can never fit the KV cache
+are refused (and the engine goes on), the banner reports the KV cache, and a checkpoint
+sharded into many files loads the same model."""
 
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
-import shutil
 
 import pytest
 
 from tests.helpers import family_checks as checks
 from tests.helpers.prompts import make_prompts
 from tests.helpers.runners import VllmRunner
-from tests.tiny_models import (
-    JAMBA_CONFIGS,
-    TOKENIZER_DIR,
-    build_other_hf_model,
-    other_model_dir,
-)
+from tests.tiny_models import build_hf_model, copy_tokenizer, tiny_model_dir
 from vllm_mamba import SamplingParams
 
-NAMES = list(JAMBA_CONFIGS)
 MODEL = "jamba-gqa"
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_greedy_tokens_equal_transformers(name: str) -> None:
-    checks.assert_matches_transformers("JambaForCausalLM", other_model_dir(name))
-
-
-def test_configs_differ_where_it_matters() -> None:
-    cfgs = list(JAMBA_CONFIGS.values())
-
-    def distinct(key: str) -> int:
-        return len({str(c[key]) for c in cfgs})
-
-    ratios = {c["num_attention_heads"] // c["num_key_value_heads"] for c in cfgs}
-    assert ratios == {1, 2, 6}  # MHA, GQA, MQA
-    for key in ("attn_layer_period", "attn_layer_offset", "num_experts", "mamba_d_conv"):
-        assert distinct(key) == 3, key
-    assert {c["num_experts_per_tok"] for c in cfgs if c["num_experts"] > 1} == {1, 2}
-
-
-def test_batched_equals_alone() -> None:
-    checks.assert_batched_equals_alone(other_model_dir(MODEL))
-
-
-@pytest.mark.parametrize("budget", [1, 5, 17, 23])
-def test_chunked_prefill_equals_whole(budget: int) -> None:
-    checks.assert_chunked_equals_whole(other_model_dir(MODEL), budget)
-
-
-def test_forks_equal_alone() -> None:
-    checks.assert_forks_equal_alone(other_model_dir(MODEL))
-
-
-def test_forks_equal_independent_seeded_runs() -> None:
-    """Sample `i` of a seeded `n = 3` request equals a lone request with that sample's seed
-    (`seed + 7919 * i`): the forks' shared and copied KV blocks hold the right keys."""
-    path = other_model_dir("jamba-mqa")
-    prompt = checks.prompts()[6]  # 100 tokens: 6 full blocks and a partial one
-    forked = SamplingParams(temperature=1.0, max_tokens=16, n=3, seed=11)
-    with VllmRunner(path, max_num_seqs=4) as runner:
-        out = runner.generate(prompt, forked)[0]
-        lone = [
-            runner.generate(prompt, SamplingParams(temperature=1.0, max_tokens=16, seed=s))[0]
-            for s in (11, 11 + 7919, 11 + 2 * 7919)
-        ]
-    assert [o.token_ids for o in out.outputs] == [lo.outputs[0].token_ids for lo in lone]
-    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
-
-
 def test_fork_shares_full_prompt_blocks_and_copies_the_partial_one() -> None:
-    path = other_model_dir(MODEL)
+    path = tiny_model_dir(MODEL)
     prompt = make_prompts()[4]  # 31 tokens: one full block of 16 and a partial one of 15
     with VllmRunner(path, max_num_seqs=4, num_gpu_blocks_override=32) as runner:
         engine = runner.engine
@@ -95,7 +41,7 @@ def test_fork_shares_full_prompt_blocks_and_copies_the_partial_one() -> None:
 
 
 def test_request_that_can_never_fit_is_refused() -> None:
-    path = other_model_dir(MODEL)
+    path = tiny_model_dir(MODEL)
     prompts = make_prompts()
     greedy = SamplingParams(temperature=0, max_tokens=8)
     with VllmRunner(path, num_gpu_blocks_override=8, max_model_len=512) as runner:
@@ -121,8 +67,11 @@ def test_banner_reports_the_kv_cache(caplog: pytest.LogCaptureFixture) -> None:
     logger = logging.getLogger("vllm_mamba")
     logger.addHandler(caplog.handler)
     try:
-        with caplog.at_level(logging.INFO, logger="vllm_mamba"):
-            VllmRunner(other_model_dir(MODEL), num_gpu_blocks_override=40, max_model_len=256)
+        with (
+            caplog.at_level(logging.INFO, logger="vllm_mamba"),
+            VllmRunner(tiny_model_dir(MODEL), num_gpu_blocks_override=40, max_model_len=256),
+        ):
+            pass
     finally:
         logger.removeHandler(caplog.handler)
     text = caplog.text
@@ -136,12 +85,10 @@ def test_banner_reports_the_kv_cache(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_sharded_checkpoint_loads_the_same_model(tmp_path: pathlib.Path) -> None:
-    build_other_hf_model("jamba-dense").save_pretrained(tmp_path, max_shard_size="200KB")
+    build_hf_model("jamba-dense").save_pretrained(tmp_path, max_shard_size="200KB")
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
-    for file in os.listdir(TOKENIZER_DIR):
-        if file.endswith(".json"):
-            shutil.copy(os.path.join(TOKENIZER_DIR, file), tmp_path)
+    copy_tokenizer(str(tmp_path))
     prompt = checks.prompts()[4]
     with VllmRunner(str(tmp_path)) as runner:
         sharded = checks.tokens(runner.generate(prompt, checks.GREEDY))
-    assert sharded == [checks.alone(other_model_dir("jamba-dense"))[4]]
+    assert sharded == [checks.alone(tiny_model_dir("jamba-dense"))[4]]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import other_model_dir
-from vllm_mamba import LLM, SamplingParams
+from tests.helpers.runners import VllmRunner
+from tests.tiny_models import tiny_model_dir
+from vllm_mamba import SamplingParams
 from vllm_mamba.ops import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ extension not built")
@@ -20,15 +21,12 @@ def _prompts() -> list[dict]:
 
 
 def _run(name: str) -> tuple[str, list[list[int]], list[list[float]]]:
-    llm = LLM(other_model_dir(name), max_num_batched_tokens=23)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
-    outs = [o.outputs[0] for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    with VllmRunner(tiny_model_dir(name), max_num_batched_tokens=23) as runner:
+        outs = [o.outputs[0] for o in runner.generate(_prompts(), params)]
+        backend = runner.engine.model.backbone.layers[0].mixer.ops.name
     logprobs = [[next(iter(d.values())).logprob for d in o.logprobs] for o in outs]
-    return (
-        llm.llm_engine.model.backbone.layers[0].mixer.ops.name,
-        [o.token_ids for o in outs],
-        logprobs,
-    )
+    return backend, [o.token_ids for o in outs], logprobs
 
 
 @pytest.mark.parametrize("name", ["mamba2-groups", "mamba2-tied"])

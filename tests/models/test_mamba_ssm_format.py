@@ -10,16 +10,9 @@ import pytest
 import torch
 
 from tests.helpers import family_checks as checks
-from tests.tiny_models import (
-    CONFIGS,
-    OTHER_CONFIGS,
-    TOKENIZER_DIR,
-    build_hf_model,
-    build_other_hf_model,
-    other_model_dir,
-    tiny_model_dir,
-)
-from vllm_mamba import LLM
+from tests.helpers.runners import VllmRunner
+from tests.helpers.tiny_configs import MAMBA, MAMBA2
+from tests.tiny_models import TOKENIZER_DIR, build_hf_model, tiny_model_dir
 from vllm_mamba.model_loader import load_hf_config
 from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config
 
@@ -96,9 +89,15 @@ def test_unsupported_options_are_rejected(edit: dict, match: str) -> None:
         convert_mamba_ssm_config(dict(MAMBA2_130M, **edit))
 
 
+def _greedy(path: str) -> list[list[int]]:
+    """The greedy tokens of every prompt, in one batch."""
+    with VllmRunner(path) as runner:
+        return checks.tokens(runner.generate(checks.prompts(), checks.GREEDY))
+
+
 def _mamba1_twin(tmp_path) -> tuple[str, str]:
     """The tiny "tied" Mamba in both formats."""
-    cfg = CONFIGS["tied"]
+    cfg = MAMBA["tied"]
     raw = dict(
         MAMBA_130M,
         d_model=cfg["hidden_size"],
@@ -111,7 +110,7 @@ def _mamba1_twin(tmp_path) -> tuple[str, str]:
 
 def _mamba2_twin(tmp_path) -> tuple[str, str]:
     """The tiny "mamba2-tied" Mamba2 in both formats."""
-    cfg = OTHER_CONFIGS["mamba2-tied"][1]
+    cfg = MAMBA2["mamba2-tied"]
     raw = dict(
         MAMBA2_130M,
         d_model=cfg["hidden_size"],
@@ -130,9 +129,9 @@ def _mamba2_twin(tmp_path) -> tuple[str, str]:
             "dt_min": 0.001,
         },
     )
-    model = build_other_hf_model("mamba2-tied")
+    model = build_hf_model("mamba2-tied")
     orig = save_mamba_ssm_format(model, raw, str(tmp_path / "mamba2"))
-    return orig, other_model_dir("mamba2-tied")
+    return orig, tiny_model_dir("mamba2-tied")
 
 
 @pytest.mark.parametrize("twin", [_mamba1_twin, _mamba2_twin], ids=["mamba1", "mamba2"])
@@ -144,8 +143,7 @@ def test_original_format_gives_same_tokens_as_hf_twin(twin, tmp_path) -> None:
     assert "backbone.embedding.weight" in torch.load(
         os.path.join(orig, "pytorch_model.bin"), weights_only=True
     )
-    want = checks.tokens(LLM(hf).generate(checks.prompts(), checks.GREEDY, use_tqdm=False))
-    got = checks.tokens(LLM(orig).generate(checks.prompts(), checks.GREEDY, use_tqdm=False))
+    want, got = _greedy(hf), _greedy(orig)
     assert all(len(set(t)) >= 10 for t in want), want
     assert got == want
 
@@ -166,7 +164,7 @@ def test_tokenizerless_checkpoint_takes_gpt_neox_from_hub_cache(tmp_path, monkey
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    want = checks.tokens(LLM(hf).generate(checks.prompts(), checks.GREEDY, use_tqdm=False))
-    llm = LLM(orig)
-    assert llm.llm_engine.config.model_config.tokenizer.startswith(str(cache))
-    assert checks.tokens(llm.generate(checks.prompts(), checks.GREEDY, use_tqdm=False)) == want
+    want = _greedy(hf)
+    with VllmRunner(orig) as runner:
+        assert runner.engine.config.model_config.tokenizer.startswith(str(cache))
+        assert checks.tokens(runner.generate(checks.prompts(), checks.GREEDY)) == want

@@ -1,9 +1,7 @@
-"""Zamba2 against transformers' `Zamba2ForCausalLM` (Mamba2 layers; shared attention blocks
-reused at several depths on the concatenated embeddings, with per-use LoRA adapters, RoPE or
-none), and the engine's invariances on it: batching, chunked prefill across SSD chunks and KV
-blocks, KV pressure with preemption, forks; every slot and block free after each run. Also:
-one KV cache layer per use of a shared block, both checkpoint layouts of the shared blocks, and
-the config errors."""
+"""What is Zamba2's own beyond the family checks (`tests/models/test_families.py`): shared
+attention blocks reused at several depths, with one KV cache layer per use; both checkpoint
+layouts of the shared blocks (stored once, or under every use); prompt logprobs of one-token
+and 5-token prefill chunks close to whole prefill; config errors that name their field."""
 
 from __future__ import annotations
 
@@ -15,52 +13,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import family_checks as checks
-from tests.helpers import hybrid_checks
-from tests.helpers.hybrid_models import ZAMBA2_CONFIGS, hf_class, hybrid_model_dir
 from tests.helpers.runners import VllmRunner
 from tests.helpers.tmp_dirs import make_tmp_dir
+from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
 from vllm_mamba.model_loader import load_hf_config
 from vllm_mamba.models.zamba2 import Zamba2ForCausalLM
 from vllm_mamba.ops.dispatch import get_mamba_ops
 
-NAMES = list(ZAMBA2_CONFIGS)
 MODEL = "zamba2-lora-rope"  # two shared blocks, block 0 used twice, tied
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_greedy_tokens_equal_transformers(name: str) -> None:
-    checks.assert_matches_transformers(hf_class(name), hybrid_model_dir(name))
-
-
-def test_batched_equals_alone() -> None:
-    checks.assert_batched_equals_alone(hybrid_model_dir(MODEL))
-
-
-def test_chunked_prefill_equals_whole() -> None:
-    """Six prompts in 23-token chunks, several per step (budgets 1 and 5: the logprobs test)."""
-    checks.assert_chunked_equals_whole(hybrid_model_dir(MODEL), 23)
-
-
-def test_kv_pressure_preempts_and_equals_no_pressure() -> None:
-    hybrid_checks.assert_kv_pressure_equals_no_pressure(hybrid_model_dir(MODEL))
-
-
-def test_forks_and_chunks_under_kv_pressure() -> None:
-    hybrid_checks.assert_forks_and_chunks_under_pressure(hybrid_model_dir("zamba2-gqa-nope"))
-
-
-def test_forks_equal_alone() -> None:
-    checks.assert_forks_equal_alone(hybrid_model_dir(MODEL))
-
-
-def test_forks_equal_independent_seeded_runs() -> None:
-    hybrid_checks.assert_forks_equal_independent_seeded_runs(hybrid_model_dir("zamba2-gqa-nope"))
 
 
 def test_each_use_of_a_shared_block_has_its_own_kv_layer() -> None:
     """Three hybrid layers over two blocks: one weight set per block, three KV layers."""
-    with VllmRunner(hybrid_model_dir(MODEL)) as runner:
+    with VllmRunner(tiny_model_dir(MODEL)) as runner:
         model = runner.engine.runner.model
         hybrid = [layer for layer in model.model.layers if hasattr(layer, "shared_transformer")]
         assert hybrid[0].shared_transformer is hybrid[2].shared_transformer
@@ -71,7 +37,7 @@ def test_each_use_of_a_shared_block_has_its_own_kv_layer() -> None:
 
 def test_checkpoint_with_every_use_copied_loads_the_same() -> None:
     """Checkpoints may store a shared block under each use (tied copies), not only the first."""
-    src = hybrid_model_dir(MODEL)
+    src = tiny_model_dir(MODEL)
     weights = load_file(os.path.join(src, "model.safetensors"))
     first, again = "model.layers.1.shared_transformer.", "model.layers.5.shared_transformer."
     copies = {again + k[len(first) :]: v.clone() for k, v in weights.items() if k.startswith(first)}
@@ -93,7 +59,7 @@ def test_chunked_prefill_logprobs_close_to_whole() -> None:
     time step clamp at `time_step_min` never binds here; where it binds, a one-token chunk runs
     as a decode, which does not clamp (transformers' and vLLM's decode step neither), and
     chunked prefill departs from whole prefill there."""
-    path = hybrid_model_dir(MODEL)
+    path = tiny_model_dir(MODEL)
     prompt = checks.prompts()[6]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     ids = prompt["prompt_token_ids"]
@@ -119,7 +85,7 @@ def test_chunked_prefill_logprobs_close_to_whole() -> None:
     ],
 )
 def test_bad_config_names_the_field(change: dict, field: str) -> None:
-    config = load_hf_config(hybrid_model_dir(MODEL))
+    config = load_hf_config(tiny_model_dir(MODEL))
     for key, value in change.items():
         setattr(config, key, value)
     with pytest.raises(ValueError, match=field), torch.device("meta"):

@@ -15,8 +15,9 @@ import zlib
 import pytest
 import torch
 
-from tests.tiny_models import other_model_dir, tiny_model_dir
-from vllm_mamba import LLM, SamplingParams
+from tests.helpers.runners import VllmRunner
+from tests.tiny_models import tiny_model_dir
+from vllm_mamba import SamplingParams
 from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops import fused_decode as fd
 from vllm_mamba.ops.int8_linear import quantize_int8
@@ -239,16 +240,17 @@ def _generate(
 ) -> tuple[list[list[int]], list[list[float]], bool]:
     """Greedy tokens and logprobs of 9 prompts (decode batches of 9 and then fewer rows) and
     whether the fused kernels ran."""
-    llm = LLM(model, max_num_seqs=9, quantization=quantization, ssm_state_dtype=state_dtype)
     g = torch.Generator().manual_seed(3)
     prompts = [
         {"prompt_token_ids": torch.randint(0, 50000, (n,), generator=g).tolist()}
         for n in (5, 12, 3, 7, 20, 1, 9, 4, 15)
     ]
     params = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, logprobs=0) for i in range(9)]
-    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    kwargs = dict(max_num_seqs=9, quantization=quantization, ssm_state_dtype=state_dtype)
+    with VllmRunner(model, **kwargs) as runner:
+        outs = [o.outputs[0] for o in runner.generate(prompts, params)]
+        mixer = runner.engine.model.backbone.layers[0].mixer
     logprobs = [[next(iter(d.values())).logprob for d in o.logprobs] for o in outs]
-    mixer = llm.llm_engine.model.backbone.layers[0].mixer
     prepared = [p for _, p in mixer.__dict__.get("_fused_decode_params", {}).values() if p]
     if quantization == "int8":  # the fused layer ran on the int8 weights themselves
         assert all(params[1].dtype == torch.int8 for params, _ in prepared)
@@ -272,7 +274,7 @@ def test_engine_outputs_equal_with_and_without_fused_decode(
     name: str, quantization: str | None, state_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("VLLM_MAMBA_OPS", raising=False)
-    model = tiny_model_dir(name) if name == "tied" else other_model_dir(name)
+    model = tiny_model_dir(name)
     monkeypatch.setenv("VLLM_MAMBA_FUSED_DECODE", "0")
     want, want_lp, used = _generate(model, quantization, state_dtype)
     assert not used

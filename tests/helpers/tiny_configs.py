@@ -1,26 +1,179 @@
-"""Tiny seeded checkpoints of the Mamba2 hybrids (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1,
-Zamba2).
+"""The configs of the tiny models of `tests.tiny_models`, family by family (transformers
+keyword arguments; the registry adds the token ids and builds the weights).
 
-Each is a transformers model built from a small config with fixed seeds, every weight except
-`A_log`, `D` and the norms re-drawn from N(0, 0.3^2) (so greedy generations are varied; a
-smaller std where `WEIGHT_STD` says so), saved with `save_pretrained` (the checkpoints' own
-tensor names) beside the GPT-NeoX tokenizer.
+Each family's variants differ where its code branches (tied or untied head, biases, conv width,
+GQA ratio, SSD groups and chunk size, MoE or dense, position embedding or none); the registry
+asserts those differences when it is built.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-import shutil
+MAMBA: dict[str, dict] = {
+    # conv 4, auto time-step rank, no linear biases, fp32 residual, tied head.
+    "tied": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        state_size=8,
+        conv_kernel=4,
+        expand=2,
+        use_bias=False,
+        use_conv_bias=True,
+        residual_in_fp32=True,
+        tie_word_embeddings=True,
+        vocab_size=50280,
+    ),
+    # conv 3, explicit rank, biases, no conv bias, untied head, vocab padded further.
+    "untied": dict(
+        hidden_size=48,
+        num_hidden_layers=3,
+        state_size=16,
+        conv_kernel=3,
+        expand=2,
+        time_step_rank=8,
+        use_bias=True,
+        use_conv_bias=False,
+        residual_in_fp32=False,
+        tie_word_embeddings=False,
+        vocab_size=50304,
+        layer_norm_epsilon=1e-5,
+    ),
+}
 
-import torch
+FALCON_MAMBA: dict[str, dict] = {
+    # Mamba's "tied" shape; the dt/B/C norms use the default epsilon.
+    "falcon-tied": dict(MAMBA["tied"], mixer_rms_eps=1e-6),
+    # Mamba's "untied" shape; the mixer epsilon differs from the layer norms'.
+    "falcon-untied": dict(MAMBA["untied"], mixer_rms_eps=1e-3),
+}
 
-from tests.helpers.tmp_dirs import make_tmp_dir
-from tests.tiny_models import TOKENIZER_DIR
+MAMBA2: dict[str, dict] = {
+    # 8 heads of 16 in 2 groups, SSD chunks of 16, untied head (Mamba2's default).
+    "mamba2-groups": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        expand=2,
+        num_heads=8,
+        head_dim=16,
+        n_groups=2,
+        state_size=16,
+        conv_kernel=4,
+        chunk_size=16,
+        use_bias=False,
+        use_conv_bias=True,
+        residual_in_fp32=True,
+        tie_word_embeddings=False,
+        vocab_size=50280,
+    ),
+    # 3 heads of 32 in one group, conv 3, SSD chunks of 8, biases, tied head, vocab 50277
+    # padded to a multiple of 16 (as the mamba-ssm checkpoints are).
+    "mamba2-tied": dict(
+        hidden_size=48,
+        num_hidden_layers=3,
+        expand=2,
+        num_heads=3,
+        head_dim=32,
+        n_groups=1,
+        state_size=8,
+        conv_kernel=3,
+        chunk_size=8,
+        use_bias=True,
+        use_conv_bias=False,
+        residual_in_fp32=False,
+        tie_word_embeddings=True,
+        vocab_size=50288,
+    ),
+    # 4 heads of 24 in one group (replicated on 2 ranks, the gated norm's statistics all-reduced),
+    # conv 3, biases, tied head and an odd vocabulary (the last vocabulary shard is padded).
+    "mamba2-g1": dict(
+        hidden_size=48,
+        num_hidden_layers=2,
+        expand=2,
+        num_heads=4,
+        head_dim=24,
+        n_groups=1,
+        state_size=8,
+        conv_kernel=3,
+        chunk_size=8,
+        use_bias=True,
+        use_conv_bias=True,
+        residual_in_fp32=False,
+        tie_word_embeddings=True,
+        vocab_size=50277,
+    ),
+}
+
+# Jamba hybrids: attention every `attn_layer_period` from `attn_layer_offset`, MoE every
+# `expert_layer_period` from `expert_layer_offset`. Varied GQA ratios, expert counts, top-k
+# and conv widths.
+_COMMON_JAMBA = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-6)
+JAMBA: dict[str, dict] = {
+    # 4 layers: Mamba, attention (+MoE), Mamba, attention (+MoE); GQA 2; 4 experts, top-2.
+    "jamba-gqa": dict(
+        _COMMON_JAMBA,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        tie_word_embeddings=False,
+    ),
+    # 5 layers: attention at 0 and 3; MQA (6 query heads, 1 kv head); 3 experts, top-1 at
+    # layer 2; conv 3, explicit dt rank, projection biases, no conv bias, tied head.
+    "jamba-mqa": dict(
+        _COMMON_JAMBA,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=5,
+        attn_layer_period=3,
+        attn_layer_offset=0,
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        num_experts=3,
+        num_experts_per_tok=1,
+        expert_layer_period=3,
+        expert_layer_offset=2,
+        mamba_d_state=16,
+        mamba_d_conv=3,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+        mamba_proj_bias=True,
+        mamba_conv_bias=False,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    ),
+    # 3 layers: attention at 2 only, plain multi-head (4 = 4); dense MLPs only; conv 2.
+    "jamba-dense": dict(
+        _COMMON_JAMBA,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        attn_layer_period=4,
+        attn_layer_offset=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=1,
+        num_experts_per_tok=1,
+        expert_layer_period=1,
+        expert_layer_offset=0,
+        mamba_d_state=8,
+        mamba_d_conv=2,
+        mamba_expand=2,
+        tie_word_embeddings=False,
+    ),
+}
 
 _COMMON = dict(vocab_size=50280, max_position_embeddings=1024)
 
-BAMBA_CONFIGS: dict[str, dict] = {
+BAMBA: dict[str, dict] = {
     # 4 layers: Mamba2, attention, Mamba2, attention; GQA 2; 8 SSD heads of 16 in 2 groups,
     # SSD chunks of 16; half-width RoPE over heads of 16; untied head.
     "bamba-gqa": dict(
@@ -66,7 +219,7 @@ BAMBA_CONFIGS: dict[str, dict] = {
     ),
 }
 
-GRANITE_CONFIGS: dict[str, dict] = {
+GRANITE: dict[str, dict] = {
     # 4 layers: Mamba2, attention, Mamba2, attention; GQA 2 with RoPE; 4 experts top-2 plus a
     # shared expert; every multiplier away from 1; SSD chunks of 16 over 8 heads in 2 groups.
     "granite-moe-rope": dict(
@@ -125,7 +278,7 @@ GRANITE_CONFIGS: dict[str, dict] = {
     ),
 }
 
-NEMOTRON_H_CONFIGS: dict[str, dict] = {
+NEMOTRON_H: dict[str, dict] = {
     # 6 blocks "M*-M-*": Mamba2, attention, MLP, Mamba2, MLP, attention; GQA 2 (no position
     # embedding); 8 SSD heads of 16 in 2 groups, chunks of 16; untied head. transformers clamps
     # the time step below at time_step_min in prefill but not in decode, and a one-token chunk
@@ -184,9 +337,40 @@ NEMOTRON_H_CONFIGS: dict[str, dict] = {
         layer_norm_epsilon=1e-6,
         tie_word_embeddings=True,
     ),
+    # The "nemotron-h-moe" shape with 4 Mamba2 heads of 24 (split over 2 ranks) and one KV head
+    # (replicated on both ranks).
+    "nemotron-h-mqa-even": dict(
+        _COMMON,
+        hidden_size=48,
+        hybrid_override_pattern="ME*M-E",
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48,
+        routed_scaling_factor=1.5,
+        norm_topk_prob=True,
+        mlp_bias=True,
+        mamba_num_heads=4,
+        mamba_head_dim=24,
+        n_groups=1,
+        ssm_state_size=8,
+        conv_kernel=3,
+        chunk_size=8,
+        use_bias=True,
+        use_conv_bias=False,
+        layer_norm_epsilon=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
 
-FALCON_H1_CONFIGS: dict[str, dict] = {
+FALCON_H1: dict[str, dict] = {
     # 3 layers of attention (GQA 2, RoPE base 1000) beside Mamba2 (width 96 from mamba_d_ssm,
     # 6 heads of 16 in 2 groups, chunks of 16) with the gated norm applied before the gate;
     # every muP multiplier away from 1; untied head.
@@ -251,7 +435,7 @@ FALCON_H1_CONFIGS: dict[str, dict] = {
     ),
 }
 
-ZAMBA2_CONFIGS: dict[str, dict] = {
+ZAMBA2: dict[str, dict] = {
     # 6 layers, hybrid at 1, 3 and 5 over two shared blocks (block 0 serves layers 1 and 5):
     # q/k/v adapters of rank 8 and MLP adapters per use, RoPE (base 1000) over 4 heads of 32
     # (the block attends over 2 x 64); 8 SSD heads of 16 in 2 groups, chunks of 16; tied head
@@ -306,54 +490,3 @@ ZAMBA2_CONFIGS: dict[str, dict] = {
         tie_word_embeddings=False,
     ),
 }
-
-# Zamba2's shared block attends over 2H-wide inputs with the scale (D / 2) ** -0.5: at std 0.3
-# its logits are so large that float32 rounding alone moves transformers' own logprobs by up to
-# 0.2 (against float64); at 0.15 both transformers and this engine stay within 5e-5 of float64.
-WEIGHT_STD: dict[str, float] = {name: 0.15 for name in ZAMBA2_CONFIGS}
-
-HYBRID_CONFIGS: dict[str, tuple[str, dict]] = {
-    **{name: ("BambaForCausalLM", cfg) for name, cfg in BAMBA_CONFIGS.items()},
-    **{name: ("GraniteMoeHybridForCausalLM", cfg) for name, cfg in GRANITE_CONFIGS.items()},
-    **{name: ("NemotronHForCausalLM", cfg) for name, cfg in NEMOTRON_H_CONFIGS.items()},
-    **{name: ("FalconH1ForCausalLM", cfg) for name, cfg in FALCON_H1_CONFIGS.items()},
-    **{name: ("Zamba2ForCausalLM", cfg) for name, cfg in ZAMBA2_CONFIGS.items()},
-}
-
-
-def build_hybrid_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - transformers model
-    """The transformers model of `HYBRID_CONFIGS[name]`, with varied random weights."""
-    import transformers
-
-    cls_name, kwargs = HYBRID_CONFIGS[name]
-    model_cls = getattr(transformers, cls_name)
-    torch.manual_seed(seed)
-    config = model_cls.config_class(**kwargs, bos_token_id=0, eos_token_id=0, pad_token_id=1)
-    model = model_cls(config).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith(("A_log", ".D")) or "norm" in pname:
-                continue
-            p.copy_(torch.randn(p.shape, generator=g) * WEIGHT_STD.get(name, 0.3))
-        for bname, b in model.named_buffers():
-            if bname.endswith("e_score_correction_bias"):  # MoE routing: varied choices
-                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
-    return model
-
-
-@functools.cache
-def hybrid_model_dir(name: str) -> str:
-    """Saves tiny model `HYBRID_CONFIGS[name]` once per session; its directory."""
-    model = build_hybrid_hf_model(name)
-    path = make_tmp_dir(f"tiny-{name}-")
-    model.save_pretrained(path)
-    for file in os.listdir(TOKENIZER_DIR):
-        if file.endswith(".json"):
-            shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
-    return path
-
-
-def hf_class(name: str) -> str:
-    """The transformers class name of tiny model `name`."""
-    return HYBRID_CONFIGS[name][0]
