@@ -32,6 +32,7 @@ from vllm_mamba.engine.errors import STARTUP_ERRORS
 from vllm_mamba.entrypoints.chat_utils import ChatTemplate
 from vllm_mamba.entrypoints.openai.cli_serve import API_KEY_ENV, HelpFormatter, add_server_args
 from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
+from vllm_mamba.entrypoints.openai.http_protocol import deadline_protocol
 from vllm_mamba.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
 from vllm_mamba.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
@@ -210,6 +211,8 @@ def _load_server(args: argparse.Namespace, sock: socket.socket) -> GracefulServe
         log_config=None,
         log_level=args.uvicorn_log_level or args.log_level,
         timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S) + 5,
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=deadline_protocol(args.header_timeout, args.body_timeout, args.max_connections),
     )
     holder.append(GracefulServer(config, engine))
     return holder[0]
@@ -222,8 +225,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
         OSError: the address is in use or cannot be bound.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted sockets whose proto says
+    # TCP (it inherits from this one); without it every multi-write response waits for the
+    # client's delayed ACK (~40 ms on a keep-alive connection).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
         sock.listen(2048)
