@@ -30,11 +30,13 @@ from typing import Any, TypeVar
 from vllm_mamba.config import ModelConfig
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.errors import EngineDeadError, RequestsFailedError
+from vllm_mamba.engine.grammar_pool import GrammarCompilePool
 from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
 from vllm_mamba.engine.llm_engine import LLMEngine
 from vllm_mamba.engine.stats import StatLogger, StatsSnapshot
+from vllm_mamba.engine.structured_outputs import grammar_source
 from vllm_mamba.outputs import RequestOutput
-from vllm_mamba.sampling_params import SamplingParams
+from vllm_mamba.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ class AsyncLLMEngine:
         engine: the engine to drive; only this object's worker thread touches it afterwards.
         on_dead: called once, on the event loop, if the engine fails beyond recovery.
         log_requests: log every request's prompt and parameters when it is added.
+        grammar_workers: processes compiling structured-output grammars at once.
+        grammar_timeout_s: the most one grammar compile may take.
     """
 
     def __init__(
@@ -58,12 +62,18 @@ class AsyncLLMEngine:
         engine: LLMEngine,
         on_dead: Callable[[BaseException], None] | None = None,
         log_requests: bool = False,
+        grammar_workers: int = 2,
+        grammar_timeout_s: float = 10.0,
     ) -> None:
         self.engine = engine
         self.on_dead = on_dead
         self.log_requests = log_requests
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._grammar_threads = ThreadPoolExecutor(grammar_workers, thread_name_prefix="grammar")
+        self._grammar_workers = grammar_workers
+        self._grammar_timeout_s = grammar_timeout_s
+        self._grammar_pool: GrammarCompilePool | None = None
         mc = engine.config.model_config
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
@@ -114,6 +124,9 @@ class AsyncLLMEngine:
             self._loop_task = None
         self._executor.shutdown(wait=True)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown()
+        self._grammar_threads.shutdown(wait=False, cancel_futures=True)
         self.engine.executor.shutdown()
 
     @property
@@ -245,6 +258,29 @@ class AsyncLLMEngine:
         Use it for anything that touches the engine itself.
         """
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compiles `spec` in the grammar pool's processes (never on the tokenizer or engine
+        thread) unless it is cached, and attaches the result to `spec` for `add_request`.
+
+        Raises:
+            StructuredOutputError: it does not compile, or not within the budget.
+        """
+        grammars = self.engine.structured_outputs
+        if not grammars.has_compiler:
+            await self.call(grammars.ensure_compiler)
+        compiled = grammars.cached(spec)
+        if compiled is None:
+            if self._grammar_pool is None:
+                self._grammar_pool = GrammarCompilePool(
+                    grammars.tokenizer_info, self._grammar_workers, self._grammar_timeout_s
+                )
+            method, text = grammar_source(spec)
+            compiled = await asyncio.get_running_loop().run_in_executor(
+                self._grammar_threads, self._grammar_pool.compile, spec.kind, method, text
+            )
+            grammars.put(spec, compiled)
+        spec.compiled = compiled
 
     async def run_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs `fn(*args)` on the tokenizer thread (`self.tokenizer`, chat templates)."""

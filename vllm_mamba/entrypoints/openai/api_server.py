@@ -201,7 +201,11 @@ def _load_server(args: argparse.Namespace, sock: socket.socket) -> GracefulServe
         holder[0].should_exit = True
 
     engine = AsyncLLMEngine.from_engine_args(
-        engine_args, on_dead=on_dead, log_requests=args.log_requests
+        engine_args,
+        on_dead=on_dead,
+        log_requests=args.log_requests,
+        grammar_workers=args.grammar_compile_workers,
+        grammar_timeout_s=args.grammar_compile_timeout,
     )
     app = build_app(engine, args)
     host, port = sock.getsockname()[:2]
