@@ -7,8 +7,13 @@ call at a time. Tokenisation, detokenisation and chat-template rendering run on 
 worker (`run_tokenizer`) with its own tokenizer copy, so a huge prompt stalls neither the event
 loop nor the steps of other requests.
 
-Each request has its own `asyncio.Queue` of `RequestOutput`s, which `generate` turns into an
-async iterator; the queue is dropped on every path (finished, aborted, failed). Leaving the
+Each request has its own output box (`_Outputs`), which `generate` turns into an async
+iterator. Outputs are cumulative, so the box holds only the newest one: a slow consumer skips
+intermediate outputs instead of queueing them, and a request's undelivered outputs take
+constant memory. An output left unread for `stall_timeout_s` (a streaming client that stopped
+reading) aborts the request, freeing its slots. One API request may hold at most
+`max_slots_per_request` state slots (`n` times its prompts). The box is dropped on every path
+(finished, aborted, failed). Leaving the
 iterator early (the client went away, the task was cancelled) aborts the request and frees its
 state slots. A step that fails ends only its own requests; an unrecoverable failure marks the
 engine dead and calls `on_dead` (the server then exits non-zero); so does a tensor-parallel
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -43,6 +49,41 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Item = RequestOutput | BaseException
 
+
+class StreamStalledError(RequestsFailedError):
+    """A request whose outputs were left unread too long; it was aborted."""
+
+    def __init__(self, request_id: str, stall_s: float) -> None:
+        cause = TimeoutError(f"its output was not read for {stall_s:g} s")
+        super().__init__([request_id], cause)
+        self.args = (f"the request was aborted: its output was not read for {stall_s:g} s",)
+
+
+class _Outputs:
+    """A request's undelivered output: the newest cumulative one (it replaces an older one),
+    or an error (which nothing replaces); `since` is when it started waiting."""
+
+    def __init__(self) -> None:
+        self.item: Item | None = None
+        self.since: float | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: Item) -> None:
+        if isinstance(self.item, BaseException):
+            return
+        self.item = item
+        if self.since is None:
+            self.since = time.monotonic()
+        self._ready.set()
+
+    async def get(self) -> Item:
+        while self.item is None:
+            self._ready.clear()
+            await self._ready.wait()
+        item, self.item, self.since = self.item, None, None
+        return item
+
+
 __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 
@@ -55,6 +96,9 @@ class AsyncLLMEngine:
         log_requests: log every request's prompt and parameters when it is added.
         grammar_workers: processes compiling structured-output grammars at once.
         grammar_timeout_s: the most one grammar compile may take.
+        stall_timeout_s: abort a request whose output waits unread this long (None: never).
+        max_slots_per_request: the most state slots one `add_requests` call may take
+            (default: half of `max_num_seqs`, at least 1).
     """
 
     def __init__(
@@ -64,6 +108,8 @@ class AsyncLLMEngine:
         log_requests: bool = False,
         grammar_workers: int = 2,
         grammar_timeout_s: float = 10.0,
+        stall_timeout_s: float | None = 30.0,
+        max_slots_per_request: int | None = None,
     ) -> None:
         self.engine = engine
         self.on_dead = on_dead
@@ -79,7 +125,10 @@ class AsyncLLMEngine:
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
         self.stats: StatsSnapshot = engine.stats_snapshot()
         self._stat_logger = StatLogger() if engine.config.log_stats else None
-        self._queues: dict[str, asyncio.Queue[Item]] = {}
+        self.stall_timeout_s = stall_timeout_s
+        max_seqs = engine.config.scheduler_config.max_num_seqs
+        self.max_slots_per_request = max_slots_per_request or max(1, max_seqs // 2)
+        self._queues: dict[str, _Outputs] = {}
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
@@ -114,7 +163,7 @@ class AsyncLLMEngine:
             return
         stopped = EngineDeadError("the engine is shutting down")
         for queue in self._queues.values():
-            queue.put_nowait(stopped)
+            queue.put(stopped)
         await self.call(self.engine.abort_request, list(self._queues))
         self._queues.clear()
         self._closed = True
@@ -176,15 +225,21 @@ class AsyncLLMEngine:
             EngineDeadError: the engine is shut down or its loop failed.
         """
         self._check_alive()
+        slots = len(requests) * params.n
+        if slots > self.max_slots_per_request:
+            raise ValueError(
+                f"SamplingParams.n times the prompts ({len(requests)} x {params.n} = {slots}) "
+                f"is more than the {self.max_slots_per_request} sequences one request may run"
+            )
         self.start()
         tokenized = []
         for request_id, prompt in requests:
             text, ids = await self.run_tokenizer(self.inputs.process_prompt, prompt)
             tokenized.append((request_id, {"prompt": text, "prompt_token_ids": ids}))
         self._check_alive()
-        queues: list[asyncio.Queue[Item]] = []
+        queues: list[_Outputs] = []
         for request_id, _ in requests:
-            queues.append(asyncio.Queue())
+            queues.append(_Outputs())
             self._queues[request_id] = queues[-1]
         try:
             await self.call(self._add_all, tokenized, params)
@@ -228,9 +283,7 @@ class AsyncLLMEngine:
         if self._error is not None or self._closed:
             raise EngineDeadError(f"the engine is not serving (error: {self._error!r})")
 
-    async def _stream(
-        self, request_id: str, queue: asyncio.Queue[Item]
-    ) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, queue: _Outputs) -> AsyncIterator[RequestOutput]:
         ended = False  # finished, or failed: nothing is left in the engine
         try:
             while not ended:
@@ -314,7 +367,8 @@ class AsyncLLMEngine:
                 for out in outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
-                        queue.put_nowait(out)
+                        queue.put(out)
+                self._abort_stalled()
                 if self._stat_logger is not None:
                     self._stat_logger.maybe_log(self.stats)
         except asyncio.CancelledError:
@@ -322,12 +376,23 @@ class AsyncLLMEngine:
         except BaseException as err:
             self._die(err)
 
+    def _abort_stalled(self) -> None:
+        """Aborts the requests whose output has waited unread for `stall_timeout_s`."""
+        if self.stall_timeout_s is None:
+            return
+        now = time.monotonic()
+        for request_id, queue in list(self._queues.items()):
+            if queue.since is not None and now - queue.since > self.stall_timeout_s:
+                logger.warning("aborting request %s: its client stopped reading", request_id)
+                queue.put(StreamStalledError(request_id, self.stall_timeout_s))
+                self.abort(request_id)
+
     def _fail_requests(self, err: RequestsFailedError) -> None:
         """Ends the streams of the requests of a failed step with the error."""
         for request_id in err.request_ids:
             queue = self._queues.pop(request_id, None)
             if queue is not None:
-                queue.put_nowait(err)
+                queue.put(err)
 
     def _die(self, err: BaseException) -> None:
         if self._error is not None:
@@ -336,7 +401,7 @@ class AsyncLLMEngine:
         self._error = err
         dead = EngineDeadError(f"the engine loop failed: {err!r}")
         for queue in self._queues.values():
-            queue.put_nowait(dead)
+            queue.put(dead)
         self._queues.clear()
         if self.on_dead is not None:
             self.on_dead(err)

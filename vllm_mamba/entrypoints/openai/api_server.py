@@ -206,6 +206,8 @@ def _load_server(args: argparse.Namespace, sock: socket.socket) -> GracefulServe
         log_requests=args.log_requests,
         grammar_workers=args.grammar_compile_workers,
         grammar_timeout_s=args.grammar_compile_timeout,
+        stall_timeout_s=args.stream_stall_timeout or None,
+        max_slots_per_request=args.max_slots_per_request,
     )
     app = build_app(engine, args)
     host, port = sock.getsockname()[:2]

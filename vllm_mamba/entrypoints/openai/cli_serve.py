@@ -124,7 +124,13 @@ def _add_connection_args(net: Any) -> None:
         "--stream-stall-timeout",
         type=float,
         default=DEFAULT_STREAM_STALL_TIMEOUT_S,
-        help="seconds a stream's client may leave its output unread before it is aborted",
+        help="seconds a client may leave its output unread before it is aborted (0: never)",
+    )
+    net.add_argument(
+        "--max-slots-per-request",
+        type=int,
+        default=None,
+        help="sequences (n times prompts) one request may run (default: max_num_seqs / 2)",
     )
     net.add_argument(
         "--grammar-compile-timeout",
