@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from vllm_mamba.config import ModelConfig
+from vllm_mamba.engine import native_memory
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.errors import EngineDeadError, RequestsFailedError
 from vllm_mamba.engine.grammar_pool import GrammarCompilePool
@@ -346,6 +347,15 @@ class AsyncLLMEngine:
             return self.engine.step(), self.engine.has_unfinished_requests()
         finally:
             self.stats = self.engine.stats_snapshot()
+            native_memory.trim()  # at most once per TRIM_INTERVAL_S
+
+    def _idle_check(self) -> bool:
+        """On the engine thread: True while requests remain; else hands free heap pages back
+        to the system before the loop sleeps (what the finished requests freed)."""
+        if self.engine.has_unfinished_requests():
+            return True
+        native_memory.trim()
+        return False
 
     async def _run_loop(self) -> None:
         has_work = True
@@ -355,7 +365,7 @@ class AsyncLLMEngine:
                     # An add completes on the worker thread before its caller sets `_work`,
                     # so clearing before asking the engine thread loses no wakeup.
                     self._work.clear()
-                    if not await self.call(self.engine.has_unfinished_requests):
+                    if not await self.call(self._idle_check):
                         await self._work.wait()
                     has_work = True
                     continue

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from vllm_mamba import __version__
+from vllm_mamba.engine import native_memory
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.engine.errors import STARTUP_ERRORS
@@ -176,6 +177,7 @@ def run_server(args: argparse.Namespace) -> int:
         logged in one line, without a traceback).
     """
     configure_logging(args.log_level, args.uvicorn_log_level)
+    native_memory.limit_arenas()
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as err:
