@@ -30,10 +30,8 @@ def test_unread_request_is_aborted_and_frees_its_slots() -> None:
             stream = await engine.add_request("slow", "import os", LONG)
             first = await anext(stream)  # then the client stops reading
             assert not first.finished
-            queue = engine._queues["slow"]
             deadline = time.monotonic() + 30
             while engine.num_requests and time.monotonic() < deadline:
-                assert queue.item is None or not isinstance(queue.item, list)
                 await asyncio.sleep(0.05)
             assert engine.num_requests == 0
             with pytest.raises(StreamStalledError):
