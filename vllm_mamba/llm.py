@@ -1,4 +1,6 @@
-"""`LLM`: the offline API. Load a model once, then `generate` for many prompts at once."""
+"""`LLM`: the offline API. Load a model once, then `generate` for many prompts at once;
+`shutdown()` (or leaving `with LLM(...) as llm:`) stops its tensor-parallel workers and leaves
+their process group, so another engine can start in the same process."""
 
 from __future__ import annotations
 
@@ -45,6 +47,25 @@ class LLM:
             )
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
+        self._closed = False
+
+    def shutdown(self) -> None:
+        """Aborts what is left, stops the engine's workers and leaves their process group
+        (idempotent); the `LLM` generates no more afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        engine = self.llm_engine
+        engine.abort_request(
+            [g.request_id for g in (*engine.scheduler.running, *engine.scheduler.waiting)]
+        )
+        engine.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
@@ -120,6 +141,8 @@ class LLM:
             RequestsFailedError: a step failed; every request of this call was ended and
                 the engine can serve the next call.
         """
+        if self._closed:
+            raise RuntimeError("this LLM was shut down")
         prompt_list = self._as_list(prompts)
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)

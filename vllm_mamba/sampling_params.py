@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_mamba import request_limits as limits
+
 MAX_LOGPROBS = 20
 MAX_N = 1024
 MAX_SEED = 2**63 - 1
@@ -44,6 +46,8 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # The compiled grammar, attached by a caller that compiled it elsewhere (the server).
+    compiled: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -64,11 +68,37 @@ class StructuredOutputsParams:
         if not checks[kinds[0]]:
             what = _STRUCTURED_WHAT[kinds[0]]
             raise ValueError(f"SamplingParams.structured_outputs.{kinds[0]} must be {what}")
+        too_big = self._over_limit(kinds[0])
+        if too_big:
+            raise ValueError(f"SamplingParams.structured_outputs.{too_big}")
+
+    def _over_limit(self, kind: str) -> str | None:
+        """What is over the request limits, if anything (the message after the field)."""
+        if kind == "choice":
+            choices = self.choice or []
+            return limits.over_count(
+                "choice", len(choices), limits.MAX_CHOICES
+            ) or limits.over_size("choice", sum(len(c) for c in choices), limits.MAX_CHOICE_CHARS)
+        if kind == "json_object":
+            return None
+        value = getattr(self, kind)
+        text = value if isinstance(value, str) else _json_text(value)
+        size = len(text.encode("utf-8", "surrogatepass"))
+        return limits.over_size(kind, size, limits.MAX_GRAMMAR_BYTES, "bytes")
 
     @property
     def kind(self) -> str:
         """The field that is set: `json`, `regex`, `choice`, `grammar` or `json_object`."""
         return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
+def _json_text(value: Any) -> str:
+    import json
+
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return ""  # not serializable: the compile step says so
 
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -79,6 +109,12 @@ _STRUCTURED_WHAT = {
     "grammar": "a non-empty string",
     "json_object": "true",
 }
+
+
+def _check_limits(name: str, message: str | None) -> None:
+    """Raises the `ValueError` of a field over its request limit (`request_limits`)."""
+    if message is not None:
+        raise ValueError(f"SamplingParams.{message}")
 
 
 @dataclass
@@ -176,6 +212,17 @@ class SamplingParams:
     def _validate_stops(self, bad: Callable[[str, str], ValueError]) -> None:
         if any(not isinstance(s, str) or not s for s in self.stop_list):
             raise bad("stop", "must be non-empty strings")
+        _check_limits(
+            "stop",
+            limits.over_count("stop", len(self.stop_list), limits.MAX_STOP)
+            or limits.over_size("stop", sum(map(len, self.stop_list)), limits.MAX_STOP_CHARS),
+        )
+        _check_limits(
+            "stop_token_ids",
+            limits.over_count(
+                "stop_token_ids", len(self.stop_token_ids), limits.MAX_STOP_TOKEN_IDS
+            ),
+        )
         for text in self.stop_list:
             try:
                 text.encode("utf-8")
@@ -203,19 +250,35 @@ class SamplingParams:
             or any(not isinstance(w, str) or not w.strip() for w in words)
         ):
             raise bad("bad_words", "must be a list of non-empty strings")
+        if words is not None:
+            _check_limits(
+                "bad_words",
+                limits.over_count("bad_words", len(words), limits.MAX_BAD_WORDS)
+                or limits.over_size("bad_words", sum(map(len, words)), limits.MAX_BAD_WORDS_CHARS),
+            )
+        if bias is not None:
+            _check_limits(
+                "logit_bias",
+                limits.over_count("logit_bias", len(bias), limits.MAX_LOGIT_BIAS_ENTRIES),
+            )
+        if allowed is not None:
+            _check_limits(
+                "allowed_token_ids",
+                limits.over_count("allowed_token_ids", len(allowed), limits.MAX_ALLOWED_TOKEN_IDS),
+            )
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     def update_from_tokenizer(self, tokenizer: Any) -> None:
         """Tokenizes `bad_words`, each with and without a leading space (as vLLM does)."""
-        seqs: list[list[int]] = []
+        seqs: dict[tuple[int, ...], None] = {}  # insertion-ordered set: linear in the words
         for word in self.bad_words or []:
             for prefix in ("", " "):
-                ids = list(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        self.bad_words_token_ids = seqs
+                ids = tuple(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+                if ids:
+                    seqs[ids] = None
+        self.bad_words_token_ids = [list(ids) for ids in seqs]
 
     @property
     def needs_logit_masks(self) -> bool:

@@ -109,6 +109,9 @@ def launch_server(*extra_args: str, model_dir: str | None = None) -> Iterator[Ru
     # the signal's (a failed shutdown would exit with 1, or hang).
     assert code in (0, -signal.SIGTERM), f"the server exited with {code} after SIGTERM"
     with socket.socket() as sock:
+        # SO_REUSEADDR: connections the server closed may sit in TIME_WAIT on the port; the
+        # bind still fails while anything listens there.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", port))  # the port is released
 
 

@@ -4,19 +4,27 @@ A model is built with a `TensorParallel` (`rank`, `size`): the sharded layers si
 parameters and pick their slices from it. `SINGLE` (rank 0 of 1) is the default everywhere
 and makes every sharded layer the plain layer. `init_tensor_parallel` joins the process group
 of an engine's ranks (gloo on the CPU, NCCL on CUDA) and makes it the one the collectives use.
+
+The group is the process's default group, so one tensor-parallel engine at a time may hold it.
+Each join starts a new generation (`group_generation`); an engine dropped without `shutdown`
+leaves the group from its finalizer with its own generation, which never destroys a newer
+engine's group. A join that finds a group still held first collects garbage (running the
+finalizers of engines nothing refers to any more), and if a live engine still holds it,
+says so.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
+import gc
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-TIMEOUT_ENV = "VLLM_MAMBA_DIST_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 120.0
+from vllm_mamba import envs
+
+_generation = 0
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ SINGLE = TensorParallel()
 
 def collective_timeout_s() -> float:
     """How long a collective waits for a missing rank (`VLLM_MAMBA_DIST_TIMEOUT_S`)."""
-    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    return envs.VLLM_MAMBA_DIST_TIMEOUT_S
 
 
 def init_tensor_parallel(tp: TensorParallel, init_method: str, device: torch.device) -> None:
@@ -62,6 +70,14 @@ def init_tensor_parallel(tp: TensorParallel, init_method: str, device: torch.dev
     Gloo on the CPU, NCCL on CUDA (each rank on `cuda:rank` of its machine); a collective
     that waits longer than `collective_timeout_s()` for a rank raises.
     """
+    global _generation
+    if dist.is_initialized():
+        gc.collect()  # an engine dropped without shutdown leaves the group when collected
+    if dist.is_initialized():
+        raise RuntimeError(
+            "another tensor-parallel engine in this process still holds the process group: "
+            "call its shutdown() (or use `with LLM(...) as llm:`) before starting a new one"
+        )
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -72,9 +88,18 @@ def init_tensor_parallel(tp: TensorParallel, init_method: str, device: torch.dev
         world_size=tp.size,
         timeout=datetime.timedelta(seconds=collective_timeout_s()),
     )
+    _generation += 1
 
 
-def destroy_tensor_parallel() -> None:
-    """Leaves the process group, if this process is in one."""
+def group_generation() -> int:
+    """The generation of the group joined last (0 before any)."""
+    return _generation
+
+
+def destroy_tensor_parallel(generation: int | None = None) -> None:
+    """Leaves the process group, if this process is in one (and, when `generation` is given,
+    only if the group is still that generation's)."""
+    if generation is not None and generation != _generation:
+        return
     if dist.is_initialized():
         dist.destroy_process_group()

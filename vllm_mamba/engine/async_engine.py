@@ -7,8 +7,13 @@ call at a time. Tokenisation, detokenisation and chat-template rendering run on 
 worker (`run_tokenizer`) with its own tokenizer copy, so a huge prompt stalls neither the event
 loop nor the steps of other requests.
 
-Each request has its own `asyncio.Queue` of `RequestOutput`s, which `generate` turns into an
-async iterator; the queue is dropped on every path (finished, aborted, failed). Leaving the
+Each request has its own output box (`_Outputs`), which `generate` turns into an async
+iterator. Outputs are cumulative, so the box holds only the newest one: a slow consumer skips
+intermediate outputs instead of queueing them, and a request's undelivered outputs take
+constant memory. An output left unread for `stall_timeout_s` (a streaming client that stopped
+reading) aborts the request, freeing its slots. One API request may hold at most
+`max_slots_per_request` state slots (`n` times its prompts). The box is dropped on every path
+(finished, aborted, failed). Leaving the
 iterator early (the client went away, the task was cancelled) aborts the request and frees its
 state slots. A step that fails ends only its own requests; an unrecoverable failure marks the
 engine dead and calls `on_dead` (the server then exits non-zero); so does a tensor-parallel
@@ -23,23 +28,62 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from vllm_mamba.config import ModelConfig
+from vllm_mamba.engine import native_memory
 from vllm_mamba.engine.arg_utils import EngineArgs
+from vllm_mamba.engine.grammar_pool import GrammarCompilePool
 from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
 from vllm_mamba.engine.llm_engine import LLMEngine
 from vllm_mamba.engine.stats import StatLogger, StatsSnapshot
+from vllm_mamba.engine.structured_outputs import grammar_source
 from vllm_mamba.errors import EngineDeadError, RequestsFailedError
 from vllm_mamba.outputs import RequestOutput
-from vllm_mamba.sampling_params import SamplingParams
+from vllm_mamba.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Item = RequestOutput | BaseException
+
+
+class StreamStalledError(RequestsFailedError):
+    """A request whose outputs were left unread too long; it was aborted."""
+
+    def __init__(self, request_id: str, stall_s: float) -> None:
+        cause = TimeoutError(f"its output was not read for {stall_s:g} s")
+        super().__init__([request_id], cause)
+        self.args = (f"the request was aborted: its output was not read for {stall_s:g} s",)
+
+
+class _Outputs:
+    """A request's undelivered output: the newest cumulative one (it replaces an older one),
+    or an error (which nothing replaces); `since` is when it started waiting."""
+
+    def __init__(self) -> None:
+        self.item: Item | None = None
+        self.since: float | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: Item) -> None:
+        if isinstance(self.item, BaseException):
+            return
+        self.item = item
+        if self.since is None:
+            self.since = time.monotonic()
+        self._ready.set()
+
+    async def get(self) -> Item:
+        while self.item is None:
+            self._ready.clear()
+            await self._ready.wait()
+        item, self.item, self.since = self.item, None, None
+        return item
+
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
@@ -51,6 +95,11 @@ class AsyncLLMEngine:
         engine: the engine to drive; only this object's worker thread touches it afterwards.
         on_dead: called once, on the event loop, if the engine fails beyond recovery.
         log_requests: log every request's prompt and parameters when it is added.
+        grammar_workers: processes compiling structured-output grammars at once.
+        grammar_timeout_s: the most one grammar compile may take.
+        stall_timeout_s: abort a request whose output waits unread this long (None: never).
+        max_slots_per_request: the most state slots one `add_requests` call may take
+            (default: half of `max_num_seqs`, at least 1).
     """
 
     def __init__(
@@ -58,18 +107,29 @@ class AsyncLLMEngine:
         engine: LLMEngine,
         on_dead: Callable[[BaseException], None] | None = None,
         log_requests: bool = False,
+        grammar_workers: int = 2,
+        grammar_timeout_s: float = 10.0,
+        stall_timeout_s: float | None = 30.0,
+        max_slots_per_request: int | None = None,
     ) -> None:
         self.engine = engine
         self.on_dead = on_dead
         self.log_requests = log_requests
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._grammar_threads = ThreadPoolExecutor(grammar_workers, thread_name_prefix="grammar")
+        self._grammar_workers = grammar_workers
+        self._grammar_timeout_s = grammar_timeout_s
+        self._grammar_pool: GrammarCompilePool | None = None
         mc = engine.config.model_config
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
         self.stats: StatsSnapshot = engine.stats_snapshot()
         self._stat_logger = StatLogger() if engine.config.log_stats else None
-        self._queues: dict[str, asyncio.Queue[Item]] = {}
+        self.stall_timeout_s = stall_timeout_s
+        max_seqs = engine.config.scheduler_config.max_num_seqs
+        self.max_slots_per_request = max_slots_per_request or max(1, max_seqs // 2)
+        self._queues: dict[str, _Outputs] = {}
         self._work = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
@@ -104,7 +164,7 @@ class AsyncLLMEngine:
             return
         stopped = EngineDeadError("the engine is shutting down")
         for queue in self._queues.values():
-            queue.put_nowait(stopped)
+            queue.put(stopped)
         await self.call(self.engine.abort_request, list(self._queues))
         self._queues.clear()
         self._closed = True
@@ -114,6 +174,9 @@ class AsyncLLMEngine:
             self._loop_task = None
         self._executor.shutdown(wait=True)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown()
+        self._grammar_threads.shutdown(wait=False, cancel_futures=True)
         self.engine.executor.shutdown()
 
     @property
@@ -163,15 +226,21 @@ class AsyncLLMEngine:
             EngineDeadError: the engine is shut down or its loop failed.
         """
         self._check_alive()
+        slots = len(requests) * params.n
+        if slots > self.max_slots_per_request:
+            raise ValueError(
+                f"SamplingParams.n times the prompts ({len(requests)} x {params.n} = {slots}) "
+                f"is more than the {self.max_slots_per_request} sequences one request may run"
+            )
         self.start()
         tokenized = []
         for request_id, prompt in requests:
             text, ids = await self.run_tokenizer(self.inputs.process_prompt, prompt)
             tokenized.append((request_id, {"prompt": text, "prompt_token_ids": ids}))
         self._check_alive()
-        queues: list[asyncio.Queue[Item]] = []
+        queues: list[_Outputs] = []
         for request_id, _ in requests:
-            queues.append(asyncio.Queue())
+            queues.append(_Outputs())
             self._queues[request_id] = queues[-1]
         try:
             await self.call(self._add_all, tokenized, params)
@@ -215,9 +284,7 @@ class AsyncLLMEngine:
         if self._error is not None or self._closed:
             raise EngineDeadError(f"the engine is not serving (error: {self._error!r})")
 
-    async def _stream(
-        self, request_id: str, queue: asyncio.Queue[Item]
-    ) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, request_id: str, queue: _Outputs) -> AsyncIterator[RequestOutput]:
         ended = False  # finished, or failed: nothing is left in the engine
         try:
             while not ended:
@@ -246,6 +313,29 @@ class AsyncLLMEngine:
         """
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compiles `spec` in the grammar pool's processes (never on the tokenizer or engine
+        thread) unless it is cached, and attaches the result to `spec` for `add_request`.
+
+        Raises:
+            StructuredOutputError: it does not compile, or not within the budget.
+        """
+        grammars = self.engine.structured_outputs
+        if not grammars.has_compiler:
+            await self.call(grammars.ensure_compiler)
+        compiled = grammars.cached(spec)
+        if compiled is None:
+            if self._grammar_pool is None:
+                self._grammar_pool = GrammarCompilePool(
+                    grammars.tokenizer_info, self._grammar_workers, self._grammar_timeout_s
+                )
+            method, text = grammar_source(spec)
+            compiled = await asyncio.get_running_loop().run_in_executor(
+                self._grammar_threads, self._grammar_pool.compile, spec.kind, method, text
+            )
+            grammars.put(spec, compiled)
+        spec.compiled = compiled
+
     async def run_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs `fn(*args)` on the tokenizer thread (`self.tokenizer`, chat templates)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
@@ -257,6 +347,15 @@ class AsyncLLMEngine:
             return self.engine.step(), self.engine.has_unfinished_requests()
         finally:
             self.stats = self.engine.stats_snapshot()
+            native_memory.trim()  # at most once per TRIM_INTERVAL_S
+
+    def _idle_check(self) -> bool:
+        """On the engine thread: True while requests remain; else hands free heap pages back
+        to the system before the loop sleeps (what the finished requests freed)."""
+        if self.engine.has_unfinished_requests():
+            return True
+        native_memory.trim()
+        return False
 
     async def _run_loop(self) -> None:
         has_work = True
@@ -266,7 +365,7 @@ class AsyncLLMEngine:
                     # An add completes on the worker thread before its caller sets `_work`,
                     # so clearing before asking the engine thread loses no wakeup.
                     self._work.clear()
-                    if not await self.call(self.engine.has_unfinished_requests):
+                    if not await self.call(self._idle_check):
                         await self._work.wait()
                     has_work = True
                     continue
@@ -278,7 +377,8 @@ class AsyncLLMEngine:
                 for out in outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
-                        queue.put_nowait(out)
+                        queue.put(out)
+                self._abort_stalled()
                 if self._stat_logger is not None:
                     self._stat_logger.maybe_log(self.stats)
         except asyncio.CancelledError:
@@ -286,12 +386,23 @@ class AsyncLLMEngine:
         except BaseException as err:
             self._die(err)
 
+    def _abort_stalled(self) -> None:
+        """Aborts the requests whose output has waited unread for `stall_timeout_s`."""
+        if self.stall_timeout_s is None:
+            return
+        now = time.monotonic()
+        for request_id, queue in list(self._queues.items()):
+            if queue.since is not None and now - queue.since > self.stall_timeout_s:
+                logger.warning("aborting request %s: its client stopped reading", request_id)
+                queue.put(StreamStalledError(request_id, self.stall_timeout_s))
+                self.abort(request_id)
+
     def _fail_requests(self, err: RequestsFailedError) -> None:
         """Ends the streams of the requests of a failed step with the error."""
         for request_id in err.request_ids:
             queue = self._queues.pop(request_id, None)
             if queue is not None:
-                queue.put_nowait(err)
+                queue.put(err)
 
     def _die(self, err: BaseException) -> None:
         if self._error is not None:
@@ -300,7 +411,7 @@ class AsyncLLMEngine:
         self._error = err
         dead = EngineDeadError(f"the engine loop failed: {err!r}")
         for queue in self._queues.values():
-            queue.put_nowait(dead)
+            queue.put(dead)
         self._queues.clear()
         if self.on_dead is not None:
             self.on_dead(err)

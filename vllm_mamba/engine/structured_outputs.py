@@ -2,7 +2,8 @@
 
 A request's `StructuredOutputsParams` (a JSON schema, regex, choice list, EBNF grammar or any
 JSON object) is compiled once at `add_request` (a spec xgrammar cannot compile is a
-`ValueError` there) and kept in a bounded cache keyed by kind and spec, shared by every
+`ValueError` there) and kept in a cache bounded by the compiled grammars' bytes
+(`cache_bytes`), keyed by kind and spec, shared by every
 request that asks for the same thing. Each sequence gets its own `GrammarMatcher` when it is
 first sampled (so the children of `n > 1`, forked before the first generated token, start
 fresh); the sampler fills a token bitmask from it for that row only, and the engine advances it
@@ -12,16 +13,19 @@ it has seen are kept. JSON is generated compact (no free whitespace between toke
 keeps small models from looping on whitespace. xgrammar is imported only when a request uses
 structured outputs.
 
-Thread safety: `compile` may run on any thread once `ensure_compiler` has run (the server
-compiles on its tokenizer thread, so a slow grammar does not hold up the engine's steps; the
-engine's own `compile` at `add_request` then finds it in the cache). Building the compiler
-reads the tokenizer, so it runs on the engine's thread.
+Thread safety: `compile`, `cached` and `put` may run on any thread once `ensure_compiler` has
+run. The server compiles in worker processes under a time budget (`grammar_pool.py`) and
+attaches the compiled grammar to the spec (`StructuredOutputsParams.compiled`), so the
+engine's own `compile` at `add_request` does no work. Building the compiler reads the
+tokenizer, so it runs on the engine's thread. Error messages from xgrammar are cleaned of
+source paths (`clean_message`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -30,7 +34,9 @@ from vllm_mamba.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-CACHE_SIZE = 256
+# Compiled grammars hold token masks: the cache is bounded by their bytes, not their count.
+CACHE_BYTES = 64 * 2**20
+_PATH = re.compile(r"(?:[\w.~-]*/)+[\w.-]+\.(?:h|hpp|cc|cpp|cxx|c|cu|cuh|py)\b(?::\d+)?")
 
 
 class StructuredOutputError(ValueError):
@@ -50,14 +56,24 @@ class StructuredOutputs:
         tokenizer: the model's Hugging Face tokenizer.
         vocab_size: rows of the model's logits (the bitmask covers all of them).
         eos_token_id: the token that ends a sequence (the grammar's stop token).
+        cache_bytes: the most memory the cached compiled grammars may hold.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_id: int | None,
+        cache_bytes: int = CACHE_BYTES,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._compiler: Any = None
+        self._info: Any = None
+        self.cache_bytes = cache_bytes
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache_used = 0
         self._lock = threading.Lock()
 
     @property
@@ -72,48 +88,69 @@ class StructuredOutputs:
             import xgrammar as xgr
 
             stop = None if self.eos_token_id is None else [self.eos_token_id]
-            info = xgr.TokenizerInfo.from_huggingface(
+            self._info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
             )
             # xgrammar's own cache is unbounded; this class keeps a bounded one.
-            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=False)
         return self._compiler
 
-    def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of `spec`, from the cache when it was compiled before.
+    @property
+    def tokenizer_info(self) -> Any:
+        """The compiler's `xgrammar.TokenizerInfo` (after `ensure_compiler`)."""
+        return self._info
+
+    def cached(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar of `spec` when it is in the cache (else None).
 
         Raises:
-            StructuredOutputError: xgrammar cannot compile the spec (the message says why).
+            StructuredOutputError: the spec is not JSON-serializable.
         """
-        kind = spec.kind
-        try:
-            text = _spec_text(spec)
-        except (TypeError, ValueError) as err:
-            raise StructuredOutputError(kind, f"not JSON-serializable: {err}") from err
-        key = (kind, text)
+        key = _key(spec)
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
-                return compiled
+            return compiled
+
+    def put(self, spec: StructuredOutputsParams, compiled: Any) -> None:
+        """Caches `compiled` as the grammar of `spec`, evicting the least recently used ones
+        while the cache holds more than `cache_bytes`."""
+        key = _key(spec)
+        size = _size(compiled)
+        with self._lock:
+            if key in self._cache:
+                return
+            self._cache[key] = compiled
+            self._cache_used += size
+            while self._cache_used > self.cache_bytes and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._cache_used -= _size(old)
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar of `spec`: the one attached to it (the server compiles in its
+        pool and attaches it), the cached one, or one compiled here.
+
+        Raises:
+            StructuredOutputError: xgrammar cannot compile the spec (the message says why).
+        """
+        if spec.compiled is not None:
+            return spec.compiled
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
         compiler = self.ensure_compiler()
+        method, text = grammar_source(spec)
         try:
-            if kind == "json":
+            if method == "json_schema":
                 compiled = compiler.compile_json_schema(text, any_whitespace=False)
-            elif kind == "json_object":
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            elif kind == "regex":
+            elif method == "regex":
                 compiled = compiler.compile_regex(text)
-            elif kind == "choice":
-                compiled = compiler.compile_grammar(_choice_grammar(spec.choice or []))
             else:
                 compiled = compiler.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as err:
-            raise StructuredOutputError(kind, _first_line(err)) from err
-        with self._lock:
-            self._cache[key] = compiled
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            raise StructuredOutputError(spec.kind, clean_message(err)) from err
+        self.put(spec, compiled)
         return compiled
 
     def prepare(self, params: SamplingParams) -> None:
@@ -155,14 +192,47 @@ def _spec_text(spec: StructuredOutputsParams) -> str:
     return spec.regex or spec.grammar or ""
 
 
+def _key(spec: StructuredOutputsParams) -> tuple[str, str]:
+    try:
+        return spec.kind, _spec_text(spec)
+    except (TypeError, ValueError) as err:
+        raise StructuredOutputError(spec.kind, f"not JSON-serializable: {err}") from err
+
+
+def _size(compiled: Any) -> int:
+    return int(getattr(compiled, "memory_size_bytes", 0) or 0)
+
+
+def grammar_source(spec: StructuredOutputsParams) -> tuple[str, str]:
+    """`(method, text)` to compile for `spec`: method `json_schema`, `regex` or `grammar`.
+
+    Raises:
+        StructuredOutputError: the spec is not JSON-serializable.
+    """
+    kind, text = _key(spec)
+    if kind == "json":
+        return "json_schema", text
+    if kind == "json_object":
+        return "json_schema", '{"type": "object"}'
+    if kind == "regex":
+        return "regex", text
+    if kind == "choice":
+        return "grammar", _choice_grammar(spec.choice or [])
+    return "grammar", text
+
+
 def _choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly `choices`."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def _first_line(err: BaseException) -> str:
-    """xgrammar's message without its source location prefix and trailing blank lines."""
-    text = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+def clean_message(err: BaseException) -> str:
+    """xgrammar's message for a client: its first line, without the source location prefix,
+    the internal check text, or any file path (`/project/cpp/...recursion_guard.h:42`)."""
+    text = str(err).strip()
+    text = text.splitlines()[0] if text else type(err).__name__
     if text.startswith("[") and ": " in text:
         text = text.split(": ", 1)[1]
-    return text.removeprefix("Check failed: (error.empty()) is false: ")
+    text = text.removeprefix("Check failed: (error.empty()) is false: ")
+    text = _PATH.sub("<source>", text)
+    return text[:500]

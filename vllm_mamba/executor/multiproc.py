@@ -27,6 +27,7 @@ from vllm_mamba.distributed.parallel_state import (
     TensorParallel,
     collective_timeout_s,
     destroy_tensor_parallel,
+    group_generation,
 )
 from vllm_mamba.errors import EngineStartupError
 from vllm_mamba.executor.driver import DriverExecutor
@@ -89,9 +90,12 @@ class MultiprocExecutor(DriverExecutor):
         self.conns: list[Connection] = []
         self._errors: dict[int, str] = {}
         self._start("127.0.0.1")
-        # Dropping the engine stops its workers and leaves the group (the monitor holds only
-        # a weak reference, so it does not keep the executor alive).
-        self._finalizer = weakref.finalize(self, MultiprocExecutor._stop, self.procs, self.conns)
+        self._generation = group_generation()
+        # Dropping the engine stops its workers and leaves its group, never a newer engine's
+        # (the monitor holds only a weak reference, so it does not keep the executor alive).
+        self._finalizer = weakref.finalize(
+            self, MultiprocExecutor._stop, self.procs, self.conns, self._generation
+        )
         sentinels = [p.sentinel for p in self.procs]
         monitor = threading.Thread(
             target=_monitor, args=(sentinels, weakref.ref(self)), name="tp-monitor", daemon=True
@@ -163,11 +167,16 @@ class MultiprocExecutor(DriverExecutor):
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
-        MultiprocExecutor._stop(self.procs, self.conns)
+        MultiprocExecutor._stop(self.procs, self.conns, getattr(self, "_generation", None))
 
     @staticmethod
-    def _stop(procs: list[mp.process.BaseProcess], conns: list[Connection]) -> None:
-        """Asks each worker to exit; terminates those that do not within a few seconds."""
+    def _stop(
+        procs: list[mp.process.BaseProcess],
+        conns: list[Connection],
+        generation: int | None = None,
+    ) -> None:
+        """Asks each worker to exit; terminates those that do not within a few seconds; leaves
+        the group of `generation` (any group when None)."""
         for conn in conns:
             try:
                 conn.send_bytes(pickle.dumps(("shutdown",)))
@@ -180,4 +189,4 @@ class MultiprocExecutor(DriverExecutor):
                 proc.join(5.0)
         for conn in conns:
             conn.close()
-        destroy_tensor_parallel()
+        destroy_tensor_parallel(generation)

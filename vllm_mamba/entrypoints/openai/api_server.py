@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -25,12 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from vllm_mamba import __version__
+from vllm_mamba import __version__, envs
+from vllm_mamba.engine import native_memory
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.entrypoints.chat_utils import ChatTemplate
-from vllm_mamba.entrypoints.openai.cli_serve import API_KEY_ENV, HelpFormatter, add_server_args
+from vllm_mamba.entrypoints.openai.cli_serve import HelpFormatter, add_server_args
 from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
+from vllm_mamba.entrypoints.openai.http_protocol import deadline_protocol
 from vllm_mamba.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
 from vllm_mamba.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
@@ -82,7 +83,7 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
 
     app = FastAPI(title="vllm-mamba", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    api_key = args.api_key or envs.VLLM_MAMBA_API_KEY
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     app.add_middleware(BodySizeLimit, max_bytes=args.max_request_bytes)
@@ -175,6 +176,7 @@ def run_server(args: argparse.Namespace) -> int:
         logged in one line, without a traceback).
     """
     configure_logging(args.log_level, args.uvicorn_log_level)
+    native_memory.limit_arenas()
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as err:
@@ -200,7 +202,13 @@ def _load_server(args: argparse.Namespace, sock: socket.socket) -> GracefulServe
         holder[0].should_exit = True
 
     engine = AsyncLLMEngine.from_engine_args(
-        engine_args, on_dead=on_dead, log_requests=args.log_requests
+        engine_args,
+        on_dead=on_dead,
+        log_requests=args.log_requests,
+        grammar_workers=args.grammar_compile_workers,
+        grammar_timeout_s=args.grammar_compile_timeout,
+        stall_timeout_s=args.stream_stall_timeout or None,
+        max_slots_per_request=args.max_slots_per_request,
     )
     app = build_app(engine, args)
     host, port = sock.getsockname()[:2]
@@ -210,6 +218,8 @@ def _load_server(args: argparse.Namespace, sock: socket.socket) -> GracefulServe
         log_config=None,
         log_level=args.uvicorn_log_level or args.log_level,
         timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S) + 5,
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=deadline_protocol(args.header_timeout, args.body_timeout, args.max_connections),
     )
     holder.append(GracefulServer(config, engine))
     return holder[0]
@@ -222,8 +232,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
         OSError: the address is in use or cannot be bound.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted sockets whose proto says
+    # TCP (it inherits from this one); without it every multi-write response waits for the
+    # client's delayed ACK (~40 ms on a keep-alive connection).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
         sock.listen(2048)

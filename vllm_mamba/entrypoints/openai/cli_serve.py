@@ -14,6 +14,13 @@ from vllm_mamba.engine.arg_utils import EngineArgs
 
 API_KEY_ENV = "VLLM_MAMBA_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_STREAM_STALL_TIMEOUT_S = 30.0
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+DEFAULT_GRAMMAR_COMPILE_WORKERS = 2
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -82,8 +89,61 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request body accepted; larger ones get HTTP 413",
     )
+    _add_connection_args(net)
     EngineArgs.add_cli_args(parser)
     return parser
+
+
+def _add_connection_args(net: Any) -> None:
+    """The flags that bound what one client can hold: connections, slow reads, compiles."""
+    net.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    net.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a request's headers may take to arrive (then 408, connection closed)",
+    )
+    net.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request's body may take after its headers (then 408, closed)",
+    )
+    net.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="open connections accepted at once; more get a 503 and are closed",
+    )
+    net.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=DEFAULT_STREAM_STALL_TIMEOUT_S,
+        help="seconds a client may leave its output unread before it is aborted (0: never)",
+    )
+    net.add_argument(
+        "--max-slots-per-request",
+        type=int,
+        default=None,
+        help="sequences (n times prompts) one request may run (default: max_num_seqs / 2)",
+    )
+    net.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+        help="seconds one structured-output grammar may compile (then 400)",
+    )
+    net.add_argument(
+        "--grammar-compile-workers",
+        type=int,
+        default=DEFAULT_GRAMMAR_COMPILE_WORKERS,
+        help="processes compiling structured-output grammars at once",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:

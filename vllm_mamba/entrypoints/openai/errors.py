@@ -127,5 +127,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, err: Exception) -> JSONResponse:
-        logger.exception("internal error")
-        return error_response(f"internal server error: {err!r}", 500)
+        logger.exception("internal error")  # the details stay in the server's log
+        return error_response(f"internal server error ({type(err).__name__})", 500)

@@ -100,3 +100,31 @@ def chat_logprobs(
         ]
         content.append(ChatTokenLogprob(**_chat_entry(text, chosen.logprob), top_logprobs=top))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs_json(
+    entries: Sequence[PositionLogprobs | None] | None, k: int
+) -> list[dict[str, dict] | None] | None:
+    """vLLM's `prompt_logprobs` of a response: per prompt position (the first is null), the
+    top-`k` tokens and the prompt's own, as token id -> `{logprob, rank, decoded_token}`."""
+    if entries is None:
+        return None
+    out: list[dict[str, dict] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+        keep = {tid: lp for tid, lp in ranked[:k]}
+        keep.update({tid: lp for tid, lp in entry.items() if lp.rank > k})
+        out.append(
+            {
+                str(tid): {
+                    "logprob": lp.logprob,
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token,
+                }
+                for tid, lp in keep.items()
+            }
+        )
+    return out

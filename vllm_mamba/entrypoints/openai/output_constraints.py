@@ -5,8 +5,9 @@ Structured outputs can be asked for in three ways, as with vLLM: OpenAI's `respo
 vLLM's `structured_outputs` (`{"json" | "regex" | "choice" | "grammar": ...}`), and vLLM's
 legacy `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. At most one may be
 set in a request; the field that was used is remembered so that a spec the grammar library
-cannot compile is a 400 naming it. The server compiles on its tokenizer thread
-(`compile_structured`), so a slow grammar does not hold up the engine's steps.
+cannot compile (or not within `--grammar-compile-timeout`) is a 400 naming it. The server
+compiles in the engine's grammar processes (`compile_structured`), so a slow grammar holds up
+neither the tokenizer thread nor the engine's steps.
 `logit_bias` keys are token ids written as strings (JSON object keys).
 """
 
@@ -135,17 +136,14 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 async def compile_structured(engine: AsyncLLMEngine, source: StructuredSource | None) -> None:
-    """Compiles a request's grammar on the tokenizer thread, into the engine's cache.
+    """Compiles a request's grammar in the engine's grammar pool, into its cache.
 
     Raises:
         ConstraintError: the grammar library cannot compile it (naming the request field).
     """
     if source is None:
         return
-    grammars = engine.engine.structured_outputs
-    if not grammars.has_compiler:
-        await engine.call(grammars.ensure_compiler)
     try:
-        await engine.run_tokenizer(grammars.compile, source.params)
+        await engine.compile_grammar(source.params)
     except StructuredOutputError as err:
         raise ConstraintError(f"{source.field}: {err.why}", source.field) from err

@@ -88,6 +88,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
     # Output constraints (OpenAI's logit_bias and response_format; the others are vLLM's).
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -115,6 +116,15 @@ class SamplingRequest(BaseModel):
         """True when a streamed response ends with a usage chunk."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
+    def check_prompt_logprobs(self) -> None:
+        """`prompt_logprobs` is answered in whole responses only (vLLM's shape).
+
+        Raises:
+            ValueError: `prompt_logprobs` with `stream`.
+        """
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("SamplingParams.prompt_logprobs is not supported with stream=true")
+
     def sampling_params(
         self,
         max_tokens: int | None,
@@ -128,6 +138,9 @@ class SamplingRequest(BaseModel):
         Raises:
             ValueError: a value out of range (the message names the field).
         """
+        self.check_prompt_logprobs()
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.prompt_logprobs)
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -291,6 +304,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -351,6 +365,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, dict] | None] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -19,7 +19,7 @@ from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.engine.input_processor import check_encodable
 from vllm_mamba.entrypoints.chat_utils import ChatTemplate
 from vllm_mamba.entrypoints.openai.errors import ENGINE_ERRORS, APIError, engine_error_status
-from vllm_mamba.entrypoints.openai.logprobs import chat_logprobs
+from vllm_mamba.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
 from vllm_mamba.entrypoints.openai.output_constraints import (
     ConstraintError,
@@ -50,6 +50,8 @@ from vllm_mamba.entrypoints.openai.streaming import (
 from vllm_mamba.entrypoints.openai.tool_calls import (
     DeltaToolCall,
     ToolChoiceError,
+    ToolsError,
+    check_tools,
     parse_tool_calls,
     tool_mode,
     tool_structured_outputs,
@@ -165,14 +167,19 @@ class OpenAIServingChat:
             )
         usage = _usage(final)
         body = ChatCompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
+        if req.prompt_logprobs is not None:
+            body.prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs, req.prompt_logprobs)
         return JSONResponse(body.model_dump())
 
     @staticmethod
     def _structured_source(req: ChatCompletionRequest) -> StructuredSource | None:
         """The request's structured outputs: the tools' schema, or what it asked for."""
         try:
+            check_tools(req.tools)
             mode = tool_mode(req.tools, req.tool_choice)
             source = structured_source(req)
+        except ToolsError as err:
+            raise APIError(str(err), 400, "tools") from err
         except ToolChoiceError as err:
             raise APIError(str(err), 400, "tool_choice") from err
         except ConstraintError as err:
@@ -184,7 +191,10 @@ class OpenAIServingChat:
                 f"tool_choice {mode} cannot be combined with {source.field}", 400, source.field
             )
         assert req.tools is not None and req.tool_choice is not None
-        params = tool_structured_outputs(req.tools, req.tool_choice, req.parallel_tool_calls)
+        try:
+            params = tool_structured_outputs(req.tools, req.tool_choice, req.parallel_tool_calls)
+        except ToolsError as err:
+            raise APIError(str(err), 400, "tools") from err
         return StructuredSource(params, "tools")
 
     @staticmethod

@@ -26,6 +26,7 @@ from vllm_mamba.entrypoints.openai.errors import ENGINE_ERRORS, APIError, engine
 from vllm_mamba.entrypoints.openai.logprobs import (
     completion_logprobs,
     join_logprobs,
+    prompt_logprobs_json,
     token_texts,
 )
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
@@ -177,6 +178,11 @@ class OpenAIServingCompletion:
             logprobs=logprobs,
             finish_reason=comp.finish_reason,
             stop_reason=comp.stop_reason,
+            prompt_logprobs=(
+                None
+                if req.prompt_logprobs is None
+                else prompt_logprobs_json(out.prompt_logprobs, req.prompt_logprobs)
+            ),
         )
 
     async def _stream(

@@ -65,9 +65,11 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
     """Interleaves several async iterators as `(position, item)` in arrival order.
 
     Leaving early (or an error in one stream) cancels the iteration of every stream; streams
-    never started are not closed, so the caller aborts their requests.
+    never started are not closed, so the caller aborts their requests. The hand-over queue is
+    bounded, so a consumer that stops reading stops the pumps too (and the engine sees the
+    request's outputs go unread).
     """
-    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, stream: AsyncIterator[T]) -> None:
         try:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from vllm_mamba import request_limits as limits
 from vllm_mamba.sampling_params import StructuredOutputsParams
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -78,7 +79,27 @@ class DeltaToolCall(ToolCall):
 
 
 class ToolChoiceError(ValueError):
-    """`tools` / `tool_choice` that cannot be served; the message says why."""
+    """`tool_choice` that cannot be served; the message says why."""
+
+
+class ToolsError(ValueError):
+    """`tools` that cannot be served (malformed `$defs`, over the limits); says why."""
+
+
+def check_tools(tools: list[ChatTool] | None) -> None:
+    """Checks `tools` against the request limits.
+
+    Raises:
+        ToolsError: too many tools, or definitions too large.
+    """
+    if not tools:
+        return
+    size = sum(len(t.model_dump_json()) for t in tools)
+    message = limits.over_count("tools", len(tools), limits.MAX_TOOLS) or limits.over_size(
+        "tools", size, limits.MAX_TOOLS_BYTES, "bytes"
+    )
+    if message:
+        raise ToolsError(message)
 
 
 def tool_mode(tools: list[ChatTool] | None, choice: str | NamedToolChoice | None) -> str | None:
@@ -112,7 +133,8 @@ def tool_structured_outputs(
     more than one call allowed)."""
     if isinstance(choice, NamedToolChoice):
         tool = next(t for t in tools if t.function.name == choice.function.name)
-        return StructuredOutputsParams(json=tool.function.parameters or EMPTY_PARAMETERS)
+        _tool_defs(tool)
+        return _params(tool.function.parameters or EMPTY_PARAMETERS)
     items = [
         {
             "properties": {
@@ -130,12 +152,45 @@ def tool_structured_outputs(
     }
     if not parallel:
         schema["maxItems"] = 1
-    defs = {}
+    defs: dict[str, Any] = {}
+    owners: dict[str, str] = {}
     for tool in tools:
-        defs.update((tool.function.parameters or {}).get("$defs", {}))
+        for name, definition in _tool_defs(tool).items():
+            if name in defs and defs[name] != definition:
+                raise ToolsError(
+                    f"tools {owners[name]!r} and {tool.function.name!r} both define "
+                    f"$defs.{name} differently; give the definitions distinct names"
+                )
+            defs[name] = definition
+            owners.setdefault(name, tool.function.name)
     if defs:
         schema["$defs"] = defs
-    return StructuredOutputsParams(json=schema)
+    return _params(schema)
+
+
+def _tool_defs(tool: ChatTool) -> dict[str, Any]:
+    """The `$defs` of a tool's parameters (the generated schema hoists them to its root).
+
+    Raises:
+        ToolsError: `$defs` that is not an object of schemas.
+    """
+    defs = (tool.function.parameters or {}).get("$defs", {})
+    if not isinstance(defs, dict) or not all(isinstance(d, (dict, bool)) for d in defs.values()):
+        raise ToolsError(
+            f"tools: the parameters of {tool.function.name!r} have $defs that is not an "
+            "object mapping names to schemas"
+        )
+    return defs
+
+
+def _params(schema: dict[str, Any]) -> StructuredOutputsParams:
+    """The structured-outputs parameters of a tools schema (over the limits: ToolsError)."""
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ValueError as err:
+        raise ToolsError(
+            str(err).replace("SamplingParams.structured_outputs.json", "tools")
+        ) from err
 
 
 def parse_tool_calls(text: str, choice: str | NamedToolChoice) -> list[ToolCall] | None:

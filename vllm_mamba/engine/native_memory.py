@@ -1,0 +1,53 @@
+"""The server's native heap: fewer glibc malloc arenas, and free pages handed back when idle.
+
+A server's threads (event loop, tokenizer, engine, grammar and HTTP helpers) each get their own
+glibc arena by default (up to 8 per core); memory freed in one arena is reused only by its
+threads, and freed pages at the top of a heap stay mapped. Under mixed traffic RSS then
+creeps up per request although nothing leaks. `limit_arenas` caps the arenas (what
+`MALLOC_ARENA_MAX` does, set at run time), and `trim` returns free pages to the system
+(`malloc_trim`); the engine calls it when it goes idle, at most once per `TRIM_INTERVAL_S`.
+Both do nothing where the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+
+M_ARENA_MAX = -8
+DEFAULT_ARENAS = 2
+TRIM_INTERVAL_S = 1.0
+
+_libc: ctypes.CDLL | None = None
+_last_trim = 0.0
+
+
+def _glibc() -> ctypes.CDLL | None:
+    global _libc
+    if _libc is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            libc.mallopt  # noqa: B018 - glibc only
+            libc.malloc_trim  # noqa: B018
+        except (OSError, AttributeError):
+            return None
+        _libc = libc
+    return _libc
+
+
+def limit_arenas(count: int = DEFAULT_ARENAS) -> bool:
+    """Caps glibc's malloc arenas at `count`; True when it took effect."""
+    libc = _glibc()
+    return bool(libc is not None and libc.mallopt(M_ARENA_MAX, count))
+
+
+def trim(force: bool = False) -> None:
+    """Returns free heap pages to the system (at most once per `TRIM_INTERVAL_S`)."""
+    global _last_trim
+    libc = _glibc()
+    now = time.monotonic()
+    if libc is None or (not force and now - _last_trim < TRIM_INTERVAL_S):
+        return
+    _last_trim = now
+    libc.malloc_trim(0)
