@@ -18,7 +18,11 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from vllm_mamba.engine.structured_outputs import StructuredOutputError, clean_message
+from vllm_mamba.engine.structured_outputs import (
+    StructuredOutputError,
+    clean_message,
+    compile_source,
+)
 
 DEFAULT_MEMORY_BYTES = 2 * 2**30
 _START_TIMEOUT_S = 300.0
@@ -51,12 +55,7 @@ def _serve(conn: Connection, tokenizer_info_json: str, memory_bytes: int) -> Non
         except EOFError:
             return
         try:
-            if method == "json_schema":
-                compiled = compiler.compile_json_schema(text, any_whitespace=False)
-            elif method == "regex":
-                compiled = compiler.compile_regex(text)
-            else:
-                compiled = compiler.compile_grammar(text)
+            compiled = compile_source(compiler, method, text)
             conn.send(("ok", compiled.serialize_json()))
         except MemoryError:
             conn.send(("error", "it needs more memory than a grammar may use"))

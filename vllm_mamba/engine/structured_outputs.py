@@ -142,12 +142,7 @@ class StructuredOutputs:
         compiler = self.ensure_compiler()
         method, text = grammar_source(spec)
         try:
-            if method == "json_schema":
-                compiled = compiler.compile_json_schema(text, any_whitespace=False)
-            elif method == "regex":
-                compiled = compiler.compile_regex(text)
-            else:
-                compiled = compiler.compile_grammar(text)
+            compiled = compile_source(compiler, method, text)
         except (RuntimeError, ValueError, TypeError) as err:
             raise StructuredOutputError(spec.kind, clean_message(err)) from err
         self.put(spec, compiled)
@@ -224,6 +219,16 @@ def grammar_source(spec: StructuredOutputsParams) -> tuple[str, str]:
 def _choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly `choices`."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def compile_source(compiler: Any, method: str, text: str) -> Any:
+    """Compiles one `grammar_source` result with an xgrammar `GrammarCompiler` (here, or in a
+    worker of `grammar_pool`)."""
+    if method == "json_schema":
+        return compiler.compile_json_schema(text, any_whitespace=False)
+    if method == "regex":
+        return compiler.compile_regex(text)
+    return compiler.compile_grammar(text)
 
 
 def clean_message(err: BaseException) -> str:
