@@ -1,17 +1,13 @@
-"""CPU speed of this engine against `transformers` on a hybrid of about 300M parameters, in one run.
+"""CPU speed of this engine against `transformers` and llama.cpp on a hybrid model, in one run.
 
-Two models (random weights, float32, saved once to `--model`), chosen by `--arch`:
-
-- `jamba` (default model `/tmp/jamba-300m-random`): hidden 1024, 8 layers (attention at layer 4
-  only: `attn_layer_period` 8, offset 4; 16 query and 4 key/value heads of 64), Mamba d_state
-  16, d_conv 4, expand 2, dense MLPs of 2048 and, every other layer from layer 1, 4 experts of
-  2048 with top-2 routing, vocabulary 65,536, untied head: about 310M parameters.
-- `granitemoehybrid` (default model `/tmp/granite-4.0-h-300m-random`): shaped like the dense
-  Granite 4.0-H models (`granite-4.0-h-350m` / `-1b`): hidden 768, 28 layers, attention (no
-  position embedding, 12 query and 4 key/value heads of 64) at layers 6, 13, 20 and 27,
-  Mamba2 elsewhere (24 heads of 64, one group, d_state 128, conv 4, chunks of 256), a dense
-  gated MLP of 2048 in every layer (`shared_mlp`, no experts), the Granite multipliers,
-  vocabulary 100,352, tied head: about 306M parameters.
+Four models (random weights, saved once to `--model`; shapes in `hybrid_configs.py`), chosen by
+`--arch`: `jamba` (about 310M parameters, default model `/tmp/jamba-300m-random`),
+`granitemoehybrid` (the dense Granite 4.0-H shape, about 306M, `/tmp/granite-4.0-h-300m-random`),
+`qwen3_5` (Qwen3.5-0.8B's text model, Gated DeltaNet and gated attention,
+`/tmp/qwen3.5-0.8b-random`) and `qwen3_next` (Qwen3-Next's layout with 64 experts scaled to
+about 1B, `/tmp/qwen3-next-1b-random`). `--dtype bfloat16` runs the engine and transformers in
+bfloat16; `--quantization int8` the engine with int8 weights. The run starts by printing the
+recurrent state bytes one sequence holds and how many sequences fit a GiB.
 
 Workloads, medians of `--reps` interleaved repetitions, `--threads` threads:
 
@@ -25,12 +21,14 @@ Workloads, medians of `--reps` interleaved repetitions, `--threads` threads:
 
 With `--gguf` (the model converted by llama.cpp's `convert_hf_to_gguf.py`, see
 `setup_llama_cpp.sh`) llama.cpp runs in the same repetitions through `compare_systems`'
-`LlamaCppSystem` (`llama-bench` for prefill and b1, `llama-batched-bench` S_TG for b32; no
-`step @ C` rows); its tools come from `--llama-cpp-home` / `$LLAMA_CPP_HOME`.
+`LlamaCppSystem` (`llama-bench` for prefill and b1, `llama-batched-bench` S_TG for larger
+batches; no `step @ C` rows); its tools come from `--llama-cpp-home` / `$LLAMA_CPP_HOME`.
 
     python benchmarks/hybrid_bench.py --model /tmp/jamba-300m-random
     python benchmarks/hybrid_bench.py --arch granitemoehybrid --no-steps \
         --gguf /tmp/llamacpp/gguf/granite-4.0-h-300m-random-f32.gguf
+    python benchmarks/hybrid_bench.py --arch qwen3_5 --no-steps --batches 1,32,128 \
+        --dtype bfloat16 --gguf /tmp/llamacpp/gguf/qwen3.5-0.8b-random-bf16.gguf --gguf-label BF16
 """
 
 from __future__ import annotations
@@ -42,53 +40,8 @@ import statistics
 import time
 
 import torch
+from hybrid_configs import GRANITE_CONFIG, JAMBA_CONFIG, QWEN3_5_CONFIG, QWEN3_NEXT_CONFIG
 
-JAMBA_CONFIG = dict(
-    vocab_size=65536,
-    hidden_size=1024,
-    intermediate_size=2048,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    attn_layer_period=8,
-    attn_layer_offset=4,
-    num_experts=4,
-    num_experts_per_tok=2,
-    expert_layer_period=2,
-    expert_layer_offset=1,
-    mamba_d_state=16,
-    mamba_d_conv=4,
-    mamba_expand=2,
-    tie_word_embeddings=False,
-    max_position_embeddings=8192,
-)
-GRANITE_CONFIG = dict(
-    vocab_size=100352,
-    hidden_size=768,
-    num_hidden_layers=28,
-    layer_types=["attention" if i % 7 == 6 else "mamba" for i in range(28)],
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    position_embedding_type=None,
-    num_local_experts=0,
-    num_experts_per_tok=0,  # as the dense Granite 4.0-H configs (llama.cpp asserts it)
-    shared_intermediate_size=2048,
-    intermediate_size=2048,  # llama.cpp sizes the dense MLP by it; transformers by the shared one
-    mamba_n_heads=24,
-    mamba_d_head=64,
-    mamba_n_groups=1,
-    mamba_d_state=128,
-    mamba_d_conv=4,
-    mamba_expand=2,
-    mamba_chunk_size=256,
-    embedding_multiplier=12.0,
-    attention_multiplier=0.015625,
-    residual_multiplier=0.246,
-    logits_scaling=3.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-)
 ARCHS = {  # --arch: (transformers class, config, default model directory)
     "jamba": ("JambaForCausalLM", JAMBA_CONFIG, "/tmp/jamba-300m-random"),
     "granitemoehybrid": (
@@ -96,6 +49,8 @@ ARCHS = {  # --arch: (transformers class, config, default model directory)
         GRANITE_CONFIG,
         "/tmp/granite-4.0-h-300m-random",
     ),
+    "qwen3_5": ("Qwen3_5ForCausalLM", QWEN3_5_CONFIG, "/tmp/qwen3.5-0.8b-random"),
+    "qwen3_next": ("Qwen3NextForCausalLM", QWEN3_NEXT_CONFIG, "/tmp/qwen3-next-1b-random"),
 }
 TOKENIZER_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests/data/gpt-neox-20b-tokenizer"
@@ -131,11 +86,18 @@ class Engine:
 
     name = "vllm_mamba"
 
-    def __init__(self, path: str, vocab: int) -> None:
+    def __init__(self, path: str, vocab: int, args: argparse.Namespace) -> None:
         from vllm_mamba import LLM
 
         self.vocab = vocab
-        self.llm = LLM(path, max_model_len=4200, max_num_seqs=32, disable_log_stats=True)
+        self.llm = LLM(
+            path, max_model_len=4200, max_num_seqs=max(args.batches), disable_log_stats=True,
+            dtype=args.dtype, quantization=args.quantization,
+        )  # fmt: skip
+
+    def state_bytes(self) -> int:
+        """Recurrent state bytes one sequence holds (every layer's conv and recurrent state)."""
+        return self.llm.llm_engine.cache.bytes_per_slot()
 
     def prefill(self, length: int) -> float:
         from vllm_mamba import SamplingParams
@@ -174,10 +136,10 @@ class LlamaCpp:
 
     name = "llama.cpp"
 
-    def __init__(self, home: str, gguf: str, threads: int) -> None:
+    def __init__(self, home: str, gguf: str, label: str, threads: int) -> None:
         from compare_systems import LlamaCppSystem
 
-        self.system = LlamaCppSystem(os.path.join(home, "bin"), gguf, "F32", threads)
+        self.system = LlamaCppSystem(os.path.join(home, "bin"), gguf, label, threads)
 
     def prefill(self, length: int) -> float:
         return self.system.prefill([0] * length)
@@ -194,12 +156,12 @@ class Transformers:
 
     name = "transformers"
 
-    def __init__(self, path: str, cls_name: str, vocab: int) -> None:
+    def __init__(self, path: str, cls_name: str, vocab: int, dtype: str) -> None:
         import transformers
 
         self.vocab = vocab
         model_cls = getattr(transformers, cls_name)
-        self.model = model_cls.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = model_cls.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
 
     @torch.inference_mode()
     def prefill(self, length: int) -> float:
@@ -231,6 +193,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument(
+        "--quantization", choices=["int8"], help="the engine's weights (not transformers')"
+    )
+    p.add_argument(
+        "--batches",
+        type=lambda v: [int(b) for b in v.split(",")],
+        default=[1, 32],
+        help="decode batch sizes, comma-separated (default 1,32)",
+    )
+    p.add_argument(
+        "--gguf-label", default="F32", help="the GGUF's type, for the table (F32, BF16, Q8_0)"
+    )
     p.add_argument("--no-steps", action="store_true", help="leave out the step @ C rows")
     p.add_argument("--gguf", help="the model as llama.cpp GGUF: adds llama.cpp to the run")
     p.add_argument(
@@ -249,16 +224,17 @@ def main() -> None:
     torch.set_flush_denormal(True)
     print(f"load average {os.getloadavg()[0]:.2f} at the start")
     print(f"model: {make_model(args.arch, path) / 1e6:.0f}M parameters in {path}")
-    systems = [Engine(path, config["vocab_size"])]
+    engine = Engine(path, config["vocab_size"], args)
+    state = engine.state_bytes()
+    print(f"state per sequence: {state / 2**10:,.1f} KiB ({2**30 // state:,} sequences per GiB)")
+    systems: list = [engine]
     if not args.skip_transformers:
-        systems.append(Transformers(path, cls_name, config["vocab_size"]))
+        systems.append(Transformers(path, cls_name, config["vocab_size"], args.dtype))
     if args.gguf:
-        systems.append(LlamaCpp(args.llama_cpp_home, args.gguf, args.threads))
-    rows = {
-        "prefill 512 (tok/s)": lambda s: s.prefill(512),
-        "decode b1 (tok/s)": lambda s: s.decode(1),
-        "decode b32 (tok/s)": lambda s: s.decode(32),
-    }
+        systems.append(LlamaCpp(args.llama_cpp_home, args.gguf, args.gguf_label, args.threads))
+    rows = {"prefill 512 (tok/s)": lambda s: s.prefill(512)}
+    for b in args.batches:
+        rows[f"decode b{b} (tok/s)"] = lambda s, b=b: s.decode(b)
     if not args.no_steps:
         rows["step @ 128 (ms)"] = lambda s: s.step_ms(128)
         rows["step @ 4096 (ms)"] = lambda s: s.step_ms(4096)

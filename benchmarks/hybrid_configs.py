@@ -1,0 +1,116 @@
+"""The shapes of the hybrid benchmark models (`hybrid_bench.py`): transformers config keyword
+arguments, random weights, each model's real vocabulary size (the LM head dominates a small
+model).
+
+- `JAMBA_CONFIG`: a Jamba of about 310M parameters (hidden 1024, 8 layers, attention at layer 4).
+- `GRANITE_CONFIG`: the dense Granite 4.0-H shape (`granite-4.0-h-350m` / `-1b`), about 306M.
+- `QWEN3_5_CONFIG`: Qwen3.5-0.8B's text model (the smallest Qwen3.5 release): hidden 1024,
+  24 layers, gated attention every 4th (8 query and 2 key/value heads of 256, partial rotary
+  0.25, theta 1e7), Gated DeltaNet elsewhere (16 key and 16 value heads of 128, conv 4), dense
+  SwiGLU of 3584, vocabulary 248,320, tied head: about 0.75B parameters.
+- `QWEN3_NEXT_CONFIG`: Qwen3-Next-80B-A3B's layout scaled to about 1B: hidden 1024, 12 layers,
+  attention every 4th (8 query / 2 key-value heads of 256), Gated DeltaNet with 8 key and 16
+  value heads of 128, 64 experts of 256 with top-8 routing and a gated shared expert of 512 in
+  every layer, vocabulary 151,936, untied head.
+"""
+
+from __future__ import annotations
+
+JAMBA_CONFIG = dict(
+    vocab_size=65536,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    attn_layer_period=8,
+    attn_layer_offset=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    expert_layer_period=2,
+    expert_layer_offset=1,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    tie_word_embeddings=False,
+    max_position_embeddings=8192,
+)
+GRANITE_CONFIG = dict(
+    vocab_size=100352,
+    hidden_size=768,
+    num_hidden_layers=28,
+    layer_types=["attention" if i % 7 == 6 else "mamba" for i in range(28)],
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    position_embedding_type=None,
+    num_local_experts=0,
+    num_experts_per_tok=0,  # as the dense Granite 4.0-H configs (llama.cpp asserts it)
+    shared_intermediate_size=2048,
+    intermediate_size=2048,  # llama.cpp sizes the dense MLP by it; transformers by the shared one
+    mamba_n_heads=24,
+    mamba_d_head=64,
+    mamba_n_groups=1,
+    mamba_d_state=128,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=256,
+    embedding_multiplier=12.0,
+    attention_multiplier=0.015625,
+    residual_multiplier=0.246,
+    logits_scaling=3.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+)
+QWEN3_5_CONFIG = dict(
+    vocab_size=248320,
+    hidden_size=1024,
+    intermediate_size=3584,
+    num_hidden_layers=24,
+    layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(24)],
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+)
+QWEN3_NEXT_CONFIG = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(12)],
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=8,
+    linear_num_value_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=64,
+    num_experts_per_tok=8,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=512,
+    decoder_sparse_step=1,
+    norm_topk_prob=True,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_position_embeddings=8192,
+)
