@@ -1,6 +1,7 @@
 """What every state-space mixer shares: the conv1d and SSM parameters, their derived tensors,
-and the causal conv over a step's flat batch. Its state (bound by the state cache) is
-`conv (S, CD, K - 1)` and `ssm`, whose shape each mixer declares in its `state_spec`.
+and the causal conv over a step's flat batch (`causal_conv`, also the Gated DeltaNet's). Its
+state (bound by the state cache) is `conv (S, CD, K - 1)` and `ssm`, whose shape each mixer
+declares in its `state_spec`.
 
 Glossary: T tokens in the step, CD conv channels, K conv kernel width. `A_log` is `(I, N)` for
 Mamba and `(NH,)` for Mamba2; `D` has one entry per channel (Mamba) or head (Mamba2).
@@ -56,32 +57,46 @@ class StateSpaceMixer(StatefulLayer):
         self.conv_weight = self.conv1d.weight.detach()[:, 0, :].contiguous()
 
     def conv(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
-        """Causal conv + SiLU of `x (T, CD)`: decode rows by update, prefill chunks by varlen.
+        """Causal conv + SiLU of `x (T, CD)` over `self.state["conv"]` (see `causal_conv`)."""
+        return causal_conv(
+            self.ops, x, self.conv_weight, self.conv1d.bias, self.state["conv"], meta
+        )
 
-        `self.state["conv"]` is `(S, CD, K - 1)`, advanced in place.
-        """
-        nd = meta.num_decodes
-        parts = []
-        if nd:
-            parts.append(
-                self.ops.causal_conv1d_update(
-                    x=x[:nd],
-                    conv_states=self.state["conv"],
-                    weight=self.conv_weight,
-                    bias=self.conv1d.bias,
-                    state_indices=meta.decode_state_indices,
-                )
+
+def causal_conv(
+    ops: MambaOps,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    meta: MambaMetadata,
+) -> torch.Tensor:
+    """Causal depthwise conv + SiLU of a step's `x (T, CD)`: decode rows by the one-token
+    update, prefill chunks by the varlen conv (from their saved history when they have one).
+
+    Args:
+        weight: `(CD, K)` filters; bias: `(CD,)` or None.
+        conv_states: `(S, CD, K - 1)` over all slots, advanced in place.
+
+    Returns:
+        `(T, CD)` in x's dtype.
+    """
+    nd = meta.num_decodes
+    parts = []
+    if nd:
+        parts.append(
+            ops.causal_conv1d_update(
+                x=x[:nd], conv_states=conv_states, weight=weight, bias=bias,
+                state_indices=meta.decode_state_indices,
             )
-        if meta.num_prefills:
-            parts.append(
-                self.ops.causal_conv1d_varlen(
-                    x=x[nd:],
-                    weight=self.conv_weight,
-                    bias=self.conv1d.bias,
-                    conv_states=self.state["conv"],
-                    query_start_loc=meta.prefill_query_start_loc,
-                    state_indices=meta.prefill_state_indices,
-                    has_initial_state=meta.prefill_has_initial_state,
-                )
+        )  # fmt: skip
+    if meta.num_prefills:
+        parts.append(
+            ops.causal_conv1d_varlen(
+                x=x[nd:], weight=weight, bias=bias, conv_states=conv_states,
+                query_start_loc=meta.prefill_query_start_loc,
+                state_indices=meta.prefill_state_indices,
+                has_initial_state=meta.prefill_has_initial_state,
             )
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        )  # fmt: skip
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -6,11 +6,16 @@ x, z, the conv, `dt_proj`, `A_log` and `D` (and their state). Mamba2 splits by h
 and C groups are split when `n_groups` is a multiple of N, else (N a multiple of `n_groups`)
 each rank holds the one group its heads read, so groups are replicated over N / G ranks.
 
+The Gated DeltaNet splits its key heads and their value heads with the ratio kept: rank r holds
+key heads `[r Hk/N, (r+1) Hk/N)` and value heads `[r Hv/N, (r+1) Hv/N)` (the value heads that
+read them), their q, k and v conv channels, `A_log`, `dt_bias` and state.
+
 Attention splits its query heads; its key/value heads are split when there are at least as
 many as ranks, else each rank holds the one its queries read (replicated over N / Hkv ranks).
 
 Glossary: I intermediate size, NH heads, P head dim, G groups, N state size, CD conv channels,
-Hkv key/value heads, D attention head dim.
+Hkv key/value heads, D attention head dim; Hk, Hv, Dk, Dv the Gated DeltaNet's key and value
+heads and head dims.
 """
 
 from __future__ import annotations
@@ -68,6 +73,59 @@ def mamba2_shard(num_heads: int, head_dim: int, n_groups: int, tp: TensorParalle
             f"({tp.size})"
         )
     return Mamba2Shard(nh, groups[1], (h0, nh), (h0 * head_dim, nh * head_dim), groups)
+
+
+@dataclass(frozen=True)
+class GatedDeltaShard:
+    """One rank's key and value heads of a Gated DeltaNet (global `(first, count)` ranges)."""
+
+    num_k_heads: int  # global Hk
+    num_v_heads: int  # global Hv
+    head_k_dim: int
+    head_v_dim: int
+    k_heads: tuple[int, int]
+    v_heads: tuple[int, int]
+
+    @property
+    def key_total(self) -> int:
+        """The global q (or k) channels `Hk Dk`."""
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_total(self) -> int:
+        """The global v (or z) channels `Hv Dv`."""
+        return self.num_v_heads * self.head_v_dim
+
+    def key_range(self) -> tuple[int, int]:
+        """This rank's channels of q (or k) among `Hk * Dk`."""
+        return self.k_heads[0] * self.head_k_dim, self.k_heads[1] * self.head_k_dim
+
+    def value_range(self) -> tuple[int, int]:
+        """This rank's channels of v (or the gate z) among `Hv * Dv`."""
+        return self.v_heads[0] * self.head_v_dim, self.v_heads[1] * self.head_v_dim
+
+    def conv_ranges(self) -> Ranges:
+        """This rank's conv channels of `[q (Hk Dk), k (Hk Dk), v (Hv Dv)]`."""
+        (k0, k), (v0, v) = self.key_range(), self.value_range()
+        return [(k0, k), (self.key_total + k0, k), (2 * self.key_total + v0, v)]
+
+
+def gated_delta_shard(
+    num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, tp: TensorParallel
+) -> GatedDeltaShard:
+    """This rank's key and value heads.
+
+    Raises:
+        ValueError: value heads not a multiple of key heads, or key heads not a multiple of N.
+    """
+    if num_v_heads % num_k_heads:
+        raise ValueError(
+            f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
+            f"linear_num_key_heads ({num_k_heads})"
+        )
+    k_heads = tp.range(num_k_heads, "linear_num_key_heads")
+    v_heads = tp.range(num_v_heads, "linear_num_value_heads")
+    return GatedDeltaShard(num_k_heads, num_v_heads, head_k_dim, head_v_dim, k_heads, v_heads)
 
 
 def shard_mixer_params(
