@@ -181,6 +181,13 @@ def test_varlen_padding_and_empty_rows(device: torch.device) -> None:
     _check_varlen(case)
 
 
+def test_varlen_strong_decay(device: torch.device) -> None:
+    """Decays that underflow inside a chunk (g about -14 a token): no inf or nan, same result."""
+    case = make_case([4, 2 * CHUNK + 3], device, pads=())
+    case.A_log += 3.0
+    _check_varlen(case)
+
+
 def test_varlen_strided_inputs(device: torch.device) -> None:
     """q, k, v, a, b split from one projection (as a mixer does); states a layer's view."""
     case = make_case([4, CHUNK + 1], device, (1, 2, 8, 20), pads=())
