@@ -1,11 +1,14 @@
 """`DecoderLayer`: the one decoder layer every model is built from.
 
-A layer is up to two residual stages, each a pre-norm and parts whose outputs are summed:
+A layer is up to two residual stages, each parts whose outputs are summed, with a norm
+before them (pre-norm), after them (post-norm, OLMo Hybrid's attention layers) or both:
 
     x = norm(h)                                              (the mixer stage)
-    h = h + rm * sum_i out_i * mixer_i(in_i * x, meta)
+    h = h + rm * post_norm(sum_i out_i * mixer_i(in_i * x, meta))
     y = ffn_norm(h)                                          (the feed-forward stage)
-    h = h + rm * sum_j ffn_j(y)
+    h = h + rm * ffn_post_norm(sum_j ffn_j(y))
+
+An absent norm is the identity; a stage with parts has at least one of its norms.
 
 A mixer is any module called `mixer(x (T, H), meta) -> (T, H)` (Mamba, Mamba2, attention, a
 plugin's recurrent layer; each reaches its own cache through what the engine bound to it); a
@@ -60,14 +63,22 @@ class DecoderLayer(nn.Module):
         ffns: Sequence[Named] = (),
         residual_multiplier: float = 1.0,
         residual_in_fp32: bool = False,
+        post_norm: Named | None = None,
+        ffn_post_norm: Named | None = None,
     ) -> None:
         super().__init__()
-        if bool(mixers) != (norm is not None) or bool(ffns) != (ffn_norm is not None):
-            raise ValueError("each stage of a decoder layer needs both its norm and its parts")
-        self._norm_name = norm[0] if norm is not None else None
-        self._ffn_norm_name = ffn_norm[0] if ffn_norm is not None else None
-        for name, module in [*([norm] if norm else []), *([ffn_norm] if ffn_norm else [])]:
-            self.add_module(name, module)
+        for parts, norms in ((mixers, (norm, post_norm)), (ffns, (ffn_norm, ffn_post_norm))):
+            if bool(parts) != any(n is not None for n in norms):
+                raise ValueError(
+                    "each stage of a decoder layer needs its parts and a norm before or after them"
+                )
+        self._norm_name, self._post_norm_name, self._ffn_norm_name, self._ffn_post_norm_name = (
+            n[0] if n is not None else None for n in (norm, post_norm, ffn_norm, ffn_post_norm)
+        )
+        assert not residual_in_fp32 or norm is not None, "a float32 residual needs the pre-norm"
+        for named in (norm, post_norm, ffn_norm, ffn_post_norm):
+            if named is not None:
+                self.add_module(*named)
         self._mixers = [(p.name, p.in_scale, p.out_scale) for p in mixers]
         for part in mixers:
             self.add_module(part.name, part.module)
@@ -82,6 +93,8 @@ class DecoderLayer(nn.Module):
         """The one mixer whose decode steps may fuse with this layer's norm and residual."""
         if len(self._mixers) != 1 or self.residual_multiplier != 1.0:
             return None
+        if self._norm_name is None or self._post_norm_name is not None:
+            return None
         name, in_scale, out_scale = self._mixers[0]
         mixer, norm = getattr(self, name), getattr(self, self._norm_name)
         plain = in_scale == out_scale == 1.0 and type(norm) is RMSNorm
@@ -94,32 +107,36 @@ class DecoderLayer(nn.Module):
         if self._mixers:
             hidden = self._mix(hidden, meta)
         if self._ffn_names:
-            x = getattr(self, self._ffn_norm_name)(hidden)
+            x = self._normed(self._ffn_norm_name, hidden)
             ff = None
             for name in self._ffn_names:
                 y = getattr(self, name)(x)
                 ff = y if ff is None else ff + y
-            hidden = hidden + self._scaled(ff)
+            hidden = hidden + self._scaled(self._normed(self._ffn_post_norm_name, ff))
         return hidden
 
     def _mix(self, hidden: torch.Tensor, meta: object) -> torch.Tensor:
-        """The mixer stage: `h + rm * sum_i out_i * mixer_i(in_i * norm(h))`."""
-        norm = getattr(self, self._norm_name)
+        """The mixer stage: `h + rm * post_norm(sum_i out_i * mixer_i(in_i * norm(h)))`."""
         if self._fusable:
-            mixer = getattr(self, self._mixers[0][0])
+            mixer, norm = getattr(self, self._mixers[0][0]), getattr(self, self._norm_name)
             fused = mixer.decode_block(hidden, norm, self.residual_in_fp32, meta)
             if fused is not None:
                 return fused
         if self.residual_in_fp32:
+            norm = getattr(self, self._norm_name)
             residual, x = hidden.float(), norm(hidden.to(norm.weight.dtype))
         else:
-            residual, x = hidden, norm(hidden)
+            residual, x = hidden, self._normed(self._norm_name, hidden)
         mixed = None
         for name, in_scale, out_scale in self._mixers:
             y = getattr(self, name)(x if in_scale == 1.0 else x * in_scale, meta)
             y = y if out_scale == 1.0 else y * out_scale
             mixed = y if mixed is None else mixed + y
-        return residual + self._scaled(mixed)
+        return residual + self._scaled(self._normed(self._post_norm_name, mixed))
+
+    def _normed(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
+        """`x` through the norm registered as `name` (unchanged when there is none)."""
+        return x if name is None else getattr(self, name)(x)
 
     def _scaled(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
