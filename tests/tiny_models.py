@@ -10,7 +10,9 @@ name, through `tiny_model_dir`.
 The checkpoints are transformers models built from their configs with fixed seeds. Default
 initialisation gives near-constant outputs, so every weight except `A_log`, `D` and the norms
 is re-drawn from N(0, std^2) (std 0.3 unless the family says otherwise; MoE score-correction
-biases from N(0, 0.1^2), so routing varies): the generations are then varied. Each is saved
+biases from N(0, 0.1^2), so routing varies; zero-centred norm weights, which scale by
+`1 + w` and start at zero, from N(0, 0.1^2), so their `w` is read): the generations are then
+varied. Each is saved
 once per session with `save_pretrained` (the checkpoints' own tensor names) beside the real
 GPT-NeoX tokenizer of the `state-spaces/mamba-*-hf` checkpoints.
 
@@ -41,7 +43,8 @@ class Family:
         name: the family's name (test ids).
         hf_class: the transformers class, also the architecture the engine loads.
         configs: variant name -> transformers config keyword arguments.
-        mixer: the recurrent layer kind: `mamba` (selective scan) or `mamba2` (SSD).
+        mixer: the recurrent layer kind: `mamba` (selective scan), `mamba2` (SSD) or
+            `gated_delta` (Gated DeltaNet).
         hybrid: has attention layers, so a paged KV cache beside the state slots.
         main: the variant the batching, chunking, pressure and prefix checks run on.
         second: the variant of the seeded-fork checks (another shape than `main`).
@@ -203,6 +206,74 @@ FAMILIES: tuple[Family, ...] = (
         # stay within 5e-5 of float64.
         weight_std=0.15,
     ),
+    Family(
+        "qwen3_5",
+        "Qwen3_5ForCausalLM",
+        cfg.QWEN3_5,
+        mixer="gated_delta",
+        hybrid=True,
+        main="qwen3_5-gqa",
+        second="qwen3_5-mqa",
+        tp=("qwen3_5-gqa",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "layer_types",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "num_key_value_heads",
+            "tie_word_embeddings",
+        ),
+    ),
+    Family(
+        "qwen3_5_moe",
+        "Qwen3_5MoeForCausalLM",
+        cfg.QWEN3_5_MOE,
+        mixer="gated_delta",
+        hybrid=True,
+        main="qwen3_5-moe-top2",
+        second="qwen3_5-moe-top1",
+        tp=("qwen3_5-moe-top2",),
+        chunk_budgets=(5, 23),
+        differ=("num_experts_per_tok", "linear_num_value_heads", "tie_word_embeddings"),
+    ),
+    Family(
+        "qwen3_next",
+        "Qwen3NextForCausalLM",
+        cfg.QWEN3_NEXT,
+        mixer="gated_delta",
+        hybrid=True,
+        main="qwen3-next-moe",
+        second="qwen3-next-mlp-only",
+        tp=("qwen3-next-moe",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "linear_num_value_heads",
+            "mlp_only_layers",
+            "norm_topk_prob",
+            "num_key_value_heads",
+            "tie_word_embeddings",
+        ),
+    ),
+    Family(
+        "olmo_hybrid",
+        "OlmoHybridForCausalLM",
+        cfg.OLMO_HYBRID,
+        mixer="gated_delta",
+        hybrid=True,
+        main="olmo-hybrid-rope",
+        second="olmo-hybrid-nope",
+        # GQA split over the ranks; MQA's one key head replicated (the k norm's statistics
+        # then count it on both ranks).
+        tp=("olmo-hybrid-rope", "olmo-hybrid-nope"),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "layer_types",
+            "linear_allow_neg_eigval",
+            "rope_parameters",
+            "num_key_value_heads",
+            "tie_word_embeddings",
+        ),
+    ),
 )
 
 FAMILY: dict[str, Family] = {f.name: f for f in FAMILIES}
@@ -213,7 +284,7 @@ def _check_registry() -> None:
     """The registry's own promises, asserted when it is built."""
     assert len(MODEL_FAMILY) == sum(len(f.configs) for f in FAMILIES), "a name is used twice"
     for f in FAMILIES:
-        assert f.mixer in ("mamba", "mamba2"), f.name
+        assert f.mixer in ("mamba", "mamba2", "gated_delta"), f.name
         assert {f.main, f.second, *f.tp, *f.reference} <= set(f.configs), f.name
         assert f.main != f.second and f.main in f.reference, f.name
         variants = [f.configs[n] for n in f.reference]
@@ -221,7 +292,8 @@ def _check_registry() -> None:
             values = [str(c.get(key)) for c in variants]
             assert len(set(values)) == len(values), (f.name, key, values)
         for name in f.tp:  # the SSD and attention heads split over 2 ranks
-            heads = ("num_heads", "mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
+            heads = ("num_heads", "mamba_n_heads", "mamba_num_heads", "n_mamba_heads",
+                     "linear_num_key_heads", "linear_num_value_heads")  # fmt: skip
             for key in (*heads, "num_attention_heads"):
                 assert f.configs[name].get(key, 2) % 2 == 0, (name, key)
     assert cfg.MAMBA["untied"]["vocab_size"] > 50277  # padded beyond the tokenizer's
@@ -253,6 +325,8 @@ def build_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - a transformers m
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for pname, p in model.named_parameters():
+            if "norm" in pname and not p.any():  # zero-centred (`1 + w`): a small w
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
             if pname.endswith(("A_log", ".D")) or "norm" in pname:
                 continue
             p.copy_(torch.randn(p.shape, generator=g) * family.weight_std)

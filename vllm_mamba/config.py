@@ -105,6 +105,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
+def text_config(hf_config: Any) -> Any:
+    """The language model's config: `text_config` of an image-text config, else the config."""
+    sub = getattr(hf_config, "text_config", None)
+    return sub if sub is not None else hf_config
+
+
 def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
     """The longest prompt plus output a sequence may have."""
     if requested is not None:
@@ -112,7 +118,7 @@ def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
             raise ValueError(f"max_model_len must be >= 1, got {requested}")
         return requested
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        value = getattr(hf_config, key, None)
+        value = getattr(text_config(hf_config), key, None)
         if isinstance(value, int) and value > 0:
             return value
     return DEFAULT_MAX_MODEL_LEN
@@ -182,7 +188,7 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         """Rows of the embedding (may exceed the tokenizer's vocabulary)."""
-        return int(self.hf_config.vocab_size)
+        return int(text_config(self.hf_config).vocab_size)
 
 
 @dataclass

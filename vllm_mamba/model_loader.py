@@ -3,7 +3,8 @@
 Weights come from `model.safetensors`, sharded safetensors with their index, or
 `pytorch_model.bin` (sharded or not, read with `torch.load(weights_only=True)`). Every
 parameter must be present with its shape; anything missing, unexpected or misshaped is a
-`ValueError` naming the tensors. A tensor-parallel rank reads only its slices of the sharded
+`ValueError` naming the tensors; the tensors under a model's `skipped_weights` prefixes are
+skipped with one log line per prefix. A tensor-parallel rank reads only its slices of the sharded
 parameters (`vllm_mamba.layers.parallel_linear.Shard`), straight from the safetensors files.
 
 A load-time quantisation recorded in the config (`quantization="int8"`, see
@@ -13,6 +14,7 @@ A load-time quantisation recorded in the config (`quantization="int8"`, see
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +33,8 @@ from vllm_mamba.models.causal_lm import CausalLM
 from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config, is_mamba_ssm_config
 from vllm_mamba.models.registry import ModelRegistry
 from vllm_mamba.ops.dispatch import get_mamba_ops
+
+logger = logging.getLogger(__name__)
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.py"]
 
@@ -146,7 +150,8 @@ def iterate_weights(path: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
 def load_weights(model: CausalLM, weights: Iterator[tuple[str, Any]]) -> None:
     """Copies checkpoint tensors into `model`'s parameters, checking names and shapes.
 
-    A tied head (`lm_head.weight` sharing the embedding) may be present or absent.
+    A tied head (`lm_head.weight` sharing the embedding) may be present or absent; tensors
+    under the model's `skipped_weights` prefixes are not loaded (one log line per prefix).
 
     Raises:
         ValueError: naming the missing, unexpected and misshaped tensors.
@@ -161,7 +166,12 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, Any]]) -> None:
     }
     seen: set[str] = set()
     unexpected, misshaped = [], []
+    skipped = dict.fromkeys(model.skipped_weights, 0)
     for raw_name, tensor in weights:
+        prefix = next((p for p in skipped if raw_name.startswith(p)), None)
+        if prefix is not None:
+            skipped[prefix] += 1
+            continue
         name = remap(raw_name)
         if name in tied:
             continue
@@ -186,6 +196,10 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, Any]]) -> None:
         with torch.no_grad():
             param.copy_(tensor)
         seen.add(name)
+    for prefix, count in skipped.items():
+        if count:
+            what = model.skipped_weights[prefix]
+            logger.info("Skipped %d checkpoint tensors under %r: %s", count, prefix, what)
     missing = sorted(set(params) - seen)
     problems = []
     if missing:

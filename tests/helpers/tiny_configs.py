@@ -490,3 +490,185 @@ ZAMBA2: dict[str, dict] = {
         tie_word_embeddings=False,
     ),
 }
+
+# Qwen3.5: Gated DeltaNet layers (`linear_attention`) and gated attention (`full_attention`),
+# zero-centred norms, partial RoPE (a quarter of each head). The variants differ in the GDN
+# head ratio and dims, the attention interval, GQA or MQA, and the head's tying.
+_COMMON_QWEN3_5 = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-6)
+QWEN3_5: dict[str, dict] = {
+    # 4 layers, attention last (interval 4, as the releases); GDN 2 key heads to 4 value heads
+    # (ratio 2) of 16; attention GQA 2 (4 query heads of 16, RoPE on 4 dims); untied head.
+    "qwen3_5-gqa": dict(
+        _COMMON_QWEN3_5,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    ),
+    # 3 layers, attention in the middle (interval 2); GDN 2 key and 2 value heads (ratio 1),
+    # key dim 8 and value dim 24; MQA (4 query heads of 32, RoPE on 8 dims, base 1000), conv 3;
+    # tied head.
+    "qwen3_5-mqa": dict(
+        _COMMON_QWEN3_5,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        tie_word_embeddings=True,
+    ),
+}
+
+QWEN3_5_MOE: dict[str, dict] = {
+    # QWEN3_5's "qwen3_5-gqa" shape in 2 layers (GDN, attention) with a MoE of 4 experts of 32,
+    # top-2, and a shared expert of 48; untied head.
+    "qwen3_5-moe-top2": dict(
+        {k: v for k, v in QWEN3_5["qwen3_5-gqa"].items() if k != "intermediate_size"},
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    # QWEN3_5's "qwen3_5-mqa" shape with 3 experts of 24, top-1, a shared expert of 32; tied.
+    "qwen3_5-moe-top1": dict(
+        {k: v for k, v in QWEN3_5["qwen3_5-mqa"].items() if k != "intermediate_size"},
+        num_experts=3,
+        num_experts_per_tok=1,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=32,
+    ),
+}
+
+# Qwen3-Next: Qwen3.5's layers with the interleaved `in_proj_qkvz` / `in_proj_ba` GDN layout and
+# a MoE with a sigmoid-gated shared expert. The variants differ in the GDN head ratio and dims,
+# where the MoE sits (every layer, or not on `mlp_only_layers`), top-k renormalisation, GQA or
+# MQA, and the head's tying.
+QWEN3_NEXT: dict[str, dict] = {
+    # 3 layers (GDN, attention, GDN); GDN 2 key heads to 4 value heads (ratio 2) of 16;
+    # attention GQA 2 (4 query heads of 16, RoPE on 4 dims); the MoE on every layer: 4 experts
+    # of 32, top-2 renormalised, a shared expert of 48; untied head.
+    "qwen3-next-moe": dict(
+        _COMMON_QWEN3_5,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+    ),
+    # 3 layers (GDN, attention, GDN); GDN 2 key and 2 value heads (ratio 1), key dim 8 and value
+    # dim 24, conv 3; MQA (4 query heads of 32, RoPE on 8 dims, base 1000); the attention layer
+    # dense (`mlp_only_layers`, an MLP of 80), the others the MoE: 3 experts of 24, top-1 not
+    # renormalised (weighted by its probability), a shared expert of 32; tied head.
+    "qwen3-next-mlp-only": dict(
+        _COMMON_QWEN3_5,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        num_experts=3,
+        num_experts_per_tok=1,
+        norm_topk_prob=False,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        tie_word_embeddings=True,
+    ),
+}
+
+# OLMo Hybrid: pre-norm GDN layers (OLMo's separate projections and convs) and post-norm
+# attention layers with q/k norms over the whole projections. The variants differ in the layer
+# order, `linear_allow_neg_eigval` (beta doubled or not), RoPE or none (NoPE, as the releases),
+# GQA or MQA, the GDN head ratio, and the head's tying.
+_COMMON_OLMO = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-6)
+OLMO_HYBRID: dict[str, dict] = {
+    # 3 layers (GDN, attention, GDN); GDN 2 key heads of 16 to 4 value heads of 32, beta in
+    # [0, 2]; attention GQA 2 (4 heads of 16) with RoPE; untied head.
+    "olmo-hybrid-rope": dict(
+        _COMMON_OLMO,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_allow_neg_eigval=True,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+    ),
+    # 3 layers (attention first, then 2 GDN); GDN 2 key and 2 value heads (key 8, value 24),
+    # conv 3, beta in [0, 1]; attention MQA (4 heads of 16), no position embedding; tied head.
+    "olmo-hybrid-nope": dict(
+        _COMMON_OLMO,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        layer_types=["full_attention", "linear_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=3,
+        linear_allow_neg_eigval=False,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        rope_parameters={"rope_type": "default", "rope_theta": None},
+        tie_word_embeddings=True,
+    ),
+}

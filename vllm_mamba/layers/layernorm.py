@@ -1,6 +1,7 @@
 """The RMS norms of the Mamba family, all with statistics in float32.
 
 - `RMSNorm`: the block and final norms (weight in the model dtype).
+- `ZeroCenteredRMSNorm`: Qwen3.5's and Qwen3-Next's norms, scaled by `1 + weight` in float32.
 - `weightless_rms_norm`: FalconMamba's normalisation of the time step, B and C.
 - `GatedRMSNorm`: Mamba2's norm of the scan output gated by `silu(z)`, per group.
 """
@@ -27,6 +28,22 @@ class RMSNorm(nn.Module):
         xf = x.float()
         variance = xf.pow(2).mean(-1, keepdim=True)
         return self.weight * (xf * torch.rsqrt(variance + self.variance_epsilon)).to(input_dtype)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """`x / sqrt(mean(x^2) + eps) * (1 + weight)`, all in float32, cast back to x's dtype (the
+    checkpoints store `weight` centred on zero)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalises the last dimension of `x (..., hidden)`."""
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

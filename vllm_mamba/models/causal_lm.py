@@ -16,8 +16,10 @@ scalings. Layers reach their caches through what the engine bound to them
 
 Capabilities are class attributes the engine and loader read (never probes):
 `supports_tensor_parallel` (the class accepts a `tp` shard argument and its layers shard),
-`supports_quantization` (its `Linear`s may be replaced by int8 ones) and `ties_word_embeddings`
-(whether `tie_word_embeddings` in the config shares the embedding with the head). Whether a
+`supports_quantization` (its `Linear`s may be replaced by int8 ones), `ties_word_embeddings`
+(whether `tie_word_embeddings` in the config shares the embedding with the head) and
+`skipped_weights` (checkpoint name prefixes the loader skips, each with what it is: the vision
+tower of an image-text checkpoint served text-only, a multi-token prediction head). Whether a
 model has attention (hence a KV cache and the paged backend) is read off its built layers.
 
 Glossary: T tokens in the step, H hidden size, R sampled rows, V vocabulary.
@@ -81,6 +83,7 @@ class CausalLM(nn.Module):
     supports_tensor_parallel: ClassVar[bool] = True
     supports_quantization: ClassVar[bool] = True
     ties_word_embeddings: ClassVar[bool] = True
+    skipped_weights: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,
@@ -92,14 +95,16 @@ class CausalLM(nn.Module):
         layers: Sequence[nn.Module],
         norm_eps: float,
         embedding_multiplier: float = 1.0,
+        final_norm_cls: type[nn.Module] = RMSNorm,
     ) -> None:
-        """Args: `layers` the decoder layers; `norm_eps` the final RMSNorm's epsilon; the
-        embedding is vocabulary-parallel under tensor parallelism."""
+        """Args: `layers` the decoder layers; `norm_eps` the final norm's epsilon;
+        `final_norm_cls` its class (`(hidden_size, eps=...)`); the embedding is
+        vocabulary-parallel under tensor parallelism."""
         super().__init__()
         self.config = config
         self._stack_name = names.prefix
         embeddings = vocab_embedding(config.vocab_size, config.hidden_size, tp)
-        final_norm = RMSNorm(config.hidden_size, eps=norm_eps)
+        final_norm = final_norm_cls(config.hidden_size, eps=norm_eps)
         self.add_module(names.prefix, DecoderStack(names, embeddings, layers, final_norm))
         self.embedding_multiplier = float(embedding_multiplier)
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, ops, tp)

@@ -20,6 +20,14 @@ _BUILTIN_MODELS: dict[str, str] = {
     "NemotronHForCausalLM": "vllm_mamba.models.nemotron_h:NemotronHForCausalLM",
     "FalconH1ForCausalLM": "vllm_mamba.models.falcon_h1:FalconH1ForCausalLM",
     "Zamba2ForCausalLM": "vllm_mamba.models.zamba2:Zamba2ForCausalLM",
+    "Qwen3_5ForCausalLM": "vllm_mamba.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "vllm_mamba.models.qwen3_5:Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "vllm_mamba.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration": (
+        "vllm_mamba.models.qwen3_5:Qwen3_5MoeForConditionalGeneration"
+    ),
+    "Qwen3NextForCausalLM": "vllm_mamba.models.qwen3_next:Qwen3NextForCausalLM",
+    "OlmoHybridForCausalLM": "vllm_mamba.models.olmo_hybrid:OlmoHybridForCausalLM",
 }
 
 

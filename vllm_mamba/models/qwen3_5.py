@@ -1,0 +1,161 @@
+"""Qwen3.5 / Qwen3.6 (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, and the image-text
+`Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` served text-only).
+
+A hybrid of Gated DeltaNet and gated-attention layers by `layer_types` (`linear_attention` /
+`full_attention`; three GDN layers to one attention layer in the releases). Each layer is
+pre-norm twice (`input_layernorm`, `post_attention_layernorm`, zero-centred RMSNorms scaled by
+`1 + w`, as is the final `norm`) with plain residuals.
+
+- GDN layers (`linear_attn.*`): `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`,
+  `conv1d`, `A_log`, `dt_bias`, `norm`, `out_proj` (`layers.gated_deltanet`).
+- Attention layers (`self_attn.*`): `q_proj` doubled into queries and a sigmoid output gate,
+  zero-centred q/k norms per head, GQA, RoPE on the first `partial_rotary_factor` (0.25) of each
+  head. The checkpoints' interleaved M-RoPE (`mrope_section`) rotates each frequency at one of
+  three position rows (time, height, width); for text all three rows are the token's position,
+  so it is this plain partial RoPE.
+- Feed-forward (`mlp.*`): a SwiGLU MLP (dense), or (MoE) a router `gate` (softmax, top-k,
+  renormalised), experts `experts.E.{gate,up,down}_proj` and a shared expert `shared_expert`
+  scaled by `sigmoid(shared_expert_gate(x))`.
+
+The image-text checkpoints keep the language model under `model.language_model.*` (renamed to
+`model.*`), its config under `text_config`, the head at `lm_head` (tied by the top-level
+`tie_word_embeddings`); the vision tower (`model.visual.*`) and the multi-token prediction
+head (`mtp.*`) are skipped. Qwen3.5-0.8B: 24 layers of hidden size 1024, attention every 4th
+(8 query and 2 KV heads of 256), GDN with 16 key and 16 value heads of 128, vocabulary 248320.
+
+Tensor parallelism (`tp`): GDN by key heads and their value heads, attention by heads, the
+MLPs (and every expert) column- then row-parallel; the router and the shared-expert gate
+replicated; vocabulary-parallel embedding and head.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, ClassVar
+
+from torch import nn
+
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
+from vllm_mamba.layers.gated_deltanet import Qwen3_5GatedDeltaNet
+from vllm_mamba.layers.layernorm import ZeroCenteredRMSNorm
+from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.mlp import GatedMLP
+from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, SparseMoE
+from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
+from vllm_mamba.layers.self_attention import SelfAttention
+from vllm_mamba.models.causal_lm import CausalLM, StackNames
+from vllm_mamba.ops.table import MambaOps
+
+NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
+LAYER_TYPES = ("linear_attention", "full_attention")
+SKIPPED = {
+    "model.visual.": "the vision tower (image-text checkpoints are served text-only)",
+    "mtp.": "the multi-token prediction head",
+}
+
+
+def layer_types(config: Any) -> list[str]:
+    """The kind of each layer, checked."""
+    types = list(config.layer_types)
+    if len(types) != config.num_hidden_layers or not set(types) <= set(LAYER_TYPES):
+        raise ValueError(
+            f"layer_types must name {config.num_hidden_layers} layers, each one of "
+            f"{LAYER_TYPES}; got {types}"
+        )
+    return types
+
+
+def _gdn(config: Any, ops: MambaOps, tp: TensorParallel) -> Qwen3_5GatedDeltaNet:
+    return Qwen3_5GatedDeltaNet(
+        config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+        config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim,
+        config.rms_norm_eps, ops, tp,
+    )  # fmt: skip
+
+
+def _attention(config: Any, ops: MambaOps, tp: TensorParallel) -> SelfAttention:
+    """Gated attention with zero-centred q/k norms per head and partial RoPE."""
+    head_dim, eps = config.head_dim, config.rms_norm_eps
+    base, rot_dim = rope_settings(config, head_dim)
+    rotary = RotaryEmbedding(head_dim, rot_dim, config.max_position_embeddings, base)
+    return SelfAttention(
+        config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
+        bias=config.attention_bias, scale=head_dim**-0.5, rotary=rotary, ops=ops,
+        output_gate=True, q_norm=ZeroCenteredRMSNorm(head_dim, eps),
+        k_norm=ZeroCenteredRMSNorm(head_dim, eps), tp=tp,
+    )  # fmt: skip
+
+
+def _moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
+    """Routed experts (softmax top-k, renormalised) plus the sigmoid-gated shared expert."""
+    hidden, num_experts = config.hidden_size, config.num_experts
+    route = RouterConfig("softmax_topk", num_experts, config.num_experts_per_tok, renormalize=True)
+    experts = ExpertList(
+        GatedMLP(hidden, config.moe_intermediate_size, False, ops, tp, reduce=False)
+        for _ in range(num_experts)
+    )
+    shared = GatedMLP(hidden, config.shared_expert_intermediate_size, False, ops, tp)
+    return SparseMoE(
+        ExpertRouter(hidden, route), experts, tp, shared=shared,
+        shared_gate=Linear(hidden, 1, False, ops),
+        names=("gate", "experts", "shared_expert", "shared_expert_gate"),
+    )  # fmt: skip
+
+
+def _layer(config: Any, kind: str, ops: MambaOps, tp: TensorParallel) -> nn.Module:
+    """Norm, GDN or attention, residual; norm, MLP or MoE, residual."""
+    hidden, eps = config.hidden_size, config.rms_norm_eps
+    if kind == "linear_attention":
+        mixer = MixerPart("linear_attn", _gdn(config, ops, tp))
+    else:
+        mixer = MixerPart("self_attn", _attention(config, ops, tp))
+    if getattr(config, "num_experts", 0):
+        ffn = _moe(config, ops, tp)
+    else:
+        ffn = GatedMLP(hidden, config.intermediate_size, False, ops, tp)
+    return DecoderLayer(
+        norm=("input_layernorm", ZeroCenteredRMSNorm(hidden, eps=eps)),
+        mixers=[mixer],
+        ffn_norm=("post_attention_layernorm", ZeroCenteredRMSNorm(hidden, eps=eps)),
+        ffns=[("mlp", ffn)],
+    )
+
+
+class Qwen3_5ForCausalLM(CausalLM):
+    """Qwen3.5 language model: Gated DeltaNet and gated-attention layers, dense MLPs (or MoE
+    when the config has experts)."""
+
+    skipped_weights: ClassVar[dict[str, str]] = SKIPPED
+
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu)")
+        super().__init__(
+            config, ops, tp, names=NAMES,
+            layers=[_layer(config, kind, ops, tp) for kind in layer_types(config)],
+            norm_eps=config.rms_norm_eps, final_norm_cls=ZeroCenteredRMSNorm,
+        )  # fmt: skip
+
+    @staticmethod
+    def remap_weight_name(name: str) -> str:
+        """An image-text checkpoint's `model.language_model.*` onto `model.*`."""
+        return name.replace("model.language_model.", "model.", 1)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE language model: every layer's feed-forward is the MoE."""
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The image-text checkpoint served text-only: its `text_config`, the head tied by the
+    top-level `tie_word_embeddings`."""
+
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
+        text = copy.copy(config.text_config)
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        super().__init__(text, ops, tp)
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
+    """The Qwen3.5-MoE image-text checkpoint served text-only."""
