@@ -40,6 +40,14 @@ TORCH_LIBRARY(vllm_mamba, m) {
   m.def(
       "paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+  m.def(
+      "gated_delta_varlen(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
+      "Tensor dt_bias, float beta_scale, Tensor(a!) ssm_states, Tensor query_start_loc, "
+      "Tensor state_indices, Tensor has_initial_state, int chunk_size=64) -> Tensor");
+  m.def(
+      "gated_delta_update(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
+      "Tensor dt_bias, float beta_scale, Tensor(a!) ssm_states, Tensor state_indices) -> Tensor");
+  m.def("rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor");
 }
 
 static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};

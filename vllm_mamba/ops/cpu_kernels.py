@@ -3,9 +3,10 @@
 The kernels live in `csrc/` and are built into the extension `vllm_mamba._C` by
 `pip install --no-build-isolation -e .`; importing it registers the ops. Every wrapper has the
 signature of its `_ref` twin (`vllm_mamba.ops.causal_conv1d`, `vllm_mamba.ops.selective_scan`,
-`vllm_mamba.ops.ssd`), so `vllm_mamba.ops.dispatch` can swap them in. The kernels copy
-non-contiguous activations to contiguous ones themselves; the states are updated in place and
-must be contiguous.
+`vllm_mamba.ops.ssd`, `vllm_mamba.ops.gated_delta`), so `vllm_mamba.ops.dispatch` can swap them
+in; the Gated DeltaNet ones are registered as the `cpp` backend's `gated_delta` family. The
+kernels copy non-contiguous activations to contiguous ones themselves; the states are updated
+in place and must be contiguous.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mamba import envs
+from vllm_mamba.ops import gated_delta  # registers the `gated_delta` family first
+from vllm_mamba.ops.families import register_op_impl
 from vllm_mamba.ops.int8_linear import has_int8_kernel, int8_linear_cpp, int8_linear_ref
 from vllm_mamba.ops.table import MambaOps
 
@@ -36,6 +39,9 @@ _OP_NAMES = (
     "reshape_and_cache",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "gated_delta_varlen",
+    "gated_delta_update",
+    "rms_norm_gated",
 )
 SMALL_BATCH = 8  # rows up to which `linear` streams the weight with the matrix-vector kernel
 
@@ -318,6 +324,92 @@ def paged_prefill_attention(
     return torch.ops.vllm_mamba.paged_prefill_attention(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, float(scale)
     )
+
+
+def gated_delta_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    beta_scale: float,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The chunked gated delta rule over packed sequences; see `gated_delta_varlen_ref`.
+
+    Args:
+        q, k: `(T, Hk, Dk)`; v: `(T, Hv, Dv)`, one dtype (float32 or bfloat16), views with a
+            free token stride read in place; a, b: `(T, Hv)`; A_log, dt_bias: `(Hv,)`.
+        beta_scale: `beta = beta_scale * sigmoid(b)`.
+        ssm_states: `(S, Hv, Dk, Dv)`, contiguous, float32 or bfloat16; updated in place.
+        query_start_loc: `(B + 1,)`; state_indices: `(B,)`; has_initial_state: `(B,)` bool.
+        chunk_size: tokens per chunk.
+
+    Returns:
+        `(T, Hv, Dv)` outputs in the dtype of `v`.
+    """
+    return torch.ops.vllm_mamba.gated_delta_varlen(
+        q, k, v, a, b, A_log, dt_bias, float(beta_scale), ssm_states, query_start_loc,
+        state_indices, has_initial_state, chunk_size,
+    )  # fmt: skip
+
+
+def gated_delta_update(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    beta_scale: float,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of the gated delta rule, in place; see `gated_delta_update_ref`.
+
+    Args:
+        q, k: `(B, Hk, Dk)`; v: `(B, Hv, Dv)`, one dtype; a, b: `(B, Hv)`;
+            A_log, dt_bias: `(Hv,)`.
+        beta_scale: `beta = beta_scale * sigmoid(b)`.
+        ssm_states: `(S, Hv, Dk, Dv)`, contiguous; updated in place for non-padding rows.
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
+
+    Returns:
+        `(B, Hv, Dv)` outputs in the dtype of `v` (zeros for padding rows).
+    """
+    return torch.ops.vllm_mamba.gated_delta_update(
+        q, k, v, a, b, A_log, dt_bias, float(beta_scale), ssm_states, state_indices
+    )
+
+
+def rms_norm_gated(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`weight * rmsnorm(x) * silu(z)` over the last dimension; see `rms_norm_gated_ref`.
+
+    Args:
+        x, z: `(..., Dv)`, float32 or bfloat16; weight: `(Dv,)`; eps: the norm's epsilon.
+
+    Returns:
+        `(..., Dv)` in x's dtype.
+    """
+    return torch.ops.vllm_mamba.rms_norm_gated(x, z, weight, float(eps))
+
+
+register_op_impl(
+    gated_delta.FAMILY,
+    "cpp",
+    varlen=gated_delta_varlen,
+    update=gated_delta_update,
+    norm_gate=rms_norm_gated,
+)
 
 
 def _onednn_linear_available() -> bool:
