@@ -1,0 +1,87 @@
+"""Qwen3.5's image-text checkpoints served text-only (what the family suite does not cover).
+
+A `Qwen3_5ForConditionalGeneration` checkpoint (transformers' class, a tiny vision tower beside
+the language model under `model.language_model.*`, plus a multi-token prediction tensor as the
+releases ship) holding the text weights of the registry's `qwen3_5-gqa` must load with the
+vision and MTP tensors skipped (one log line each) and generate exactly what the text model
+generates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers.prompts import MAX_TOKENS, make_prompts
+from tests.helpers.runners import VllmRunner
+from tests.helpers.tmp_dirs import make_tmp_dir
+from tests.tiny_models import MODEL_FAMILY, build_hf_model, copy_tokenizer, tiny_model_dir
+from vllm_mamba import SamplingParams
+
+TEXT_MODEL = "qwen3_5-gqa"
+_VISION = dict(
+    depth=1,
+    hidden_size=16,
+    intermediate_size=32,
+    num_heads=2,
+    patch_size=4,
+    temporal_patch_size=1,
+    spatial_merge_size=1,
+    out_hidden_size=64,
+    num_position_embeddings=16,
+)
+
+
+def _image_text_checkpoint() -> str:
+    """The text model's weights in an image-text checkpoint with a vision tower and MTP."""
+    import transformers
+
+    text = build_hf_model(TEXT_MODEL)
+    text_config = dict(MODEL_FAMILY[TEXT_MODEL].configs[TEXT_MODEL], bos_token_id=0,
+                       eos_token_id=0, pad_token_id=1)  # fmt: skip
+    config = transformers.Qwen3_5Config(
+        text_config=text_config, vision_config=_VISION, tie_word_embeddings=False
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    own = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in text.state_dict().items():
+            target = name.replace("model.", "model.language_model.", 1)
+            own[target].copy_(tensor)
+    path = make_tmp_dir("tiny-qwen3_5-image-text-")
+    model.save_pretrained(path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    assert any(n.startswith("model.visual.") for n in tensors)
+    tensors["mtp.fc.weight"] = torch.randn(64, 128)  # the releases' MTP head, skipped
+    save_file(tensors, file, metadata={"format": "pt"})
+    copy_tokenizer(path)
+    return path
+
+
+def test_image_text_checkpoint_serves_the_text_model(caplog: pytest.LogCaptureFixture) -> None:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts()[:6]]
+    with VllmRunner(tiny_model_dir(TEXT_MODEL)) as runner:
+        want = runner.generate(prompts, params)
+    path = _image_text_checkpoint()
+    loader_log = logging.getLogger("vllm_mamba.model_loader")  # the project's loggers do not
+    loader_log.addHandler(caplog.handler)  # propagate to the root, where caplog listens
+    try:
+        with caplog.at_level(logging.INFO, logger=loader_log.name), VllmRunner(path) as runner:
+            got = runner.generate(prompts, params)
+    finally:
+        loader_log.removeHandler(caplog.handler)
+    skipped = [r.getMessage() for r in caplog.records if "Skipped" in r.getMessage()]
+    assert len(skipped) == 2 and "'model.visual.'" in skipped[0] and "'mtp.'" in skipped[1]
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for g_step, w_step in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert g_step.keys() == w_step.keys()
+            for token, lp in g_step.items():
+                assert abs(lp.logprob - w_step[token].logprob) <= 1e-6
