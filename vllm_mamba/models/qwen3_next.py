@@ -1,0 +1,122 @@
+"""Qwen3-Next (`Qwen3NextForCausalLM`: `Qwen/Qwen3-Next-80B-A3B-Instruct` / `-Thinking`).
+
+Qwen3.5's layer plan (`models.qwen3_5`) with its own GDN projection layout and a sparse MoE:
+Gated DeltaNet and gated-attention layers by `layer_types` (`linear_attention` /
+`full_attention`, attention every 4th layer in the releases), each pre-norm twice
+(`input_layernorm`, `post_attention_layernorm`, zero-centred RMSNorms scaled by `1 + w`, as is
+the final `norm`) with plain residuals.
+
+- GDN layers (`linear_attn.*`): `in_proj_qkvz` and `in_proj_ba`, whose rows are interleaved per
+  key-head group (`layers.gated_deltanet.Qwen3NextGatedDeltaNet` reorders them once after
+  loading), `conv1d`, `A_log`, `dt_bias`, `norm`, `out_proj`.
+- Attention layers (`self_attn.*`): Qwen3.5's gated attention (queries and a sigmoid output
+  gate from one doubled `q_proj`, zero-centred q/k norms per head, GQA, RoPE on the first
+  `partial_rotary_factor` (0.25) of each head).
+- Feed-forward (`mlp.*`): the MoE on layer `i` when `num_experts > 0`, `(i + 1)` is a multiple
+  of `decoder_sparse_step` and `i` is not in `mlp_only_layers`; a dense SwiGLU MLP of
+  `intermediate_size` otherwise. The MoE is a router `gate` (softmax in float32, top-k,
+  renormalised when `norm_topk_prob`), experts `experts.E.{gate,up,down}_proj` (the layout
+  transformers saves) and a shared expert `shared_expert` scaled by
+  `sigmoid(shared_expert_gate(x))`.
+
+The checkpoints ship a multi-token prediction head (`mtp.*`), skipped at load time.
+Qwen3-Next-80B-A3B: 48 layers of hidden size 2048; attention 16 query and 2 KV heads of 256;
+GDN 16 key heads of 128 to 32 value heads of 128; 512 experts of 512, top-10, a shared expert
+of 512; vocabulary 151936.
+
+Tensor parallelism (`tp`): GDN by key-head groups (with their value heads), attention by heads,
+every expert and MLP column- then row-parallel; the router and the shared-expert gate
+replicated; vocabulary-parallel embedding and head.
+
+Glossary: E experts, k experts per token, Hk / Hv GDN key / value heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import nn
+
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
+from vllm_mamba.layers.gated_deltanet import Qwen3NextGatedDeltaNet
+from vllm_mamba.layers.layernorm import ZeroCenteredRMSNorm
+from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.mlp import GatedMLP
+from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, SparseMoE
+from vllm_mamba.models.causal_lm import CausalLM
+from vllm_mamba.models.qwen3_5 import NAMES, layer_types
+from vllm_mamba.models.qwen3_5 import _attention as gated_attention
+from vllm_mamba.ops.table import MambaOps
+
+
+def is_moe_layer(config: Any, index: int) -> bool:
+    """Whether layer `index` has the MoE (else the dense MLP), as transformers decides."""
+    sparse_step = config.decoder_sparse_step
+    return (
+        index not in (config.mlp_only_layers or ())
+        and config.num_experts > 0
+        and (index + 1) % sparse_step == 0
+    )
+
+
+def _moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
+    """Routed experts (softmax top-k, renormalised by `norm_topk_prob`) plus the
+    sigmoid-gated shared expert."""
+    hidden, num_experts = config.hidden_size, config.num_experts
+    route = RouterConfig(
+        "softmax_topk", num_experts, config.num_experts_per_tok,
+        renormalize=bool(config.norm_topk_prob),
+    )  # fmt: skip
+    experts = ExpertList(
+        GatedMLP(hidden, config.moe_intermediate_size, False, ops, tp, reduce=False)
+        for _ in range(num_experts)
+    )
+    shared = GatedMLP(hidden, config.shared_expert_intermediate_size, False, ops, tp)
+    return SparseMoE(
+        ExpertRouter(hidden, route), experts, tp, shared=shared,
+        shared_gate=Linear(hidden, 1, False, ops),
+        names=("gate", "experts", "shared_expert", "shared_expert_gate"),
+    )  # fmt: skip
+
+
+def _layer(config: Any, index: int, kind: str, ops: MambaOps, tp: TensorParallel) -> nn.Module:
+    """Norm, GDN or gated attention, residual; norm, MoE or MLP, residual."""
+    hidden, eps = config.hidden_size, config.rms_norm_eps
+    if kind == "linear_attention":
+        gdn = Qwen3NextGatedDeltaNet(
+            hidden, config.linear_num_key_heads, config.linear_num_value_heads,
+            config.linear_key_head_dim, config.linear_value_head_dim,
+            config.linear_conv_kernel_dim, eps, ops, tp,
+        )  # fmt: skip
+        mixer = MixerPart("linear_attn", gdn)
+    else:
+        mixer = MixerPart("self_attn", gated_attention(config, ops, tp))
+    if is_moe_layer(config, index):
+        ffn = _moe(config, ops, tp)
+    else:
+        ffn = GatedMLP(hidden, config.intermediate_size, False, ops, tp)
+    return DecoderLayer(
+        norm=("input_layernorm", ZeroCenteredRMSNorm(hidden, eps=eps)),
+        mixers=[mixer],
+        ffn_norm=("post_attention_layernorm", ZeroCenteredRMSNorm(hidden, eps=eps)),
+        ffns=[("mlp", ffn)],
+    )
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    """Qwen3-Next language model: GDN and gated-attention layers, MoE or dense MLPs."""
+
+    skipped_weights: ClassVar[dict[str, str]] = {"mtp.": "the multi-token prediction head"}
+
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu)")
+        if config.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {config.decoder_sparse_step}")
+        kinds = layer_types(config)
+        super().__init__(
+            config, ops, tp, names=NAMES,
+            layers=[_layer(config, i, kind, ops, tp) for i, kind in enumerate(kinds)],
+            norm_eps=config.rms_norm_eps, final_norm_cls=ZeroCenteredRMSNorm,
+        )  # fmt: skip
