@@ -151,7 +151,8 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, Any]]) -> None:
     """Copies checkpoint tensors into `model`'s parameters, checking names and shapes.
 
     A tied head (`lm_head.weight` sharing the embedding) may be present or absent; tensors
-    under the model's `skipped_weights` prefixes are not loaded (one log line per prefix).
+    under the model's `skipped_weights` prefixes are not loaded (one log line per prefix); a
+    tensor that packs several parameters is split by the model's `expand_weight`.
 
     Raises:
         ValueError: naming the missing, unexpected and misshaped tensors.
@@ -167,6 +168,7 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, Any]]) -> None:
     seen: set[str] = set()
     unexpected, misshaped = [], []
     skipped = dict.fromkeys(model.skipped_weights, 0)
+    weights = (pair for n, t in weights for pair in model.expand_weight(n, t))
     for raw_name, tensor in weights:
         prefix = next((p for p in skipped if raw_name.startswith(p)), None)
         if prefix is not None:

@@ -1,16 +1,19 @@
-"""Qwen3.5's image-text checkpoints served text-only (what the family suite does not cover).
+"""Qwen3.5's checkpoints as released, beyond the family suite: image-text checkpoints served
+text-only, and MoE checkpoints with fused experts.
 
 A `Qwen3_5ForConditionalGeneration` checkpoint (transformers' class, a tiny vision tower beside
 the language model under `model.language_model.*`, plus a multi-token prediction tensor as the
 releases ship) holding the text weights of the registry's `qwen3_5-gqa` must load with the
 vision and MTP tensors skipped (one log line each) and generate exactly what the text model
-generates.
+generates. A Qwen3.5-MoE checkpoint whose experts are fused (`experts.gate_up_proj`,
+`experts.down_proj`) must load into the same parameters as the per-expert one transformers saves.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from tests.helpers.runners import VllmRunner
 from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import MODEL_FAMILY, build_hf_model, copy_tokenizer, tiny_model_dir
 from vllm_mamba import SamplingParams
+from vllm_mamba.model_loader import build_model, load_hf_config
 
 TEXT_MODEL = "qwen3_5-gqa"
 _VISION = dict(
@@ -85,3 +89,41 @@ def test_image_text_checkpoint_serves_the_text_model(caplog: pytest.LogCaptureFi
             assert g_step.keys() == w_step.keys()
             for token, lp in g_step.items():
                 assert abs(lp.logprob - w_step[token].logprob) <= 1e-6
+
+
+def _fused_experts(per_expert: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-expert tensors of a checkpoint stacked into `gate_up_proj` and `down_proj`."""
+    fused, experts = {}, {}
+    for name, tensor in per_expert.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            fused[name] = tensor
+            continue
+        index, kind = tail.split(".")[:2]  # "E", "gate_proj" / "up_proj" / "down_proj"
+        experts.setdefault(head, {}).setdefault(kind, {})[int(index)] = tensor
+    for head, kinds in experts.items():
+
+        def stack(kind: str, parts: dict = kinds) -> torch.Tensor:
+            return torch.stack([parts[kind][e] for e in sorted(parts[kind])])
+
+        fused[f"{head}.mlp.experts.gate_up_proj"] = torch.cat(
+            [stack("gate_proj"), stack("up_proj")], 1
+        )
+        fused[f"{head}.mlp.experts.down_proj"] = stack("down_proj")
+    return fused
+
+
+def test_fused_expert_checkpoint_loads_as_per_expert() -> None:
+    source = tiny_model_dir("qwen3_5-moe-top2")
+    path = make_tmp_dir("tiny-qwen3_5-moe-fused-")
+    shutil.copy(os.path.join(source, "config.json"), path)
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    fused = _fused_experts(tensors)
+    assert any(n.endswith("experts.gate_up_proj") for n in fused) and len(fused) < len(tensors)
+    save_file(fused, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cpu = torch.device("cpu")
+    want, _ = build_model(source, load_hf_config(source), torch.float32, cpu)
+    got, _ = build_model(path, load_hf_config(path), torch.float32, cpu)
+    want_params = dict(want.named_parameters())
+    for name, param in got.named_parameters():
+        assert torch.equal(param, want_params[name]), name

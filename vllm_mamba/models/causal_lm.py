@@ -10,9 +10,10 @@ A model file builds its layers (usually `DecoderLayer`s from parts) and hands th
 the checkpoint's names of the container (`StackNames`: `backbone.embeddings` ... `norm_f` for
 Mamba, `model.embed_tokens` ... `final_layernorm` for most hybrids), under which this class
 adds the (vocabulary-parallel) embedding and the final RMSNorm; the model keeps only what is
-its own: the config mapping, the layer plan, the weight-name mapping (`remap_weight_name`) and odd
-scalings. Layers reach their caches through what the engine bound to them
-(`layers.cache_layers`), so the forward passes no cache.
+its own: the config mapping, the layer plan, the weight-name mapping (`remap_weight_name`, and
+`expand_weight` where one checkpoint tensor holds several parameters) and odd scalings. Layers
+reach their caches through what the engine bound to them (`layers.cache_layers`), so the
+forward passes no cache.
 
 Capabilities are class attributes the engine and loader read (never probes):
 `supports_tensor_parallel` (the class accepts a `tp` shard argument and its layers shard),
@@ -129,6 +130,12 @@ class CausalLM(nn.Module):
     def remap_weight_name(name: str) -> str:
         """Checkpoint tensor name -> parameter name (identity unless a model maps names)."""
         return name
+
+    @staticmethod
+    def expand_weight(name: str, tensor: Any) -> list[tuple[str, Any]]:
+        """One checkpoint tensor (a tensor or a safetensors slice) -> the `(name, tensor)`
+        pairs it holds, each loaded as one (itself unless a model packs several)."""
+        return [(name, tensor)]
 
     def process_weights_after_loading(self) -> None:
         """Lets each recurrent layer precompute its derived tensors."""

@@ -15,7 +15,9 @@ pre-norm twice (`input_layernorm`, `post_attention_layernorm`, zero-centred RMSN
   so it is this plain partial RoPE.
 - Feed-forward (`mlp.*`): a SwiGLU MLP (dense), or (MoE) a router `gate` (softmax, top-k,
   renormalised), experts `experts.E.{gate,up,down}_proj` and a shared expert `shared_expert`
-  scaled by `sigmoid(shared_expert_gate(x))`.
+  scaled by `sigmoid(shared_expert_gate(x))`. Checkpoints store the experts one by one (as
+  transformers saves them) or fused, `experts.gate_up_proj (E, 2F, H)` and
+  `experts.down_proj (E, H, F)`, which `expand_weight` splits into the per-expert names.
 
 The image-text checkpoints keep the language model under `model.language_model.*` (renamed to
 `model.*`), its config under `text_config`, the head at `lm_head` (tied by the top-level
@@ -141,6 +143,22 @@ class Qwen3_5ForCausalLM(CausalLM):
     def remap_weight_name(name: str) -> str:
         """An image-text checkpoint's `model.language_model.*` onto `model.*`."""
         return name.replace("model.language_model.", "model.", 1)
+
+    @staticmethod
+    def expand_weight(name: str, tensor: Any) -> list[tuple[str, Any]]:
+        """Fused experts (`gate_up_proj (E, 2F, H)`, `down_proj (E, H, F)`) one by one."""
+        base, _, kind = name.rpartition(".")
+        if not base.endswith(".mlp.experts") or kind not in ("gate_up_proj", "down_proj"):
+            return [(name, tensor)]
+        stacked = tensor[...]  # (E, out, in)
+        if kind == "down_proj":
+            return [(f"{base}.{e}.down_proj.weight", w) for e, w in enumerate(stacked)]
+        gates, ups = stacked.chunk(2, dim=1)  # (E, F, H) each
+        return [
+            (f"{base}.{e}.{part}_proj.weight", w)
+            for e in range(stacked.shape[0])
+            for part, w in (("gate", gates[e]), ("up", ups[e]))
+        ]
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
