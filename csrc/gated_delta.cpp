@@ -21,6 +21,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -32,6 +34,29 @@ namespace {
 constexpr int64_t kNB = 16;  // columns of a matmul tile: one AVX-512 vector, two AVX2 vectors
 constexpr int64_t kMR = 6;   // rows of a matmul tile (12 AVX2 accumulators of 8 lanes)
 constexpr float kL2Eps = 1e-6f;
+
+// float32 <-> bfloat16 by bit operations (round to nearest even, NaN kept), as c10's
+// conversions but branch-free, so loops over bfloat16 states and rows vectorise.
+inline float load_f32(float v) { return v; }
+inline float load_f32(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename S>
+inline S store_as(float v);
+template <>
+inline float store_as<float>(float v) {
+  return v;
+}
+template <>
+inline at::BFloat16 store_as<at::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return at::BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), at::BFloat16::from_bits());
+}
 
 // Tile C[0:MR, 0:nw] = c_scale * C + A[0:MR, 0:K] @ B[0:K, 0:nw] (row-major, leading dims
 // lda, ldb, ldc; nw <= kNB). c_scale == 0 ignores C's prior content.
@@ -135,12 +160,12 @@ void l2norm_row(const T* x, int64_t dim, float scale, float* dst) {
   float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
   for (int64_t i = 0; i < dim; ++i) {
-    const float xi = to_f32(x[i]);
+    const float xi = load_f32(x[i]);
     sq += xi * xi;
   }
   const float s = scale / std::sqrt(sq + kL2Eps);
 #pragma omp simd
-  for (int64_t i = 0; i < dim; ++i) dst[i] = to_f32(x[i]) * s;
+  for (int64_t i = 0; i < dim; ++i) dst[i] = load_f32(x[i]) * s;
 }
 
 // Per-task float32 buffers of the chunked form (chunk size Q).
@@ -186,7 +211,7 @@ void load_chunk(const GDNProblem& p, const GDNTensors<T, S>& io, int64_t t0, int
     const T* vrow = io.v + t * p.v_stride + h * dv;
     float* urow = w.u.data() + i * dv;
 #pragma omp simd
-    for (int64_t j = 0; j < dv; ++j) urow[j] = to_f32(vrow[j]);
+    for (int64_t j = 0; j < dv; ++j) urow[j] = load_f32(vrow[j]);
   }
 }
 
@@ -245,7 +270,7 @@ void run_chunk(const GDNProblem& p, const GDNTensors<T, S>& io, int64_t t0, int6
   for (int64_t i = 0; i < L; ++i) {
     T* orow = io.out + ((t0 + i) * p.v_heads + h) * dv;
 #pragma omp simd
-    for (int64_t d = 0; d < dv; ++d) orow[d] = static_cast<T>(o[i * dv + d]);
+    for (int64_t d = 0; d < dv; ++d) orow[d] = store_as<T>(o[i * dv + d]);
   }
   const float c_end = cum[L - 1];
   for (int64_t d = 0; d < dk; ++d) {
@@ -264,7 +289,7 @@ void varlen_task(const GDNProblem& p, const GDNTensors<T, S>& io, const int64_t*
   if (slot < 0) {
     for (int64_t t = lo; t < hi; ++t) {
       T* orow = io.out + (t * p.v_heads + h) * p.dv;
-      std::fill(orow, orow + p.dv, static_cast<T>(0.0f));
+      std::fill(orow, orow + p.dv, store_as<T>(0.0f));
     }
     return;
   }
@@ -273,13 +298,13 @@ void varlen_task(const GDNProblem& p, const GDNTensors<T, S>& io, const int64_t*
   float* state = w.state.data();
   if (has_init[b]) {
 #pragma omp simd
-    for (int64_t i = 0; i < size; ++i) state[i] = to_f32(st[i]);
+    for (int64_t i = 0; i < size; ++i) state[i] = load_f32(st[i]);
   } else {
     std::fill(state, state + size, 0.0f);
   }
   for (int64_t t0 = lo; t0 < hi; t0 += Q) run_chunk(p, io, t0, std::min(Q, hi - t0), Q, h, w);
 #pragma omp simd
-  for (int64_t i = 0; i < size; ++i) st[i] = static_cast<S>(state[i]);
+  for (int64_t i = 0; i < size; ++i) st[i] = store_as<S>(state[i]);
 }
 
 // A (T, ...) tensor whose dims after the first are contiguous (token stride free), else a copy.
@@ -372,7 +397,9 @@ at::Tensor gated_delta_varlen(const at::Tensor& q, const at::Tensor& k, const at
   if (qsl[batch] < tokens) out.narrow(0, qsl[batch], tokens - qsl[batch]).zero_();
   if (batch == 0) return out;
   const GDNProblem p = make_problem(x, beta_scale);
-  const int64_t Q = chunk_size;
+  // The chunked form is exact for any Q: no chunk needs to be longer than the longest sequence.
+  int64_t Q = 1;
+  for (int64_t i = 0; i < batch; ++i) Q = std::max(Q, std::min(chunk_size, qsl[i + 1] - qsl[i]));
   dispatch_io(x, ssm_states, out, [&](auto io) {
     at::parallel_for(0, batch * p.v_heads, 1, [&](int64_t lo, int64_t hi) {
       ChunkScratch w;
@@ -393,7 +420,7 @@ void update_task(const GDNProblem& p, const GDNTensors<T, S>& io, int64_t r, int
   T* orow = io.out + (r * p.v_heads + h) * dv;
   const int64_t slot = p.slots[r];
   if (slot < 0) {
-    std::fill(orow, orow + dv, static_cast<T>(0.0f));
+    std::fill(orow, orow + dv, store_as<T>(0.0f));
     return;
   }
   float* kn = scratch;        // (Dk,)
@@ -413,7 +440,7 @@ void update_task(const GDNProblem& p, const GDNTensors<T, S>& io, int64_t r, int
     const float kd = kn[d], qd = qn[d];
 #pragma omp simd
     for (int64_t j = 0; j < dv; ++j) {
-      const float s = to_f32(srow[j]);
+      const float s = load_f32(srow[j]);
       kv[j] += s * kd;
       qs[j] += s * qd;
     }
@@ -424,15 +451,15 @@ void update_task(const GDNProblem& p, const GDNTensors<T, S>& io, int64_t r, int
   const T* vrow = io.v + r * p.v_stride + h * dv;
 #pragma omp simd
   for (int64_t j = 0; j < dv; ++j) {
-    const float delta = beta * (to_f32(vrow[j]) - decay * kv[j]);
+    const float delta = beta * (load_f32(vrow[j]) - decay * kv[j]);
     kv[j] = delta;
-    orow[j] = static_cast<T>(decay * qs[j] + kq * delta);
+    orow[j] = store_as<T>(decay * qs[j] + kq * delta);
   }
   for (int64_t d = 0; d < dk; ++d) {
     S* srow = st + d * dv;
     const float kd = kn[d];
 #pragma omp simd
-    for (int64_t j = 0; j < dv; ++j) srow[j] = static_cast<S>(decay * to_f32(srow[j]) + kd * kv[j]);
+    for (int64_t j = 0; j < dv; ++j) srow[j] = store_as<S>(decay * load_f32(srow[j]) + kd * kv[j]);
   }
 }
 
@@ -467,15 +494,15 @@ void norm_gate_row(const T* x, const Z* z, const W* weight, T* out, int64_t dim,
   float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
   for (int64_t i = 0; i < dim; ++i) {
-    const float xi = to_f32(x[i]);
+    const float xi = load_f32(x[i]);
     sq += xi * xi;
   }
   const float scale = 1.0f / std::sqrt(sq / static_cast<float>(dim) + eps);
   for (int64_t i = 0; i < dim; ++i) {
-    const float normed = to_f32(static_cast<T>(to_f32(x[i]) * scale));
-    float prod = to_f32(weight[i]) * normed;
-    if (round_product) prod = to_f32(static_cast<at::BFloat16>(prod));
-    out[i] = static_cast<T>(prod * silu_f32(to_f32(z[i])));
+    const float normed = load_f32(store_as<T>(load_f32(x[i]) * scale));
+    float prod = load_f32(weight[i]) * normed;
+    if (round_product) prod = load_f32(store_as<at::BFloat16>(prod));
+    out[i] = store_as<T>(prod * silu_f32(load_f32(z[i])));
   }
 }
 
