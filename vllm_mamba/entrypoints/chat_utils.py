@@ -182,6 +182,9 @@ class ChatTemplate:
         return text
 
 
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file")
+
+
 def message_text(message: dict[str, Any]) -> dict[str, str]:
     """`{"role", "content"}` of an OpenAI-style message whose content is text or text parts.
 
@@ -196,8 +199,14 @@ def message_text(message: dict[str, Any]) -> dict[str, str]:
         return {"role": role, "content": content or ""}
     pieces = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise ValueError(f"messages: only text content parts are supported, got {part!r}")
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise ValueError(
+                f"messages: {kind} content parts are not supported: this server serves the "
+                "model text-only (images, audio and video are not accepted)"
+            )
+        if kind != "text":
+            raise ValueError(f"messages: only text content parts are supported, got {kind!r}")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"messages: a text part needs a string text, got {part!r}")
         pieces.append(part["text"])
