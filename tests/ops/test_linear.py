@@ -1,5 +1,5 @@
-"""The small-batch C++ matrix-vector kernel, the oneDNN float32 GEMM path, and the `cpp` table's
-`linear`, against `F.linear`."""
+"""The small-batch C++ matrix-vector kernel, the oneDNN float32 GEMM path (and the few row
+counts it is called with), and the `cpp` table's `linear`, against `F.linear`."""
 
 from __future__ import annotations
 
@@ -54,12 +54,12 @@ def test_linear_module_uses_the_same_math_for_any_batch() -> None:
 
 
 @pytest.mark.skipif(not cpu_kernels._ONEDNN_LINEAR, reason="torch without oneDNN's linear")
-@pytest.mark.parametrize("rows", [9, 32, 77, 512])
+@pytest.mark.parametrize("rows", [9, 32, 77, 512, 1100])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_onednn_path_matches_f_linear(rows: int, with_bias: bool) -> None:
     """Float32 batches above `SMALL_BATCH`: oneDNN's GEMM in full float32 precision (a
     reduced-precision GEMM would miss this tolerance by orders of magnitude), also for
-    strided, 3-D and empty inputs."""
+    strided, 3-D and empty inputs, padded row counts and more rows than one call runs."""
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(300, 768, generator=g)
     b = torch.randn(300, generator=g) if with_bias else None
@@ -73,6 +73,34 @@ def test_onednn_path_matches_f_linear(rows: int, with_bias: bool) -> None:
         got3 = cpu_kernels.linear(x3, w3, b)
         torch.testing.assert_close(got3, F.linear(x3, w3, b), rtol=0, atol=2e-4)
         assert cpu_kernels.linear(x[:0], w, b).shape == (0, 300)
+
+
+def test_gemm_rows_are_few_and_waste_little() -> None:
+    sizes = {m: cpu_kernels.gemm_rows(m) for m in range(1, cpu_kernels.GEMM_ROWS + 1)}
+    assert all(m <= padded <= m + 7 for m, padded in sizes.items() if m <= 32)
+    assert all(m <= padded < 1.25 * m for m, padded in sizes.items() if m > 32)
+    assert len(set(sizes.values())) == 20
+    assert sizes[cpu_kernels.GEMM_ROWS] == cpu_kernels.GEMM_ROWS
+
+
+@pytest.mark.skipif(not cpu_kernels._ONEDNN_LINEAR, reason="torch without oneDNN's linear")
+def test_onednn_sees_few_row_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN caches a JIT-compiled primitive (~0.6 MB) per row count: batches of every size
+    from 9 to 1,500 rows reach it with the 20 sizes of `gemm_rows` only."""
+    seen: set[int] = set()
+    gemm = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.add(x.shape[0])
+        return gemm(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    w = torch.randn(16, 8)
+    with torch.no_grad():
+        for rows in range(cpu_kernels.SMALL_BATCH + 1, 1501):
+            cpu_kernels.linear(torch.randn(rows, 8), w, None)
+    # the last part of a batch above GEMM_ROWS may have any count of rows
+    assert seen == {cpu_kernels.gemm_rows(m) for m in range(1, cpu_kernels.GEMM_ROWS + 1)}
 
 
 def test_reference_table_runs_f_linear() -> None:

@@ -447,8 +447,47 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and (bias is None or bias.dtype == torch.float32)
         and x.numel() > 0
     ):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+GEMM_ROWS = 512  # rows of one oneDNN call, at most (`csrc/onednn_linear.h`: kGemmRows)
+
+
+def gemm_rows(m: int) -> int:
+    """The rows one oneDNN call runs for `m` rows (1 <= m <= GEMM_ROWS): up to 32 a multiple
+    of 8, above four sizes per doubling (m in (2^j, 2^(j+1)] rounds up to a multiple of
+    2^(j-2)). The same rule as `gemm_rows` in `csrc/onednn_linear.h`."""
+    if m <= 32:
+        return -(-m // 8) * 8
+    step = 1 << max(0, (m - 1).bit_length() - 3)
+    return -(-m // step) * step
+
+
+def _onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """oneDNN's float32 GEMM on a bounded set of row counts.
+
+    oneDNN JIT-compiles a primitive for every distinct row count and caches it twice (its
+    primitive cache and ideep's, 1,024 entries each, about 0.6 MB per shape whatever the
+    weight's size); with a row count that changes with every step's batch, a server's RSS grew
+    for thousands of requests (issue 33's soak). So at most `GEMM_ROWS` rows go in one call,
+    padded with zero rows to `gemm_rows(rows)`: 20 shapes per weight, all seen soon, for at most 7
+    extra rows up to 32 (where the weight's streaming dominates) and under 25% above; a new shape
+    also costs a JIT compile (about 1 ms).
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    parts = []
+    for start in range(0, rows.shape[0], GEMM_ROWS):
+        part = rows[start : start + GEMM_ROWS]
+        m = part.shape[0]
+        padded = gemm_rows(m)
+        if padded != m:
+            part = torch.cat([part, part.new_zeros(padded - m, part.shape[1])])
+        parts.append(torch.ops.mkldnn._linear_pointwise(part, weight, bias, "none", [], "")[:m])
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def make_ops() -> MambaOps:
