@@ -277,6 +277,10 @@ FAMILIES: tuple[Family, ...] = (
             "num_key_value_heads",
             "tie_word_embeddings",
         ),
+        # At std 0.3 float32 rounding alone moves this engine's and transformers' full-forward
+        # logprobs by up to 1.6e-4 from float64 at some steps; at 0.2 both stay within 6e-5 of
+        # transformers with varied references (at 0.15 one reference repeats itself).
+        weight_std=0.2,
     ),
 )
 

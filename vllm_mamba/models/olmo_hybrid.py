@@ -22,7 +22,11 @@ norms differently (`layers.decoder_layer` takes a norm before a stage's parts, a
 
 Checkpoint names: the layers' pre-norms are saved as `attention_layer_norm` and
 `feedforward_layer_norm` (transformers renames them on load; so does `remap_weight_name`, onto
-`input_layernorm` and `post_attention_layernorm`). Olmo-Hybrid-7B: 32 layers of hidden size
+`input_layernorm` and `post_attention_layernorm`). The three GDN convs are rows of one
+`[q | k | v]` conv: the released checkpoints hold them at their sizes (`(Hk Dk, 1, K)` twice,
+`(Hv Dv, 1, K)`), transformers' `save_pretrained` as three equal thirds of the whole (its
+`Concatenate` reverted by an even split); `expand_weight` gathers a layer's three and cuts them
+at the real sizes, so both load. Olmo-Hybrid-7B: 32 layers of hidden size
 3840, 30 heads of 128, GDN with 30 key heads of 96 and 30 value heads of 192, vocabulary 100352.
 
 Tensor parallelism (`tp`): GDN by key heads and their value heads, attention by heads with the
@@ -34,8 +38,10 @@ Glossary: Hq / Hkv query / key-value heads, D head dim.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import torch
 from torch import nn
 
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
@@ -58,6 +64,7 @@ _NORM_NAMES = {
     ".attention_layer_norm.": ".input_layernorm.",
     ".feedforward_layer_norm.": ".post_attention_layernorm.",
 }
+_CONV_PIECE = re.compile(r"(.*\.linear_attn\.)([qkv])_conv1d\.weight")
 
 
 def layer_types(config: Any) -> list[str]:
@@ -133,6 +140,28 @@ class OlmoHybridForCausalLM(CausalLM):
             layers=[_layer(config, kind, ops, tp) for kind in layer_types(config)],
             norm_eps=config.rms_norm_eps,
         )  # fmt: skip
+        key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+        value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+        self._conv_sizes = [key_dim, key_dim, value_dim]  # the q, k, v convs' channels
+        self._conv_pieces: dict[str, dict[str, torch.Tensor]] = {}  # layer prefix -> q/k/v
+
+    def expand_weight(self, name: str, tensor: Any) -> list[tuple[str, Any]]:
+        """A GDN conv piece is held until its layer's three are read, then the three are
+        returned cut at the real sizes (see the module docstring)."""
+        match = _CONV_PIECE.fullmatch(name)
+        if match is None:
+            return [(name, tensor)]
+        prefix, which = match.groups()
+        pieces = self._conv_pieces.setdefault(prefix, {})
+        pieces[which] = tensor if isinstance(tensor, torch.Tensor) else tensor[...]
+        if len(pieces) < 3:
+            return []
+        del self._conv_pieces[prefix]
+        parts = [pieces[w] for w in "qkv"]
+        whole = torch.cat(parts)  # (CD, 1, K): [q | k | v]
+        if len(whole) == sum(self._conv_sizes):  # else returned as read, for the loader to name
+            parts = whole.split(self._conv_sizes)
+        return [(f"{prefix}{w}_conv1d.weight", part) for w, part in zip("qkv", parts)]
 
     @staticmethod
     def remap_weight_name(name: str) -> str:
