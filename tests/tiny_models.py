@@ -223,6 +223,11 @@ FAMILIES: tuple[Family, ...] = (
             "num_key_value_heads",
             "tie_word_embeddings",
         ),
+        # As Qwen3-Next (the same layers): at std 0.3, float32 rounding alone moves transformers'
+        # own logprobs by up to 3.1e-4 against float64 (this engine's by 2.7e-4), beyond the
+        # suite's 1e-4 (at 0.15 still 1.8e-4 for transformers over a 20-token generation);
+        # at 0.1 both stay well within it.
+        weight_std=0.1,
     ),
     Family(
         "qwen3_5_moe",
@@ -235,6 +240,7 @@ FAMILIES: tuple[Family, ...] = (
         tp=("qwen3_5-moe-top2",),
         chunk_budgets=(5, 23),
         differ=("num_experts_per_tok", "linear_num_value_heads", "tie_word_embeddings"),
+        weight_std=0.1,  # as qwen3_5
     ),
     Family(
         "qwen3_next",
