@@ -46,8 +46,12 @@ MODELS = {
     "granite-moe": lambda: tiny_model_dir("granite-moe-rope"),
     "nemotron-h-moe": lambda: tiny_model_dir("nemotron-h-moe"),
     "falcon-h1": lambda: tiny_model_dir("falcon-h1-norm"),
+    "qwen3_5": lambda: tiny_model_dir("qwen3_5-gqa"),
+    "qwen3_5-moe": lambda: tiny_model_dir("qwen3_5-moe-top2"),
+    "qwen3-next": lambda: tiny_model_dir("qwen3-next-moe"),
+    "olmo-hybrid": lambda: tiny_model_dir("olmo-hybrid-rope"),
 }
-EXACT_MODELS = ["mamba-tied", "mamba-untied-bias", "mamba2", "jamba"]
+EXACT_MODELS = ["mamba-tied", "mamba-untied-bias", "mamba2", "jamba", "qwen3_5", "olmo-hybrid"]
 
 # Random tiny models: top-1 agreement with the float model at >= 75% of positions, and the
 # log-probability of the sequence's token off by <= 0.4 on average (measured: 82-95% and
