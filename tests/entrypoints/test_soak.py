@@ -1,7 +1,19 @@
 """A bounded soak of a real server on the loopback: a few thousand mixed requests from
 concurrent clients (completions, chat, streaming, echo with logprobs, client aborts and
-disconnects, invalid inputs). No 5xx, every slot free at the end, RSS growth per request under
-a bound, and the greedy output of a fixed prompt unchanged.
+disconnects, invalid inputs). No 5xx, every slot free at the end, no steady memory growth in the
+second half, and the greedy output of a fixed prompt unchanged.
+
+Memory is sampled at quiescent points (no request in flight, the engine's idle `malloc_trim`
+done) after every block of requests, each sample the median of a few readings, and the growth
+per request of a half is the least-squares slope over its samples, not the difference of two
+endpoints. The bounded measure is the server's native heap in use (glibc's `mallinfo2`,
+`vllm:native_heap_in_use_bytes`): RSS at one point moves by several MB with fragmentation and
+trimmed pages, which two readings 800 requests apart turn into KB per request of either sign.
+oneDNN caches a compiled GEMM per row count (`ops.cpu_kernels.gemm_rows`: 20 sizes, 2.3 MB of
+heap each for the tiny model's weights); the mixed traffic reaches the large sizes only now and
+then, so the warm-up also sends one prompt of each size (echoed with logprobs, so the LM head
+sees it too): what is left is growth that no bounded cache explains. RSS keeps a gross bound
+between the ends of the second half; Python's allocated blocks are reported.
 """
 
 from __future__ import annotations
@@ -9,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import statistics
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -17,25 +30,28 @@ import httpx
 import pytest
 
 from tests.entrypoints.conftest import MODEL_NAME, RunningServer, launch_server
+from vllm_mamba.ops.cpu_kernels import GEMM_ROWS, gemm_rows
 
-NUM_REQUESTS = 2000
+WARMUP = 600
+BLOCK = 100
+BLOCKS_PER_HALF = 8
 CONCURRENCY = 16
 TIME_LIMIT_S = 300
-# A gross guard: allocator arenas of the server's threads still grow after the warm-up half
-# (up to ~11 KB per request seen on CI, 28.7 KB once in three fresh-clone runs on a quiet
-# machine, the same code passing on rerun); leaks of per-request bookkeeping are caught exactly
-# by tests/entrypoints/test_fault_isolation_server.py.
+# Growth per request over the second half (fitted slope), see the module docstring.
+HEAP_BYTES_PER_REQUEST = 500
+# A gross guard on RSS, end to end over the second half (its noise, see above).
 RSS_BYTES_PER_REQUEST = 49152
+READINGS = 3
 GREEDY = {"model": MODEL_NAME, "prompt": "import os\n", "max_tokens": 12, "temperature": 0}
 WORDS = ["def", "class", "import", "return", "self", "value", "for", "in", "print", "if"]
 
 
 def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith("Rss:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError("no Rss")
 
 
 def _text(rng: random.Random) -> str:
@@ -114,26 +130,88 @@ def soak_server() -> Iterator[RunningServer]:
         yield running
 
 
-def test_soak(soak_server: RunningServer) -> None:
-    server = soak_server
-    greedy = httpx.post(f"{server.url}/v1/completions", json=GREEDY, headers=server.headers)
-    want = greedy.json()["choices"][0]["text"]
-    start = time.monotonic()
-    warm = NUM_REQUESTS // 2
-    first = asyncio.run(_soak(server, seed=1, count=warm))
-    rss_before = rss_bytes(server.process.pid)
-    rest = asyncio.run(_soak(server, seed=2, count=NUM_REQUESTS - warm))
-    rss_after = rss_bytes(server.process.pid)
-    statuses = first + rest
-    assert time.monotonic() - start < TIME_LIMIT_S
-    assert not [s for s in statuses if isinstance(s, int) and s >= 500], statuses
-    assert statuses[200] > NUM_REQUESTS // 2 and statuses[400] > 0 and statuses["abort"] > 0
+def _drained(server: RunningServer) -> None:
     deadline = time.monotonic() + 10
     while _metric(server, "state_slots_used") and time.monotonic() < deadline:
         time.sleep(0.2)  # aborts of hung-up streams land between steps
     assert _metric(server, "state_slots_used") == 0
     assert _metric(server, "num_requests_running") == _metric(server, "num_requests_waiting") == 0
-    growth = rss_after - rss_before
-    assert growth < RSS_BYTES_PER_REQUEST * (NUM_REQUESTS - warm), f"RSS grew {growth} bytes"
+
+
+def _metrics(server: RunningServer) -> dict[str, float]:
+    """The value of each labelled `vllm:` metric line, by name (the last line of a name)."""
+    values = {}
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:") and "{" in line:
+            values[line[5 : line.index("{")]] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def _sample(server: RunningServer, trimmed: bool = False) -> tuple[float, float, float]:
+    """(heap bytes in use, RSS bytes, Python blocks) of the quiescent server, each the median
+    of `READINGS` readings; with `trimmed`, after the engine's idle `malloc_trim` (which moves
+    RSS, not the heap in use)."""
+    _drained(server)
+    if trimmed:
+        # The engine trims at most once a second; a lone request after that gap ends in an
+        # idle trim.
+        time.sleep(1.1)
+        httpx.post(f"{server.url}/v1/completions", json=GREEDY, headers=server.headers)
+        _drained(server)
+    readings = []
+    for _ in range(READINGS):
+        values = _metrics(server)
+        heap, blocks = values["native_heap_in_use_bytes"], values["python_allocated_blocks"]
+        readings.append((heap, float(rss_bytes(server.process.pid)), blocks))
+        time.sleep(0.05)
+    return tuple(statistics.median(column) for column in zip(*readings))
+
+
+def _growth(values: list[float]) -> float:
+    """Least-squares growth per request of `values`, sampled every `BLOCK` requests."""
+    counts = [BLOCK * i for i in range(len(values))]
+    return statistics.linear_regression(counts, values).slope
+
+
+def _warm_gemm_shapes(server: RunningServer) -> None:
+    """One prompt of each of oneDNN's padded row counts, alone on the engine."""
+    for rows in sorted({gemm_rows(m) for m in range(1, GEMM_ROWS + 1)}):
+        body = {**GREEDY, "prompt": [5] * rows, "max_tokens": 1, "echo": True, "logprobs": 1}
+        response = httpx.post(
+            f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60
+        )
+        assert response.status_code == 200, response.text
+
+
+def test_soak(soak_server: RunningServer) -> None:
+    server = soak_server
+    greedy = httpx.post(f"{server.url}/v1/completions", json=GREEDY, headers=server.headers)
+    want = greedy.json()["choices"][0]["text"]
+    start = time.monotonic()
+    _warm_gemm_shapes(server)
+    statuses = asyncio.run(_soak(server, seed=1, count=WARMUP))
+    done = 0
+    samples = [_sample(server)]
+    for block in range(2 * BLOCKS_PER_HALF):
+        statuses += asyncio.run(_soak(server, seed=2 + block, count=BLOCK))
+        done += BLOCK
+        samples.append(_sample(server, trimmed=block + 1 in (BLOCKS_PER_HALF, 2 * BLOCKS_PER_HALF)))
+    assert time.monotonic() - start < TIME_LIMIT_S
+    total = WARMUP + done
+    assert not [s for s in statuses if isinstance(s, int) and s >= 500], statuses
+    assert statuses[200] > total // 2 and statuses[400] > 0 and statuses["abort"] > 0
+    mid = BLOCKS_PER_HALF + 1
+    halves = {"first": samples[:mid], "second": samples[mid - 1 :]}
+    growth = {
+        (half, name): _growth([sample[i] for sample in part])
+        for half, part in halves.items()
+        for i, name in enumerate(("heap", "rss", "blocks"))
+    }
+    report = ", ".join(f"{half} {name} {value:+.1f}" for (half, name), value in growth.items())
+    heaps = [int(sample[0]) for sample in samples]
+    print(f"per request after {WARMUP} warm-up: {report}; heap samples {heaps}")
+    assert growth["second", "heap"] < HEAP_BYTES_PER_REQUEST, (report, heaps)
+    rss_growth = samples[-1][1] - samples[mid - 1][1]
+    assert rss_growth < RSS_BYTES_PER_REQUEST * BLOCK * BLOCKS_PER_HALF, rss_growth
     again = httpx.post(f"{server.url}/v1/completions", json=GREEDY, headers=server.headers)
     assert again.json()["choices"][0]["text"] == want

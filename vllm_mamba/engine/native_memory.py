@@ -6,7 +6,10 @@ threads, and freed pages at the top of a heap stay mapped. Under mixed traffic R
 creeps up per request although nothing leaks. `limit_arenas` caps the arenas (what
 `MALLOC_ARENA_MAX` does, set at run time), and `trim` returns free pages to the system
 (`malloc_trim`); the engine calls it when it goes idle, at most once per `TRIM_INTERVAL_S`.
-Both do nothing where the C library is not glibc.
+`heap_in_use` reads the bytes malloc has handed out and not yet had back (glibc's `mallinfo2`,
+all arenas and mmapped chunks): unlike RSS it does not move with fragmentation or with pages
+kept or trimmed, so the soak test fits its growth per request. All do nothing (or return None)
+where the C library is not glibc.
 """
 
 from __future__ import annotations
@@ -14,6 +17,17 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import time
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
 
 M_ARENA_MAX = -8
 DEFAULT_ARENAS = 2
@@ -51,3 +65,15 @@ def trim(force: bool = False) -> None:
         return
     _last_trim = now
     libc.malloc_trim(0)
+
+
+def heap_in_use() -> int | None:
+    """Bytes allocated by malloc and not freed (in arenas plus mmapped chunks), or None where
+    `mallinfo2` is missing (not glibc, or glibc before 2.33)."""
+    libc = _glibc()
+    fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+    if fn is None:
+        return None
+    fn.restype = _Mallinfo2
+    info = fn()
+    return int(info.uordblks + info.hblkhd)

@@ -9,12 +9,15 @@ stream. For an attention-free model the state slots are its whole cache, so
 blocks in use (also `vllm:kv_cache_blocks_used` / `vllm:kv_cache_blocks_total`), the state
 slots staying in their own gauges. `vllm:num_preemptions_total` counts preemptions;
 `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` count prompt tokens looked
-up in the prefix cache and found there (0 when it is off). Every app
+up in the prefix cache and found there (0 when it is off). `vllm:native_heap_in_use_bytes`
+(glibc only) and `vllm:python_allocated_blocks` report the process's live native heap bytes
+and Python objects at scrape time, for leak checks such as the soak test. Every app
 has its own registry; label values are escaped by the library.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -22,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from vllm_mamba.engine import native_memory
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.outputs import RequestOutput
 
@@ -58,6 +62,11 @@ class _EngineCollector(Collector):
                 ("vllm:kv_cache_blocks_used", "KV cache blocks in use.", stats.kv_blocks_used),
                 ("vllm:kv_cache_blocks_total", "KV cache blocks in all.", stats.kv_blocks_total),
             ]
+        heap = native_memory.heap_in_use()
+        if heap is not None:
+            gauges.append(("vllm:native_heap_in_use_bytes", "Bytes malloc has handed out.", heap))
+        blocks = sys.getallocatedblocks()
+        gauges.append(("vllm:python_allocated_blocks", "Python memory blocks allocated.", blocks))
         for name, doc, value in gauges:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
