@@ -54,10 +54,10 @@ from vllm_mamba.layers.parallel_norm import projection_rms_norm
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
+from vllm_mamba.models.layer_types import layer_types
 from vllm_mamba.ops.table import MambaOps
 
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
-LAYER_TYPES = ("linear_attention", "full_attention")
 GDN_NORM_EPS = 1e-5  # the GDN output norm's epsilon (FLA's FusedRMSNormGated default)
 # The checkpoints' names of the layers' pre-norms -> this model's (as transformers renames them).
 _NORM_NAMES = {
@@ -65,17 +65,6 @@ _NORM_NAMES = {
     ".feedforward_layer_norm.": ".post_attention_layernorm.",
 }
 _CONV_PIECE = re.compile(r"(.*\.linear_attn\.)([qkv])_conv1d\.weight")
-
-
-def layer_types(config: Any) -> list[str]:
-    """The kind of each layer, checked."""
-    types = list(config.layer_types)
-    if len(types) != config.num_hidden_layers or not set(types) <= set(LAYER_TYPES):
-        raise ValueError(
-            f"layer_types must name {config.num_hidden_layers} layers, each one of "
-            f"{LAYER_TYPES}; got {types}"
-        )
-    return types
 
 
 def _gdn(config: Any, ops: MambaOps, tp: TensorParallel) -> OlmoHybridGatedDeltaNet:

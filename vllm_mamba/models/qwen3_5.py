@@ -47,25 +47,14 @@ from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, Sparse
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
+from vllm_mamba.models.layer_types import layer_types
 from vllm_mamba.ops.table import MambaOps
 
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
-LAYER_TYPES = ("linear_attention", "full_attention")
 SKIPPED = {
     "model.visual.": "the vision tower (image-text checkpoints are served text-only)",
     "mtp.": "the multi-token prediction head",
 }
-
-
-def layer_types(config: Any) -> list[str]:
-    """The kind of each layer, checked."""
-    types = list(config.layer_types)
-    if len(types) != config.num_hidden_layers or not set(types) <= set(LAYER_TYPES):
-        raise ValueError(
-            f"layer_types must name {config.num_hidden_layers} layers, each one of "
-            f"{LAYER_TYPES}; got {types}"
-        )
-    return types
 
 
 def _gdn(config: Any, ops: MambaOps, tp: TensorParallel) -> Qwen3_5GatedDeltaNet:
@@ -76,7 +65,7 @@ def _gdn(config: Any, ops: MambaOps, tp: TensorParallel) -> Qwen3_5GatedDeltaNet
     )  # fmt: skip
 
 
-def _attention(config: Any, ops: MambaOps, tp: TensorParallel) -> SelfAttention:
+def gated_attention(config: Any, ops: MambaOps, tp: TensorParallel) -> SelfAttention:
     """Gated attention with zero-centred q/k norms per head and partial RoPE."""
     head_dim, eps = config.head_dim, config.rms_norm_eps
     base, rot_dim = rope_settings(config, head_dim)
@@ -89,10 +78,14 @@ def _attention(config: Any, ops: MambaOps, tp: TensorParallel) -> SelfAttention:
     )  # fmt: skip
 
 
-def _moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
-    """Routed experts (softmax top-k, renormalised) plus the sigmoid-gated shared expert."""
+def sparse_moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
+    """Routed experts (softmax top-k, renormalised unless the config's `norm_topk_prob` is
+    false: Qwen3.5-MoE always renormalises) plus the sigmoid-gated shared expert."""
     hidden, num_experts = config.hidden_size, config.num_experts
-    route = RouterConfig("softmax_topk", num_experts, config.num_experts_per_tok, renormalize=True)
+    renormalize = bool(getattr(config, "norm_topk_prob", True))
+    route = RouterConfig(
+        "softmax_topk", num_experts, config.num_experts_per_tok, renormalize=renormalize
+    )
     experts = ExpertList(
         GatedMLP(hidden, config.moe_intermediate_size, False, ops, tp, reduce=False)
         for _ in range(num_experts)
@@ -105,15 +98,14 @@ def _moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
     )  # fmt: skip
 
 
-def _layer(config: Any, kind: str, ops: MambaOps, tp: TensorParallel) -> nn.Module:
-    """Norm, GDN or attention, residual; norm, MLP or MoE, residual."""
+def decoder_layer(
+    config: Any, mixer: MixerPart, moe: bool, ops: MambaOps, tp: TensorParallel
+) -> nn.Module:
+    """Norm, `mixer` (GDN or gated attention), residual; norm, MoE or dense MLP, residual
+    (shared by Qwen3.5 and Qwen3-Next)."""
     hidden, eps = config.hidden_size, config.rms_norm_eps
-    if kind == "linear_attention":
-        mixer = MixerPart("linear_attn", _gdn(config, ops, tp))
-    else:
-        mixer = MixerPart("self_attn", _attention(config, ops, tp))
-    if getattr(config, "num_experts", 0):
-        ffn = _moe(config, ops, tp)
+    if moe:
+        ffn = sparse_moe(config, ops, tp)
     else:
         ffn = GatedMLP(hidden, config.intermediate_size, False, ops, tp)
     return DecoderLayer(
@@ -122,6 +114,16 @@ def _layer(config: Any, kind: str, ops: MambaOps, tp: TensorParallel) -> nn.Modu
         ffn_norm=("post_attention_layernorm", ZeroCenteredRMSNorm(hidden, eps=eps)),
         ffns=[("mlp", ffn)],
     )
+
+
+def _layer(config: Any, kind: str, ops: MambaOps, tp: TensorParallel) -> nn.Module:
+    """Layer of kind `kind`: the Qwen3.5-layout GDN or gated attention; MoE when the config
+    has experts."""
+    if kind == "linear_attention":
+        mixer = MixerPart("linear_attn", _gdn(config, ops, tp))
+    else:
+        mixer = MixerPart("self_attn", gated_attention(config, ops, tp))
+    return decoder_layer(config, mixer, bool(getattr(config, "num_experts", 0)), ops, tp)
 
 
 class Qwen3_5ForCausalLM(CausalLM):

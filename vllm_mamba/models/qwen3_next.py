@@ -38,15 +38,12 @@ from typing import Any, ClassVar
 from torch import nn
 
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
-from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
+from vllm_mamba.layers.decoder_layer import MixerPart
 from vllm_mamba.layers.gated_deltanet import Qwen3NextGatedDeltaNet
 from vllm_mamba.layers.layernorm import ZeroCenteredRMSNorm
-from vllm_mamba.layers.linear import Linear
-from vllm_mamba.layers.mlp import GatedMLP
-from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, SparseMoE
 from vllm_mamba.models.causal_lm import CausalLM
-from vllm_mamba.models.qwen3_5 import NAMES, layer_types
-from vllm_mamba.models.qwen3_5 import _attention as gated_attention
+from vllm_mamba.models.layer_types import layer_types
+from vllm_mamba.models.qwen3_5 import NAMES, decoder_layer, gated_attention
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -60,48 +57,18 @@ def is_moe_layer(config: Any, index: int) -> bool:
     )
 
 
-def _moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
-    """Routed experts (softmax top-k, renormalised by `norm_topk_prob`) plus the
-    sigmoid-gated shared expert."""
-    hidden, num_experts = config.hidden_size, config.num_experts
-    route = RouterConfig(
-        "softmax_topk", num_experts, config.num_experts_per_tok,
-        renormalize=bool(config.norm_topk_prob),
-    )  # fmt: skip
-    experts = ExpertList(
-        GatedMLP(hidden, config.moe_intermediate_size, False, ops, tp, reduce=False)
-        for _ in range(num_experts)
-    )
-    shared = GatedMLP(hidden, config.shared_expert_intermediate_size, False, ops, tp)
-    return SparseMoE(
-        ExpertRouter(hidden, route), experts, tp, shared=shared,
-        shared_gate=Linear(hidden, 1, False, ops),
-        names=("gate", "experts", "shared_expert", "shared_expert_gate"),
-    )  # fmt: skip
-
-
 def _layer(config: Any, index: int, kind: str, ops: MambaOps, tp: TensorParallel) -> nn.Module:
-    """Norm, GDN or gated attention, residual; norm, MoE or MLP, residual."""
-    hidden, eps = config.hidden_size, config.rms_norm_eps
+    """Norm, GDN (Qwen3-Next layout) or gated attention, residual; norm, MoE or MLP, residual."""
     if kind == "linear_attention":
         gdn = Qwen3NextGatedDeltaNet(
-            hidden, config.linear_num_key_heads, config.linear_num_value_heads,
+            config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
             config.linear_key_head_dim, config.linear_value_head_dim,
-            config.linear_conv_kernel_dim, eps, ops, tp,
+            config.linear_conv_kernel_dim, config.rms_norm_eps, ops, tp,
         )  # fmt: skip
         mixer = MixerPart("linear_attn", gdn)
     else:
         mixer = MixerPart("self_attn", gated_attention(config, ops, tp))
-    if is_moe_layer(config, index):
-        ffn = _moe(config, ops, tp)
-    else:
-        ffn = GatedMLP(hidden, config.intermediate_size, False, ops, tp)
-    return DecoderLayer(
-        norm=("input_layernorm", ZeroCenteredRMSNorm(hidden, eps=eps)),
-        mixers=[mixer],
-        ffn_norm=("post_attention_layernorm", ZeroCenteredRMSNorm(hidden, eps=eps)),
-        ffns=[("mlp", ffn)],
-    )
+    return decoder_layer(config, mixer, is_moe_layer(config, index), ops, tp)
 
 
 class Qwen3NextForCausalLM(CausalLM):
