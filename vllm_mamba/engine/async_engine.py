@@ -10,8 +10,12 @@ loop nor the steps of other requests.
 Each request has its own output box (`_Outputs`), which `generate` turns into an async
 iterator. Outputs are cumulative, so the box holds only the newest one: a slow consumer skips
 intermediate outputs instead of queueing them, and a request's undelivered outputs take
-constant memory. An output left unread for `stall_timeout_s` (a streaming client that stopped
-reading) aborts the request, freeing its slots. One API request may hold at most
+constant memory. An output left unread for `pause_after_s` (a fraction of a second: far longer
+than a reading consumer takes, since it reads while the next step runs) pauses the request:
+the engine stops scheduling it (`LLMEngine.pause_request`), so it takes no step time from the
+others and its memory does not grow, until its consumer takes the output, which resumes it
+exactly where it stopped. An output left unread for `stall_timeout_s` (a streaming client that
+stopped reading) aborts the request, freeing its slots. One API request may hold at most
 `max_slots_per_request` state slots (`n` times its prompts). The box is dropped on every path
 (finished, aborted, failed). Leaving the
 iterator early (the client went away, the task was cancelled) aborts the request and frees its
@@ -26,6 +30,7 @@ and the periodic statistics line read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import time
@@ -50,6 +55,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 Item = RequestOutput | BaseException
 
+DEFAULT_PAUSE_AFTER_S = 0.1
+
 
 class StreamStalledError(RequestsFailedError):
     """A request whose outputs were left unread too long; it was aborted."""
@@ -62,12 +69,19 @@ class StreamStalledError(RequestsFailedError):
 
 class _Outputs:
     """A request's undelivered output: the newest cumulative one (it replaces an older one),
-    or an error (which nothing replaces); `since` is when it started waiting."""
+    or an error (which nothing replaces); `since` is when it started waiting; `paused` while
+    the engine holds the request until the output is taken."""
 
     def __init__(self) -> None:
         self.item: Item | None = None
         self.since: float | None = None
+        self.paused = False
         self._ready = asyncio.Event()
+
+    @property
+    def in_progress(self) -> bool:
+        """True when the waiting output is of a request still generating."""
+        return isinstance(self.item, RequestOutput) and not self.item.finished
 
     def put(self, item: Item) -> None:
         if isinstance(self.item, BaseException):
@@ -97,6 +111,8 @@ class AsyncLLMEngine:
         log_requests: log every request's prompt and parameters when it is added.
         grammar_workers: processes compiling structured-output grammars at once.
         grammar_timeout_s: the most one grammar compile may take.
+        pause_after_s: stop scheduling a request whose output waits unread this long, until
+            it is read (None: never).
         stall_timeout_s: abort a request whose output waits unread this long (None: never).
         max_slots_per_request: the most state slots one `add_requests` call may take
             (default: half of `max_num_seqs`, at least 1).
@@ -109,6 +125,7 @@ class AsyncLLMEngine:
         log_requests: bool = False,
         grammar_workers: int = 2,
         grammar_timeout_s: float = 10.0,
+        pause_after_s: float | None = DEFAULT_PAUSE_AFTER_S,
         stall_timeout_s: float | None = 30.0,
         max_slots_per_request: int | None = None,
     ) -> None:
@@ -126,6 +143,7 @@ class AsyncLLMEngine:
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
         self.stats: StatsSnapshot = engine.stats_snapshot()
         self._stat_logger = StatLogger() if engine.config.log_stats else None
+        self.pause_after_s = pause_after_s
         self.stall_timeout_s = stall_timeout_s
         max_seqs = engine.config.scheduler_config.max_num_seqs
         self.max_slots_per_request = max_slots_per_request or max(1, max_seqs // 2)
@@ -292,6 +310,8 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
+                if queue.paused:
+                    self._resume(request_id, queue)
                 ended = item.finished
                 yield item
         finally:
@@ -305,6 +325,13 @@ class AsyncLLMEngine:
         self._queues.pop(request_id, None)
         if not self._closed:
             self._executor.submit(self.engine.abort_request, request_id)
+
+    def _resume(self, request_id: str, queue: _Outputs) -> None:
+        """Its consumer took the output: the engine schedules the request again."""
+        queue.paused = False
+        if not self._closed:
+            self._executor.submit(self.engine.resume_request, request_id)
+            self._work.set()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs `fn(*args)` on the engine thread, serialized with the steps.
@@ -344,15 +371,16 @@ class AsyncLLMEngine:
     def _step(self) -> tuple[list[RequestOutput], bool]:
         """One engine step on the engine thread; publishes the stats snapshot after it."""
         try:
-            return self.engine.step(), self.engine.has_unfinished_requests()
+            return self.engine.step(), self.engine.has_unpaused_requests()
         finally:
             self.stats = self.engine.stats_snapshot()
             native_memory.trim()  # at most once per TRIM_INTERVAL_S
 
     def _idle_check(self) -> bool:
-        """On the engine thread: True while requests remain; else hands free heap pages back
-        to the system before the loop sleeps (what the finished requests freed)."""
-        if self.engine.has_unfinished_requests():
+        """On the engine thread: True while requests that are not paused remain; else hands
+        free heap pages back to the system before the loop sleeps (what the finished requests
+        freed)."""
+        if self.engine.has_unpaused_requests():
             return True
         native_memory.trim()
         return False
@@ -366,7 +394,8 @@ class AsyncLLMEngine:
                     # so clearing before asking the engine thread loses no wakeup.
                     self._work.clear()
                     if not await self.call(self._idle_check):
-                        await self._work.wait()
+                        await self._wait_for_work()
+                    self._hold_unread()
                     has_work = True
                     continue
                 try:
@@ -378,7 +407,7 @@ class AsyncLLMEngine:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
                         queue.put(out)
-                self._abort_stalled()
+                self._hold_unread()
                 if self._stat_logger is not None:
                     self._stat_logger.maybe_log(self.stats)
         except asyncio.CancelledError:
@@ -386,16 +415,37 @@ class AsyncLLMEngine:
         except BaseException as err:
             self._die(err)
 
-    def _abort_stalled(self) -> None:
-        """Aborts the requests whose output has waited unread for `stall_timeout_s`."""
-        if self.stall_timeout_s is None:
+    async def _wait_for_work(self) -> None:
+        """Sleeps until a request is added or resumed, or until the oldest unread output
+        reaches the stall timeout (paused requests run no steps after which to check it)."""
+        waiting = [q.since for q in self._queues.values() if q.since is not None]
+        if self.stall_timeout_s is None or not waiting:
+            await self._work.wait()
             return
+        delay = min(waiting) + self.stall_timeout_s - time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._work.wait(), max(delay, 0.0))
+
+    def _hold_unread(self) -> None:
+        """Pauses the requests whose output has waited unread for `pause_after_s`; aborts
+        those whose output has waited for `stall_timeout_s`."""
         now = time.monotonic()
         for request_id, queue in list(self._queues.items()):
-            if queue.since is not None and now - queue.since > self.stall_timeout_s:
+            if queue.since is None:
+                continue
+            unread = now - queue.since
+            if self.stall_timeout_s is not None and unread >= self.stall_timeout_s:
                 logger.warning("aborting request %s: its client stopped reading", request_id)
                 queue.put(StreamStalledError(request_id, self.stall_timeout_s))
                 self.abort(request_id)
+            elif (
+                self.pause_after_s is not None
+                and unread >= self.pause_after_s
+                and not queue.paused
+                and queue.in_progress
+            ):
+                queue.paused = True
+                self._executor.submit(self.engine.pause_request, request_id)
 
     def _fail_requests(self, err: RequestsFailedError) -> None:
         """Ends the streams of the requests of a failed step with the error."""

@@ -3,7 +3,9 @@
 `add_request` tokenizes and validates through `InputProcessor` (bad input raises `ValueError`
 before anything enters the engine); `step` schedules, runs the model once, appends the sampled
 tokens, detokenizes, applies stop conditions and frees the slots of finished sequences. A step
-that raises ends only its own requests (`RequestsFailedError`).
+that raises ends only its own requests (`RequestsFailedError`). `pause_request` holds a request
+out of the steps, with what it holds, until `resume_request` (the server's back-pressure on a
+client that does not read).
 
 With `enable_prefix_caching`, `engine.prefix_cache` holds the state snapshots and
 `prefix_steps.PrefixCacheSteps` does the engine's part of each step with them; with it off,
@@ -343,9 +345,23 @@ class LLMEngine:
         for rid in ids:
             self.scheduler.abort(rid)
 
+    def pause_request(self, request_id: str) -> None:
+        """Stops scheduling a request until `resume_request`; it keeps its slots and KV blocks
+        (and can be preempted like others). Unknown ids are ignored. Only the server pauses,
+        for a client that does not read; `LLM.generate` never does."""
+        self.scheduler.set_paused(request_id, True)
+
+    def resume_request(self, request_id: str) -> None:
+        """Schedules a paused request again, from where it stopped; unknown ids are ignored."""
+        self.scheduler.set_paused(request_id, False)
+
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""
         return self.scheduler.has_unfinished()
+
+    def has_unpaused_requests(self) -> bool:
+        """True while any request that is not paused waits or runs: a step has work."""
+        return self.scheduler.has_unpaused()
 
     # ----- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

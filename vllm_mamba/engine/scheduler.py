@@ -10,11 +10,17 @@ prefills once, and forks into the reserved slots when its prompt's last chunk is
 back to the front of the queue; when they return its sequences start over, prompt and generated
 tokens together, and continue exactly where they were.
 
+A paused request (`SequenceGroup.paused`: the server's client is not reading its output) is
+skipped: it is neither scheduled nor admitted, but keeps whatever slots and KV blocks it holds,
+so its memory does not grow and nothing is recomputed when it resumes. Under KV pressure a
+paused request is preempted before any other (its blocks serve no step); it then waits, still
+paused, holding nothing.
+
 Hybrid models also need KV blocks (`block_manager.BlockManager`): a waiting request is admitted
 only when the blocks of its scheduled chunk are free too, and when a running request cannot get
-the blocks of its next tokens, the most recently admitted request is preempted (vLLM's policy),
-possibly itself; no request is admitted in a step that preempted. Attention-free models get the
-placeholder block manager, which never limits anything.
+the blocks of its next tokens, the most recently admitted request is preempted (vLLM's policy;
+a paused one first), possibly itself; no request is admitted in a step that preempted.
+Attention-free models get the placeholder block manager, which never limits anything.
 
 With prefix caching (`prefix_cache.PrefixCache`), every request's prompt is registered in the
 radix tree when it arrives. On admission a sequence starts from the deepest saved state of a
@@ -116,6 +122,10 @@ class Scheduler:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
+    def has_unpaused(self) -> bool:
+        """True while a request that is not paused waits or runs (a step has work)."""
+        return any(not g.paused for g in itertools.chain(self.running, self.waiting))
+
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Removes a request wherever it is and frees its slots; None when unknown."""
         for queue in (self.running, self.waiting):
@@ -128,6 +138,13 @@ class Scheduler:
                     self.prefix.drop_path(group)
                     return group
         return None
+
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Pauses or resumes a request (see the module docstring); unknown ids are ignored."""
+        for group in itertools.chain(self.running, self.waiting):
+            if group.request_id == request_id:
+                group.paused = paused
+                return
 
     def finish_seq(self, seq: Sequence) -> None:
         """Frees a finished sequence's slot and KV blocks."""
@@ -170,20 +187,31 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             group = self.running[index]
+            if group.paused:
+                index += 1
+                continue
             plan = self._plan(group, budget)
             if not self._fit_blocks(plan):
-                self.preempt(self.running[-1])  # the most recently admitted; maybe `group`
+                victim = self._victim()  # maybe `group`
+                if self.running.index(victim) < index:
+                    index -= 1  # a paused one skipped before `group`
+                self.preempt(victim)
                 preempted = True
                 continue
             budget -= self._commit(group, plan, out)
             index += 1
         waiting = 0
+        # Waiting for a branch point makes sense only behind a request that progresses.
+        unpaused = [g for g in self.running if not g.paused]
         while waiting < len(self.waiting) and budget > 0 and not preempted:
             group = self.waiting[waiting]
+            if group.paused:
+                waiting += 1
+                continue
             seqs = group.unfinished_seqs()
             if self.slots.num_free < len(seqs) + group.pending_forks:
                 break
-            if self.prefix.should_wait(group, self.running):
+            if self.prefix.should_wait(group, unpaused):
                 waiting += 1
                 continue
             for seq in seqs:
@@ -198,12 +226,19 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             group.reserved_slots = [self.slots.allocate() for _ in range(group.pending_forks)]
             self.running.append(group)
+            unpaused.append(group)
             self.prefix.count(group, seqs, hits)
             out.hits.extend(hits)
             budget -= self._commit(group, plan, out)
         out.scheduled.sort(key=lambda s: not s.is_decode)
         out.block_copies = self.block_manager.take_copies()
         return out
+
+    def _victim(self) -> SequenceGroup:
+        """The request to preempt for KV blocks: the most recently admitted paused one, else
+        the most recently admitted one."""
+        paused = [g for g in self.running if g.paused]
+        return paused[-1] if paused else self.running[-1]
 
     def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
         """The group's sequences and their token counts within `budget`; with prefix caching,

@@ -105,6 +105,7 @@ class SequenceGroup:
     first_token_time: float | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
     path_node: Any = None  # the prompt's node in the prefix cache's radix tree
+    paused: bool = False  # its consumer is not reading: not scheduled (see `Scheduler`)
 
     @property
     def pending_forks(self) -> int:
