@@ -21,10 +21,23 @@ llama.cpp is optional: its tools and GGUF files come from `benchmarks/setup_llam
 (`--llama-cpp-home` or `$LLAMA_CPP_HOME`); without them it is skipped with a message.
 Never part of CI.
 
+Instruction-set level: `--isa generic|avx2|avx512` forces the engine's CPU kernels to that
+level (`VLLM_MAMBA_CPU_ISA`, set before `vllm_mamba` is imported) and, unless
+`--llama-cpp-home` is given, runs the llama.cpp built for the same level
+(`LEVEL=<level> benchmarks/setup_llama_cpp.sh` makes `/tmp/llamacpp-<level>`; without it the
+default home is used and the header shows the mismatch). Without `--isa` the engine runs its
+own choice and llama.cpp the `--llama-cpp-home` build (`/tmp/llamacpp`: `-march=native`). The
+level of both systems is printed above the table (llama.cpp's read from its build's
+CMakeCache.txt).
+
+Quantization: `--quantization int8` runs llama.cpp's Q8_0, `--quantization int4` (the
+engine's weight-only group-wise 4-bit) Q4_0 and Q4_K_M, one llama.cpp row each.
+
     python benchmarks/make_model.py /tmp/mamba-130m-random
     python benchmarks/compare.py --model /tmp/mamba-130m-random
     python benchmarks/compare.py --model /tmp/mamba-130m-random --dtype bfloat16
     python benchmarks/compare.py --model /tmp/mamba-130m-random --quantization int8
+    python benchmarks/compare.py --model /tmp/mamba-130m-random --quantization int4 --isa avx2
     python benchmarks/make_model.py /tmp/mamba2-130m-random --arch mamba2
     python benchmarks/compare.py --model /tmp/mamba2-130m-random --batches 1,32
 """
@@ -44,8 +57,13 @@ from compare_systems import EngineSystem, LlamaCppSystem, TransformersSystem, ra
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = "/tmp/mamba-130m-random"
 DEFAULT_LLAMA_HOME = "/tmp/llamacpp"
+# Where setup_llama_cpp.sh puts the llama.cpp of each level: <base>-avx2, <base>-avx512.
+LLAMA_BASE = os.environ.get("LLAMA_CPP_BASE", DEFAULT_LLAMA_HOME)
+ISA_LEVELS = ["generic", "avx2", "avx512"]
+ISA_ENV = "VLLM_MAMBA_CPU_ISA"  # forces the engine's kernel level (vllm_mamba/ops/cpu_isa.py)
 GGUF_TYPES = {"float32": ["f32"], "bfloat16": ["bf16", "f16"], "float16": ["f16"]}
-QUANTIZED_GGUF_TYPES = {"int8": ["q8_0"]}  # llama.cpp's counterpart of each quantization
+# llama.cpp's counterparts of each quantization
+QUANTIZED_GGUF_TYPES = {"int8": ["q8_0"], "int4": ["q4_0", "q4_k_m"]}
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,7 +74,15 @@ def parse_args() -> argparse.Namespace:
         "--quantization",
         default=None,
         choices=sorted(QUANTIZED_GGUF_TYPES),
-        help="the engine's weight quantization; llama.cpp then runs its counterpart (Q8_0)",
+        help="the engine's weight quantization; llama.cpp then runs its counterparts "
+        "(int8: Q8_0; int4: Q4_0 and Q4_K_M)",
+    )
+    p.add_argument(
+        "--isa",
+        default=None,
+        choices=ISA_LEVELS,
+        help=f"force the engine's CPU kernel level (${ISA_ENV}) and use the llama.cpp built "
+        f"for it ({LLAMA_BASE}-<level>, when it exists); default: the engine's own choice",
     )
     p.add_argument(
         "--ssm-state-dtype",
@@ -76,11 +102,68 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-llama-cpp", action="store_true")
     p.add_argument(
         "--llama-cpp-home",
-        default=os.environ.get("LLAMA_CPP_HOME", DEFAULT_LLAMA_HOME),
-        help="bin/llama-bench, bin/llama-batched-bench and gguf/<model>-<type>.gguf live here",
+        default=None,
+        help="bin/llama-bench, bin/llama-batched-bench and gguf/<model>-<type>.gguf live here "
+        f"(default: {LLAMA_BASE}-<isa> with --isa when it exists, else $LLAMA_CPP_HOME or "
+        f"{DEFAULT_LLAMA_HOME})",
     )
     p.add_argument("--json", default=None, help="also write every sample to this file")
     return p.parse_args()
+
+
+def llama_cpp_home(args: argparse.Namespace) -> str:
+    """`--llama-cpp-home` if given, else the build for `--isa` if there is one, else
+    `$LLAMA_CPP_HOME` or the default (native) build."""
+    if args.llama_cpp_home:
+        return args.llama_cpp_home
+    if args.isa:
+        level_home = f"{LLAMA_BASE}-{args.isa}"
+        if os.path.isdir(os.path.join(level_home, "bin")):
+            return level_home
+        print(f"{level_home} missing (LEVEL={args.isa} benchmarks/setup_llama_cpp.sh)")
+    return os.environ.get("LLAMA_CPP_HOME", DEFAULT_LLAMA_HOME)
+
+
+def llama_cpp_level(home: str) -> str:
+    """The x86 level of the llama.cpp in `home`, from the CMakeCache.txt of the build that
+    `bin/llama-bench` links into: native, avx512 (+vnni, +bf16, +vbmi), avx2, avx, sse4.2 or
+    generic; "?" when it cannot be read."""
+    build_dir = os.path.dirname(os.path.dirname(os.path.realpath(f"{home}/bin/llama-bench")))
+    cache = {}  # NAME:TYPE=VALUE lines -> {NAME: VALUE}
+    try:
+        with open(os.path.join(build_dir, "CMakeCache.txt")) as f:
+            for line in f:
+                key, eq, value = line.strip().partition("=")
+                if eq and ":" in key and not key.startswith(("#", "//")):
+                    cache[key.split(":", 1)[0]] = value
+    except OSError:
+        return "?"
+
+    def on(option: str) -> bool:
+        return cache.get(f"GGML_{option}", "OFF").upper() in ("ON", "1", "TRUE", "YES")
+
+    if on("NATIVE"):
+        return "native"
+    if on("AVX512"):
+        extra = [e.lower() for e in ("VNNI", "BF16", "VBMI") if on(f"AVX512_{e}")]
+        return "+".join(["avx512", *extra])
+    for option, level in (("AVX2", "avx2"), ("AVX", "avx"), ("SSE42", "sse4.2")):
+        if on(option):
+            return level
+    return "generic"
+
+
+def engine_level() -> str:
+    """The engine's active kernel level (`vllm_mamba.ops.cpu_isa.active_level()`), or "?"
+    where that module is missing."""
+    try:
+        from vllm_mamba.ops.cpu_isa import active_level
+    except ImportError:
+        return "?"
+    try:
+        return str(active_level())
+    except Exception as e:  # noqa: BLE001 - a benchmark reports it rather than stops
+        return f"? ({type(e).__name__}: {e})"
 
 
 def build_systems(args: argparse.Namespace) -> list:
@@ -150,11 +233,18 @@ def paired(samples: dict[str, dict[str, list[float]]], engine: str, other: str, 
     return f" (paired {statistics.median(x / y for x, y in zip(a, b)):.2f}x)"
 
 
-def table(args: argparse.Namespace, samples: dict[str, dict[str, list[float]]]) -> str:
-    """One markdown table: each system's median tokens/s and the engine's ratios vs each."""
+def table(
+    args: argparse.Namespace,
+    samples: dict[str, dict[str, list[float]]],
+    levels: dict[str, str] | None = None,
+) -> str:
+    """One markdown table: each system's median tokens/s and the engine's ratios vs each;
+    `levels[system]`, where given, follows the system's name in the header."""
     systems = list(samples)
     engine, others = systems[0], systems[1:]
-    head = ["workload (tok/s)", *systems, *[f"engine / {o}" for o in others]]
+    levels = levels or {}
+    named = [f"{s} [{levels[s]}]" if levels.get(s) else s for s in systems]
+    head = ["workload (tok/s)", *named, *[f"engine / {o}" for o in others]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for w in workloads(args):
         med = {s: statistics.median(samples[s][w]) if samples[s][w] else None for s in systems}
@@ -171,6 +261,10 @@ def table(args: argparse.Namespace, samples: dict[str, dict[str, list[float]]]) 
 def main() -> None:
     args = parse_args()
     args.batches = [int(b) for b in args.batches.split(",") if b]
+    if args.isa:  # before anything imports vllm_mamba
+        os.environ[ISA_ENV] = args.isa
+    args.llama_cpp_home = llama_cpp_home(args)
+    args.llama_cpp_level = None if args.skip_llama_cpp else llama_cpp_level(args.llama_cpp_home)
     if REPO_ROOT not in sys.path:  # run from a checkout without installing
         sys.path.insert(0, REPO_ROOT)
     import torch
@@ -180,22 +274,34 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     systems = build_systems(args)
+    levels = {"engine": engine_level()}  # after the engine has loaded its kernels
+    isa = f"ISA: engine {levels['engine']}"
+    llama_systems = [s.name for s in systems if s.name.startswith("llama.cpp")]
+    if llama_systems:
+        levels.update(dict.fromkeys(llama_systems, args.llama_cpp_level))
+        isa += f", llama.cpp {args.llama_cpp_level} ({args.llama_cpp_home})"
+        if args.isa and not args.llama_cpp_level.startswith(args.isa):
+            print(f"warning: engine forced to {args.isa}, llama.cpp is {args.llama_cpp_level}")
     samples = measure(args, systems)
     print(
         f"\n{started}, {args.dtype}{', ' + args.quantization if args.quantization else ''}, "
-        f"state {args.ssm_state_dtype}, "
+        f"state {args.ssm_state_dtype}, {isa}, "
         f"{args.threads} threads, medians of {args.reps} runs, "
         f"decode: {args.prompt_len}-token prompts, {args.decode_tokens} tokens "
         f"(transformers {args.hf_decode_tokens}), total {time.perf_counter() - t0:.0f} s, "
         f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n"
     )
-    print(table(args, samples))
+    print(table(args, samples, levels))
     for system in systems:
         for line in system.notes():
             print(f"- {system.name}: {line}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": started, "args": vars(args), "samples": samples}, f, indent=2)
+            json.dump(
+                {"date": started, "args": vars(args), "levels": levels, "samples": samples},
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

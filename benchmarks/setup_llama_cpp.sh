@@ -3,12 +3,30 @@
 # benchmark model to GGUF, for benchmarks/compare.py. Documentation and automation: never run
 # in CI, and nothing it makes belongs in the repository.
 #
-#   benchmarks/setup_llama_cpp.sh [MODEL_DIR]     (default /tmp/mamba-130m-random)
+#   [LEVEL=native|avx2|avx512] benchmarks/setup_llama_cpp.sh [MODEL_DIR]
+#                                                   (default /tmp/mamba-130m-random)
 #
-# Layout under $LLAMA_CPP_HOME (default /tmp/llamacpp), which compare.py reads:
-#   llama_cpp_python-<version>/vendor/llama.cpp   sources (with convert_hf_to_gguf.py)
-#   bin/llama-bench, bin/llama-batched-bench      links to the tools built with cmake
-#   gguf/<model dir name>-{f32,bf16,f16,q8_0}.gguf     the converted model
+# LEVEL is the x86 instruction-set level of llama.cpp's CPU backend, so that compare.py can
+# measure it against the engine forced to the same level (`compare.py --isa LEVEL`):
+#   native  (default) -march=native (GGML_NATIVE=ON): everything this CPU has.
+#   avx2    GGML_NATIVE=OFF, SSE4.2 + AVX + AVX2 + FMA + F16C + BMI2, no AVX-512: no zmm code.
+#   avx512  as avx2 plus AVX512F/CD/VL/DQ/BW, AVX512-VBMI, AVX512-VNNI and AVX512-BF16.
+# Neither builds GGML_CPU_ALL_VARIANTS / GGML_BACKEND_DL, so the one CPU backend is exactly
+# the level asked for (no run-time choice of a better variant).
+#
+# Layout under $LLAMA_CPP_HOME (default /tmp/llamacpp for native, /tmp/llamacpp-<LEVEL>
+# otherwise), which compare.py reads:
+#   bin/llama-bench, bin/llama-batched-bench,     links to the tools built with cmake
+#   bin/llama-quantize
+#   gguf/<model dir name>-{f32,bf16,f16,q8_0,q4_0,q4_k_m}.gguf     the converted model
+# The sources and the GGUF files are shared by every level and live in $LLAMA_CPP_BASE
+# (default /tmp/llamacpp); a level's gguf/ is a link to $LLAMA_CPP_BASE/gguf:
+#   $LLAMA_CPP_BASE/llama_cpp_python-<version>/vendor/llama.cpp   sources (convert_hf_to_gguf.py)
+#   .../vendor/llama.cpp/build (native), build-avx2, build-avx512  the cmake build directories
+#
+# F32, BF16, F16 and Q8_0 come from convert_hf_to_gguf.py; Q4_0 and Q4_K_M (which it cannot
+# write) from llama-quantize run on the F32 file. A model directory whose name contains
+# "mamba2" is made with `make_model.py --arch mamba2` when missing (ARCH overrides).
 #
 # Set INSTALL_PYTHON_PACKAGE=1 to also `pip install llama-cpp-python` (builds llama.cpp once
 # more, about 5+ minutes on 2 cores). Steps already done are skipped.
@@ -16,46 +34,104 @@ set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODEL_DIR="${1:-/tmp/mamba-130m-random}"
-LLAMA_CPP_HOME="${LLAMA_CPP_HOME:-/tmp/llamacpp}"
+LEVEL="${LEVEL:-native}"
+LLAMA_CPP_BASE="${LLAMA_CPP_BASE:-/tmp/llamacpp}"
 JOBS="${JOBS:-$(nproc)}"
 PYTHON="${PYTHON:-python3}"
 
-mkdir -p "$LLAMA_CPP_HOME/bin" "$LLAMA_CPP_HOME/gguf"
-cd "$LLAMA_CPP_HOME"
+# Instruction-set options of ggml's CPU backend (ggml/CMakeLists.txt,
+# ggml/src/ggml-cpu/CMakeLists.txt) for each level.
+COMMON_FLAGS=(-DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF)
+X86_FLAGS=(-DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
+    -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF
+    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+case "$LEVEL" in
+native)
+    DEFAULT_HOME="$LLAMA_CPP_BASE"
+    BUILD_NAME=build
+    ISA_FLAGS=(-DGGML_NATIVE=ON)
+    ;;
+avx2)
+    DEFAULT_HOME="$LLAMA_CPP_BASE-avx2"
+    BUILD_NAME=build-avx2
+    ISA_FLAGS=("${X86_FLAGS[@]}" -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF
+        -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF)
+    ;;
+avx512)
+    DEFAULT_HOME="$LLAMA_CPP_BASE-avx512"
+    BUILD_NAME=build-avx512
+    ISA_FLAGS=("${X86_FLAGS[@]}" -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+        -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON)
+    ;;
+*)
+    echo "LEVEL must be native, avx2 or avx512, not '$LEVEL'" >&2
+    exit 2
+    ;;
+esac
+LLAMA_CPP_HOME="${LLAMA_CPP_HOME:-$DEFAULT_HOME}"
 
-# 1. The benchmark model (random weights, mamba-130m-hf shape, GPT-NeoX tokenizer).
+mkdir -p "$LLAMA_CPP_BASE/gguf" "$LLAMA_CPP_HOME/bin"
+if [ ! -e "$LLAMA_CPP_HOME/gguf" ]; then
+    ln -s "$LLAMA_CPP_BASE/gguf" "$LLAMA_CPP_HOME/gguf"
+fi
+
+# 1. The benchmark model (random weights, mamba-130m-hf or mamba2-130m shape, GPT-NeoX
+#    tokenizer).
 if [ ! -f "$MODEL_DIR/config.json" ]; then
-    "$PYTHON" "$REPO_ROOT/benchmarks/make_model.py" "$MODEL_DIR"
+    case "$(basename "$MODEL_DIR")" in
+    *mamba2*) ARCH="${ARCH:-mamba2}" ;;
+    *) ARCH="${ARCH:-mamba}" ;;
+    esac
+    "$PYTHON" "$REPO_ROOT/benchmarks/make_model.py" "$MODEL_DIR" --arch "$ARCH"
 fi
 
 # 2. The llama-cpp-python source package, which vendors llama.cpp.
+cd "$LLAMA_CPP_BASE"
 if ! ls llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
     "$PYTHON" -m pip download --no-deps --no-binary :all: llama-cpp-python -d .
 fi
 SDIST="$(ls llama_cpp_python-*.tar.gz | sort -V | tail -1)"
 SRC_DIR="${SDIST%.tar.gz}"
 [ -d "$SRC_DIR" ] || tar xzf "$SDIST"
-LLAMA_DIR="$LLAMA_CPP_HOME/$SRC_DIR/vendor/llama.cpp"
+LLAMA_DIR="$LLAMA_CPP_BASE/$SRC_DIR/vendor/llama.cpp"
+BUILD_DIR="$LLAMA_DIR/$BUILD_NAME"
 
-# 3. llama-bench and llama-batched-bench, tuned for this CPU (GGML_NATIVE).
-if [ ! -x "$LLAMA_DIR/build/bin/llama-batched-bench" ]; then
+# 3. llama-bench, llama-batched-bench and llama-quantize at the level asked for.
+TOOLS=(llama-bench llama-batched-bench llama-quantize)
+NEED_BUILD=0
+for TOOL in "${TOOLS[@]}"; do
+    [ -x "$BUILD_DIR/bin/$TOOL" ] || NEED_BUILD=1
+done
+if [ "$NEED_BUILD" = 1 ]; then
     GENERATOR=()
     command -v ninja >/dev/null && GENERATOR=(-G Ninja)
-    cmake -S "$LLAMA_DIR" -B "$LLAMA_DIR/build" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
-        -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
-    cmake --build "$LLAMA_DIR/build" -j "$JOBS" --target llama-bench llama-batched-bench
+    cmake -S "$LLAMA_DIR" -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
+        "${ISA_FLAGS[@]}" "${COMMON_FLAGS[@]}" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
+    cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TOOLS[@]}"
 fi
-ln -sf "$LLAMA_DIR/build/bin/llama-bench" "$LLAMA_DIR/build/bin/llama-batched-bench" bin/
+for TOOL in "${TOOLS[@]}"; do
+    ln -sf "$BUILD_DIR/bin/$TOOL" "$LLAMA_CPP_HOME/bin/"
+done
 
 # 4. GGUF files: F32 for the float32 table, BF16 and F16 for the bfloat16 one, Q8_0 for the
-#    int8 one. The converter needs gguf-py (vendored beside it), numpy, torch, safetensors and
-#    transformers.
+#    int8 one, Q4_0 and Q4_K_M for the int4 one. The converter needs gguf-py (vendored beside
+#    it), numpy, torch, safetensors and transformers.
 STEM="$(basename "$(realpath "$MODEL_DIR")")"
+GGUF_DIR="$LLAMA_CPP_BASE/gguf"
 for TYPE in f32 bf16 f16 q8_0; do
-    OUT="gguf/$STEM-$TYPE.gguf"
-    [ -f "$OUT" ] || PYTHONPATH="$LLAMA_DIR/gguf-py" "$PYTHON" "$LLAMA_DIR/convert_hf_to_gguf.py" "$MODEL_DIR" \
-        --outtype "$TYPE" --outfile "$OUT"
+    OUT="$GGUF_DIR/$STEM-$TYPE.gguf"
+    [ -f "$OUT" ] || PYTHONPATH="$LLAMA_DIR/gguf-py" "$PYTHON" "$LLAMA_DIR/convert_hf_to_gguf.py" \
+        "$MODEL_DIR" --outtype "$TYPE" --outfile "$OUT"
+done
+for TYPE in q4_0 q4_k_m; do
+    OUT="$GGUF_DIR/$STEM-$TYPE.gguf"
+    # Written under a temporary name so that an interrupted run leaves no partial file.
+    if [ ! -f "$OUT" ]; then
+        "$BUILD_DIR/bin/llama-quantize" "$GGUF_DIR/$STEM-f32.gguf" "$OUT.tmp" \
+            "$(echo "$TYPE" | tr '[:lower:]' '[:upper:]')" "$JOBS"
+        mv "$OUT.tmp" "$OUT"
+    fi
 done
 
 # 5. Optionally the Python package (its own copy of llama.cpp, built by pip).
@@ -63,5 +139,5 @@ if [ "${INSTALL_PYTHON_PACKAGE:-0}" = 1 ]; then
     CMAKE_ARGS="-DGGML_NATIVE=ON" "$PYTHON" -m pip install llama-cpp-python
 fi
 
-echo "llama.cpp tools in $LLAMA_CPP_HOME/bin, GGUF files in $LLAMA_CPP_HOME/gguf"
-bin/llama-bench --help | head -1 || true
+echo "llama.cpp ($LEVEL) tools in $LLAMA_CPP_HOME/bin, GGUF files in $LLAMA_CPP_HOME/gguf"
+"$LLAMA_CPP_HOME/bin/llama-bench" --help | head -1 || true
