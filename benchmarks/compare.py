@@ -155,15 +155,18 @@ def llama_cpp_level(home: str) -> str:
 
 def engine_level() -> str:
     """The engine's active kernel level (`vllm_mamba.ops.cpu_isa.active_level()`), or "?"
-    where that module is missing."""
+    where that module is missing or fails (printed)."""
     try:
         from vllm_mamba.ops.cpu_isa import active_level
-    except ImportError:
-        return "?"
-    try:
+
         return str(active_level())
+    except ModuleNotFoundError as e:
+        if e.name != "vllm_mamba.ops.cpu_isa":
+            print(f"engine ISA level unknown: {e}")
+        return "?"
     except Exception as e:  # noqa: BLE001 - a benchmark reports it rather than stops
-        return f"? ({type(e).__name__}: {e})"
+        print(f"engine ISA level unknown: {type(e).__name__}: {e}")
+        return "?"
 
 
 def build_systems(args: argparse.Namespace) -> list:
