@@ -1,8 +1,12 @@
-// Schemas of the `torch.ops.vllm_mamba` CPU kernels, and the Python module `vllm_mamba._C`
-// whose import loads them. The implementations are registered next to each kernel.
+// Schemas of the `torch.ops.vllm_mamba` CPU kernels, and the Python module whose import loads
+// them: `vllm_mamba._C_<level>`, one build per ISA level (`setup.py`), of which
+// `vllm_mamba/ops/cpu_isa.py` imports the one this CPU runs. Its `ISA` attribute names the
+// level the build was compiled for. The implementations are registered next to each kernel.
 // Argument names and order match the `_ref` functions in `vllm_mamba/ops`.
 #include <Python.h>
 #include <torch/library.h>
+
+#include "vec.h"
 
 TORCH_LIBRARY(vllm_mamba, m) {
   m.def(
@@ -50,6 +54,19 @@ TORCH_LIBRARY(vllm_mamba, m) {
   m.def("rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor");
 }
 
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+#define VLLM_MAMBA_CONCAT_(a, b) a##b
+#define VLLM_MAMBA_CONCAT(a, b) VLLM_MAMBA_CONCAT_(a, b)
+#define VLLM_MAMBA_STR_(x) #x
+#define VLLM_MAMBA_STR(x) VLLM_MAMBA_STR_(x)
 
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kModule); }
+static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, VLLM_MAMBA_STR(TORCH_EXTENSION_NAME), nullptr,
+                              -1, nullptr};
+
+PyMODINIT_FUNC VLLM_MAMBA_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  PyObject* module = PyModule_Create(&kModule);
+  if (module != nullptr && PyModule_AddStringConstant(module, "ISA", vllm_mamba::vec::kLevel) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
+}

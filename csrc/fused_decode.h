@@ -4,8 +4,8 @@
 // region.
 //
 // Decode with a few sequences is bound by reading the weights from memory, so the products
-// go through the weight in blocks of 8 rows (8 independent AVX-512 accumulators, one row's
-// bytes each) and dot each block with every batch row while it is still in L1/L2; with a
+// go through the weight in blocks of 8 rows (8 independent vector accumulators, one row's
+// bytes each: `gemv.h`) and dot each block with every batch row while it is still in L1/L2; with a
 // single batch row they read the weight row by row, strictly in order. Weights are
 // float32, bfloat16 or int8 with one float32 scale per row (`quantization="int8"`), widened on
 // the fly; activations and accumulation are float32.
@@ -20,10 +20,12 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "gemv.h"
 #include "kernel_math.h"
 #include "onednn_linear.h"
+#include "vec.h"
 
-#ifdef __AVX512F__
+#ifdef VLLM_MAMBA_VEC_AVX512
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -33,7 +35,7 @@
 namespace vllm_mamba {
 namespace fused {
 
-constexpr int64_t kRowBlock = 8;  // weight rows per pass; ranges split on this unit
+constexpr int64_t kRowBlock = gemv::kRowBlock;  // weight rows per pass; ranges split on this unit
 constexpr int64_t kGemvMaxBatch = 8;  // more rows than this: the projections run as GEMMs
 
 inline int thread_id() {
@@ -66,147 +68,23 @@ inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float widen(int8_t v) { return static_cast<float>(v); }
 
-#ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+// c10::BFloat16 pointers as the raw bfloat16 type of `vec.h` (the same 16 bits).
+inline const vec::bf16_t* raw(const c10::BFloat16* p) {
+  return reinterpret_cast<const vec::bf16_t*>(p);
 }
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i v = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-inline __m512 load16(const int8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
-}
-inline __m512 load16(const int8_t* p, __mmask16 m) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
-}
+inline vec::bf16_t* raw(c10::BFloat16* p) { return reinterpret_cast<vec::bf16_t*>(p); }
+inline const float* raw(const float* p) { return p; }
+inline float* raw(float* p) { return p; }
 
-// out[r] = w[r, :k] . x[:k] for R consecutive rows of `w` (row stride k).
-//
-// For bfloat16 and int8 weights it prefetches (into L2) the rows two blocks of R ahead while
-// it reads these, spread evenly over its steps: a block of 8 narrow rows is 8 short
-// interleaved streams (768 bytes each for an int8 row of 768), which the hardware prefetchers
-// follow poorly. Measured on 24 `mamba-130m` layers at 2, 4 and 8 rows of x, prefetching on
-// and off interleaved in one process: +8-30% for int8, +1-15% for bfloat16, and -7 to -17%
-// for float32, which therefore streams without it. (One row of x goes through `dot_row`.)
-template <int R, typename W>
-inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const char* ahead = reinterpret_cast<const char*>(w + 2 * R * k);
-  const int64_t ahead_lines = (R * k * static_cast<int64_t>(sizeof(W)) + 63) / 64;
-  const int64_t steps = std::max<int64_t>(k / 16, 1);
-  const int64_t lines_per_step = (ahead_lines + steps - 1) / steps;
-  int64_t line = 0;
-  int64_t i = 0;
-  constexpr bool kPrefetch = sizeof(W) < sizeof(float);
-  for (; i + 16 <= k; i += 16) {
-    for (int64_t l = 0; kPrefetch && l < lines_per_step && line < ahead_lines; ++l, ++line) {
-      _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
-    }
-    const __m512 xv = _mm512_loadu_ps(x + i);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(load16(w + r * k + i), xv, acc[r]);
-  }
-  if (i < k) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (k - i)) - 1u);
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x + i);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(load16(w + r * k + i, m), xv, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+// A float32 view of `n` state values for an update in place (`gemv::load_state`), written back
+// by `store_state` (rounding to nearest even for a bfloat16 state).
+template <typename S>
+inline float* load_state(S* st, float* buf, int64_t n) {
+  return gemv::load_state(raw(st), buf, n);
 }
-
-// w[:k] . x[:k] for one weight row, four independent accumulators. With one row of x the
-// products read the weight strictly in order, which the hardware prefetchers follow better
-// than blocks of 8 interleaved rows: 24 `mamba-130m` layers at batch 1, interleaved in one
-// process, streamed 50 against 40-41 GB/s (float32) and 40-41 against 34-35 (bfloat16); int8
-// was equal. At 4 rows of x the blocks stay faster (26 against 23 GB/s, float32).
-// `linear.cpp`'s `dot` (the LM head's kernel) does the same job with `omp simd` over 64
-// lanes; it stays separate because it measured faster on the LM head in float32 (40 against
-// 34 GB/s with this function in its place, bfloat16 equal).
-template <typename W>
-inline float dot_row(const W* w, int64_t k, const float* x) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t i = 0;
-  for (; i + 64 <= k; i += 64) {
-    a0 = _mm512_fmadd_ps(load16(w + i), _mm512_loadu_ps(x + i), a0);
-    a1 = _mm512_fmadd_ps(load16(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-    a2 = _mm512_fmadd_ps(load16(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-    a3 = _mm512_fmadd_ps(load16(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
-  }
-  for (; i + 16 <= k; i += 16) a0 = _mm512_fmadd_ps(load16(w + i), _mm512_loadu_ps(x + i), a0);
-  if (i < k) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (k - i)) - 1u);
-    a1 = _mm512_fmadd_ps(load16(w + i, m), _mm512_maskz_loadu_ps(m, x + i), a1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-}
-#else
-template <int R, typename W>
-inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
-  for (int r = 0; r < R; ++r) {
-    const W* wr = w + r * k;
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < k; ++i) acc += widen(wr[i]) * x[i];
-    out[r] = acc;
-  }
-}
-
-template <typename W>
-inline float dot_row(const W* w, int64_t k, const float* x) {
-  float out;
-  dot_rows<1>(w, k, x, &out);
-  return out;
-}
-#endif
-
-// out[b, r - lo] (row stride ldo) = w[r] . x[b] (row stride ldx) for rows r in [lo, hi) and
-// batch rows b < batch; each block of kRowBlock weight rows is read from memory once.
-template <typename W>
-inline void gemv_rows(const W* w, int64_t k, const float* x, int64_t ldx, int64_t batch,
-                      int64_t lo, int64_t hi, float* out, int64_t ldo) {
-  if (batch == 1) {  // one row of x: stream the weight row by row (see `dot_row`)
-    for (int64_t r = lo; r < hi; ++r) out[r - lo] = dot_row(w + r * k, k, x);
-    return;
-  }
-  int64_t r = lo;
-  for (; r + kRowBlock <= hi; r += kRowBlock) {
-    for (int64_t b = 0; b < batch; ++b) {
-      dot_rows<kRowBlock>(w + r * k, k, x + b * ldx, out + b * ldo + (r - lo));
-    }
-  }
-  for (; r < hi; ++r) {
-    for (int64_t b = 0; b < batch; ++b) dot_rows<1>(w + r * k, k, x + b * ldx, out + b * ldo + (r - lo));
-  }
-}
-
-// A float32 view of `n` state values for an update in place: the values themselves for a
-// float32 state; for a bfloat16 state, `buf` filled with them widened (then written back by
-// `store_state`). Both directions are vectorised, which a loop over c10::BFloat16 is not.
-inline float* load_state(float* st, float*, int64_t) { return st; }
-inline float* load_state(c10::BFloat16* st, float* buf, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(buf + i, load16(st + i));
-#endif
-  for (; i < n; ++i) buf[i] = static_cast<float>(st[i]);
-  return buf;
-}
-
-inline void store_state(const float*, float*, int64_t) {}
-inline void store_state(const float* buf, c10::BFloat16* st, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  for (; i + 16 <= n; i += 16) {  // round to nearest even, as c10::BFloat16
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(buf + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(st + i), reinterpret_cast<const __m256i&>(v));
-  }
-#endif
-  for (; i < n; ++i) st[i] = static_cast<c10::BFloat16>(buf[i]);
+template <typename S>
+inline void store_state(const float* buf, S* st, int64_t n) {
+  gemv::store_state(buf, raw(st), n);
 }
 
 // The block norm of one row: out = weight * x / sqrt(mean(x^2) + eps), as `RMSNorm` in float32.
@@ -234,11 +112,11 @@ struct Weight {
 inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, int64_t lo,
                  int64_t hi, float* out, int64_t ldo) {
   if (w.dtype == at::kFloat) {
-    gemv_rows(static_cast<const float*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
+    gemv::gemv_rows(static_cast<const float*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
   } else if (w.dtype == at::kBFloat16) {
-    gemv_rows(static_cast<const c10::BFloat16*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
+    gemv::gemv_rows(static_cast<const vec::bf16_t*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
   } else {  // int8, checked by `weight_of`
-    gemv_rows(static_cast<const int8_t*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
+    gemv::gemv_rows(static_cast<const int8_t*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
     for (int64_t b = 0; b < batch; ++b) {
       float* o = out + b * ldo - lo;
 #pragma omp simd
@@ -249,13 +127,21 @@ inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, in
 
 // out (B, N) float32 = x (B, K) float32 @ w (N, K)^T by a GEMM (x may have a row stride):
 // float32 weights through oneDNN where it is available (else MKL's `mm`);
-// bfloat16 weights multiply bfloat16 activations, as the unfused layer does; int8 weights go
-// through the `int8_linear` op.
+// bfloat16 weights multiply bfloat16 activations where the CPU has bfloat16 instructions, as
+// the unfused layer does, and go through the `bf16_linear` op (widened to float32) where it
+// has not; int8 weights go through the `int8_linear` op.
 inline void project(const at::Tensor& x, const Weight& w, at::Tensor& out) {
   if (w.dtype == at::kFloat) {
     if (!onednn_linear(x, w.tensor, at::Tensor(), out)) at::mm_out(out, x, w.tensor.t());
-  } else if (w.dtype == at::kBFloat16) {
+  } else if (w.dtype == at::kBFloat16 && vec::native_bf16()) {
     out.copy_(at::mm(x.to(w.dtype), w.tensor.t()));
+  } else if (w.dtype == at::kBFloat16) {  // widened to float32 (`widening_linear.cpp`)
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("vllm_mamba::bf16_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&)>();
+    out.copy_(op.call(x, w.tensor, std::nullopt));
   } else {
     static const auto op =
         c10::Dispatcher::singleton()
@@ -273,7 +159,7 @@ inline void finish_row(float* mixed, const float* bias, const float* residual, i
   }
 }
 
-#ifdef __AVX512F__
+#ifdef VLLM_MAMBA_VEC_AVX512
 // Permutes that write back the shifted histories of 16 width-4 channels: output vector o holds
 // positions 16 o .. 16 o + 15 of the 48 values, position p being value p % 3 of channel p / 3:
 // h1 (index c of the pair h1, h2), h2 (16 + c), or the new input x[c] (lanes of `from_x`).
@@ -339,7 +225,7 @@ inline void conv_update(float* v, H* hist, const float* conv_w, const float* con
                         int64_t kernel, int64_t c0, int64_t c1, bool silu = true) {
   const int64_t km1 = kernel - 1;
   int64_t c = c0;
-#ifdef __AVX512F__
+#ifdef VLLM_MAMBA_VEC_AVX512
   if constexpr (std::is_same_v<H, float>) {
     if (kernel == 4 && hist) {
       for (; c + 16 <= c1; c += 16) {
@@ -347,6 +233,29 @@ inline void conv_update(float* v, H* hist, const float* conv_w, const float* con
             conv4_update16(v + c, hist + c * 3, conv_w + c * 4, conv_b ? conv_b + c : nullptr);
         _mm512_storeu_ps(v + c, acc);
       }
+    }
+  }
+#else
+  if constexpr (std::is_same_v<H, float>) {
+    if (kernel == 4 && hist) {  // channels in parallel, strided loads vectorised by the compiler
+      const int64_t n = c1 - c;
+      float* hb = hist + c * 3;
+      const float* wb = conv_w + c * 4;
+      const float* bb = conv_b ? conv_b + c : nullptr;
+      float* vb = v + c;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const float h0 = hb[3 * j], h1 = hb[3 * j + 1], h2 = hb[3 * j + 2], xin = vb[j];
+        float acc = wb[4 * j + 3] * xin + (bb ? bb[j] : 0.0f);
+        acc += wb[4 * j] * h0;
+        acc += wb[4 * j + 1] * h1;
+        acc += wb[4 * j + 2] * h2;
+        hb[3 * j] = h1;
+        hb[3 * j + 1] = h2;
+        hb[3 * j + 2] = xin;
+        vb[j] = acc;
+      }
+      c = c1;
     }
   }
 #endif

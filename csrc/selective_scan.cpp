@@ -15,8 +15,9 @@
 #include <vector>
 
 #include "kernel_math.h"
+#include "vec.h"
 
-#ifdef __AVX512F__
+#ifdef VLLM_MAMBA_VEC_AVX512
 #include <immintrin.h>
 #endif
 
@@ -136,7 +137,7 @@ float step_channel(const float* a, const float* b_row, const float* c_row, int64
   return y;
 }
 
-#ifdef __AVX512F__
+#ifdef VLLM_MAMBA_VEC_AVX512
 // sum(rows[c]) for 16 rows of 16 floats, as one vector (lane c): a transpose-and-add tree,
 // 15 shuffles and 15 adds instead of 16 horizontal reductions.
 inline __m512 sum_rows16(const float* rows) {
@@ -190,7 +191,7 @@ void scan_one_token(const ScanProblem& p, const ScanTensors<T, S>& io, int64_t b
   const float* b_row = p.B + t * p.nstate;
   const float* c_row = p.C + t * p.nstate;
   int64_t j = 0;
-#ifdef __AVX512F__
+#ifdef VLLM_MAMBA_VEC_AVX512
   if (p.nstate == 16) {  // Mamba's and FalconMamba's state size
     alignas(64) float prod[16 * 16];
     for (; j + 16 <= nd; j += 16) {

@@ -13,9 +13,11 @@ variable at any time before the code that reads it runs.
 | `VLLM_MAMBA_DIST_TIMEOUT_S` | `120` | seconds a tensor-parallel collective waits for a rank |
 | `VLLM_MAMBA_CONFIGURE_LOGGING` | `1` | `0` leaves the `vllm_mamba` logger unconfigured |
 | `VLLM_MAMBA_API_KEY` | (none) | the server's API key when `--api-key` is not given |
+| `VLLM_MAMBA_CPU_ISA` | (best) | force a lower CPU kernel level (`vllm_mamba.ops.cpu_isa`) |
 
 Build time only (read by `setup.py`, which cannot import the package): `VLLM_MAMBA_NO_EXT=1`
-builds without the C++ extension, `VLLM_MAMBA_PORTABLE=1` without `-march=native`.
+builds without the C++ extensions; `VLLM_MAMBA_CPU_ISAS=avx2,avx512` builds only the listed
+kernel levels (all of the machine's architecture by default; no build uses `-march=native`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from vllm_mamba.ops.selective_scan import selective_scan_varlen_ref, selective_s
 
 if not cpu_kernels.available():
     pytest.skip(
-        "C++ extension vllm_mamba._C is not built (pip install --no-build-isolation -e .)",
+        "C++ extension vllm_mamba._C_<level> is not built (pip install --no-build-isolation -e .)",
         allow_module_level=True,
     )
 

@@ -14,7 +14,7 @@ from vllm_mamba.ops.ssd import ssd_chunk_scan_varlen_ref, ssd_state_update_ref
 
 if not cpu_kernels.available():
     pytest.skip(
-        "C++ extension vllm_mamba._C is not built (pip install --no-build-isolation -e .)",
+        "C++ extension vllm_mamba._C_<level> is not built (pip install --no-build-isolation -e .)",
         allow_module_level=True,
     )
 

@@ -22,7 +22,7 @@ from vllm_mamba.ops.gated_delta import (
 
 needs_cpp = pytest.mark.skipif(
     not cpu_kernels.available(),
-    reason="C++ extension vllm_mamba._C is not built (pip install --no-build-isolation -e .)",
+    reason="C++ extension vllm_mamba._C_<level> is not built (pip install -e .)",
 )
 
 HEADS = [(2, 2, 16, 24), (2, 4, 16, 24), (1, 4, 32, 16)]  # (Hk, Hv, Dk, Dv): ratios 1, 2, 4

@@ -107,3 +107,36 @@ def test_reference_table_runs_f_linear() -> None:
     """`VLLM_MAMBA_OPS=ref` covers the projections too."""
     assert REF_OPS.linear is F.linear
     assert Linear(4, 3, False, REF_OPS).linear_op is F.linear
+
+
+@pytest.mark.parametrize("rows", [9, 33, 256, 257, 600])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_linear_widens_the_weight(rows: int, x_dtype: torch.dtype) -> None:
+    """`bf16_linear` (the tiled kernel up to 256 rows, widened blocks and a GEMM above) is the
+    float32 product of the widened weight, rounded once to x's dtype; on a CPU with bfloat16
+    instructions the block GEMM of bfloat16 activations runs in bfloat16 (looser bound)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 100, generator=g).to(x_dtype)
+    w = torch.randn(70, 100, generator=g).bfloat16()
+    b = torch.randn(70, generator=g)
+    out = torch.ops.vllm_mamba.bf16_linear(x, w, b)
+    assert out.dtype == x_dtype and out.shape == (rows, 70)
+    want = F.linear(x.float(), w.float(), b)
+    if x_dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    else:  # one bfloat16 rounding of the output (8 bits), plus bfloat16 GEMM blocks if native
+        torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=0.1)
+
+
+def test_linear_routes_bf16_weights_by_the_cpu() -> None:
+    """Without bfloat16 instructions `linear` takes `bf16_linear` for more than 8 rows (the
+    float32 product of the widened weight); with them, `F.linear`."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 64, generator=g).bfloat16()
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    out = cpu_kernels.linear(x, w, None)
+    if cpu_kernels.native_bf16():
+        torch.testing.assert_close(out, F.linear(x, w))
+    else:
+        want = torch.ops.vllm_mamba.bf16_linear(x, w, None)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)

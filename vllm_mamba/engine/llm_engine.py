@@ -37,6 +37,7 @@ from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.errors import EngineStartupError, RequestsFailedError, is_fatal
 from vllm_mamba.executor import make_executor
 from vllm_mamba.kv_cache import KVCacheSizing, plan_num_blocks
+from vllm_mamba.ops import cpu_isa
 from vllm_mamba.ops.cpu_kernels import flush_denormals
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.outputs import RequestOutput
@@ -70,6 +71,8 @@ class LLMEngine:
             flush_denormals()
         self.executor = make_executor(config)  # loads the model (each rank its shard)
         self.kernels = get_mamba_ops(config.device).name
+        if self.kernels == "cpp":  # the ISA level of the kernel build in use
+            self.kernels = f"cpp ({cpu_isa.active_level()})"
         specs = self.executor.cache_specs()
         self.state_bytes_per_slot = specs.state_bytes_per_slot()
         self.num_snapshot_slots = self._num_snapshot_slots(self.state_bytes_per_slot)

@@ -1,7 +1,8 @@
 """The C++ CPU backend of the Mamba ops: thin wrappers over `torch.ops.vllm_mamba.*`.
 
-The kernels live in `csrc/` and are built into the extension `vllm_mamba._C` by
-`pip install --no-build-isolation -e .`; importing it registers the ops. Every wrapper has the
+The kernels live in `csrc/` and are built, once per ISA level, into the extensions
+`vllm_mamba._C_<level>` by `pip install --no-build-isolation -e .`; `cpu_isa.load()` imports
+the one this CPU runs, which registers the ops. Every wrapper has the
 signature of its `_ref` twin (`vllm_mamba.ops.causal_conv1d`, `vllm_mamba.ops.selective_scan`,
 `vllm_mamba.ops.ssd`, `vllm_mamba.ops.gated_delta`), so `vllm_mamba.ops.dispatch` can swap them
 in; the Gated DeltaNet ones are registered as the `cpp` backend's `gated_delta` family. The
@@ -11,20 +12,23 @@ in place and must be contiguous.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from vllm_mamba import envs
-from vllm_mamba.ops import gated_delta  # registers the `gated_delta` family first
+from vllm_mamba.ops import (
+    cpu_isa,
+    gated_delta,  # registers the `gated_delta` family first
+)
 from vllm_mamba.ops.families import register_op_impl
 from vllm_mamba.ops.int8_linear import has_int8_kernel, int8_linear_cpp, int8_linear_ref
 from vllm_mamba.ops.table import MambaOps
 
 try:
-    import vllm_mamba._C  # noqa: F401  (registers torch.ops.vllm_mamba.*)
-
-    _EXTENSION_LOADED = True
-except (ImportError, OSError):
+    _EXTENSION_LOADED = cpu_isa.load() is not None  # registers torch.ops.vllm_mamba.*
+except OSError:
     _EXTENSION_LOADED = False
 
 _OP_NAMES = (
@@ -33,6 +37,7 @@ _OP_NAMES = (
     "selective_scan_varlen",
     "selective_state_update",
     "linear_small_batch",
+    "bf16_linear",
     "ssd_chunk_scan_varlen",
     "ssd_state_update",
     "gated_rms_norm",
@@ -50,9 +55,16 @@ def available() -> bool:
     """Whether the extension is built and registers every op.
 
     Returns:
-        True when `vllm_mamba._C` imports and `torch.ops.vllm_mamba` has every op.
+        True when a kernel build (`cpu_isa`) imports and `torch.ops.vllm_mamba` has every op.
     """
     return _EXTENSION_LOADED and all(hasattr(torch.ops.vllm_mamba, name) for name in _OP_NAMES)
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether the loaded kernel build multiplies bfloat16 natively (AVX512-BF16 or AMX, in the
+    avx512 build only): then bfloat16 GEMMs run as bfloat16, else widened to float32."""
+    return _EXTENSION_LOADED and bool(torch.ops.vllm_mamba.native_bf16())
 
 
 def flush_denormals() -> None:
@@ -429,7 +441,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     once at close to memory speed. More float32 rows (prefill, many-stream decode: bound by
     compute) go through oneDNN's float32 GEMM (`mkldnn._linear_pointwise`, full float32
     precision), which reached 2.3x the rate of `F.linear`'s MKL GEMM on the AMD CPUs measured
-    (`benchmarks/README.md`). Other dtypes, devices and autograd use `F.linear`.
+    (`benchmarks/README.md`). bfloat16 weights on a CPU without bfloat16 instructions
+    (`native_bf16`) go through `bf16_linear`, which widens them to float32 in registers or
+    blocks instead of `F.linear`'s slow bfloat16 path there. Other dtypes, devices and
+    autograd use `F.linear`.
     """
     on_cpu = x.device.type == "cpu" and not torch.is_grad_enabled() and weight.is_contiguous()
     if (
@@ -440,6 +455,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and weight.dtype in (torch.float32, torch.bfloat16)
     ):
         return torch.ops.vllm_mamba.linear_small_batch(x, weight, bias)
+    if (
+        on_cpu
+        and x.dim() == 2
+        and weight.dtype == torch.bfloat16
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and not native_bf16()
+    ):
+        return torch.ops.vllm_mamba.bf16_linear(x, weight, bias)
     if (
         _ONEDNN_LINEAR
         and on_cpu

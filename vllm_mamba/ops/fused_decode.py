@@ -52,9 +52,12 @@ def available() -> bool:
     """
     if not envs.VLLM_MAMBA_FUSED_DECODE:
         return False
+    from vllm_mamba.ops import cpu_isa
+
     try:
-        import vllm_mamba._C  # noqa: F401  (registers torch.ops.vllm_mamba.*)
-    except (ImportError, OSError):
+        if cpu_isa.load() is None:  # registers torch.ops.vllm_mamba.*
+            return False
+    except OSError:
         return False
     ops = torch.ops.vllm_mamba
     return hasattr(ops, "fused_mamba_decode") and hasattr(ops, "fused_mamba2_decode")

@@ -83,8 +83,11 @@ def int8_linear_cpp(
 
 def has_int8_kernel() -> bool:
     """Whether the C++ extension is loaded and registers `int8_linear`."""
+    from vllm_mamba.ops import cpu_isa
+
     try:
-        import vllm_mamba._C  # noqa: F401  (registers torch.ops.vllm_mamba.*)
-    except (ImportError, OSError):
+        if cpu_isa.load() is None:  # registers torch.ops.vllm_mamba.*
+            return False
+    except OSError:
         return False
     return hasattr(torch.ops.vllm_mamba, "int8_linear")

@@ -1,0 +1,140 @@
+"""The CPU kernels at every ISA level this machine runs, forced through `VLLM_MAMBA_CPU_ISA`.
+
+The rest of the suite runs the level `cpu_isa` picks (the highest). Here each lower level runs
+the C++ kernel tests against their `_ref` twins in a subprocess of its own (a process imports
+one kernel build), and the engine's float32 generations (greedy tokens and their logprobs)
+on tiny Mamba, Mamba2 and Gated DeltaNet hybrid checkpoints are compared across all levels.
+The levels differ in vector width and FMA contraction, so logprobs agree to float32
+rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.tiny_models import tiny_model_dir
+from vllm_mamba.ops import cpu_isa, cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason="C++ extension vllm_mamba._C_<level> is not built (pip install -e .)",
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT = cpu_isa.active_level()
+LOWER = [level for level in cpu_isa.supported_levels() if level != DEFAULT]
+
+# Kernel tests against the references; the engine-level checks of these files are left to the
+# cross-level generation test below.
+KERNEL_TESTS = [
+    "tests/ops/test_cpu_kernels.py",
+    "tests/ops/test_cpu_ssd.py",
+    "tests/ops/test_gated_delta.py",
+    "tests/ops/test_gated_rms_norm.py",
+    "tests/ops/test_int8_linear.py",
+    "tests/ops/test_linear.py",
+    "tests/ops/test_paged_attention.py",
+    "tests/ops/test_fused_decode.py",
+]
+
+GENERATE = """
+import json, sys
+from vllm_mamba import LLM, SamplingParams
+from vllm_mamba.ops import cpu_isa
+out = {"level": cpu_isa.active_level(), "runs": []}
+for path in sys.argv[1:]:
+    llm = LLM(path, dtype="float32", seed=0)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
+    prompts = [{"prompt_token_ids": ids} for ids in ([5, 17, 300, 2], [11] * 9, [1000, 20, 3])]
+    for o in llm.generate(prompts, params, use_tqdm=False):
+        c = o.outputs[0]
+        lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
+        out["runs"].append({"model": path, "tokens": list(c.token_ids), "logprobs": lps})
+    llm.llm_engine.executor.shutdown()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _env(level: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env[cpu_isa.ENV_VAR] = level
+    return env
+
+
+def test_supported_levels_are_ordered_and_include_the_active_one() -> None:
+    levels = cpu_isa.supported_levels()
+    assert DEFAULT == levels[-1]
+    if levels[0] == "generic":
+        assert list(levels) == ["generic", "avx2", "avx512"][: len(levels)]
+
+
+def test_forcing_an_unknown_or_unsupported_level_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setenv(cpu_isa.ENV_VAR, "sse9")
+    with pytest.raises(ValueError, match="VLLM_MAMBA_CPU_ISA='sse9' is not a level"):
+        cpu_isa.requested_level()
+    monkeypatch.setattr(cpu_isa, "supported_levels", lambda: ("generic",))
+    monkeypatch.setattr(cpu_isa, "_machine", lambda: "x86_64")
+    monkeypatch.setenv(cpu_isa.ENV_VAR, "avx512")
+    with pytest.raises(ValueError, match="supports only \\['generic'\\]"):
+        cpu_isa.requested_level()
+
+
+def test_levels_follow_the_cpu_flags(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_isa, "_machine", lambda: "x86_64")
+    v3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
+    v4 = v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    cases = {
+        frozenset({"sse2"}): ("generic",),
+        v3: ("generic", "avx2"),
+        v3 - {"f16c"}: ("generic",),
+        v4: ("generic", "avx2", "avx512"),
+        v4 - {"avx512vl"}: ("generic", "avx2"),
+        v4 - {"fma"}: ("generic",),  # AVX-512 without the levels below is not a level
+    }
+    for flags, levels in cases.items():
+        monkeypatch.setattr(cpu_isa, "_cpu_flags", lambda f=flags: set(f))
+        cpu_isa.supported_levels.cache_clear()
+        assert cpu_isa.supported_levels() == levels, sorted(flags)
+    cpu_isa.supported_levels.cache_clear()
+
+
+def test_the_loaded_build_is_the_one_its_name_says() -> None:
+    level, module = cpu_isa.load()
+    assert level == DEFAULT
+    assert module.__name__ == f"vllm_mamba._C_{level}"
+    assert module.ISA == level
+
+
+@pytest.mark.parametrize("level", LOWER)
+def test_kernels_match_their_references_at_a_forced_level(level: str) -> None:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+    cmd += [*KERNEL_TESTS, "-k", "not engine"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(level), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout
+
+
+def test_engine_generations_agree_across_levels() -> None:
+    paths = [tiny_model_dir(name) for name in ("tied", "mamba2-groups", "qwen3_5-gqa")]
+    results = {}
+    for level in cpu_isa.supported_levels():
+        proc = subprocess.run(
+            [sys.executable, "-c", GENERATE, *paths],
+            cwd=ROOT, env=_env(level), capture_output=True, text=True,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+        results[level] = json.loads(line.removeprefix("RESULT "))
+        assert results[level]["level"] == level
+    ref = results[DEFAULT]["runs"]
+    for level, res in results.items():
+        assert len(res["runs"]) == len(ref) == 9
+        for got, want in zip(res["runs"], ref):
+            assert got["tokens"] == want["tokens"], (level, got["model"])
+            diffs = [abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])]
+            assert max(diffs) < 1e-4, (level, got["model"], max(diffs))
