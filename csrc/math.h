@@ -12,13 +12,28 @@
 
 namespace vllm_mamba {
 
+// `c ? a : b` as bit operations on the floats, which vectorise at every ISA level.
+inline float select_f32(bool c, float a, float b) {
+  int32_t ai, bi;
+  std::memcpy(&ai, &a, sizeof(ai));
+  std::memcpy(&bi, &b, sizeof(bi));
+  const int32_t m = -static_cast<int32_t>(c);  // all ones when c
+  const int32_t r = (ai & m) | (bi & ~m);
+  float f;
+  std::memcpy(&f, &r, sizeof(f));
+  return f;
+}
+
 inline float exp_f32(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693145751953125f;
   constexpr float kLn2Lo = 1.42860682030941723212e-6f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  // Comparisons and the rounding trick, unlike fmin/fmax/floor, vectorise without -ffast-math.
-  x = x < -87.33f ? -87.33f : (x > 88.37f ? 88.37f : x);
+  // The clamp as bit selects: GCC's if-conversion leaves `?:` clamps feeding this arithmetic
+  // as control flow below AVX-512 (no masks), which keeps the whole loop scalar; fmin/fmax
+  // and floor do not vectorise without -ffast-math.
+  x = select_f32(x < -87.33f, -87.33f, x);
+  x = select_f32(x > 88.37f, 88.37f, x);
   const float k = (x * kLog2e + kRound) - kRound;
   const float r = (x - k * kLn2Hi) - k * kLn2Lo;  // |r| <= ln(2) / 2
   float p = 1.0f / 5040.0f;
