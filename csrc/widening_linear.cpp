@@ -28,6 +28,7 @@
 
 #include "onednn_linear.h"
 
+#include "gemv.h"
 #include "vec.h"
 
 namespace vllm_mamba {
@@ -124,6 +125,12 @@ void gemv(const W* qw, const float* scale, const float* bias, const float* x, T*
       T* ob = out + m0 * n;
       for (int64_t s = lo; s < hi; ++s) {
         const int64_t n0 = s * kWeightRowsPerStep;
+        if (m0 == 0 && s + 2 < hi) {  // the rows two steps ahead: short streams (`gemv.h`)
+          const int64_t ahead = n0 + 2 * kWeightRowsPerStep;
+          for (int64_t j = ahead; j < std::min(n, ahead + kWeightRowsPerStep); ++j) {
+            gemv::prefetch_row(qw + j * k, k);
+          }
+        }
         if (n0 + kWeightRowsPerStep <= n) {
           gemv_rows<kWeightRowsPerStep>(qw, scale, bias, xb, ob, rows, n0, n, k);
         } else {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -138,3 +139,36 @@ def test_engine_generations_agree_across_levels() -> None:
             assert got["tokens"] == want["tokens"], (level, got["model"])
             diffs = [abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])]
             assert max(diffs) < 1e-4, (level, got["model"], max(diffs))
+
+
+AUTO_DTYPE = """
+import sys
+from vllm_mamba import LLM
+from vllm_mamba.ops import cpu_kernels
+llm = LLM(sys.argv[1], dtype="auto")
+print("RESULT", llm.llm_engine.config.model_config.dtype, cpu_kernels.native_bf16())
+llm.llm_engine.executor.shutdown()
+"""
+
+
+def test_auto_dtype_of_a_bfloat16_checkpoint_follows_the_cpu(tmp_path) -> None:
+    """`dtype="auto"` keeps a bfloat16 checkpoint's dtype where the kernel build multiplies
+    bfloat16 natively and runs float32 where it does not (forced avx2 here, or any CPU
+    without AVX512-BF16/AMX)."""
+    src = tiny_model_dir("tied")
+    path = tmp_path / "bf16"
+    shutil.copytree(src, path)
+    config = json.loads((path / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(config))
+    for level in cpu_isa.supported_levels():
+        proc = subprocess.run(
+            [sys.executable, "-c", AUTO_DTYPE, str(path)],
+            cwd=ROOT, env=_env(level), capture_output=True, text=True,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+        _, dtype, native = line.split()
+        assert dtype == ("torch.bfloat16" if native == "True" else "torch.float32"), (level, line)
+        if level != "avx512":
+            assert native == "False", level

@@ -43,6 +43,30 @@ from vllm_mamba.config import (
 
 logger = logging.getLogger(__name__)
 
+
+def cpu_auto_dtype(requested: str | torch.dtype, dtype: torch.dtype, device: Any) -> torch.dtype:
+    """`dtype="auto"` of a bfloat16 checkpoint on a CPU without bfloat16 instructions: float32.
+
+    There the kernels widen bfloat16 to float32 (`bf16_linear`): single-stream decode gains
+    from reading half the bytes, but prefill and batched decode measured slower than float32
+    (AVX2 level, `benchmarks/README.md`), so `auto` runs float32 and says why; an explicit
+    `dtype="bfloat16"` is kept.
+    """
+    if requested != "auto" or dtype != torch.bfloat16 or str(device) != "cpu":
+        return dtype
+    from vllm_mamba.ops import cpu_kernels
+
+    if not cpu_kernels.available() or cpu_kernels.native_bf16():
+        return dtype
+    logger.info(
+        "dtype auto: the checkpoint is bfloat16, but this CPU (kernel level %s) has no bfloat16 "
+        "instructions, where bfloat16 prefill and batched decode run slower than float32; "
+        "running float32 (dtype='bfloat16' forces bfloat16: faster single-stream decode)",
+        cpu_kernels.cpu_isa.active_level(),
+    )
+    return torch.float32
+
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 MAX_SEED = 2**63 - 1
 
@@ -246,6 +270,7 @@ class EngineArgs:
             else path
         )
         dtype = resolve_dtype(self.dtype, hf_config)
+        dtype = cpu_auto_dtype(self.dtype, dtype, device)
         state_dtype = resolve_state_dtype(self.ssm_state_dtype)
         for name, value in (("dtype", dtype), ("ssm_state_dtype", state_dtype)):
             check_dtype_on_device(name, value, device)
