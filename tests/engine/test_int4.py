@@ -19,6 +19,7 @@ import torch
 from tests.engine.test_int8 import (
     MODELS,
     _compare,
+    _compare_trained,
     _dequantised_checkpoint,
     _sequences,
     _teacher_forced,
@@ -26,21 +27,27 @@ from tests.engine.test_int8 import (
 from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
+from vllm_mamba.config import record_quantization
 from vllm_mamba.engine.arg_utils import EngineArgs
-from vllm_mamba.layers.quantization import Int4Embedding
-from vllm_mamba.model_zoo import DEFAULT_MODEL, shipped_model_path
-from vllm_mamba.ops.int4_linear import int4_linear_ref
+from vllm_mamba.layers import quantization
+from vllm_mamba.layers.quantization import Int4Embedding, Int8Embedding
+from vllm_mamba.model_loader import build_model, load_hf_config
+from vllm_mamba.ops.int4_linear import dequantize_int4, int4_linear_ref
 
 EXACT_MODELS = ["mamba-tied", "mamba-untied-bias", "mamba2", "jamba", "qwen3_5"]
 RANDOM_MODELS = ["mamba-tied", "falcon-mamba", "mamba2", "jamba", "bamba", "qwen3_5"]
 
-# Bounds (measured values in the comments; see the module docstring). Random tiny models: the
-# 4-bit step is about 9x int8's, so their nearly flat logits move more.
-RANDOM_TOP1_AGREEMENT = 0.5
-RANDOM_MEAN_LOGPROB_DIFF = 1.0
-TRAINED_TOP1_AGREEMENT = 0.9
+# Random tiny models (N(0, 0.3^2) weights, nearly flat logits over 50k tokens): the 4-bit step
+# is about 12x int8's and moves their top-1 token at most positions. Measured top-1 agreement
+# 0.07-0.42 and mean |logprob difference| 0.32-1.64 (int8: 0.82-0.95 and 0.05-0.25); that the
+# difference is the rounding alone is `test_int4_is_the_float_model_with_dequantised_weights`.
+RANDOM_TOP1_AGREEMENT = 0.05
+RANDOM_MEAN_LOGPROB_DIFF = 2.0
+# The trained model (LM head int8): measured 95.5% top-1 agreement, mean difference 0.076,
+# worst 0.61 over 134 positions (with a 4-bit head: 88.8%, 0.14, 0.94; int8: 98.5%, 0.008, 0.09).
+TRAINED_TOP1_AGREEMENT = 0.93
 TRAINED_MEAN_LOGPROB_DIFF = 0.1
-TRAINED_MAX_LOGPROB_DIFF = 1.0
+TRAINED_MAX_LOGPROB_DIFF = 0.8
 
 
 @pytest.mark.parametrize("name", EXACT_MODELS)
@@ -62,16 +69,7 @@ def test_int4_close_to_float_on_random_tiny_models(name: str) -> None:
 
 
 def test_int4_close_to_float_on_the_trained_model() -> None:
-    path = shipped_model_path(DEFAULT_MODEL)
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in (40, 90)]
-    with VllmRunner(path) as runner:  # natural text: the float model's greedy continuations
-        outs = runner.generate_greedy([{"prompt_token_ids": s[:8]} for s in seqs], 60)
-    seqs = tuple(tuple(s[:8] + o) for s, o in zip(seqs, outs))
-    top_f, lp_f = _teacher_forced(path, seqs)
-    top_q, lp_q = _teacher_forced(path, seqs, "int4")
-    diff = (lp_f - lp_q).abs()
-    agree = sum(a == b for a, b in zip(top_f, top_q)) / len(top_f)
+    agree, diff = _compare_trained("int4")
     print(f"trained: top-1 {agree:.4f}, mean {float(diff.mean()):.4f}, max {float(diff.max()):.4f}")
     assert agree >= TRAINED_TOP1_AGREEMENT, agree
     assert float(diff.mean()) <= TRAINED_MEAN_LOGPROB_DIFF, float(diff.mean())
@@ -97,14 +95,15 @@ def test_int4_layers_memory_and_int8_fallback() -> None:
     with VllmRunner(tiny_model_dir("tied"), quantization="int4", max_num_seqs=1) as runner:
         model = runner.engine.model
         mixer = model.backbone.layers[0].mixer
-        for linear in (mixer.in_proj, mixer.x_proj, mixer.out_proj, model.lm_head):
+        for linear in (mixer.in_proj, mixer.x_proj, mixer.out_proj):
             k = linear.in_features
             assert linear.weight.dtype == torch.uint8 and linear.weight.shape[1] == k // 2
             assert linear.weight_scale.dtype == torch.float16
             assert linear.weight_scale.shape == (linear.out_features, k // 32)
             assert linear.compute_dtype == torch.float32
         assert mixer.dt_proj.weight.dtype == torch.float32  # read directly by the mixer
-        assert isinstance(model.backbone.embeddings, Int4Embedding)  # the tied head's table
+        assert model.lm_head.weight.dtype == torch.int8  # the head stays int8 (INT8_UNDER_INT4)
+        assert isinstance(model.backbone.embeddings, Int8Embedding)  # the tied head's table
         assert model.backbone.embeddings.weight is model.lm_head.weight
         assert runner.engine.config.model_config.quantization == "int4"
     # hidden 48: in_proj's K is not a multiple of 32, so it is int8; out_proj's (96) is 4-bit
@@ -112,6 +111,20 @@ def test_int4_layers_memory_and_int8_fallback() -> None:
         mixer = runner.engine.model.backbone.layers[0].mixer
         assert mixer.in_proj.in_features % 32 != 0 and mixer.in_proj.weight.dtype == torch.int8
         assert mixer.out_proj.weight.dtype == torch.uint8
+
+
+def test_a_4bit_tied_head_serves_the_embedding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the head 4-bit too (not the default), the tied embedding reads its 4-bit table."""
+    monkeypatch.setattr(quantization, "INT8_UNDER_INT4", ())
+    path = tiny_model_dir("tied")
+    hf_config = load_hf_config(path)
+    record_quantization(hf_config, "int4")
+    model, _ = build_model(path, hf_config, torch.float32, torch.device("cpu"))
+    table = model.backbone.embeddings
+    assert isinstance(table, Int4Embedding) and table.weight is model.lm_head.weight
+    ids = torch.tensor([0, 5, 5, 49999])
+    want = dequantize_int4(model.lm_head.weight, model.lm_head.weight_scale, torch.float32)[ids]
+    assert torch.equal(table(ids), want)
 
 
 def test_int4_with_tensor_parallelism_is_a_value_error() -> None:
@@ -135,7 +148,7 @@ def test_reference_ops_run_int4(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_MAMBA_OPS", "ref")
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     with VllmRunner(path, max_num_seqs=4, quantization="int4") as runner:
-        assert runner.engine.model.lm_head.int4_op is int4_linear_ref
+        assert runner.engine.model.backbone.layers[0].mixer.out_proj.int4_op is int4_linear_ref
         outs = runner.generate([{"prompt_token_ids": list(s)} for s in seqs], params)
     own = [
         out.prompt_logprobs[p][s[p]].logprob for s, out in zip(seqs, outs) for p in range(1, len(s))

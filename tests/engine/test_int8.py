@@ -147,7 +147,8 @@ def test_int8_close_to_float_on_random_tiny_models(name: str) -> None:
     assert float(diff.mean()) <= RANDOM_MEAN_LOGPROB_DIFF, (agree, float(diff.mean()))
 
 
-def test_int8_close_to_float_on_the_trained_model() -> None:
+def _compare_trained(method: str) -> tuple[float, torch.Tensor]:
+    """`_compare` on the shipped trained model, over its own greedy continuations."""
     path = shipped_model_path(DEFAULT_MODEL)
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in (40, 90)]
@@ -155,9 +156,13 @@ def test_int8_close_to_float_on_the_trained_model() -> None:
         outs = runner.generate_greedy([{"prompt_token_ids": s[:8]} for s in seqs], 60)
     seqs = tuple(tuple(s[:8] + o) for s, o in zip(seqs, outs))
     top_f, lp_f = _teacher_forced(path, seqs)
-    top_q, lp_q = _teacher_forced(path, seqs, "int8")
-    diff = (lp_f - lp_q).abs()
+    top_q, lp_q = _teacher_forced(path, seqs, method)
     agree = sum(a == b for a, b in zip(top_f, top_q)) / len(top_f)
+    return agree, (lp_f - lp_q).abs()
+
+
+def test_int8_close_to_float_on_the_trained_model() -> None:
+    agree, diff = _compare_trained("int8")
     assert agree >= TRAINED_TOP1_AGREEMENT, agree
     assert float(diff.mean()) <= TRAINED_MEAN_LOGPROB_DIFF, float(diff.mean())
     assert float(diff.max()) <= TRAINED_MAX_LOGPROB_DIFF, float(diff.max())
