@@ -7,8 +7,9 @@
 // go through the weight in blocks of 8 rows (8 independent vector accumulators, one row's
 // bytes each: `gemv.h`) and dot each block with every batch row while it is still in L1/L2; with a
 // single batch row they read the weight row by row, strictly in order. Weights are
-// float32, bfloat16 or int8 with one float32 scale per row (`quantization="int8"`), widened on
-// the fly; activations and accumulation are float32.
+// float32, bfloat16, int8 with one float32 scale per row (`quantization="int8"`) or 4-bit
+// groups of 32 with a float16 scale each (`quantization="int4"`), widened on the fly;
+// activations and accumulation are float32.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -97,13 +98,15 @@ inline void rms_norm_row(const float* x, const float* weight, int64_t n, float e
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * r);
 }
 
-// A projection weight (rows, k) as the kernels read it: float32 or bfloat16, or int8 with one
-// float32 scale per row (row r stands for w[r] * scale[r]).
+// A projection weight (rows, k) as the kernels read it: float32 or bfloat16, int8 with one
+// float32 scale per row (row r stands for w[r] * scale[r]), or 4-bit (dtype uint8: `tensor`
+// (rows, k / 2) packed as `gemv::Q4Rows`, `scale` (rows, k / 32) float16).
 struct Weight {
-  at::Tensor tensor;  // (rows, k), contiguous
-  at::Tensor scale;   // (rows,) float32 for int8, else undefined
+  at::Tensor tensor;  // (rows, k), contiguous; (rows, k / 2) uint8 for 4-bit
+  at::Tensor scale;   // (rows,) float32 for int8, (rows, k / 32) float16 for 4-bit, else undefined
   const void* data = nullptr;
   const float* scales = nullptr;
+  const uint16_t* q4_scales = nullptr;  // 4-bit: the float16 scales' bits
   at::ScalarType dtype = at::kFloat;
   int64_t k = 0;
 };
@@ -115,6 +118,9 @@ inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, in
     gemv::gemv_rows(static_cast<const float*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
   } else if (w.dtype == at::kBFloat16) {
     gemv::gemv_rows(static_cast<const vec::bf16_t*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
+  } else if (w.dtype == at::kByte) {  // 4-bit, checked by `weight_of`
+    const gemv::Q4Rows q4{static_cast<const uint8_t*>(w.data), w.q4_scales, w.k};
+    gemv::gemv_rows_q4(q4, x, ldx, batch, lo, hi, out, ldo);
   } else {  // int8, checked by `weight_of`
     gemv::gemv_rows(static_cast<const int8_t*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
     for (int64_t b = 0; b < batch; ++b) {
@@ -129,7 +135,7 @@ inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, in
 // float32 weights through oneDNN where it is available (else MKL's `mm`);
 // bfloat16 weights multiply bfloat16 activations where the CPU has bfloat16 instructions, as
 // the unfused layer does, and go through the `bf16_linear` op (widened to float32) where it
-// has not; int8 weights go through the `int8_linear` op.
+// has not; int8 and 4-bit weights go through the `int8_linear` and `int4_linear` ops.
 inline void project(const at::Tensor& x, const Weight& w, at::Tensor& out) {
   if (w.dtype == at::kFloat) {
     if (!onednn_linear(x, w.tensor, at::Tensor(), out)) at::mm_out(out, x, w.tensor.t());
@@ -143,11 +149,17 @@ inline void project(const at::Tensor& x, const Weight& w, at::Tensor& out) {
                               const std::optional<at::Tensor>&)>();
     out.copy_(op.call(x, w.tensor, std::nullopt));
   } else {
-    static const auto op =
+    static const auto int8_op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("vllm_mamba::int8_linear", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const std::optional<at::Tensor>&)>();
+    static const auto int4_op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("vllm_mamba::int4_linear", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&)>();
+    const auto& op = w.dtype == at::kByte ? int4_op : int8_op;
     out.copy_(op.call(x, w.tensor, w.scale, std::nullopt));
   }
 }
@@ -287,8 +299,9 @@ inline const float* param_f32(const c10::List<std::optional<at::Tensor>>& params
 }
 
 // A required projection weight of a params list, contiguous and shaped (rows, cols): float32,
-// bfloat16, or int8 with its (rows,) float32 scale at `scale_i` (absent otherwise). Each
-// weight of a layer may have its own dtype.
+// bfloat16, int8 with its (rows,) float32 scale at `scale_i`, or 4-bit (uint8 (rows, cols / 2),
+// cols a multiple of 32) with its (rows, cols / 32) float16 scales at `scale_i` (absent
+// otherwise). Each weight of a layer may have its own dtype.
 inline Weight weight_of(const c10::List<std::optional<at::Tensor>>& params, size_t i,
                         size_t scale_i, int64_t rows, int64_t cols, const char* what) {
   const std::optional<at::Tensor> t = params.get(i);
@@ -297,12 +310,27 @@ inline Weight weight_of(const c10::List<std::optional<at::Tensor>>& params, size
   w.tensor = *t;
   w.dtype = w.tensor.scalar_type();
   w.k = cols;
+  const std::optional<at::Tensor> scale = params.get(scale_i);
+  if (w.dtype == at::kByte) {
+    TORCH_CHECK(cols % gemv::kQ4Group == 0 && w.tensor.dim() == 2 && w.tensor.size(0) == rows &&
+                    w.tensor.size(1) * 2 == cols && w.tensor.is_contiguous(),
+                what, " is 4-bit: it must be contiguous uint8 (", rows, ", ", cols / 2,
+                ") with ", cols, " a multiple of 32, got ", w.tensor.sizes());
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kHalf &&
+                    scale->is_contiguous() && scale->dim() == 2 && scale->size(0) == rows &&
+                    scale->size(1) == cols / gemv::kQ4Group,
+                what, " is 4-bit: its scales must be a contiguous float16 tensor (", rows, ", ",
+                cols / gemv::kQ4Group, ")");
+    w.scale = *scale;
+    w.q4_scales = reinterpret_cast<const uint16_t*>(w.scale.data_ptr<at::Half>());
+    w.data = w.tensor.data_ptr();
+    return w;
+  }
   TORCH_CHECK(w.tensor.dim() == 2 && w.tensor.size(0) == rows && w.tensor.size(1) == cols, what,
               " must be (", rows, ", ", cols, "), got ", w.tensor.sizes());
   TORCH_CHECK(w.tensor.is_contiguous() &&
                   (w.dtype == at::kFloat || w.dtype == at::kBFloat16 || w.dtype == at::kChar),
-              what, " must be contiguous float32, bfloat16 or int8");
-  const std::optional<at::Tensor> scale = params.get(scale_i);
+              what, " must be contiguous float32, bfloat16, int8 or 4-bit (uint8)");
   if (w.dtype == at::kChar) {
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat &&
                     scale->is_contiguous() && scale->numel() == rows,

@@ -26,8 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "onednn_linear.h"
-
+#include "block_gemm.h"
 #include "gemv.h"
 #include "vec.h"
 
@@ -42,7 +41,6 @@ constexpr int64_t kMaxTiledRows = 256;            // rows up to which it runs ot
 constexpr int64_t kGemvRowGroup = vec::kLanes >= 16 ? 4 : 2;
 constexpr int64_t kWeightRowsPerStep = 4;    // weight rows sharing one pass over x
 constexpr int64_t kMinTaskBytes = 1 << 15;   // weight bytes per parallel task, at least
-constexpr int64_t kBlockElems = 1 << 20;     // dequantised weight elements per GEMM block
 constexpr int64_t kRowBlock = 64;            // rows of x per pass of the tiled kernel
 
 // dots[r][j] = x row r . weight row j, for NR weight rows starting at `w` and MR rows of x:
@@ -179,43 +177,13 @@ void widen_block(const W* qw, const float* scale, T* buf, int64_t n0, int64_t ro
   });
 }
 
-// out (M, N) in x's dtype by blocks of widened weight rows and a dense GEMM, in bfloat16 when
-// x is bfloat16 and the CPU has bfloat16 instructions, else in float32.
+// out (M, N) in x's dtype by blocks of widened weight rows and a dense GEMM (`block_gemm.h`).
 template <typename W>
 at::Tensor gemm(const at::Tensor& x_in, const W* qw, const float* sc, int64_t n,
                 const at::Tensor& bias) {
-  const bool bf16 = x_in.scalar_type() == at::kBFloat16 && vec::native_bf16();
-  const at::Tensor x = bf16 ? x_in : x_in.to(at::kFloat);
-  const int64_t m = x.size(0), k = x.size(1);
-  const int64_t block = std::min<int64_t>(n, std::max<int64_t>(16, kBlockElems / std::max<int64_t>(k, 1)));
-  at::Tensor buf = at::empty({block, k}, x.options());
-  at::Tensor out = at::empty({m, n}, x.options());
-  for (int64_t n0 = 0; n0 < n; n0 += block) {
-    const int64_t rows = std::min<int64_t>(block, n - n0);
-    at::Tensor w = buf.narrow(0, 0, rows);
-    if (x.scalar_type() == at::kFloat) {
-      widen_block(qw, sc, w.data_ptr<float>(), n0, rows, k);
-    } else {
-      widen_block(qw, sc, w.data_ptr<c10::BFloat16>(), n0, rows, k);
-    }
-    if (rows == n) {
-      if (x.scalar_type() == at::kFloat && onednn_linear(x, w, bias, out)) {
-        return out.to(x_in.scalar_type());
-      }
-      const at::Tensor full =
-          bias.defined() ? at::addmm(bias.to(x.scalar_type()), x, w.t()) : at::mm(x, w.t());
-      return full.to(x_in.scalar_type());
-    }
-    at::Tensor part = out.narrow(1, n0, rows);
-    const at::Tensor part_bias = bias.defined() ? bias.narrow(0, n0, rows) : at::Tensor();
-    if (x.scalar_type() == at::kFloat && onednn_linear(x, w, part_bias, part)) continue;
-    if (bias.defined()) {
-      at::addmm_out(part, bias.narrow(0, n0, rows).to(x.scalar_type()), x, w.t());
-    } else {
-      at::mm_out(part, x, w.t());
-    }
-  }
-  return out.to(x_in.scalar_type());
+  return block_gemm(x_in, n, bias, [&](auto* buf, int64_t n0, int64_t rows, int64_t k) {
+    widen_block(qw, sc, buf, n0, rows, k);
+  });
 }
 
 // x (M, K) @ widened weight^T (+ bias): the tiled kernel or the block GEMM, by M.

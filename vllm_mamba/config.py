@@ -21,7 +21,7 @@ _DTYPES = {
 }
 DTYPE_CHOICES = ("auto", *_DTYPES)
 STATE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_CHOICES = ("int8",)
+QUANTIZATION_CHOICES = ("int8", "int4")
 DEFAULT_MAX_MODEL_LEN = 2048
 
 

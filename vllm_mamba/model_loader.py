@@ -7,7 +7,7 @@ parameter must be present with its shape; anything missing, unexpected or missha
 skipped with one log line per prefix. A tensor-parallel rank reads only its slices of the sharded
 parameters (`vllm_mamba.layers.parallel_linear.Shard`), straight from the safetensors files.
 
-A load-time quantisation recorded in the config (`quantization="int8"`, see
+A load-time quantisation recorded in the config (`quantization="int8"` or `"int4"`, see
 `vllm_mamba.config.record_quantization`) is applied once the float weights are loaded.
 """
 
@@ -27,7 +27,7 @@ from vllm_mamba.config import recorded_quantization
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.huge_pages import move_to_huge_pages
 from vllm_mamba.layers.parallel_linear import named_shards
-from vllm_mamba.layers.quantization import quantize_model_int8
+from vllm_mamba.layers.quantization import quantize_model
 from vllm_mamba.model_zoo import shipped_model_path
 from vllm_mamba.models.causal_lm import CausalLM
 from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config, is_mamba_ssm_config
@@ -260,9 +260,14 @@ def build_model(
     model.tie_weights()  # materialising from meta unties shared parameters
     load_weights(model, iterate_weights(path, lazy=tp.size > 1))
     model.process_weights_after_loading()
-    if recorded_quantization(hf_config) == "int8":
+    method = recorded_quantization(hf_config)
+    if method is not None:
         if not model_cls.supports_quantization:
-            raise ValueError(f"quantization int8: {arch} does not support quantization")
-        quantize_model_int8(model, get_mamba_ops(device))
+            raise ValueError(f"quantization {method}: {arch} does not support quantization")
+        if method == "int4" and tp.size > 1:
+            raise ValueError(
+                f"tensor_parallel_size {tp.size}: quantization 'int4' runs on one rank only"
+            )
+        quantize_model(model, get_mamba_ops(device), method)
     move_to_huge_pages(model)  # on the CPU: decode streams every weight each step
     return model.eval().requires_grad_(False), arch

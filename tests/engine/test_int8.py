@@ -31,9 +31,10 @@ from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.config import record_quantization
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.layers.linear import Linear
-from vllm_mamba.layers.quantization import Int8Embedding
+from vllm_mamba.layers.quantization import Int4Embedding, Int8Embedding
 from vllm_mamba.model_loader import build_model, load_hf_config
 from vllm_mamba.model_zoo import DEFAULT_MODEL, shipped_model_path
+from vllm_mamba.ops.int4_linear import dequantize_int4
 from vllm_mamba.ops.int8_linear import dequantize_int8, int8_linear_ref
 
 MODELS = {
@@ -88,29 +89,30 @@ def _teacher_forced(
 
 
 @functools.cache
-def _compare(name: str) -> tuple[float, torch.Tensor]:
-    """Top-1 agreement and `|logprob difference|` per position, int8 against float."""
+def _compare(name: str, method: str = "int8") -> tuple[float, torch.Tensor]:
+    """Top-1 agreement and `|logprob difference|` per position, `method` against float."""
     path = MODELS[name]()
     seqs = _sequences(50000)
     top_f, lp_f = _teacher_forced(path, seqs)
-    top_q, lp_q = _teacher_forced(path, seqs, "int8")
+    top_q, lp_q = _teacher_forced(path, seqs, method)
     agree = sum(a == b for a, b in zip(top_f, top_q)) / len(top_f)
     return agree, (lp_f - lp_q).abs()
 
 
-def _dequantised_checkpoint(path: str) -> str:
-    """A copy of the checkpoint in `path` whose weights that int8 quantises are replaced by
-    their dequantised values (taken from the int8 model the loader builds)."""
+def _dequantised_checkpoint(path: str, method: str = "int8") -> str:
+    """A copy of the checkpoint in `path` whose weights that `method` quantises are replaced by
+    their dequantised values (taken from the quantised model the loader builds)."""
     hf_config = load_hf_config(path)
-    record_quantization(hf_config, "int8")
+    record_quantization(hf_config, method)
     model, _ = build_model(path, hf_config, torch.float32, torch.device("cpu"))
     dequantised = {}
     for name, module in model.named_modules():
-        int8 = isinstance(module, Int8Embedding) or (
-            isinstance(module, Linear) and module.weight.dtype == torch.int8
+        quantised = isinstance(module, (Int8Embedding, Int4Embedding)) or (
+            isinstance(module, Linear) and module.weight.dtype in (torch.int8, torch.uint8)
         )
-        if int8:
-            w = dequantize_int8(module.weight, module.weight_scale, torch.float32)
+        if quantised:
+            dequantise = dequantize_int4 if module.weight.dtype == torch.uint8 else dequantize_int8
+            w = dequantise(module.weight, module.weight_scale, torch.float32)
             dequantised[f"{name}.weight"] = w
     remap = getattr(model, "remap_weight_name", lambda n: n)
     out = make_tmp_dir("tiny-dequantised-")
@@ -145,7 +147,8 @@ def test_int8_close_to_float_on_random_tiny_models(name: str) -> None:
     assert float(diff.mean()) <= RANDOM_MEAN_LOGPROB_DIFF, (agree, float(diff.mean()))
 
 
-def test_int8_close_to_float_on_the_trained_model() -> None:
+def _compare_trained(method: str) -> tuple[float, torch.Tensor]:
+    """`_compare` on the shipped trained model, over its own greedy continuations."""
     path = shipped_model_path(DEFAULT_MODEL)
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(1, 4096, (n,), generator=g).tolist() for n in (40, 90)]
@@ -153,9 +156,13 @@ def test_int8_close_to_float_on_the_trained_model() -> None:
         outs = runner.generate_greedy([{"prompt_token_ids": s[:8]} for s in seqs], 60)
     seqs = tuple(tuple(s[:8] + o) for s, o in zip(seqs, outs))
     top_f, lp_f = _teacher_forced(path, seqs)
-    top_q, lp_q = _teacher_forced(path, seqs, "int8")
-    diff = (lp_f - lp_q).abs()
+    top_q, lp_q = _teacher_forced(path, seqs, method)
     agree = sum(a == b for a, b in zip(top_f, top_q)) / len(top_f)
+    return agree, (lp_f - lp_q).abs()
+
+
+def test_int8_close_to_float_on_the_trained_model() -> None:
+    agree, diff = _compare_trained("int8")
     assert agree >= TRAINED_TOP1_AGREEMENT, agree
     assert float(diff.mean()) <= TRAINED_MEAN_LOGPROB_DIFF, float(diff.mean())
     assert float(diff.max()) <= TRAINED_MAX_LOGPROB_DIFF, float(diff.max())
@@ -175,8 +182,8 @@ def test_int8_layers_and_memory() -> None:
 
 
 def test_unknown_quantization_is_a_value_error() -> None:
-    with pytest.raises(ValueError, match="quantization 'int4'"):
-        LLM(tiny_model_dir("tied"), quantization="int4")
+    with pytest.raises(ValueError, match="quantization 'fp8'"):
+        LLM(tiny_model_dir("tied"), quantization="fp8")
     with pytest.raises(ValueError, match="quantization"):
         EngineArgs(model=tiny_model_dir("tied"), quantization=8).create_engine_config()
 

@@ -4,8 +4,10 @@ Kernel cases cover the shapes of the supported models' Mamba and Mamba2 layers (
 conv widths 3 and 4, time-step ranks, biases or not, FalconMamba's dt/B/C norms, Mamba2 group
 counts 1, 2 and one per head, head dims and state sizes, padding rows (`PAD_SLOT_ID`), the
 block norm and residual or the mixer alone, float32 (tight) and bfloat16 weights (tolerance),
-and int8 weights with per-row scales (`quantization="int8"`) in float32 and bfloat16 models,
-against the reference run on the same int8 weights (tight in float32).
+int8 weights with per-row scales (`quantization="int8"`) and 4-bit weights with group scales
+(`quantization="int4"`; weights whose K is not a multiple of 32 int8, as the quantiser does) in
+float32 and bfloat16 models, against the reference run on the same quantised weights (tight
+in float32).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
 from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops import fused_decode as fd
+from vllm_mamba.ops.int4_linear import int4_supported, quantize_int4
 from vllm_mamba.ops.int8_linear import quantize_int8
 
 pytestmark = pytest.mark.skipif(not fd.available(), reason="C++ extension not built")
@@ -41,17 +44,18 @@ def _indices(batch: int, pad: bool) -> torch.Tensor:
     return idx
 
 
-# A case's weight dtype: float32 or bfloat16, int8 weights in a float32 / bfloat16 model, or
-# float32 weights with bfloat16 conv and SSM states (`ssm_state_dtype="bfloat16"`).
+# A case's weight dtype: float32 or bfloat16, int8 or 4-bit weights in a float32 / bfloat16
+# model, or float32 weights with bfloat16 conv and SSM states (`ssm_state_dtype="bfloat16"`).
 INT8_F32, INT8_BF16 = "int8-float32", "int8-bfloat16"
+INT4_F32, INT4_BF16 = "int4-float32", "int4-bfloat16"
 STATE_BF16 = "float32-state-bfloat16"
 
 
 def _model(dtype: torch.dtype | str) -> torch.dtype:
     """The model dtype (activations) of a case's weight dtype."""
-    return {INT8_F32: torch.float32, INT8_BF16: torch.bfloat16, STATE_BF16: torch.float32}.get(
-        dtype, dtype
-    )
+    models = {INT8_F32: torch.float32, INT8_BF16: torch.bfloat16, STATE_BF16: torch.float32}
+    models.update({INT4_F32: torch.float32, INT4_BF16: torch.bfloat16})
+    return models.get(dtype, dtype)
 
 
 def _states(dtype: torch.dtype | str) -> tuple[torch.dtype, torch.dtype]:
@@ -63,10 +67,14 @@ def _states(dtype: torch.dtype | str) -> tuple[torch.dtype, torch.dtype]:
 
 def _weight_dtypes(params, ids, dtype, float_ids=()) -> list[torch.Tensor | None]:  # noqa: ANN001
     """Casts the projection weights `params[i]` (i in `ids`) to `dtype` in place, or quantises
-    them to int8 (but `float_ids`); returns their scale entries (None for a float weight)."""
+    them to int8 or 4-bit (but `float_ids`; 4-bit where K is a multiple of 32, else int8);
+    returns their scale entries (None for a float weight)."""
     scales = []
     for i in ids:
-        if dtype in (INT8_F32, INT8_BF16) and i not in float_ids:
+        if dtype in (INT4_F32, INT4_BF16) and i not in float_ids and int4_supported(params[i]):
+            params[i], scale = quantize_int4(params[i])
+            scales.append(scale)
+        elif dtype in (INT8_F32, INT8_BF16, INT4_F32, INT4_BF16) and i not in float_ids:
             params[i], scale = quantize_int8(params[i])
             scales.append(scale)
         else:
@@ -136,6 +144,7 @@ def _check(run, ref, hidden, conv, ssm, idx, tol) -> None:  # noqa: ANN001
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 TOL[INT8_F32], TOL[INT8_BF16] = TOL[torch.float32], TOL[torch.bfloat16]
+TOL[INT4_F32], TOL[INT4_BF16] = TOL[torch.float32], TOL[torch.bfloat16]
 TOL[STATE_BF16] = TOL[torch.bfloat16]
 # Above 8 rows the kernels' GEMMs multiply bfloat16 weights by bfloat16-rounded activations, as
 # the unfused layer does, while the references keep float32 activations: up to 0.056 apart on
@@ -148,7 +157,7 @@ def _tol(dtype: torch.dtype | str, batch: int) -> dict[str, float]:
     return GEMM_BF16_TOL if dtype == torch.bfloat16 and batch > 8 else TOL[dtype]
 
 
-DTYPES = [torch.float32, torch.bfloat16, INT8_F32, INT8_BF16, STATE_BF16]
+DTYPES = [torch.float32, torch.bfloat16, INT8_F32, INT8_BF16, INT4_F32, INT4_BF16, STATE_BF16]
 
 # (hidden, inter, nstate, rank, kernel, bias, mixer_eps): mamba-130m-like, the tiny test models,
 # FalconMamba (normed dt/B/C), a rank that is not a multiple of 16.
@@ -233,6 +242,11 @@ def test_fused_decode_rejects_bad_shapes() -> None:
     scaled = [*params[:-2], torch.ones(params[1].shape[0]), None]  # a float weight with one
     with pytest.raises(RuntimeError, match="has a scale"):
         fd.fused_mamba2_decode(x, scaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32)
+    int4, scales = quantize_int4(params[1])
+    for bad_scales in (None, scales.float(), scales[:, :1].contiguous()):
+        bad = [*params[:1], int4, *params[2:-2], bad_scales, None]
+        with pytest.raises(RuntimeError, match="in_proj weight is 4-bit"):
+            fd.fused_mamba2_decode(x, bad, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32)
 
 
 def _generate(
@@ -254,6 +268,8 @@ def _generate(
     prepared = [p for _, p in mixer.__dict__.get("_fused_decode_params", {}).values() if p]
     if quantization == "int8":  # the fused layer ran on the int8 weights themselves
         assert all(params[1].dtype == torch.int8 for params, _ in prepared)
+    if quantization == "int4":  # on 4-bit weights (in_proj is int8 where K % 32 != 0)
+        assert all(any(t is not None and t.dtype == torch.uint8 for t in p) for p, _ in prepared)
     return [o.token_ids for o in outs], logprobs, bool(prepared)
 
 
@@ -266,6 +282,9 @@ def _generate(
         ("mamba2-tied", None, "auto"),
         ("tied", "int8", "auto"),
         ("mamba2-groups", "int8", "auto"),
+        ("tied", "int4", "auto"),
+        ("mamba2-groups", "int4", "auto"),
+        ("falcon-untied", "int4", "auto"),
         ("tied", None, "bfloat16"),
         ("mamba2-groups", None, "bfloat16"),
     ],

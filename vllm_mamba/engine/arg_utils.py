@@ -105,7 +105,8 @@ class EngineArgs:
     )
     quantization: str | None = _opt(
         "quantise the weights while loading: int8 (weight-only, one scale per output channel; "
-        "about a quarter of the float32 weight memory); unset: float weights",
+        "about a quarter of the float32 weight memory), int4 (weight-only, 4-bit groups of 32 "
+        "with a float16 scale each; about a seventh; one rank only); unset: float weights",
         default=None,
         choices=QUANTIZATION_CHOICES,
     )
@@ -231,6 +232,11 @@ class EngineArgs:
             raise ValueError(
                 f"quantization {self.quantization!r} is not one of "
                 f"{', '.join(QUANTIZATION_CHOICES)} (or unset: float weights)"
+            )
+        if self.quantization == "int4" and (self.tensor_parallel_size or 1) > 1:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size}: quantization 'int4' runs on "
+                "one rank only (tensor_parallel_size 1); use int8 with tensor parallelism"
             )
 
     def warn_no_effect(self, device: torch.device) -> None:

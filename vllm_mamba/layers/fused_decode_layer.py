@@ -6,8 +6,9 @@ block's RMSNorm and residual when the block passes its norm, or return None wher
 kernel does not apply: no kernel in the table, prefill rows, autograd, a mixer that declares
 `fused_decode = False` (a subclass that changes the math: Jamba's normed dt/B/C, Falcon-H1's
 multipliers), or projections
-that are not plain `Linear`s with float32 / bfloat16 weights of the model dtype or int8
-weights with per-row scales (`quantization="int8"`; tensor-parallel layers are not). The
+that are not plain `Linear`s with float32 / bfloat16 weights of the model dtype, int8
+weights with per-row scales (`quantization="int8"`) or 4-bit weights with group scales
+(`quantization="int4"`; tensor-parallel layers are not). The
 caller then runs its unfused path, which is the definition.
 
 The parameter list of each (mixer, norm) pair is built once and kept on the mixer; it is
@@ -23,7 +24,7 @@ from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.layers.cache_layers import LayerState
 from vllm_mamba.layers.layernorm import GatedRMSNorm, RMSNorm
 from vllm_mamba.layers.linear import Linear
-from vllm_mamba.layers.quantization import is_int8_linear
+from vllm_mamba.layers.quantization import is_int4_linear, is_int8_linear
 
 Params = list[torch.Tensor | None]
 # A layer's fused parameters and its model dtype (that of its activations).
@@ -41,8 +42,8 @@ def plain_weight(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype] | None:
     """`(weight, scale, model dtype)` of an unmodified `Linear`, else None.
 
-    The layer runs the table's float product (scale None, the weight's dtype) or is an int8
-    layer (`weight_scale` per row, the dtype of its activations).
+    The layer runs the table's float product (scale None, the weight's dtype) or is an int8 or
+    4-bit layer (its `weight_scale`, the dtype of its activations).
     """
     weight = getattr(linear, "weight", None)
     if (
@@ -52,7 +53,7 @@ def plain_weight(
         or not weight.is_contiguous()
     ):
         return None
-    if is_int8_linear(linear):
+    if is_int8_linear(linear) or is_int4_linear(linear):
         return weight.detach(), linear.weight_scale, linear.activation_dtype
     if linear.linear_op is not linear_op or weight.dtype not in _FLOAT_DTYPES:
         return None

@@ -15,8 +15,9 @@ from vllm_mamba.ops.table import MambaOps
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and checkpoint names) calling `ops.linear`.
 
-    `vllm_mamba.layers.quantization` may make the weight int8 after loading: it then sets
-    `activation_dtype` (the float dtype of the inputs) and a `linear_op` calling `int8_linear`.
+    `vllm_mamba.layers.quantization` may make the weight int8 or 4-bit after loading: it then
+    sets `activation_dtype` (the float dtype of the inputs) and a `linear_op` calling
+    `int8_linear` or `int4_linear`.
     """
 
     activation_dtype: torch.dtype | None = None
@@ -27,8 +28,8 @@ class Linear(nn.Linear):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype of this layer's inputs and outputs: the weight's, or the float dtype of an
-        int8 weight."""
+        """The dtype of this layer's inputs and outputs: the weight's, or the float dtype of a
+        quantised weight."""
         return self.activation_dtype or self.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from vllm_mamba.ops import (
     gated_delta,  # registers the `gated_delta` family first
 )
 from vllm_mamba.ops.families import register_op_impl
+from vllm_mamba.ops.int4_linear import has_int4_kernel, int4_linear_cpp, int4_linear_ref
 from vllm_mamba.ops.int8_linear import has_int8_kernel, int8_linear_cpp, int8_linear_ref
 from vllm_mamba.ops.table import MambaOps
 
@@ -533,4 +534,5 @@ def make_ops() -> MambaOps:
         paged_decode_attention=paged_decode_attention,
         paged_prefill_attention=paged_prefill_attention,
         int8_linear=int8_linear_cpp if has_int8_kernel() else int8_linear_ref,
+        int4_linear=int4_linear_cpp if has_int4_kernel() else int4_linear_ref,
     )

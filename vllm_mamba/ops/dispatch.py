@@ -24,6 +24,7 @@ from vllm_mamba import envs
 from vllm_mamba.ops import fused_decode
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
+from vllm_mamba.ops.int4_linear import int4_linear_ref
 from vllm_mamba.ops.int8_linear import int8_linear_ref
 from vllm_mamba.ops.selective_scan import selective_scan_varlen_ref, selective_state_update_ref
 from vllm_mamba.ops.ssd import ssd_chunk_scan_varlen_ref, ssd_state_update_ref
@@ -47,6 +48,7 @@ REF_OPS = MambaOps(
     ssd_state_update=ssd_state_update_ref,
     gated_rms_norm=gated_rms_norm_ref,
     int8_linear=int8_linear_ref,
+    int4_linear=int4_linear_ref,
 )
 
 

@@ -10,10 +10,12 @@ fused parallel stages (conv, state update, gate or gated norm, residual). Their 
 path, so the two paths have one definition.
 
 `params` is a list of the layer's tensors in a fixed order (`MAMBA_PARAMS`, `MAMBA2_PARAMS`);
-absent optional entries are None. Each projection weight (`*_proj_w`) is float32, bfloat16 or
+absent optional entries are None. Each projection weight (`*_proj_w`) is float32, bfloat16,
 int8 (`quantization="int8"`) with its per-row float32 scale in the matching `*_proj_scale`
-entry (None for a float weight); every other entry is a contiguous float32 tensor. The conv
-and SSM states are float32 or bfloat16 each (`ssm_state_dtype`), whatever the weights.
+entry, or 4-bit (`quantization="int4"`: uint8 `(rows, cols/2)` with its `(rows, cols/32)`
+float16 group scales there; None for a float weight); every other entry is a contiguous
+float32 tensor. The conv and SSM states are float32 or bfloat16 each (`ssm_state_dtype`),
+whatever the weights.
 
 Glossary: B decode rows, H hidden, I inner channels, N state size, S state slots; Mamba2: NH
 heads of P (`I = NH P`), G groups, CD = I + 2 G N conv channels.
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from vllm_mamba import envs
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
+from vllm_mamba.ops.int4_linear import dequantize_int4
 from vllm_mamba.ops.int8_linear import dequantize_int8
 from vllm_mamba.ops.selective_scan import selective_state_update_ref
 from vllm_mamba.ops.ssd import ssd_state_update_ref
@@ -74,8 +77,13 @@ def _linear(
     bias: torch.Tensor | None,
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`F.linear` in float32 whatever the weight dtype (int8 weights times their row scales)."""
-    w = weight.float() if scale is None else dequantize_int8(weight, scale, torch.float32)
+    """`F.linear` in float32 whatever the weight dtype (int8 and 4-bit weights dequantised)."""
+    if scale is None:
+        w = weight.float()
+    elif weight.dtype == torch.uint8:  # 4-bit, float16 group scales
+        w = dequantize_int4(weight, scale, torch.float32)
+    else:
+        w = dequantize_int8(weight, scale, torch.float32)
     return F.linear(x, w, bias)
 
 
@@ -104,7 +112,8 @@ def fused_mamba_decode_ref(
         params: the tensors named by `MAMBA_PARAMS`: norm_w `(H,)` or None, in_proj_w
             `(2I, H)`, in_proj_b, conv_w `(I, K)`, conv_b, x_proj_w `(R + 2N, I)`, dt_proj_w
             `(I, R)`, dt_proj_b `(I,)`, A `(I, N)`, D `(I,)`, out_proj_w `(H, I)`, out_proj_b, and
-            the four weights' scales (None, or `(rows,)` float32 for an int8 weight).
+            the four weights' scales (None, `(rows,)` float32 for int8, `(rows, cols/32)`
+            float16 for 4-bit).
         conv_states: `(S, I, K - 1)`; ssm_states: `(S, I, N)`; updated in place.
         state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
         norm_eps: the block norm's epsilon (unused without norm_w).
@@ -155,7 +164,8 @@ def fused_mamba2_decode_ref(
         params: the tensors named by `MAMBA2_PARAMS`: norm_w `(H,)` or None, in_proj_w
             `(I + CD + NH, H)` (rows z, x B C, dt), in_proj_b, conv_w `(CD, K)`, conv_b,
             dt_bias `(NH,)`, A `(NH,)`, D `(NH,)`, gate_norm_w `(I,)`, out_proj_w `(H, I)`,
-            out_proj_b, in_proj_scale and out_proj_scale (None, or float32 for int8).
+            out_proj_b, in_proj_scale and out_proj_scale (None, float32 for int8, float16 for
+            4-bit).
         conv_states: `(S, CD, K - 1)`; ssm_states: `(S, NH, P, N)`; updated in place.
         state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
         n_groups: G; group_size: channels per group of the gated norm.

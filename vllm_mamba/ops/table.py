@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from vllm_mamba.ops.families import family_ops
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
+from vllm_mamba.ops.int4_linear import int4_linear_ref
 from vllm_mamba.ops.int8_linear import int8_linear_ref
 from vllm_mamba.ops.paged_attention import (
     paged_decode_attention_ref,
@@ -162,7 +163,8 @@ class MambaOps:
     """The kernels the layers call, with the signatures of the `_ref` functions.
 
     Mamba uses the conv and selective-scan ops; Mamba2 the conv, SSD and gated-norm ops; every
-    projection goes through `linear` (`int8_linear` once its weight is int8); the attention
+    projection goes through `linear` (`int8_linear` / `int4_linear` once its weight is
+    quantised); the attention
     layers of hybrids write their KV cache with `reshape_and_cache` and read it with the paged
     attention ops. A backend without its own kernel for an op with a default keeps that
     default (`F.linear` or the reference).
@@ -183,6 +185,8 @@ class MambaOps:
     fused_mamba_decode: FusedMambaDecodeOp | None = None
     fused_mamba2_decode: FusedMamba2DecodeOp | None = None
     int8_linear: Int8LinearOp = int8_linear_ref
+    # `(x, qweight (N, K/2) uint8, scales (N, K/32) float16, bias)`, see `int4_linear_ref`.
+    int4_linear: Int8LinearOp = int4_linear_ref
 
     def family(self, name: str) -> SimpleNamespace:
         """The ops of family `name` (`vllm_mamba.ops.families`) for this backend."""
