@@ -149,10 +149,11 @@ inline void q4_tile(const Q4Rows& w, int64_t r0, const float* x, int64_t ldx, fl
       Vf wq[kPer];
       vec::load_q4_group(w.q + row * row_bytes + g * (kQ4Group / 2), wq);
       const Vf s = vec::set1(vec::half(w.scales[row * groups + g]));
-      for (int j = 0; j < kPer; ++j) wq[j] = vec::mul(wq[j], s);
-      for (int b = 0; b < B; ++b) {
+      for (int b = 0; b < B; ++b) {  // the group's products of q, then one scaled add
         const float* xg = x + b * ldx + g * kQ4Group;
-        for (int j = 0; j < kPer; ++j) acc[b][r] = vec::fma(wq[j], vec::load(xg + j * L), acc[b][r]);
+        Vf t = vec::mul(wq[0], vec::load(xg));
+        for (int j = 1; j < kPer; ++j) t = vec::fma(wq[j], vec::load(xg + j * L), t);
+        acc[b][r] = vec::fma(t, s, acc[b][r]);
       }
     }
   }
@@ -186,7 +187,15 @@ inline void gemv_rows_q4(const Q4Rows& w, const float* x, int64_t ldx, int64_t b
   constexpr int kWide = vec::kLanes >= 16 ? 4 : 2;
   int64_t r = lo;
   if (batch == 1) {
-    for (; r + 4 <= hi; r += 4) gemv_q4_tiles<4>(w, x, ldx, batch, r, lo, out, ldo);
+    const int64_t groups = w.k / kQ4Group;
+    for (; r + 4 <= hi; r += 4) {
+      // The rows two tiles ahead (`prefetch_row`): 4-bit rows are 384-768 bytes.
+      for (int64_t p = r + 8; p < std::min(hi, r + 12); ++p) {
+        prefetch_row(w.q + p * (w.k / 2), w.k / 2);
+        vec::prefetch_l2(w.scales + p * groups);
+      }
+      gemv_q4_tiles<4>(w, x, ldx, batch, r, lo, out, ldo);
+    }
   } else {
     for (; r + kWide <= hi; r += kWide) gemv_q4_tiles<kWide>(w, x, ldx, batch, r, lo, out, ldo);
   }
