@@ -63,7 +63,12 @@ def assert_matches_transformers(name: str) -> None:
         for step, entry in enumerate(got.logprobs):
             top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:5]
             ref_top = ref_lp[step].topk(5)
-            assert [t for t, _ in top] == ref_top.indices.tolist()
+            # The same ranking as the reference, except that tokens whose reference logprobs
+            # tie within LOGPROB_ATOL may swap (float32 rounding differs by ISA level: a
+            # 3e-6 tie swapped places 4 and 5 at avx2): the engine's i-th token has the
+            # reference's i-th best logprob.
+            for i, (t, _) in enumerate(top):
+                assert abs(ref_lp[step][t].item() - ref_top.values[i].item()) <= LOGPROB_ATOL
             assert entry[got.token_ids[step]].rank == 1
             torch.testing.assert_close(
                 torch.tensor([lp.logprob for _, lp in top]),
