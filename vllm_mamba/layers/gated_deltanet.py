@@ -72,6 +72,7 @@ class GatedDeltaNet(StatefulLayer):
 
     NORM = "norm"
     OUT = "out_proj"
+    FAMILY = FAMILY  # the op family of the delta rule (`kda` for Kimi's per-channel decay)
 
     def __init__(
         self,
@@ -91,7 +92,7 @@ class GatedDeltaNet(StatefulLayer):
         super().__init__()
         shard = gated_delta_shard(num_k_heads, num_v_heads, head_k_dim, head_v_dim, tp)
         self.ops = ops
-        self.gd = ops.family(FAMILY)
+        self.gd = ops.family(self.FAMILY)
         self.num_k_heads, self.num_v_heads = shard.k_heads[1], shard.v_heads[1]
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim = self.num_k_heads * head_k_dim  # this rank's q (and k) channels
@@ -102,14 +103,22 @@ class GatedDeltaNet(StatefulLayer):
         self.chunk_size = chunk_size
         self._build_projections(hidden_size, shard, ops, tp)
         self._build_conv(shard, tp)
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
-        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self._build_gates(shard, tp)
         self.add_module(self.NORM, HeadGatedRMSNorm(head_v_dim, norm_eps, self.gd.norm_gate))
         self.add_module(self.OUT, row_linear(shard.value_total, hidden_size, False, ops, tp))
         self.register_buffer("conv_weight", torch.empty(0), persistent=False)
+
+    def _build_gates(self, shard: GatedDeltaShard, tp: TensorParallel) -> None:
+        """The decay parameters: `A_log (Hv,)` and `dt_bias (Hv,)` (this rank's heads)."""
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         if tp.size > 1:
             for name in ("A_log", "dt_bias"):
-                shard_param(self, name, 0, [shard.v_heads], num_v_heads)
+                shard_param(self, name, 0, [shard.v_heads], shard.num_v_heads)
+
+    def _gate_args(self) -> dict[str, object]:
+        """The decay and beta parameters, as the family's ops take them."""
+        return {"A_log": self.A_log, "dt_bias": self.dt_bias, "beta_scale": self.beta_scale}
 
     def _build_projections(
         self, hidden_size: int, shard: GatedDeltaShard, ops: MambaOps, tp: TensorParallel
@@ -159,7 +168,7 @@ class GatedDeltaNet(StatefulLayer):
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # (T, Hk, Dk)
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # (T, Hk, Dk)
         v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # (T, Hv, Dv)
-        gates = {"A_log": self.A_log, "dt_bias": self.dt_bias, "beta_scale": self.beta_scale}
+        gates = self._gate_args()
         nd = meta.num_decodes
         parts = []
         if nd:
