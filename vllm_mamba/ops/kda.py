@@ -37,7 +37,8 @@ then `o_i = (q_i * exp(c_i)) S0 + sum_{j <= i} (sum_d q_i[d] k_j[d] exp(c_i[d] -
 and the chunk's end state is `diag(exp(c_Q)) S0 + sum_j (k_j * exp(c_Q - c_j)) u_j^T`. Every
 exponent above is `<= 0` (a decay over tokens that have happened), so no exp overflows however
 strong the decay; the references and kernels compute the pairwise factors `exp(c_i - c_j)`
-directly rather than as `exp(c_i) * exp(-c_j)`, which would overflow.
+directly rather than as `exp(c_i) * exp(-c_j)`, which would overflow, and without cancellation
+in `c_i - c_j` (the reference sums in float64, the C++ kernel multiplies the tokens' decays).
 
 The output norm (`KimiLinearRMSNormGated`): `o_norm(o, gate) = weight * rmsnorm(o) *
 sigmoid(gate)` per head of Dv, in float32 (the weight in float32 too), cast back to o's dtype.
@@ -149,26 +150,29 @@ def _chunk_rule(
 
     qc, kc, vc, gc = chunked(q), chunked(k), chunked(v), chunked(g)  # (Hv, n, Q, D)
     bc = chunked(beta)  # (Hv, n, Q)
-    cum = gc.cumsum(-2)  # (Hv, n, Q, Dk), <= 0
+    # The cumulative sums in float64: c_i - c_j of float32 sums loses |c_j| * 2^-24 to
+    # cancellation, which matters where strong decays precede weak ones.
+    cum = gc.double().cumsum(-2)  # (Hv, n, Q, Dk), <= 0
     lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     diff = cum[..., :, None, :] - cum[..., None, :, :]  # (Hv, n, Q, Q, Dk): c_i - c_j
-    decay = diff.masked_fill(~lower[..., None], float("-inf")).exp()  # 0 above the diagonal
+    decay = diff.masked_fill(~lower[..., None], float("-inf")).exp().float()  # 0 above
+    end_decay = (cum[..., -1:, :] - cum).exp().float()  # (Hv, n, Q, Dk): exp(c_Q - c_j)
+    cum_decay = cum.exp().float()  # (Hv, n, Q, Dk): exp(c_i)
     kk = torch.einsum("hnid,hnjd,hnijd->hnij", kc, kc, decay)  # (Hv, n, Q, Q)
     qk = torch.einsum("hnid,hnjd,hnijd->hnij", qc, kc, decay)  # (Hv, n, Q, Q), causal
     eye = torch.eye(chunk_size, device=q.device)
     system = (bc[..., None] * kk).tril(-1) + eye
     rhs_v = bc[..., None] * vc  # (Hv, n, Q, Dv)
-    rhs_k = bc[..., None] * kc * cum.exp()  # (Hv, n, Q, Dk)
+    rhs_k = bc[..., None] * kc * cum_decay  # (Hv, n, Q, Dk)
     u_v = torch.linalg.solve_triangular(system, rhs_v, upper=False, unitriangular=True)
     u_k = torch.linalg.solve_triangular(system, rhs_k, upper=False, unitriangular=True)
-    q_start = qc * cum.exp()  # reads the chunk's start state
-    k_end = kc * (cum[..., -1:, :] - cum).exp()  # writes the chunk's end state
+    q_start = qc * cum_decay  # reads the chunk's start state
+    k_end = kc * end_decay  # writes the chunk's end state
     out = torch.empty_like(vc)
     for c in range(qc.shape[1]):
         u = u_v[:, c] - u_k[:, c] @ state  # (Hv, Q, Dv)
         out[:, c] = q_start[:, c] @ state + qk[:, c] @ u
-        end_decay = cum[:, c, -1].exp()[..., None]  # (Hv, Dk, 1)
-        state = state * end_decay + k_end[:, c].transpose(-1, -2) @ u
+        state = state * cum_decay[:, c, -1, :, None] + k_end[:, c].transpose(-1, -2) @ u
     out = out.reshape(out.shape[0], -1, out.shape[-1])[:, :length]  # (Hv, L, Dv)
     return out.transpose(0, 1), state
 
