@@ -1,0 +1,338 @@
+"""The Kimi Delta Attention (KDA) ops: the gated delta rule with a decay per key channel, over a
+flat varlen batch, its one-token update, and the sigmoid-gated RMSNorm of its output.
+Pure-PyTorch references (`*_ref`), registered as the op family `kda`
+(`vllm_mamba.ops.families`); a backend registers faster versions under the same names and
+signatures (`cpp`: `csrc/kda.cpp`, `triton`: `vllm_mamba.ops.triton_kda`).
+
+KDA is Kimi Linear's linear-attention mixer (transformers' `KimiLinearDeltaAttention`): Gated
+DeltaNet (`vllm_mamba.ops.gated_delta`) whose log decay `g` is a `(Dk,)` vector per head and
+token instead of a scalar, so the state decays row by row, `S = diag(exp(g)) S`.
+
+Glossary (token-major layout):
+    T: tokens; B: sequences (or decode rows); S: state slots; Hk: key heads; Hv: value heads
+    (a multiple of Hk: value head `h` reads key head `h // (Hv / Hk)`; Kimi has Hk == Hv);
+    Dk, Dv: key and value head dims; Q: chunk size.
+    q, k: `(T, Hk, Dk)` after the conv, before their L2 normalisation; v: `(T, Hv, Dv)`;
+    a: `(T, Hv * Dk)` the low-rank forget gate's output (`f_b_proj(f_a_proj(x))`);
+    b: `(T, Hv)` the beta projection; A_log: `(Hv,)` (the checkpoint's `(1, 1, Hv, 1)`
+    flattened); dt_bias: `(Hv * Dk,)`.
+    ssm_states: `(S, Hv, Dk, Dv)` per-slot state (float32 or bfloat16, math in float32).
+
+Per token and value head h, with q and k L2-normalised in float32 (`x / sqrt(|x|^2 + 1e-6)`)
+and q scaled by `Dk ** -0.5`:
+
+    g = -exp(A_log[h]) * softplus(a[h] + dt_bias[h])      (Dk,), softplus = x above 20
+    beta = sigmoid(b[h])                                  scalar
+    S = diag(exp(g)) S ;  S += k (beta (v - S^T k))^T ;  o = S^T q
+
+The chunked form cuts each sequence into chunks of Q tokens from its first token. Inside a
+chunk, with `c_i = g_1 + ... + g_i` the per-channel cumulative log decay (`(Dk,)`, `<= 0`,
+relative to the chunk's start) and `S0` the state at the chunk's start, the new values `U`
+solve the unit lower triangular system
+
+    (I + A) U = beta V - (beta k_i * exp(c_i)) S0,  A[i, j] = beta_i sum_d k_i[d] k_j[d]
+                                                              exp(c_i[d] - c_j[d]),  j < i
+
+then `o_i = (q_i * exp(c_i)) S0 + sum_{j <= i} (sum_d q_i[d] k_j[d] exp(c_i[d] - c_j[d])) u_j`
+and the chunk's end state is `diag(exp(c_Q)) S0 + sum_j (k_j * exp(c_Q - c_j)) u_j^T`. Every
+exponent above is `<= 0` (a decay over tokens that have happened), so no exp overflows however
+strong the decay; the references and kernels compute the pairwise factors `exp(c_i - c_j)`
+directly rather than as `exp(c_i) * exp(-c_j)`, which would overflow, and without cancellation
+in `c_i - c_j` (the reference sums in float64, the C++ kernel multiplies the tokens' decays).
+
+The output norm (`KimiLinearRMSNormGated`): `o_norm(o, gate) = weight * rmsnorm(o) *
+sigmoid(gate)` per head of Dv, in float32 (the weight in float32 too), cast back to o's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vllm_mamba.cache_specs import PAD_SLOT_ID
+from vllm_mamba.ops.families import register_op_family
+from vllm_mamba.ops.gated_delta import L2_EPS, _heads_qk
+
+__all__ = [
+    "FAMILY",
+    "CHUNK_SIZE",
+    "kda_gates_ref",
+    "kda_varlen_ref",
+    "kda_varlen_recurrent_ref",
+    "kda_update_ref",
+    "kda_norm_gate_ref",
+]
+
+FAMILY = "kda"
+CHUNK_SIZE = 16  # the C++ kernel's chunk, by measurement (`csrc/kda.cpp`)
+SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it, as transformers' forget gate
+assert L2_EPS == 1e-6
+
+# A rule over one sequence: (q, k, v, g, beta, state) -> (o, final state), float32.
+Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def kda_gates_ref(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel log decay and beta of each token and value head.
+
+    Args:
+        a: `(T, Hv * Dk)` (or `(T, Hv, Dk)`); b: `(T, Hv)`; A_log: `(Hv,)` (any shape of Hv
+            elements); dt_bias: `(Hv * Dk,)`.
+
+    Returns:
+        float32 `g (T, Hv, Dk)` (`<= 0`) and `beta (T, Hv)`.
+    """
+    tokens, num_v_heads = b.shape
+    x = (a.float().reshape(tokens, -1) + dt_bias.float().reshape(-1)).view(
+        tokens, num_v_heads, -1
+    )  # (T, Hv, Dk)
+    softplus = torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x)))
+    g = -torch.exp(A_log.float().reshape(num_v_heads, 1)) * softplus
+    return g, torch.sigmoid(b.float())
+
+
+def _recurrent_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token over one sequence (float32, prepared heads).
+
+    Args:
+        q, k: `(L, Hv, Dk)` normalised (q scaled); v: `(L, Hv, Dv)`; g: `(L, Hv, Dk)`;
+        beta: `(L, Hv)`; state: `(Hv, Dk, Dv)` before the first token.
+
+    Returns:
+        `o (L, Hv, Dv)` and the state after the last token `(Hv, Dk, Dv)`.
+    """
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        state = state * torch.exp(g[t])[..., None]  # (Hv, Dk, Dv)
+        kv_mem = torch.einsum("hkv,hk->hv", state, k[t])  # (Hv, Dv)
+        delta = (v[t] - kv_mem) * beta[t, :, None]  # (Hv, Dv)
+        state = state + k[t, :, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", state, q[t])
+    return out, state
+
+
+def _chunk_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked rule (the module's WY form) over one sequence (float32, prepared heads).
+
+    Args:
+        q, k: `(L, Hv, Dk)` normalised (q scaled); v: `(L, Hv, Dv)`; g: `(L, Hv, Dk)`;
+        beta: `(L, Hv)`; state: `(Hv, Dk, Dv)` before the first token; chunk_size: Q.
+
+    Returns:
+        `o (L, Hv, Dv)` and the state after the last token `(Hv, Dk, Dv)`.
+    """
+    length = q.shape[0]
+    pad = (-length) % chunk_size  # zero padding: g = 0 and beta = 0 leave the state unchanged
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # (L, Hv, *D) -> (Hv, n, Q, *D)
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, 0, 0, pad))
+        t = t.reshape(-1, chunk_size, *t.shape[1:])
+        return t.movedim(2, 0)
+
+    qc, kc, vc, gc = chunked(q), chunked(k), chunked(v), chunked(g)  # (Hv, n, Q, D)
+    bc = chunked(beta)  # (Hv, n, Q)
+    # The cumulative sums in float64: c_i - c_j of float32 sums loses |c_j| * 2^-24 to
+    # cancellation, which matters where strong decays precede weak ones.
+    cum = gc.double().cumsum(-2)  # (Hv, n, Q, Dk), <= 0
+    lower = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    diff = cum[..., :, None, :] - cum[..., None, :, :]  # (Hv, n, Q, Q, Dk): c_i - c_j
+    decay = diff.masked_fill(~lower[..., None], float("-inf")).exp().float()  # 0 above
+    end_decay = (cum[..., -1:, :] - cum).exp().float()  # (Hv, n, Q, Dk): exp(c_Q - c_j)
+    cum_decay = cum.exp().float()  # (Hv, n, Q, Dk): exp(c_i)
+    kk = torch.einsum("hnid,hnjd,hnijd->hnij", kc, kc, decay)  # (Hv, n, Q, Q)
+    qk = torch.einsum("hnid,hnjd,hnijd->hnij", qc, kc, decay)  # (Hv, n, Q, Q), causal
+    eye = torch.eye(chunk_size, device=q.device)
+    system = (bc[..., None] * kk).tril(-1) + eye
+    rhs_v = bc[..., None] * vc  # (Hv, n, Q, Dv)
+    rhs_k = bc[..., None] * kc * cum_decay  # (Hv, n, Q, Dk)
+    u_v = torch.linalg.solve_triangular(system, rhs_v, upper=False, unitriangular=True)
+    u_k = torch.linalg.solve_triangular(system, rhs_k, upper=False, unitriangular=True)
+    q_start = qc * cum_decay  # reads the chunk's start state
+    k_end = kc * end_decay  # writes the chunk's end state
+    out = torch.empty_like(vc)
+    for c in range(qc.shape[1]):
+        u = u_v[:, c] - u_k[:, c] @ state  # (Hv, Q, Dv)
+        out[:, c] = q_start[:, c] @ state + qk[:, c] @ u
+        state = state * cum_decay[:, c, -1, :, None] + k_end[:, c].transpose(-1, -2) @ u
+    out = out.reshape(out.shape[0], -1, out.shape[-1])[:, :length]  # (Hv, L, Dv)
+    return out.transpose(0, 1), state
+
+
+def _varlen(
+    rule: Rule,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """Runs `rule` over each packed sequence from its slot's state (or zeros); see
+    `kda_varlen_ref`."""
+    num_v_heads = v.shape[1]
+    g, beta = kda_gates_ref(a, b, A_log, dt_bias)  # (T, Hv, Dk), (T, Hv)
+    qf, kf = _heads_qk(q, k, num_v_heads)  # (T, Hv, Dk)
+    out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    starts = query_start_loc.tolist()
+    for i, slot in enumerate(state_indices.tolist()):
+        lo, hi = starts[i], starts[i + 1]
+        if slot == PAD_SLOT_ID or hi == lo:
+            continue
+        if bool(has_initial_state[i]):
+            init = ssm_states[slot].float()
+        else:
+            init = torch.zeros(ssm_states.shape[1:], dtype=torch.float32, device=v.device)
+        o, final = rule(qf[lo:hi], kf[lo:hi], v[lo:hi].float(), g[lo:hi], beta[lo:hi], init)
+        out[lo:hi] = o
+        ssm_states[slot] = final.to(ssm_states.dtype)
+    return out.to(q.dtype)
+
+
+def kda_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+) -> torch.Tensor:
+    """The chunked KDA rule over packed sequences, each from its slot's state (or zeros).
+
+    Args:
+        q, k: `(T, Hk, Dk)`; v: `(T, Hv, Dv)`; a: `(T, Hv * Dk)`; b: `(T, Hv)`;
+            A_log: `(Hv,)`; dt_bias: `(Hv * Dk,)`.
+        ssm_states: `(S, Hv, Dk, Dv)`, read where `has_initial_state`, then overwritten with each
+            sequence's final state (padding rows and empty sequences are skipped).
+        query_start_loc: `(B + 1,)` int32; state_indices: `(B,)` int32 slots, `PAD_SLOT_ID`
+            rows skipped; has_initial_state: `(B,)` bool.
+        chunk_size: tokens per chunk (any length is cut at the sequence's own end); the result
+            equals `kda_varlen_recurrent_ref`'s for every chunk size, up to rounding.
+
+    Returns:
+        `(T, Hv, Dv)` outputs in q's dtype (zeros for padding rows' tokens).
+    """
+    return _varlen(
+        lambda *x: _chunk_rule(*x, chunk_size),
+        q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices,
+        has_initial_state,
+    )  # fmt: skip
+
+
+def kda_varlen_recurrent_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+) -> torch.Tensor:
+    """`kda_varlen_ref` computed token by token (the recurrent form; `chunk_size` is unused).
+
+    Returns:
+        `(T, Hv, Dv)` outputs in q's dtype; `ssm_states` updated as `kda_varlen_ref` does.
+    """
+    del chunk_size
+    return _varlen(
+        _recurrent_rule,
+        q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices,
+        has_initial_state,
+    )  # fmt: skip
+
+
+def kda_update_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Advances each row's slot state by one token, in place (the recurrent form).
+
+    Args:
+        q, k: `(B, Hk, Dk)`; v: `(B, Hv, Dv)`; a: `(B, Hv * Dk)`; b: `(B, Hv)`;
+            A_log: `(Hv,)`; dt_bias: `(Hv * Dk,)`.
+        ssm_states: `(S, Hv, Dk, Dv)`, updated in place for non-padding rows.
+        state_indices: `(B,)` int32 slot per row, `PAD_SLOT_ID` rows are skipped.
+
+    Returns:
+        `(B, Hv, Dv)` outputs in q's dtype (zeros for padding rows).
+    """
+    valid = state_indices != PAD_SLOT_ID  # (B,)
+    slots = state_indices.long().clamp(min=0)
+    g, beta = kda_gates_ref(a, b, A_log, dt_bias)  # (B, Hv, Dk), (B, Hv)
+    qf, kf = _heads_qk(q, k, v.shape[1])  # (B, Hv, Dk)
+    old = ssm_states[slots].float() * torch.exp(g)[..., None]  # (B, Hv, Dk, Dv)
+    kv_mem = torch.einsum("bhkv,bhk->bhv", old, kf)  # (B, Hv, Dv)
+    delta = (v.float() - kv_mem) * beta[..., None]  # (B, Hv, Dv)
+    state = old + kf[..., None] * delta[..., None, :]  # (B, Hv, Dk, Dv)
+    out = torch.einsum("bhkv,bhk->bhv", state, qf) * valid[:, None, None]
+    if bool(valid.any()):
+        ssm_states[slots[valid]] = state[valid].to(ssm_states.dtype)
+    return out.to(q.dtype)
+
+
+def kda_norm_gate_ref(
+    o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`weight * rmsnorm(o) * sigmoid(gate)` over the last dimension (transformers'
+    `KimiLinearRMSNormGated`).
+
+    Args:
+        o, gate: `(..., Dv)` (e.g. `(T, Hv, Dv)`); weight: `(Dv,)`; eps: the norm's epsilon.
+
+    Returns:
+        `(..., Dv)` in o's dtype; everything in float32 (the weight too), rounded once.
+    """
+    of = o.float()
+    normed = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+register_op_family(
+    FAMILY,
+    {
+        "varlen": kda_varlen_ref,
+        "update": kda_update_ref,
+        "norm_gate": kda_norm_gate_ref,
+    },
+)
