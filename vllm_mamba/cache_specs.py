@@ -11,7 +11,10 @@ A leaf module (torch dtypes only, no tensors): layers declare their specs, the s
   declared with the dtype of each tensor left to the engine's rule (`resolve`): a `conv` history
   is kept in the model dtype, a `recurrent` state in float32 unless `ssm_state_dtype` says
   otherwise; a tensor declared with a dtype keeps it.
-- `AttentionSpec`: an attention layer's KV blocks.
+- `AttentionSpec`: an attention layer's KV blocks (a K and a V tensor per layer).
+- `MLASpec`: a Multi-head Latent Attention layer's blocks: one latent row per token (the
+  normed compressed KV `c` and the shared rope key), one tensor per layer, no V tensor.
+- `KVSpec`: either of the two, what the paged KV cache (`kv_cache`) allocates from.
 
 Specs are read off the built model (under tensor parallelism, each rank's shard), layer by
 layer in module order, by `collect_layer_specs`.
@@ -31,6 +34,8 @@ __all__ = [
     "StateTensor",
     "StateSpec",
     "AttentionSpec",
+    "MLASpec",
+    "KVSpec",
     "LayerCacheSpec",
 ]
 
@@ -108,4 +113,22 @@ class AttentionSpec:
         return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
-LayerCacheSpec = StateSpec | AttentionSpec
+@dataclass(frozen=True)
+class MLASpec:
+    """A Multi-head Latent Attention layer: blocks of one `latent_dim` row per token in `dtype`.
+
+    The row is `[c (kv_lora_rank) | k_rot (qk_rope_head_dim)]`, shared by every head: keys and
+    values are expanded from it (or absorbed into the queries) by the layer, so the cache holds
+    `latent_dim` values per token instead of `2 * heads * head_dim`.
+    """
+
+    latent_dim: int
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        """Latent bytes of one token in this layer."""
+        return self.latent_dim * self.dtype.itemsize
+
+
+KVSpec = AttentionSpec | MLASpec  # a layer's blocks in the paged KV cache
+LayerCacheSpec = StateSpec | AttentionSpec | MLASpec

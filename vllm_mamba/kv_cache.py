@@ -1,12 +1,14 @@
 """The paged KV cache of hybrid models: per-layer cache specs, the K/V tensors and their sizing.
 
-Each attention layer of a model declares its KV blocks (`AttentionSpec`, from its
+Each attention layer of a model declares its KV blocks (`AttentionSpec` or `MLASpec`, from its
 `KVCacheLayer.kv_spec`); recurrent layers hold a slot of `mamba_cache` instead. The attention layers
 share one pool of `num_blocks` blocks of `block_size` tokens: block `b` holds tokens
 `[b * block_size, (b + 1) * block_size)` of whichever sequence's block table lists it. Each
-attention layer has its own K and V tensors `(num_blocks, block_size, num_kv_heads, head_dim)`;
-the slot of a token is `block_id * block_size + offset` (the layout of
-`vllm_mamba.ops.paged_attention`).
+attention layer has its own tensors over the pool: K and V `(num_blocks, block_size,
+num_kv_heads, head_dim)` for an `AttentionSpec` (the layout of `vllm_mamba.ops.paged_attention`),
+one latent tensor `(num_blocks, block_size, latent_dim)` for an `MLASpec` (the layout of
+`vllm_mamba.ops.mla_attention`). The slot of a token is `block_id * block_size + offset` in
+either; a block copy (fork, prefix caching) copies every tensor of every layer.
 
 The pool is sized by an exact block count (`num_gpu_blocks_override`, vLLM's name), else by a
 byte budget (`kv_cache_memory_bytes`), else by the default budget (`default_kv_cache_bytes`):
@@ -25,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_mamba.cache_specs import AttentionSpec
+from vllm_mamba.cache_specs import AttentionSpec, KVSpec, MLASpec
 from vllm_mamba.huge_pages import huge_page_zeros
-from vllm_mamba.layers.cache_layers import LayerKV, kv_cache_layers
+from vllm_mamba.layers.cache_layers import LatentKV, LayerKV, LayerKVView, kv_cache_layers
 
 __all__ = [
     "KVCache",
@@ -57,7 +59,7 @@ class KVCacheSizing:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all K and V tensors."""
+        """Bytes of all cache tensors (K and V, or latents)."""
         return self.num_blocks * self.bytes_per_block
 
 
@@ -82,7 +84,7 @@ def _available_memory() -> int:
 
 
 def plan_num_blocks(
-    specs: list[AttentionSpec],
+    specs: list[KVSpec],
     block_size: int,
     max_num_seqs: int,
     max_model_len: int,
@@ -123,37 +125,48 @@ def plan_num_blocks(
 
 
 class KVCache:
-    """The K and V tensors of every attention layer of one model, in one block pool."""
+    """The cache tensors of every attention layer of one model, in one block pool."""
 
-    def __init__(self, specs: list[AttentionSpec], sizing: KVCacheSizing, device: torch.device):
+    def __init__(self, specs: list[KVSpec], sizing: KVCacheSizing, device: torch.device):
         self.specs = specs
         self.sizing = sizing
         self.block_size = sizing.block_size
         self.num_blocks = sizing.num_blocks
-        shape = (sizing.num_blocks, sizing.block_size)
-        # Zeroed so that no kernel ever reads uninitialised memory (NaN) in a masked lane.
-        self.k_caches = [
-            huge_page_zeros((*shape, s.num_kv_heads, s.head_dim), s.dtype, device) for s in specs
-        ]
-        self.v_caches = [huge_page_zeros(k.shape, k.dtype, device) for k in self.k_caches]
+        # Per layer: (K, V) for an AttentionSpec, (latent,) for an MLASpec. Zeroed so that no
+        # kernel ever reads uninitialised memory (NaN) in a masked lane.
+        self.layer_tensors = [self._allocate(s, device) for s in specs]
 
-    def layer(self, index: int) -> LayerKV:
+    def _allocate(self, spec: KVSpec, device: torch.device) -> tuple[torch.Tensor, ...]:
+        shape = (self.sizing.num_blocks, self.sizing.block_size)
+        if isinstance(spec, MLASpec):
+            return (huge_page_zeros((*shape, spec.latent_dim), spec.dtype, device),)
+        assert isinstance(spec, AttentionSpec), spec
+        k = huge_page_zeros((*shape, spec.num_kv_heads, spec.head_dim), spec.dtype, device)
+        return k, huge_page_zeros(k.shape, k.dtype, device)
+
+    def _all_tensors(self) -> list[torch.Tensor]:
+        return [t for tensors in self.layer_tensors for t in tensors]
+
+    def layer(self, index: int) -> LayerKVView:
         """Views of attention layer `index` (counted among the attention layers only)."""
-        return LayerKV(k=self.k_caches[index], v=self.v_caches[index])
+        tensors = self.layer_tensors[index]
+        if isinstance(self.specs[index], MLASpec):
+            return LatentKV(latent=tensors[0])
+        return LayerKV(k=tensors[0], v=tensors[1])
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copies blocks `src[i]` into `dst[i]` in every layer (copy-on-write of a fork)."""
         if not src:
             return
-        device = self.k_caches[0].device
+        device = self.layer_tensors[0][0].device
         src_t = torch.tensor(src, dtype=torch.long, device=device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=device)
-        for cache in (*self.k_caches, *self.v_caches):
+        for cache in self._all_tensors():
             cache[dst_t] = cache[src_t]
 
     def nbytes(self) -> int:
-        """Bytes of all K and V tensors."""
-        return sum(t.numel() * t.element_size() for t in (*self.k_caches, *self.v_caches))
+        """Bytes of all cache tensors (K and V, or latents)."""
+        return sum(t.numel() * t.element_size() for t in self._all_tensors())
 
     def bind(self, model: nn.Module) -> None:
         """Gives each attention layer (`KVCacheLayer`) of `model` its view, in module order."""

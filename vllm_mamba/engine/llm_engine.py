@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionBackend
 from vllm_mamba.attention.selector import select_attention_backend
-from vllm_mamba.cache_specs import AttentionSpec
+from vllm_mamba.cache_specs import KVSpec
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.block_manager import BlockManager, blocks_for
@@ -142,7 +142,7 @@ class LLMEngine:
             return 0
         return max(cc.prefix_cache_memory_bytes // max(slot_bytes, 1), 1)
 
-    def _plan_kv_cache(self, specs: list[AttentionSpec]) -> KVCacheSizing | None:
+    def _plan_kv_cache(self, specs: list[KVSpec]) -> KVCacheSizing | None:
         """The KV pool's sizing for the model's attention layers; None when it has none."""
         if not specs:
             return None

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from vllm_mamba.attention.backend import AttentionBackend
-from vllm_mamba.cache_specs import AttentionSpec, StateSpec
+from vllm_mamba.cache_specs import KVSpec, StateSpec
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.parallel_state import TensorParallel
 from vllm_mamba.engine.model_runner import ModelRunner, StepResult
@@ -41,7 +41,7 @@ class CacheSpecs:
     resolved) and its attention layers' KV specs."""
 
     state: list[StateSpec]
-    kv: list[AttentionSpec]
+    kv: list[KVSpec]
 
     def state_bytes_per_slot(self) -> int:
         """State bytes one sequence holds in this shard."""

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_mamba.cache_specs import AttentionSpec, StateSpec
+from vllm_mamba.cache_specs import KVSpec, StateSpec
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.communication import broadcast
 from vllm_mamba.distributed.parallel_state import (
@@ -81,7 +81,7 @@ class DriverKVCache(KVCache):
     """Rank 0's KV cache; block copies are made on every rank."""
 
     def __init__(
-        self, specs: list[AttentionSpec], sizing: KVCacheSizing, device: torch.device, send: Send
+        self, specs: list[KVSpec], sizing: KVCacheSizing, device: torch.device, send: Send
     ) -> None:
         super().__init__(specs, sizing, device)
         self.send = send

@@ -5,7 +5,8 @@
   cache (`bind_state`) before the first step: `self.state[name]` is `(S, *shape)` over all
   slots, read and advanced in place by its forward.
 - `KVCacheLayer`: an attention layer. It declares its KV blocks (`kv_spec`) and is given its
-  K and V tensors (`bind_kv_cache`).
+  view of the pool (`bind_kv_cache`): K and V tensors (`LayerKV`) for an `AttentionSpec`, one
+  latent tensor (`LatentKV`) for an `MLASpec` (Multi-head Latent Attention).
 
 The engine finds them by type, in module order (`stateful_layers`, `kv_cache_layers`), never
 by probing for attributes; a model's forward never passes caches around.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_mamba.cache_specs import AttentionSpec, StateSpec
+from vllm_mamba.cache_specs import AttentionSpec, KVSpec, StateSpec
 
 LayerState = dict[str, torch.Tensor]  # state name -> (S, *shape) over all slots
 
@@ -29,6 +30,16 @@ class LayerKV:
 
     k: torch.Tensor
     v: torch.Tensor
+
+
+@dataclass
+class LatentKV:
+    """One MLA layer's view of the pool: `latent (num_blocks, block_size, latent_dim)`."""
+
+    latent: torch.Tensor
+
+
+LayerKVView = LayerKV | LatentKV  # what `KVCache.layer` hands a layer, by its spec's kind
 
 
 class StatefulLayer(nn.Module):
@@ -59,14 +70,18 @@ class KVCacheLayer(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv: LayerKV | None = None
+        self.kv: LayerKVView | None = None
 
-    def kv_spec(self, dtype: torch.dtype) -> AttentionSpec:
+    def kv_spec(self, dtype: torch.dtype) -> KVSpec:
         """This layer's KV blocks (its shard's KV heads) in `dtype`."""
         return AttentionSpec(self.num_kv_heads, self.head_dim, dtype)
 
-    def bind_kv_cache(self, kv: LayerKV) -> None:
-        """Takes this layer's K and V tensors `(num_blocks, block_size, Hkv, D)`."""
+    def process_weights_after_loading(self) -> None:
+        """Precomputes derived tensors after the weights are loaded (nothing by default)."""
+
+    def bind_kv_cache(self, kv: LayerKVView) -> None:
+        """Takes this layer's view of the pool: K and V tensors `(num_blocks, block_size, Hkv,
+        D)`, or the latent tensor `(num_blocks, block_size, latent_dim)` of an `MLASpec`."""
         self.kv = kv
 
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from vllm_mamba.distributed.parallel_state import TensorParallel
-from vllm_mamba.layers.cache_layers import stateful_layers
+from vllm_mamba.layers.cache_layers import kv_cache_layers, stateful_layers
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.parallel_linear import lm_head, vocab_embedding
 from vllm_mamba.ops.table import MambaOps
@@ -138,9 +138,11 @@ class CausalLM(nn.Module):
         return [(name, tensor)]
 
     def process_weights_after_loading(self) -> None:
-        """Lets each recurrent layer precompute its derived tensors."""
+        """Lets each recurrent and attention layer precompute its derived tensors."""
         for layer in stateful_layers(self):
             layer.process_weights_after_loading()
+        for attn in kv_cache_layers(self):
+            attn.process_weights_after_loading()
 
     def forward(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
         """Runs the step's tokens `input_ids (T,)`; returns normed hidden states `(T, H)`."""

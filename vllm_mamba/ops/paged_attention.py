@@ -75,12 +75,12 @@ def _attend(
 
     Args:
         query: `(Q, Hq, D)` float32.
-        keys, values: `(L, Hkv, D)` float32.
+        keys: `(L, Hkv, D)` float32; values: `(L, Hkv, Dv)` float32 (Dv is D but for MLA).
         allowed: `(Q, L)` bool, which positions each query may read.
         scale: the softmax scale.
 
     Returns:
-        `(Q, Hq, D)` float32; queries with no allowed position get zeros.
+        `(Q, Hq, Dv)` float32; queries with no allowed position get zeros.
     """
     num_q, num_heads, head_dim = query.shape
     num_kv = keys.shape[1]
@@ -92,8 +92,8 @@ def _attend(
     weights = torch.exp(scores - row_max)  # exp(-inf) = 0 at masked positions
     denom = weights.sum(dim=-1, keepdim=True)
     probs = weights / denom.clamp(min=torch.finfo(torch.float32).tiny)
-    out = torch.einsum("kgql,lkd->qkgd", probs, values)  # (Q, Hkv, G, D)
-    return out.reshape(num_q, num_heads, head_dim)
+    out = torch.einsum("kgql,lkd->qkgd", probs, values)  # (Q, Hkv, G, Dv)
+    return out.reshape(num_q, num_heads, values.shape[-1])
 
 
 def _check_heads(query: torch.Tensor, k_cache: torch.Tensor) -> None:
