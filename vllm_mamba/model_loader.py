@@ -94,6 +94,7 @@ def load_hf_config(path: str) -> Any:
 
     Raises:
         FileNotFoundError: there is no `config.json`.
+        ValueError: transformers' config class rejects it (its validators' message).
     """
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
@@ -102,9 +103,13 @@ def load_hf_config(path: str) -> Any:
         raw = json.load(f)
     if isinstance(raw, dict) and is_mamba_ssm_config(raw):
         return convert_mamba_ssm_config(raw)
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except StrictDataclassError as err:  # a validator's error, wrapped: not a ValueError
+        raise ValueError(f"config.json of {path!r} is invalid: {err.__cause__ or err}") from err
 
 
 def _weight_files(path: str) -> tuple[list[str], str]:
