@@ -51,8 +51,17 @@ MODELS = {
     "qwen3_5-moe": lambda: tiny_model_dir("qwen3_5-moe-top2"),
     "qwen3-next": lambda: tiny_model_dir("qwen3-next-moe"),
     "olmo-hybrid": lambda: tiny_model_dir("olmo-hybrid-rope"),
+    "kimi-linear": lambda: tiny_model_dir("kimi-linear-moe"),
 }
-EXACT_MODELS = ["mamba-tied", "mamba-untied-bias", "mamba2", "jamba", "qwen3_5", "olmo-hybrid"]
+EXACT_MODELS = [
+    "mamba-tied",
+    "mamba-untied-bias",
+    "mamba2",
+    "jamba",
+    "qwen3_5",
+    "olmo-hybrid",
+    "kimi-linear",
+]
 
 # Random tiny models: top-1 agreement with the float model at >= 75% of positions, and the
 # log-probability of the sequence's token off by <= 0.4 on average (measured: 82-95% and
