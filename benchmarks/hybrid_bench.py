@@ -4,8 +4,10 @@ Four models (random weights, saved once to `--model`; shapes in `hybrid_configs.
 `--arch`: `jamba` (about 310M parameters, default model `/tmp/jamba-300m-random`),
 `granitemoehybrid` (the dense Granite 4.0-H shape, about 306M, `/tmp/granite-4.0-h-300m-random`),
 `qwen3_5` (Qwen3.5-0.8B's text model, Gated DeltaNet and gated attention,
-`/tmp/qwen3.5-0.8b-random`) and `qwen3_next` (Qwen3-Next's layout with 64 experts scaled to
-about 1B, `/tmp/qwen3-next-1b-random`). `--dtype bfloat16` runs the engine and transformers in
+`/tmp/qwen3.5-0.8b-random`), `qwen3_next` (Qwen3-Next's layout with 64 experts scaled to
+about 1B, `/tmp/qwen3-next-1b-random`), `lfm2` (LFM2-1.2B, short convolutions and GQA,
+`/tmp/lfm2-1.2b-random`) and `kimi_linear` (Kimi Linear's KDA, MLA and 64-expert layout scaled
+to about 1B, `/tmp/kimi-linear-1b-random`). `--dtype bfloat16` runs the engine and transformers in
 bfloat16; `--quantization int8` the engine with int8 weights. The run starts by printing the
 recurrent state bytes one sequence holds and how many sequences fit a GiB.
 
@@ -34,13 +36,23 @@ batches; no `step @ C` rows); its tools come from `--llama-cpp-home` / `$LLAMA_C
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shutil
 import statistics
 import time
 
 import torch
-from hybrid_configs import GRANITE_CONFIG, JAMBA_CONFIG, QWEN3_5_CONFIG, QWEN3_NEXT_CONFIG
+from hybrid_configs import (
+    GRANITE_CONFIG,
+    JAMBA_CONFIG,
+    KIMI_LINEAR_CONFIG,
+    KIMI_SHIPPED_KEYS,
+    LFM2_CONFIG,
+    QWEN3_5_CONFIG,
+    QWEN3_NEXT_CONFIG,
+)
 
 ARCHS = {  # --arch: (transformers class, config, default model directory)
     "jamba": ("JambaForCausalLM", JAMBA_CONFIG, "/tmp/jamba-300m-random"),
@@ -51,7 +63,10 @@ ARCHS = {  # --arch: (transformers class, config, default model directory)
     ),
     "qwen3_5": ("Qwen3_5ForCausalLM", QWEN3_5_CONFIG, "/tmp/qwen3.5-0.8b-random"),
     "qwen3_next": ("Qwen3NextForCausalLM", QWEN3_NEXT_CONFIG, "/tmp/qwen3-next-1b-random"),
+    "lfm2": ("Lfm2ForCausalLM", LFM2_CONFIG, "/tmp/lfm2-1.2b-random"),
+    "kimi_linear": ("KimiLinearForCausalLM", KIMI_LINEAR_CONFIG, "/tmp/kimi-linear-1b-random"),
 }
+SHIPPED_KEYS = {"kimi_linear": KIMI_SHIPPED_KEYS}  # config.json keys the releases carry
 TOKENIZER_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests/data/gpt-neox-20b-tokenizer"
 )
@@ -67,12 +82,40 @@ def make_model(arch: str, path: str) -> int:
     model_cls = getattr(transformers, cls_name)
     torch.manual_seed(0)
     model = model_cls(model_cls.config_class(**config))
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
         model.save_pretrained(path)
+        if arch in SHIPPED_KEYS:
+            with open(config_file) as f:
+                saved = json.load(f)
+            with open(config_file, "w") as f:
+                json.dump({**saved, **SHIPPED_KEYS[arch]}, f, indent=2)
+            _dense_mlp_names(path)
     for file in os.listdir(TOKENIZER_DIR):  # GPT-NeoX's tokenizer; prompts are token ids
         if file.endswith(".json"):
             shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
     return sum(p.numel() for p in model.parameters())
+
+
+def _dense_mlp_names(path: str) -> None:
+    """Kimi Linear as released: transformers saves the dense layers' MLP under the MoE's name
+    (`block_sparse_moe.gate_proj`, ...); the checkpoints (and llama.cpp's converter) name it
+    `mlp.*`."""
+    from safetensors.torch import load_file, save_file
+
+    dense = re.compile(r"\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
+    for file in os.listdir(path):
+        if file.endswith(".safetensors"):
+            tensors = load_file(os.path.join(path, file))
+            renamed = {dense.sub(r".mlp.\1", k): v for k, v in tensors.items()}
+            save_file(renamed, os.path.join(path, file), metadata={"format": "pt"})
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            data = json.load(f)
+        data["weight_map"] = {dense.sub(r".mlp.\1", k): v for k, v in data["weight_map"].items()}
+        with open(index, "w") as f:
+            json.dump(data, f, indent=2)
 
 
 def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:

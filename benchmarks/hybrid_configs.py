@@ -12,6 +12,16 @@ model).
   attention every 4th (8 query / 2 key-value heads of 256), Gated DeltaNet with 8 key and 16
   value heads of 128, 64 experts of 256 with top-8 routing and a gated shared expert of 512 in
   every layer, vocabulary 151,936, untied head.
+- `LFM2_CONFIG`: LFM2-1.2B as published: hidden 2048, 16 layers, grouped-query attention at
+  layers 2, 5, 8, 10, 12, 14 (32 query and 8 key/value heads of 64, RoPE theta 1e6), gated
+  short convolutions of width 3 elsewhere, SwiGLU of 8,192 (12,288 auto-adjusted), vocabulary
+  65,536, tied head: about 1.17B parameters.
+- `KIMI_LINEAR_CONFIG`: Kimi-Linear-48B-A3B's layout scaled to about 1B: hidden 1024, 12
+  layers, MLA every 4th (8 heads; latent 512 + 64, nope 128, v 128, no rotary), KDA in the
+  others (8 heads of 128, conv 4), a dense first layer (SwiGLU of 4096), then MoEs of 64 experts
+  of 256 with top-8 sigmoid routing (scaled by 2.446) and a shared expert, vocabulary 163,840,
+  untied head. Saved with the checkpoints' own `linear_attn_config` and `first_k_dense_replace`
+  (which llama.cpp's converter reads; `KIMI_SHIPPED_KEYS`).
 """
 
 from __future__ import annotations
@@ -113,4 +123,70 @@ QWEN3_NEXT_CONFIG = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
     max_position_embeddings=8192,
+)
+
+LFM2_CONFIG = dict(
+    vocab_size=65536,
+    hidden_size=2048,
+    intermediate_size=12288,
+    num_hidden_layers=16,
+    layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    conv_L_cache=3,
+    conv_bias=False,
+    block_multiple_of=256,
+    block_ffn_dim_multiplier=1.0,
+    block_auto_adjust_ff_dim=True,
+    norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+)
+_KIMI_FULL = (4, 8, 12)  # 1-indexed, as the checkpoints list them
+KIMI_LINEAR_CONFIG = dict(
+    vocab_size=163840,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=12,
+    layer_types=[
+        "full_attention" if i + 1 in _KIMI_FULL else "linear_attention" for i in range(12)
+    ],
+    mlp_layer_types=["dense"] + ["sparse"] * 11,
+    linear_num_heads=8,
+    linear_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    num_local_experts=64,
+    num_experts_per_tok=8,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.446,
+    moe_intermediate_size=256,
+    n_shared_experts=1,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    max_position_embeddings=8192,
+    pad_token_id=0,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+KIMI_SHIPPED_KEYS = dict(
+    linear_attn_config={
+        "full_attn_layers": list(_KIMI_FULL),
+        "kda_layers": [i for i in range(1, 13) if i not in _KIMI_FULL],
+        "head_dim": 128,
+        "num_heads": 8,
+        "short_conv_kernel_size": 4,
+    },
+    first_k_dense_replace=1,
+    moe_router_activation_func="sigmoid",
+    mla_use_nope=True,
 )
