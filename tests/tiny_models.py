@@ -43,8 +43,8 @@ class Family:
         name: the family's name (test ids).
         hf_class: the transformers class, also the architecture the engine loads.
         configs: variant name -> transformers config keyword arguments.
-        mixer: the recurrent layer kind: `mamba` (selective scan), `mamba2` (SSD) or
-            `gated_delta` (Gated DeltaNet).
+        mixer: the recurrent layer kind: `mamba` (selective scan), `mamba2` (SSD),
+            `gated_delta` (Gated DeltaNet) or `short_conv` (LFM2's gated short conv).
         hybrid: has attention layers, so a paged KV cache beside the state slots.
         main: the variant the batching, chunking, pressure and prefix checks run on.
         second: the variant of the seeded-fork checks (another shape than `main`).
@@ -293,6 +293,48 @@ FAMILIES: tuple[Family, ...] = (
         # transformers with varied references (at 0.15 one reference repeats itself).
         weight_std=0.2,
     ),
+    Family(
+        "lfm2",
+        "Lfm2ForCausalLM",
+        cfg.LFM2,
+        mixer="short_conv",
+        hybrid=True,
+        main="lfm2-gqa",
+        second="lfm2-mqa",
+        tp=("lfm2-gqa",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "layer_types",
+            "conv_bias",
+            "conv_L_cache",
+            "num_key_value_heads",
+            "block_auto_adjust_ff_dim",
+            "tie_word_embeddings",
+        ),
+        # The default std 0.3: float32 rounding moves transformers' own top-5 logprobs by at
+        # most 1.6e-5 from float64 over both variants' greedy generations (no exponentials in
+        # the short conv), well within the suite's 1e-4, with varied references.
+    ),
+    Family(
+        "lfm2_moe",
+        "Lfm2MoeForCausalLM",
+        cfg.LFM2_MOE,
+        mixer="short_conv",
+        hybrid=True,
+        main="lfm2-moe-top2",
+        second="lfm2-moe-top1",
+        tp=("lfm2-moe-top2",),
+        chunk_budgets=(5, 23),
+        differ=(
+            "num_experts_per_tok",
+            "num_dense_layers",
+            "use_expert_bias",
+            "conv_L_cache",
+            "tie_word_embeddings",
+        ),
+        # The default std 0.3, as lfm2: float32 against float64 in transformers moves the
+        # top-5 logprobs by at most 1.1e-5 (routing choices included).
+    ),
 )
 
 FAMILY: dict[str, Family] = {f.name: f for f in FAMILIES}
@@ -303,7 +345,7 @@ def _check_registry() -> None:
     """The registry's own promises, asserted when it is built."""
     assert len(MODEL_FAMILY) == sum(len(f.configs) for f in FAMILIES), "a name is used twice"
     for f in FAMILIES:
-        assert f.mixer in ("mamba", "mamba2", "gated_delta"), f.name
+        assert f.mixer in ("mamba", "mamba2", "gated_delta", "short_conv"), f.name
         assert {f.main, f.second, *f.tp, *f.reference} <= set(f.configs), f.name
         assert f.main != f.second and f.main in f.reference, f.name
         variants = [f.configs[n] for n in f.reference]
@@ -350,7 +392,7 @@ def build_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - a transformers m
                 continue
             p.copy_(torch.randn(p.shape, generator=g) * family.weight_std)
         for bname, b in model.named_buffers():
-            if bname.endswith("e_score_correction_bias"):  # MoE routing: varied choices
+            if bname.endswith(("e_score_correction_bias", "expert_bias")):  # varied routing
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return model
 

@@ -672,3 +672,95 @@ OLMO_HYBRID: dict[str, dict] = {
         tie_word_embeddings=True,
     ),
 }
+
+# LFM2: short-conv layers (`conv`) and attention layers (`full_attention`) with per-head q/k
+# norms and RoPE over whole heads; SwiGLU feed-forwards. The variants differ in the conv bias
+# (in_proj, conv and out_proj), the conv width, the layer order, GQA or MQA, how the SwiGLU
+# width is derived, and the head's tying.
+_COMMON_LFM2 = dict(vocab_size=50280, max_position_embeddings=1024, norm_eps=1e-5)
+LFM2: dict[str, dict] = {
+    # 4 layers (conv, attention, conv, conv); no biases, conv width 3; GQA 2 (4 heads of 16,
+    # RoPE base 1e6); the SwiGLU width auto-adjusted: int(2/3 * 144) = 96, times 1.5 = 144,
+    # rounded up to a multiple of 32 = 160; tied head.
+    "lfm2-gqa": dict(
+        _COMMON_LFM2,
+        hidden_size=64,
+        intermediate_size=144,
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        conv_bias=False,
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=1.5,
+        block_multiple_of=32,
+        tie_word_embeddings=True,
+    ),
+    # 4 layers (attention, conv, conv, attention); biases, conv width 4; MQA (4 heads of 16,
+    # RoPE base 1000); the SwiGLU width as given (80); untied head.
+    "lfm2-mqa": dict(
+        _COMMON_LFM2,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=4,
+        layer_types=["full_attention", "conv", "conv", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        conv_bias=True,
+        conv_L_cache=4,
+        block_auto_adjust_ff_dim=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        tie_word_embeddings=False,
+    ),
+}
+
+# LFM2-MoE: LFM2's layers with a sigmoid-routed MoE after the first `num_dense_layers` dense
+# ones. The variants differ in top-k, the dense layers, the selection bias, renormalisation and
+# scaling, the conv bias and width, GQA or MQA, and the head's tying.
+LFM2_MOE: dict[str, dict] = {
+    # 4 layers (conv, attention, conv, conv), the first dense (96), then 4 experts of 32, top-2
+    # chosen with the expert bias, renormalised, scaled by 1.5; no biases, conv width 3; GQA 2;
+    # untied head.
+    "lfm2-moe-top2": dict(
+        _COMMON_LFM2,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "conv"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        conv_bias=False,
+        conv_L_cache=3,
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        use_expert_bias=True,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+        tie_word_embeddings=False,
+    ),
+    # 4 layers (conv, conv, attention, conv), the first two dense (80), then 3 experts of 24,
+    # top-1 by score alone (no expert bias), weighted by its sigmoid (not renormalised);
+    # biases, conv width 4; MQA; tied head.
+    "lfm2-moe-top1": dict(
+        _COMMON_LFM2,
+        hidden_size=64,
+        intermediate_size=80,
+        moe_intermediate_size=24,
+        num_hidden_layers=4,
+        layer_types=["conv", "conv", "full_attention", "conv"],
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        conv_bias=True,
+        conv_L_cache=4,
+        num_dense_layers=2,
+        num_experts=3,
+        num_experts_per_tok=1,
+        use_expert_bias=False,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        tie_word_embeddings=True,
+    ),
+}

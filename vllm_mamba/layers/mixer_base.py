@@ -70,13 +70,15 @@ def causal_conv(
     bias: torch.Tensor | None,
     conv_states: torch.Tensor,
     meta: MambaMetadata,
+    activation: bool = True,
 ) -> torch.Tensor:
-    """Causal depthwise conv + SiLU of a step's `x (T, CD)`: decode rows by the one-token
+    """Causal depthwise conv (+ SiLU) of a step's `x (T, CD)`: decode rows by the one-token
     update, prefill chunks by the varlen conv (from their saved history when they have one).
 
     Args:
         weight: `(CD, K)` filters; bias: `(CD,)` or None.
         conv_states: `(S, CD, K - 1)` over all slots, advanced in place.
+        activation: apply the SiLU (False: the conv alone, LFM2's short conv).
 
     Returns:
         `(T, CD)` in x's dtype.
@@ -87,7 +89,7 @@ def causal_conv(
         parts.append(
             ops.causal_conv1d_update(
                 x=x[:nd], conv_states=conv_states, weight=weight, bias=bias,
-                state_indices=meta.decode_state_indices,
+                state_indices=meta.decode_state_indices, activation=activation,
             )
         )  # fmt: skip
     if meta.num_prefills:
@@ -96,7 +98,7 @@ def causal_conv(
                 x=x[nd:], weight=weight, bias=bias, conv_states=conv_states,
                 query_start_loc=meta.prefill_query_start_loc,
                 state_indices=meta.prefill_state_indices,
-                has_initial_state=meta.prefill_has_initial_state,
+                has_initial_state=meta.prefill_has_initial_state, activation=activation,
             )
         )  # fmt: skip
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -18,6 +18,9 @@ Routers (`kind`), as transformers computes them:
   `e_score_correction_bias` among the best `topk_group` of `n_group` groups (a group scored
   by its two best), weighted by the raw scores, renormalised when `renormalize`, times
   `scaling` (Nemotron-H).
+- `sigmoid_topk`: sigmoid scores; experts chosen by score plus `e_score_correction_bias` (when
+  `score_bias`; the bias only selects), weighted by the raw scores, renormalised when
+  `renormalize` (adding `renorm_eps` to the sum), times `scaling` (LFM2-MoE).
 
 The experts' outputs are accumulated in float32 (`accumulate_fp32`) or in the model dtype
 with the weights cast to it first, as each reference does. Expert `e` is run on the tokens
@@ -39,7 +42,7 @@ from vllm_mamba.distributed.communication import all_reduce
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.parallel_linear import even_ranges, shard_param
 
-ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
+ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "sigmoid_topk")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class RouterConfig:
     topk_group: int = 1
     scaling: float = 1.0
     score_bias: bool = False  # an `e_score_correction_bias (E,)` parameter
+    renorm_eps: float = 1e-20  # added to the sum of the k weights when renormalising (sigmoid)
 
     def __post_init__(self) -> None:
         if self.kind not in ROUTER_KINDS:
@@ -89,23 +93,33 @@ class ExpertRouter(nn.Module):
             logits = F.linear(x, self.weight).float()  # (T, E)
             top, chosen = logits.topk(c.top_k, dim=-1)
             return top.softmax(dim=-1), chosen
-        return self._sigmoid_grouped(x)
+        return self._sigmoid(x)
 
-    def _sigmoid_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sigmoid_grouped` and `sigmoid_topk`: chosen by the (biased) scores, weighted by the
+        raw ones."""
         c = self.config
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
         choice = scores + self.e_score_correction_bias.float() if c.score_bias else scores
+        if c.kind == "sigmoid_grouped":
+            chosen = self._best_in_groups(choice)
+        else:
+            chosen = choice.topk(c.top_k, dim=-1)[1]  # (T, k)
+        weights = scores.gather(1, chosen)
+        if c.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + c.renorm_eps)
+        return weights * c.scaling, chosen
+
+    def _best_in_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """The top-k of `choice (T, E)` among the best `topk_group` groups -> ids `(T, k)`."""
+        c = self.config
         num_tokens, num_experts = choice.shape
         grouped = choice.view(num_tokens, c.n_group, num_experts // c.n_group)
         group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (T, n_group)
         groups = group_scores.topk(c.topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()  # (T, n_group)
         keep = keep[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
-        chosen = choice.masked_fill(~keep, float("-inf")).topk(c.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, chosen)
-        if c.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * c.scaling, chosen
+        return choice.masked_fill(~keep, float("-inf")).topk(c.top_k, dim=-1, sorted=False)[1]
 
 
 def dispatch_experts(
