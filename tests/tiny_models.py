@@ -44,7 +44,8 @@ class Family:
         hf_class: the transformers class, also the architecture the engine loads.
         configs: variant name -> transformers config keyword arguments.
         mixer: the recurrent layer kind: `mamba` (selective scan), `mamba2` (SSD),
-            `gated_delta` (Gated DeltaNet) or `short_conv` (LFM2's gated short conv).
+            `gated_delta` (Gated DeltaNet), `short_conv` (LFM2's gated short conv) or `kda`
+            (Kimi Delta Attention).
         hybrid: has attention layers, so a paged KV cache beside the state slots.
         main: the variant the batching, chunking, pressure and prefix checks run on.
         second: the variant of the seeded-fork checks (another shape than `main`).
@@ -335,6 +336,27 @@ FAMILIES: tuple[Family, ...] = (
         # The default std 0.3, as lfm2: float32 against float64 in transformers moves the
         # top-5 logprobs by at most 1.1e-5 (routing choices included).
     ),
+    Family(
+        "kimi_linear",
+        "KimiLinearForCausalLM",
+        cfg.KIMI_LINEAR,
+        mixer="kda",
+        hybrid=True,
+        main="kimi-linear-moe",
+        second="kimi-linear-qlora",
+        tp=("kimi-linear-moe",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "q_lora_rank",
+            "n_group",
+            "norm_topk_prob",
+            "linear_conv_kernel_dim",
+            "mlp_layer_types",
+        ),
+        # As the Gated DeltaNet families: at 0.15 the delta rule's exponentials keep float32
+        # rounding well inside the suite's 1e-4 logprob bound.
+        weight_std=0.15,
+    ),
 )
 
 FAMILY: dict[str, Family] = {f.name: f for f in FAMILIES}
@@ -345,7 +367,7 @@ def _check_registry() -> None:
     """The registry's own promises, asserted when it is built."""
     assert len(MODEL_FAMILY) == sum(len(f.configs) for f in FAMILIES), "a name is used twice"
     for f in FAMILIES:
-        assert f.mixer in ("mamba", "mamba2", "gated_delta", "short_conv"), f.name
+        assert f.mixer in ("mamba", "mamba2", "gated_delta", "short_conv", "kda"), f.name
         assert {f.main, f.second, *f.tp, *f.reference} <= set(f.configs), f.name
         assert f.main != f.second and f.main in f.reference, f.name
         variants = [f.configs[n] for n in f.reference]

@@ -631,6 +631,71 @@ QWEN3_NEXT: dict[str, dict] = {
 # attention layers with q/k norms over the whole projections. The variants differ in the layer
 # order, `linear_allow_neg_eigval` (beta doubled or not), RoPE or none (NoPE, as the releases),
 # GQA or MQA, the GDN head ratio, and the head's tying.
+_COMMON_KIMI = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-5)
+KIMI_LINEAR: dict[str, dict] = {
+    # 4 layers (KDA, MLA, KDA, KDA); KDA 4 heads of 16, conv 4; MLA 4 heads (q from hidden,
+    # latent 32 + shared k_rot 8, nope 16, v 16); the first layer a dense MLP of 96, the others
+    # DeepSeek-V3 MoEs: 8 experts of 32 in 2 groups (the best 1 kept), top-2 renormalised,
+    # scaled by 2.446, one shared expert; untied head.
+    "kimi-linear-moe": dict(
+        _COMMON_KIMI,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        linear_num_heads=4,
+        linear_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.446,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        tie_word_embeddings=False,
+    ),
+    # 3 layers (KDA, MLA, KDA); KDA 2 heads of 32, conv 3; MLA 2 heads with a low-rank query
+    # (rank 24, normed), latent 48 + k_rot 4, nope 24, v 32; the middle layer dense (80), the
+    # others MoEs: 4 experts of 24 in 1 group, top-1 not renormalised, 2 shared experts.
+    "kimi-linear-qlora": dict(
+        _COMMON_KIMI,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["sparse", "dense", "sparse"],
+        linear_num_heads=2,
+        linear_head_dim=32,
+        linear_conv_kernel_dim=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=24,
+        kv_lora_rank=48,
+        qk_nope_head_dim=24,
+        qk_rope_head_dim=4,
+        v_head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+        moe_intermediate_size=24,
+        n_shared_experts=2,
+        tie_word_embeddings=False,
+    ),
+}
+
 _COMMON_OLMO = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-6)
 OLMO_HYBRID: dict[str, dict] = {
     # 3 layers (GDN, attention, GDN); GDN 2 key heads of 16 to 4 value heads of 32, beta in
