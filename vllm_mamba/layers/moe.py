@@ -140,6 +140,11 @@ def dispatch_experts(
         `(T, D)` in `acc_dtype`.
     """
     out = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
+    if x.shape[0] == 1:  # one token (single-stream decode): no gathers, scatters or unique
+        ids = chosen[0].tolist()
+        for k in sorted(range(len(ids)), key=ids.__getitem__):  # ascending expert ids
+            out += (run_expert(ids[k], x) * weights[0, k]).to(acc_dtype)
+        return out
     for expert in torch.unique(chosen).tolist():  # ascending, as transformers adds them
         token_idx, k_pos = torch.where(chosen == expert)  # (M,), (M,): tokens are distinct
         y = run_expert(expert, x[token_idx]) * weights[token_idx, k_pos, None]
