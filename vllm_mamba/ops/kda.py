@@ -87,8 +87,9 @@ def kda_gates_ref(
         float32 `g (T, Hv, Dk)` (`<= 0`) and `beta (T, Hv)`.
     """
     tokens, num_v_heads = b.shape
-    x = (a.float().reshape(tokens, -1) + dt_bias.float().reshape(-1)).view(
-        tokens, num_v_heads, -1
+    width = dt_bias.numel()  # Hv * Dk
+    x = (a.float().reshape(tokens, width) + dt_bias.float().reshape(width)).view(
+        tokens, num_v_heads, width // num_v_heads
     )  # (T, Hv, Dk)
     softplus = torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x)))
     g = -torch.exp(A_log.float().reshape(num_v_heads, 1)) * softplus
