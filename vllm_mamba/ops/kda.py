@@ -66,7 +66,11 @@ __all__ = [
 ]
 
 FAMILY = "kda"
-CHUNK_SIZE = 16  # the C++ kernel's chunk, by measurement (`csrc/kda.cpp`)
+# The C++ kernel's chunk, by measurement (`csrc/kda.cpp`; one sequence of T=512, Hk=Hv=4,
+# Dk=Dv=128, float32, avx512, best of 10): one thread Q=8 2.3-3.5 ms, Q=16 2.5-2.6 ms, Q=32
+# 3.1-3.2 ms, Q=64 5.0-5.8 ms; two threads Q=8 1.6, Q=16 1.4, Q=32 1.7, Q=64 2.9 ms (gated_delta's
+# kernel at the same shape: 3.8 ms and 2.5 ms). The pairwise decay factors grow with Q per token.
+CHUNK_SIZE = 16
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it, as transformers' forget gate
 assert L2_EPS == 1e-6
 
