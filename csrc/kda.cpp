@@ -69,7 +69,9 @@ inline at::BFloat16 store_as<at::BFloat16>(float v) {
 }
 
 inline Vf vload(const float* p) { return vec::load(p); }
-inline Vf vload(const at::BFloat16* p) { return vec::load(reinterpret_cast<const vec::bf16_t*>(p)); }
+inline Vf vload(const at::BFloat16* p) {
+  return vec::load(reinterpret_cast<const vec::bf16_t*>(p));
+}
 inline Vf vload_n(const float* p, int64_t n) { return vec::load_n(p, static_cast<int>(n)); }
 inline Vf vload_n(const at::BFloat16* p, int64_t n) {
   return vec::load_n(reinterpret_cast<const vec::bf16_t*>(p), static_cast<int>(n));
@@ -186,7 +188,9 @@ void gemm(Init init, int64_t M, int64_t N, int64_t K, const float* A, int64_t ar
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
   const Vf a = vec::set1(alpha);
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) vec::store(y + j, vec::fma(a, vec::load(x + j), vec::load(y + j)));
+  for (; j + kLanes <= n; j += kLanes) {
+    vec::store(y + j, vec::fma(a, vec::load(x + j), vec::load(y + j)));
+  }
   if (j < n) {
     const int r = static_cast<int>(n - j);
     vec::store_n(y + j, vec::fma(a, vec::load_n(x + j, r), vec::load_n(y + j, r)), r);
@@ -557,6 +561,7 @@ void update_task(const KDAProblem& p, const KDATensors<T, S>& io, int64_t r, int
     }
   }
   const T* vrow = io.v + r * p.v_stride + h * dv;
+#pragma omp simd
   for (int64_t j = 0; j < dv; ++j) {
     const float delta = beta * (load_f32(vrow[j]) - kv[j]);
     kv[j] = delta;
@@ -570,8 +575,8 @@ void update_task(const KDAProblem& p, const KDATensors<T, S>& io, int64_t r, int
       vstore(srow + j, vec::fma(kd, vec::load(kv + j), vec::mul(dd, vload(srow + j))));
     }
     if (tail > 0) {
-      const Vf s = vec::fma(kd, vec::load_n(kv + full, tail), vec::mul(dd, vload_n(srow + full, tail)));
-      vstore_n(srow + full, s, tail);
+      const Vf s = vec::mul(dd, vload_n(srow + full, tail));
+      vstore_n(srow + full, vec::fma(kd, vec::load_n(kv + full, tail), s), tail);
     }
   }
 }
