@@ -55,7 +55,7 @@ TORCH_LIBRARY(vllm_mamba, m) {
   m.def(
       "kda_varlen(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
       "Tensor dt_bias, Tensor(a!) ssm_states, Tensor query_start_loc, Tensor state_indices, "
-      "Tensor has_initial_state, int chunk_size=16) -> Tensor");
+      "Tensor has_initial_state, int chunk_size=12) -> Tensor");
   m.def(
       "kda_update(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
       "Tensor dt_bias, Tensor(a!) ssm_states, Tensor state_indices) -> Tensor");

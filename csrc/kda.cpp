@@ -25,7 +25,8 @@
 // The products are register-blocked matmuls on `vec.h` (one code for every ISA level); the
 // gates, exps and pairwise factors are `#pragma omp simd` loops (over `math.h`'s branch-free
 // exp). The pairwise factors cost O(Q Dk) per token against O(Dk Dv) for the state products,
-// so small chunks win (Q = 16, see `vllm_mamba/ops/kda.py`'s CHUNK_SIZE).
+// and a chunk pass over the state O(Dk Dv / Q): the measured best is Q = 8 to 12, where the
+// 2Q rows of [K; Q] fill whole 6-row tiles at 12 (`vllm_mamba/ops/kda.py`'s CHUNK_SIZE).
 //
 // Decode runs the recurrence fused, two passes over each state row by row: a read pass for
 // (D S)^T k and (D S)^T q (D = diag(exp(g))), then a read-write pass S = D S + k delta^T, with

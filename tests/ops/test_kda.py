@@ -283,7 +283,7 @@ def check_varlen(case: KDACase, chunk: int, tol: dict) -> None:
 
 @needs_cpp
 @pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("chunk", CHUNKS + [32])
+@pytest.mark.parametrize("chunk", CHUNKS + [12, 32])
 def test_varlen_cpp_matches_ref(heads, chunk):
     case = make_case(chunk_lens(chunk), heads, seed=chunk + 1, pad=(2,), extra_tokens=3)
     check_varlen(case, chunk, F32_TOL)
@@ -291,7 +291,7 @@ def test_varlen_cpp_matches_ref(heads, chunk):
 
 @needs_cpp
 @pytest.mark.parametrize("heads", HEADS[:4])
-@pytest.mark.parametrize("chunk", [8, 16, 64])
+@pytest.mark.parametrize("chunk", [8, 12, 16, 64])
 def test_varlen_cpp_strong_decay(heads, chunk):
     """Log decays of hundreds per token in some channels: every exp is of a non-positive
     number, nothing overflows."""
@@ -304,7 +304,7 @@ def test_varlen_cpp_strong_decay(heads, chunk):
     ("dtype", "state_dtype"),
     [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16,) * 2],
 )
-@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("chunk", [12, 16, 64])
 def test_varlen_cpp_bfloat16(dtype, state_dtype, chunk):
     case = make_case(
         chunk_lens(chunk), HEADS[1], seed=5, pad=(2,), dtype=dtype, state_dtype=state_dtype
@@ -333,7 +333,7 @@ def test_varlen_cpp_empty_batch():
 
 @needs_cpp
 @pytest.mark.parametrize("cuts", [[1, 40], [17, 5, 19], [16, 16, 9], [3, 1, 1, 36]])
-@pytest.mark.parametrize("chunk", [8, 16])
+@pytest.mark.parametrize("chunk", [8, 12, 16])
 def test_cpp_cut_sequence_equals_one_pass(cuts, chunk):
     """A sequence split at arbitrary positions (each piece from the previous one's saved state),
     then two decode steps, equals one call over the whole sequence."""

@@ -452,7 +452,7 @@ def kda_varlen(
             dt_bias: `(Hv * Dk,)`.
         ssm_states: `(S, Hv, Dk, Dv)`, contiguous, float32 or bfloat16; updated in place.
         query_start_loc: `(B + 1,)`; state_indices: `(B,)`; has_initial_state: `(B,)` bool.
-        chunk_size: tokens per chunk (16 is the measured best of the kernel).
+        chunk_size: tokens per chunk (`kda.CHUNK_SIZE`, 12, is the measured best).
 
     Returns:
         `(T, Hv, Dv)` outputs in q's dtype.

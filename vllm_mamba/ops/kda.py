@@ -66,11 +66,15 @@ __all__ = [
 ]
 
 FAMILY = "kda"
-# The C++ kernel's chunk, by measurement (`csrc/kda.cpp`; one sequence of T=512, Hk=Hv=4,
-# Dk=Dv=128, float32, avx512, best of 10): one thread Q=8 2.3-3.5 ms, Q=16 2.5-2.6 ms, Q=32
-# 3.1-3.2 ms, Q=64 5.0-5.8 ms; two threads Q=8 1.6, Q=16 1.4, Q=32 1.7, Q=64 2.9 ms (gated_delta's
-# kernel at the same shape: 3.8 ms and 2.5 ms). The pairwise decay factors grow with Q per token.
-CHUNK_SIZE = 16
+# The C++ kernel's chunk, by measurement (`csrc/kda.cpp`, float32, avx512, one thread, best of
+# 25, a shared machine so about 10% noise), ms per call on one sequence:
+#   T=512, H=4, D=128:  Q=8 1.9-3.1, Q=12 2.0-2.7, Q=16 2.1-2.8, Q=32 3.1, Q=64 5.0-5.8
+#   T=512, H=4, D=64:   Q=8 0.75-0.99, Q=12 0.79-0.83, Q=16 0.94-1.0
+#   T=2048, H=2, D=128: Q=8 5.4-6.0, Q=12 4.7-5.3, Q=16 5.6-5.9
+# (gated_delta's kernel at T=512, H=4, D=128: 3.6-4.1 ms). The pairwise decay factors grow with
+# Q per token, the chunk's pass over the state shrinks with it; 8 and 12 trade places, 12 is
+# never far from the best and fills the kernel's 6-row tiles.
+CHUNK_SIZE = 12
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it, as transformers' forget gate
 assert L2_EPS == 1e-6
 
