@@ -52,6 +52,14 @@ TORCH_LIBRARY(vllm_mamba, m) {
       "gated_delta_update(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
       "Tensor dt_bias, float beta_scale, Tensor(a!) ssm_states, Tensor state_indices) -> Tensor");
   m.def("rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "kda_varlen(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
+      "Tensor dt_bias, Tensor(a!) ssm_states, Tensor query_start_loc, Tensor state_indices, "
+      "Tensor has_initial_state, int chunk_size=12) -> Tensor");
+  m.def(
+      "kda_update(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
+      "Tensor dt_bias, Tensor(a!) ssm_states, Tensor state_indices) -> Tensor");
+  m.def("kda_norm_gate(Tensor o, Tensor gate, Tensor weight, float eps) -> Tensor");
 }
 
 #define VLLM_MAMBA_CONCAT_(a, b) a##b

@@ -39,6 +39,7 @@ KERNEL_TESTS = [
     "tests/ops/test_gated_rms_norm.py",
     "tests/ops/test_int4_linear.py",
     "tests/ops/test_int8_linear.py",
+    "tests/ops/test_kda.py",
     "tests/ops/test_linear.py",
     "tests/ops/test_paged_attention.py",
     "tests/ops/test_fused_decode.py",

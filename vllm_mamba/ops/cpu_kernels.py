@@ -4,8 +4,9 @@ The kernels live in `csrc/` and are built, once per ISA level, into the extensio
 `vllm_mamba._C_<level>` by `pip install --no-build-isolation -e .`; `cpu_isa.load()` imports
 the one this CPU runs, which registers the ops. Every wrapper has the
 signature of its `_ref` twin (`vllm_mamba.ops.causal_conv1d`, `vllm_mamba.ops.selective_scan`,
-`vllm_mamba.ops.ssd`, `vllm_mamba.ops.gated_delta`), so `vllm_mamba.ops.dispatch` can swap them
-in; the Gated DeltaNet ones are registered as the `cpp` backend's `gated_delta` family. The
+`vllm_mamba.ops.ssd`, `vllm_mamba.ops.gated_delta`, `vllm_mamba.ops.kda`), so
+`vllm_mamba.ops.dispatch` can swap them in; the Gated DeltaNet and Kimi Delta Attention ones are
+registered as the `cpp` backend's `gated_delta` and `kda` families. The
 kernels copy non-contiguous activations to contiguous ones themselves; the states are updated
 in place and must be contiguous.
 """
@@ -21,6 +22,7 @@ from vllm_mamba import envs
 from vllm_mamba.ops import (
     cpu_isa,
     gated_delta,  # registers the `gated_delta` family first
+    kda,  # registers the `kda` family first
 )
 from vllm_mamba.ops.families import register_op_impl
 from vllm_mamba.ops.int4_linear import has_int4_kernel, int4_linear_cpp, int4_linear_ref
@@ -48,6 +50,9 @@ _OP_NAMES = (
     "gated_delta_varlen",
     "gated_delta_update",
     "rms_norm_gated",
+    "kda_varlen",
+    "kda_update",
+    "kda_norm_gate",
 )
 SMALL_BATCH = 8  # rows up to which `linear` streams the weight with the matrix-vector kernel
 
@@ -422,6 +427,87 @@ register_op_impl(
     varlen=gated_delta_varlen,
     update=gated_delta_update,
     norm_gate=rms_norm_gated,
+)
+
+
+def kda_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    chunk_size: int = kda.CHUNK_SIZE,
+) -> torch.Tensor:
+    """The chunked KDA rule over packed sequences (`csrc/kda.cpp`); see `kda_varlen_ref`.
+
+    Args:
+        q, k: `(T, Hk, Dk)`; v: `(T, Hv, Dv)`, one dtype (float32 or bfloat16), views with a
+            free token stride read in place; a: `(T, Hv * Dk)`; b: `(T, Hv)`; A_log: `(Hv,)`;
+            dt_bias: `(Hv * Dk,)`.
+        ssm_states: `(S, Hv, Dk, Dv)`, contiguous, float32 or bfloat16; updated in place.
+        query_start_loc: `(B + 1,)`; state_indices: `(B,)`; has_initial_state: `(B,)` bool.
+        chunk_size: tokens per chunk (`kda.CHUNK_SIZE`, 12, is the measured best).
+
+    Returns:
+        `(T, Hv, Dv)` outputs in q's dtype.
+    """
+    return torch.ops.vllm_mamba.kda_varlen(
+        q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices,
+        has_initial_state, chunk_size,
+    )  # fmt: skip
+
+
+def kda_update(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of the KDA rule, in place (`csrc/kda.cpp`); see `kda_update_ref`.
+
+    Args:
+        q, k: `(B, Hk, Dk)`; v: `(B, Hv, Dv)`, one dtype; a: `(B, Hv * Dk)`; b: `(B, Hv)`;
+            A_log: `(Hv,)`; dt_bias: `(Hv * Dk,)`.
+        ssm_states: `(S, Hv, Dk, Dv)`, contiguous; updated in place for non-padding rows.
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
+
+    Returns:
+        `(B, Hv, Dv)` outputs in q's dtype (zeros for padding rows).
+    """
+    return torch.ops.vllm_mamba.kda_update(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices)
+
+
+def kda_norm_gate(
+    o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`weight * rmsnorm(o) * sigmoid(gate)` over the last dimension; see `kda_norm_gate_ref`.
+
+    Args:
+        o, gate: `(..., Dv)`, float32 or bfloat16; weight: `(Dv,)`; eps: the norm's epsilon.
+
+    Returns:
+        `(..., Dv)` in o's dtype.
+    """
+    return torch.ops.vllm_mamba.kda_norm_gate(o, gate, weight, float(eps))
+
+
+register_op_impl(
+    kda.FAMILY,
+    "cpp",
+    varlen=kda_varlen,
+    update=kda_update,
+    norm_gate=kda_norm_gate,
 )
 
 
