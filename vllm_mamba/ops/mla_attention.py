@@ -133,9 +133,7 @@ def mla_prefill_attention_ref(
     """
     _check(query, cache, v_dim)
     kv = cache.unsqueeze(2)
-    out = paged_prefill_attention_ref(
-        query, kv, kv, block_tables, query_start_loc, seq_lens, scale
-    )
+    out = paged_prefill_attention_ref(query, kv, kv, block_tables, query_start_loc, seq_lens, scale)
     return out[..., :v_dim].contiguous()
 
 
