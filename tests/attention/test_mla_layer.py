@@ -21,6 +21,7 @@ from vllm_mamba.distributed.parallel_state import TensorParallel
 from vllm_mamba.kv_cache import KVCache, plan_num_blocks
 from vllm_mamba.layers.mla_attention import MLAAttention
 from vllm_mamba.layers.parallel_linear import named_shards
+from vllm_mamba.layers.quantization import quantize_model
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.ops import cpu_kernels
 from vllm_mamba.ops.dispatch import REF_OPS
@@ -235,3 +236,24 @@ def test_tensor_parallel_shards_sum_to_single_rank() -> None:
     torch.testing.assert_close(total, _hf_forward(hf, hidden), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="num_attention_heads"):
         MLAAttention(HIDDEN, 3, None, RANK, NOPE, ROPE, V_DIM, 1e-6, REF_OPS, TensorParallel(0, 2))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("split_before", [True, False])
+def test_quantized_layer_close_to_transformers(impl: str, method: str, split_before: bool) -> None:
+    """Quantised projections: W_UK / W_UV split from the float kv_b_proj before quantisation
+    (as the loader does) or read back through the quantised one; both stay close."""
+    hf = _hf_attention(None)
+    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(6))
+    want = _hf_forward(hf, hidden)
+    layer = _layer(hf, impl, None)
+    if not split_before:
+        layer.w_kv = None  # read back on the first forward, from the quantised kv_b_proj
+    quantize_model(layer, _ops(impl), method)
+    assert layer.kv_b_proj.weight.dtype in (torch.int8, torch.uint8)
+    _bind(layer)
+    with torch.no_grad():
+        out = torch.cat([layer(hidden[:4], _prefill(0, 4)), layer(hidden[4:], _prefill(4, 5))])
+    atol = 2e-2 if method == "int8" else 1e-1
+    torch.testing.assert_close(out, want, atol=atol, rtol=atol)
