@@ -220,7 +220,9 @@ class MLAAttention(KVCacheLayer):
             out = out + self.b_kv.view(self.num_heads, -1)[:, self.qk_nope_head_dim :]
         return out
 
-    def _prefill(self, q_nope: torch.Tensor, q_rot: torch.Tensor, meta: PagedMetadata):
+    def _prefill(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, meta: PagedMetadata
+    ) -> torch.Tensor:
         """The prefill chunks' attention -> `(Tp, Hq, Dv)` float32 (padding tokens zero)."""
         if self.prefill_form == "absorbed":
             return self._absorbed(
@@ -254,12 +256,8 @@ class MLAAttention(KVCacheLayer):
         """One sequence's chunk `q_nope (Q, Hq, Dn)`, `q_rot (Q, Hq, Dr)` over its `length`
         cached latents expanded to per-head keys and values -> `(Q, Hq, Dv)` float32."""
         assert isinstance(self.kv, LatentKV) and self.w_kv is not None
-        cache, heads, dn, rank = (
-            self.kv.latent,
-            self.num_heads,
-            self.qk_nope_head_dim,
-            self.kv_lora_rank,
-        )
+        cache, heads = self.kv.latent, self.num_heads
+        dn, rank = self.qk_nope_head_dim, self.kv_lora_rank
         block_size, num_q = cache.shape[1], q_nope.shape[0]
         pos = torch.arange(length, device=cache.device)  # (S,)
         latents = cache[table[pos // block_size].long(), pos % block_size].float()  # (S, L)
