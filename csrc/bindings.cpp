@@ -60,6 +60,13 @@ TORCH_LIBRARY(vllm_mamba, m) {
       "kda_update(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
       "Tensor dt_bias, Tensor(a!) ssm_states, Tensor state_indices) -> Tensor");
   m.def("kda_norm_gate(Tensor o, Tensor gate, Tensor weight, float eps) -> Tensor");
+  m.def("mla_cache_write(Tensor latent, Tensor(a!) cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "mla_decode_attention(Tensor query, Tensor cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale, int v_dim) -> Tensor");
+  m.def(
+      "mla_prefill_attention(Tensor query, Tensor cache, Tensor block_tables, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale, int v_dim) -> Tensor");
 }
 
 #define VLLM_MAMBA_CONCAT_(a, b) a##b

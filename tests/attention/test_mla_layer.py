@@ -3,8 +3,10 @@
 A tiny Kimi config (hidden 64, 4 heads, kv_lora_rank 32, qk_nope 16, qk_rope 8, v_head 16),
 with and without the low-rank query: the layer, given transformers' weights, equals
 transformers' causal forward over a whole sequence, in one engine step and chunked over two
-steps (and a decode step), with the reference and the C++ ops; with tensor parallelism the
-ranks' head shards sum to the single-rank output; a rotary module rotates q_rot and k_rot.
+steps (and a decode step), with the reference and the C++ ops and with either prefill form
+(expanded, absorbed, expanded falling back to absorbed); a step mixing decode rows and
+several prefill chunks equals transformers per sequence; with tensor parallelism the ranks'
+head shards sum to the single-rank output; a rotary module rotates q_rot and k_rot.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from vllm_mamba.distributed.parallel_state import TensorParallel
 from vllm_mamba.kv_cache import KVCache, plan_num_blocks
 from vllm_mamba.layers.mla_attention import MLAAttention
 from vllm_mamba.layers.parallel_linear import named_shards
+from vllm_mamba.layers.quantization import quantize_model
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.ops import cpu_kernels
 from vllm_mamba.ops.dispatch import REF_OPS
@@ -28,8 +31,11 @@ KimiLinearConfig = pytest.importorskip("transformers").KimiLinearConfig
 
 HIDDEN, HEADS, RANK, NOPE, ROPE, V_DIM = 64, 4, 32, 16, 8, 16
 BLOCK_SIZE = 4
+CPU = torch.device("cpu")
 needs_cpp = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ extension not built")
 IMPLS = ["ref", pytest.param("cpp", marks=needs_cpp)]
+# (prefill_form, expand_max_bytes): expanded, absorbed, expanded over the limit (absorbed).
+FORMS = [("expanded", 2**30), ("absorbed", 2**30), ("expanded", 0)]
 
 
 def _ops(impl: str):
@@ -100,12 +106,16 @@ def _decode(ctx: int) -> PagedMetadata:
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("q_lora_rank", [None, 24])
-def test_layer_equals_transformers(impl: str, q_lora_rank: int | None) -> None:
+@pytest.mark.parametrize(("form", "max_bytes"), FORMS)
+def test_layer_equals_transformers(
+    impl: str, q_lora_rank: int | None, form: str, max_bytes: int
+) -> None:
     """Whole prefill, two chunks, and two chunks then a decode step all equal transformers."""
     hf = _hf_attention(q_lora_rank)
     hidden = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(1))
     want = _hf_forward(hf, hidden)
-    layer = _layer(hf, impl, q_lora_rank)
+    layer = _layer(hf, impl, q_lora_rank, prefill_form=form)
+    layer.expand_max_bytes = max_bytes
     assert layer.kv_spec(torch.bfloat16) == MLASpec(RANK + ROPE, torch.bfloat16)
 
     _bind(layer)
@@ -127,6 +137,46 @@ def test_layer_equals_transformers(impl: str, q_lora_rank: int | None) -> None:
     torch.testing.assert_close(last, want[12:], atol=1e-5, rtol=1e-5)
     # The cache holds the latents: 13 rows of R + Dr values, nothing per head.
     assert cache.layer(0).latent.shape == (8, BLOCK_SIZE, RANK + ROPE)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(("form", "max_bytes"), FORMS)
+def test_mixed_step_equals_transformers(impl: str, form: str, max_bytes: int) -> None:
+    """One step with two decode rows and three prefill chunks, one of them continuing a
+    cached context, equals transformers per sequence."""
+    hf = _hf_attention(None)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randn(n, HIDDEN, generator=gen) for n in (6, 3, 9, 5, 11)]
+    wants = [_hf_forward(hf, x) for x in seqs]
+    layer = _layer(hf, impl, None, prefill_form=form)
+    layer.expand_max_bytes = max_bytes
+    tables = [[0, 1], [2], [3, 4, 5], [6, 7], [8, 9, 10]]
+    cache = _bind(layer, num_blocks=12)
+    # Step 1: the two decoding sequences' prompts but their last token, and 4 tokens of seq 4.
+    step1 = StepLayout(
+        decode_slots=[], prefill_lens=[5, 2, 4], prefill_slots=[0, 1, 4],
+        prefill_context_lens=[0, 0, 0], block_size=BLOCK_SIZE,
+        prefill_block_tables=[tables[0], tables[1], tables[4]],
+    )  # fmt: skip
+    with torch.no_grad():
+        layer(torch.cat([seqs[0][:5], seqs[1][:2], seqs[4][:4]]), build_paged_metadata(step1, CPU))
+    # Step 2: decodes of seqs 0 and 1, whole prompts of seqs 2 and 3, the rest of seq 4.
+    step2 = StepLayout(
+        decode_slots=[0, 1], prefill_lens=[9, 5, 7], prefill_slots=[2, 3, 4],
+        prefill_context_lens=[0, 0, 4], decode_context_lens=[5, 2], block_size=BLOCK_SIZE,
+        decode_block_tables=[tables[0], tables[1]],
+        prefill_block_tables=[tables[2], tables[3], tables[4]],
+    )  # fmt: skip
+    hidden = torch.cat([seqs[0][5:], seqs[1][2:], seqs[2], seqs[3], seqs[4][4:]])
+    with torch.no_grad():
+        out = layer(hidden, build_paged_metadata(step2, CPU))
+    got = out.split([1, 1, 9, 5, 7])
+    torch.testing.assert_close(got[0], wants[0][5:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], wants[1][2:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[2], wants[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[3], wants[3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[4], wants[4][4:], atol=1e-5, rtol=1e-5)
+    assert cache.nbytes() == 12 * BLOCK_SIZE * (RANK + ROPE) * 4
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -186,3 +236,24 @@ def test_tensor_parallel_shards_sum_to_single_rank() -> None:
     torch.testing.assert_close(total, _hf_forward(hf, hidden), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="num_attention_heads"):
         MLAAttention(HIDDEN, 3, None, RANK, NOPE, ROPE, V_DIM, 1e-6, REF_OPS, TensorParallel(0, 2))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("split_before", [True, False])
+def test_quantized_layer_close_to_transformers(impl: str, method: str, split_before: bool) -> None:
+    """Quantised projections: W_UK / W_UV split from the float kv_b_proj before quantisation
+    (as the loader does) or read back through the quantised one; both stay close."""
+    hf = _hf_attention(None)
+    hidden = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(6))
+    want = _hf_forward(hf, hidden)
+    layer = _layer(hf, impl, None)
+    if not split_before:
+        layer.w_kv = None  # read back on the first forward, from the quantised kv_b_proj
+    quantize_model(layer, _ops(impl), method)
+    assert layer.kv_b_proj.weight.dtype in (torch.int8, torch.uint8)
+    _bind(layer)
+    with torch.no_grad():
+        out = torch.cat([layer(hidden[:4], _prefill(0, 4)), layer(hidden[4:], _prefill(4, 5))])
+    atol = 2e-2 if method == "int8" else 1e-1
+    torch.testing.assert_close(out, want, atol=atol, rtol=atol)

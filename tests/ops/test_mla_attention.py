@@ -119,7 +119,9 @@ def test_refs_match_expanded_attention(rank: int, rope: int, heads: int) -> None
         latents = _gather(case.cache, case.block_tables[p], length)
         part = slice(qsl[p], qsl[p + 1])
         q_pos = torch.arange(length - q_len, length)
-        want = _expanded_attention(q_nope[part], q_rot[part], latents, w_uk, w_uv, rank, scale, q_pos)
+        want = _expanded_attention(
+            q_nope[part], q_rot[part], latents, w_uk, w_uv, rank, scale, q_pos
+        )
         torch.testing.assert_close(out[part], want, atol=1e-5, rtol=1e-5)
         # The sequence's last token as a decode row reads the same.
         dec = mla_decode_attention_ref(

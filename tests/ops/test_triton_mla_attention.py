@@ -37,9 +37,10 @@ _NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 _CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, _NEEDS_CUDA])
 _DEVICES = ["cpu"] if IN_INTERPRETER else [_CUDA]
 # (query heads, kv_lora_rank, qk_rope_head_dim, block size): a single head, head counts under
-# and over the decode kernel's 16 heads per program, rope 0, latents not powers of two, block
+# and over the decode kernel's 16 heads per program, rope 0, latents not powers of two, one
+# over the 64-column chunks of the score products (two chunks, the second partial), block
 # sizes under and over the 16-position tiles.
-SHAPES = [(1, 16, 0, 16), (4, 32, 8, 1), (5, 24, 16, 8), (20, 16, 8, 32)]
+SHAPES = [(1, 16, 0, 16), (4, 32, 8, 1), (5, 24, 16, 8), (20, 16, 8, 32), (3, 64, 16, 8)]
 # (seq_len, q_len): a whole prompt, a chunk after cached context, an empty row, one token.
 PREFILL = [(5, 5), (40, 7), (0, 0), (17, 17), (33, 1)]
 DECODE_LENS = [1, 17, 0, 40]  # 0: a padding row

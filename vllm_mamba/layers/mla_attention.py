@@ -12,28 +12,30 @@ Kimi applies no rotary embedding; DeepSeek rotates `q_rot` and `k_rot` (the `rot
 called as `rotary(positions, q_rot (T, Hq * Dr), k_rot (T, Dr))`) before the latent is cached.
 
 What the engine caches per token is the latent `[c | k_rot]` only (`MLASpec(R + Dr)`, one
-row shared by the heads), not per-head keys and values. The attention runs in the ABSORBED
-form (see `vllm_mamba.ops.mla_attention`): with `W_UK (Hq, Dn, R)` and `W_UV (Hq, Dv, R)` the
+row shared by the heads), not per-head keys and values. Decode runs in the ABSORBED form
+(see `vllm_mamba.ops.mla_attention`): with `W_UK (Hq, Dn, R)` and `W_UV (Hq, Dv, R)` the
 per-head halves of `kv_b_proj`, the query `[q_nope @ W_UK | q_rot]` scores the latents directly,
 the attention returns `sum_t p_t c_t (Hq, R)` and `W_UV` maps it to the values; a bias of
 `kv_b_proj` adds the same term to every score of a query (dropped: softmax is shift invariant)
 and its value half is added to the output.
 
-Prefill chunks use the same absorbed kernel (causal varlen, `prefill_attention`) rather than
-expanding the gathered latents to per-head keys and values with `kv_b_proj`. Measured on the
-CPU (2 shared cores, float32, 16 heads of Kimi's head shape R 512, Dr 64, Dn 128, Dv 128; the
-whole layer's attention part: absorption, attention, `W_UV`): a 256-token prompt took 0.10 s
-absorbed against 0.13 s expanded (gather, `kv_b_proj`, SDPA per sequence), and a 256-token
-chunk after 768 cached tokens 0.29 s against 0.35 s. Expanded does fewer multiply-adds per
-query-key pair (Dn + Dr + Dv = 320 against L + R = 1088) but pays the expansion of every cached
-token per chunk, a `(context, Hq, Dn + Dr + Dv)` float32 copy, and one SDPA call per sequence;
-absorbed reuses the one kernel, needs no extra memory and keeps chunked prefill exactly the
-decode computation. (vLLM expands on GPUs, where long prefills are compute bound on tensor
-cores; a CUDA measurement was not possible here.)
-
-`W_UK` and `W_UV` are float32 copies split out of `kv_b_proj` after loading
-(`process_weights_after_loading`, which `CausalLM` calls before any quantisation; else on the
-first forward), read through the layer itself so that an int8 or int4 `kv_b_proj` works too.
+Decode rows always run absorbed (`decode_attention`): one query per row, memory bound, and the
+latent is read once for all heads. Prefill chunks run EXPANDED by default: each sequence's
+cached latents are gathered, `kv_b_proj` expands them to per-head keys `[k_nope | k_rot]` and
+values, and `F.scaled_dot_product_attention` runs causal attention with the chunk's queries
+at their absolute positions (so chunked prefill equals whole prefill). Chosen by measurement:
+on the CPU (2 shared cores, float32, 16 heads of Kimi's head shape R 512, Dr 64, Dn 128,
+Dv 128; absorption, attention and `W_UV` against gather, expansion and SDPA), absorbed with
+the C++ `prefill_attention` against expanded took 3.6 / 2.9 ms for a 64-token prompt,
+21.7 / 14.3 ms for a 256-token prompt, 78.9 / 53.4 ms for a 256-token chunk after 768 cached
+tokens and 145.9 / 124.8 ms after 1792 (best of 3; the machine was loaded, one earlier run
+even had the 256-token prompt the other way round, 49.9 / 91.9 ms). Per query-key pair
+expanded does `Dn + Dr + Dv` = 320 multiply-adds against `L + R` = 1088 absorbed, and its
+work runs in GEMM and SDPA kernels; the expansion of the context (`S R Hq (Dn + Dv)`) is paid
+once per chunk. vLLM makes the same choice (expanded prefill, absorbed decode). The cost is
+a float32 `(S, Hq, Dn + Dr + Dv)` copy of a sequence's context: a sequence whose copy would
+exceed `expand_max_bytes` (`EXPAND_MAX_BYTES`, 256 MiB) runs absorbed instead, through the
+same family's `prefill_attention` (`prefill_form="absorbed"` forces that for all).
 
 Tensor parallelism: the heads are split over the ranks (`q_proj` / `q_b_proj` and `kv_b_proj`
 column-parallel by head, `o_proj` row-parallel); `q_a_proj`, `kv_a_proj_with_mqa` and their norms
@@ -45,7 +47,10 @@ Dn qk_nope_head_dim, Dr qk_rope_head_dim, Dv v_head_dim, L = R + Dr the latent d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
@@ -57,9 +62,11 @@ from vllm_mamba.layers.parallel_linear import column_linear, row_linear
 from vllm_mamba.ops import mla_attention as mla_ops
 from vllm_mamba.ops.table import MambaOps
 
+EXPAND_MAX_BYTES = 256 * 2**20  # a longer sequence's prefill runs absorbed (no expanded copy)
+
 
 class MLAAttention(KVCacheLayer):
-    """One MLA layer: its projections, norms and the absorbed attention over the latent cache."""
+    """One MLA layer: its projections, norms and its attention over the latent cache."""
 
     def __init__(
         self,
@@ -77,6 +84,7 @@ class MLAAttention(KVCacheLayer):
         bias: bool = False,
         rotary: nn.Module | None = None,
         scale: float | None = None,
+        prefill_form: str = "expanded",
     ) -> None:
         """Builds the layer (this rank's heads).
 
@@ -92,6 +100,7 @@ class MLAAttention(KVCacheLayer):
             bias: biases of `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj` (`attention_bias`).
             rotary: rotates `(positions, q_rot (T, Hq * Dr), k_rot (T, Dr))`, or None (Kimi).
             scale: the softmax scale; default `(Dn + Dr) ** -0.5`.
+            prefill_form: "expanded" (the default, see the module docstring) or "absorbed".
 
         Raises:
             ValueError: the heads do not divide over the ranks.
@@ -119,10 +128,13 @@ class MLAAttention(KVCacheLayer):
         self.o_proj = row_linear(num_heads * v_head_dim, hidden_size, bias, ops, tp)
         self.rotary = rotary
         self.mla = ops.family(mla_ops.FAMILY)
+        if prefill_form not in ("expanded", "absorbed"):
+            raise ValueError(f"prefill_form must be 'expanded' or 'absorbed', got {prefill_form!r}")
+        self.prefill_form = prefill_form
+        self.expand_max_bytes = EXPAND_MAX_BYTES
         # Derived from kv_b_proj (float32, not parameters): see process_weights_after_loading.
-        self.w_uk: torch.Tensor | None = None  # (Hq, Dn, R)
-        self.w_uv: torch.Tensor | None = None  # (Hq, Dv, R)
-        self.b_uv: torch.Tensor | None = None  # (Hq, Dv) or None
+        self.w_kv: torch.Tensor | None = None  # (Hq * (Dn + Dv), R), kv_b_proj's weight
+        self.b_kv: torch.Tensor | None = None  # (Hq * (Dn + Dv),) or None, its bias
 
     def kv_spec(self, dtype: torch.dtype) -> KVSpec:
         """One latent row `[c | k_rot]` of `R + Dr` values per token, shared by the heads."""
@@ -130,10 +142,11 @@ class MLAAttention(KVCacheLayer):
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """Splits `W_UK`, `W_UV` (and the value bias) out of `kv_b_proj` as float32.
+        """Keeps `kv_b_proj`'s weight (and bias) as float32 `w_kv`, whose per-head halves are
+        `W_UK` and `W_UV` (`_w_uk_uv`).
 
-        Read by applying `kv_b_proj` to the identity, so the split works for a float, int8 or
-        4-bit weight and for this rank's column shard alike.
+        Read by applying `kv_b_proj` to the identity, so it works for a float, int8 or 4-bit
+        weight and for this rank's column shard alike.
         """
         proj = self.kv_b_proj
         dtype = proj.compute_dtype
@@ -141,19 +154,20 @@ class MLAAttention(KVCacheLayer):
         rank = self.kv_lora_rank
         bias = proj(torch.zeros(1, rank, dtype=dtype, device=device)).float()  # (1, out)
         weight = proj(torch.eye(rank, dtype=dtype, device=device)).float() - bias  # (R, out)
-        per_head = weight.t().reshape(self.num_heads, -1, rank)  # (Hq, Dn + Dv, R)
-        dn = self.qk_nope_head_dim
-        self.w_uk = per_head[:, :dn].contiguous()  # (Hq, Dn, R)
-        self.w_uv = per_head[:, dn:].contiguous()  # (Hq, Dv, R)
-        b_uv = bias.view(self.num_heads, -1)[:, dn:]  # (Hq, Dv)
-        self.b_uv = b_uv.contiguous() if bool(b_uv.any()) else None
+        self.w_kv = weight.t().contiguous()  # (Hq (Dn + Dv), R)
+        self.b_kv = bias[0].contiguous() if bool(bias.any()) else None
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views `W_UK (Hq, Dn, R)` and `W_UV (Hq, Dv, R)` of the float32 `kv_b_proj` weight."""
+        assert self.w_kv is not None
+        per_head = self.w_kv.view(self.num_heads, -1, self.kv_lora_rank)  # (Hq, Dn + Dv, R)
+        return per_head[:, : self.qk_nope_head_dim], per_head[:, self.qk_nope_head_dim :]
 
     def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`."""
         assert isinstance(self.kv, LatentKV), "the latent cache is not bound to this layer"
-        if self.w_uk is None:
+        if self.w_kv is None:
             self.process_weights_after_loading()
-        assert self.w_uk is not None and self.w_uv is not None
         num_tokens, heads = hidden.shape[0], self.num_heads
         dn, dr, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         if self.q_lora_rank is None:
@@ -172,34 +186,89 @@ class MLAAttention(KVCacheLayer):
             q_rot = q_rot.view(num_tokens, heads, dr)
         latent = torch.cat([c, k_rot.to(c.dtype)], dim=-1)  # (T, L)
         self.mla.cache_write(latent=latent, cache=self.kv.latent, slot_mapping=meta.slot_mapping)
-        q_lat = torch.einsum("thn,hnr->thr", q_nope.float(), self.w_uk)  # (T, Hq, R)
-        query = torch.cat([q_lat, q_rot.float()], dim=-1)  # (T, Hq, L) float32
-        out_lat = self._attend(query, meta)  # (T, Hq, R) float32
-        out = torch.einsum("thr,hvr->thv", out_lat, self.w_uv)  # (T, Hq, Dv)
-        if self.b_uv is not None:
-            out = out + self.b_uv
-        return self.o_proj(out.reshape(num_tokens, heads * self.v_head_dim).to(hidden.dtype))
-
-    def _attend(self, query: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
-        """Absorbed attention of `query (T, Hq, L)` over the latents -> `(T, Hq, R)`."""
-        assert isinstance(self.kv, LatentKV)
-        cache, rank, nd = self.kv.latent, self.kv_lora_rank, meta.num_decodes
-        parts = []
+        nd, parts = meta.num_decodes, []
         if nd:
             parts.append(
-                self.mla.decode_attention(
-                    query=query[:nd], cache=cache, block_tables=meta.decode_block_tables,
-                    seq_lens=meta.decode_seq_lens, scale=self.scale, v_dim=rank,
+                self._absorbed(
+                    q_nope[:nd], q_rot[:nd], self.mla.decode_attention,
+                    block_tables=meta.decode_block_tables, seq_lens=meta.decode_seq_lens,
                 )
             )  # fmt: skip
         if meta.num_prefills:
-            parts.append(
-                self.mla.prefill_attention(
-                    query=query[nd:], cache=cache, block_tables=meta.prefill_block_tables,
-                    query_start_loc=meta.prefill_query_start_loc,
-                    seq_lens=meta.prefill_seq_lens, scale=self.scale, v_dim=rank,
-                )
-            )  # fmt: skip
+            parts.append(self._prefill(q_nope[nd:], q_rot[nd:], meta))
         if not parts:
-            return query.new_zeros(query.shape[0], query.shape[1], rank)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            return self.o_proj(hidden.new_zeros(num_tokens, heads * self.v_head_dim))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, Hq, Dv) float32
+        return self.o_proj(out.reshape(num_tokens, heads * self.v_head_dim).to(hidden.dtype))
+
+    def _absorbed(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, kernel: Callable[..., torch.Tensor],
+        **rows: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Absorbed attention of `q_nope (N, Hq, Dn)`, `q_rot (N, Hq, Dr)` through `kernel`
+        (the family's decode or prefill op, with its row tensors `rows`) -> `(N, Hq, Dv)`
+        float32."""
+        assert isinstance(self.kv, LatentKV)
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("thn,hnr->thr", q_nope.float(), w_uk)  # (N, Hq, R)
+        query = torch.cat([q_lat, q_rot.float()], dim=-1)  # (N, Hq, L)
+        out_lat = kernel(
+            query=query, cache=self.kv.latent, scale=self.scale, v_dim=self.kv_lora_rank, **rows
+        )  # (N, Hq, R)
+        out = torch.einsum("thr,hvr->thv", out_lat, w_uv)  # (N, Hq, Dv)
+        if self.b_kv is not None:
+            out = out + self.b_kv.view(self.num_heads, -1)[:, self.qk_nope_head_dim :]
+        return out
+
+    def _prefill(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, meta: PagedMetadata
+    ) -> torch.Tensor:
+        """The prefill chunks' attention -> `(Tp, Hq, Dv)` float32 (padding tokens zero)."""
+        if self.prefill_form == "absorbed":
+            return self._absorbed(
+                q_nope, q_rot, self.mla.prefill_attention,
+                block_tables=meta.prefill_block_tables,
+                query_start_loc=meta.prefill_query_start_loc, seq_lens=meta.prefill_seq_lens,
+            )  # fmt: skip
+        heads, dn, dv = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
+        out = torch.zeros(q_nope.shape[0], heads, dv, device=q_nope.device)
+        starts = meta.prefill_query_start_loc.tolist()
+        per_token = heads * (dn + self.qk_rope_head_dim + dv) * 4  # expanded K and V bytes
+        for p, length in enumerate(meta.prefill_seq_lens.tolist()):
+            begin, end = starts[p], starts[p + 1]
+            if end == begin:
+                continue
+            if length * per_token > self.expand_max_bytes:  # too long to expand: absorbed
+                out[begin:end] = self._absorbed(
+                    q_nope[begin:end], q_rot[begin:end], self.mla.prefill_attention,
+                    block_tables=meta.prefill_block_tables[p : p + 1],
+                    query_start_loc=meta.prefill_query_start_loc.new_tensor([0, end - begin]),
+                    seq_lens=meta.prefill_seq_lens[p : p + 1],
+                )  # fmt: skip
+                continue
+            table = meta.prefill_block_tables[p]
+            out[begin:end] = self._expanded(q_nope[begin:end], q_rot[begin:end], table, length)
+        return out
+
+    def _expanded(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, table: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        """One sequence's chunk `q_nope (Q, Hq, Dn)`, `q_rot (Q, Hq, Dr)` over its `length`
+        cached latents expanded to per-head keys and values -> `(Q, Hq, Dv)` float32."""
+        assert isinstance(self.kv, LatentKV) and self.w_kv is not None
+        cache, heads = self.kv.latent, self.num_heads
+        dn, rank = self.qk_nope_head_dim, self.kv_lora_rank
+        block_size, num_q = cache.shape[1], q_nope.shape[0]
+        pos = torch.arange(length, device=cache.device)  # (S,)
+        latents = cache[table[pos // block_size].long(), pos % block_size].float()  # (S, L)
+        kv = F.linear(latents[:, :rank], self.w_kv, self.b_kv).view(length, heads, -1)
+        k_rot = latents[:, None, rank:].expand(length, heads, self.qk_rope_head_dim)
+        keys = torch.cat([kv[..., :dn], k_rot], dim=-1)  # (S, Hq, Dn + Dr)
+        values = kv[..., dn:]  # (S, Hq, Dv)
+        query = torch.cat([q_nope, q_rot], dim=-1).float()  # (Q, Hq, Dn + Dr)
+        allowed = pos[None, :] <= pos[length - num_q :, None]  # (Q, S) causal
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=allowed, scale=self.scale,
+        )  # fmt: skip
+        return out.transpose(0, 1)  # (Q, Hq, Dv)

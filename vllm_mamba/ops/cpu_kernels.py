@@ -4,9 +4,10 @@ The kernels live in `csrc/` and are built, once per ISA level, into the extensio
 `vllm_mamba._C_<level>` by `pip install --no-build-isolation -e .`; `cpu_isa.load()` imports
 the one this CPU runs, which registers the ops. Every wrapper has the
 signature of its `_ref` twin (`vllm_mamba.ops.causal_conv1d`, `vllm_mamba.ops.selective_scan`,
-`vllm_mamba.ops.ssd`, `vllm_mamba.ops.gated_delta`, `vllm_mamba.ops.kda`), so
-`vllm_mamba.ops.dispatch` can swap them in; the Gated DeltaNet and Kimi Delta Attention ones are
-registered as the `cpp` backend's `gated_delta` and `kda` families. The
+`vllm_mamba.ops.ssd`, `vllm_mamba.ops.gated_delta`, `vllm_mamba.ops.kda`,
+`vllm_mamba.ops.mla_attention`), so `vllm_mamba.ops.dispatch` can swap them in; the Gated
+DeltaNet, Kimi Delta Attention and latent-cache attention ones are registered as the `cpp`
+backend's `gated_delta`, `kda` and `mla` families. The
 kernels copy non-contiguous activations to contiguous ones themselves; the states are updated
 in place and must be contiguous.
 """
@@ -23,6 +24,7 @@ from vllm_mamba.ops import (
     cpu_isa,
     gated_delta,  # registers the `gated_delta` family first
     kda,  # registers the `kda` family first
+    mla_attention,  # registers the `mla` family first
 )
 from vllm_mamba.ops.families import register_op_impl
 from vllm_mamba.ops.int4_linear import has_int4_kernel, int4_linear_cpp, int4_linear_ref
@@ -53,6 +55,9 @@ _OP_NAMES = (
     "kda_varlen",
     "kda_update",
     "kda_norm_gate",
+    "mla_cache_write",
+    "mla_decode_attention",
+    "mla_prefill_attention",
 )
 SMALL_BATCH = 8  # rows up to which `linear` streams the weight with the matrix-vector kernel
 
@@ -508,6 +513,70 @@ register_op_impl(
     varlen=kda_varlen,
     update=kda_update,
     norm_gate=kda_norm_gate,
+def mla_cache_write(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes the tokens' latent rows to their cache slots; see `mla_cache_write_ref`.
+
+    Args:
+        latent: `(T, L)`; cache: `(NB, BS, L)` float32, bfloat16 or float16, updated in place.
+        slot_mapping: `(T,)` int; slots `< 0` are skipped.
+    """
+    torch.ops.vllm_mamba.mla_cache_write(latent, cache, slot_mapping)
+
+
+def mla_decode_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """Absorbed MLA decode over the paged latents; see `mla_decode_attention_ref`.
+
+    Args:
+        query: `(B, Hq, L)`; cache: `(NB, BS, L)`.
+        block_tables: `(B, max_blocks)` int; seq_lens: `(B,)` int, 0 for padding rows.
+        scale: the softmax scale; v_dim: the value columns of a latent row.
+
+    Returns:
+        `(B, Hq, v_dim)` in the query's dtype.
+    """
+    return torch.ops.vllm_mamba.mla_decode_attention(
+        query, cache, block_tables, seq_lens, float(scale), int(v_dim)
+    )
+
+
+def mla_prefill_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """Causal absorbed MLA over the cached latents; see `mla_prefill_attention_ref`.
+
+    Args:
+        query: `(T, Hq, L)`; cache: `(NB, BS, L)`.
+        block_tables: `(P, max_blocks)` int; query_start_loc: `(P + 1,)` int;
+            seq_lens: `(P,)` int, context plus chunk of each sequence.
+        scale: the softmax scale; v_dim: the value columns of a latent row.
+
+    Returns:
+        `(T, Hq, v_dim)` in the query's dtype; tokens after `qsl[P]` are zeros.
+    """
+    return torch.ops.vllm_mamba.mla_prefill_attention(
+        query, cache, block_tables, query_start_loc, seq_lens, float(scale), int(v_dim)
+    )
+
+
+register_op_impl(
+    mla_attention.FAMILY,
+    "cpp",
+    cache_write=mla_cache_write,
+    decode_attention=mla_decode_attention,
+    prefill_attention=mla_prefill_attention,
 )
 
 

@@ -20,7 +20,9 @@ of `kv_b_proj`, the layer passes `query = [q_nope @ W_UK | q_rot] (Hq, L)`, so t
     out = sum_t softmax(score)_t c_t                  (the first `v_dim = R` values of a row)
 
 and maps `out (Hq, R)` through `W_UV` to the values itself. That is multi-query attention with
-one key/value head of dim L whose value is the first `v_dim` columns of the key.
+one key/value head of dim L whose value is the first `v_dim` columns of the key. (The layer
+runs decode this way; its prefill expands the latents by default and uses `prefill_attention`
+for sequences too long to expand, see `vllm_mamba.layers.mla_attention`.)
 
 Glossary:
     T: tokens in the flat batch; B: decode rows; P: prefill sequences; Hq: query heads;
@@ -133,9 +135,7 @@ def mla_prefill_attention_ref(
     """
     _check(query, cache, v_dim)
     kv = cache.unsqueeze(2)
-    out = paged_prefill_attention_ref(
-        query, kv, kv, block_tables, query_start_loc, seq_lens, scale
-    )
+    out = paged_prefill_attention_ref(query, kv, kv, block_tables, query_start_loc, seq_lens, scale)
     return out[..., :v_dim].contiguous()
 
 

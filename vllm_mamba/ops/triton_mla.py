@@ -5,7 +5,9 @@ Same signatures and semantics as the references in `vllm_mamba.ops.mla_attention
 by `vllm_mamba.ops.triton_ops`, which registers them as the `triton` backend's `mla` family.
 The kernels walk the context in tiles of `_BLOCK_N` positions gathered through the block
 table, with an online softmax in float32 (as `triton_attention`). Every head reads the same
-latent rows: the key of a position is its whole row (L values), its value the first `v_dim`.
+latent rows: the key of a position is its whole row (L values), its value the first `v_dim`;
+the scores are summed over the latent in chunks of `_BLOCK_D` columns, so no `(rows, L)` query
+or key tile is held at once (Kimi's L is 576).
 Decode runs one program per (row, block of `_HEADS` heads), so a latent tile is loaded once
 for those heads; prefill one program per (tile of `_BLOCK_M` queries, head). Launch grids
 depend on shapes only (no host synchronisation: decode can be captured in a CUDA graph). They
@@ -24,6 +26,7 @@ from vllm_mamba.ops.families import register_op_impl
 _BLOCK_N = 16  # context positions per tile (tl.dot needs at least 16)
 _BLOCK_M = 16  # prefill queries per program
 _HEADS = 16  # decode heads per program (tl.dot needs at least 16 rows)
+_BLOCK_D = 64  # latent columns per chunk of the score products
 _M_INIT = -1.0e30  # running max of a row with no position yet (finite: no inf - inf)
 
 
@@ -53,20 +56,37 @@ def _latent_tile(
 
 
 @triton.jit
+def _scores(
+    query_rows, q_mask, scale, cache, tables_row, pos, limit, sc_b, sc_t,
+    BS: tl.constexpr, L: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """`scale * q . latent` of `ROWS` query rows (`query_rows (ROWS, 1)` pointers, rows masked
+    by `q_mask`) against positions `pos (BLOCK_N,)`, summed over the latent in chunks of
+    `BLOCK_D` columns so that no `(rows, L)` tile is held at once."""
+    s = tl.zeros((ROWS, BLOCK_N), tl.float32)
+    for d0 in tl.static_range(0, L, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        q = tl.load(
+            query_rows + cols[None, :], mask=q_mask[:, None] & (cols[None, :] < L), other=0.0
+        )
+        k = _latent_tile(cache, tables_row, pos, limit, cols, L, sc_b, sc_t, BS)  # (N, BLOCK_D)
+        s += tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+    return s * scale
+
+
+@triton.jit
 def _decode_kernel(
     query, cache, block_tables, seq_lens, out, scale,
     sq_b, sq_h, so_b, so_h, sbt, sc_b, sc_t,
     BS: tl.constexpr, H: tl.constexpr, L: tl.constexpr, V: tl.constexpr,
-    HB: tl.constexpr, L_PAD: tl.constexpr, V_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    HB: tl.constexpr, V_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)  # (HB,)
-    dl = tl.arange(0, L_PAD)
     dv = tl.arange(0, V_PAD)
     hmask = heads < H
-    qmask = hmask[:, None] & (dl[None, :] < L)
-    q = tl.load(query + b * sq_b + heads[:, None] * sq_h + dl[None, :], mask=qmask, other=0.0)
-    q = q.to(tl.float32) * scale  # (HB, L_PAD)
+    query_rows = query + b * sq_b + heads[:, None] * sq_h  # (HB, 1)
     length = tl.load(seq_lens + b)
     tables_row = block_tables + b * sbt
     m = tl.full((HB,), _M_INIT, tl.float32)
@@ -74,9 +94,12 @@ def _decode_kernel(
     acc = tl.zeros((HB, V_PAD), tl.float32)
     for start in range(0, length, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        k = _latent_tile(cache, tables_row, pos, length, dl, L, sc_b, sc_t, BS)  # (N, L_PAD)
+        # (HB, BLOCK_N) scores of the heads against the tile
+        s = _scores(
+            query_rows, hmask, scale, cache, tables_row, pos, length, sc_b, sc_t,
+            BS, L, BLOCK_D, HB, BLOCK_N,
+        )  # fmt: skip
         v = _latent_tile(cache, tables_row, pos, length, dv, V, sc_b, sc_t, BS)  # (N, V_PAD)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (HB, BLOCK_N)
         s = tl.where((pos < length)[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
@@ -93,8 +116,8 @@ def _decode_kernel(
 def _prefill_kernel(
     query, cache, block_tables, query_start_loc, seq_lens, out, scale, num_seqs,
     sq_t, sq_h, so_t, so_h, sbt, sc_b, sc_t,
-    BS: tl.constexpr, L: tl.constexpr, V: tl.constexpr, L_PAD: tl.constexpr,
-    V_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BS: tl.constexpr, L: tl.constexpr, V: tl.constexpr, V_PAD: tl.constexpr,
+    P_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # Program i serves tile i - first[p] of the sequence p with first[p] <= i, where
     # first[p] = qsl[p] // BLOCK_M + p: every sequence gets room for all its tiles.
@@ -109,12 +132,9 @@ def _prefill_kernel(
     length = tl.load(seq_lens + p)
     j = (tile - (q_begin // BLOCK_M + p)) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     rows_ok = j < q_len
-    dl = tl.arange(0, L_PAD)
     dv = tl.arange(0, V_PAD)
     tok = (q_begin + j).to(tl.int64)
-    qmask = rows_ok[:, None] & (dl[None, :] < L)
-    q = tl.load(query + tok[:, None] * sq_t + head * sq_h + dl[None, :], mask=qmask, other=0.0)
-    q = q.to(tl.float32) * scale  # (BLOCK_M, L_PAD)
+    query_rows = query + tok[:, None] * sq_t + head * sq_h  # (BLOCK_M, 1)
     q_pos = length - q_len + j  # absolute positions of the tile's queries
     tables_row = block_tables + p * sbt
     kv_end = tl.minimum(length, tl.max(tl.where(rows_ok, q_pos + 1, 0)))
@@ -123,9 +143,12 @@ def _prefill_kernel(
     acc = tl.zeros((BLOCK_M, V_PAD), tl.float32)
     for start in range(0, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        k = _latent_tile(cache, tables_row, pos, kv_end, dl, L, sc_b, sc_t, BS)
+        # (BLOCK_M, BLOCK_N) scores of the tile's queries against the context tile
+        s = _scores(
+            query_rows, rows_ok, scale, cache, tables_row, pos, kv_end, sc_b, sc_t,
+            BS, L, BLOCK_D, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
         v = _latent_tile(cache, tables_row, pos, kv_end, dv, V, sc_b, sc_t, BS)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N)
         allowed = (pos[None, :] <= q_pos[:, None]) & rows_ok[:, None]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -142,6 +165,11 @@ def _prefill_kernel(
 def _pad(n: int) -> int:
     """`n` rounded up to a power of two, at least 16 (tl.dot's smallest dimension)."""
     return max(triton.next_power_of_2(n), 16)
+
+
+def _block_d(dim: int) -> int:
+    """Latent columns per chunk of the score products (at most `_BLOCK_D`)."""
+    return min(_pad(dim), _BLOCK_D)
 
 
 def _check(query: torch.Tensor, cache: torch.Tensor, v_dim: int) -> None:
@@ -202,8 +230,8 @@ def mla_decode_attention(
         query, cache, block_tables, seq_lens, out, float(scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         cache.stride(0), cache.stride(1),
-        BS=cache.shape[1], H=heads, L=dim, V=v_dim, HB=_HEADS, L_PAD=_pad(dim),
-        V_PAD=_pad(v_dim), BLOCK_N=_BLOCK_N,
+        BS=cache.shape[1], H=heads, L=dim, V=v_dim, HB=_HEADS, V_PAD=_pad(v_dim),
+        BLOCK_D=_block_d(dim), BLOCK_N=_BLOCK_N,
     )  # fmt: skip
     return out
 
@@ -240,8 +268,9 @@ def mla_prefill_attention(
         query, cache, block_tables, query_start_loc, seq_lens, out, float(scale), seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         cache.stride(0), cache.stride(1),
-        BS=cache.shape[1], L=dim, V=v_dim, L_PAD=_pad(dim), V_PAD=_pad(v_dim),
-        P_PAD=max(triton.next_power_of_2(seqs), 1), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+        BS=cache.shape[1], L=dim, V=v_dim, V_PAD=_pad(v_dim),
+        P_PAD=max(triton.next_power_of_2(seqs), 1), BLOCK_D=_block_d(dim), BLOCK_M=_BLOCK_M,
+        BLOCK_N=_BLOCK_N,
     )  # fmt: skip
     return out
 
