@@ -54,6 +54,9 @@ from vllm_mamba.ops.table import MambaOps
 
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
 _EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# The MLA layers' `q_a_layernorm` / `kv_a_layernorm` are built without the config's epsilon, so
+# they keep the RMSNorm default (transformers' KimiLinearRMSNorm and the released modeling code).
+MLA_NORM_EPS = 1e-6
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(w[123])\.")
 
 
@@ -69,7 +72,7 @@ def _mla(config: Any, ops: MambaOps, tp: TensorParallel) -> MLAAttention:
     return MLAAttention(
         config.hidden_size, config.num_attention_heads, config.q_lora_rank,
         config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
-        config.v_head_dim, config.rms_norm_eps, ops, tp, bias=bool(config.attention_bias),
+        config.v_head_dim, MLA_NORM_EPS, ops, tp, bias=bool(config.attention_bias),
     )  # fmt: skip
 
 

@@ -513,6 +513,9 @@ register_op_impl(
     varlen=kda_varlen,
     update=kda_update,
     norm_gate=kda_norm_gate,
+)
+
+
 def mla_cache_write(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Writes the tokens' latent rows to their cache slots; see `mla_cache_write_ref`.
 
