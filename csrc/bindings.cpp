@@ -52,6 +52,12 @@ TORCH_LIBRARY(vllm_mamba, m) {
       "gated_delta_update(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
       "Tensor dt_bias, float beta_scale, Tensor(a!) ssm_states, Tensor state_indices) -> Tensor");
   m.def("rms_norm_gated(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "short_conv_update(Tensor bcx, Tensor(a!) conv_states, Tensor weight, Tensor? bias, "
+      "Tensor state_indices) -> Tensor");
+  m.def(
+      "short_conv_varlen(Tensor bcx, Tensor(a!) conv_states, Tensor weight, Tensor? bias, "
+      "Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state) -> Tensor");
 }
 
 #define VLLM_MAMBA_CONCAT_(a, b) a##b
