@@ -67,6 +67,12 @@ TORCH_LIBRARY(vllm_mamba, m) {
   m.def(
       "mla_prefill_attention(Tensor query, Tensor cache, Tensor block_tables, "
       "Tensor query_start_loc, Tensor seq_lens, float scale, int v_dim) -> Tensor");
+  m.def(
+      "short_conv_update(Tensor bcx, Tensor(a!) conv_states, Tensor weight, Tensor? bias, "
+      "Tensor state_indices) -> Tensor");
+  m.def(
+      "short_conv_varlen(Tensor bcx, Tensor(a!) conv_states, Tensor weight, Tensor? bias, "
+      "Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state) -> Tensor");
 }
 
 #define VLLM_MAMBA_CONCAT_(a, b) a##b

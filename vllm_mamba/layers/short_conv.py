@@ -8,6 +8,9 @@ prefill chunks).
 `conv` is depthwise (one filter of K taps per channel), causal, with an optional bias, and
 starts from each sequence's saved history: the per-sequence state is that history alone,
 `conv (D, K - 1)` (the last K - 1 values of `B * x`, kind `conv`, kept in the model dtype).
+The gating and the conv run as one op on the in_proj output, the op family `short_conv`
+(`vllm_mamba.ops.short_conv`: `update` for the decode rows, `varlen` for the prefill chunks;
+float32 math, one rounding of `C * y`).
 There is no recurrent state, so forks, preemption and prefix snapshots copy this one tensor.
 In the checkpoints: `in_proj.weight (3D, H)`, `conv.weight (D, 1, K)`, `out_proj.weight
 (H, D)`; LFM2's `conv_bias` gives all three a bias (`(3D,)`, `(D,)`, `(H,)`).
@@ -28,8 +31,9 @@ from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.cache_layers import StatefulLayer
-from vllm_mamba.layers.mixer_base import Conv1dWeights, causal_conv
+from vllm_mamba.layers.mixer_base import Conv1dWeights
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
+from vllm_mamba.ops import short_conv as short_conv_ops
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -52,6 +56,7 @@ class ShortConv(StatefulLayer):
             raise ValueError(f"conv_L_cache ({kernel}) must be at least 2")
         start, local = tp.range(channels, "the short conv's channels (hidden_size)")
         self.ops = ops
+        self.sc = ops.family(short_conv_ops.FAMILY)  # the fused gated conv ops
         self.channels = local  # this rank's D
         self.kernel = kernel
         self.in_proj = column_linear(hidden_size, [channels] * 3, bias, ops, tp)
@@ -78,9 +83,24 @@ class ShortConv(StatefulLayer):
         Returns:
             `(T, H)` in the model dtype.
         """
-        b, c, x = self.in_proj(hidden).chunk(3, dim=-1)  # (T, D) each
-        y = causal_conv(
-            self.ops, b * x, self.conv_weight, self.conv.bias, self.state["conv"], meta,
-            activation=False,
-        )  # fmt: skip
-        return self.out_proj(c * y)  # (T, H)
+        bcx = self.in_proj(hidden)  # (T, 3D): [B | C | x]
+        conv_states = self.state["conv"]  # (S, D, K - 1)
+        nd = meta.num_decodes
+        parts = []  # (decode rows, D), then (prefill tokens, D)
+        if nd:
+            parts.append(
+                self.sc.update(
+                    bcx[:nd], conv_states, self.conv_weight, self.conv.bias,
+                    meta.decode_state_indices,
+                )
+            )  # fmt: skip
+        if meta.num_prefills:
+            parts.append(
+                self.sc.varlen(
+                    bcx[nd:], conv_states, self.conv_weight, self.conv.bias,
+                    meta.prefill_query_start_loc, meta.prefill_state_indices,
+                    meta.prefill_has_initial_state,
+                )
+            )  # fmt: skip
+        gated = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, D): C * conv(B * x)
+        return self.out_proj(gated)  # (T, H)

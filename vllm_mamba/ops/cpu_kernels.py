@@ -5,9 +5,10 @@ The kernels live in `csrc/` and are built, once per ISA level, into the extensio
 the one this CPU runs, which registers the ops. Every wrapper has the
 signature of its `_ref` twin (`vllm_mamba.ops.causal_conv1d`, `vllm_mamba.ops.selective_scan`,
 `vllm_mamba.ops.ssd`, `vllm_mamba.ops.gated_delta`, `vllm_mamba.ops.kda`,
-`vllm_mamba.ops.mla_attention`), so `vllm_mamba.ops.dispatch` can swap them in; the Gated
-DeltaNet, Kimi Delta Attention and latent-cache attention ones are registered as the `cpp`
-backend's `gated_delta`, `kda` and `mla` families. The
+`vllm_mamba.ops.mla_attention`, `vllm_mamba.ops.short_conv`), so `vllm_mamba.ops.dispatch`
+can swap them in; the Gated DeltaNet, Kimi Delta Attention, latent-cache attention and short
+conv ones are registered as the `cpp` backend's `gated_delta`, `kda`, `mla` and `short_conv`
+families. The
 kernels copy non-contiguous activations to contiguous ones themselves; the states are updated
 in place and must be contiguous.
 """
@@ -25,6 +26,7 @@ from vllm_mamba.ops import (
     gated_delta,  # registers the `gated_delta` family first
     kda,  # registers the `kda` family first
     mla_attention,  # registers the `mla` family first
+    short_conv,  # and the `short_conv` family
 )
 from vllm_mamba.ops.families import register_op_impl
 from vllm_mamba.ops.int4_linear import has_int4_kernel, int4_linear_cpp, int4_linear_ref
@@ -58,6 +60,8 @@ _OP_NAMES = (
     "mla_cache_write",
     "mla_decode_attention",
     "mla_prefill_attention",
+    "short_conv_update",
+    "short_conv_varlen",
 )
 SMALL_BATCH = 8  # rows up to which `linear` streams the weight with the matrix-vector kernel
 
@@ -581,6 +585,57 @@ register_op_impl(
     decode_attention=mla_decode_attention,
     prefill_attention=mla_prefill_attention,
 )
+
+
+def short_conv_update(
+    bcx: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token per row of LFM2's gated short conv; see `short_conv_update_ref`.
+
+    Args:
+        bcx: `(B, 3D)` the in_proj output `[B | C | x]`, float32 or bfloat16 (a view with a
+            free row stride is read in place).
+        conv_states: `(S, D, K - 1)`, contiguous, float32 or bfloat16; updated in place for
+            non-padding rows.
+        weight: `(D, K)`, 2 <= K <= 8; bias: `(D,)` or None.
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
+
+    Returns:
+        `(B, D)` `C * conv(B * x)` in bcx's dtype (padding rows use a zero history).
+    """
+    return torch.ops.vllm_mamba.short_conv_update(bcx, conv_states, weight, bias, state_indices)
+
+
+def short_conv_varlen(
+    bcx: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """LFM2's gated short conv over packed sequences; see `short_conv_varlen_ref`.
+
+    Args:
+        bcx: `(T, 3D)` the in_proj output `[B | C | x]`, float32 or bfloat16.
+        conv_states: `(S, D, K - 1)`, contiguous, float32 or bfloat16; updated in place.
+        weight: `(D, K)`, 2 <= K <= 8; bias: `(D,)` or None.
+        query_start_loc: `(B + 1,)`; state_indices: `(B,)`; has_initial_state: `(B,)` bool.
+
+    Returns:
+        `(T, D)` `C * conv(B * x)` in bcx's dtype.
+    """
+    return torch.ops.vllm_mamba.short_conv_varlen(
+        bcx, conv_states, weight, bias, query_start_loc, state_indices, has_initial_state
+    )
+
+
+register_op_impl(short_conv.FAMILY, "cpp", update=short_conv_update, varlen=short_conv_varlen)
 
 
 def _onednn_linear_available() -> bool:
