@@ -71,6 +71,7 @@ TOKENIZER_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests/data/gpt-neox-20b-tokenizer"
 )
 DECODE_TOKENS = 32
+LLAMA_MAX_SEQS = 256  # llama.cpp's LLAMA_MAX_SEQ: the most sequences one context holds
 PROMPT_LEN = 16
 
 
@@ -188,7 +189,13 @@ class LlamaCpp:
         return self.system.prefill([0] * length)
 
     def decode(self, batch: int) -> float:
-        return self.system.decode([[0] * PROMPT_LEN] * batch, DECODE_TOKENS)
+        """Aggregate tokens/s of `batch` streams; above `LLAMA_MAX_SEQS` (llama.cpp refuses a
+        context of more sequences: `n_seq_max must be <= 256`) its rate at that many, the
+        most it can run at once."""
+        if batch > LLAMA_MAX_SEQS:
+            print(f"llama.cpp: {batch} streams exceed its {LLAMA_MAX_SEQS}; run at that many")
+        streams = min(batch, LLAMA_MAX_SEQS)
+        return self.system.decode([[0] * PROMPT_LEN] * streams, DECODE_TOKENS)
 
     def step_ms(self, context: int) -> float:
         raise NotImplementedError("llama.cpp has no step @ C row (use --no-steps)")
