@@ -50,7 +50,8 @@ from vllm_mamba.ops.table import MambaOps
 logger = logging.getLogger(__name__)
 
 FLOAT_LINEARS = ("dt_proj", "kv_b_proj")  # `Linear`s whose weight the layers read directly
-# (MLA absorbs `kv_b_proj` into float32 `W_UK` / `W_UV`: quantising it would save nothing)
+# (MLA keeps float32 `W_UK` / `W_UV` copies of `kv_b_proj` for decode: an int8 `kv_b_proj` would
+# save no memory and make the prefill's expansion disagree with decode)
 INT8_UNDER_INT4 = ("lm_head",)  # `Linear`s that int4 quantises to int8 (see the docstring)
 
 
