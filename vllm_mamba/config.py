@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from vllm_mamba.spec_decode.config import SpeculativeConfig
+
 DEFAULT_SNAPSHOT_INTERVAL = 512  # prompt tokens between prefix-cache snapshots
 DEFAULT_PREFIX_CACHE_MEMORY_BYTES = 1 << 30  # the snapshot slots' budget
 
@@ -259,6 +261,7 @@ class EngineConfig:
     log_stats: bool = True
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = None
 
     @property
     def num_state_slots(self) -> int:

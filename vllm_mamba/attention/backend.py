@@ -29,6 +29,10 @@ class StepLayout:
         block_size: tokens per KV block (paged backend only; 0 without a KV cache).
         decode_block_tables: the KV blocks of each decoding sequence (paged backend only).
         prefill_block_tables: the KV blocks of each prefilling sequence (paged backend only).
+        decode_waves: with speculative decoding, the decode rows per wave (see
+            `mamba_metadata.MambaMetadata`); empty otherwise.
+        wave_copies: per wave but the last, `(src slots, dst slots)` of the states to save
+            after it.
     """
 
     decode_slots: list[int]
@@ -39,6 +43,8 @@ class StepLayout:
     block_size: int = 0
     decode_block_tables: list[list[int]] = field(default_factory=list)
     prefill_block_tables: list[list[int]] = field(default_factory=list)
+    decode_waves: list[int] = field(default_factory=list)
+    wave_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)
 
 
 class AttentionMetadata:

@@ -10,7 +10,8 @@ and the CUDA-graph capture both build it with `build_mamba_metadata`.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +31,10 @@ class MambaMetadata(AttentionMetadata):
         prefill_state_indices: `(num_prefills,)` int32, the state slot of each chunk.
         prefill_has_initial_state: `(num_prefills,)` bool, True when the chunk continues a
             sequence whose state already holds earlier tokens.
+        decode_waves: decode rows per wave (speculative chains, see the module docstring);
+            empty when every decode row is its own sequence.
+        wave_copies: per wave but the last, `(src, dst)` int64 slot tensors: after that wave
+            the states of slots `src` are saved into slots `dst`.
     """
 
     num_decodes: int
@@ -38,6 +43,8 @@ class MambaMetadata(AttentionMetadata):
     prefill_query_start_loc: torch.Tensor
     prefill_state_indices: torch.Tensor
     prefill_has_initial_state: torch.Tensor
+    decode_waves: tuple[int, ...] = field(default=(), kw_only=True)
+    wave_copies: tuple[tuple[torch.Tensor, torch.Tensor], ...] = field(default=(), kw_only=True)
 
 
 def build_mamba_metadata(layout: StepLayout, device: torch.device) -> MambaMetadata:
@@ -59,6 +66,13 @@ def build_mamba_metadata(layout: StepLayout, device: torch.device) -> MambaMetad
     decodes, qsl_t, slots, has_initial = packed.split(
         [num_decodes, num_prefills + 1, num_prefills, num_prefills]
     )
+    copies = tuple(
+        (
+            torch.tensor(src, dtype=torch.long, device=device),
+            torch.tensor(dst, dtype=torch.long, device=device),
+        )
+        for src, dst in layout.wave_copies
+    )
     return MambaMetadata(
         num_decodes=num_decodes,
         num_prefills=num_prefills,
@@ -66,4 +80,36 @@ def build_mamba_metadata(layout: StepLayout, device: torch.device) -> MambaMetad
         prefill_query_start_loc=qsl_t,
         prefill_state_indices=slots,
         prefill_has_initial_state=has_initial.bool(),
+        decode_waves=tuple(layout.decode_waves),
+        wave_copies=copies,
     )
+
+
+def run_decode_waves(
+    meta: MambaMetadata,
+    states: Sequence[torch.Tensor],
+    update: Callable[[slice, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Runs a recurrent op's one-token update over the step's decode rows.
+
+    Args:
+        meta: the step's metadata.
+        states: the op's state tensors `(S, ...)`, indexed by slot, that `update` advances.
+        update: `update(rows, slots)` advances the states of `slots` by the decode rows
+            `rows` (a slice of the step's rows) in place and returns their outputs.
+
+    Returns:
+        The outputs of all decode rows, in row order.
+    """
+    if not meta.decode_waves:
+        return update(slice(0, meta.num_decodes), meta.decode_state_indices)
+    outs, start = [], 0
+    for wave, rows in enumerate(meta.decode_waves):
+        part = slice(start, start + rows)
+        outs.append(update(part, meta.decode_state_indices[part]))
+        if wave < len(meta.wave_copies):
+            src, dst = meta.wave_copies[wave]
+            for state in states:
+                state.index_copy_(0, dst, state.index_select(0, src))
+        start += rows
+    return torch.cat(outs)

@@ -40,6 +40,7 @@ from vllm_mamba.config import (
     resolve_dtype,
     resolve_state_dtype,
 )
+from vllm_mamba.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,13 @@ class EngineArgs:
         choices=EXECUTOR_BACKENDS,
     )
 
+    speculative_config: dict[str, Any] | str | None = _opt(
+        "speculative decoding, as a JSON object with vLLM's keys: method (ngram, draft_model "
+        "or mtp), num_speculative_tokens, prompt_lookup_min / prompt_lookup_max (ngram), model "
+        "(draft_model), disable_by_batch_size",
+        default=None,
+    )
+
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty string (a directory or a hub id)")
@@ -233,6 +241,7 @@ class EngineArgs:
                 f"quantization {self.quantization!r} is not one of "
                 f"{', '.join(QUANTIZATION_CHOICES)} (or unset: float weights)"
             )
+        SpeculativeConfig.from_value(self.speculative_config)
         if self.quantization == "int4" and (self.tensor_parallel_size or 1) > 1:
             raise ValueError(
                 f"tensor_parallel_size {self.tensor_parallel_size}: quantization 'int4' runs on "
@@ -312,6 +321,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size or 1, self.distributed_executor_backend
             ),
+            speculative_config=SpeculativeConfig.from_value(self.speculative_config),
         )
 
 

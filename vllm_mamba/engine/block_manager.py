@@ -109,6 +109,16 @@ class BlockManager:
         while len(table) < end:
             table.append(self._take())
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Drops the blocks past the first `num_tokens` tokens of `seq_id` (the positions of
+        rejected draft tokens)."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            return
+        keep = blocks_for(num_tokens, self.block_size)
+        self.release(table[keep:])
+        del table[keep:]
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (one more reference each)."""
         table = list(self.block_table(parent_id))
@@ -183,6 +193,9 @@ class PlaceholderBlockManager:
 
     def allocate(self, seq_id: int, start: int, num: int) -> None:
         """Nothing to allocate."""
+
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Nothing to trim."""
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Nothing to share."""

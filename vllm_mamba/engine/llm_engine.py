@@ -32,6 +32,7 @@ from vllm_mamba.engine.prefix_cache import PrefixCache
 from vllm_mamba.engine.prefix_steps import NoPrefixSteps, PrefixCacheSteps
 from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
+from vllm_mamba.engine.spec_steps import NoSpecSteps, SpecDecodeSteps, make_proposer
 from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
 from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.errors import EngineStartupError, RequestsFailedError, is_fatal
@@ -45,6 +46,8 @@ from vllm_mamba.sampling_params import SamplingParams
 from vllm_mamba.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+SPEC_STATE_BYTES = 1 << 30  # spare state slots of speculative decoding, at most
 
 WARMUP_REQUEST_ID = "vllm-mamba-warmup"
 
@@ -76,7 +79,10 @@ class LLMEngine:
         specs = self.executor.cache_specs()
         self.state_bytes_per_slot = specs.state_bytes_per_slot()
         self.num_snapshot_slots = self._num_snapshot_slots(self.state_bytes_per_slot)
-        num_slots = config.num_state_slots + self.num_snapshot_slots
+        self.max_spec_chains = self._max_spec_chains(self.state_bytes_per_slot)
+        spec_k = config.speculative_config.num_speculative_tokens if self.max_spec_chains else 0
+        spare_base = config.num_state_slots + self.num_snapshot_slots
+        num_slots = spare_base + self.max_spec_chains * spec_k
         sizing = self._plan_kv_cache(specs.kv)
         self.executor.init_caches(num_slots, sizing)
         self.cache, self.kv_cache = self.executor.cache, self.executor.kv_cache
@@ -89,6 +95,7 @@ class LLMEngine:
         self.runner = self.executor.init_runner(
             self.backend, self.eos_token_id, self.structured_outputs
         )
+        self.runner.spare_slot_base, self.runner.max_drafts = spare_base, spec_k
         sc = config.scheduler_config
         # Decode CUDA graphs are captured for attention-free models; hybrids run eagerly.
         graphs = self.backend is PlaceholderAttentionBackend and not config.enforce_eager
@@ -106,14 +113,25 @@ class LLMEngine:
                 config.cache_config.prefix_snapshot_interval,
             )
         self.scheduler = Scheduler(
-            sc.max_num_seqs, sc.max_num_batched_tokens, blocks, self.prefix_cache
-        )
+            sc.max_num_seqs, sc.max_num_batched_tokens, blocks, self.prefix_cache,
+            self.max_spec_chains,
+        )  # fmt: skip
         self.stats = EngineCounters()
         self.inputs = InputProcessor(tokenizer, mc.vocab_size, mc.max_model_len)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_id, mc.max_model_len)
         self.prefix_steps: PrefixCacheSteps | NoPrefixSteps = NoPrefixSteps()
         if self.prefix_cache is not None:
             self.prefix_steps = PrefixCacheSteps(self.prefix_cache, self.runner, self.outputs)
+        self.spec_steps: SpecDecodeSteps | NoSpecSteps = NoSpecSteps()
+        if config.speculative_config is not None:
+            self.spec_steps = SpecDecodeSteps(
+                config.speculative_config,
+                make_proposer(config.speculative_config, self),
+                self.runner,
+                self.scheduler,
+                self.outputs,
+                mc.max_model_len,
+            )
         self._warm_up()
         self.load_seconds = time.perf_counter() - started
         self._log_banner()
@@ -141,6 +159,18 @@ class LLMEngine:
         if not cc.enable_prefix_caching:
             return 0
         return max(cc.prefix_cache_memory_bytes // max(slot_bytes, 1), 1)
+
+    def _max_spec_chains(self, slot_bytes: int) -> int:
+        """Sequences that may speculate in one step (0 when speculation is off): each needs
+        `num_speculative_tokens` spare state slots, within `SPEC_STATE_BYTES`."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return 0
+        chains = self.config.num_state_slots
+        if spec.disable_by_batch_size is not None:
+            chains = min(chains, spec.disable_by_batch_size)
+        per_chain = max(spec.num_speculative_tokens * slot_bytes, 1)
+        return max(min(chains, SPEC_STATE_BYTES // per_chain), 1)
 
     def _plan_kv_cache(self, specs: list[KVSpec]) -> KVCacheSizing | None:
         """The KV pool's sizing for the model's attention layers; None when it has none."""
@@ -176,6 +206,7 @@ class LLMEngine:
         self.stats = EngineCounters()
         self.runner.generator.manual_seed(self.config.model_config.seed)
         self.prefix_steps.reset()
+        self.spec_steps.reset()
 
     def _startup_failure(self, what: str) -> str:
         mc = self.config.model_config
@@ -406,6 +437,8 @@ class LLMEngine:
         touched: dict[str, SequenceGroup] = {}
         now_s = time.monotonic()
         for item in step.scheduled:
+            if item.is_spec:  # counted once its chain is verified (`spec_steps.apply`)
+                continue
             item.seq.num_computed_tokens += item.num_tokens
             for child in item.children:
                 child.num_computed_tokens = item.seq.num_computed_tokens
@@ -415,7 +448,16 @@ class LLMEngine:
             if chunk is not None:
                 self.outputs.append_prompt_logprobs(item.group, chunk)
         self.prefix_steps.after_forward(step)
+        spec_hidden, appended = self.spec_steps.apply(step, result, now_s)
+        self.stats.generation_tokens += appended
         for item in step.scheduled:
+            if item.is_spec:
+                seq, touched[item.group.request_id] = item.seq, item.group
+                if seq.status.finished:
+                    self.prefix_steps.on_finished(item.group, seq, spec_hidden[seq.seq_id])
+                    self.spec_steps.on_finished(seq)
+                    self.scheduler.finish_seq(seq)
+                continue
             for seq in [item.seq, *item.children]:
                 if seq.seq_id in result.samples:
                     row, out = result.samples[seq.seq_id]
@@ -424,7 +466,9 @@ class LLMEngine:
                     if seq.status.finished:
                         hidden = result.sampled_hidden.get(seq.seq_id)
                         self.prefix_steps.on_finished(item.group, seq, hidden)
+                        self.spec_steps.on_finished(seq)
                         self.scheduler.finish_seq(seq)
                     touched[item.group.request_id] = item.group
         self.scheduler.remove_finished()
+        self.spec_steps.propose(self.scheduler.running)
         return [g.to_output() for g in touched.values()]

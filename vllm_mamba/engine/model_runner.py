@@ -1,12 +1,16 @@
 """Runs one engine step on the model: the only engine code that builds tensors.
 
 It lays the scheduled sequences out as one flat batch (decodes first, then prefill chunks),
+with the chains of speculating sequences (last token + draft tokens) among the decodes, wave
+by wave (`attention.mamba_metadata`),
 builds the step metadata with the selected backend (with block tables and context lengths
 when the model has a KV cache), makes the step's copy-on-write KV block copies and copies
 prefix-cache hits' snapshots into their sequences' slots, runs one forward, forks states for
 `n > 1`, copies the states of the step's new snapshots into their snapshot slots, applies
 the LM head to the sampled positions (and to prompt positions whose logprobs were asked
-for) and samples.
+for) and samples; a chain's positions are verified against its drafts
+(`spec_decode.rejection_sampler`). After the engine has appended a chain's tokens, `rollback`
+brings the sequence's state back to its last kept token from the spare slot that saved it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.kv_cache import KVCache
 from vllm_mamba.layers.sampler import SamplerOutput, SamplingRow, sample
 from vllm_mamba.mamba_cache import MambaCache
+from vllm_mamba.spec_decode.rejection_sampler import Chain, rejection_sample
 
 
 @dataclass
@@ -37,13 +42,34 @@ class PromptLogprobChunk:
 
 
 @dataclass
+class SpecResult:
+    """One verified chain: the tokens it emits (its accepted drafts and one more), one
+    sampler-output row each, and what a rollback needs.
+
+    Attributes:
+        chain: the chain's index in the step (which spare slots hold its states).
+        num_drafts: draft tokens verified; num_accepted: how many were accepted.
+        hidden: `(L, H)` final hidden rows of the chain's positions, when kept.
+    """
+
+    token_ids: list[int]
+    out: SamplerOutput
+    chain: int
+    num_drafts: int
+    num_accepted: int
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
 class StepResult:
-    """Per sampled sequence id, its row in a sampler output; per request, prompt logprobs."""
+    """Per sampled sequence id, its row in a sampler output; per request, prompt logprobs;
+    per speculating sequence id, its verified chain."""
 
     samples: dict[int, tuple[int, SamplerOutput]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobChunk] = field(default_factory=dict)
     # seq id -> (H,), when the runner keeps them (prefix caching)
     sampled_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    spec: dict[int, SpecResult] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -72,6 +98,10 @@ class ModelRunner:
         # Prefix caching saves finished sequences with their last hidden row; off, the
         # decode step keeps none.
         self.keep_sampled_hidden = False
+        # Speculative decoding: chain c saves the state after its position w in slot
+        # `spare_slot_base + c * max_drafts + w` (set by the engine).
+        self.spare_slot_base = 0
+        self.max_drafts = 0
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Captures decode forwards for replay (CUDA only)."""
@@ -86,27 +116,22 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> StepResult:
         """Runs the step's forward and sampling; the caller appends tokens and updates counts."""
         items = step.scheduled
-        layout = self._layout(items)
-        token_ids: list[int] = []
-        last_row: dict[int, int] = {}  # seq id -> flat index of its chunk's last token
-        sample_pos: list[int] = []
+        layout, token_ids, rows = self._layout(items)
+        last_row = {seq_id: r[-1] for seq_id, r in rows.items()}  # its chunk's last token
+        sampled = [i for i in items if i.sample and not i.is_spec]
+        sample_pos = [last_row[i.seq.seq_id] for i in sampled]
         prompt_pos: list[tuple[ScheduledSeq, int, int]] = []  # (item, flat start, prompt start)
         for item in items:
-            start = item.seq.num_computed_tokens
-            flat = len(token_ids)
-            token_ids.extend(item.seq.token_slice(start, start + item.num_tokens))
-            last_row[item.seq.seq_id] = flat + item.num_tokens - 1
-            if item.sample:
-                sample_pos.append(flat + item.num_tokens - 1)
             first = self._first_prompt_logprob_pos(item)
             if first is not None:
-                prompt_pos.append((item, flat + first - start, first))
+                flat = rows[item.seq.seq_id][0]
+                prompt_pos.append((item, flat + first - item.seq.num_computed_tokens, first))
         if self.kv_cache is not None and step.block_copies:
             src, dst = zip(*step.block_copies)
             self.kv_cache.copy_blocks(list(src), list(dst))
         hits = step.state_copies
         self.copy_states([s for s, _ in hits], [d for _, d in hits])
-        if self.cuda_graphs is not None and not layout.prefill_lens:
+        if self.cuda_graphs is not None and not layout.prefill_lens and not layout.decode_waves:
             hidden = self.cuda_graphs.run(token_ids, layout.decode_slots)  # (T, H)
         else:
             input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
@@ -122,11 +147,14 @@ class ModelRunner:
 
         result = StepResult()
         if sample_pos:
-            self._sample(hidden, sample_pos, [i for i in items if i.sample], result)
+            self._sample(hidden, sample_pos, sampled, result)
             if self.keep_sampled_hidden:
-                for item, pos in zip([i for i in items if i.sample], sample_pos):
+                for item, pos in zip(sampled, sample_pos):
                     for seq in [item.seq, *item.children]:
                         result.sampled_hidden[seq.seq_id] = hidden[pos]
+        chains = [i for i in items if i.is_spec]
+        if chains:
+            self._verify(hidden, chains, rows, result)
         for item, flat_start, prompt_start in prompt_pos:
             end = min(
                 item.seq.num_computed_tokens + item.num_tokens, len(item.seq.prompt_token_ids) - 1
@@ -137,6 +165,23 @@ class ModelRunner:
                 rows, targets, item.group.params.prompt_logprobs, prompt_start + 1
             )
         return result
+
+    def spare_slot(self, chain: int, position: int) -> int:
+        """The spare slot that saves chain `chain`'s state after its position `position`."""
+        return self.spare_slot_base + chain * self.max_drafts + position
+
+    def rollback(self, kept: list[tuple[int, int, int]]) -> None:
+        """Brings speculating sequences' states back to their last kept token.
+
+        Args:
+            kept: `(slot, chain, m)` per sequence whose chain's first `m` positions (its last
+                token and `m - 1` accepted drafts) stay computed; the state after position
+                `m - 1` is copied back from its spare slot unless it was the chain's last.
+        """
+        if not kept:
+            return
+        moves = [(self.spare_slot(chain, m - 1), slot) for slot, chain, m in kept]
+        self.copy_states([s for s, _ in moves], [d for _, d in moves])
 
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """Copies every state of slots `src[i]` into `dst[i]` (forks, prefix-cache hits and
@@ -151,22 +196,68 @@ class ModelRunner:
         position `position - 1` (a prefix-cache hit that skipped that position)."""
         return self._prompt_logprobs(hidden[None], [target], k, position)
 
-    def _layout(self, items: list[ScheduledSeq]) -> StepLayout:
-        """The step's flat batch; block tables and context lengths with a KV cache."""
-        decodes = [s for s in items if s.is_decode]
-        prefills = [s for s in items if not s.is_decode]
+    def _layout(
+        self, items: list[ScheduledSeq]
+    ) -> tuple[StepLayout, list[int], dict[int, list[int]]]:
+        """The step's flat batch: its layout (block tables and context lengths with a KV
+        cache), its token ids, and each sequence's rows in it, in token order.
+
+        Decode rows come in waves: wave w holds position w of every chain (a plain decode is
+        a chain of one), so a chain's rows are `rows[w] = first_row_of_wave_w + its index`.
+        After wave w, the chains that go on save their state into their spare slot `w`.
+        """
+        chains = [s for s in items if s.is_decode or s.is_spec]
+        prefills = [s for s in items if not (s.is_decode or s.is_spec)]
+        tokens: list[int] = []
+        rows: dict[int, list[int]] = {s.seq.seq_id: [] for s in items}
+        decode_slots: list[int] = []
+        contexts: list[int] = []
+        tables: list[list[int]] = []
+        inputs = [
+            s.seq.token_slice(s.seq.num_computed_tokens, s.seq.num_computed_tokens + 1)
+            + s.spec_token_ids
+            for s in chains
+        ]
+        longest = max((len(t) for t in inputs), default=0)
+        waves, copies = [], []
+        for wave in range(longest):
+            first = len(tokens)
+            spec_index = 0
+            src, dst = [], []
+            for item, chain in zip(chains, inputs):
+                if item.is_spec:
+                    spec_index += 1
+                if wave >= len(chain):
+                    continue
+                rows[item.seq.seq_id].append(len(tokens))
+                tokens.append(chain[wave])
+                decode_slots.append(item.seq.slot)
+                contexts.append(item.seq.num_computed_tokens + wave)
+                tables.append(item.block_table)
+                if wave + 1 < len(chain):
+                    src.append(item.seq.slot)
+                    dst.append(self.spare_slot(spec_index - 1, wave))
+            waves.append(len(tokens) - first)
+            if wave + 1 < longest:
+                copies.append((src, dst))
+        for item in prefills:
+            start = item.seq.num_computed_tokens
+            rows[item.seq.seq_id] = list(range(len(tokens), len(tokens) + item.num_tokens))
+            tokens.extend(item.seq.token_slice(start, start + item.num_tokens))
         layout = StepLayout(
-            decode_slots=[s.seq.slot for s in decodes],
+            decode_slots=decode_slots,
             prefill_lens=[s.num_tokens for s in prefills],
             prefill_slots=[s.seq.slot for s in prefills],
             prefill_context_lens=[s.seq.num_computed_tokens for s in prefills],
         )
+        if longest > 1:
+            layout.decode_waves, layout.wave_copies = waves, copies
         if self.kv_cache is not None:
             layout.block_size = self.kv_cache.block_size
-            layout.decode_context_lens = [s.seq.num_computed_tokens for s in decodes]
-            layout.decode_block_tables = [s.block_table for s in decodes]
+            layout.decode_context_lens = contexts
+            layout.decode_block_tables = tables
             layout.prefill_block_tables = [s.block_table for s in prefills]
-        return layout
+        return layout, tokens, rows
 
     def _first_prompt_logprob_pos(self, item: ScheduledSeq) -> int | None:
         """The first position of this chunk whose prompt logprob is still owed, if any."""
@@ -198,6 +289,39 @@ class ModelRunner:
         out = sample(logits, [self._row(seq, item) for seq, _, item in pairs])
         for i, (seq, _, _) in enumerate(pairs):
             result.samples[seq.seq_id] = (i, out)
+
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        chains: list[ScheduledSeq],
+        rows: dict[int, list[int]],
+        result: StepResult,
+    ) -> None:
+        """Verifies every chain's drafts against the target's logits at its positions."""
+        flat = [r for item in chains for r in rows[item.seq.seq_id]]
+        logits = self.model.compute_logits(hidden[flat])  # (sum L, V)
+        specs, start = [], 0
+        for item in chains:
+            row = self._row(item.seq, item)
+            banned: list[int] = []
+            if row.matcher is None:
+                banned = list(item.group.params.stop_token_ids or [])
+                if self.eos_token_id is not None and not item.group.params.ignore_eos:
+                    banned.append(self.eos_token_id)
+            row.banned_token_ids = []
+            specs.append(Chain(start, item.spec_token_ids, row, banned))
+            start += len(item.spec_token_ids) + 1
+        outs = rejection_sample(logits, specs)
+        for index, (item, out) in enumerate(zip(chains, outs)):
+            seq_id = item.seq.seq_id
+            result.spec[seq_id] = SpecResult(
+                token_ids=out.token_ids,
+                out=out,
+                chain=index,
+                num_drafts=len(item.spec_token_ids),
+                num_accepted=out.num_accepted,
+                hidden=hidden[rows[seq_id]] if self.keep_sampled_hidden else None,
+            )
 
     def _row(self, seq: Sequence, item: ScheduledSeq) -> SamplingRow:
         """Sampling inputs of one sequence; EOS and stop tokens are banned before min_tokens

@@ -51,7 +51,9 @@ class ScheduledSeq:
 
     `sample` is True when the chunk reaches the end of the known tokens, so the last position
     is sampled; `children` are sequences forked from this one after the forward;
-    `block_table` lists the sequence's KV blocks (empty for attention-free models).
+    `block_table` lists the sequence's KV blocks (empty for attention-free models);
+    `spec_token_ids` are draft tokens verified after the sequence's last token (speculative
+    decoding: `num_tokens` counts them too).
     """
 
     seq: Sequence
@@ -60,11 +62,17 @@ class ScheduledSeq:
     sample: bool
     children: list[Sequence] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
         """One token on top of an existing state."""
         return self.num_tokens == 1 and self.seq.num_computed_tokens > 0
+
+    @property
+    def is_spec(self) -> bool:
+        """The last token and draft tokens to verify, as a chain of decode rows."""
+        return bool(self.spec_token_ids)
 
 
 @dataclass
@@ -93,8 +101,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         block_manager: BlockManager | None = None,
         prefix_cache: PrefixCache | None = None,
+        max_spec_chains: int = 0,
     ) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_spec_chains = max_spec_chains  # speculating sequences per step, at most
+        self._spec_left = 0
         self.slots = SlotAllocator(max_num_seqs)
         self.block_manager: BlockManager | PlaceholderBlockManager = (
             block_manager or PlaceholderBlockManager()
@@ -168,6 +179,7 @@ class Scheduler:
         self._free_group(group)
         for seq in group.unfinished_seqs():
             seq.num_computed_tokens = 0
+            seq.spec_token_ids = []
             seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(group)
         self.num_preemptions += 1
@@ -182,6 +194,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Picks this step's sequences and token counts (see the module docstring)."""
         budget = self.max_num_batched_tokens
+        self._spec_left = self.max_spec_chains
         out = SchedulerOutput(scheduled=[])
         preempted = False
         index = 0
@@ -191,6 +204,8 @@ class Scheduler:
                 index += 1
                 continue
             plan = self._plan(group, budget)
+            if not self._fit_blocks(plan) and self._has_drafts(plan):
+                plan = self._plan(group, budget, speculate=False)  # drafts go first
             if not self._fit_blocks(plan):
                 victim = self._victim()  # maybe `group`
                 if self.running.index(victim) < index:
@@ -230,7 +245,7 @@ class Scheduler:
             self.prefix.count(group, seqs, hits)
             out.hits.extend(hits)
             budget -= self._commit(group, plan, out)
-        out.scheduled.sort(key=lambda s: not s.is_decode)
+        out.scheduled.sort(key=lambda s: 0 if s.is_decode else 1 if s.is_spec else 2)
         out.block_copies = self.block_manager.take_copies()
         return out
 
@@ -240,20 +255,32 @@ class Scheduler:
         paused = [g for g in self.running if g.paused]
         return paused[-1] if paused else self.running[-1]
 
-    def _plan(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+    def _plan(
+        self, group: SequenceGroup, budget: int, speculate: bool = True
+    ) -> list[tuple[Sequence, int]]:
         """The group's sequences and their token counts within `budget`; with prefix caching,
-        a prefill chunk ends at the next point where a snapshot is due."""
+        a prefill chunk ends at the next point where a snapshot is due. A decoding sequence
+        with draft tokens (`spec_token_ids`) also counts those that fit, while the step has
+        spare slots for their states (`max_spec_chains`)."""
         plan = []
+        chains = self._spec_left if speculate else 0
         for seq in group.unfinished_seqs():
             num = min(seq.num_uncomputed_tokens, budget)
             if num == 0:
                 break
-            if num > 1:
+            if num == 1 and seq.spec_token_ids and chains and seq.num_computed_tokens:
+                num = min(1 + len(seq.spec_token_ids), budget)
+                chains -= num > 1
+            elif num > 1:
                 start = seq.num_computed_tokens
                 num = self.prefix.chunk_end(group, seq, start + num) - start
             plan.append((seq, num))
             budget -= num
         return plan
+
+    @staticmethod
+    def _has_drafts(plan: list[tuple[Sequence, int]]) -> bool:
+        return any(num > seq.num_uncomputed_tokens for seq, num in plan)
 
     def _undo_admission(self, seqs: list[Sequence], hits: list[PrefixHit]) -> None:
         """Frees what an admission that did not fit took: hits, blocks and slots."""
@@ -285,13 +312,15 @@ class Scheduler:
         used = 0
         for seq, num in plan:
             self.block_manager.allocate(seq.seq_id, seq.num_computed_tokens, num)
-            pending = self.prefix.maybe_snapshot(group, seq, num)
+            drafts = seq.spec_token_ids[: max(num - seq.num_uncomputed_tokens, 0)]
+            self._spec_left -= bool(drafts)
+            pending = self.prefix.maybe_snapshot(group, seq, num - len(drafts))
             if pending is not None:
                 out.snapshots.append(pending)
-            sample = num == seq.num_uncomputed_tokens
+            sample = num - len(drafts) == seq.num_uncomputed_tokens
             children = self._fork(group, seq) if sample and group.pending_forks else []
             table = self.block_manager.block_table(seq.seq_id)
-            out.scheduled.append(ScheduledSeq(seq, group, num, sample, children, table))
+            out.scheduled.append(ScheduledSeq(seq, group, num, sample, children, table, drafts))
             used += num
         return used
 

@@ -118,9 +118,11 @@ def _states_apply(state: LayerState) -> bool:
 
 
 def _applies(hidden: torch.Tensor, meta: MambaMetadata) -> bool:
-    """A decode-only step (every row a decode), without autograd."""
+    """A decode-only step (every row a decode, no speculative chains), without autograd."""
     rows = hidden.shape[0]
-    return not meta.num_prefills and meta.num_decodes == rows > 0 and not torch.is_grad_enabled()
+    if meta.num_prefills or meta.decode_waves or torch.is_grad_enabled():
+        return False
+    return meta.num_decodes == rows > 0
 
 
 def _out_dtype(

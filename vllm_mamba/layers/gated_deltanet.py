@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.cache_layers import StatefulLayer
@@ -172,11 +172,14 @@ class GatedDeltaNet(StatefulLayer):
         nd = meta.num_decodes
         parts = []
         if nd:
+            rec = self.state["recurrent"]
             parts.append(
-                self.gd.update(
-                    q=q[:nd], k=k[:nd], v=v[:nd], a=a[:nd], b=b[:nd],
-                    ssm_states=self.state["recurrent"], state_indices=meta.decode_state_indices,
-                    **gates,
+                run_decode_waves(
+                    meta, [rec],
+                    lambda r, slots: self.gd.update(
+                        q=q[r], k=k[r], v=v[r], a=a[r], b=b[r], ssm_states=rec,
+                        state_indices=slots, **gates,
+                    ),
                 )
             )  # fmt: skip
         if meta.num_prefills:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.fused_decode_layer import mamba2_decode_block
@@ -121,10 +121,14 @@ class Mamba2Mixer(StateSpaceMixer):
         shared = {"A": self.A, "D_skip": self.D, "dt_bias": self.dt_bias, "dt_softplus": True}
         parts = []
         if nd:
+            ssm = self.state["ssm"]
             parts.append(
-                self.ops.ssd_state_update(
-                    ssm_states=self.state["ssm"], x=x[:nd], dt=dt[:nd], B_=B[:nd], C=C[:nd],
-                    state_indices=meta.decode_state_indices, **shared,
+                run_decode_waves(
+                    meta, [ssm],
+                    lambda r, slots: self.ops.ssd_state_update(
+                        ssm_states=ssm, x=x[r], dt=dt[r], B_=B[r], C=C[r], state_indices=slots,
+                        **shared,
+                    ),
                 )
             )  # fmt: skip
         if meta.num_prefills:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.fused_decode_layer import mamba_decode_block
@@ -103,9 +103,12 @@ class MambaMixer(StateSpaceMixer):
         parts = []
         if nd:
             parts.append(
-                self.ops.selective_state_update(
-                    ssm_states=ssm, u=xc[:nd], dt=dt[:nd], B_=B[:nd], C=C[:nd], z=z[:nd],
-                    state_indices=meta.decode_state_indices, **shared,
+                run_decode_waves(
+                    meta, [ssm],
+                    lambda r, slots: self.ops.selective_state_update(
+                        ssm_states=ssm, u=xc[r], dt=dt[r], B_=B[r], C=C[r], z=z[r],
+                        state_indices=slots, **shared,
+                    ),
                 )
             )  # fmt: skip
         if meta.num_prefills:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
 from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.ops.table import MambaOps
 
@@ -87,9 +87,12 @@ def causal_conv(
     parts = []
     if nd:
         parts.append(
-            ops.causal_conv1d_update(
-                x=x[:nd], conv_states=conv_states, weight=weight, bias=bias,
-                state_indices=meta.decode_state_indices, activation=activation,
+            run_decode_waves(
+                meta, [conv_states],
+                lambda rows, slots: ops.causal_conv1d_update(
+                    x=x[rows], conv_states=conv_states, weight=weight, bias=bias,
+                    state_indices=slots, activation=activation,
+                ),
             )
         )  # fmt: skip
     if meta.num_prefills:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.cache_layers import StatefulLayer
@@ -89,9 +89,11 @@ class ShortConv(StatefulLayer):
         parts = []  # (decode rows, D), then (prefill tokens, D)
         if nd:
             parts.append(
-                self.sc.update(
-                    bcx[:nd], conv_states, self.conv_weight, self.conv.bias,
-                    meta.decode_state_indices,
+                run_decode_waves(
+                    meta, [conv_states],
+                    lambda r, slots: self.sc.update(
+                        bcx[r], conv_states, self.conv_weight, self.conv.bias, slots
+                    ),
                 )
             )  # fmt: skip
         if meta.num_prefills:
