@@ -18,8 +18,10 @@ import torch
 
 from tests.helpers.prompts import MAX_TOKENS, make_prompts
 from tests.helpers.runners import HfRunner, VllmRunner
+from tests.helpers.spec_oracle import OracleProposer
 from tests.tiny_models import hf_class, tiny_model_dir
 from vllm_mamba import RequestOutput, SamplingParams
+from vllm_mamba.engine.spec_steps import NgramDrafts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
 LOGPROB_ATOL = 1e-4  # float32 rounding of two implementations of the same sums
@@ -91,6 +93,27 @@ def assert_batched_equals_alone(path: str) -> None:
         assert tokens(runner.generate(prompts(), GREEDY)) == alone(path)
     with VllmRunner(path, max_num_seqs=2) as runner:
         assert tokens(runner.generate(prompts(), GREEDY)) == alone(path)
+
+
+def assert_speculation_equals_alone(path: str) -> None:
+    """Greedy decoding with speculation gives each prompt's tokens alone: drafts that are
+    partly right (`OracleProposer`: accepted runs and rejections at every position, so the
+    states are rolled back all the time), then the real n-gram lookup."""
+    want = alone(path)
+    refs = {tuple(p["prompt_token_ids"]): w for p, w in zip(prompts(), want)}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    with VllmRunner(path, speculative_config=spec) as runner:
+        oracle = OracleProposer(refs)
+        runner.engine.spec_steps.proposer = oracle
+        assert tokens(runner.generate(prompts(), GREEDY)) == want
+        counters = runner.engine.spec_steps.counters
+        assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+        assert oracle.finished == len(want)
+        config = runner.engine.config
+        runner.engine.spec_steps.proposer = NgramDrafts(
+            config.speculative_config, config.model_config.max_model_len
+        )
+        assert tokens(runner.generate(prompts(), GREEDY)) == want
 
 
 def assert_chunked_equals_whole(path: str, budget: int) -> None:

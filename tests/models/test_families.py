@@ -37,6 +37,11 @@ def test_batched_equals_alone(family: Family) -> None:
     checks.assert_batched_equals_alone(tiny_model_dir(family.main))
 
 
+@pytest.mark.parametrize("family", FAMILIES, ids=_ids(FAMILIES))
+def test_speculative_decoding_equals_alone(family: Family) -> None:
+    checks.assert_speculation_equals_alone(tiny_model_dir(family.main))
+
+
 @pytest.mark.parametrize(
     ("family", "budget"),
     [(f, b) for f in FAMILIES for b in f.chunk_budgets],
