@@ -4,8 +4,10 @@ Weights come from `model.safetensors`, sharded safetensors with their index, or
 `pytorch_model.bin` (sharded or not, read with `torch.load(weights_only=True)`). Every
 parameter must be present with its shape; anything missing, unexpected or misshaped is a
 `ValueError` naming the tensors; the tensors under a model's `skipped_weights` prefixes are
-skipped with one log line per prefix. A tensor-parallel rank reads only its slices of the sharded
-parameters (`vllm_mamba.layers.parallel_linear.Shard`), straight from the safetensors files.
+skipped with one log line per prefix (a multi-token prediction head, `mtp.*`, is loaded instead
+when `build_model(..., mtp=True)` attached it). A tensor-parallel rank reads only its slices of
+the sharded parameters (`vllm_mamba.layers.parallel_linear.Shard`), straight from the
+safetensors files.
 
 A load-time quantisation recorded in the config (`quantization="int8"` or `"int4"`, see
 `vllm_mamba.config.record_quantization`) is applied once the float weights are loaded.
@@ -33,6 +35,7 @@ from vllm_mamba.models.causal_lm import CausalLM
 from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config, is_mamba_ssm_config
 from vllm_mamba.models.registry import ModelRegistry
 from vllm_mamba.ops.dispatch import get_mamba_ops
+from vllm_mamba.spec_decode.mtp import MTP_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +212,13 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, Any]]) -> None:
             logger.info("Skipped %d checkpoint tensors under %r: %s", count, prefix, what)
     missing = sorted(set(params) - seen)
     problems = []
+    missing_mtp = [n for n in missing if n.startswith(MTP_PREFIX)]
+    if missing_mtp:  # asked for (speculative method 'mtp'), absent from this checkpoint
+        problems.append(
+            "speculative method 'mtp': the checkpoint has no (or an incomplete) multi-token "
+            f"prediction head, missing tensors: {', '.join(missing_mtp)}"
+        )
+        missing = [n for n in missing if not n.startswith(MTP_PREFIX)]
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
@@ -245,22 +255,35 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallel = SINGLE,
+    *,
+    mtp: bool = False,
 ) -> tuple[nn.Module, str]:
     """Instantiates the registered class for the config and loads its weights.
 
     Args:
         tp: with more than one rank, this rank's shard of the model is built and loaded.
+        mtp: also build and load the checkpoint's multi-token prediction head as `model.mtp`
+            (speculative method `mtp`, `vllm_mamba.spec_decode.mtp`); skipped otherwise.
 
     Returns:
         The model in eval mode on `device` with `dtype`, and its architecture name.
 
     Raises:
-        ValueError: tensor parallelism asked of an architecture that does not support it.
+        ValueError: tensor parallelism asked of an architecture that does not support it; `mtp`
+            asked of one without an MTP head, of a config without MTP layers
+            (`mtp_num_hidden_layers`) or of a checkpoint without the `mtp.*` tensors.
     """
     model_cls, arch = check_tensor_parallel(hf_config, tp.size)
+    if mtp and not getattr(model_cls, "supports_mtp", False):
+        raise ValueError(
+            f"speculative method 'mtp': {arch} has no multi-token prediction head (Qwen3.5 / "
+            "Qwen3.6 and Qwen3-Next have one)"
+        )
     with torch.device("meta"):
         ops = get_mamba_ops(device)
         model = model_cls(hf_config, ops, tp) if tp.size > 1 else model_cls(hf_config, ops)
+        if mtp:
+            model.enable_mtp(ops, tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # materialising from meta unties shared parameters
     load_weights(model, iterate_weights(path, lazy=tp.size > 1))

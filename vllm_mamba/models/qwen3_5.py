@@ -21,9 +21,12 @@ pre-norm twice (`input_layernorm`, `post_attention_layernorm`, zero-centred RMSN
 
 The image-text checkpoints keep the language model under `model.language_model.*` (renamed to
 `model.*`), its config under `text_config`, the head at `lm_head` (tied by the top-level
-`tie_word_embeddings`); the vision tower (`model.visual.*`) and the multi-token prediction
-head (`mtp.*`) are skipped. Qwen3.5-0.8B: 24 layers of hidden size 1024, attention every 4th
-(8 query and 2 KV heads of 256), GDN with 16 key and 16 value heads of 128, vocabulary 248320.
+`tie_word_embeddings`); the vision tower (`model.visual.*`) is skipped. The multi-token
+prediction head (`mtp.*`, `mtp_num_hidden_layers` in the text config) is skipped unless asked
+for (speculative method `mtp`: `enable_mtp`, `vllm_mamba.spec_decode.mtp`), when it is built as
+one more gated-attention layer with this model's MLP or MoE (fused experts split as above).
+Qwen3.5-0.8B: 24 layers of hidden size 1024, attention every 4th (8 query and 2 KV heads of
+256), GDN with 16 key and 16 value heads of 128, vocabulary 248320.
 
 Tensor parallelism (`tp`): GDN by key heads and their value heads, attention by heads, the
 MLPs (and every expert) column- then row-parallel; the router and the shared-expert gate
@@ -49,6 +52,7 @@ from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.layer_types import layer_types
 from vllm_mamba.ops.table import MambaOps
+from vllm_mamba.spec_decode.mtp import SupportsMTP
 
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
 SKIPPED = {
@@ -92,7 +96,7 @@ def sparse_moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
     )
     shared = GatedMLP(hidden, config.shared_expert_intermediate_size, False, ops, tp)
     return SparseMoE(
-        ExpertRouter(hidden, route), experts, tp, shared=shared,
+        ExpertRouter(hidden, route, ops), experts, tp, shared=shared,
         shared_gate=Linear(hidden, 1, False, ops),
         names=("gate", "experts", "shared_expert", "shared_expert_gate"),
     )  # fmt: skip
@@ -126,9 +130,9 @@ def _layer(config: Any, kind: str, ops: MambaOps, tp: TensorParallel) -> nn.Modu
     return decoder_layer(config, mixer, bool(getattr(config, "num_experts", 0)), ops, tp)
 
 
-class Qwen3_5ForCausalLM(CausalLM):
+class Qwen3_5ForCausalLM(SupportsMTP, CausalLM):
     """Qwen3.5 language model: Gated DeltaNet and gated-attention layers, dense MLPs (or MoE
-    when the config has experts)."""
+    when the config has experts); the MTP head on request (`enable_mtp`)."""
 
     skipped_weights: ClassVar[dict[str, str]] = SKIPPED
 
@@ -140,6 +144,10 @@ class Qwen3_5ForCausalLM(CausalLM):
             layers=[_layer(config, kind, ops, tp) for kind in layer_types(config)],
             norm_eps=config.rms_norm_eps, final_norm_cls=ZeroCenteredRMSNorm,
         )  # fmt: skip
+
+    def mtp_layer(self, index: int, ops: MambaOps, tp: TensorParallel) -> nn.Module:
+        """The MTP's decoder layer: gated attention and this model's MLP (MoE with experts)."""
+        return _layer(self.config, "full_attention", ops, tp)
 
     @staticmethod
     def remap_weight_name(name: str) -> str:

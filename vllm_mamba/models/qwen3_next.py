@@ -19,7 +19,10 @@ the final `norm`) with plain residuals.
   transformers saves) and a shared expert `shared_expert` scaled by
   `sigmoid(shared_expert_gate(x))`.
 
-The checkpoints ship a multi-token prediction head (`mtp.*`), skipped at load time.
+The checkpoints ship a multi-token prediction head (`mtp.*`), skipped at load time unless asked
+for (speculative method `mtp`: `enable_mtp`, `vllm_mamba.spec_decode.mtp`); it is then built as
+one more gated-attention layer whose feed-forward follows layer `i`'s rule at its index (the
+MoE in the releases). The releases' config names no MTP depth; one layer, as vLLM assumes.
 Qwen3-Next-80B-A3B: 48 layers of hidden size 2048; attention 16 query and 2 KV heads of 256;
 GDN 16 key heads of 128 to 32 value heads of 128; 512 experts of 512, top-10, a shared expert
 of 512; vocabulary 151936.
@@ -45,6 +48,7 @@ from vllm_mamba.models.causal_lm import CausalLM
 from vllm_mamba.models.layer_types import layer_types
 from vllm_mamba.models.qwen3_5 import NAMES, decoder_layer, gated_attention
 from vllm_mamba.ops.table import MambaOps
+from vllm_mamba.spec_decode.mtp import SupportsMTP
 
 
 def is_moe_layer(config: Any, index: int) -> bool:
@@ -71,10 +75,12 @@ def _layer(config: Any, index: int, kind: str, ops: MambaOps, tp: TensorParallel
     return decoder_layer(config, mixer, is_moe_layer(config, index), ops, tp)
 
 
-class Qwen3NextForCausalLM(CausalLM):
-    """Qwen3-Next language model: GDN and gated-attention layers, MoE or dense MLPs."""
+class Qwen3NextForCausalLM(SupportsMTP, CausalLM):
+    """Qwen3-Next language model: GDN and gated-attention layers, MoE or dense MLPs; the MTP
+    head on request (`enable_mtp`)."""
 
     skipped_weights: ClassVar[dict[str, str]] = {"mtp.": "the multi-token prediction head"}
+    mtp_default_layers: ClassVar[int | None] = 1
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         if config.hidden_act not in ("silu", "swish"):
@@ -87,3 +93,8 @@ class Qwen3NextForCausalLM(CausalLM):
             layers=[_layer(config, i, kind, ops, tp) for i, kind in enumerate(kinds)],
             norm_eps=config.rms_norm_eps, final_norm_cls=ZeroCenteredRMSNorm,
         )  # fmt: skip
+
+    def mtp_layer(self, index: int, ops: MambaOps, tp: TensorParallel) -> nn.Module:
+        """MTP layer `index`: gated attention; the MoE or MLP of layer `index`'s rule (vLLM
+        reads the layer index off `mtp.layers.{index}`)."""
+        return _layer(self.config, index, "full_attention", ops, tp)

@@ -1,0 +1,130 @@
+"""Tiny checkpoints with a multi-token prediction head, for the MTP tests (the head's own and
+the engine's speculative decoding).
+
+transformers does not model the head, so `save_tiny_with_mtp` copies a tiny model of
+`tests.tiny_models` and adds random `mtp.*` tensors under the released checkpoints' names and
+shapes: `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc (H, 2H)`, `norm`, and one
+full-attention decoder layer `layers.0` (gated `q_proj (2 Hq D, H)`, `k_proj`, `v_proj`,
+`o_proj`, per-head `q_norm` / `k_norm`, the two layer norms) with the family's feed-forward:
+
+- `qwen3_5` (`qwen3_5-gqa`): a dense MLP `mlp.{gate,up,down}_proj`;
+- `qwen3_5_moe` (`qwen3_5-moe-top2`): the MoE with fused experts, `mlp.experts.gate_up_proj
+  (E, 2F, H)` and `mlp.experts.down_proj (E, H, F)`, as the Qwen3.5-MoE releases store them,
+  plus `mlp.gate`, `mlp.shared_expert.*`, `mlp.shared_expert_gate`;
+- `qwen3_next` (`qwen3-next-moe`): the MoE with per-expert tensors `mlp.experts.E.*`, as the
+  Qwen3-Next releases store them.
+
+Qwen3.5's config gets `mtp_num_hidden_layers: 1` (the releases' text config has it); Qwen3-Next's
+names no depth, as its releases (one layer is assumed). Zero-centred norm weights are drawn
+from N(0, 0.1^2), the matrices from N(0, std^2) with the family's weight scale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.tiny_models import MODEL_FAMILY, tiny_model_dir
+
+VARIANTS = {
+    "qwen3_5": "qwen3_5-gqa",
+    "qwen3_5_moe": "qwen3_5-moe-top2",
+    "qwen3_next": "qwen3-next-moe",
+}
+
+
+def _is_moe(family: str, config: dict) -> bool:
+    """Whether the MTP layer (index 0) has the MoE, by the family's rule."""
+    if not config.get("num_experts"):
+        return False
+    if family != "qwen3_next":
+        return True
+    return 0 not in (config.get("mlp_only_layers") or []) and 1 % config["decoder_sparse_step"] == 0
+
+
+def mtp_tensors(family: str, config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random `mtp.*` tensors for a model of `family` with `config` (its config.json)."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    std = MODEL_FAMILY[VARIANTS[family]].weight_std
+    hidden, heads, kv_heads, dim = (
+        config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+        config["head_dim"],
+    )  # fmt: skip
+
+    def matrix(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * std
+
+    def norm(size: int) -> torch.Tensor:
+        return torch.randn(size, generator=g) * 0.1
+
+    layer = "mtp.layers.0."
+    out = {
+        "mtp.pre_fc_norm_embedding.weight": norm(hidden),
+        "mtp.pre_fc_norm_hidden.weight": norm(hidden),
+        "mtp.fc.weight": matrix(hidden, 2 * hidden),
+        "mtp.norm.weight": norm(hidden),
+        layer + "input_layernorm.weight": norm(hidden),
+        layer + "post_attention_layernorm.weight": norm(hidden),
+        layer + "self_attn.q_proj.weight": matrix(2 * heads * dim, hidden),
+        layer + "self_attn.k_proj.weight": matrix(kv_heads * dim, hidden),
+        layer + "self_attn.v_proj.weight": matrix(kv_heads * dim, hidden),
+        layer + "self_attn.o_proj.weight": matrix(hidden, heads * dim),
+        layer + "self_attn.q_norm.weight": norm(dim),
+        layer + "self_attn.k_norm.weight": norm(dim),
+    }
+    mlp = layer + "mlp."
+    if not _is_moe(family, config):
+        inter = config["intermediate_size"]
+        out.update({
+            mlp + "gate_proj.weight": matrix(inter, hidden),
+            mlp + "up_proj.weight": matrix(inter, hidden),
+            mlp + "down_proj.weight": matrix(hidden, inter),
+        })  # fmt: skip
+        return out
+    experts, inter, shared = (
+        config["num_experts"], config["moe_intermediate_size"],
+        config["shared_expert_intermediate_size"],
+    )  # fmt: skip
+    out.update({
+        mlp + "gate.weight": matrix(experts, hidden),
+        mlp + "shared_expert.gate_proj.weight": matrix(shared, hidden),
+        mlp + "shared_expert.up_proj.weight": matrix(shared, hidden),
+        mlp + "shared_expert.down_proj.weight": matrix(hidden, shared),
+        mlp + "shared_expert_gate.weight": matrix(1, hidden),
+    })  # fmt: skip
+    if family == "qwen3_5_moe":  # fused, as the Qwen3.5-MoE releases
+        out[mlp + "experts.gate_up_proj"] = matrix(experts, 2 * inter, hidden)
+        out[mlp + "experts.down_proj"] = matrix(experts, hidden, inter)
+    else:
+        for e in range(experts):
+            out[f"{mlp}experts.{e}.gate_proj.weight"] = matrix(inter, hidden)
+            out[f"{mlp}experts.{e}.up_proj.weight"] = matrix(inter, hidden)
+            out[f"{mlp}experts.{e}.down_proj.weight"] = matrix(hidden, inter)
+    return out
+
+
+def save_tiny_with_mtp(family: str, path: str, seed: int = 0) -> str:
+    """Saves the tiny model of `family` (`qwen3_5`, `qwen3_5_moe` or `qwen3_next`) with a random
+    MTP head into directory `path` (created if needed) and returns `path`."""
+    if family not in VARIANTS:
+        raise ValueError(f"family {family!r}: one of {sorted(VARIANTS)}")
+    source = tiny_model_dir(VARIANTS[family])
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(source):
+        shutil.copy(os.path.join(source, name), path)
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    if family != "qwen3_next":
+        config["mtp_num_hidden_layers"] = 1
+        with open(config_file, "w") as f:
+            json.dump(config, f, indent=2)
+    weights = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights)
+    tensors.update(mtp_tensors(family, config, seed))
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return path
