@@ -65,6 +65,9 @@ from vllm_mamba.ops.table import MambaOps
 EXPAND_MAX_BYTES = 256 * 2**20  # a longer sequence's prefill runs absorbed (no expanded copy)
 
 
+SMALL_ROWS = 8  # rows up to which the absorbed products run row by row (`_per_row`)
+
+
 class MLAAttention(KVCacheLayer):
     """One MLA layer: its projections, norms and its attention over the latent cache."""
 
@@ -210,12 +213,12 @@ class MLAAttention(KVCacheLayer):
         float32."""
         assert isinstance(self.kv, LatentKV)
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("thn,hnr->thr", q_nope.float(), w_uk)  # (N, Hq, R)
+        q_lat = _per_row(q_nope.float(), w_uk)  # (N, Hq, R)
         query = torch.cat([q_lat, q_rot.float()], dim=-1)  # (N, Hq, L)
         out_lat = kernel(
             query=query, cache=self.kv.latent, scale=self.scale, v_dim=self.kv_lora_rank, **rows
         )  # (N, Hq, R)
-        out = torch.einsum("thr,hvr->thv", out_lat, w_uv)  # (N, Hq, Dv)
+        out = _per_row_t(out_lat, w_uv)  # (N, Hq, Dv)
         if self.b_kv is not None:
             out = out + self.b_kv.view(self.num_heads, -1)[:, self.qk_nope_head_dim :]
         return out
@@ -272,3 +275,23 @@ class MLAAttention(KVCacheLayer):
             attn_mask=allowed, scale=self.scale,
         )  # fmt: skip
         return out.transpose(0, 1)  # (Q, Hq, Dv)
+
+
+def _per_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x (N, H, A) @ w (H, A, B)` per head -> `(N, H, B)`.
+
+    Up to `SMALL_ROWS` rows, one matrix-vector product per row and head, so a row's bits do
+    not depend on how many rows there are (a speculative chain's rows equal the tokens decoded
+    one by one); above, one batched product per head.
+    """
+    if x.shape[0] <= SMALL_ROWS:
+        return torch.matmul(x.unsqueeze(-2), w).squeeze(-2)
+    return torch.einsum("tha,hab->thb", x, w)
+
+
+def _per_row_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x (N, H, A) @ w (H, B, A)^T` per head -> `(N, H, B)`, row by row up to `SMALL_ROWS`
+    rows as `_per_row` (with `w` in its stored layout)."""
+    if x.shape[0] <= SMALL_ROWS:
+        return torch.matmul(w, x.unsqueeze(-1)).squeeze(-1)
+    return torch.einsum("tha,hba->thb", x, w)

@@ -41,6 +41,7 @@ from torch import nn
 from vllm_mamba.distributed.communication import all_reduce
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.parallel_linear import even_ranges, shard_param
+from vllm_mamba.ops.table import MambaOps
 
 ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "sigmoid_topk")
 
@@ -71,11 +72,17 @@ class RouterConfig:
 
 
 class ExpertRouter(nn.Module):
-    """`weight (E, H)` (and `e_score_correction_bias (E,)`): `x` -> weights and expert ids."""
+    """`weight (E, H)` (and `e_score_correction_bias (E,)`): `x` -> weights and expert ids.
 
-    def __init__(self, hidden_size: int, config: RouterConfig) -> None:
+    With `ops`, the router's product runs through `ops.linear`, whose decode-sized kernel
+    gives each row the same bits whatever the number of rows (a speculative chain's rows
+    route exactly as the tokens decoded one by one); without, `F.linear`.
+    """
+
+    def __init__(self, hidden_size: int, config: RouterConfig, ops: MambaOps | None = None) -> None:
         super().__init__()
         self.config = config
+        self._linear = ops.linear if ops is not None else F.linear
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
         if config.score_bias:
             self.e_score_correction_bias = nn.Parameter(torch.empty(config.num_experts))
@@ -84,13 +91,13 @@ class ExpertRouter(nn.Module):
         """`x (T, H)` -> float32 weights `(T, k)` and expert ids `(T, k)`."""
         c = self.config
         if c.kind == "softmax_topk":
-            probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)  # (T, E)
+            probs = self._linear(x, self.weight, None).softmax(dim=-1, dtype=torch.float32)
             weights, chosen = probs.topk(c.top_k, dim=-1)
             if c.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return weights, chosen
         if c.kind == "topk_softmax":
-            logits = F.linear(x, self.weight).float()  # (T, E)
+            logits = self._linear(x, self.weight, None).float()  # (T, E)
             top, chosen = logits.topk(c.top_k, dim=-1)
             return top.softmax(dim=-1), chosen
         return self._sigmoid(x)
@@ -99,7 +106,7 @@ class ExpertRouter(nn.Module):
         """`sigmoid_grouped` and `sigmoid_topk`: chosen by the (biased) scores, weighted by the
         raw ones."""
         c = self.config
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
+        scores = _rowwise_sigmoid(self._linear(x.float(), self.weight.float(), None))  # (T, E)
         choice = scores + self.e_score_correction_bias.float() if c.score_bias else scores
         if c.kind == "sigmoid_grouped":
             chosen = self._best_in_groups(choice)
@@ -120,6 +127,22 @@ class ExpertRouter(nn.Module):
         keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()  # (T, n_group)
         keep = keep[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
         return choice.masked_fill(~keep, float("-inf")).topk(c.top_k, dim=-1, sorted=False)[1]
+
+
+def _rowwise_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """`x.sigmoid()` of `x (T, E)` whose bits per row do not depend on `T`.
+
+    torch's elementwise loop runs over the flat tensor two vectors at a time and finishes the
+    rest with scalar code, which rounds differently; a row whose width is not a multiple of
+    32 would take one path alone and the other among more rows (a speculative chain's rows
+    must route exactly as the tokens decoded one by one). Padding the rows to a multiple of 32
+    columns puts every row in the vector loop (up to torch's parallel grain, far above a
+    decode step's router).
+    """
+    pad = -x.shape[-1] % 32
+    if not pad:
+        return x.sigmoid()
+    return F.pad(x, (0, pad)).sigmoid()[:, : x.shape[-1]]
 
 
 def dispatch_experts(

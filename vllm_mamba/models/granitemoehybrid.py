@@ -102,7 +102,7 @@ def _ffns(config: Any, ops: MambaOps, tp: TensorParallel) -> list[tuple[str, nn.
         return [("shared_mlp", shared)]
     route = RouterConfig("topk_softmax", config.num_local_experts, config.num_experts_per_tok)
     experts = StackedGatedExperts(config.num_local_experts, hidden, config.intermediate_size, tp)
-    moe = SparseMoE(ExpertRouter(hidden, route), experts, tp)
+    moe = SparseMoE(ExpertRouter(hidden, route, ops), experts, tp)
     return [("block_sparse_moe", moe), ("shared_mlp", shared)]
 
 

@@ -104,7 +104,7 @@ def _moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
     experts = ExpertList(
         GatedMLP(hidden, ffn, False, ops, tp, reduce=False) for _ in range(config.num_experts)
     )
-    return SparseMoE(ExpertRouter(hidden, route), experts, tp)
+    return SparseMoE(ExpertRouter(hidden, route, ops), experts, tp)
 
 
 def _layer(config: Any, index: int, ops: MambaOps, tp: TensorParallel) -> nn.Module:

@@ -94,7 +94,7 @@ def _moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
         size = config.moe_intermediate_size * config.n_shared_experts
         shared = GatedMLP(hidden, size, False, ops, tp)
     return SparseMoE(
-        ExpertRouter(hidden, route), experts, tp, shared=shared,
+        ExpertRouter(hidden, route, ops), experts, tp, shared=shared,
         names=("gate", "experts", "shared_experts"),
     )  # fmt: skip
 

@@ -112,7 +112,7 @@ def _sparse_moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
         GatedMLP(hidden, config.moe_intermediate_size, False, ops, tp, reduce=False)
         for _ in range(num_experts)
     )
-    return SparseMoE(ExpertRouter(hidden, route), experts, tp, names=("gate", "experts"))
+    return SparseMoE(ExpertRouter(hidden, route, ops), experts, tp, names=("gate", "experts"))
 
 
 def _layer(config: Any, kind: str, ffn: nn.Module, ops: MambaOps, tp: TensorParallel) -> nn.Module:

@@ -98,7 +98,7 @@ def _moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
     if latent:
         projections = (Linear(hidden, latent, bias, ops), Linear(latent, hidden, bias, ops))
     return SparseMoE(
-        ExpertRouter(hidden, route), experts, tp, accumulate_fp32=True, shared=shared,
+        ExpertRouter(hidden, route, ops), experts, tp, accumulate_fp32=True, shared=shared,
         latent=projections, names=("gate", "experts", "shared_experts"),
     )  # fmt: skip
 
