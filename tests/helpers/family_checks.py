@@ -98,7 +98,8 @@ def assert_batched_equals_alone(path: str) -> None:
 def assert_speculation_equals_alone(path: str) -> None:
     """Greedy decoding with speculation gives each prompt's tokens alone: drafts that are
     partly right (`OracleProposer`: accepted runs and rejections at every position, so the
-    states are rolled back all the time), then the real n-gram lookup."""
+    states are rolled back all the time), then the real n-gram lookup, then draft models:
+    the model itself (every draft accepted) and a tiny Mamba (or Mamba2; most rejected)."""
     want = alone(path)
     refs = {tuple(p["prompt_token_ids"]): w for p, w in zip(prompts(), want)}
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
@@ -114,6 +115,14 @@ def assert_speculation_equals_alone(path: str) -> None:
             config.speculative_config, config.model_config.max_model_len
         )
         assert tokens(runner.generate(prompts(), GREEDY)) == want
+    other = tiny_model_dir("mamba2-groups" if path == tiny_model_dir("tied") else "tied")
+    for draft, all_accepted in ((path, True), (other, False)):
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+        with VllmRunner(path, speculative_config=spec) as runner:
+            assert tokens(runner.generate(prompts()[:5], GREEDY)) == want[:5]
+            counters = runner.engine.spec_steps.counters
+            assert (counters.num_accepted_tokens == counters.num_draft_tokens) == all_accepted
+            assert runner.engine.spec_steps.proposer.slots.num_used == 0
 
 
 def assert_chunked_equals_whole(path: str, budget: int) -> None:

@@ -377,7 +377,9 @@ class LLMEngine:
         """Aborts requests (unknown ids are ignored) and frees their slots."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            self.scheduler.abort(rid)
+            group = self.scheduler.abort(rid)
+            for seq in group.seqs if group is not None else []:
+                self.spec_steps.on_finished(seq)
 
     def pause_request(self, request_id: str) -> None:
         """Stops scheduling a request until `resume_request`; it keeps its slots and KV blocks

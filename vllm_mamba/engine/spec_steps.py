@@ -205,4 +205,8 @@ def make_proposer(config: SpeculativeConfig, engine: Any) -> Proposer:
     max_model_len = engine.config.model_config.max_model_len
     if config.method == "ngram":
         return NgramDrafts(config, max_model_len)
+    if config.method == "draft_model":
+        from vllm_mamba.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, engine.config, len(engine.tokenizer))
     raise ValueError(f"speculative_config.method {config.method!r} is not available yet")
