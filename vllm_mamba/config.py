@@ -264,6 +264,11 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
 
     @property
+    def uses_mtp(self) -> bool:
+        """Speculative decoding with the model's own MTP head (it is built and loaded)."""
+        return self.speculative_config is not None and self.speculative_config.method == "mtp"
+
+    @property
     def num_state_slots(self) -> int:
         """One state slot per sequence that may run at once."""
         return self.scheduler_config.max_num_seqs

@@ -241,7 +241,12 @@ class EngineArgs:
                 f"quantization {self.quantization!r} is not one of "
                 f"{', '.join(QUANTIZATION_CHOICES)} (or unset: float weights)"
             )
-        SpeculativeConfig.from_value(self.speculative_config)
+        spec = SpeculativeConfig.from_value(self.speculative_config)
+        if spec is not None and spec.method == "mtp" and (self.tensor_parallel_size or 1) > 1:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size}: speculative method 'mtp' "
+                "runs on one rank only (ngram and draft_model run with tensor parallelism)"
+            )
         if self.quantization == "int4" and (self.tensor_parallel_size or 1) > 1:
             raise ValueError(
                 f"tensor_parallel_size {self.tensor_parallel_size}: quantization 'int4' runs on "

@@ -102,6 +102,11 @@ class ModelRunner:
         # `spare_slot_base + c * max_drafts + w` (set by the engine).
         self.spare_slot_base = 0
         self.max_drafts = 0
+        # Speculative method mtp: the model's MTP head runs after every forward over the
+        # step's rows; `mtp_next` keeps, per sequence sampled, its first draft and the head's
+        # output row that further drafts start from.
+        self.mtp: torch.nn.Module | None = None
+        self.mtp_next: dict[int, tuple[int, torch.Tensor]] = {}
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Captures decode forwards for replay (CUDA only)."""
@@ -131,6 +136,7 @@ class ModelRunner:
             self.kv_cache.copy_blocks(list(src), list(dst))
         hits = step.state_copies
         self.copy_states([s for s, _ in hits], [d for _, d in hits])
+        meta = None
         if self.cuda_graphs is not None and not layout.prefill_lens and not layout.decode_waves:
             hidden = self.cuda_graphs.run(token_ids, layout.decode_slots)  # (T, H)
         else:
@@ -155,6 +161,8 @@ class ModelRunner:
         chains = [i for i in items if i.is_spec]
         if chains:
             self._verify(hidden, chains, rows, result)
+        if self.mtp is not None:
+            self._mtp_pass(hidden, meta, items, rows, result)
         for item, flat_start, prompt_start in prompt_pos:
             end = min(
                 item.seq.num_computed_tokens + item.num_tokens, len(item.seq.prompt_token_ids) - 1
@@ -322,6 +330,48 @@ class ModelRunner:
                 num_accepted=out.num_accepted,
                 hidden=hidden[rows[seq_id]] if self.keep_sampled_hidden else None,
             )
+
+    def _mtp_pass(
+        self,
+        hidden: torch.Tensor,
+        meta: object,
+        items: list[ScheduledSeq],
+        rows: dict[int, list[int]],
+        result: StepResult,
+    ) -> None:
+        """The MTP head over every row of the step (its KV at every position the target
+        computed, prompts included, so prefix-cache hits find it), each row with the token
+        that follows it; each sampled sequence's first draft from its last kept row."""
+        self.mtp_next = {}
+        assert self.mtp is not None
+        next_ids = [0] * hidden.shape[0]  # rows past a chain's emitted tokens: overwritten later
+        last: dict[int, int] = {}  # seq id -> the row whose MTP output drafts its next token
+        for item in items:
+            seq, seq_rows = item.seq, rows[item.seq.seq_id]
+            if item.is_spec:
+                emitted = result.spec[seq.seq_id].token_ids
+                for row, token in zip(seq_rows, emitted):
+                    next_ids[row] = token
+                last[seq.seq_id] = seq_rows[len(emitted) - 1]
+                continue
+            start = seq.num_computed_tokens
+            for j, row in enumerate(seq_rows):
+                pos = start + j + 1
+                if pos < seq.num_tokens:
+                    next_ids[row] = seq.token_slice(pos, pos + 1)[0]
+            if item.sample:
+                index, out = result.samples[seq.seq_id]
+                next_ids[seq_rows[-1]] = out.token_ids[index]
+                if not item.children:  # forks draft from their second step on
+                    last[seq.seq_id] = seq_rows[-1]
+        ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)
+        out_rows = self.mtp(hidden, ids, meta)  # (T, H)
+        if not last:
+            return
+        picked = list(last.values())
+        drafts = self.mtp.compute_logits(out_rows[picked]).argmax(-1).tolist()
+        for (seq_id, row), draft in zip(last.items(), drafts):
+            self.mtp_next[seq_id] = (draft, out_rows[row])
 
     def _row(self, seq: Sequence, item: ScheduledSeq) -> SamplingRow:
         """Sampling inputs of one sequence; EOS and stop tokens are banned before min_tokens

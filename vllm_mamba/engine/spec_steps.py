@@ -209,4 +209,9 @@ def make_proposer(config: SpeculativeConfig, engine: Any) -> Proposer:
         from vllm_mamba.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(config, engine.config, len(engine.tokenizer))
-    raise ValueError(f"speculative_config.method {config.method!r} is not available yet")
+    if config.method == "mtp":
+        from vllm_mamba.spec_decode.mtp_proposer import MTPProposer
+
+        engine.runner.mtp = engine.model.mtp
+        return MTPProposer(engine.runner, engine.scheduler.block_manager, engine.kv_cache)
+    raise ValueError(f"speculative_config.method {config.method!r} is unknown")

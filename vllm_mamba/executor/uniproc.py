@@ -20,7 +20,9 @@ class UniProcExecutor(Executor):
         self.config = config
         self.device = config.device
         self.tp = SINGLE
-        self.model, _ = build_model(mc.path, mc.hf_config, mc.dtype, config.device)
+        self.model, _ = build_model(
+            mc.path, mc.hf_config, mc.dtype, config.device, mtp=config.uses_mtp
+        )
         self.runner_model = self.model
 
     def init_caches(self, num_slots: int, sizing: KVCacheSizing | None) -> None:
