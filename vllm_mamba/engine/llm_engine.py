@@ -287,7 +287,21 @@ class LLMEngine:
             kv_blocks_total=self.scheduler.block_manager.num_blocks,
             prefix_cache_queries=self.prefix_steps.queries,
             prefix_cache_hits=self.prefix_steps.hits,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        """The speculative-decoding fields of a `StatsSnapshot` (none when it is off)."""
+        c = self.spec_steps.counters
+        if c is None:
+            return {}
+        return {
+            "spec_enabled": True,
+            "spec_num_drafts": c.num_drafts,
+            "spec_num_draft_tokens": c.num_draft_tokens,
+            "spec_num_accepted_tokens": c.num_accepted_tokens,
+            "spec_accepted_per_pos": tuple(c.accepted_per_pos),
+        }
 
     # ----- requests -------------------------------------------------------------------
     def add_request(

@@ -46,6 +46,11 @@ class StatsSnapshot:
     kv_blocks_total: int = 0  # 0 for attention-free models (no KV cache)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found there
+    spec_enabled: bool = False  # speculative decoding (the spec_* counters below)
+    spec_num_drafts: int = 0  # chains verified
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # drafts accepted at each chain position
 
 
 class StatLogger:
@@ -87,6 +92,27 @@ class StatLogger:
             100.0 * snap.slots_used / max(snap.slots_total, 1),
             kv,
         )
+        drafts = snap.spec_num_drafts - last.spec_num_drafts
+        if snap.spec_enabled and drafts:
+            drafted = snap.spec_num_draft_tokens - last.spec_num_draft_tokens
+            accepted = snap.spec_num_accepted_tokens - last.spec_num_accepted_tokens
+            per_pos = [
+                (now_ - then) / drafts
+                for now_, then in zip(
+                    snap.spec_accepted_per_pos,
+                    last.spec_accepted_per_pos or (0,) * len(snap.spec_accepted_per_pos),
+                )
+            ]
+            logger.info(
+                "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
+                "Drafted: %d tokens, Per-position acceptance rate: %s, Avg Draft acceptance "
+                "rate: %.1f%%",
+                1.0 + accepted / drafts,
+                accepted,
+                drafted,
+                ", ".join(f"{r:.3f}" for r in per_pos),
+                100.0 * accepted / max(drafted, 1),
+            )
         return True
 
 

@@ -9,7 +9,10 @@ stream. For an attention-free model the state slots are its whole cache, so
 blocks in use (also `vllm:kv_cache_blocks_used` / `vllm:kv_cache_blocks_total`), the state
 slots staying in their own gauges. `vllm:num_preemptions_total` counts preemptions;
 `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` count prompt tokens looked
-up in the prefix cache and found there (0 when it is off). `vllm:native_heap_in_use_bytes`
+up in the prefix cache and found there (0 when it is off). With speculative decoding,
+`vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
+`..._num_accepted_tokens_total` and `..._num_accepted_tokens_per_pos_total` (label `position`)
+count the chains verified, their draft tokens and the accepted ones. `vllm:native_heap_in_use_bytes`
 (glibc only) and `vllm:python_allocated_blocks` report the process's live native heap bytes
 and Python objects at scrape time, for leak checks such as the soak test. Every app
 has its own registry; label values are escaped by the library.
@@ -87,9 +90,32 @@ class _EngineCollector(Collector):
                 stats.prefix_cache_hits,
             ),
         ]
+        if stats.spec_enabled:
+            counters += [
+                ("vllm:spec_decode_num_drafts", "Draft chains verified.", stats.spec_num_drafts),
+                (
+                    "vllm:spec_decode_num_draft_tokens",
+                    "Draft tokens verified.",
+                    stats.spec_num_draft_tokens,
+                ),
+                (
+                    "vllm:spec_decode_num_accepted_tokens",
+                    "Draft tokens accepted.",
+                    stats.spec_num_accepted_tokens,
+                ),
+            ]
         for name, doc, value in counters:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
+            yield family
+        if stats.spec_enabled:
+            family = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each position of a chain.",
+                labels=["model_name", "position"],
+            )
+            for pos, value in enumerate(stats.spec_accepted_per_pos):
+                family.add_metric([self.model_name, str(pos)], value)
             yield family
 
 
