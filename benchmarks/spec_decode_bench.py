@@ -9,8 +9,9 @@ same prompts, greedy, `ignore_eos`, so every configuration emits the same number
 difference).
 
 Per configuration and batch size, medians of `--reps` repetitions, interleaved (repetition 1
-of every configuration, then repetition 2, ...) so that the host's slow and fast phases fall on
-all of them alike, after one warm-up generate each:
+of every configuration, then repetition 2, ...; each repetition starts one configuration later)
+so that the host's slow and fast phases fall on all of them alike, after one warm-up generate
+each:
 
 - `tok/s`: generated tokens of the batch / wall time of `LLM.generate` (prefill included, model
   load excluded).
@@ -40,12 +41,20 @@ Workloads (`--workload`), all built from the Python standard library on this mac
   `--method ngram` this workload adds `prompt_lookup_min 1` (proposes whenever the last token
   occurred before, so it drafts often and is mostly rejected).
 
+`--forced-reject` adds "rejected k=K": the n-gram engine with its proposer replaced by one
+that drafts K random token ids at every step of every sequence (`RejectedDrafts`), so every
+forward verifies a chain and almost nothing is accepted: the worst-case cost of speculation,
+which no real proposer reaches (a model with random weights copies nothing, so the n-gram
+lookup on it mostly proposes nothing at all).
+
 llama.cpp (`--llama-cpp`, single stream, code-edit prompt of stream 0): its
 `llama-speculative-simple --spec-type ngram-simple` (llama.cpp's n-gram self-speculation, with
 full-state checkpoints on models whose memory cannot drop a sequence's tail) and
 `llama-lookup` (prompt lookup; ignores the result of `llama_memory_seq_rm`), against
 `llama-lookup` with 0 draft tokens (`llama-speculative-simple` refuses to run without a
-speculation type), on `--gguf`. Build them with `benchmarks/setup_llama_cpp.sh`'s
+speculation type), on `--gguf`; "decode tok/s" is the tools' own figure (after the prompt),
+"tok/s with prompt" divides by prompt encoding plus decoding, as the engine's tok/s does.
+`--llama-cpp-only` runs these rows alone. Build them with `benchmarks/setup_llama_cpp.sh`'s
 sources:
 
     cd /tmp/llamacpp/llama_cpp_python-*/vendor/llama.cpp
@@ -131,6 +140,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--workload", default="code-edit", choices=["code-edit", "summarize", "random"])
     p.add_argument("--random-prompt-len", type=int, default=256)
+    p.add_argument(
+        "--forced-reject",
+        action="store_true",
+        help="add 'rejected k=K': every step drafts K random tokens (worst-case overhead)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"])
@@ -144,6 +158,10 @@ def parse_args() -> argparse.Namespace:
         "--llama-cpp-bin",
         default=os.environ.get("LLAMA_CPP_HOME", "/tmp/llamacpp") + "/bin",
         help="llama-lookup and llama-speculative-simple live here",
+    )
+    p.add_argument("--llama-cpp-timeout", type=int, default=300, help="seconds per llama.cpp run")
+    p.add_argument(
+        "--llama-cpp-only", action="store_true", help="only the llama.cpp rows (no engine)"
     )
     p.add_argument("--show-output", action="store_true", help="print stream 0's output")
     return p.parse_args()
@@ -244,7 +262,32 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
                 configs.append((f"draft {name} k={k}", {**spec, "model": args.draft_model}))
             else:
                 configs.append((f"mtp k={k}", spec))
+    if args.forced_reject:
+        for k in ks:
+            spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1}
+            configs.append((f"{REJECTED} k={k}", spec))
     return configs
+
+
+REJECTED = "rejected"  # label prefix of the forced-rejection configurations
+
+
+class RejectedDrafts:
+    """A proposer that drafts `k` random token ids for every decoding sequence at every step:
+    almost all rejected, so speculation's full cost with nothing to show for it (the engine's
+    own n-gram proposer, put back by nothing: this engine serves the benchmark only)."""
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        import random
+
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+
+    def propose(self, seqs: list) -> list[list[int]]:
+        return [[self.rng.randrange(3, self.vocab) for _ in range(k)] for _, _, k in seqs]
+
+    def on_finished(self, seq) -> None:  # noqa: ANN001
+        pass
 
 
 class Run:
@@ -264,6 +307,9 @@ class Run:
             speculative_config=spec,
         )
         self.load_s = time.perf_counter() - start
+        if label.startswith(REJECTED):  # the engine's `Proposer` protocol (spec_steps.py)
+            vocab = self.llm.llm_engine.config.model_config.hf_config.vocab_size
+            self.llm.llm_engine.spec_steps.proposer = RejectedDrafts(vocab)
 
     def generate(self, prompts: list[dict], out_len: int) -> dict:
         """One timed `LLM.generate` of the batch; its tokens and the speculation counters."""
@@ -358,7 +404,8 @@ def run_llama_cpp(args: argparse.Namespace, text: str, out_len: int, k: int) -> 
         f.write(text)
         prompt_file = f.name
     common = ["-m", args.gguf, "-f", prompt_file, "-n", str(out_len), "-t", str(args.threads)]
-    common += ["--temp", "0", "-c", "4096", "-b", "4096", "-ub", "4096"]
+    # the tools' default context and batch sizes (the prompts fit their 2048-token batch)
+    common += ["--temp", "0"]
     variants = [
         ("llama-lookup k=0 (no speculation)", "llama-lookup", ["--spec-draft-n-max", "0"]),
         (
@@ -374,22 +421,30 @@ def run_llama_cpp(args: argparse.Namespace, text: str, out_len: int, k: int) -> 
         if not os.access(binary, os.X_OK):
             rows.append({"label": label, "error": f"{binary} not built (see the docstring)"})
             continue
-        samples, info, error = [], {}, None
+        samples, with_prompt, info, error = [], [], {}, None
         for _ in range(args.reps):
-            proc = subprocess.run(
-                [binary, *common, *extra],
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=900,
-            )
+            try:
+                proc = subprocess.run(
+                    [binary, *common, *extra],
+                    capture_output=True,
+                    text=True,
+                    errors="replace",
+                    timeout=args.llama_cpp_timeout,
+                )
+            except subprocess.TimeoutExpired:
+                error = f"timed out after {args.llama_cpp_timeout} s"
+                break
             log = proc.stdout + proc.stderr
             m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+)", log)
             if proc.returncode != 0 or not m:
-                tail = [ln for ln in log.splitlines() if ln.strip()][-6:]
+                lines = [ln for ln in log.splitlines() if ln.strip()]
+                tail = [ln for ln in lines if " E " in ln or "position" in ln][:4] or lines[-6:]
                 error = f"exit {proc.returncode}: " + " / ".join(tail)
                 break
             samples.append(float(m.group(3)))
+            enc = re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
+            if enc:  # the engine's tok/s includes its prefill: this is the comparable figure
+                with_prompt.append(int(m.group(1)) / (float(enc.group(1)) + float(m.group(2))))
             for key in ("n_drafted", "n_accept", "accept"):
                 km = re.search(rf"\b{key}\s*=\s*([-\w.%]+)", log)
                 if km:
@@ -401,6 +456,9 @@ def run_llama_cpp(args: argparse.Namespace, text: str, out_len: int, k: int) -> 
             row["error"] = error
         if samples:
             row["tok_s"] = statistics.median(samples)
+        if with_prompt:
+            row["with_prompt_samples"] = with_prompt
+            row["tok_s_with_prompt"] = statistics.median(with_prompt)
         rows.append(row)
         print(f"llama.cpp {label}: {row.get('tok_s', row.get('error'))}", flush=True)
     os.unlink(prompt_file)
@@ -425,17 +483,21 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
 
-    configs = configurations(args)
+    configs = [] if args.llama_cpp_only else configurations(args)
+    if args.llama_cpp_only and args.workload == "random":
+        raise SystemExit("--llama-cpp-only needs a text workload (code-edit or summarize)")
     runs = [Run(label, spec, args, max(batches)) for label, spec in configs]
-    tokenizer = runs[0].llm.get_tokenizer()
-    vocab = runs[0].llm.llm_engine.config.model_config.hf_config.vocab_size
-    print(f"loaded {len(runs)} engines ({', '.join(f'{r.load_s:.1f}' for r in runs)} s)")
-    prompts = workload_prompts(args, tokenizer, vocab, max(batches))
-    prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
-    print(f"{args.workload} prompts: {prompt_lens} tokens")
+    tokenizer = runs[0].llm.get_tokenizer() if runs else None
+    prompts, prompt_lens = [], [0]
+    if runs:
+        vocab = runs[0].llm.llm_engine.config.model_config.hf_config.vocab_size
+        print(f"loaded {len(runs)} engines ({', '.join(f'{r.load_s:.1f}' for r in runs)} s)")
+        prompts = workload_prompts(args, tokenizer, vocab, max(batches))
+        prompt_lens = [len(p["prompt_token_ids"]) for p in prompts]
+        print(f"{args.workload} prompts: {prompt_lens} tokens")
 
     results: dict = {}
-    for batch in batches:
+    for batch in batches if runs else []:
         out_len = out_lens[batch]
         batch_prompts = prompts[:batch]
         for run in runs:  # warm-up
@@ -443,7 +505,9 @@ def main() -> None:
         samples: dict[str, list[dict]] = {r.label: [] for r in runs}
         tokens: dict[str, list] = {}
         for rep in range(args.reps):
-            for run in runs:
+            # each repetition starts one configuration later, so that no configuration always
+            # runs first (right after another engine's generate) or last
+            for run in runs[rep % len(runs) :] + runs[: rep % len(runs)]:
                 got = run.generate(batch_prompts, out_len)
                 samples[run.label].append(got["sample"])
                 tokens.setdefault(run.label, got["token_ids"])
@@ -493,22 +557,32 @@ def main() -> None:
 
     header = (
         f"{started}, {args.model}, {args.dtype}, workload {args.workload}, "
-        f"output {', '.join(f'{out_lens[b]} (b{b})' for b in batches)} tokens, prompts "
-        f"{min(prompt_lens)}-{max(prompt_lens)} tokens, {args.threads} threads, medians of "
+        f"output {', '.join(f'{out_lens[b]} (b{b})' for b in batches)} tokens, "
+        + (f"prompts {min(prompt_lens)}-{max(prompt_lens)} tokens, " if runs else "")
+        + f"{args.threads} threads, medians of "
         f"{args.reps}, total {time.perf_counter() - t0:.0f} s, 1-min load average "
         f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     )
     print(f"\n{header}\n")
-    print(table(results))
+    if results:
+        print(table(results))
     if llama_rows:
-        print("\n| llama.cpp (single stream) | tok/s | drafted | accepted | note |")
-        print("|---|---|---|---|---|")
+        base = llama_rows[0].get("tok_s_with_prompt")
+        print(
+            "\n| llama.cpp (single stream) | decode tok/s | tok/s with prompt | speed-up | "
+            "drafted | accepted | note |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for row in llama_rows:
+            with_prompt = row.get("tok_s_with_prompt")
+            speedup = with_prompt / base if base and with_prompt else None
             note = row.get("error", "")
             if row.get("checkpoints"):
                 note = "full-state checkpoints"
             print(
                 f"| {row['label']} | {fmt(row.get('tok_s'), ',.1f')} | "
+                f"{fmt(row.get('tok_s_with_prompt'), ',.1f')} | "
+                f"{fmt(speedup, '.2f', 'x')} | "
                 f"{row.get('n_drafted', '—')} | {row.get('n_accept', '—')} | {note} |"
             )
     if args.save_result:
