@@ -112,17 +112,25 @@ struct Weight {
 };
 
 // out[b, r - lo] (row stride ldo) = w[r] . x[b] for rows r in [lo, hi), whatever w's dtype.
+// `each`: every row of x exactly as alone (`gemv::gemv_rows_each`; 4-bit rows always are).
 inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, int64_t lo,
-                 int64_t hi, float* out, int64_t ldo) {
+                 int64_t hi, float* out, int64_t ldo, bool each = false) {
+  auto rows = [&](const auto* data) {
+    if (each) {
+      gemv::gemv_rows_each(data, w.k, x, ldx, batch, lo, hi, out, ldo);
+    } else {
+      gemv::gemv_rows(data, w.k, x, ldx, batch, lo, hi, out, ldo);
+    }
+  };
   if (w.dtype == at::kFloat) {
-    gemv::gemv_rows(static_cast<const float*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
+    rows(static_cast<const float*>(w.data));
   } else if (w.dtype == at::kBFloat16) {
-    gemv::gemv_rows(static_cast<const vec::bf16_t*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
+    rows(static_cast<const vec::bf16_t*>(w.data));
   } else if (w.dtype == at::kByte) {  // 4-bit, checked by `weight_of`
     const gemv::Q4Rows q4{static_cast<const uint8_t*>(w.data), w.q4_scales, w.k};
     gemv::gemv_rows_q4(q4, x, ldx, batch, lo, hi, out, ldo);
   } else {  // int8, checked by `weight_of`
-    gemv::gemv_rows(static_cast<const int8_t*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
+    rows(static_cast<const int8_t*>(w.data));
     for (int64_t b = 0; b < batch; ++b) {
       float* o = out + b * ldo - lo;
 #pragma omp simd
@@ -289,6 +297,15 @@ inline void conv_update(float* v, H* hist, const float* conv_w, const float* con
 }
 
 // Reads an optional float32 parameter of a params list; nullptr when absent.
+// The int64 `src_state_indices` of a layer call (undefined when absent): the slot each row
+// reads its state from (chains of speculative decoding), at most `kGemvMaxBatch` rows.
+inline at::Tensor src_slots(const std::optional<at::Tensor>& src, int64_t batch) {
+  if (!src.has_value()) return at::Tensor();
+  TORCH_CHECK(src->dim() == 1 && src->size(0) == batch, "src_state_indices must be (B,)");
+  TORCH_CHECK(batch <= kGemvMaxBatch, "src_state_indices: at most ", kGemvMaxBatch, " rows");
+  return src->to(at::kLong).contiguous();
+}
+
 inline const float* param_f32(const c10::List<std::optional<at::Tensor>>& params, size_t i,
                               int64_t numel, const char* what) {
   const std::optional<at::Tensor> t = params.get(i);

@@ -7,6 +7,11 @@
 // `causal_conv1d_update` and `selective_state_update`; a slot index of -1 marks a padding row,
 // computed from a zero history and state and never written. Intermediates stay float32.
 //
+// With `src_state_indices`, row b reads its state from slot `src[b]` and writes it to slot
+// `slots[b]`: rows that read the slot an earlier row wrote form a chain (speculative
+// decoding's last token and drafts), each position's state kept in its own slot. Rows run in
+// order within each thread's channels, so a chain is exact up to `kGemvMaxBatch` rows.
+//
 // Up to `kGemvMaxBatch` rows, one OpenMP region per call: in_proj rows (conv fused per
 // channel), x_proj rows, then channels (dt_proj, state update, gate), then out_proj rows are
 // split over the threads, with a barrier between the stages. More rows run the projections as
@@ -52,6 +57,7 @@ struct Io {
   C* conv_states;  // (S, I, K - 1)
   S* ssm_states;   // (S, I, N)
   const int64_t* slots;
+  const int64_t* src_slots;  // where row b's state is read from (nullptr: `slots`)
   const float* hidden;  // (B, H)
   float *xn, *xz, *dbc, *y, *mixed;  // (B, H), (B, 2 I), (B, XP), (B, I), (B, H) scratch
 };
@@ -61,8 +67,12 @@ struct Io {
 template <typename C, typename S>
 inline void conv_rows(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t c0,
                       int64_t c1) {
-  const int64_t slot = io.slots[b];
-  C* hist = slot >= 0 ? io.conv_states + slot * d.inter * (d.kernel - 1) : nullptr;
+  const int64_t slot = io.slots[b], width = d.kernel - 1;
+  C* hist = slot >= 0 ? io.conv_states + slot * d.inter * width : nullptr;
+  if (hist && io.src_slots && io.src_slots[b] != slot) {  // a chain: start from the row before
+    const C* from = io.conv_states + io.src_slots[b] * d.inter * width;
+    std::copy(from + c0 * width, from + c1 * width, hist + c0 * width);
+  }
   fused::conv_update(io.xz + b * 2 * d.inter, hist, s.conv_w, s.conv_b, d.kernel, c0, c1);
 }
 
@@ -74,7 +84,8 @@ void in_proj_and_conv(const Dims& d, const Small& s, const Io<C, S>& io, int tid
   int64_t lo, hi;
   split(d.inter, fused::kRowBlock, tid, nth, lo, hi);
   for (const int64_t base : {int64_t{0}, d.inter}) {  // x rows, then z rows
-    gemv(*io.in_w, io.xn, d.hidden, d.batch, base + lo, base + hi, io.xz + base + lo, n);
+    gemv(*io.in_w, io.xn, d.hidden, d.batch, base + lo, base + hi, io.xz + base + lo, n,
+         io.src_slots != nullptr);
     if (s.in_b) {
       for (int64_t b = 0; b < d.batch; ++b) {
         for (int64_t r = base + lo; r < base + hi; ++r) io.xz[b * n + r] += s.in_b[r];
@@ -133,6 +144,10 @@ void channels(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, cons
       const float delta = dt[j], uc = u[c];
       const float* a = s.A + c * N;
       S* st = slot >= 0 ? io.ssm_states + (slot * d.inter + c) * N : nullptr;
+      if (st && io.src_slots && io.src_slots[b] != slot) {
+        const S* from = io.ssm_states + (io.src_slots[b] * d.inter + c) * N;
+        std::copy(from, from + N, st);
+      }
       float sum = 0.0f;
       if (st) {
         float* sf = fused::load_state(st, scratch.data(), N);
@@ -173,7 +188,7 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
 #pragma omp barrier
     int64_t lo, hi;
     split(d.xp, fused::kRowBlock, tid, nth, lo, hi);
-    gemv(*io.x_w, io.xz, 2 * d.inter, d.batch, lo, hi, io.dbc + lo, d.xp);
+    gemv(*io.x_w, io.xz, 2 * d.inter, d.batch, lo, hi, io.dbc + lo, d.xp, io.src_slots != nullptr);
 #pragma omp barrier
     std::vector<float> row(d.xp);
     split(d.inter, fused::kRowBlock, tid, nth, lo, hi);
@@ -184,7 +199,8 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     }
 #pragma omp barrier
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
-    gemv(*io.out_w, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden);
+    gemv(*io.out_w, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden,
+         io.src_slots != nullptr);
     for (int64_t b = 0; b < d.batch; ++b) {
       float* m = io.mixed + b * d.hidden;
       for (int64_t r = lo; r < hi; ++r) {
@@ -266,8 +282,10 @@ at::Tensor fused_mamba_decode(const at::Tensor& hidden_in,
                               const c10::List<std::optional<at::Tensor>>& params,
                               at::Tensor& conv_states, at::Tensor& ssm_states,
                               const at::Tensor& state_indices, double norm_eps,
-                              double mixer_eps, at::ScalarType out_dtype) {
+                              double mixer_eps, at::ScalarType out_dtype,
+                              const std::optional<at::Tensor>& src_state_indices) {
   const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices);
+  const at::Tensor src = fused::src_slots(src_state_indices, d.batch);
   const Weight in_w =
       fused::weight_of(params, kInW, kInScale, 2 * d.inter, d.hidden, "in_proj weight");
   const Weight x_w = fused::weight_of(params, kXW, kXScale, d.xp, d.inter, "x_proj weight");
@@ -300,7 +318,8 @@ at::Tensor fused_mamba_decode(const at::Tensor& hidden_in,
     using C = std::remove_pointer_t<decltype(c_tag)>;
     using S = std::remove_pointer_t<decltype(s_tag)>;
     Io<C, S> io{&in_w,           &x_w,      &dt_w, &out_w, conv_states.data_ptr<C>(),
-                ssm_states.data_ptr<S>(), slots.data_ptr<int64_t>(), hidden.data_ptr<float>(),
+                ssm_states.data_ptr<S>(), slots.data_ptr<int64_t>(),
+                src.defined() ? src.data_ptr<int64_t>() : nullptr, hidden.data_ptr<float>(),
                 xn.data_ptr<float>(),     xz.data_ptr<float>(),      dbc.data_ptr<float>(),
                 y.data_ptr<float>(),      mixed.data_ptr<float>()};
     if (d.batch <= fused::kGemvMaxBatch) {
@@ -321,7 +340,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
   m.def(
       "fused_mamba_decode(Tensor hidden, Tensor?[] params, Tensor(a!) conv_states, "
       "Tensor(b!) ssm_states, Tensor state_indices, float norm_eps, float mixer_eps, "
-      "ScalarType out_dtype) -> Tensor");
+      "ScalarType out_dtype, Tensor? src_state_indices=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_mamba_decode", &fused_mamba_decode); }

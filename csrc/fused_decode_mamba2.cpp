@@ -55,6 +55,7 @@ struct Io {
   C* conv_states;     // (S, CD, K - 1)
   S* ssm_states;      // (S, NH, P, N)
   const int64_t* slots;
+  const int64_t* src_slots;  // where row b's state is read from (nullptr: `slots`)
   const float* hidden;  // (B, H)
   float *xn, *zx, *y, *mixed;  // (B, H), (B, NIN), (B, I), (B, H) scratch
 };
@@ -65,8 +66,12 @@ template <typename C, typename S>
 inline void conv_rows(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t c0,
                       int64_t c1) {
   float* v = io.zx + b * d.nin + d.inter;
-  const int64_t slot = io.slots[b];
-  C* hist = slot >= 0 ? io.conv_states + slot * d.conv_dim * (d.kernel - 1) : nullptr;
+  const int64_t slot = io.slots[b], width = d.kernel - 1;
+  C* hist = slot >= 0 ? io.conv_states + slot * d.conv_dim * width : nullptr;
+  if (hist && io.src_slots && io.src_slots[b] != slot) {  // a chain: start from the row before
+    const C* from = io.conv_states + io.src_slots[b] * d.conv_dim * width;
+    std::copy(from + c0 * width, from + c1 * width, hist + c0 * width);
+  }
   fused::conv_update(v, hist, s.conv_w, s.conv_b, d.kernel, c0, c1);
 }
 
@@ -74,7 +79,7 @@ template <typename C, typename S>
 void in_proj_and_conv(const Dims& d, const Small& s, const Io<C, S>& io, int tid, int nth) {
   int64_t lo, hi;
   split(d.nin, fused::kRowBlock, tid, nth, lo, hi);
-  gemv(*io.in_w, io.xn, d.hidden, d.batch, lo, hi, io.zx + lo, d.nin);
+  gemv(*io.in_w, io.xn, d.hidden, d.batch, lo, hi, io.zx + lo, d.nin, io.src_slots != nullptr);
   for (int64_t b = 0; b < d.batch; ++b) {
     if (s.in_b) {
       for (int64_t r = lo; r < hi; ++r) io.zx[b * d.nin + r] += s.in_b[r];
@@ -101,6 +106,10 @@ void ssd_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int6
   const float* Cv = row + 2 * d.inter + d.groups * N + g * N;
   const int64_t slot = io.slots[b];
   S* st = slot >= 0 ? io.ssm_states + (slot * d.heads + h) * P * N : nullptr;
+  if (st && io.src_slots && io.src_slots[b] != slot) {
+    const S* from = io.ssm_states + (io.src_slots[b] * d.heads + h) * P * N;
+    std::copy(from, from + P * N, st);
+  }
   const float skip = s.D ? s.D[h] : 0.0f;
   for (int64_t p = 0; p < P; ++p) {
     const float xdt = x[p] * dt;
@@ -154,9 +163,18 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     in_proj_and_conv(d, s, io, tid, nth);
 #pragma omp barrier
     int64_t lo, hi;
-    split(d.batch * d.heads, 1, tid, nth, lo, hi);
-    for (int64_t t = lo; t < hi; ++t) {
-      ssd_head(d, s, io, t / d.heads, t % d.heads, zero_state.data(), scratch.data());
+    if (io.src_slots) {  // chains: each head's rows in order on one thread
+      split(d.heads, 1, tid, nth, lo, hi);
+      for (int64_t h = lo; h < hi; ++h) {
+        for (int64_t b = 0; b < d.batch; ++b) {
+          ssd_head(d, s, io, b, h, zero_state.data(), scratch.data());
+        }
+      }
+    } else {
+      split(d.batch * d.heads, 1, tid, nth, lo, hi);
+      for (int64_t t = lo; t < hi; ++t) {
+        ssd_head(d, s, io, t / d.heads, t % d.heads, zero_state.data(), scratch.data());
+      }
     }
 #pragma omp barrier
     const int64_t ngroups = d.inter / d.group_size;
@@ -164,7 +182,8 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     for (int64_t t = lo; t < hi; ++t) gate_group(d, s, io, t / ngroups, t % ngroups);
 #pragma omp barrier
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
-    gemv(*io.out_w, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden);
+    gemv(*io.out_w, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden,
+         io.src_slots != nullptr);
     for (int64_t b = 0; b < d.batch; ++b) {
       float* m = io.mixed + b * d.hidden;
       for (int64_t r = lo; r < hi; ++r) {
@@ -246,9 +265,11 @@ at::Tensor fused_mamba2_decode(const at::Tensor& hidden_in,
                                at::Tensor& conv_states, at::Tensor& ssm_states,
                                const at::Tensor& state_indices, int64_t n_groups,
                                int64_t group_size, double norm_eps, double gate_eps,
-                               at::ScalarType out_dtype) {
+                               at::ScalarType out_dtype,
+                               const std::optional<at::Tensor>& src_state_indices) {
   const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices, n_groups,
                             group_size);
+  const at::Tensor src = fused::src_slots(src_state_indices, d.batch);
   const Weight in_w =
       fused::weight_of(params, kInW, kInScale, d.nin, d.hidden, "in_proj weight");
   const Weight out_w =
@@ -278,7 +299,8 @@ at::Tensor fused_mamba2_decode(const at::Tensor& hidden_in,
     using C = std::remove_pointer_t<decltype(c_tag)>;
     using S = std::remove_pointer_t<decltype(s_tag)>;
     Io<C, S> io{&in_w, &out_w, conv_states.data_ptr<C>(),
-                ssm_states.data_ptr<S>(), slots.data_ptr<int64_t>(), hidden.data_ptr<float>(),
+                ssm_states.data_ptr<S>(), slots.data_ptr<int64_t>(),
+                src.defined() ? src.data_ptr<int64_t>() : nullptr, hidden.data_ptr<float>(),
                 xn.data_ptr<float>(), zx.data_ptr<float>(), y.data_ptr<float>(),
                 mixed.data_ptr<float>()};
     if (d.batch <= fused::kGemvMaxBatch) {
@@ -299,7 +321,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
   m.def(
       "fused_mamba2_decode(Tensor hidden, Tensor?[] params, Tensor(a!) conv_states, "
       "Tensor(b!) ssm_states, Tensor state_indices, int n_groups, int group_size, "
-      "float norm_eps, float gate_eps, ScalarType out_dtype) -> Tensor");
+      "float norm_eps, float gate_eps, ScalarType out_dtype, Tensor? src_state_indices=None) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_mamba2_decode", &fused_mamba2_decode); }

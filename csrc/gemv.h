@@ -121,6 +121,18 @@ inline void gemv_rows(const W* w, int64_t k, const float* x, int64_t ldx, int64_
   }
 }
 
+// `gemv_rows`, but each row of x summed exactly as one row alone is (`dot_row`): a row's bits
+// do not depend on the batch (the rows of a speculative chain equal the tokens decoded one by
+// one). Each weight row is read from memory once, the other rows of x reading it from L1.
+template <typename W>
+inline void gemv_rows_each(const W* w, int64_t k, const float* x, int64_t ldx, int64_t batch,
+                           int64_t lo, int64_t hi, float* out, int64_t ldo) {
+  for (int64_t r = lo; r < hi; ++r) {
+    if (r + kPrefetchRows < hi) prefetch_row(w + (r + kPrefetchRows) * k, k);
+    for (int64_t b = 0; b < batch; ++b) out[b * ldo + (r - lo)] = dot_row(w + r * k, k, x + b * ldx);
+  }
+}
+
 // A 4-bit weight (rows, k), k a multiple of 32: row r is k / 2 bytes at q + r * k / 2 (per
 // group of 32, byte j holds weight j in its low nibble and weight j + 16 in its high one,
 // each as q + 8 for q in [-8, 7]) and k / 32 float16 scales at scales + r * k / 32. Weight

@@ -306,3 +306,60 @@ def test_engine_outputs_equal_with_and_without_fused_decode(
     atol = 1e-4 if state_dtype == "auto" else 1e-3
     for a, b in zip(got_lp, want_lp, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=atol)
+
+
+def _chain_slots() -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of two chains (3 and 2 positions) and a plain row, in waves: position w of a chain
+    writes its own slot and reads the slot the position before wrote (speculative decoding)."""
+    # rows: [a0, b0, plain, a1, b1, a2]; a: 7 -> 10 -> 11 -> 7, b: 2 -> 12 -> 2, plain: 9
+    dst = torch.tensor([10, 12, 9, 11, 2, 7])
+    src = torch.tensor([7, 2, 9, 10, 12, 11])
+    return dst, src
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, STATE_BF16])
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_fused_chains_equal_one_row_at_a_time(family: str, dtype: torch.dtype | str) -> None:
+    """A chain in one call: each position's state in its own slot, bit for bit what the
+    kernel gives running the rows one by one (after copying the source slot in), and close to
+    the reference's chained rows."""
+    g = torch.Generator().manual_seed(3)
+    if family == "mamba":
+        shape = MAMBA_SHAPES[0]
+        params, conv, ssm = _mamba_case(g, *shape[:6], True, dtype)
+        hidden = shape[0]
+        eps = -1.0 if shape[6] is None else shape[6]
+
+        def run(h, c, s, i, src=None):  # noqa: ANN001, ANN202
+            return fd.fused_mamba_decode(h, params, c, s, i, 1e-5, eps, torch.float32, src)
+
+        def ref(h, c, s, i, src=None):  # noqa: ANN001, ANN202
+            return fd.fused_mamba_decode_ref(h, params, c, s, i, 1e-5, eps, torch.float32, src)
+    else:
+        shape = MAMBA2_SHAPES[1]
+        params, conv, ssm = _mamba2_case(g, *shape, True, dtype)
+        hidden, heads, head_dim, groups = shape[:4]
+        args = (groups, heads * head_dim // groups, 1e-5, 1e-6, torch.float32)
+
+        def run(h, c, s, i, src=None):  # noqa: ANN001, ANN202
+            return fd.fused_mamba2_decode(h, params, c, s, i, *args, src)
+
+        def ref(h, c, s, i, src=None):  # noqa: ANN001, ANN202
+            return fd.fused_mamba2_decode_ref(h, params, c, s, i, *args, src)
+
+    dst, src = _chain_slots()
+    x = torch.randn(len(dst), hidden, generator=g)
+    conv_k, ssm_k, conv_o, ssm_o = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
+    got = run(x, conv_k, ssm_k, dst, src)
+    for b in range(len(dst)):  # one row per call, the source copied in first
+        conv_o[dst[b]], ssm_o[dst[b]] = conv_o[src[b]].clone(), ssm_o[src[b]].clone()
+        one = run(x[b : b + 1], conv_o, ssm_o, dst[b : b + 1])
+        assert torch.equal(one[0], got[b]), b
+    assert torch.equal(conv_k, conv_o) and torch.equal(ssm_k, ssm_o)
+    conv_r, ssm_r = conv.clone(), ssm.clone()
+    want = ref(x, conv_r, ssm_r, dst, src)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(ssm_k.float(), ssm_r.float(), **tol)
+    with pytest.raises(RuntimeError, match="src_state_indices"):
+        run(torch.randn(9, hidden), conv_k, ssm_k, torch.arange(9), torch.arange(9))

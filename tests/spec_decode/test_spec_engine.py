@@ -63,23 +63,35 @@ def _states_by_length(runner: VllmRunner, prompt: list[int], max_tokens: int) ->
 
 
 @pytest.mark.parametrize(
-    "name", ["tied", "mamba2-groups", "qwen3_5-gqa", "lfm2-gqa", "kimi-linear-moe", "jamba-gqa"]
+    ("name", "fused"),
+    [
+        ("tied", True),
+        ("tied", False),
+        ("mamba2-groups", True),
+        ("mamba2-groups", False),
+        ("qwen3_5-gqa", True),
+        ("lfm2-gqa", True),
+        ("kimi-linear-moe", True),
+        ("jamba-gqa", True),
+    ],
 )
-def test_state_after_rejections_is_bitwise_the_one_by_one_state(name: str) -> None:
+def test_state_after_rejections_is_bitwise_the_one_by_one_state(name: str, fused: bool) -> None:
     """After every speculative step, whatever was accepted, the sequence's state equals bit
-    for bit the state of decoding the accepted tokens one by one through the same kernels.
+    for bit the state of decoding the accepted tokens one by one.
 
-    The reference runs without the fused Mamba decode layers (one C++ call per layer, whose
-    summation order differs from the separate kernels' in the last bits; a chain runs the
-    separate ones, as any decode step that shares its batch with a prefill does)."""
+    With the fused Mamba / Mamba2 decode layers (the default) a chain runs through them in one
+    call per layer, each row as a one-row call would; without them (`fused=False`, both
+    engines) each op runs its one-token kernel wave by wave."""
     path = tiny_model_dir(name)
     prompt = prompts()[3]["prompt_token_ids"]
     with VllmRunner(path, max_num_seqs=2) as plain:
-        _unfused(plain)
+        if not fused:
+            _unfused(plain)
         want = _states_by_length(plain, prompt, 16)
     refs = {tuple(prompt): alone(path)[3]}
     with VllmRunner(path, max_num_seqs=2, speculative_config=NGRAM) as spec:
-        _unfused(spec)  # its steps without drafts (the last one) decode as the reference's
+        if not fused:
+            _unfused(spec)
         _oracle(spec, refs)
         got = _states_by_length(spec, prompt, 16)
         assert spec.engine.spec_steps.counters.num_accepted_tokens > 0

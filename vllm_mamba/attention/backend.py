@@ -33,6 +33,8 @@ class StepLayout:
             `mamba_metadata.MambaMetadata`); empty otherwise.
         wave_copies: per wave but the last, `(src slots, dst slots)` of the states to save
             after it.
+        decode_chain_src / decode_chain_dst: with waves, per decode row the slot its state
+            is read from and written to (a fused layer runs a chain in one call with them).
     """
 
     decode_slots: list[int]
@@ -45,6 +47,8 @@ class StepLayout:
     prefill_block_tables: list[list[int]] = field(default_factory=list)
     decode_waves: list[int] = field(default_factory=list)
     wave_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    decode_chain_src: list[int] = field(default_factory=list)
+    decode_chain_dst: list[int] = field(default_factory=list)
 
 
 class AttentionMetadata:

@@ -35,6 +35,10 @@ class MambaMetadata(AttentionMetadata):
             empty when every decode row is its own sequence.
         wave_copies: per wave but the last, `(src, dst)` int64 slot tensors: after that wave
             the states of slots `src` are saved into slots `dst`.
+        decode_chain_src / decode_chain_dst: with waves, `(num_decodes,)` int64: the slot each
+            decode row reads its state from and writes it to (position w of a chain writes
+            the spare slot of position w, its last position the sequence's own slot), for
+            kernels that run a whole chain in one call (`fused_decode_layer`); None without.
     """
 
     num_decodes: int
@@ -45,6 +49,8 @@ class MambaMetadata(AttentionMetadata):
     prefill_has_initial_state: torch.Tensor
     decode_waves: tuple[int, ...] = field(default=(), kw_only=True)
     wave_copies: tuple[tuple[torch.Tensor, torch.Tensor], ...] = field(default=(), kw_only=True)
+    decode_chain_src: torch.Tensor | None = field(default=None, kw_only=True)
+    decode_chain_dst: torch.Tensor | None = field(default=None, kw_only=True)
 
 
 def build_mamba_metadata(layout: StepLayout, device: torch.device) -> MambaMetadata:
@@ -66,13 +72,7 @@ def build_mamba_metadata(layout: StepLayout, device: torch.device) -> MambaMetad
     decodes, qsl_t, slots, has_initial = packed.split(
         [num_decodes, num_prefills + 1, num_prefills, num_prefills]
     )
-    copies = tuple(
-        (
-            torch.tensor(src, dtype=torch.long, device=device),
-            torch.tensor(dst, dtype=torch.long, device=device),
-        )
-        for src, dst in layout.wave_copies
-    )
+    copies = tuple((_longs(src, device), _longs(dst, device)) for src, dst in layout.wave_copies)
     return MambaMetadata(
         num_decodes=num_decodes,
         num_prefills=num_prefills,
@@ -82,7 +82,13 @@ def build_mamba_metadata(layout: StepLayout, device: torch.device) -> MambaMetad
         prefill_has_initial_state=has_initial.bool(),
         decode_waves=tuple(layout.decode_waves),
         wave_copies=copies,
+        decode_chain_src=_longs(layout.decode_chain_src, device),
+        decode_chain_dst=_longs(layout.decode_chain_dst, device),
     )
+
+
+def _longs(values: list[int], device: torch.device) -> torch.Tensor | None:
+    return torch.tensor(values, dtype=torch.long, device=device) if values else None
 
 
 def run_decode_waves(

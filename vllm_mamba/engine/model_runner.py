@@ -219,6 +219,8 @@ class ModelRunner:
         tokens: list[int] = []
         rows: dict[int, list[int]] = {s.seq.seq_id: [] for s in items}
         decode_slots: list[int] = []
+        chain_src: list[int] = []
+        chain_dst: list[int] = []
         contexts: list[int] = []
         tables: list[list[int]] = []
         inputs = [
@@ -240,6 +242,12 @@ class ModelRunner:
                 rows[item.seq.seq_id].append(len(tokens))
                 tokens.append(chain[wave])
                 decode_slots.append(item.seq.slot)
+                # The fused layers' view: position w writes its own spare slot, the last
+                # position the sequence's slot; each reads what the position before wrote.
+                slot, chain_index = item.seq.slot, spec_index - 1
+                last = wave + 1 == len(chain)
+                chain_dst.append(slot if last else self.spare_slot(chain_index, wave))
+                chain_src.append(slot if wave == 0 else self.spare_slot(chain_index, wave - 1))
                 contexts.append(item.seq.num_computed_tokens + wave)
                 tables.append(item.block_table)
                 if wave + 1 < len(chain):
@@ -260,6 +268,7 @@ class ModelRunner:
         )
         if longest > 1:
             layout.decode_waves, layout.wave_copies = waves, copies
+            layout.decode_chain_src, layout.decode_chain_dst = chain_src, chain_dst
         if self.kv_cache is not None:
             layout.block_size = self.kv_cache.block_size
             layout.decode_context_lens = contexts

@@ -13,7 +13,13 @@ module does what lies between, on the engine thread:
   a finished sequence is saved only after this rollback.
 - `propose`: new drafts for every sequence that decodes next, capped so that the chain fits
   `max_model_len` and never drafts past `max_tokens`; none while more requests run than
-  `disable_by_batch_size`.
+  `disable_by_batch_size`. A sequence whose chain was wholly rejected backs off: it decodes
+  without drafts for the next 1, 3, 7, then `MAX_BACKOFF_STEPS` steps after each further
+  wholly rejected chain, until a draft is accepted again. A verification step costs more than
+  a plain decode (more rows, and the drafts' work), so drafts that keep failing (a draft
+  model or MTP head that does not fit the text, prompt lookup on text that does not repeat)
+  cost at most a small share of the decode rate, while drafts that pass keep running every
+  step.
 - the counters behind vLLM's `vllm:spec_decode_*` metrics and the stats line.
 
 With speculation off, `NoSpecSteps` does nothing, so the engine calls the same hooks either
@@ -46,6 +52,9 @@ class Proposer(Protocol):
         ...
 
 
+MAX_BACKOFF_STEPS = 15  # plain steps after wholly rejected chains, at most
+
+
 class SpecCounters:
     """vLLM's speculative-decoding counters (monotonic, written on the engine thread)."""
 
@@ -75,6 +84,7 @@ class SpecDecodeSteps:
         self.outputs = outputs
         self.max_model_len = max_model_len
         self.counters = SpecCounters(config.num_speculative_tokens)
+        self._misses: dict[int, tuple[int, int]] = {}  # seq id -> (rejected chains, wait)
 
     def reset(self) -> None:
         """Zeroes the counters (after the warm-up)."""
@@ -111,6 +121,11 @@ class SpecDecodeSteps:
             c.num_accepted_tokens += spec.num_accepted
             for pos in range(spec.num_accepted):
                 c.accepted_per_pos[pos] += 1
+            if spec.num_accepted:
+                self._misses.pop(seq.seq_id, None)
+            else:
+                streak = self._misses.get(seq.seq_id, (0, 0))[0] + 1
+                self._misses[seq.seq_id] = (streak, min(2**streak - 1, MAX_BACKOFF_STEPS))
             if m < item.num_tokens:  # the chain's last position is not kept
                 assert seq.slot is not None
                 kept.append((seq.slot, spec.chain, m))
@@ -132,6 +147,10 @@ class SpecDecodeSteps:
                     continue
                 if limit is not None and len(active) > limit:
                     continue
+                streak, wait = self._misses.get(seq.seq_id, (0, 0))
+                if wait:
+                    self._misses[seq.seq_id] = (streak, wait - 1)
+                    continue
                 k = min(
                     self.config.num_speculative_tokens,
                     group.max_tokens - len(seq.output_token_ids) - 1,  # the bonus is free
@@ -147,6 +166,7 @@ class SpecDecodeSteps:
     def on_finished(self, seq: Sequence) -> None:
         """Lets the proposer forget a finished sequence."""
         seq.spec_token_ids = []
+        self._misses.pop(seq.seq_id, None)
         self.proposer.on_finished(seq)
 
 

@@ -34,6 +34,7 @@ Prepared = tuple[Params, torch.dtype]
 # dispatch it saves: benchmarks/README.md), so larger Mamba batches stay unfused. Mamba2's
 # fused layer runs at every batch size.
 MAMBA_MAX_ROWS = 8
+CHAIN_MAX_ROWS = 8  # `kGemvMaxBatch`: the kernels run rows in order up to this many
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -118,11 +119,23 @@ def _states_apply(state: LayerState) -> bool:
 
 
 def _applies(hidden: torch.Tensor, meta: MambaMetadata) -> bool:
-    """A decode-only step (every row a decode, no speculative chains), without autograd."""
+    """A decode-only step (every row a decode; speculative chains only up to `CHAIN_MAX_ROWS`
+    rows, which the kernels run in order), without autograd."""
     rows = hidden.shape[0]
-    if meta.num_prefills or meta.decode_waves or torch.is_grad_enabled():
+    if meta.num_prefills or torch.is_grad_enabled():
+        return False
+    if meta.decode_waves and (meta.decode_chain_src is None or rows > CHAIN_MAX_ROWS):
         return False
     return meta.num_decodes == rows > 0
+
+
+def _slots(meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots the rows write their states to, and read them from when those differ
+    (speculative chains: each position's state in its own slot)."""
+    if meta.decode_waves:
+        assert meta.decode_chain_dst is not None
+        return meta.decode_chain_dst, meta.decode_chain_src
+    return meta.decode_state_indices, None
 
 
 def _out_dtype(
@@ -166,9 +179,9 @@ def mamba_decode_block(
     eps = norm.variance_epsilon if norm is not None else 0.0
     mixer_eps = -1.0 if mixer.mixer_rms_eps is None else float(mixer.mixer_rms_eps)
     out_dtype = _out_dtype(dtype, hidden, norm, residual_in_fp32)
+    dst, src = _slots(meta)
     return op(
-        hidden, params, state["conv"], state["ssm"], meta.decode_state_indices, eps, mixer_eps,
-        out_dtype,
+        hidden, params, state["conv"], state["ssm"], dst, eps, mixer_eps, out_dtype, src
     )  # fmt: skip
 
 
@@ -196,7 +209,8 @@ def mamba2_decode_block(
     params, dtype = prepared
     eps = norm.variance_epsilon if norm is not None else 0.0
     out_dtype = _out_dtype(dtype, hidden, norm, residual_in_fp32)
+    dst, src = _slots(meta)
     return op(
-        hidden, params, state["conv"], state["ssm"], meta.decode_state_indices, mixer.n_groups,
-        mixer.norm.group_size, eps, mixer.norm.variance_epsilon, out_dtype,
+        hidden, params, state["conv"], state["ssm"], dst, mixer.n_groups,
+        mixer.norm.group_size, eps, mixer.norm.variance_epsilon, out_dtype, src,
     )  # fmt: skip

@@ -23,6 +23,9 @@ heads of P (`I = NH P`), G groups, CD = I + 2 G N conv channels.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -104,6 +107,7 @@ def fused_mamba_decode_ref(
     norm_eps: float,
     mixer_eps: float,
     out_dtype: torch.dtype,
+    src_state_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One Mamba layer's decode step from the reference ops; states advanced in place.
 
@@ -119,10 +123,17 @@ def fused_mamba_decode_ref(
         norm_eps: the block norm's epsilon (unused without norm_w).
         mixer_eps: FalconMamba's epsilon of the weightless norms of dt, B and C; < 0: none.
         out_dtype: the result's dtype (float32 or the model dtype, as the unfused path).
+        src_state_indices: `(B,)` the slot each row reads its state from (`_chained`).
 
     Returns:
         `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
     """
+    if src_state_indices is not None:
+        return _chained(
+            fused_mamba_decode_ref, hidden, (conv_states, ssm_states), state_indices,
+            src_state_indices, params, conv_states, ssm_states, norm_eps=norm_eps,
+            mixer_eps=mixer_eps, out_dtype=out_dtype,
+        )  # fmt: skip
     p = dict(zip(MAMBA_PARAMS, params, strict=True))
     x = hidden.float()
     xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
@@ -156,6 +167,7 @@ def fused_mamba2_decode_ref(
     norm_eps: float,
     gate_eps: float,
     out_dtype: torch.dtype,
+    src_state_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One Mamba2 layer's decode step from the reference ops; states advanced in place.
 
@@ -171,10 +183,17 @@ def fused_mamba2_decode_ref(
         n_groups: G; group_size: channels per group of the gated norm.
         norm_eps: the block norm's epsilon; gate_eps: the gated norm's.
         out_dtype: the result's dtype (float32 or the model dtype, as the unfused path).
+        src_state_indices: `(B,)` the slot each row reads its state from (`_chained`).
 
     Returns:
         `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
     """
+    if src_state_indices is not None:
+        return _chained(
+            fused_mamba2_decode_ref, hidden, (conv_states, ssm_states), state_indices,
+            src_state_indices, params, conv_states, ssm_states, n_groups=n_groups,
+            group_size=group_size, norm_eps=norm_eps, gate_eps=gate_eps, out_dtype=out_dtype,
+        )  # fmt: skip
     p = dict(zip(MAMBA2_PARAMS, params, strict=True))
     batch = hidden.shape[0]
     _, heads, head_dim, nstate = ssm_states.shape
@@ -195,6 +214,29 @@ def fused_mamba2_decode_ref(
     return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
 
 
+def _chained(
+    layer: Callable[..., torch.Tensor],
+    hidden: torch.Tensor,
+    states: tuple[torch.Tensor, ...],
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    params: Params,
+    *state_args: torch.Tensor,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """`layer` row by row, row b starting from the state of slot `src[b]` (copied into its
+    slot `dst[b]` first): rows that read what an earlier row wrote form a chain (speculative
+    decoding keeps each position's state in its own slot)."""
+    outs = []
+    for b in range(hidden.shape[0]):
+        s, d = int(src[b]), int(dst[b])
+        if d >= 0 and s != d:
+            for state in states:
+                state[d] = state[s]
+        outs.append(layer(hidden[b : b + 1], params, *state_args, dst[b : b + 1], **kwargs))
+    return torch.cat(outs)
+
+
 def fused_mamba_decode(
     hidden: torch.Tensor,
     params: Params,
@@ -204,11 +246,13 @@ def fused_mamba_decode(
     norm_eps: float,
     mixer_eps: float,
     out_dtype: torch.dtype,
+    src_state_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The C++ kernel of `fused_mamba_decode_ref` (same arguments and result)."""
     return torch.ops.vllm_mamba.fused_mamba_decode(
-        hidden, params, conv_states, ssm_states, state_indices, norm_eps, mixer_eps, out_dtype
-    )
+        hidden, params, conv_states, ssm_states, state_indices, norm_eps, mixer_eps, out_dtype,
+        src_state_indices,
+    )  # fmt: skip
 
 
 def fused_mamba2_decode(
@@ -222,9 +266,10 @@ def fused_mamba2_decode(
     norm_eps: float,
     gate_eps: float,
     out_dtype: torch.dtype,
+    src_state_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The C++ kernel of `fused_mamba2_decode_ref` (same arguments and result)."""
     return torch.ops.vllm_mamba.fused_mamba2_decode(
         hidden, params, conv_states, ssm_states, state_indices, n_groups, group_size,
-        norm_eps, gate_eps, out_dtype,
+        norm_eps, gate_eps, out_dtype, src_state_indices,
     )  # fmt: skip
