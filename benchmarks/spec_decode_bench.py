@@ -45,7 +45,9 @@ Workloads (`--workload`), all built from the Python standard library on this mac
 that drafts K random token ids at every step of every sequence (`RejectedDrafts`), so every
 forward verifies a chain and almost nothing is accepted: the worst-case cost of speculation,
 which no real proposer reaches (a model with random weights copies nothing, so the n-gram
-lookup on it mostly proposes nothing at all).
+lookup on it mostly proposes nothing at all). "rejected k=K" runs with the engine's back-off
+after wholly rejected chains (what users get); "rejected k=K every step" switches it off to
+show the raw cost of one verification step.
 
 llama.cpp (`--llama-cpp`, single stream, code-edit prompt of stream 0): its
 `llama-speculative-simple --spec-type ngram-simple` (llama.cpp's n-gram self-speculation, with
@@ -266,10 +268,21 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, dict | None]]:
         for k in ks:
             spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1}
             configs.append((f"{REJECTED} k={k}", spec))
+            configs.append((f"{REJECTED} k={k} {EVERY_STEP}", spec))
     return configs
 
 
 REJECTED = "rejected"  # label prefix of the forced-rejection configurations
+EVERY_STEP = "every step"  # label suffix: the back-off after rejected chains switched off
+
+
+def _default_backoff() -> int:
+    from vllm_mamba.engine.spec_steps import MAX_BACKOFF_STEPS
+
+    return MAX_BACKOFF_STEPS
+
+
+BACKOFF = _default_backoff()
 
 
 class RejectedDrafts:
@@ -314,9 +327,13 @@ class Run:
     def generate(self, prompts: list[dict], out_len: int) -> dict:
         """One timed `LLM.generate` of the batch; its tokens and the speculation counters."""
         from vllm_mamba import SamplingParams
+        from vllm_mamba.engine import spec_steps
 
         engine = self.llm.llm_engine
         engine.spec_steps.reset()
+        # "every step": a chain at every step (the raw cost of verification); otherwise the
+        # engine's back-off after wholly rejected chains, as users get it.
+        spec_steps.MAX_BACKOFF_STEPS = 0 if self.label.endswith(EVERY_STEP) else BACKOFF
         params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
         start = time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=False)
