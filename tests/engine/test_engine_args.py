@@ -49,6 +49,10 @@ NON_DEFAULTS: dict[str, tuple[Any, list[str]]] = {
     "gpu_memory_utilization": (0.5, ["0.5"]),
     "tensor_parallel_size": (1, ["1"]),
     "distributed_executor_backend": ("ray", ["ray"]),
+    "speculative_config": (
+        {"method": "ngram", "num_speculative_tokens": 2},
+        ['{"method": "ngram", "num_speculative_tokens": 2}'],
+    ),
 }
 
 

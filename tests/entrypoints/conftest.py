@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -64,6 +65,23 @@ def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
             pass
         time.sleep(0.5)
     raise TimeoutError("the server did not become healthy")
+
+
+def greedy_completions(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt's greedy completion text from the server at `url`, all requests at once
+    (the official `openai` client, one thread each)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+
+    def complete(prompt: str) -> str:
+        reply = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0
+        )
+        return reply.choices[0].text
+
+    with ThreadPoolExecutor(max(len(prompts), 1)) as pool:
+        return list(pool.map(complete, prompts))
 
 
 @contextlib.contextmanager

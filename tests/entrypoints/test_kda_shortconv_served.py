@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, MODEL_NAME, RunningServer, launch_server
+from tests.entrypoints.conftest import (
+    API_KEY,
+    MODEL_NAME,
+    RunningServer,
+    greedy_completions,
+    launch_server,
+)
 from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
@@ -50,15 +55,8 @@ def test_completions_and_chat_equal_llm_generate(
     server: RunningServer, expected: dict[str, str]
 ) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-
-    def complete(prompt: str) -> str:
-        reply = client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
-        )
-        return reply.choices[0].text
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        assert list(pool.map(complete, PROMPTS * 2)) == [expected[p] for p in PROMPTS * 2]
+    got = greedy_completions(server.url, PROMPTS * 2, MAX_TOKENS)
+    assert got == [expected[p] for p in PROMPTS * 2]
     messages = [{"role": "user", "content": "What is a recurrent state?"}]
     whole = client.chat.completions.create(
         model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,6 +178,11 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty string (a directory or a hub id)")
+        if isinstance(self.speculative_config, str):  # the CLI's JSON text: the same dict
+            try:
+                self.speculative_config = json.loads(self.speculative_config)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"speculative_config is not valid JSON: {err}") from err
 
     # ----- the command line -------------------------------------------------------------
     @classmethod
