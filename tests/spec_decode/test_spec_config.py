@@ -120,3 +120,33 @@ def test_decode_waves_chain_a_state_and_save_each_position() -> None:
     out = run_decode_waves(meta, [state], update)
     assert out.tolist() == [1.0, 10.0, 100.0, 3.0, 30.0, 6.0]
     assert state[:, 0].tolist() == [6.0, 30.0, 100.0, 0.0, 1.0, 3.0, 10.0, 0.0]
+
+
+def test_stats_line_reports_acceptance(caplog: pytest.LogCaptureFixture) -> None:
+    """The periodic stats line gains vLLM's SpecDecoding line over the interval: mean
+    acceptance length, counts and the per-position acceptance rate."""
+    import logging
+
+    from vllm_mamba.engine.stats import StatLogger, StatsSnapshot
+
+    base = dict(num_running=1, num_waiting=0, slots_used=1, slots_total=4, prompt_tokens=10,
+                failed_requests=0, spec_enabled=True)  # fmt: skip
+    first = StatsSnapshot(time=0.0, generation_tokens=0, steps=0, **base)
+    later = StatsSnapshot(
+        time=10.0, generation_tokens=30, steps=10, spec_num_drafts=10, spec_num_draft_tokens=40,
+        spec_num_accepted_tokens=20, spec_accepted_per_pos=(9, 6, 4, 1), **base,
+    )  # fmt: skip
+    stats = StatLogger(interval=5.0)
+    logger = logging.getLogger("vllm_mamba.engine")
+    logger.addHandler(caplog.handler)
+    try:
+        stats.maybe_log(first)
+        assert stats.maybe_log(later)
+    finally:
+        logger.removeHandler(caplog.handler)
+    line = [r.getMessage() for r in caplog.records if "SpecDecoding" in r.getMessage()]
+    assert line == [
+        "SpecDecoding metrics: Mean acceptance length: 3.00, Accepted: 20 tokens, Drafted: 40 "
+        "tokens, Per-position acceptance rate: 0.900, 0.600, 0.400, 0.100, Avg Draft acceptance "
+        "rate: 50.0%"
+    ]
