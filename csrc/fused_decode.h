@@ -298,11 +298,11 @@ inline void conv_update(float* v, H* hist, const float* conv_w, const float* con
 
 // Reads an optional float32 parameter of a params list; nullptr when absent.
 // The int64 `src_state_indices` of a layer call (undefined when absent): the slot each row
-// reads its state from (chains of speculative decoding), at most `kGemvMaxBatch` rows.
+// reads its state from (chains of speculative decoding); such a call runs its rows in order
+// (the small-batch layer, at any number of rows).
 inline at::Tensor src_slots(const std::optional<at::Tensor>& src, int64_t batch) {
   if (!src.has_value()) return at::Tensor();
   TORCH_CHECK(src->dim() == 1 && src->size(0) == batch, "src_state_indices must be (B,)");
-  TORCH_CHECK(batch <= kGemvMaxBatch, "src_state_indices: at most ", kGemvMaxBatch, " rows");
   return src->to(at::kLong).contiguous();
 }
 

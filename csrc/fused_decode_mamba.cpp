@@ -10,7 +10,8 @@
 // With `src_state_indices`, row b reads its state from slot `src[b]` and writes it to slot
 // `slots[b]`: rows that read the slot an earlier row wrote form a chain (speculative
 // decoding's last token and drafts), each position's state kept in its own slot. Rows run in
-// order within each thread's channels, so a chain is exact up to `kGemvMaxBatch` rows.
+// order within each thread's channels (chains always take the row-by-row layer below, whatever
+// their number of rows), so a chain is exact.
 //
 // Up to `kGemvMaxBatch` rows, one OpenMP region per call: in_proj rows (conv fused per
 // channel), x_proj rows, then channels (dt_proj, state update, gate), then out_proj rows are
@@ -322,7 +323,7 @@ at::Tensor fused_mamba_decode(const at::Tensor& hidden_in,
                 src.defined() ? src.data_ptr<int64_t>() : nullptr, hidden.data_ptr<float>(),
                 xn.data_ptr<float>(),     xz.data_ptr<float>(),      dbc.data_ptr<float>(),
                 y.data_ptr<float>(),      mixed.data_ptr<float>()};
-    if (d.batch <= fused::kGemvMaxBatch) {
+    if (d.batch <= fused::kGemvMaxBatch || io.src_slots != nullptr) {  // chains: rows in order
       run_layer(d, s, io);
     } else {
       run_layer_gemm(d, s, io, xn, xz, dbc, y, mixed);

@@ -303,7 +303,7 @@ at::Tensor fused_mamba2_decode(const at::Tensor& hidden_in,
                 src.defined() ? src.data_ptr<int64_t>() : nullptr, hidden.data_ptr<float>(),
                 xn.data_ptr<float>(), zx.data_ptr<float>(), y.data_ptr<float>(),
                 mixed.data_ptr<float>()};
-    if (d.batch <= fused::kGemvMaxBatch) {
+    if (d.batch <= fused::kGemvMaxBatch || io.src_slots != nullptr) {  // chains: rows in order
       run_layer(d, s, io);
     } else {
       run_layer_gemm(d, s, io, xn, zx, y, mixed);

@@ -308,18 +308,24 @@ def test_engine_outputs_equal_with_and_without_fused_decode(
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=atol)
 
 
-def _chain_slots() -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of two chains (3 and 2 positions) and a plain row, in waves: position w of a chain
-    writes its own slot and reads the slot the position before wrote (speculative decoding)."""
-    # rows: [a0, b0, plain, a1, b1, a2]; a: 7 -> 10 -> 11 -> 7, b: 2 -> 12 -> 2, plain: 9
-    dst = torch.tensor([10, 12, 9, 11, 2, 7])
-    src = torch.tensor([7, 2, 9, 10, 12, 11])
-    return dst, src
+def _chain_slots(long: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of chains and plain rows, in waves: position w of a chain writes its own slot and
+    reads the slot the position before wrote (speculative decoding). Short: two chains (3 and 2
+    positions) and a plain row; long: 11 rows, more than the small-batch layer's 8."""
+    if not long:  # rows [a0, b0, plain, a1, b1, a2]; a: 7 -> 10 -> 11 -> 7, b: 2 -> 12 -> 2
+        return torch.tensor([10, 12, 9, 11, 2, 7]), torch.tensor([7, 2, 9, 10, 12, 11])
+    # chains a: 0 -> 1 -> 2 -> 0, b: 3 -> 4 -> 5 -> 3, c: 6 -> 7 -> 8 -> 6; plain 9 and 10
+    dst = [1, 4, 7, 9, 10, 2, 5, 8, 0, 3, 6]
+    src = [0, 3, 6, 9, 10, 1, 4, 7, 2, 5, 8]
+    return torch.tensor(dst), torch.tensor(src)
 
 
+@pytest.mark.parametrize("long", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, STATE_BF16])
 @pytest.mark.parametrize("family", ["mamba", "mamba2"])
-def test_fused_chains_equal_one_row_at_a_time(family: str, dtype: torch.dtype | str) -> None:
+def test_fused_chains_equal_one_row_at_a_time(
+    family: str, dtype: torch.dtype | str, long: bool
+) -> None:
     """A chain in one call: each position's state in its own slot, bit for bit what the
     kernel gives running the rows one by one (after copying the source slot in), and close to
     the reference's chained rows."""
@@ -347,7 +353,7 @@ def test_fused_chains_equal_one_row_at_a_time(family: str, dtype: torch.dtype | 
         def ref(h, c, s, i, src=None):  # noqa: ANN001, ANN202
             return fd.fused_mamba2_decode_ref(h, params, c, s, i, *args, src)
 
-    dst, src = _chain_slots()
+    dst, src = _chain_slots(long)
     x = torch.randn(len(dst), hidden, generator=g)
     conv_k, ssm_k, conv_o, ssm_o = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
     got = run(x, conv_k, ssm_k, dst, src)
@@ -361,5 +367,3 @@ def test_fused_chains_equal_one_row_at_a_time(family: str, dtype: torch.dtype | 
     tol = TOL[dtype]
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(ssm_k.float(), ssm_r.float(), **tol)
-    with pytest.raises(RuntimeError, match="src_state_indices"):
-        run(torch.randn(9, hidden), conv_k, ssm_k, torch.arange(9), torch.arange(9))

@@ -34,7 +34,7 @@ Prepared = tuple[Params, torch.dtype]
 # dispatch it saves: benchmarks/README.md), so larger Mamba batches stay unfused. Mamba2's
 # fused layer runs at every batch size.
 MAMBA_MAX_ROWS = 8
-CHAIN_MAX_ROWS = 8  # `kGemvMaxBatch`: the kernels run rows in order up to this many
+CHAIN_MAX_ROWS = 64  # rows of a step with speculative chains that the fused layers take
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -119,7 +119,7 @@ def _states_apply(state: LayerState) -> bool:
 
 
 def _applies(hidden: torch.Tensor, meta: MambaMetadata) -> bool:
-    """A decode-only step (every row a decode; speculative chains only up to `CHAIN_MAX_ROWS`
+    """A decode-only step (every row a decode; with speculative chains, up to `CHAIN_MAX_ROWS`
     rows, which the kernels run in order), without autograd."""
     rows = hidden.shape[0]
     if meta.num_prefills or torch.is_grad_enabled():
@@ -168,7 +168,7 @@ def mamba_decode_block(
         `(T, H)` as the unfused block (or mixer) returns it, or None.
     """
     op = mixer.ops.fused_mamba_decode
-    rows_apply = hidden.shape[0] <= MAMBA_MAX_ROWS and _applies(hidden, meta)
+    rows_apply = (hidden.shape[0] <= MAMBA_MAX_ROWS or meta.decode_waves) and _applies(hidden, meta)
     if op is None or not mixer.fused_decode or not rows_apply:
         return None
     state = mixer.state
