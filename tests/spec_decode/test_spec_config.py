@@ -109,7 +109,8 @@ def test_decode_waves_chain_a_state_and_save_each_position() -> None:
     layout = StepLayout(decode_slots=[0, 1, 2, 0, 1, 0], prefill_lens=[], prefill_slots=[],
                         prefill_context_lens=[])  # fmt: skip
     layout.decode_waves = [3, 2, 1]
-    layout.wave_copies = [([0, 1], [4, 6]), ([0], [5])]
+    layout.decode_chain_dst = [4, 6, 2, 5, 1, 0]  # chain 0: 0 -> 4 -> 5 -> 0, chain 1: 1 -> 6 -> 1
+    layout.decode_chain_src = [0, 1, 2, 4, 6, 5]
     meta = build_mamba_metadata(layout, torch.device("cpu"))
     x = torch.tensor([1.0, 10.0, 100.0, 2.0, 20.0, 3.0])
 

@@ -31,10 +31,9 @@ class StepLayout:
         prefill_block_tables: the KV blocks of each prefilling sequence (paged backend only).
         decode_waves: with speculative decoding, the decode rows per wave (see
             `mamba_metadata.MambaMetadata`); empty otherwise.
-        wave_copies: per wave but the last, `(src slots, dst slots)` of the states to save
-            after it.
         decode_chain_src / decode_chain_dst: with waves, per decode row the slot its state
-            is read from and written to (a fused layer runs a chain in one call with them).
+            is read from and written to: position w of a chain writes its own spare slot, its
+            last position the sequence's slot (`decode_slots`).
     """
 
     decode_slots: list[int]
@@ -46,7 +45,6 @@ class StepLayout:
     decode_block_tables: list[list[int]] = field(default_factory=list)
     prefill_block_tables: list[list[int]] = field(default_factory=list)
     decode_waves: list[int] = field(default_factory=list)
-    wave_copies: list[tuple[list[int], list[int]]] = field(default_factory=list)
     decode_chain_src: list[int] = field(default_factory=list)
     decode_chain_dst: list[int] = field(default_factory=list)
 

@@ -72,7 +72,6 @@ def build_mamba_metadata(layout: StepLayout, device: torch.device) -> MambaMetad
     decodes, qsl_t, slots, has_initial = packed.split(
         [num_decodes, num_prefills + 1, num_prefills, num_prefills]
     )
-    copies = tuple((_longs(src, device), _longs(dst, device)) for src, dst in layout.wave_copies)
     return MambaMetadata(
         num_decodes=num_decodes,
         num_prefills=num_prefills,
@@ -81,10 +80,31 @@ def build_mamba_metadata(layout: StepLayout, device: torch.device) -> MambaMetad
         prefill_state_indices=slots,
         prefill_has_initial_state=has_initial.bool(),
         decode_waves=tuple(layout.decode_waves),
-        wave_copies=copies,
+        wave_copies=_wave_copies(layout, device),
         decode_chain_src=_longs(layout.decode_chain_src, device),
         decode_chain_dst=_longs(layout.decode_chain_dst, device),
     )
+
+
+def _wave_copies(
+    layout: StepLayout, device: torch.device
+) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """Per wave but the last, `(src, dst)`: the rows of that wave whose chain goes on save the
+    state of their sequence's slot (where the ops run them in place) into their own slot."""
+    copies, start = [], 0
+    for rows in layout.decode_waves[:-1]:
+        pairs = [
+            (slot, dst)
+            for slot, dst in zip(
+                layout.decode_slots[start : start + rows],
+                layout.decode_chain_dst[start : start + rows],
+            )
+            if slot != dst
+        ]
+        src, dst = [s for s, _ in pairs], [d for _, d in pairs]
+        copies.append((_longs(src, device), _longs(dst, device)))
+        start += rows
+    return tuple(copies)
 
 
 def _longs(values: list[int], device: torch.device) -> torch.Tensor | None:

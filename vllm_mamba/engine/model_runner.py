@@ -211,8 +211,8 @@ class ModelRunner:
         cache), its token ids, and each sequence's rows in it, in token order.
 
         Decode rows come in waves: wave w holds position w of every chain (a plain decode is
-        a chain of one), so a chain's rows are `rows[w] = first_row_of_wave_w + its index`.
-        After wave w, the chains that go on save their state into their spare slot `w`.
+        a chain of one). Chain c's position w writes spare slot `spare_slot(c, w)` (its last
+        position the sequence's slot) and reads what its position w - 1 wrote.
         """
         chains = [s for s in items if s.is_decode or s.is_spec]
         prefills = [s for s in items if not (s.is_decode or s.is_spec)]
@@ -228,34 +228,26 @@ class ModelRunner:
             + s.spec_token_ids
             for s in chains
         ]
+        chain_index = {s.seq.seq_id: c for c, s in enumerate(i for i in chains if i.is_spec)}
         longest = max((len(t) for t in inputs), default=0)
-        waves, copies = [], []
+        waves = []
         for wave in range(longest):
             first = len(tokens)
-            spec_index = 0
-            src, dst = [], []
             for item, chain in zip(chains, inputs):
-                if item.is_spec:
-                    spec_index += 1
                 if wave >= len(chain):
                     continue
+                slot = item.seq.slot
                 rows[item.seq.seq_id].append(len(tokens))
                 tokens.append(chain[wave])
-                decode_slots.append(item.seq.slot)
-                # The fused layers' view: position w writes its own spare slot, the last
-                # position the sequence's slot; each reads what the position before wrote.
-                slot, chain_index = item.seq.slot, spec_index - 1
-                last = wave + 1 == len(chain)
-                chain_dst.append(slot if last else self.spare_slot(chain_index, wave))
-                chain_src.append(slot if wave == 0 else self.spare_slot(chain_index, wave - 1))
+                decode_slots.append(slot)
                 contexts.append(item.seq.num_computed_tokens + wave)
                 tables.append(item.block_table)
-                if wave + 1 < len(chain):
-                    src.append(item.seq.slot)
-                    dst.append(self.spare_slot(spec_index - 1, wave))
+                if longest > 1:  # position w writes spare slot w, the last one the sequence's
+                    c = chain_index.get(item.seq.seq_id, -1)  # -1: a plain decode, one row
+                    last = wave + 1 == len(chain)
+                    chain_dst.append(slot if last else self.spare_slot(c, wave))
+                    chain_src.append(slot if wave == 0 else self.spare_slot(c, wave - 1))
             waves.append(len(tokens) - first)
-            if wave + 1 < longest:
-                copies.append((src, dst))
         for item in prefills:
             start = item.seq.num_computed_tokens
             rows[item.seq.seq_id] = list(range(len(tokens), len(tokens) + item.num_tokens))
@@ -267,7 +259,7 @@ class ModelRunner:
             prefill_context_lens=[s.seq.num_computed_tokens for s in prefills],
         )
         if longest > 1:
-            layout.decode_waves, layout.wave_copies = waves, copies
+            layout.decode_waves = waves
             layout.decode_chain_src, layout.decode_chain_dst = chain_src, chain_dst
         if self.kv_cache is not None:
             layout.block_size = self.kv_cache.block_size

@@ -138,14 +138,14 @@ class SpecDecodeSteps:
     def propose(self, running: Seq[SequenceGroup]) -> None:
         """Sets the drafts of every sequence that decodes in the next step."""
         limit = self.config.disable_by_batch_size
-        active = [g for g in running if not g.paused]
+        busy = limit is not None and sum(not g.paused for g in running) > limit
         wanted: list[tuple[SequenceGroup, Sequence, int]] = []
         for group in running:
             for seq in group.unfinished_seqs():
                 seq.spec_token_ids = []
-                if seq.num_uncomputed_tokens != 1 or not seq.num_computed_tokens or group.paused:
+                if busy or group.paused:
                     continue
-                if limit is not None and len(active) > limit:
+                if seq.num_uncomputed_tokens != 1 or not seq.num_computed_tokens:
                     continue
                 streak, wait = self._misses.get(seq.seq_id, (0, 0))
                 if wait:
