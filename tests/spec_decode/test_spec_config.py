@@ -151,3 +151,20 @@ def test_stats_line_reports_acceptance(caplog: pytest.LogCaptureFixture) -> None
         "tokens, Per-position acceptance rate: 0.900, 0.600, 0.400, 0.100, Avg Draft acceptance "
         "rate: 50.0%"
     ]
+
+
+def test_ngram_drafts_search_a_bounded_window() -> None:
+    """The lookup sees the last `NGRAM_WINDOW` tokens: a match inside them proposes what
+    followed it; one only before them proposes nothing (bounded work per step)."""
+    from vllm_mamba.engine import spec_steps
+    from vllm_mamba.engine.sequence import Sequence
+
+    config = SpeculativeConfig.from_value(
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}
+    )
+    drafts = spec_steps.NgramDrafts(config, 10**6)
+    filler = list(range(1000, 1000 + spec_steps.NGRAM_WINDOW))
+    near = Sequence(seq_id=0, index=0, prompt_token_ids=filler[:-6] + [5, 6, 7, 8, 5, 6])
+    far = Sequence(seq_id=1, index=0, prompt_token_ids=[5, 6, 7, 8] + filler + [5, 6])
+    got = drafts.propose([(None, near, 2), (None, far, 2)])  # type: ignore[list-item]
+    assert got == [[7, 8], []]

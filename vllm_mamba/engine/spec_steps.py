@@ -191,26 +191,27 @@ class NoSpecSteps:
         """Nothing held."""
 
 
+NGRAM_WINDOW = 4096  # the last tokens of a sequence its n-gram lookup searches
+
+
 class NgramDrafts:
-    """The `ngram` method as a `Proposer`: prompt lookup in each sequence's own tokens."""
+    """The `ngram` method as a `Proposer`: prompt lookup in each sequence's own tokens, its
+    last `NGRAM_WINDOW` (the lookup runs on the engine thread every step: bounded work per
+    sequence, whatever its length; `propose` caps the drafts at `max_model_len`)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         from vllm_mamba.spec_decode.ngram import NgramProposer
 
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         self.lookup = NgramProposer(
-            config.num_speculative_tokens,
-            config.prompt_lookup_min,
-            config.prompt_lookup_max,
-            max_model_len,
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
 
     def propose(self, seqs: list[tuple[SequenceGroup, Sequence, int]]) -> list[list[int]]:
-        """Drafts from the sequence's prompt and output tokens."""
-        return [
-            self.lookup.propose(seq.prompt_token_ids + seq.output_token_ids)[:k]
-            for _, seq, k in seqs
-        ]
+        """Drafts from the last `NGRAM_WINDOW` of the sequence's prompt and output tokens."""
+        windows = [(seq.token_slice(max(seq.num_tokens - NGRAM_WINDOW, 0), seq.num_tokens), k)
+                   for _, seq, k in seqs]  # fmt: skip
+        return [self.lookup.propose(tokens)[:k] for tokens, k in windows]
 
     def on_finished(self, seq: Sequence) -> None:
         """Holds nothing per sequence."""
