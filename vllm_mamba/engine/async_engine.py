@@ -219,7 +219,8 @@ class AsyncLLMEngine:
 
         Args:
             request_id: unique among requests in flight.
-            prompt: a string, token ids, or a `{"prompt_token_ids": [...]}` dict.
+            prompt: a string, token ids, or a `{"prompt_token_ids": [...]}` dict (which may
+                carry `"cache_points"`: see `InputProcessor.cache_points`).
             params: the request's sampling parameters.
 
         Returns:
@@ -254,7 +255,10 @@ class AsyncLLMEngine:
         tokenized = []
         for request_id, prompt in requests:
             text, ids = await self.run_tokenizer(self.inputs.process_prompt, prompt)
-            tokenized.append((request_id, {"prompt": text, "prompt_token_ids": ids}))
+            points = self.inputs.cache_points(prompt, len(ids))
+            tokenized.append(
+                (request_id, {"prompt": text, "prompt_token_ids": ids, "cache_points": points})
+            )
         self._check_alive()
         queues: list[_Outputs] = []
         for request_id, _ in requests:

@@ -3,6 +3,11 @@ model: everything a request must pass before it enters the engine.
 
 It holds its own tokenizer reference, so a server can run one on a worker thread (with its own
 tokenizer copy) and keep tokenisation off both the event loop and the engine thread.
+
+A prompt dict may also carry `"cache_points"`: token offsets inside the prompt where the prefix
+cache should save a state snapshot while prefilling (where each chat message ends, say), so the
+next request sharing that prefix hits even when this request was alone in the cache
+(`cache_points`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,10 @@ from typing import Any
 from vllm_mamba.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict[str, Any]
+
+# The most cache points one prompt may carry: each may cut a prefill chunk and take a snapshot
+# slot, so the count is bounded (a chat conversation needs a handful).
+MAX_CACHE_POINTS = 64
 
 
 class InputProcessor:
@@ -50,6 +59,22 @@ class InputProcessor:
                 f"prompt is {len(ids)} tokens long, more than max_model_len ({self.max_model_len})"
             )
         return text, ids
+
+    def cache_points(self, prompt: PromptInput, num_tokens: int) -> list[int]:
+        """The validated `"cache_points"` of a prompt dict of `num_tokens` tokens: sorted,
+        without duplicates; `[]` when the prompt is not a dict or has none (or None).
+
+        Each point is a token offset `p` with `0 < p < num_tokens`: the prefix
+        `prompt_token_ids[:p]` is registered in the prefix cache as a node boundary while the
+        request is live, so its prefill is cut there and a snapshot is saved there (when prefix
+        caching is off they are accepted and ignored). At most `MAX_CACHE_POINTS` distinct
+        points.
+
+        Raises:
+            ValueError: naming `cache_points`: not a list of integers, a point outside
+                `(0, num_tokens)`, or more than `MAX_CACHE_POINTS` distinct points.
+        """
+        return check_cache_points(prompt, num_tokens)
 
     def encode(self, text: Any, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`.
@@ -115,6 +140,30 @@ def check_encodable(name: str, text: str) -> None:
         raise ValueError(
             f"{name} is not valid Unicode text (position {err.start}: {err.reason})"
         ) from err
+
+
+def check_cache_points(prompt: PromptInput, num_tokens: int) -> list[int]:
+    """See `InputProcessor.cache_points`."""
+    if not isinstance(prompt, dict):
+        return []
+    points = prompt.get("cache_points")
+    if points is None:
+        return []
+    if not isinstance(points, (list, tuple)) or any(
+        isinstance(p, bool) or not isinstance(p, int) for p in points
+    ):
+        raise ValueError("cache_points must be a list of integer token offsets")
+    bad = [p for p in points if not 0 < p < num_tokens]
+    if bad:
+        raise ValueError(
+            f"cache_points {bad[:5]} are outside the prompt: each must be in (0, {num_tokens})"
+        )
+    unique = sorted(set(points))
+    if len(unique) > MAX_CACHE_POINTS:
+        raise ValueError(
+            f"cache_points has {len(unique)} distinct offsets, more than {MAX_CACHE_POINTS}"
+        )
+    return unique
 
 
 def _split_prompt(prompt: PromptInput) -> tuple[Any, list[Any] | None]:

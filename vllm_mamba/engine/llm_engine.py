@@ -313,13 +313,18 @@ class LLMEngine:
     ) -> None:
         """Validates and queues a request.
 
+        A prompt dict may carry `"cache_points"` (token offsets where the prefix cache saves
+        a snapshot while prefilling: see `InputProcessor.cache_points`).
+
         Raises:
-            ValueError: bad prompt or parameters, or a request id already in use.
+            ValueError: bad prompt (or cache points) or parameters, or a request id already
+                in use.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.inputs.process_prompt(prompt)
+        cache_points = self.inputs.cache_points(prompt, len(ids))
         self.inputs.check_params(params)
         self.structured_outputs.prepare(params)
         if params.n > self.scheduler.slots.num_slots:
@@ -341,6 +346,7 @@ class LLMEngine:
             seqs=[seq],
             max_tokens=max_tokens,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            cache_points=cache_points,
         )
         if arrival_time is not None:
             group.arrival_time = arrival_time

@@ -7,7 +7,9 @@ is off. Each decision is plain bookkeeping over the radix tree, the block manage
 sequences:
 
 - `add_path` / `drop_path`: a request's prompt is registered in the tree while it runs (its
-  branch points are where snapshots are due).
+  branch points are where snapshots are due), and so is the prefix ending at each of its
+  `cache_points` (see `input_processor`): those are node boundaries too, so the prompt's
+  prefill is cut there and a snapshot is saved there even when no other request shares it yet.
 - `evict_for_blocks`: frees a snapshot's KV blocks when the pool is short.
 
 - `find_hits`: a sequence being admitted starts from the deepest snapshot of its tokens (at
@@ -57,14 +59,19 @@ class PrefixScheduling:
         self.block_manager = block_manager
 
     def add_path(self, group: SequenceGroup) -> None:
-        """Registers a new request's prompt in the tree."""
-        group.path_node = self.cache.add_path(group.prompt_token_ids)
+        """Registers a new request's prompt in the tree, and the prefixes ending at its cache
+        points (live node boundaries until `drop_path`)."""
+        prompt = group.prompt_token_ids
+        group.path_node = self.cache.add_path(prompt)
+        group.cache_point_nodes = [self.cache.add_path(prompt[:p]) for p in group.cache_points]
 
     def drop_path(self, group: SequenceGroup) -> None:
-        """Unregisters a request's prompt (it finished or was aborted)."""
+        """Unregisters a request's prompt and cache points (it finished or was aborted)."""
         if group.path_node is not None:
             self.cache.drop_path(group.path_node)
             group.path_node = None
+        while group.cache_point_nodes:
+            self.cache.drop_path(group.cache_point_nodes.pop())
 
     def evict_for_blocks(self) -> bool:
         """Evicts one snapshot that holds KV blocks; False when there is none."""

@@ -106,6 +106,8 @@ class SequenceGroup:
     first_token_time: float | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
     path_node: Any = None  # the prompt's node in the prefix cache's radix tree
+    cache_points: list[int] = field(default_factory=list)  # prompt offsets to snapshot at
+    cache_point_nodes: list[Any] = field(default_factory=list)  # their nodes in the tree
     paused: bool = False  # its consumer is not reading: not scheduled (see `Scheduler`)
 
     @property
