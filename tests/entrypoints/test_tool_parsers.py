@@ -443,9 +443,19 @@ def test_long_stream_is_linear() -> None:
         f'<tool_call>{{"name": "f{i}", "arguments": {{"x": "{"y" * 200}"}}}}</tool_call>\n'
         for i in range(100)
     )
-    text = ("word " * 4000) + calls + ("end " * 4000)
-    content, got = _run_stream(_parser("hermes"), list(text))
-    assert len(got) == 100 and content.startswith("word ") and content.endswith("end ")
+    text = ("word <tool " * 2000) + calls + ("end " * 4000)
+    stream = _parser("hermes").stream()
+    content, got = "", []
+    for ch in text:
+        d = stream.feed(ch)
+        content += d.content
+        got += d.calls
+        assert len(stream.held) < len("<tool_call>")  # content held back: under a marker
+    content += stream.finish().content
+    assert content == ("word <tool " * 2000) + "\n" * 100 + ("end " * 4000)
+    assert [i for i, _ in got] == list(range(100))
+    result = _parser("hermes").extract(text)  # one long feed, cut into bounded pieces
+    assert result.content == content and result.calls == [c for _, c in got]
 
 
 def test_registry() -> None:
@@ -510,3 +520,47 @@ def test_register_module_lazily() -> None:
     finally:
         ToolParserManager._parsers.pop("test_lazy_hermes", None)
         ToolParserManager._lazy.pop("test_lazy_hermes", None)
+
+
+FUZZ_PIECES = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_",
+    "</tool",
+    "<function=f>",
+    "</function>",
+    "<parameter=city>",
+    "</parameter>",
+    "<TOOLCALL>",
+    "</TOOLCALL>",
+    "<|tool_call|>",
+    "<|python_tag|>",
+    "<|python_start|>",
+    '{"name": "f", "arguments": {"a": 1}}',
+    '{"name": "g"}',
+    "[f(x=1)]",
+    "[",
+    "]",
+    "{",
+    ";",
+    " ",
+    "\n",
+    "hi",
+    "é",
+    "<",
+]
+
+
+@pytest.mark.parametrize("name", sorted(set(c[0] for c in CASES)))
+def test_fuzz_stream_matches_extract(name: str) -> None:
+    rng = random.Random(name)
+    for _ in range(60):
+        text = "".join(rng.choice(FUZZ_PIECES) for _ in range(rng.randint(0, 12)))
+        expected = _parser(name).extract(text)
+        if expected.calls:  # whitespace-only content around calls is None
+            assert expected.content is None or expected.content.strip()
+        else:  # no call: the whole text, verbatim
+            assert expected.content == (text or None)
+        for pieces in _random_splits(text, rng)[:6]:
+            content, calls = _run_stream(_parser(name), pieces)
+            assert (content, calls) == (expected.content or "", expected.calls), (text, pieces)

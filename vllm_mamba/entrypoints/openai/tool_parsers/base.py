@@ -76,7 +76,14 @@ class ToolParseError(ValueError):
 
 
 class ToolCallStream(ABC):
-    """A per-request incremental parser: feed the output's text deltas, then `finish()`."""
+    """A per-request incremental parser: feed the output's text deltas, then `finish()`.
+
+    The content and calls it yields, concatenated, are exactly `extract(text)`'s for the
+    concatenated deltas (content `None` there is "" here). It holds back: a content tail
+    that may be the start of a marker (shorter than the longest marker), leading whitespace
+    until non-whitespace content follows (dropped at the end when calls were made), and a
+    call region until it ends (or, for whole-output formats, everything once the output
+    looks like calls)."""
 
     @abstractmethod
     def feed(self, delta: str) -> StreamDelta:
@@ -230,13 +237,19 @@ def find_tool_properties(tools: list[Any], name: str) -> dict[str, Any]:
 
 
 def partial_marker_len(text: str, markers: Iterable[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a marker."""
+    """Length of the longest suffix of `text` that is a proper prefix of a marker (only the
+    last `len(marker) - 1` characters are looked at)."""
     best = 0
     for m in markers:
-        for k in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:k]):
-                best = k
+        if len(m) < 2:
+            continue
+        window = text[-(len(m) - 1) :]
+        i = window.find(m[0])
+        while i >= 0 and len(window) - i > best:
+            if m.startswith(window[i:]):
+                best = len(window) - i
                 break
+            i = window.find(m[0], i + 1)
     return best
 
 
@@ -329,6 +342,9 @@ class EndScanner:
         return None
 
 
+_PIECE = 4096
+
+
 class MarkerToolParser(ToolParser):
     """Calls sit in regions `START body END` inside free text; subclasses say how."""
 
@@ -369,7 +385,13 @@ class MarkerStream(ToolCallStream):
         if self.done:
             raise RuntimeError("feed() after finish()")
         out = StreamDelta()
-        text = delta
+        # A long delta (extract's whole text) goes in bounded pieces, so that the copies and
+        # searches after each region are bounded by a piece, not by the rest of the text.
+        for i in range(0, len(delta), _PIECE):
+            self._feed_piece(delta[i : i + _PIECE], out)
+        return out
+
+    def _feed_piece(self, text: str, out: StreamDelta) -> None:
         while True:
             if self.start is None:
                 text = self.held + text
@@ -379,7 +401,7 @@ class MarkerStream(ToolCallStream):
                     k = partial_marker_len(text, self.parser.start_markers)
                     self.held = text[len(text) - k :] if k else ""
                     out.content += self.gate.content(text[: len(text) - k])
-                    return out
+                    return
                 i, marker = hit
                 out.content += self.gate.content(text[:i])
                 self.start = marker
@@ -390,7 +412,7 @@ class MarkerStream(ToolCallStream):
             span = self.scanner.scan(text)
             self.chunks.append(text)
             if span is None:
-                return out
+                return
             body = "".join(self.chunks)
             rest = body[span[1] :]
             self._close(body[: span[0]], body[span[0] : span[1]], True, out)
@@ -411,7 +433,7 @@ class MarkerStream(ToolCallStream):
     def _first_marker(self, text: str) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
         for m in self.parser.start_markers:
-            i = text.find(m)
+            i = text.find(m, 0, len(text) if best is None else best[0] + len(m))
             if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(m) > len(best[1]))):
                 best = (i, m)
         return best

@@ -44,7 +44,7 @@ class Llama3JsonToolParser(WholeOutputToolParser):
                 obj, pos = decoder.raw_decode(text, pos)
             except json.JSONDecodeError as e:
                 raise ToolParseError(f"a call is not valid JSON: {e}") from None
-            calls.append(call_from_object(obj, ("parameters", "arguments")))
+            calls.append(call_from_object(obj, ("arguments", "parameters")))
             while pos < n and text[pos].isspace():
                 pos += 1
             if pos >= n:
