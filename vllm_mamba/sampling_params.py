@@ -46,6 +46,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # The grammar applies only after the output contains this text (the end of a reasoning
+    # part, set by the server's reasoning parser); before it, the output is free.
+    start_after: str | None = None
     # The compiled grammar, attached by a caller that compiled it elsewhere (the server).
     compiled: Any = field(default=None, repr=False, compare=False)
 

@@ -380,7 +380,8 @@ class ModelRunner:
         params = item.group.params
         if seq.generator is None and params.seed is not None:
             seq.generator = self.make_generator(params.seed, seq.index)
-        if params.structured_outputs is not None and seq.matcher is None:
+        so = params.structured_outputs
+        if so is not None and seq.matcher is None and (not so.start_after or seq.grammar_started):
             assert self.structured_outputs is not None
             seq.matcher = self.structured_outputs.new_matcher(params)
         banned: list[int] = []

@@ -66,6 +66,10 @@ class OutputProcessor:
         new_text = seq.detokenizer.add(token)
         if not (is_eos or is_stop_token) or params.include_stop_str_in_output:
             seq.output_text += new_text
+        so = params.structured_outputs
+        if so is not None and so.start_after and not seq.grammar_started:
+            tail = seq.output_text[-(len(new_text) + len(so.start_after)) :]
+            seq.grammar_started = so.start_after in tail
         n_out = len(seq.output_token_ids)
         if n_out >= params.min_tokens or grammar_done:
             if is_eos or is_stop_token or grammar_done:

@@ -56,6 +56,7 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: object | None = None
     matcher: object | None = None  # grammar matcher of a request with structured outputs
+    grammar_started: bool = False  # its `start_after` text has been generated
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens for the next step
 
     @property

@@ -110,10 +110,12 @@ class SpecDecodeSteps:
                 continue
             seq, spec = item.seq, result.spec[item.seq.seq_id]
             m = 0
+            grammar_started = seq.grammar_started
             for row in range(len(spec.token_ids)):
                 self.outputs.append_token(item.group, seq, row, spec.out, now)
                 m += 1
-                if seq.status.finished:
+                # A grammar that starts here did not constrain the chain's later rows.
+                if seq.status.finished or seq.grammar_started != grammar_started:
                     break
             appended += m
             c.num_drafts += 1
