@@ -5,6 +5,7 @@ their process group, so another engine can start in the same process."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Sequence as Seq
@@ -14,7 +15,12 @@ from tqdm.auto import tqdm
 
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.llm_engine import LLMEngine, PromptInput
-from vllm_mamba.entrypoints.chat_utils import ChatTemplate, message_text
+from vllm_mamba.entrypoints.chat_cache_points import chat_cache_points
+from vllm_mamba.entrypoints.chat_utils import (
+    ChatTemplate,
+    check_template_kwargs,
+    conversation_message,
+)
 from vllm_mamba.outputs import RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
 
@@ -84,16 +90,28 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generates replies to conversations, rendered with the model's chat template.
+        """Generates replies to conversations, rendered with the model's chat template (as
+        the server renders them: tools, earlier tool calls and results, documents and
+        template variables reach the template).
 
         Args:
-            messages: one conversation (OpenAI-style `{"role", "content"}` dicts) or a list
-                of conversations.
+            messages: one conversation (OpenAI-style messages: `role`, `content` as text or
+                text parts, and `name`, `tool_calls`, `tool_call_id` where they apply) or a
+                list of conversations.
             sampling_params: one for all conversations, or one per conversation.
             use_tqdm: show a progress bar.
             chat_template: a template (file or text) instead of the tokenizer's.
             add_generation_prompt: end each prompt with the start of an assistant turn.
+            continue_final_message: end each prompt inside its last message, so the model
+                continues it (not with `add_generation_prompt`).
+            tools: OpenAI-style tool definitions passed to the template as `tools`.
+            documents: passed to the template as `documents`.
+            chat_template_kwargs: more template variables, e.g. `{"enable_thinking": False}`.
 
         Returns:
             One `RequestOutput` per conversation, in input order.
@@ -104,15 +122,37 @@ class LLM:
         """
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a conversation or a list of conversations")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         template = ChatTemplate(self.llm_engine.tokenizer, chat_template)
+        kwargs = check_template_kwargs(chat_template_kwargs)
         inputs = self.llm_engine.inputs
         prompts: list[PromptInput] = []
         for conversation in conversations:
-            turns = [message_text(m) for m in conversation]
-            text = template.render(turns, add_generation_prompt)
+            turns = [conversation_message(m) for m in conversation]
+            text = template.render(
+                turns,
+                add_generation_prompt,
+                tools=tools,
+                documents=documents,
+                template_kwargs=kwargs,
+                continue_final_message=continue_final_message,
+            )
             ids = inputs.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+            if self.llm_engine.prefix_cache is not None and len(turns) > 1:
+                # Snapshots where messages end: a later conversation sharing them hits.
+                prompt["cache_points"] = chat_cache_points(
+                    lambda prefix: template.render(
+                        prefix, False, tools=tools, documents=documents, template_kwargs=kwargs
+                    ),
+                    turns,
+                    text,
+                    ids,
+                    functools.partial(inputs.encode, add_special_tokens=False),
+                )
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_tokenizer(self):  # noqa: ANN201 - a transformers tokenizer

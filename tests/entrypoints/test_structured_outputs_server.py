@@ -290,7 +290,7 @@ def test_tools_without_tool_choice_are_ignored_and_completions_refuse_tools(
         body = {"messages": MESSAGES, "max_tokens": 4, "tools": [WEATHER], **choice}
         response = post(server, "/v1/chat/completions", body)
         assert response.status_code == 200
-        assert response.json()["choices"][0]["message"]["tool_calls"] is None
+        assert response.json()["choices"][0]["message"]["tool_calls"] == []
     body = {"prompt": "x", "max_tokens": 4, "tools": [WEATHER], "tool_choice": "required"}
     response = post(server, "/v1/completions", body)
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"

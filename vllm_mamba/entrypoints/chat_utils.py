@@ -154,9 +154,28 @@ class ChatTemplate:
             )
 
     def render(
-        self, turns: list[dict[str, str]], add_generation_prompt: bool, template: str | None = None
+        self,
+        turns: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text of a conversation (call it off the event loop).
+
+        Args:
+            turns: messages as `conversation_message` makes them.
+            add_generation_prompt: end with the start of an assistant turn.
+            template: a template to use instead of the server's.
+            tools: the request's tools (OpenAI's `{"type": "function", "function": ...}`),
+                passed to the template as `tools` (None when there are none).
+            documents: passed to the template as `documents` (retrieval templates).
+            template_kwargs: extra template variables (`chat_template_kwargs`, checked by
+                `check_template_kwargs`), e.g. `enable_thinking`.
+            continue_final_message: the prompt ends inside the last message (its end-of-turn
+                text is cut off), so that the model continues it (vLLM's flag).
 
         Raises:
             TemplateRenderError: the template failed, ran too long or produced too much.
@@ -169,7 +188,13 @@ class ChatTemplate:
             compiled = _compile(source)
             _ENV.set_deadline(time.monotonic() + RENDER_TIMEOUT_S)
             text = compiled.render(
-                messages=turns, add_generation_prompt=add_generation_prompt, **self.special
+                **(template_kwargs or {}),
+                messages=turns,
+                tools=tools or None,
+                documents=documents or None,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **self.special,
             )
         except (TemplateError, TypeError, ValueError, RecursionError) as err:
             raise TemplateRenderError(f"cannot apply the chat template: {err}") from err
@@ -179,10 +204,96 @@ class ChatTemplate:
             raise TemplateRenderError(
                 f"the chat template produced more than {MAX_RENDER_CHARS} characters"
             )
+        if continue_final_message:
+            text = _cut_after_final_message(text, turns)
         return text
 
 
 MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file")
+TEXT_PARTS = ("text", "input_text", "output_text")
+# Names the renderer sets itself: `chat_template_kwargs` may not override them.
+RESERVED_TEMPLATE_VARS = frozenset(
+    ["messages", "tools", "documents", "add_generation_prompt", "continue_final_message"]
+    + ["bos_token", "eos_token", "pad_token", "unk_token", "chat_template"]
+)
+MAX_TEMPLATE_KWARGS_BYTES = 65_536
+
+
+def content_text(content: Any, field: str = "messages") -> str:
+    """The text of a message's content: a string, or text parts joined with newlines (vLLM's
+    "string" content format).
+
+    Raises:
+        ValueError: a part that is not text (media parts are named), naming `field`.
+    """
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ValueError(f"{field}: content must be a string or a list of parts")
+    pieces = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise ValueError(
+                f"{field}: {kind} content parts are not supported: this server serves the "
+                "model text-only (images, audio and video are not accepted)"
+            )
+        if kind not in TEXT_PARTS:
+            raise ValueError(f"{field}: only text content parts are supported, got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{field}: a text part needs a string text, got {part!r}")
+        pieces.append(part["text"])
+    return "\n".join(pieces)
+
+
+def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's earlier tool call as templates read it: its arguments as a
+    dict when they are a JSON object (vLLM's conversion; Qwen's and Llama's templates
+    iterate them), else as sent.
+
+    Raises:
+        ValueError: a call without a function name.
+    """
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError(f"messages: a tool call needs function.name, got {call!r}")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, dict):
+            arguments = decoded
+    out = {k: v for k, v in call.items() if k != "function"}
+    out.setdefault("type", "function")
+    out["function"] = {**function, "arguments": arguments}
+    return out
+
+
+def conversation_message(message: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI-style message as the chat template sees it (vLLM's rendering): `role`,
+    `content` as text, and, when present, `name`, `tool_calls` (arguments decoded),
+    `tool_call_id` and the reasoning of an earlier assistant turn (as `reasoning_content`
+    and `reasoning`, the names templates use).
+
+    Raises:
+        ValueError: a message without a role, or with a part that is not text.
+    """
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise ValueError(f"messages: each message needs a string role, got {message!r}")
+    out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"))}
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None:
+            out[key] = message[key]
+    calls = message.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [template_tool_call(c) for c in calls]
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning is not None:
+        out["reasoning_content"] = out["reasoning"] = content_text(reasoning)
+    return out
 
 
 def message_text(message: dict[str, Any]) -> dict[str, str]:
@@ -191,23 +302,44 @@ def message_text(message: dict[str, Any]) -> dict[str, str]:
     Raises:
         ValueError: a message without a role, or with a part that is not text.
     """
-    role = message.get("role")
-    if not isinstance(role, str):
-        raise ValueError(f"messages: each message needs a string role, got {message!r}")
-    content = message.get("content")
-    if content is None or isinstance(content, str):
-        return {"role": role, "content": content or ""}
-    pieces = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in MEDIA_PARTS:
-            raise ValueError(
-                f"messages: {kind} content parts are not supported: this server serves the "
-                "model text-only (images, audio and video are not accepted)"
-            )
-        if kind != "text":
-            raise ValueError(f"messages: only text content parts are supported, got {kind!r}")
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f"messages: a text part needs a string text, got {part!r}")
-        pieces.append(part["text"])
-    return {"role": role, "content": "".join(pieces)}
+    out = conversation_message(message)
+    return {"role": out["role"], "content": out["content"]}
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs` checked: a JSON object of bounded size that overrides none of
+    the variables the renderer sets.
+
+    Raises:
+        ValueError: naming `chat_template_kwargs`.
+    """
+    if not kwargs:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError("chat_template_kwargs must be an object")
+    clash = sorted(RESERVED_TEMPLATE_VARS & set(kwargs))
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}")
+    size = len(json.dumps(kwargs, default=str))
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ValueError(
+            f"chat_template_kwargs is {size} bytes long, more than the limit of "
+            f"{MAX_TEMPLATE_KWARGS_BYTES}"
+        )
+    return kwargs
+
+
+def _cut_after_final_message(text: str, turns: list[dict[str, Any]]) -> str:
+    """The prompt cut right after the last message's content (what the template added after
+    it, its end-of-turn markers, is dropped), as vLLM's `continue_final_message` does.
+
+    Raises:
+        ValueError: the last message's content is not found in the prompt.
+    """
+    final = turns[-1]["content"] if turns else ""
+    at = text.rfind(final.strip()) if final.strip() else -1
+    if at < 0:
+        raise TemplateRenderError(
+            "continue_final_message: the final message's content is not in the rendered prompt"
+        )
+    return text[: at + len(final.strip())]

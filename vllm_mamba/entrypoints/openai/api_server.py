@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
+import os
 import socket
 import sys
 from collections.abc import AsyncIterator
@@ -42,9 +44,11 @@ from vllm_mamba.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from vllm_mamba.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllm_mamba.entrypoints.openai.served_model import ServedModel
-from vllm_mamba.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm_mamba.entrypoints.openai.serving_chat import ChatParsers, OpenAIServingChat
 from vllm_mamba.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm_mamba.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm_mamba.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm_mamba.errors import STARTUP_ERRORS
 from vllm_mamba.logger import configure_logging
@@ -71,9 +75,11 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     metrics = ServerMetrics(engine, model.name)
     template = ChatTemplate(engine.tokenizer, args.chat_template, args.trust_request_chat_template)
     logger.info("Chat template: %s", template.source)
+    parsers = chat_parsers(args)
     completions = OpenAIServingCompletion(engine, model, metrics)
-    chat = OpenAIServingChat(engine, model, metrics, template)
+    chat = OpenAIServingChat(engine, model, metrics, template, parsers)
     tokenization = OpenAIServingTokenization(engine, model, chat)
+    responses = OpenAIServingResponses(chat)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -120,6 +126,16 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(apply_sampling_defaults(req, defaults), raw)
 
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw: Request) -> Response:
+        return await responses.create(
+            req, raw, functools.partial(apply_sampling_defaults, defaults=defaults)
+        )
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.retrieve(response_id))
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
         return JSONResponse((await tokenization.tokenize(req)).model_dump())
@@ -133,6 +149,48 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
         return JSONResponse(tokenization.info())
 
     return app
+
+
+def chat_parsers(args: argparse.Namespace) -> ChatParsers:
+    """The server's tool-call and reasoning parsers (after loading `--tool-parser-plugin`).
+
+    Raises:
+        ValueError: an unknown parser, or a plugin that cannot be loaded.
+    """
+    plugin = getattr(args, "tool_parser_plugin", None)
+    if plugin:
+        load_plugin_file(plugin)
+    parsers = ChatParsers(
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+    )
+    if parsers.tool_call_parser or parsers.reasoning_parser:
+        logger.info(
+            "Tool-call parser: %s (auto tool choice %s); reasoning parser: %s",
+            parsers.tool_call_parser,
+            "on" if parsers.enable_auto_tool_choice else "off",
+            parsers.reasoning_parser,
+        )
+    return parsers
+
+
+def load_plugin_file(path: str) -> None:
+    """Imports a Python file (its parsers register themselves on import).
+
+    Raises:
+        ValueError: the file does not exist or fails to import.
+    """
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_mamba_tool_parser_plugin", path)
+    if spec is None or spec.loader is None or not os.path.isfile(path):
+        raise ValueError(f"--tool-parser-plugin: cannot load {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:  # a plugin's own error, reported at startup
+        raise ValueError(f"--tool-parser-plugin {path!r} failed to import: {err}") from err
 
 
 def apply_sampling_defaults(req: T, defaults: dict[str, Any]) -> T:

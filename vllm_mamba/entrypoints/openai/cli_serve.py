@@ -90,8 +90,36 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="largest request body accepted; larger ones get HTTP 413",
     )
     _add_connection_args(net)
+    _add_parser_args(parser)
     EngineArgs.add_cli_args(parser)
     return parser
+
+
+def _add_parser_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags for reading tool calls and reasoning out of the generated text."""
+    group = parser.add_argument_group("tool calls and reasoning")
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse tool calls out of the output (tool_choice "auto"); needs --tool-call-parser',
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the model's tool-call format: hermes, qwen3_coder, llama3_json, pythonic, "
+        "granite, nemotron_json, ... (vLLM's names)",
+    )
+    group.add_argument(
+        "--tool-parser-plugin",
+        default=None,
+        help="a Python file that registers more tool-call parsers (ToolParserManager.register)",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split the reasoning part into the message's `reasoning` field: qwen3, "
+        "deepseek_r1, granite, nemotron_v3, ... (vLLM's names)",
+    )
 
 
 def _add_connection_args(net: Any) -> None:

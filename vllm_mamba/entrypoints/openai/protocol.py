@@ -18,13 +18,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllm_mamba.entrypoints.chat_utils import message_text
+from vllm_mamba.entrypoints.chat_utils import conversation_message
 from vllm_mamba.entrypoints.openai.output_constraints import (
     ResponseFormat,
     StructuredOutputsRequest,
     logit_bias_ids,
 )
-from vllm_mamba.entrypoints.openai.tool_calls import ChatTool, NamedToolChoice, ToolCall
+from vllm_mamba.entrypoints.openai.tool_calls import (
+    ChatTool,
+    DeltaToolCall,
+    NamedToolChoice,
+    ToolCall,
+)
 from vllm_mamba.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -185,19 +190,33 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    """One message; content is text or a list of `{"type": "text", "text": ...}` parts."""
+    """One message: content is text or a list of `{"type": "text", "text": ...}` parts; an
+    assistant message may carry its earlier `tool_calls` (and reasoning), a tool message the
+    `tool_call_id` it answers."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    def conversation(self) -> dict[str, Any]:
+        """The message as the chat template sees it (`chat_utils.conversation_message`).
+
+        Raises:
+            ValueError: a part that is not text, or a malformed tool call.
+        """
+        return conversation_message(self.model_dump(exclude_none=True))
 
     def text(self) -> str:
-        """The message's text, its text parts joined.
+        """The message's text, its text parts joined with newlines.
 
         Raises:
             ValueError: a part that is not text.
         """
-        return message_text({"role": self.role, "content": self.content})["content"]
+        return self.conversation()["content"]
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -208,10 +227,14 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -229,7 +252,11 @@ class TokenizeChatRequest(BaseModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
 
@@ -339,11 +366,25 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant's message, or a streamed delta of it."""
+    """The assistant's message: its answer, its reasoning (vLLM's `reasoning`, and the older
+    name `reasoning_content`, when a reasoning parser runs) and its tool calls."""
 
-    role: str | None = None
+    role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class ChatDelta(BaseModel):
+    """A streamed piece of the assistant's message; each tool call piece has its `index`
+    (the openai SDK's stream helpers index the calls by it)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -372,7 +413,7 @@ class ChatChunkChoice(BaseModel):
     """One choice's delta in a streamed chat completion."""
 
     index: int
-    delta: ChatResponseMessage
+    delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -56,7 +56,13 @@ class OpenAIServingTokenization:
         self.model.resolve(req.model)
         if isinstance(req, TokenizeChatRequest):
             text = await self.chat.render(
-                req.messages, req.add_generation_prompt, req.chat_template
+                req.messages,
+                req.add_generation_prompt,
+                req.chat_template,
+                req.tools,
+                req.documents,
+                req.chat_template_kwargs,
+                req.continue_final_message,
             )
         else:
             text = req.prompt

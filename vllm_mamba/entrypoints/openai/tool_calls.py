@@ -1,17 +1,18 @@
-"""Tool calls for chat: `tools` with `tool_choice="required"` or a named function, generated
-under a JSON schema built from the tools' parameter schemas (vLLM's way), and returned as
-`message.tool_calls`.
+"""Chat tools: the request's `tools` and `tool_choice`, checked; the JSON schema that a
+required or named choice generates under (vLLM's way); the call objects of the answer.
 
+- `"auto"` (the default with tools on a server run with `--enable-auto-tool-choice
+  --tool-call-parser NAME`): the model writes calls in its own format and the parser finds
+  them (`tool_parsers/`); without those flags "auto" is a 400 and no choice means "none".
 - `"required"`: the output is a JSON array of one or more `{"name": ..., "parameters": {...}}`
   objects, each matching one tool (an `anyOf` over the tools); every element becomes a tool
   call, and the choice finishes with `"tool_calls"`. `parallel_tool_calls=false` allows one.
 - a named function (`{"type": "function", "function": {"name": ...}}`): the output is that
   function's parameters object, returned as its one tool call (finish reason `"stop"`, as
   vLLM does).
-- `"auto"` needs a parser for the model's own tool-call format, which this server does not
-  have: a 400. `"none"`, or no `tool_choice`, leaves the tools unused.
+- `"none"`: the tools are rendered into the prompt but no call is parsed.
 
-The tools are not rendered into the prompt (the chat templates here take no tools).
+The tools reach the chat template as `tools` (`chat_utils.py`).
 """
 
 from __future__ import annotations
@@ -72,10 +73,32 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class DeltaToolCall(ToolCall):
-    """A tool call in a streamed delta (whole: it is sent once the choice is complete)."""
+class DeltaFunctionCall(BaseModel):
+    """The function part of a streamed tool call piece: the name in the first piece of a
+    call, argument text in it and the pieces after."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a tool call in a streamed delta: `index` says which call; the first piece
+    of a call has its `id`, `type` and name."""
 
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @classmethod
+    def whole(cls, index: int, call: ToolCall) -> DeltaToolCall:
+        """A complete call as one piece."""
+        return cls(
+            index=index,
+            id=call.id,
+            type="function",
+            function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
+        )
 
 
 class ToolChoiceError(ValueError):
@@ -102,21 +125,31 @@ def check_tools(tools: list[ChatTool] | None) -> None:
         raise ToolsError(message)
 
 
-def tool_mode(tools: list[ChatTool] | None, choice: str | NamedToolChoice | None) -> str | None:
-    """`"required"`, `"named"`, or None when the tools are not used.
+def tool_mode(
+    tools: list[ChatTool] | None, choice: str | NamedToolChoice | None, auto_enabled: bool = False
+) -> str | None:
+    """`"auto"`, `"required"`, `"named"`, or None when the tools are not used.
+
+    No `tool_choice` with tools means "auto" when the server parses calls
+    (`--enable-auto-tool-choice`), else "none" (vLLM's default).
 
     Raises:
-        ToolChoiceError: `"auto"`, an unknown choice, or a choice without tools.
+        ToolChoiceError: "auto" on a server without a tool-call parser, an unknown choice, or
+            a choice without tools.
     """
-    if choice is None or choice == "none":
+    if choice is None:
+        return "auto" if tools and auto_enabled else None
+    if choice == "none":
         return None
     if not tools:
         raise ToolChoiceError("tool_choice needs tools")
     if choice == "auto":
-        raise ToolChoiceError(
-            'tool_choice "auto" needs a tool-call parser for the model, which this server '
-            'does not have: use "required", a named function, or "none"'
-        )
+        if not auto_enabled:
+            raise ToolChoiceError(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set"
+            )
+        return "auto"
     if choice == "required":
         return "required"
     if isinstance(choice, NamedToolChoice):
