@@ -257,3 +257,25 @@ def test_complete_grammar_ends_despite_ignore_eos_and_min_tokens(llm: VllmRunner
     comp = llm.generate(PROMPTS[0], params)[0].outputs[0]
     assert comp.text in ("yes", "no") and comp.finish_reason == "stop"
     assert len(comp.token_ids) <= 3
+
+
+def test_grammar_starts_after_its_text(llm: VllmRunner) -> None:
+    """With `start_after` (the end of a reasoning part), the output is free until that text
+    has been generated, then follows the grammar: the first tokens equal the unconstrained
+    greedy run's, the rest is one of the choices. A text never generated leaves the whole
+    output free."""
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for prompt in PROMPTS[:3]:
+        alone = llm.generate(prompt, free)[0].outputs[0]
+        head = alone.token_ids[:3]
+        marker = llm.engine.tokenizer.decode(head)
+        assert marker and alone.text.startswith(marker)
+        out = llm.generate(prompt, constrained(40, choice=[" yes", " no"], start_after=marker))[
+            0
+        ].outputs[0]
+        assert out.token_ids[:3] == head, (marker, out.text)
+        assert out.text[len(marker) :] in (" yes", " no"), (marker, out.text)
+        assert out.finish_reason == "stop"
+        never = constrained(12, choice=[" yes"], start_after="\x00never\x00")
+        never.ignore_eos = True
+        assert llm.generate(prompt, never)[0].outputs[0].token_ids == alone.token_ids
