@@ -382,6 +382,9 @@ def test_responses_structured_text_and_errors(server: RunningServer) -> None:
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": "x", "background": True}, "background"),
         ({"input": [{"type": "image"}]}, "input"),
+        ({"input": "x", "tools": [{"type": "function", "name": ""}]}, "tools"),
+        ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
+        ({"input": "x", "tool_choice": {"type": "mcp"}}, "tool_choice"),
     ):
         response = httpx.post(f"{server.url}/v1/responses", json=body, headers=server.headers)
         assert response.status_code in (400, 404), response.text

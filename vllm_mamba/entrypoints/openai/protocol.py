@@ -235,6 +235,14 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True
+    reasoning_effort: str | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """`chat_template_kwargs`, with `reasoning_effort` added as a template variable (as
+        vLLM passes it)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
 
 class TokenizeCompletionRequest(BaseModel):

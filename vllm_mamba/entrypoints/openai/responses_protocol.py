@@ -150,6 +150,22 @@ class ResponsesRequest(BaseModel):
             return ResponseFormat(type="json_schema", json_schema=spec)
         raise ValueError(f"text.format: unknown type {fmt.get('type')!r}")
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """`reasoning.effort` as the chat template's `reasoning_effort` (vLLM's mapping).
+
+        Raises:
+            ValueError: a reasoning option this server does not implement (`summary`).
+        """
+        reasoning = self.reasoning or {}
+        unknown = sorted(k for k, v in reasoning.items() if k != "effort" and v is not None)
+        if unknown:
+            raise ValueError(
+                f"reasoning.{unknown[0]} is not supported: the reasoning is returned as "
+                "reasoning_text content"
+            )
+        effort = reasoning.get("effort")
+        return {"reasoning_effort": effort} if effort is not None else None
+
     def sampling_fields(self) -> dict[str, Any]:
         """The chat sampling fields this request sets (only those given)."""
         fields: dict[str, Any] = {}

@@ -254,7 +254,7 @@ class OpenAIServingChat:
             req.chat_template,
             req.tools,
             req.documents,
-            req.chat_template_kwargs,
+            req.template_kwargs(),
             req.continue_final_message,
             want_cache_points=True,
         )

@@ -151,28 +151,28 @@ class OpenAIServingResponses:
 
     @staticmethod
     def _chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> Any:
-        """The chat request the Responses request amounts to."""
+        """The chat request the Responses request amounts to.
+
+        Raises:
+            APIError: a 400 naming the field that cannot be translated.
+        """
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         if not system + messages:
             raise APIError("input is empty", 400, "input")
-        try:
-            fields: dict[str, Any] = {
-                "messages": [ChatMessage(**m) for m in system + messages],
-                "tools": req.chat_tools(),
-                "parallel_tool_calls": req.parallel_tool_calls,
-                **req.sampling_fields(),
-            }
-            choice = req.chat_tool_choice()
-            if choice is not None:
-                fields["tool_choice"] = choice
-            fmt = req.response_format()
-            if fmt is not None:
-                fields["response_format"] = fmt
-        except ValueError as err:
-            field = "tool_choice" if "tool_choice" in str(err) else "text"
-            field = "tools" if str(err).startswith("tools") else field
-            raise APIError(str(err), 400, field) from err
-        return ChatCompletionRequest(**fields)
+        fields: dict[str, Any] = {"parallel_tool_calls": req.parallel_tool_calls}
+        steps = (
+            ("input", lambda: {"messages": [ChatMessage(**m) for m in system + messages]}),
+            ("tools", lambda: {"tools": req.chat_tools()}),
+            ("tool_choice", lambda: _unless_none("tool_choice", req.chat_tool_choice())),
+            ("text", lambda: _unless_none("response_format", req.response_format())),
+            ("reasoning", lambda: _unless_none("chat_template_kwargs", req.template_kwargs())),
+        )
+        for field, step in steps:
+            try:
+                fields.update(step())
+            except ValueError as err:
+                raise APIError(str(err), 400, field) from err
+        return ChatCompletionRequest(**fields, **req.sampling_fields())
 
     def _keep(
         self,
@@ -251,6 +251,10 @@ class OpenAIServingResponses:
         finally:
             if final is None or not final.finished:
                 self.engine.abort(response_id)
+
+
+def _unless_none(name: str, value: Any) -> dict[str, Any]:
+    return {} if value is None else {name: value}
 
 
 class _EventWriter:
