@@ -262,6 +262,12 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
+    cpu_threads: int | None = None  # None: the available CPUs (`engine/cpu_threads.py`)
+
+    def ranks_per_machine(self) -> int:
+        """Tensor-parallel ranks sharing this machine's CPUs (Ray spreads them: one)."""
+        pc = self.parallel_config
+        return pc.tensor_parallel_size if pc.distributed_executor_backend == "mp" else 1
 
     @property
     def uses_mtp(self) -> bool:

@@ -152,6 +152,11 @@ class EngineArgs:
         "directory holding a generation_config.json",
         default="auto",
     )
+    threads: int | None = _opt(
+        "CPU threads per rank for the model's kernels (default: the CPUs this process may run "
+        "on, shared among the tensor-parallel ranks)",
+        default=None,
+    )
     enforce_eager: bool = _opt("never capture CUDA graphs", default=False)
     disable_log_stats: bool = _opt("no periodic statistics line while busy", default=False)
     trust_remote_code: bool = _opt("accepted for vLLM compatibility; no effect here", default=False)
@@ -214,7 +219,12 @@ class EngineArgs:
     # ----- validation and resolution ----------------------------------------------------
     def check_values(self) -> None:
         """Range checks that need no model; `ValueError` naming the option."""
-        optional = ("tensor_parallel_size", "kv_cache_memory_bytes", "num_gpu_blocks_override")
+        optional = (
+            "tensor_parallel_size",
+            "kv_cache_memory_bytes",
+            "num_gpu_blocks_override",
+            "threads",
+        )
         sized = ("block_size", "prefix_cache_memory_bytes", "prefix_snapshot_interval")
         for name in ("max_num_seqs", "max_num_batched_tokens", *sized, *optional):
             value = getattr(self, name)
@@ -333,6 +343,7 @@ class EngineArgs:
                 self.tensor_parallel_size or 1, self.distributed_executor_backend
             ),
             speculative_config=SpeculativeConfig.from_value(self.speculative_config),
+            cpu_threads=self.threads,
         )
 
 

@@ -79,7 +79,6 @@ def _add_common_args(parser: argparse.ArgumentParser, input_len: int, output_len
     work.add_argument("--input-len", type=int, default=input_len, help="prompt tokens")
     work.add_argument("--output-len", type=int, default=output_len, help="generated tokens")
     work.add_argument("--temperature", type=float, default=1.0, help="0 is greedy")
-    work.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     work.add_argument(
         "--memory-budget-gb", type=float, default=None, help="report sequences fitting this"
     )
@@ -145,15 +144,12 @@ def _load(args: argparse.Namespace, num_seqs: int) -> Any:
 
     `--seed` seeds both the random prompts and the engine's sampler.
     """
-    import torch
 
     from vllm_mamba import LLM
 
     for name in ("input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.max_num_seqs = min(args.max_num_seqs, num_seqs)
     engine_args.max_model_len = args.max_model_len or max(2048, args.input_len + args.output_len)

@@ -23,6 +23,7 @@ import torch
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.communication import broadcast
 from vllm_mamba.distributed.parallel_state import TensorParallel, init_tensor_parallel
+from vllm_mamba.engine.cpu_threads import default_threads, set_cpu_threads
 from vllm_mamba.executor.base import make_caches
 from vllm_mamba.kv_cache import KVCache
 from vllm_mamba.mamba_cache import MambaCache
@@ -49,6 +50,7 @@ class Worker:
         self, config: EngineConfig, tp: TensorParallel, init_method: str, device: torch.device
     ) -> None:
         if device.type == "cpu":
+            set_cpu_threads(config.cpu_threads or default_threads(config.ranks_per_machine()))
             flush_denormals()  # as the engine does for rank 0
         self.device = device
         self.config = config
