@@ -52,7 +52,7 @@ def test_request_that_can_never_fit_is_refused() -> None:
             runner.generate({"prompt_token_ids": prompts[5]}, SamplingParams(max_tokens=65))
         with pytest.raises(ValueError, match="KV cache"):  # 3 x 3 blocks > 8
             runner.generate({"prompt_token_ids": prompts[4]}, SamplingParams(n=3, max_tokens=10))
-        with pytest.raises(ValueError, match=r"max_model_len \(512\)"):
+        with pytest.raises(ValueError, match=r"maximum context length is 512 tokens"):
             runner.generate({"prompt_token_ids": prompts[3]}, SamplingParams(max_tokens=500))
         runner.assert_drained()
         again = runner.generate({"prompt_token_ids": prompts[3]}, greedy)

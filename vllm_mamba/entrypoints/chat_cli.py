@@ -2,49 +2,55 @@
 
 Each line typed is a user message; the reply streams as it is generated and joins the
 history, so the conversation carries on. `/reset` clears the history (keeping `--system`),
-`/exit` (or end of input) leaves. The prompt is rendered with the model's chat template, or
-`--chat-template`.
+`/exit` (or end of input, Ctrl-D) leaves. Ctrl-C during a reply stops it (the turn is dropped
+from the history) and the chat goes on; Ctrl-C at the prompt leaves. The prompt is rendered
+with the model's chat template, or `--chat-template`.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import signal
 import sys
+import threading
 from typing import Any, TextIO
 
 from vllm_mamba.engine.arg_utils import EngineArgs
+from vllm_mamba.entrypoints.cli_args import HelpFormatter, add_model_args
 from vllm_mamba.errors import STARTUP_ERRORS
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 EXAMPLES = """examples:
   vllm-mamba chat                                   # the shipped model, offline
   vllm-mamba chat vllm-mamba/tiny-stdlib --system "Helpers for paths." --max-tokens 64
-  vllm-mamba chat state-spaces/mamba-130m-hf --chat-template template.jinja
+  vllm-mamba chat --model state-spaces/mamba-130m-hf --chat-template template.jinja
 """
 PROMPT = "> "
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows defaults and keeps the examples' line breaks."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Registers `chat` and its arguments."""
     parser = subparsers.add_parser(
         "chat",
+        usage="%(prog)s [MODEL] [options]",
         help="chat with a model in the terminal",
-        description="An interactive chat: type a message, the reply streams; /reset, /exit.",
+        description="An interactive chat: type a message, the reply streams; /reset, /exit; "
+        "Ctrl-C stops a reply.",
         epilog=EXAMPLES,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="model dir or hub id")
-    parser.add_argument("--system", default=None, help="a system message to start with")
-    parser.add_argument("--chat-template", default=None, help="chat template, file or text")
-    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per reply")
-    parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
-    EngineArgs.add_cli_args(parser)
+    add_model_args(parser, DEFAULT_MODEL)
+    conversation = parser.add_argument_group("conversation")
+    conversation.add_argument("--system", default=None, help="a system message to start with")
+    conversation.add_argument(
+        "--chat-template", default=None, help="chat template, file or text (default: the model's)"
+    )
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=128, help="tokens per reply")
+    sampling.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
+    sampling.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    EngineArgs.add_cli_args(parser, skip=("model", "served_model_name"))
     parser.set_defaults(func=run, parser=parser)
 
 
@@ -80,12 +86,15 @@ class ChatSession:
         self._ids = itertools.count()
 
     def loop(self, stdin: TextIO, stdout: TextIO) -> None:
-        """Reads lines until `/exit` or end of input."""
+        """Reads lines until `/exit`, end of input or Ctrl-C at the prompt."""
         stdout.write("Type a message; /reset clears the history, /exit leaves.\n")
         while True:
             stdout.write(PROMPT)
             stdout.flush()
-            line = stdin.readline()
+            try:
+                line = stdin.readline()
+            except KeyboardInterrupt:
+                line = ""
             if not line or line.strip() in ("/exit", "/quit"):
                 stdout.write("\n")
                 return
@@ -97,7 +106,11 @@ class ChatSession:
                 self.reply(text, stdout)
 
     def reply(self, text: str, stdout: TextIO) -> str:
-        """Streams the reply to `text` onto `stdout` and adds both turns to the history."""
+        """Streams the reply to `text` onto `stdout` and adds both turns to the history.
+
+        Ctrl-C (SIGINT) while it streams aborts the request between two engine steps and
+        returns what came so far; that turn stays out of the history.
+        """
         turns = [*self.history, {"role": "user", "content": text}]
         engine = self.llm.llm_engine
         try:
@@ -109,12 +122,42 @@ class ChatSession:
             stdout.write(f"error: {err}\n")
             return ""
         printed = ""
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                reply = out.outputs[0].text
-                stdout.write(reply[len(printed) :])
-                stdout.flush()
-                printed = reply
+        with _SigintFlag() as interrupted:
+            while engine.has_unfinished_requests() and not interrupted:
+                for out in engine.step():
+                    reply = out.outputs[0].text
+                    stdout.write(reply[len(printed) :])
+                    stdout.flush()
+                    printed = reply
+        if interrupted:
+            engine.abort_request(request_id)
+            stdout.write("\n(interrupted)\n")
+            return printed
         stdout.write("\n")
         self.history = [*turns, {"role": "assistant", "content": printed}]
         return printed
+
+
+class _SigintFlag:
+    """While entered (on the main thread), SIGINT sets the flag instead of raising
+    `KeyboardInterrupt`, so that a reply stops between engine steps, never inside one; the
+    flag is truthy once set."""
+
+    def __init__(self) -> None:
+        self.set = False
+        self._previous: Any = None
+
+    def __bool__(self) -> bool:
+        return self.set
+
+    def __enter__(self) -> _SigintFlag:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self.set = True

@@ -12,16 +12,22 @@ import importlib
 import sys
 
 _SUBCOMMANDS = {
-    "serve": "vllm_mamba.entrypoints.openai.cli_serve",
-    "generate": "vllm_mamba.entrypoints.generate",
-    "bench": "vllm_mamba.entrypoints.bench",
-    "chat": "vllm_mamba.entrypoints.chat_cli",
-    "models": "vllm_mamba.entrypoints.models_cli",
+    "serve": ("vllm_mamba.entrypoints.openai.cli_serve", "start an OpenAI-compatible HTTP server"),
+    "generate": ("vllm_mamba.entrypoints.generate", "generate continuations of prompts"),
+    "bench": ("vllm_mamba.entrypoints.bench", "benchmark latency or throughput"),
+    "chat": ("vllm_mamba.entrypoints.chat_cli", "chat with a model in the terminal"),
+    "models": (
+        "vllm_mamba.entrypoints.models_cli",
+        "list the shipped models and the supported models in the hub cache",
+    ),
 }
+_ALL = object()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every available subcommand."""
+def build_parser(command: str | None | object = _ALL) -> argparse.ArgumentParser:
+    """The top-level parser. Every subcommand's module is imported only for the subcommand
+    being run (`command`; by default all of them): `vllm-mamba --help` and `--version` load
+    no engine (and no torch), the others show their name and one line."""
     from vllm_mamba import __version__
 
     parser = argparse.ArgumentParser(
@@ -30,27 +36,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"vllm-mamba {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(_SUBCOMMANDS) + "}")
-    for module_name in _SUBCOMMANDS.values():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        module.add_parser(sub)
+    for name, (module_name, summary) in _SUBCOMMANDS.items():
+        if command is _ALL or command == name:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            module.add_parser(sub)
+        else:
+            sub.add_parser(name, help=summary, add_help=False)
     return parser
 
 
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand `argv` runs: its first word that is not a flag (None: none)."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in _SUBCOMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script."""
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        # Report unknown flags with the usage of the subcommand they were given to.
-        owner = getattr(args, "parser", None) or parser
-        owner.error(f"unrecognized arguments: {' '.join(extra)}")
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    return int(args.func(args) or 0)
+    """Entry point of the console script (Ctrl-C exits with 130, without a traceback)."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        parser = build_parser(_command_of(argv))
+        args, extra = parser.parse_known_args(argv)
+        into = getattr(args, "more_positionals", None)
+        if into:  # words after a flag still belong to a nargs="*" positional (`generate`)
+            getattr(args, into).extend(a for a in extra if a == "-" or not a.startswith("-"))
+            extra = [a for a in extra if a != "-" and a.startswith("-")]
+        if extra:
+            # Report unknown flags with the usage of the subcommand they were given to.
+            owner = getattr(args, "parser", None) or parser
+            owner.error(f"unrecognized arguments: {' '.join(extra)}")
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ import argparse
 from typing import Any
 
 from vllm_mamba.engine.arg_utils import EngineArgs
+from vllm_mamba.entrypoints.cli_args import (  # noqa: F401 - HelpFormatter for api_server
+    HelpFormatter,
+    add_model_args,
+    require_model,
+)
 
 API_KEY_ENV = "VLLM_MAMBA_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
@@ -31,16 +36,6 @@ EXAMPLES = """examples:
   vllm-mamba serve state-spaces/mamba-130m-hf --dtype bfloat16 --api-key KEY
   vllm-mamba serve MODEL --chat-template template.jinja --max-num-seqs 64
 """
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows each flag's default, unless its help already explains it or there is none."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default is None or action.default is False:
-            return text
-        return super()._get_help_string(action)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -177,19 +172,21 @@ def _add_connection_args(net: Any) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from vllm_mamba.entrypoints.openai.api_server import run_server
 
+    require_model(args)
     return run_server(args)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Registers `serve MODEL` on the `vllm-mamba` command."""
+    """Registers `serve MODEL` (or `serve --model MODEL`) on the `vllm-mamba` command."""
     parser = subparsers.add_parser(
         "serve",
+        usage="%(prog)s [MODEL] [options]",
         help="start an OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API.",
         epilog=EXAMPLES,
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("model", help="a local Hugging Face model directory or a hub id")
+    add_model_args(parser, default=None)  # `serve MODEL` or `serve --model MODEL`
     add_server_args(parser)
     parser.set_defaults(func=_serve, parser=parser)
     return parser

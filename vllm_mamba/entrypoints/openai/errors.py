@@ -32,6 +32,7 @@ _LEADING_PARAMS = {
     "prompt_token_ids": "prompt",
     "stop_token_ids": "stop_token_ids",
     "messages": "messages",
+    "'max_tokens'": "max_tokens",  # the engine's (vLLM's) "'max_tokens' ... is too large"
 }
 
 
@@ -77,7 +78,7 @@ def error_from_value_error(err: ValueError) -> APIError:
     elif first in _LEADING_PARAMS:
         param = _LEADING_PARAMS[first]
     else:
-        param = "prompt" if "prompt" in message else None
+        param = "prompt" if "prompt" in message or "input tokens" in message else None
     return APIError(message, 400, param=param)
 
 
