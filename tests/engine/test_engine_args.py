@@ -36,6 +36,7 @@ NON_DEFAULTS: dict[str, tuple[Any, list[str]]] = {
     "max_num_seqs": (5, ["5"]),
     "max_num_batched_tokens": (33, ["33"]),
     "seed": (9, ["9"]),
+    "threads": (1, ["1"]),
     "generation_config": ("vllm", ["vllm"]),
     "block_size": (32, ["32"]),
     "kv_cache_memory_bytes": (2**20, [str(2**20)]),

@@ -26,6 +26,12 @@ from vllm_mamba.cache_specs import KVSpec
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.block_manager import BlockManager, blocks_for
+from vllm_mamba.engine.cpu_threads import (
+    ThreadGovernor,
+    available_cpus,
+    default_threads,
+    set_cpu_threads,
+)
 from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
 from vllm_mamba.engine.output_processor import OutputProcessor
 from vllm_mamba.engine.prefix_cache import PrefixCache
@@ -68,7 +74,13 @@ class LLMEngine:
         mc = config.model_config
         self.config = config
         self.tokenizer = tokenizer
+        self.cpu_threads = 0
+        self.thread_governor: ThreadGovernor | None = None
         if config.device.type == "cpu":
+            threads = config.cpu_threads or default_threads(config.ranks_per_machine())
+            self.cpu_threads = set_cpu_threads(threads)
+            if config.cpu_threads is None and threads > 1 and config.ranks_per_machine() == 1:
+                self.thread_governor = ThreadGovernor(threads, available_cpus())
             # Flush denormals to zero (as llama.cpp does): SSM states and activations that
             # decay toward zero otherwise slow every CPU kernel by an order of magnitude.
             flush_denormals()
@@ -219,7 +231,7 @@ class LLMEngine:
         mc = self.config.model_config
         per_seq = self.state_bytes_per_slot
         logger.info(
-            "Loaded %s (%s) in %.1f s: dtype %s, state dtype %s, device %s, kernels %s, "
+            "Loaded %s (%s) in %.1f s: dtype %s, state dtype %s, device %s%s, kernels %s, "
             "max_model_len %d, %d state slots x %.3f MiB = %.2f MiB of state, "
             "max_num_batched_tokens %d",
             mc.model,
@@ -228,6 +240,7 @@ class LLMEngine:
             str(mc.dtype).removeprefix("torch."),
             "/".join(str(d).removeprefix("torch.") for d in self.cache.state_dtypes()) or "-",
             self.config.device,
+            f" ({self.cpu_threads} threads)" if self.cpu_threads else "",
             self.kernels,
             mc.max_model_len,
             self.config.num_state_slots,
@@ -353,35 +366,45 @@ class LLMEngine:
         self.scheduler.add(group)
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        """The request's output budget: `max_tokens`, else what fits.
+        """The request's output budget: `max_tokens`, else what is left of `max_model_len`
+        after the prompt (on a hybrid model, also of the KV cache).
 
-        A hybrid model refuses a request that could never fit: prompt plus `max_tokens`
-        beyond `max_model_len`, or more KV blocks than the whole pool holds (each of the `n`
-        sequences may have to be recomputed on its own after a preemption, so all `n` count).
+        As vLLM, every model refuses a prompt that leaves no room for output (as long as
+        `max_model_len`) and a `max_tokens` beyond what the prompt leaves, with vLLM's
+        messages. A hybrid model also refuses a request whose `n` sequences need more KV
+        blocks than the whole pool holds (each may have to be recomputed on its own after a
+        preemption, so all `n` count).
 
         Raises:
-            ValueError: naming the limit.
+            ValueError: naming the limit (`'max_tokens' ...` when it is too large).
         """
         max_model_len = self.config.model_config.max_model_len
-        if self.kv_cache is None:
-            room = max_model_len - prompt_len
-            return params.max_tokens if params.max_tokens is not None else max(room, 1)
+        if prompt_len >= max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your request has {prompt_len} input tokens. Please reduce the length of the "
+                "input messages."
+            )
         max_tokens = params.max_tokens
         if max_tokens is None:
-            bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
-            max_tokens = max(min(max_model_len, num_blocks // params.n * bs) - prompt_len, 1)
-        return self._check_fits(prompt_len, max_tokens, params.n)
+            max_tokens = max_model_len - prompt_len
+            if self.kv_cache is not None:
+                bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
+                max_tokens = max(min(max_tokens, num_blocks // params.n * bs - prompt_len), 1)
+        elif prompt_len + max_tokens > max_model_len:
+            raise ValueError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {max_model_len} tokens and your request "
+                f"has {prompt_len} input tokens ({max_tokens} > {max_model_len} - {prompt_len})."
+            )
+        if self.kv_cache is not None:
+            self._check_fits(prompt_len, max_tokens, params.n)
+        return max_tokens
 
-    def _check_fits(self, prompt_len: int, max_tokens: int, n: int) -> int:
-        """`max_tokens` when `n` sequences of prompt plus `max_tokens` fit; else ValueError."""
+    def _check_fits(self, prompt_len: int, max_tokens: int, n: int) -> None:
+        """ValueError unless `n` sequences of prompt plus `max_tokens` fit the KV cache."""
         assert self.kv_cache is not None
         total = prompt_len + max_tokens
-        max_model_len = self.config.model_config.max_model_len
-        if total > max_model_len:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
-                f"more than max_model_len ({max_model_len})"
-            )
         bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
         need = n * blocks_for(total, bs)
         if need > num_blocks:
@@ -391,7 +414,6 @@ class LLMEngine:
                 f"({num_blocks} blocks, {num_blocks * bs} tokens); raise "
                 f"kv_cache_memory_bytes or num_gpu_blocks_override, or lower max_tokens"
             )
-        return max_tokens
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Aborts requests (unknown ids are ignored) and frees their slots."""
@@ -432,6 +454,8 @@ class LLMEngine:
         self.stats.preemptions += self.scheduler.num_preemptions - preempted
         if not step.scheduled:
             return []
+        if self.thread_governor is not None:  # fewer threads while other processes hold CPUs
+            self.cpu_threads = self.thread_governor.maybe_adjust()
         ran = False
         try:
             outputs = self._run_step(step)
