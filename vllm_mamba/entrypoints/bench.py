@@ -1,4 +1,4 @@
-"""`vllm-mamba bench latency|throughput`: offline benchmarks with vLLM's meaning.
+"""`vllm-mamba bench latency|throughput|serve`: benchmarks with vLLM's meaning.
 
 - `latency`: one batch of `--batch-size` prompts of `--input-len` tokens, each generating
   exactly `--output-len` tokens; the end-to-end seconds of `LLM.generate` per iteration over
@@ -9,6 +9,8 @@
 Prompts are random token ids and every request ignores EOS, so lengths are exact. Both also
 report memory: the state bytes one sequence holds, the weight bytes, the peak resident memory
 of the process and, with `--memory-budget-gb`, how many sequences fit that budget.
+
+`serve` (online, against a running server) lives in `bench_serve.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from typing import Any
 
 from vllm_mamba.engine.arg_utils import EngineArgs
+from vllm_mamba.entrypoints import bench_serve
 from vllm_mamba.errors import STARTUP_ERRORS
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
@@ -30,6 +33,8 @@ EXAMPLES = """examples (the shipped model, offline):
   vllm-mamba bench latency --batch-size 1 --input-len 16 --output-len 64
   vllm-mamba bench throughput --num-prompts 64 --threads 2
   vllm-mamba bench latency --dtype bfloat16 --memory-budget-gb 4 --output-json lat.json
+a running server (vllm-mamba, vLLM or llama-server):
+  vllm-mamba bench serve --port 8000 --num-prompts 100 --request-rate 4 --save-result
 a mamba-130m-shaped model with random weights (see benchmarks/README.md):
   python benchmarks/make_model.py /tmp/mamba-130m-random
   vllm-mamba bench throughput --model /tmp/mamba-130m-random --num-prompts 64 --threads 2
@@ -49,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=_HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="bench_command", metavar="{latency,throughput}")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{latency,throughput,serve}")
     latency = sub.add_parser(
         "latency",
         help="seconds per batch, end to end",
@@ -70,6 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_common_args(throughput, input_len=128, output_len=128)
     throughput.add_argument("--num-prompts", type=int, default=64, help="requests in all")
     throughput.set_defaults(func=run_throughput)
+    bench_serve.add_parser(sub)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
 
