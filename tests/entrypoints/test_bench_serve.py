@@ -154,7 +154,6 @@ def _plot(*args: str) -> None:
 
 
 def test_plot_serve_and_throughput(tmp_path):
-    pytest.importorskip("matplotlib")
     files = []
     for system, scale in (("engine", 1.0), ("vllm", 1.5)):
         for rate in (1, 2, 4):
