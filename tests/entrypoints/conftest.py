@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -53,13 +54,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
+def _wait_healthy(proc: subprocess.Popen, url: str, verify: ssl.SSLContext | bool = True) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -85,9 +86,14 @@ def greedy_completions(url: str, prompts: list[str], max_tokens: int) -> list[st
 
 
 @contextlib.contextmanager
-def launch_server(*extra_args: str, model_dir: str | None = None) -> Iterator[RunningServer]:
+def launch_server(
+    *extra_args: str, model_dir: str | None = None, https_ca: str | None = None
+) -> Iterator[RunningServer]:
     """Runs a server on a tiny model (default: the "tied" Mamba) with `extra_args` added to
-    the default flags; on exit, SIGTERM must stop it cleanly and free the port."""
+    the default flags; on exit, SIGTERM must stop it cleanly and free the port.
+
+    `https_ca`: the server serves https (`extra_args` hold its TLS flags); its certificate
+    verifies with this CA file, and the url is `https://`."""
     model_dir = model_dir or tiny_model_dir("tied")
     port = free_port()
     cmd = [
@@ -112,9 +118,9 @@ def launch_server(*extra_args: str, model_dir: str | None = None) -> Iterator[Ru
     ]
     env = {**os.environ, "VLLM_MAMBA_API_KEY": API_KEY}
     proc = subprocess.Popen(cmd, env=env)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if https_ca else 'http'}://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url)
+        _wait_healthy(proc, url, ssl.create_default_context(cafile=https_ca) if https_ca else True)
         yield RunningServer(proc, url, model_dir)
     finally:
         proc.send_signal(signal.SIGTERM)
