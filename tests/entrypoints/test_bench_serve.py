@@ -8,24 +8,17 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, MODEL_NAME, RunningServer, free_port, launch_server
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, free_port
 from vllm_mamba.entrypoints import bench_serve
 from vllm_mamba.entrypoints.bench_serve import RequestOutput
 from vllm_mamba.entrypoints.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM, OUT_LEN = 8, 8
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    with launch_server() as running:
-        yield running
 
 
 def _bench(tmp_path, url: str, model_dir: str, *extra: str) -> dict:
