@@ -24,6 +24,7 @@ from typing import Any
 
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.entrypoints import bench_serve
+from vllm_mamba.entrypoints.cli_args import HelpFormatter, add_model_args
 from vllm_mamba.errors import STARTUP_ERRORS
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
@@ -41,10 +42,6 @@ a mamba-130m-shaped model with random weights (see benchmarks/README.md):
 """
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows defaults and keeps the examples' line breaks."""
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Registers `bench` with its `latency` and `throughput` subcommands."""
     parser = subparsers.add_parser(
@@ -52,14 +49,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="benchmark latency or throughput",
         description="Offline latency and throughput benchmarks (vLLM's meaning).",
         epilog=EXAMPLES,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     sub = parser.add_subparsers(dest="bench_command", metavar="{latency,throughput,serve}")
     latency = sub.add_parser(
         "latency",
         help="seconds per batch, end to end",
         description="End-to-end seconds of one batch: prefill plus every decode step.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     _add_common_args(latency, input_len=32, output_len=128)
     latency.add_argument("--batch-size", type=int, default=8, help="prompts in the batch")
@@ -70,7 +67,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "throughput",
         help="requests/s and tokens/s of many requests",
         description="Requests/s and tokens/s of many requests through one LLM.generate call.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     _add_common_args(throughput, input_len=128, output_len=128)
     throughput.add_argument("--num-prompts", type=int, default=64, help="requests in all")
@@ -80,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_common_args(parser: argparse.ArgumentParser, input_len: int, output_len: int) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model dir, hub id or shipped name")
+    add_model_args(parser, DEFAULT_MODEL)
     work = parser.add_argument_group("workload")
     work.add_argument("--input-len", type=int, default=input_len, help="prompt tokens")
     work.add_argument("--output-len", type=int, default=output_len, help="generated tokens")
@@ -91,7 +88,7 @@ def _add_common_args(parser: argparse.ArgumentParser, input_len: int, output_len
     work.add_argument(
         "--output-json", "--json", dest="output_json", default=None, help="write results here"
     )
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, skip=("model", "served_model_name"))
     parser.set_defaults(parser=parser)
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from vllm_mamba.entrypoints.cli_args import HelpFormatter
+
 DEFAULT_ENDPOINT = "/v1/completions"
 CHAT_ENDPOINT = "/v1/chat/completions"
 BACKENDS = ("openai", "openai-chat")
@@ -58,15 +60,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="latency and throughput of a running OpenAI-compatible server",
         description="Online serving benchmark against a running server (vLLM's meaning).",
         epilog=EXAMPLES,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_cli_args(parser)
     parser.set_defaults(func=run, parser=parser)
     return parser
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows defaults and keeps the examples' line breaks."""
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
