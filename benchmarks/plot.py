@@ -86,7 +86,8 @@ def plot_serve(systems: dict[str, list[dict]], out: str, title: str | None = Non
 
 def load_throughput(path: str) -> dict[str, dict[str, float]]:
     """`{system: {workload: tokens/s}}` from compare.py's JSON or `system, workload,
-    tokens_per_s` rows (CSV with a header, or a JSON list of objects)."""
+    tokens_per_s` rows (CSV with a header, a JSON list of objects, or such a list under
+    `"rows"` as in `benchmarks/results/current.json`)."""
     if path.endswith(".csv"):
         with open(path, newline="") as f:
             rows: list[dict] = list(csv.DictReader(f))
@@ -98,35 +99,47 @@ def load_throughput(path: str) -> dict[str, dict[str, float]]:
                 system: {w: statistics.median(v) for w, v in workloads.items() if v}
                 for system, workloads in data["samples"].items()
             }
-        rows = data
+        rows = data["rows"] if isinstance(data, dict) and "rows" in data else data
     table: dict[str, dict[str, float]] = defaultdict(dict)
     for row in rows:
         table[str(row["system"]).strip()][str(row["workload"]).strip()] = float(row["tokens_per_s"])
     return dict(table)
 
 
-def plot_throughput(table: dict[str, dict[str, float]], out: str, title: str | None) -> None:
-    """Grouped bars: one group per workload, one bar per system."""
+def plot_throughput(
+    table: dict[str, dict[str, float]],
+    out: str,
+    title: str | None,
+    match: str | None = None,
+    log: bool = False,
+) -> None:
+    """Grouped horizontal bars: one group per workload (those containing `match`), one bar
+    per system, tokens/s on the x axis (logarithmic with `log`)."""
     plt = _pyplot()
     workloads: list[str] = []
     for per_system in table.values():
-        workloads += [w for w in per_system if w not in workloads]
-    systems = list(table)
-    width = 0.8 / max(len(systems), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(workloads) * max(1, len(systems) / 2)), 4.5))
+        workloads += [w for w in per_system if w not in workloads and (not match or match in w)]
+    if not workloads:
+        raise ValueError(f"no workload matches {match!r}")
+    systems = [s for s in table if any(w in table[s] for w in workloads)]
+    height = 0.8 / max(len(systems), 1)
+    fig, ax = plt.subplots(figsize=(9.0, 1.0 + 0.22 * len(workloads) * max(len(systems), 2)))
     for i, system in enumerate(systems):
-        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(workloads))]
-        ys = [table[system].get(w, 0.0) for w in workloads]
-        bars = ax.bar(xs, ys, width, label=system, color=f"C{i}")
-        ax.bar_label(bars, labels=[f"{y:.0f}" if y else "" for y in ys], fontsize=7)
-    ax.set_xticks(range(len(workloads)), workloads)
-    ax.set_ylabel("tokens/s")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend()
+        ys = [j + (i - (len(systems) - 1) / 2) * height for j in range(len(workloads))]
+        xs = [table[system].get(w, 0.0) for w in workloads]
+        bars = ax.barh(ys, xs, height, label=system, color=f"C{i}")
+        ax.bar_label(bars, labels=[f"{x:.0f}" if x else "" for x in xs], fontsize=7, padding=2)
+    ax.set_yticks(range(len(workloads)), workloads, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s" + (" (log scale)" if log else ""))
+    if log:
+        ax.set_xscale("log")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(loc="lower right")
     if title:
         ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=110)
     plt.close(fig)
 
 
@@ -142,12 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     tput.add_argument("file", help="compare.py --json output, or system,workload,tokens_per_s")
     tput.add_argument("-o", "--output", default="throughput.png")
     tput.add_argument("--title", default=None)
+    tput.add_argument("--match", default=None, help="only workloads containing this text")
+    tput.add_argument("--log", action="store_true", help="logarithmic tokens/s axis")
     args = parser.parse_args(argv)
     try:
         if args.kind == "serve":
             plot_serve(load_serve_results(args.results, args.labels), args.output, args.title)
         else:
-            plot_throughput(load_throughput(args.file), args.output, args.title)
+            table = load_throughput(args.file)
+            plot_throughput(table, args.output, args.title, args.match, args.log)
     except (OSError, ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
