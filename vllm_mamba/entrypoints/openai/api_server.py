@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP server: the FastAPI app (routes, auth, error shape, engine
-lifespan) and running it with uvicorn.
+"""The OpenAI-compatible HTTP server: the FastAPI app (routes, auth, CORS, error shape, engine
+lifespan) and running it with uvicorn (over https with the TLS flags).
 
 Run it with `vllm-mamba serve MODEL` or `python -m vllm_mamba.entrypoints.openai.api_server
 --model MODEL`. On SIGINT or SIGTERM uvicorn stops accepting connections and lets in-flight
@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import socket
+import ssl
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
@@ -50,6 +52,7 @@ from vllm_mamba.entrypoints.openai.serving_chat import ChatParsers, OpenAIServin
 from vllm_mamba.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm_mamba.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm_mamba.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from vllm_mamba.entrypoints.openai.web_ui import add_web_ui
 from vllm_mamba.errors import STARTUP_ERRORS
 from vllm_mamba.logger import configure_logging
 
@@ -93,6 +96,15 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     app.add_middleware(BodySizeLimit, max_bytes=args.max_request_bytes)
+    # Added last, so outermost (vLLM's CORS): a preflight OPTIONS is answered without the API
+    # key, and the 401s and 413s of the middleware inside carry the CORS headers too.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=getattr(args, "allowed_origins", ["*"]),  # the flags' defaults
+        allow_credentials=getattr(args, "allow_credentials", False),
+        allow_methods=getattr(args, "allowed_methods", ["*"]),
+        allow_headers=getattr(args, "allowed_headers", ["*"]),
+    )
 
     @app.get("/health")
     async def health() -> Response:
@@ -148,6 +160,8 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     async def tokenizer_info() -> JSONResponse:
         return JSONResponse(tokenization.info())
 
+    if not getattr(args, "disable_web_ui", False):  # a Namespace built by hand may lack it
+        add_web_ui(app)
     return app
 
 
@@ -252,6 +266,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 def _load_server(args: argparse.Namespace, sock: socket.socket) -> GracefulServer:
     """Loads the engine and builds the app and the uvicorn server around it."""
+    tls = tls_options(args)  # checked before the model loads
     engine_args = EngineArgs.from_cli_args(args)
     holder: list[GracefulServer] = []
 
@@ -270,7 +285,8 @@ def _load_server(args: argparse.Namespace, sock: socket.socket) -> GracefulServe
     )
     app = build_app(engine, args)
     host, port = sock.getsockname()[:2]
-    logger.info("Serving %s on http://%s:%d", engine_args.model, host, port)
+    scheme = "https" if tls else "http"
+    logger.info("Serving %s on %s://%s:%d", engine_args.model, scheme, host, port)
     config = uvicorn.Config(
         app,
         log_config=None,
@@ -278,9 +294,42 @@ def _load_server(args: argparse.Namespace, sock: socket.socket) -> GracefulServe
         timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S) + 5,
         timeout_keep_alive=args.timeout_keep_alive,
         http=deadline_protocol(args.header_timeout, args.body_timeout, args.max_connections),
+        **tls,
     )
     holder.append(GracefulServer(config, engine))
     return holder[0]
+
+
+def tls_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's `ssl_*` settings from the TLS flags (empty: plain http); the key and the
+    certificates are loaded once here, so a bad file fails at startup, not on `run`.
+
+    Raises:
+        ValueError: only one of --ssl-keyfile / --ssl-certfile, client-certificate flags
+            without TLS, or files that do not load.
+    """
+    keyfile, certfile = args.ssl_keyfile, args.ssl_certfile
+    if bool(keyfile) != bool(certfile):
+        given, missing = ("--ssl-keyfile", "--ssl-certfile")[:: 1 if keyfile else -1]
+        raise ValueError(f"{given} needs {missing}: https takes both a key and a certificate")
+    if not keyfile:
+        if args.ssl_ca_certs or args.ssl_cert_reqs != ssl.CERT_NONE:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile/--ssl-certfile")
+        return {}
+    options: dict[str, Any] = {
+        "ssl_keyfile": keyfile,
+        "ssl_certfile": certfile,
+        "ssl_ca_certs": args.ssl_ca_certs,
+        "ssl_cert_reqs": args.ssl_cert_reqs,
+    }
+    try:  # what uvicorn's Config.load() does with them
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(certfile, keyfile)
+        if args.ssl_ca_certs:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as err:  # a missing file, or not a PEM key/certificate
+        raise ValueError(f"TLS: cannot load the key, certificate or CA file: {err}") from None
+    return options
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

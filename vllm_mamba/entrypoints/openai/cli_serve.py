@@ -8,6 +8,8 @@ imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import json
+import ssl
 from typing import Any
 
 from vllm_mamba.engine.arg_utils import EngineArgs
@@ -84,10 +86,73 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="largest request body accepted; larger ones get HTTP 413",
     )
+    net.add_argument(
+        "--disable-web-ui",
+        action="store_true",
+        help="do not serve the web chat page at / (then / is a 404)",
+    )
     _add_connection_args(net)
+    _add_tls_cors_args(parser)
     _add_parser_args(parser)
     EngineArgs.add_cli_args(parser)
     return parser
+
+
+def json_str_list(text: str) -> list[str]:
+    """An argparse type: a JSON list of strings, such as `'["https://app.example"]'`."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"not JSON ({err.msg}): give a JSON list of strings, e.g. '[\"*\"]'"
+        ) from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings")
+    return value
+
+
+def _add_tls_cors_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's TLS (uvicorn's ssl_* settings) and CORS (Starlette's CORSMiddleware) flags."""
+    tls = parser.add_argument_group("TLS")
+    tls.add_argument("--ssl-keyfile", default=None, help="serve https: the private key (PEM)")
+    tls.add_argument(
+        "--ssl-certfile", default=None, help="serve https: the certificate chain (PEM)"
+    )
+    tls.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates that verify client certificates"
+    )
+    tls.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=int(ssl.CERT_NONE),
+        choices=(int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED)),
+        help="client certificates: 0 not asked for (the default), 1 optional, 2 required "
+        "(Python's ssl.CERT_*)",
+    )
+    cors = parser.add_argument_group("CORS")
+    cors.add_argument(
+        "--allowed-origins",
+        type=json_str_list,
+        default=["*"],
+        help="origins browsers may call from, a JSON list (default: '[\"*\"]')",
+    )
+    cors.add_argument(
+        "--allowed-methods",
+        type=json_str_list,
+        default=["*"],
+        help="methods allowed cross-origin, a JSON list (default: '[\"*\"]')",
+    )
+    cors.add_argument(
+        "--allowed-headers",
+        type=json_str_list,
+        default=["*"],
+        help="request headers allowed cross-origin, a JSON list (default: '[\"*\"]')",
+    )
+    cors.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="allow cross-origin requests with credentials (cookies, Authorization)",
+    )
 
 
 def _add_parser_args(parser: argparse.ArgumentParser) -> None:
