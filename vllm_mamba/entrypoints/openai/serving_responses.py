@@ -275,6 +275,10 @@ class _EventWriter:
     def error(self, message: str, status: int) -> str:
         return self.event("error", code=str(status), message=message, param=None)
 
+    def on_item(self, kind: str, item: dict[str, Any], index: int, **fields: Any) -> str:
+        """An event about output item `item` at `index`."""
+        return self.event(kind, item_id=item["id"], output_index=index, **fields)
+
     def piece(self, piece: StreamPiece, reasoning: list[str]) -> list[str]:
         """The events of one stream piece."""
         out: list[str] = []
@@ -285,32 +289,25 @@ class _EventWriter:
             out += self._text("message", piece.content)
         for call in piece.tool_calls:
             out += self.close("completed")
-            item = function_call_item(
-                new_id("fc"), call.id or new_id("call"), call.function.name or "", "", "in_progress"
-            )
-            index = len(self.items)
-            arguments = call.function.arguments or ""
-            out.append(self.event("response.output_item.added", output_index=index, item=item))
-            out.append(
-                self.event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=index,
-                    delta=arguments,
-                )
-            )
-            out.append(
-                self.event(
+            name, arguments = call.function.name or "", call.function.arguments or ""
+            call_id, index = call.id or new_id("call"), len(self.items)
+            item = function_call_item(new_id("fc"), call_id, name, "", "in_progress")
+            done = {**item, "arguments": arguments, "status": "completed"}
+            self.items.append(done)
+            out += [
+                self.event("response.output_item.added", output_index=index, item=item),
+                self.on_item(
+                    "response.function_call_arguments.delta", item, index, delta=arguments
+                ),
+                self.on_item(
                     "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
+                    item,
+                    index,
                     arguments=arguments,
-                    name=item["name"],
-                )
-            )
-            item = {**item, "arguments": arguments, "status": "completed"}
-            self.items.append(item)
-            out.append(self.event("response.output_item.done", output_index=index, item=item))
+                    name=name,
+                ),
+                self.event("response.output_item.done", output_index=index, item=done),
+            ]
         return out
 
     def _text(self, kind: str, delta: str) -> list[str]:
@@ -322,45 +319,26 @@ class _EventWriter:
         assert self.open is not None
         self.text.append(delta)
         index = len(self.items)
-        name = "response.reasoning_text.delta" if kind == "reasoning" else None
-        if name is not None:
-            out.append(
-                self.event(
-                    name, item_id=self.open["id"], output_index=index, content_index=0, delta=delta
-                )
-            )
+        if kind == "reasoning":
+            name, extra = "response.reasoning_text.delta", {}
         else:
-            out.append(
-                self.event(
-                    "response.output_text.delta",
-                    item_id=self.open["id"],
-                    output_index=index,
-                    content_index=0,
-                    delta=delta,
-                    logprobs=[],
-                )
-            )
+            name, extra = "response.output_text.delta", {"logprobs": []}
+        out.append(self.on_item(name, self.open, index, content_index=0, delta=delta, **extra))
         return out
 
     def _open(self, kind: str) -> list[str]:
         index = len(self.items)
         if kind == "reasoning":
             self.open = reasoning_item(new_id("rs"), "", "in_progress")
-            added = self.event("response.output_item.added", output_index=index, item=self.open)
-            part = {"type": "reasoning_text", "text": ""}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
         else:
             self.open = message_item(new_id("msg"), None, "in_progress")
-            added = self.event("response.output_item.added", output_index=index, item=self.open)
             part = output_text_part("")
         self.text = []
         return [
-            added,
-            self.event(
-                "response.content_part.added",
-                item_id=self.open["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
+            self.event("response.output_item.added", output_index=index, item=self.open),
+            self.on_item(
+                "response.content_part.added", self.open, index, content_index=0, part=part
             ),
         ]
 
@@ -371,35 +349,16 @@ class _EventWriter:
         item, text, index = self.open, "".join(self.text), len(self.items)
         self.open = None
         if item["type"] == "reasoning":
-            done = self.event(
-                "response.reasoning_text.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                text=text,
-            )
-            part = {"type": "reasoning_text", "text": text}
+            name, extra = "response.reasoning_text.done", {}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": text}
             final = reasoning_item(item["id"], text, status)
         else:
-            done = self.event(
-                "response.output_text.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                text=text,
-                logprobs=[],
-            )
+            name, extra = "response.output_text.done", {"logprobs": []}
             part = output_text_part(text)
             final = message_item(item["id"], text, status)
         self.items.append(final)
         return [
-            done,
-            self.event(
-                "response.content_part.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
-            ),
+            self.on_item(name, item, index, content_index=0, text=text, **extra),
+            self.on_item("response.content_part.done", item, index, content_index=0, part=part),
             self.event("response.output_item.done", output_index=index, item=final),
         ]
