@@ -254,3 +254,23 @@ def test_llm_chat_renders_tools_and_kwargs_as_transformers_and_caches_message_en
     assert second.num_cached_tokens >= len(tokenizer.encode(system)) - 1
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         llm.chat(messages, params, chat_template=TOOLS_TEMPLATE, chat_template_kwargs={"tools": 1})
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, prompt, waits",
+    [
+        ("qwen3", None, "<|im_start|>assistant\n<think>\n", True),  # opened by the template
+        ("qwen3", None, "<|im_start|>assistant\n", True),  # the model may open it
+        ("qwen3", {"enable_thinking": False}, "<|im_start|>assistant\n", False),
+        ("qwen3", None, "<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
+        ("deepseek_r1", {"enable_thinking": False}, "<|Assistant|>", True),  # R1 ignores it
+        ("nemotron_v3", {"enable_thinking": False}, "<SPECIAL_11>Assistant\n", False),
+        ("granite", None, "<|start_of_role|>assistant<|end_of_role|>", False),
+        ("granite", {"thinking": True}, "<|start_of_role|>assistant<|end_of_role|>", True),
+    ],
+)
+def test_grammars_wait_for_the_end_of_reasoning_only_when_it_may_come(
+    name: str, kwargs: dict | None, prompt: str, waits: bool
+) -> None:
+    parser = ReasoningParserManager.get(name)(kwargs)
+    assert parser.waits_for_end(prompt, parser.starts_in_reasoning(prompt)) is waits

@@ -99,11 +99,25 @@ class OutputParsing:
             content = found.content
             calls = [_tool_call(c.name, c.arguments) for c in found.calls]
         elif self.tool_mode in ("required", "named"):
-            calls = self._forced_calls(content or "", finish_reason)
+            calls = self.forced_calls(content or "", finish_reason)
             content = None
-        return ParsedChoice(reasoning, content, calls, _finish_reason(self, calls, finish_reason))
+        return ParsedChoice(
+            reasoning, content, calls, self.finish_reason(bool(calls), finish_reason)
+        )
 
-    def _forced_calls(self, text: str, finish_reason: str | None) -> list[ToolCall]:
+    def finish_reason(self, made_calls: bool, finish_reason: str | None) -> str | None:
+        """`tool_calls` when a stopped choice made calls with "auto" or "required" (vLLM; a
+        named choice keeps `stop`)."""
+        if made_calls and finish_reason == "stop" and self.tool_mode in ("auto", "required"):
+            return "tool_calls"
+        return finish_reason
+
+    def forced_calls(self, text: str, finish_reason: str | None) -> list[ToolCall]:
+        """The calls of a required or named choice's answer.
+
+        Raises:
+            ToolOutputError: the answer is not a complete call.
+        """
         choice: Any = self.named if self.tool_mode == "named" else "required"
         calls = parse_tool_calls(text, choice)
         if calls is not None:
@@ -158,17 +172,16 @@ class ChoiceStream:
         if self.tools is not None:
             rest = self.tools.finish()
             piece.content += rest.content
-            piece.tool_calls += self._calls([(c.name, c.arguments) for _, c in rest.calls])
+            piece.tool_calls += self._send([_tool_call(c.name, c.arguments) for _, c in rest.calls])
         if self.forced is not None:
-            calls = self.parsing._forced_calls("".join(self.forced), finish_reason)
-            piece.tool_calls += self._calls(
-                [(c.function.name, c.function.arguments) for c in calls], calls
+            piece.tool_calls += self._send(
+                self.parsing.forced_calls("".join(self.forced), finish_reason)
             )
         return piece
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
         """The finish reason to report (`tool_calls` once calls were sent)."""
-        return _finish_reason(self.parsing, [None] * self.num_calls, finish_reason)
+        return self.parsing.finish_reason(self.num_calls > 0, finish_reason)
 
     def _answer(self, thought: str, answer: str) -> StreamPiece:
         piece = StreamPiece(reasoning=thought if self.parsing.include_reasoning else "")
@@ -179,31 +192,16 @@ class ChoiceStream:
         elif self.tools is not None:
             out = self.tools.feed(answer)
             piece.content = out.content
-            piece.tool_calls = self._calls([(c.name, c.arguments) for _, c in out.calls])
+            piece.tool_calls = self._send([_tool_call(c.name, c.arguments) for _, c in out.calls])
         else:
             piece.content = answer
         return piece
 
-    def _calls(
-        self, calls: list[tuple[str, str]], made: list[ToolCall] | None = None
-    ) -> list[DeltaToolCall]:
-        out = []
-        for i, (name, arguments) in enumerate(calls):
-            call = made[i] if made is not None else _tool_call(name, arguments)
-            out.append(DeltaToolCall.whole(self.num_calls, call))
-            self.num_calls += 1
-        return out
+    def _send(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
+        """Stream pieces of whole calls, numbered after those already sent."""
+        start, self.num_calls = self.num_calls, self.num_calls + len(calls)
+        return [DeltaToolCall.whole(start + i, call) for i, call in enumerate(calls)]
 
 
 def _tool_call(name: str, arguments: str) -> ToolCall:
     return ToolCall(function=FunctionCall(name=name, arguments=arguments))
-
-
-def _finish_reason(
-    parsing: OutputParsing, calls: list[Any], finish_reason: str | None
-) -> str | None:
-    """`tool_calls` when a stopped choice made calls with "auto" or "required" (vLLM; a named
-    choice keeps `stop`)."""
-    if calls and finish_reason == "stop" and parsing.tool_mode in ("auto", "required"):
-        return "tool_calls"
-    return finish_reason

@@ -260,8 +260,10 @@ class OpenAIServingChat:
         )
         assert prompt is not None
         parsing = self._parsing(req, mode, text)
-        if source is not None and parsing.reasoning is not None and self._defer(req, parsing, text):
-            source.params.start_after = parsing.reasoning.end_marker
+        reasoning = parsing.reasoning
+        if source is not None and reasoning is not None:
+            if reasoning.waits_for_end(text, parsing.in_reasoning):
+                source.params.start_after = reasoning.end_marker
         if (parsing.reasoning is not None and parsing.reasoning.needs_special_tokens) or (
             parsing.tool_parser is not None and parsing.tool_parser.needs_special_tokens
         ):
@@ -289,20 +291,6 @@ class OpenAIServingChat:
         if isinstance(req.tool_choice, NamedToolChoice):
             parsing.named = req.tool_choice
         return parsing
-
-    @staticmethod
-    def _defer(req: ChatCompletionRequest, parsing: OutputParsing, prompt: str) -> bool:
-        """True when a grammar must wait for the reasoning to end: the output starts inside
-        it, or may open it (thinking is not switched off and the prompt has not closed it)."""
-        assert parsing.reasoning is not None
-        if parsing.in_reasoning:
-            return True
-        kwargs = req.chat_template_kwargs or {}
-        if kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False:
-            return False
-        if parsing.reasoning.name == "granite" and not kwargs.get("thinking"):
-            return False
-        return not prompt.rstrip().endswith(parsing.reasoning.end_marker)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """Runs a chat request and answers it (a stream when `req.stream`)."""

@@ -57,6 +57,19 @@ class ReasoningParser(ABC):
     def __init__(self, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.chat_template_kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
 
+    @property
+    def thinking_enabled(self) -> bool:
+        """Whether the request lets the model reason: False only for `enable_thinking:
+        false` (the templates test `is false`)."""
+        return self.chat_template_kwargs.get("enable_thinking") is not False
+
+    def waits_for_end(self, prompt: str, in_reasoning: bool) -> bool:
+        """Whether a grammar must wait for `end_marker`: the output starts inside the
+        reasoning, or may open it (thinking is on and the prompt has not closed it)."""
+        return in_reasoning or (
+            self.thinking_enabled and not prompt.rstrip().endswith(self.end_marker)
+        )
+
     @abstractmethod
     def starts_in_reasoning(self, prompt: str) -> bool:
         """Whether the generated text begins inside the reasoning part, given the

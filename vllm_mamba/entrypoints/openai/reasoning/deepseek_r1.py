@@ -24,5 +24,10 @@ class DeepSeekR1ReasoningParser(MarkerParser):
     end_marker: ClassVar[str] = "</think>"
     start_markers: ClassVar[tuple[str, ...]] = ("<think>",)
 
+    @property
+    def thinking_enabled(self) -> bool:
+        """Always: R1 ignores `enable_thinking` (as vLLM's parser)."""
+        return True
+
     def starts_in_reasoning(self, prompt: str) -> bool:
         return not prompt.rstrip().endswith(self.end_marker)

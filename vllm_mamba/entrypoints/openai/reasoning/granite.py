@@ -35,10 +35,13 @@ class GraniteReasoningParser(MarkerParser):
     end_marker: ClassVar[str] = RESPONSE_STARTS[0]
     start_markers: ClassVar[tuple[str, ...]] = THINK_STARTS
 
+    @property
+    def thinking_enabled(self) -> bool:
+        """Granite thinks only with `thinking: true` in the chat template kwargs."""
+        return bool(self.chat_template_kwargs.get("thinking"))
+
     def starts_in_reasoning(self, prompt: str) -> bool:
-        if not self.chat_template_kwargs.get("thinking"):
-            return False
-        return prompt.rstrip().endswith(THINK_STARTS)
+        return self.thinking_enabled and prompt.rstrip().endswith(THINK_STARTS)
 
     def boundaries(self) -> tuple[Boundary, ...]:
         return (Markers(*RESPONSE_STARTS),)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from vllm_mamba.entrypoints.openai.reasoning.base import ReasoningParserManager
+from vllm_mamba.entrypoints.openai.reasoning.base import ReasoningParser, ReasoningParserManager
 from vllm_mamba.entrypoints.openai.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
 
 
@@ -23,7 +23,7 @@ class NemotronV3ReasoningParser(DeepSeekR1ReasoningParser):
 
     needs_special_tokens: ClassVar[bool] = True
 
+    thinking_enabled = ReasoningParser.thinking_enabled  # honours `enable_thinking`
+
     def starts_in_reasoning(self, prompt: str) -> bool:
-        if self.chat_template_kwargs.get("enable_thinking") is False:
-            return False
-        return super().starts_in_reasoning(prompt)
+        return self.thinking_enabled and super().starts_in_reasoning(prompt)

@@ -80,11 +80,6 @@ class Qwen3ReasoningParser(MarkerParser):
     end_marker: ClassVar[str] = "</think>"
     start_markers: ClassVar[tuple[str, ...]] = ("<think>",)
 
-    @property
-    def thinking_enabled(self) -> bool:
-        """False only for `enable_thinking: false` (the templates test `is false`)."""
-        return self.chat_template_kwargs.get("enable_thinking") is not False
-
     def starts_in_reasoning(self, prompt: str) -> bool:
         return self.thinking_enabled and prompt.rstrip().endswith("<think>")
 
