@@ -64,9 +64,11 @@ class ResponseStore:
         )
         self._bytes = 0
 
-    def put(self, response_id: str, messages: list[dict[str, Any]], body: dict[str, Any]) -> None:
-        """Keeps a response and the conversation that continues from it."""
-        size = stored_size(messages, body)
+    def put(
+        self, response_id: str, messages: list[dict[str, Any]], body: dict[str, Any], size: int
+    ) -> None:
+        """Keeps a response and the conversation that continues from it (`size`: their
+        bytes, `stored_size`)."""
         if size > self.max_bytes:
             return
         self._items[response_id] = (messages, body, size)
@@ -136,7 +138,7 @@ class OpenAIServingResponses:
         items = output_items(parsed, status)
         usage = await self._usage(final, parsed.reasoning)
         body = response_object(req, response_id, model_name, status, items, usage, created)
-        self._keep(req, response_id, messages, items, body)
+        await self._keep(req, response_id, messages, items, body)
         return JSONResponse(body)
 
     def _conversation(self, req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -174,7 +176,7 @@ class OpenAIServingResponses:
                 raise APIError(str(err), 400, field) from err
         return ChatCompletionRequest(**fields, **req.sampling_fields())
 
-    def _keep(
+    async def _keep(
         self,
         req: ResponsesRequest,
         response_id: str,
@@ -182,8 +184,12 @@ class OpenAIServingResponses:
         items: list[dict[str, Any]],
         body: dict[str, Any],
     ) -> None:
+        """Stores the response (its size measured on the tokenizer thread: serialising a
+        long conversation stays off the event loop)."""
         if req.store:
-            self.store.put(response_id, messages + history_messages(items), body)
+            conversation = messages + history_messages(items)
+            size = await self.engine.run_tokenizer(stored_size, conversation, body)
+            self.store.put(response_id, conversation, body, size)
 
     async def _usage(self, final: RequestOutput, reasoning: str | None) -> ResponseUsage:
         """Token counts; the reasoning's tokens counted by encoding its text."""
@@ -241,7 +247,7 @@ class OpenAIServingResponses:
             body = response_object(
                 req, response_id, model_name, status, writer.items, usage, created
             )
-            self._keep(req, response_id, messages, writer.items, body)
+            await self._keep(req, response_id, messages, writer.items, body)
             kind = "response.completed" if status == "completed" else "response.incomplete"
             yield writer.event(kind, response=body)
         except ToolOutputError as err:
