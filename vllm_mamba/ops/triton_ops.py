@@ -2,9 +2,10 @@
 
 The kernels live in `triton_conv1d`, `triton_selective_scan` and `triton_ssd`; this module only
 says whether they can run here and hands out the ops table (making it imports `triton_gated_delta`,
-`triton_kda`, `triton_mla` and `triton_short_conv`, which register the `triton` versions of the
-`gated_delta`, `kda`, `mla` and `short_conv` op families). They run on CUDA devices, and on the
-CPU under the Triton interpreter (`TRITON_INTERPRET=1`), which is how the tests check them.
+`triton_kda`, `triton_mla`, `triton_rwkv` and `triton_short_conv`, which register the `triton`
+versions of the `gated_delta`, `kda`, `mla`, `rwkv7`, `rwkv4` and `short_conv` op families).
+They run on CUDA devices, and on the CPU under the Triton interpreter (`TRITON_INTERPRET=1`),
+which is how the tests check them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def make_ops() -> MambaOps:
     import vllm_mamba.ops.triton_gated_delta  # noqa: F401  registers its family ops on import
     import vllm_mamba.ops.triton_kda  # noqa: F401  registers its family ops on import
     import vllm_mamba.ops.triton_mla  # noqa: F401  registers its family ops on import
+    import vllm_mamba.ops.triton_rwkv  # noqa: F401  registers its family ops on import
     import vllm_mamba.ops.triton_short_conv  # noqa: F401  registers its family ops on import
     from vllm_mamba.ops.triton_attention import (
         paged_decode_attention,
