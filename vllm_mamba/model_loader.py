@@ -15,6 +15,7 @@ A load-time quantisation recorded in the config (`quantization="int8"` or `"int4
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -34,11 +35,14 @@ from vllm_mamba.model_zoo import shipped_model_path
 from vllm_mamba.models.causal_lm import CausalLM
 from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config, is_mamba_ssm_config
 from vllm_mamba.models.registry import ModelRegistry
+from vllm_mamba.models.rwkv_pth_format import find_pth_checkpoint, load_pth, pth_config
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.spec_decode.mtp import MTP_PREFIX
 
 logger = logging.getLogger(__name__)
 
+# model types transformers has no config class for: the module that registers ours
+_OWN_CONFIG_MODULES = {"rwkv7": "vllm_mamba.models.rwkv7"}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.py"]
 
 
@@ -101,11 +105,19 @@ def load_hf_config(path: str) -> Any:
     """
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"no config.json in model directory {path!r}")
+        pth = find_pth_checkpoint(path)
+        if pth is not None:
+            return pth_config(pth)
+        raise FileNotFoundError(
+            f"no config.json in model directory {path!r} (and no BlinkDL RWKV .pth checkpoint)"
+        )
     with open(config_file) as f:
         raw = json.load(f)
     if isinstance(raw, dict) and is_mamba_ssm_config(raw):
         return convert_mamba_ssm_config(raw)
+    own = _OWN_CONFIG_MODULES.get(raw.get("model_type")) if isinstance(raw, dict) else None
+    if own is not None:  # a model type transformers does not know: its config class registers
+        importlib.import_module(own)
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
@@ -130,9 +142,12 @@ def _weight_files(path: str) -> tuple[list[str], str]:
         file = os.path.join(path, name)
         if os.path.isfile(file):
             return [file], fmt
+    pth = find_pth_checkpoint(path)
+    if pth is not None:
+        return [pth], "pth"
     raise FileNotFoundError(
         f"no weights in {path!r}: expected model.safetensors, sharded safetensors with "
-        "model.safetensors.index.json, or pytorch_model.bin"
+        "model.safetensors.index.json, pytorch_model.bin, or one BlinkDL RWKV .pth file"
     )
 
 
@@ -151,6 +166,8 @@ def iterate_weights(path: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_slice(name) if lazy else f.get_tensor(name)
+        elif fmt == "pth":
+            yield from load_pth(file).items()
         else:
             yield from torch.load(file, map_location="cpu", weights_only=True).items()
 

@@ -3,6 +3,7 @@
 A layer is up to two residual stages, each parts whose outputs are summed, with a norm
 before them (pre-norm), after them (post-norm, OLMo Hybrid's attention layers) or both:
 
+    h = pre_norm(h)                                          (RWKV's first block only)
     x = norm(h)                                              (the mixer stage)
     h = h + rm * post_norm(sum_i out_i * mixer_i(in_i * x, meta))
     y = ffn_norm(h)                                          (the feed-forward stage)
@@ -12,7 +13,9 @@ An absent norm is the identity; a stage with parts has at least one of its norms
 
 A mixer is any module called `mixer(x (T, H), meta) -> (T, H)` (Mamba, Mamba2, attention, a
 plugin's recurrent layer; each reaches its own cache through what the engine bound to it); a
-feed-forward part is called `ffn(x (T, H)) -> (T, H)` (a dense MLP, an MoE, a shared expert).
+feed-forward part is called `ffn(x (T, H)) -> (T, H)` (a dense MLP, an MoE, a shared expert),
+or `ffn(x, meta)` when it keeps per-sequence state of its own (a `StatefulLayer`: RWKV's
+channel mix, whose token shift reads the previous token).
 Either stage may be absent (Mamba has no feed-forward; Nemotron-H's MLP layers no mixer).
 `rm` is the residual multiplier (Granite), `in_i` / `out_i` the mixers' input and output
 multipliers (Falcon-H1 runs attention and Mamba2 side by side). With `residual_in_fp32`
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mixer_base import StateSpaceMixer
 
@@ -65,6 +69,7 @@ class DecoderLayer(nn.Module):
         residual_in_fp32: bool = False,
         post_norm: Named | None = None,
         ffn_post_norm: Named | None = None,
+        pre_norm: Named | None = None,
     ) -> None:
         super().__init__()
         for parts, norms in ((mixers, (norm, post_norm)), (ffns, (ffn_norm, ffn_post_norm))):
@@ -76,13 +81,15 @@ class DecoderLayer(nn.Module):
             n[0] if n is not None else None for n in (norm, post_norm, ffn_norm, ffn_post_norm)
         )
         assert not residual_in_fp32 or norm is not None, "a float32 residual needs the pre-norm"
-        for named in (norm, post_norm, ffn_norm, ffn_post_norm):
+        self._pre_norm_name = pre_norm[0] if pre_norm is not None else None
+        for named in (pre_norm, norm, post_norm, ffn_norm, ffn_post_norm):
             if named is not None:
                 self.add_module(*named)
         self._mixers = [(p.name, p.in_scale, p.out_scale) for p in mixers]
         for part in mixers:
             self.add_module(part.name, part.module)
         self._ffn_names = [name for name, _ in ffns]
+        self._ffn_with_state = {name for name, m in ffns if isinstance(m, StatefulLayer)}
         for name, module in ffns:
             self.add_module(name, module)
         self.residual_multiplier = float(residual_multiplier)
@@ -91,7 +98,7 @@ class DecoderLayer(nn.Module):
 
     def _fused_mixer(self) -> StateSpaceMixer | None:
         """The one mixer whose decode steps may fuse with this layer's norm and residual."""
-        if len(self._mixers) != 1 or self.residual_multiplier != 1.0:
+        if len(self._mixers) != 1 or self.residual_multiplier != 1.0 or self._pre_norm_name:
             return None
         if self._norm_name is None or self._post_norm_name is not None:
             return None
@@ -104,13 +111,15 @@ class DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, meta: object, embeds: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`; `embeds` (the step's embeddings) is not read here."""
+        hidden = self._normed(self._pre_norm_name, hidden)
         if self._mixers:
             hidden = self._mix(hidden, meta)
         if self._ffn_names:
             x = self._normed(self._ffn_norm_name, hidden)
             ff = None
             for name in self._ffn_names:
-                y = getattr(self, name)(x)
+                part = getattr(self, name)
+                y = part(x, meta) if name in self._ffn_with_state else part(x)
                 ff = y if ff is None else ff + y
             hidden = hidden + self._scaled(self._normed(self._ffn_post_norm_name, ff))
         return hidden

@@ -31,6 +31,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "KimiLinearForCausalLM": "vllm_mamba.models.kimi_linear:KimiLinearForCausalLM",
     "Lfm2ForCausalLM": "vllm_mamba.models.lfm2:Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM": "vllm_mamba.models.lfm2:Lfm2MoeForCausalLM",
+    "RWKV7ForCausalLM": "vllm_mamba.models.rwkv7:RWKV7ForCausalLM",
 }
 
 

@@ -1,0 +1,269 @@
+"""RWKV-7 ("Goose") time mix and channel mix over one flat varlen batch (decodes first, then
+prefill chunks), under the Hugging Face (fla-hub) names.
+
+Time mix (`attn`), per token with `x` its normed input and `x'` the previous token's:
+
+    d = x' - x ;  x_r, x_w, x_k, x_v, x_a, x_g = x + d * mu_*          token shift, 6 mixes
+    r, k, v = r_proj(x_r), k_proj(x_k), v_proj(x_v)
+    w = -exp(-0.5) * sigmoid(w_lora(x_w))      the log decay; w_lora = w2 tanh(w1 x) + w0
+    a = sigmoid(a_lora(x_a))                   the in-context learning rate (a2 a1 x + a0)
+    g = g_lora(x_g)                            the output gate, g2 sigmoid(g1 x)
+    kk = l2norm(k * k_k) per head ;  k = k * (1 + (a - 1) * k_a)
+    v = v + (v_first - v) * sigmoid(v_lora(x_v))     (layer 0: v_first = v, no v_lora)
+    o = wkv(r, w, k, v, a=-kk, b=kk * a)       the op family `rwkv7` over the state S
+    o = group_norm(o) per head + (sum(r * k * r_k) per head) * v
+    out = o_proj(o * g)
+
+Channel mix (`ffn`): `out = value(relu(key(x + (x' - x) * x_k)) ** 2)`.
+
+Per-sequence state: the time mix's `shift (H,)` (the previous token's normed input, model
+dtype) and `wkv (NH, Dv, Dk)` (float32 unless `ssm_state_dtype`); the channel mix's own
+`shift (H,)`. `v_first` is layer 0's value, read by every later layer of the same step: the
+layers of one model share a `ValueFirst` holder (the forward runs the layers in order).
+
+Tensor parallelism (`tp`) is by heads: each rank holds NH/N heads' rows of `r_proj`, `k_proj`,
+`v_proj` and of the LoRAs' second matrices (and biases), their `k_k`, `k_a`, `r_k`, group-norm
+weights and state, and their input columns of `o_proj` (row-parallel); the LoRAs' first
+matrices and the shift mixes are replicated. The channel mix is column- then row-parallel.
+The hidden-sized shift states are kept whole on every rank.
+
+Glossary: T tokens in the step, H hidden size, NH heads (this rank's), Dk head size, Dv value
+head size (`value_dim / num_heads`, Dk in the released models), C = NH * Dk, CV = NH * Dv,
+F the channel mix's width, S state slots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
+from vllm_mamba.cache_specs import StateSpec, StateTensor
+from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.cache_layers import StatefulLayer
+from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
+from vllm_mamba.layers.token_shift import token_shift
+from vllm_mamba.ops import rwkv7 as rwkv7_ops
+from vllm_mamba.ops.table import MambaOps
+
+DECAY_SCALE = math.exp(-0.5)  # w = -exp(-0.5) * sigmoid(.): the log decay lies in (-0.607, 0)
+MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+
+
+class ValueFirst:
+    """Layer 0's value `(T, CV)` of the step being run, read by the later layers."""
+
+    value: torch.Tensor | None = None
+
+
+class LoRA(nn.Module):
+    """`up(act(down(x)))` under fla's names `lora.0` (down, `(r, H)`, replicated) and `lora.2`
+    (up, `(out, r)`, column-parallel by heads, with an optional bias)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        out: int,
+        rank: int,
+        bias: bool,
+        activation: str | None,
+        ops: MambaOps,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__()
+        self.activation = activation
+        self.lora = nn.ModuleList(
+            [
+                Linear(hidden, rank, False, ops),
+                nn.Identity(),
+                column_linear(rank, [out], bias, ops, tp),
+            ]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x (T, H)` -> `(T, out)`."""
+        h = self.lora[0](x)
+        if self.activation == "tanh":
+            h = torch.tanh(h)
+        elif self.activation == "sigmoid":
+            h = torch.sigmoid(h)
+        return self.lora[2](h)
+
+
+class HeadGroupNorm(nn.Module):
+    """`nn.GroupNorm` with one group per head over `(T, NH * D)` (weight and bias sharded by
+    heads), in float32."""
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        eps: float,
+        start: int,
+        total_heads: int,
+        tp: TensorParallel,
+    ) -> None:
+        """Args: `heads` this rank's, from head `start` of `total_heads`."""
+        super().__init__()
+        self.heads, self.eps = heads, eps
+        self.weight = nn.Parameter(torch.ones(heads * head_dim))
+        self.bias = nn.Parameter(torch.zeros(heads * head_dim))
+        if tp.size > 1:
+            part = [(start * head_dim, heads * head_dim)]
+            for name in ("weight", "bias"):
+                shard_param(self, name, 0, part, total_heads * head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x (T, NH, D)` -> `(T, NH * D)` float32."""
+        x = x.float()
+        mean = x.mean(-1, keepdim=True)
+        var = (x - mean).square().mean(-1, keepdim=True)
+        y = ((x - mean) * torch.rsqrt(var + self.eps)).flatten(1)  # (T, NH * D)
+        return y * self.weight.float() + self.bias.float()
+
+
+class Rwkv7TimeMix(StatefulLayer):
+    """RWKV-7's time mix (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        head_dim: int,
+        value_dim: int,
+        ranks: dict[str, int],
+        layer_idx: int,
+        group_norm_eps: float,
+        value_first: ValueFirst,
+        ops: MambaOps,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        """Args: `ranks` the LoRA ranks by name (`w`, `a`, `v`, `g`); `value_dim` the width of
+        v over all heads; `value_first` the model's shared holder of layer 0's value."""
+        super().__init__()
+        if hidden_size % head_dim:
+            raise ValueError(
+                f"hidden_size ({hidden_size}) must be a multiple of head_dim ({head_dim})"
+            )
+        heads = hidden_size // head_dim
+        if value_dim % heads:
+            raise ValueError(f"value_dim ({value_dim}) must be a multiple of the heads ({heads})")
+        start, local = tp.range(heads, "RWKV-7 heads (hidden_size / head_dim)")
+        self.ops = ops
+        self.wkv = ops.family(rwkv7_ops.FAMILY)
+        self.layer_idx, self.value_first = layer_idx, value_first
+        self.heads, self.head_dim, self.head_v_dim = local, head_dim, value_dim // heads
+        self.hidden_size = hidden_size
+        for name in MIXES:
+            self.register_parameter(name, nn.Parameter(torch.zeros(1, 1, hidden_size)))
+        key_dim = hidden_size
+        self.k_k = nn.Parameter(torch.zeros(local * head_dim))
+        self.k_a = nn.Parameter(torch.zeros(local * head_dim))
+        self.r_k = nn.Parameter(torch.zeros(local, head_dim))
+        self.r_proj = column_linear(hidden_size, [key_dim], False, ops, tp)
+        self.k_proj = column_linear(hidden_size, [key_dim], False, ops, tp)
+        self.v_proj = column_linear(hidden_size, [value_dim], False, ops, tp)
+        self.o_proj = row_linear(value_dim, hidden_size, False, ops, tp)
+        self.w_lora = LoRA(hidden_size, key_dim, ranks["w"], True, "tanh", ops, tp)
+        if layer_idx != 0:
+            self.v_lora = LoRA(hidden_size, value_dim, ranks["v"], True, None, ops, tp)
+        self.a_lora = LoRA(hidden_size, key_dim, ranks["a"], True, None, ops, tp)
+        self.g_lora = LoRA(hidden_size, value_dim, ranks["g"], False, "sigmoid", ops, tp)
+        self.g_norm = HeadGroupNorm(local, self.head_v_dim, group_norm_eps, start, heads, tp)
+        if tp.size > 1:
+            keys = [(start * head_dim, local * head_dim)]
+            shard_param(self, "k_k", 0, keys, key_dim)
+            shard_param(self, "k_a", 0, keys, key_dim)
+            shard_param(self, "r_k", 0, [(start, local)], heads)
+
+    def state_spec(self) -> StateSpec:
+        """`shift (H,)` in the model dtype and `wkv (NH, Dv, Dk)`."""
+        return StateSpec(
+            (
+                StateTensor("shift", (self.hidden_size,), "conv"),
+                StateTensor("wkv", (self.heads, self.head_v_dim, self.head_dim), "recurrent"),
+            )
+        )
+
+    def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """Mixes `x (T, H)` (the normed input), advancing `shift` and `wkv` in place.
+
+        Returns:
+            `(T, H)` in the model dtype.
+        """
+        T, nh, dk, dv = x.shape[0], self.heads, self.head_dim, self.head_v_dim
+        prev = token_shift(x, self.state["shift"], meta)  # (T, H)
+        mix = torch.cat([getattr(self, n) for n in MIXES]).view(6, 1, -1)  # (6, 1, H)
+        xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev - x, mix).unbind(0)  # (T, H) each
+        r = self.r_proj(xr)  # (T, C)
+        k = self.k_proj(xk)  # (T, C)
+        v = self.v_proj(xv)  # (T, CV)
+        w = -DECAY_SCALE * torch.sigmoid(self.w_lora(xw).float())  # (T, C) float32
+        a = torch.sigmoid(self.a_lora(xa))  # (T, C)
+        g = self.g_lora(xg)  # (T, CV)
+        kk = F.normalize((k * self.k_k).view(T, nh, dk).float(), dim=-1).to(k.dtype)  # (T, NH, Dk)
+        k = k * (1 + (a - 1) * self.k_a)
+        if self.layer_idx == 0:
+            self.value_first.value = v
+        else:
+            first = self.value_first.value
+            assert first is not None, "RWKV-7 layer 0 must run before the others"
+            v = torch.lerp(v, first, torch.sigmoid(self.v_lora(xv)))
+        heads = (T, nh, dk)
+        rh, wh, kh, ah = r.view(heads), w.view(heads), k.view(heads), a.view(heads)
+        vh = v.view(T, nh, dv)
+        o = self._wkv(rh, wh, kh, vh, -kk, kk * ah, meta)  # (T, NH, Dv)
+        bonus = (rh.float() * kh.float() * self.r_k.float()).sum(-1, keepdim=True) * vh.float()
+        o = self.g_norm(o) + bonus.flatten(1)  # (T, CV) float32
+        return self.o_proj((o * g.float()).to(x.dtype))
+
+    def _wkv(self, r, w, k, v, a, b, meta: MambaMetadata) -> torch.Tensor:  # noqa: ANN001
+        """The rule over the step's decode rows, then its prefill chunks: `(T, NH, Dv)`."""
+        states = self.state["wkv"]  # (S, NH, Dv, Dk)
+        nd = meta.num_decodes
+        parts = []
+        if nd:
+            parts.append(
+                run_decode_waves(
+                    meta, [states],
+                    lambda rows, slots: self.wkv.update(
+                        r[rows], w[rows], k[rows], v[rows], a[rows], b[rows], states, slots
+                    ),
+                )
+            )  # fmt: skip
+        if meta.num_prefills:
+            p = slice(nd, None)
+            parts.append(
+                self.wkv.varlen(
+                    r[p], w[p], k[p], v[p], a[p], b[p], states, meta.prefill_query_start_loc,
+                    meta.prefill_state_indices, meta.prefill_has_initial_state,
+                )
+            )  # fmt: skip
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class Rwkv7ChannelMix(StatefulLayer):
+    """RWKV-7's channel mix: `value(relu(key(x + (x' - x) * x_k)) ** 2)`."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, ops: MambaOps, tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.x_k = nn.Parameter(torch.zeros(hidden_size))
+        self.key = column_linear(hidden_size, [intermediate_size], False, ops, tp)
+        self.value = row_linear(intermediate_size, hidden_size, False, ops, tp)
+
+    def state_spec(self) -> StateSpec:
+        """`shift (H,)`: the previous token's normed input, in the model dtype."""
+        return StateSpec((StateTensor("shift", (self.hidden_size,), "conv"),))
+
+    def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """`x (T, H)` -> `(T, H)`, advancing `shift` in place."""
+        prev = token_shift(x, self.state["shift"], meta)  # (T, H)
+        hidden = torch.relu(self.key(torch.addcmul(x, prev - x, self.x_k))).square()  # (T, F)
+        return self.value(hidden)
