@@ -58,6 +58,9 @@ class Family:
             against transformers (asserted on import).
         reference: the variants checked against transformers (all but TP-only shapes); all
             of `configs` when empty.
+        reference_impl: `transformers`, or `rwkv` for RWKV-7 (not in transformers): the
+            checkpoints come from `tests.helpers.rwkv_checkpoints` and the reference is the
+            `rwkv` package on their BlinkDL `.pth` twin.
     """
 
     name: str
@@ -73,6 +76,7 @@ class Family:
     reference: tuple[str, ...] = ()
     weight_std: float = 0.3
     cuda_graphs: bool = False
+    reference_impl: str = "transformers"
 
     def __post_init__(self) -> None:
         if not self.reference:
@@ -357,6 +361,19 @@ FAMILIES: tuple[Family, ...] = (
         # rounding well inside the suite's 1e-4 logprob bound.
         weight_std=0.15,
     ),
+    Family(
+        "rwkv7",
+        "RWKV7ForCausalLM",
+        cfg.RWKV7,
+        mixer="rwkv7",
+        hybrid=False,
+        main="rwkv7-h64",
+        second="rwkv7-h32",
+        tp=("rwkv7-h64",),
+        chunk_budgets=(1, 5, 23),
+        differ=("head_dim", "num_hidden_layers", "decay_low_rank_dim", "intermediate_size"),
+        reference_impl="rwkv",
+    ),
 )
 
 FAMILY: dict[str, Family] = {f.name: f for f in FAMILIES}
@@ -367,7 +384,7 @@ def _check_registry() -> None:
     """The registry's own promises, asserted when it is built."""
     assert len(MODEL_FAMILY) == sum(len(f.configs) for f in FAMILIES), "a name is used twice"
     for f in FAMILIES:
-        assert f.mixer in ("mamba", "mamba2", "gated_delta", "short_conv", "kda"), f.name
+        assert f.mixer in ("mamba", "mamba2", "gated_delta", "short_conv", "kda", "rwkv7"), f.name
         assert {f.main, f.second, *f.tp, *f.reference} <= set(f.configs), f.name
         assert f.main != f.second and f.main in f.reference, f.name
         variants = [f.configs[n] for n in f.reference]
@@ -432,10 +449,16 @@ def tiny_model_dir(name: str, fmt: str = "safetensors") -> str:
 
     Args:
         name: a variant of one of `FAMILIES`.
-        fmt: `safetensors`, `sharded` (several safetensors shards with an index) or `bin`.
+        fmt: `safetensors`, `sharded` (several safetensors shards with an index) or `bin`;
+            RWKV-7: `safetensors` (fla-hub's layout) or `pth` (BlinkDL's).
     """
-    model = build_hf_model(name)
     path = make_tmp_dir(f"tiny-{name}-{fmt}-")
+    family = MODEL_FAMILY[name]
+    if family.reference_impl == "rwkv":
+        from tests.helpers.rwkv_checkpoints import save_rwkv7
+
+        return save_rwkv7(family.configs[name], path, "pth" if fmt == "pth" else "hf")
+    model = build_hf_model(name)
     if fmt == "bin":
         model.save_pretrained(path)
         os.remove(os.path.join(path, "model.safetensors"))

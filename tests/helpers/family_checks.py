@@ -11,6 +11,8 @@ references are computed once per checkpoint and session (`hf_reference`, `alone`
 from __future__ import annotations
 
 import functools
+import glob
+import os
 import random
 
 import pytest
@@ -18,8 +20,9 @@ import torch
 
 from tests.helpers.prompts import MAX_TOKENS, make_prompts
 from tests.helpers.runners import HfRunner, VllmRunner
+from tests.helpers.rwkv_checkpoints import RwkvPackageRunner
 from tests.helpers.spec_oracle import OracleProposer
-from tests.tiny_models import hf_class, tiny_model_dir
+from tests.tiny_models import MODEL_FAMILY, hf_class, tiny_model_dir
 from vllm_mamba import RequestOutput, SamplingParams
 from vllm_mamba.engine.spec_steps import NgramDrafts
 
@@ -40,7 +43,12 @@ def tokens(outs: list[RequestOutput]) -> list[list[int]]:
 
 @functools.cache
 def hf_reference(name: str) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy tokens and per-step log-softmax `(steps, V)` from transformers, prompt by prompt."""
+    """Greedy tokens and per-step log-softmax `(steps, V)` from transformers (RWKV-7: the
+    `rwkv` package on the `.pth` twin), prompt by prompt."""
+    if MODEL_FAMILY[name].reference_impl == "rwkv":
+        pth = glob.glob(os.path.join(tiny_model_dir(name, "pth"), "*.pth"))[0]
+        runner = RwkvPackageRunner(pth)
+        return [runner.greedy_logprobs(p, MAX_TOKENS) for p in make_prompts()]
     runner = HfRunner(tiny_model_dir(name), hf_class(name))
     return runner.generate_greedy_logprobs(make_prompts(), MAX_TOKENS)
 

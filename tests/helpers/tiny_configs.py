@@ -829,3 +829,34 @@ LFM2_MOE: dict[str, dict] = {
         tie_word_embeddings=True,
     ),
 }
+
+# RWKV-7 (fla's field names; `tests.helpers.rwkv_checkpoints` draws the weights and writes
+# both formats, the `rwkv` package is the reference). Heads of 64 (the released size) and of
+# 32 with Dv = Dk; LoRA ranks and channel-mix widths differ.
+_COMMON_RWKV7 = dict(vocab_size=50280)
+RWKV7 = {
+    # 2 heads of 64, 3 layers, ranks 8/8/8/16, channel mix 256.
+    "rwkv7-h64": dict(
+        _COMMON_RWKV7,
+        hidden_size=128,
+        num_hidden_layers=3,
+        head_dim=64,
+        decay_low_rank_dim=8,
+        a_low_rank_dim=8,
+        v_low_rank_dim=8,
+        gate_low_rank_dim=16,
+        intermediate_size=256,
+    ),
+    # 3 heads of 32, 2 layers, ranks 16/4/4/8, channel mix 160.
+    "rwkv7-h32": dict(
+        _COMMON_RWKV7,
+        hidden_size=96,
+        num_hidden_layers=2,
+        head_dim=32,
+        decay_low_rank_dim=16,
+        a_low_rank_dim=4,
+        v_low_rank_dim=4,
+        gate_low_rank_dim=8,
+        intermediate_size=160,
+    ),
+}
