@@ -52,6 +52,7 @@ MODELS = {
     "qwen3-next": lambda: tiny_model_dir("qwen3-next-moe"),
     "olmo-hybrid": lambda: tiny_model_dir("olmo-hybrid-rope"),
     "kimi-linear": lambda: tiny_model_dir("kimi-linear-moe"),
+    "rwkv7": lambda: tiny_model_dir("rwkv7-h64"),
 }
 EXACT_MODELS = [
     "mamba-tied",
@@ -61,6 +62,7 @@ EXACT_MODELS = [
     "qwen3_5",
     "olmo-hybrid",
     "kimi-linear",
+    "rwkv7",
 ]
 
 # Random tiny models: top-1 agreement with the float model at >= 75% of positions, and the

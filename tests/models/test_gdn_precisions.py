@@ -1,5 +1,5 @@
-"""The Gated DeltaNet hybrids (and Kimi Linear's KDA, the same rule with a per-channel decay) at
-lower precisions, against the same engine in float32.
+"""The Gated DeltaNet hybrids (and Kimi Linear's KDA, the same rule with a per-channel decay, and
+RWKV-7, the generalised delta rule) at lower precisions, against the same engine in float32.
 
 Teacher-forced (`prompt_logprobs` over the same token sequences, so one early difference does
 not change every later position):
@@ -24,7 +24,7 @@ from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
 
-MODELS = ["qwen3_5-gqa", "qwen3-next-moe", "olmo-hybrid-rope", "kimi-linear-moe"]
+MODELS = ["qwen3_5-gqa", "qwen3-next-moe", "olmo-hybrid-rope", "kimi-linear-moe", "rwkv7-h64"]
 CHUNK = 8  # prefill chunk of the state-dtype check
 
 
