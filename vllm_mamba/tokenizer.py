@@ -3,6 +3,9 @@
 The tokenizer comes from the `tokenizer` argument, else from the model directory. Checkpoints
 in the original mamba-ssm format ship without tokenizer files; they use the GPT-NeoX-20B
 tokenizer, which is then taken from the hub (or its cache), as mamba-ssm's own README does.
+RWKV checkpoints without a `tokenizer.json` but with an `rwkv_vocab_*.txt` file use the RWKV
+World tokenizer of `vllm_mamba.rwkv_world_tokenizer` (fla-hub's remote-code tokenizer class
+named in `tokenizer_config.json` is never run).
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 def default_tokenizer_source(model_path: str) -> str | None:
     """The hub id of the tokenizer a tokenizer-less mamba-ssm checkpoint needs, else None."""
+    from vllm_mamba.rwkv_world_tokenizer import find_vocab_file
+
+    if find_vocab_file(model_path) is not None:
+        return None
     if any(os.path.isfile(os.path.join(model_path, f)) for f in _TOKENIZER_FILES):
         return None
     from vllm_mamba.models.mamba_ssm_format import is_mamba_ssm_config
@@ -30,14 +37,22 @@ def default_tokenizer_source(model_path: str) -> str | None:
 
 
 def load_tokenizer(path: str) -> Any:
-    """A Hugging Face tokenizer from the directory `path`.
+    """A Hugging Face tokenizer from the directory `path`: its `tokenizer.json` (or other
+    transformers tokenizer files), else the RWKV World tokenizer of its `rwkv_vocab_*.txt`.
 
     Raises:
         FileNotFoundError: no tokenizer files are there.
     """
     from transformers import AutoTokenizer
 
+    from vllm_mamba.rwkv_world_tokenizer import RwkvWorldTokenizer, find_vocab_file
+
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")) and find_vocab_file(path):
+        return RwkvWorldTokenizer.from_directory(path)
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise FileNotFoundError(f"no usable tokenizer in {path!r}: {err}") from err
+        raise FileNotFoundError(
+            f"no usable tokenizer in {path!r} (it needs a tokenizer.json or other transformers "
+            f"tokenizer files, or an RWKV World vocabulary rwkv_vocab_*.txt): {err}"
+        ) from err

@@ -18,7 +18,8 @@ run. The server compiles in worker processes under a time budget (`grammar_pool.
 attaches the compiled grammar to the spec (`StructuredOutputsParams.compiled`), so the
 engine's own `compile` at `add_request` does no work. Building the compiler reads the
 tokenizer, so it runs on the engine's thread. Error messages from xgrammar are cleaned of
-source paths (`clean_message`).
+source paths (`clean_message`). A tokenizer with `token_bytes()` (the RWKV World tokenizer, which
+xgrammar cannot read itself) gives xgrammar its raw byte vocabulary.
 """
 
 from __future__ import annotations
@@ -88,9 +89,17 @@ class StructuredOutputs:
             import xgrammar as xgr
 
             stop = None if self.eos_token_id is None else [self.eos_token_id]
-            self._info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
-            )
+            token_bytes = getattr(self.tokenizer, "token_bytes", None)
+            if callable(token_bytes):  # a byte vocabulary (RWKV World): the raw bytes of each id
+                vocab = list(token_bytes())[: self.vocab_size]
+                vocab += [b""] * (self.vocab_size - len(vocab))
+                self._info = xgr.TokenizerInfo(
+                    vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=stop
+                )
+            else:
+                self._info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop
+                )
             # xgrammar's own cache is unbounded; this class keeps a bounded one.
             self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=False)
         return self._compiler
