@@ -78,7 +78,10 @@ def resolve_model_path(
     if shipped is not None:
         return shipped
     if os.path.exists(model):
-        raise FileNotFoundError(f"model {model!r} is a file; expected a model directory")
+        hint = (
+            " (for a BlinkDL RWKV .pth, the directory holding it)" if model.endswith(".pth") else ""
+        )
+        raise FileNotFoundError(f"model {model!r} is a file; expected a model directory{hint}")
     if looks_like_path(model):
         raise FileNotFoundError(f"model directory {model!r} does not exist")
     try:

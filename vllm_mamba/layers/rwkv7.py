@@ -173,12 +173,17 @@ class Rwkv7TimeMix(StatefulLayer):
             self.v_lora = LoRA(hidden_size, value_dim, ranks["v"], True, None, ops, tp)
         self.a_lora = LoRA(hidden_size, key_dim, ranks["a"], True, None, ops, tp)
         self.g_lora = LoRA(hidden_size, value_dim, ranks["g"], False, "sigmoid", ops, tp)
+        self.register_buffer("mixes", torch.empty(0), persistent=False)
         self.g_norm = HeadGroupNorm(local, self.head_v_dim, group_norm_eps, start, heads, tp)
         if tp.size > 1:
             keys = [(start * head_dim, local * head_dim)]
             shard_param(self, "k_k", 0, keys, key_dim)
             shard_param(self, "k_a", 0, keys, key_dim)
             shard_param(self, "r_k", 0, [(start, local)], heads)
+
+    def process_weights_after_loading(self) -> None:
+        """Stacks the six shift mixes into `mixes (6, 1, H)`."""
+        self.mixes = torch.cat([getattr(self, n).detach() for n in MIXES]).view(6, 1, -1)
 
     def state_spec(self) -> StateSpec:
         """`shift (H,)` in the model dtype and `wkv (NH, Dv, Dk)`."""
@@ -197,8 +202,7 @@ class Rwkv7TimeMix(StatefulLayer):
         """
         T, nh, dk, dv = x.shape[0], self.heads, self.head_dim, self.head_v_dim
         prev = token_shift(x, self.state["shift"], meta)  # (T, H)
-        mix = torch.cat([getattr(self, n) for n in MIXES]).view(6, 1, -1)  # (6, 1, H)
-        xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev - x, mix).unbind(0)  # (T, H) each
+        xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev - x, self.mixes).unbind(0)  # (T, H) each
         r = self.r_proj(xr)  # (T, C)
         k = self.k_proj(xk)  # (T, C)
         v = self.v_proj(xv)  # (T, CV)
