@@ -73,6 +73,20 @@ TORCH_LIBRARY(vllm_mamba, m) {
   m.def(
       "short_conv_varlen(Tensor bcx, Tensor(a!) conv_states, Tensor weight, Tensor? bias, "
       "Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state) -> Tensor");
+  m.def(
+      "rwkv7_varlen(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, "
+      "Tensor(a!) states, Tensor query_start_loc, Tensor state_indices, "
+      "Tensor has_initial_state) -> Tensor");
+  m.def(
+      "rwkv7_update(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor b, "
+      "Tensor(a!) states, Tensor state_indices) -> Tensor");
+  m.def(
+      "rwkv4_varlen(Tensor w, Tensor u, Tensor k, Tensor v, Tensor(a!) num_states, "
+      "Tensor(b!) den_states, Tensor(c!) max_states, Tensor query_start_loc, "
+      "Tensor state_indices, Tensor has_initial_state) -> Tensor");
+  m.def(
+      "rwkv4_update(Tensor w, Tensor u, Tensor k, Tensor v, Tensor(a!) num_states, "
+      "Tensor(b!) den_states, Tensor(c!) max_states, Tensor state_indices) -> Tensor");
 }
 
 #define VLLM_MAMBA_CONCAT_(a, b) a##b

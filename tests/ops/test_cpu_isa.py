@@ -42,6 +42,7 @@ KERNEL_TESTS = [
     "tests/ops/test_kda.py",
     "tests/ops/test_linear.py",
     "tests/ops/test_paged_attention.py",
+    "tests/ops/test_rwkv_kernels.py",
     "tests/ops/test_fused_decode.py",
 ]
 

@@ -5,10 +5,10 @@ The kernels live in `csrc/` and are built, once per ISA level, into the extensio
 the one this CPU runs, which registers the ops. Every wrapper has the
 signature of its `_ref` twin (`vllm_mamba.ops.causal_conv1d`, `vllm_mamba.ops.selective_scan`,
 `vllm_mamba.ops.ssd`, `vllm_mamba.ops.gated_delta`, `vllm_mamba.ops.kda`,
-`vllm_mamba.ops.mla_attention`, `vllm_mamba.ops.short_conv`), so `vllm_mamba.ops.dispatch`
-can swap them in; the Gated DeltaNet, Kimi Delta Attention, latent-cache attention and short
-conv ones are registered as the `cpp` backend's `gated_delta`, `kda`, `mla` and `short_conv`
-families. The
+`vllm_mamba.ops.mla_attention`, `vllm_mamba.ops.short_conv`, `vllm_mamba.ops.rwkv7`,
+`vllm_mamba.ops.rwkv4`), so `vllm_mamba.ops.dispatch` can swap them in; the Gated DeltaNet,
+Kimi Delta Attention, latent-cache attention, short conv and RWKV ones are registered as the
+`cpp` backend's `gated_delta`, `kda`, `mla`, `short_conv`, `rwkv7` and `rwkv4` families. The
 kernels copy non-contiguous activations to contiguous ones themselves; the states are updated
 in place and must be contiguous.
 """
@@ -26,6 +26,8 @@ from vllm_mamba.ops import (
     gated_delta,  # registers the `gated_delta` family first
     kda,  # registers the `kda` family first
     mla_attention,  # registers the `mla` family first
+    rwkv4,  # the `rwkv4` family
+    rwkv7,  # the `rwkv7` family
     short_conv,  # and the `short_conv` family
 )
 from vllm_mamba.ops.families import register_op_impl
@@ -62,6 +64,10 @@ _OP_NAMES = (
     "mla_prefill_attention",
     "short_conv_update",
     "short_conv_varlen",
+    "rwkv7_varlen",
+    "rwkv7_update",
+    "rwkv4_varlen",
+    "rwkv4_update",
 )
 SMALL_BATCH = 8  # rows up to which `linear` streams the weight with the matrix-vector kernel
 
@@ -636,6 +642,116 @@ def short_conv_varlen(
 
 
 register_op_impl(short_conv.FAMILY, "cpp", update=short_conv_update, varlen=short_conv_varlen)
+
+
+def rwkv7_varlen(
+    r: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """RWKV-7's wkv over packed sequences (`csrc/rwkv.cpp`); see `wkv7_varlen_ref`.
+
+    Args:
+        r, w, k, a, b: `(T, H, Dk)`; v: `(T, H, Dv)`; each float32 or bfloat16 (w may be
+            float32 with the others bfloat16), views with a free token stride read in place.
+        states: `(S, H, Dv, Dk)`, contiguous, float32 or bfloat16; updated in place.
+        query_start_loc: `(B + 1,)`; state_indices: `(B,)`; has_initial_state: `(B,)` bool.
+
+    Returns:
+        `(T, H, Dv)` in r's dtype.
+    """
+    return torch.ops.vllm_mamba.rwkv7_varlen(
+        r, w, k, v, a, b, states, query_start_loc, state_indices, has_initial_state
+    )
+
+
+def rwkv7_update(
+    r: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    states: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of RWKV-7's wkv, in place (`csrc/rwkv.cpp`); see `wkv7_update_ref`.
+
+    Args:
+        r, w, k, a, b: `(B, H, Dk)`; v: `(B, H, Dv)`; float32 or bfloat16.
+        states: `(S, H, Dv, Dk)`, contiguous; updated in place for non-padding rows.
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
+
+    Returns:
+        `(B, H, Dv)` in r's dtype (padding rows: the output of a zero state).
+    """
+    return torch.ops.vllm_mamba.rwkv7_update(r, w, k, v, a, b, states, state_indices)
+
+
+register_op_impl(rwkv7.FAMILY, "cpp", varlen=rwkv7_varlen, update=rwkv7_update)
+
+
+def rwkv4_varlen(
+    w: torch.Tensor,
+    u: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_states: torch.Tensor,
+    den_states: torch.Tensor,
+    max_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+) -> torch.Tensor:
+    """RWKV-4's WKV over packed sequences (`csrc/rwkv.cpp`); see `wkv4_varlen_ref`.
+
+    Args:
+        w: `(C,)` `-exp(time_decay)`; u: `(C,)` `time_first`; k, v: `(T, C)`, float32 or
+            bfloat16.
+        num_states, den_states, max_states: `(S, C)` float32, contiguous; updated in place.
+        query_start_loc: `(B + 1,)`; state_indices: `(B,)`; has_initial_state: `(B,)` bool.
+
+    Returns:
+        `(T, C)` in v's dtype.
+    """
+    return torch.ops.vllm_mamba.rwkv4_varlen(
+        w, u, k, v, num_states, den_states, max_states, query_start_loc, state_indices,
+        has_initial_state,
+    )  # fmt: skip
+
+
+def rwkv4_update(
+    w: torch.Tensor,
+    u: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_states: torch.Tensor,
+    den_states: torch.Tensor,
+    max_states: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of RWKV-4's WKV, in place (`csrc/rwkv.cpp`); see `wkv4_update_ref`.
+
+    Args:
+        w, u: `(C,)`; k, v: `(B, C)`; the states `(S, C)` float32, contiguous, updated in
+            place for non-padding rows; state_indices: `(B,)`.
+
+    Returns:
+        `(B, C)` in v's dtype (padding rows: the output of a fresh state).
+    """
+    return torch.ops.vllm_mamba.rwkv4_update(
+        w, u, k, v, num_states, den_states, max_states, state_indices
+    )
+
+
+register_op_impl(rwkv4.FAMILY, "cpp", varlen=rwkv4_varlen, update=rwkv4_update)
 
 
 def _onednn_linear_available() -> bool:
