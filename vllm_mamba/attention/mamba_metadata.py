@@ -115,6 +115,7 @@ def run_decode_waves(
     meta: MambaMetadata,
     states: Sequence[torch.Tensor],
     update: Callable[[slice, torch.Tensor], torch.Tensor],
+    dim: int = 0,
 ) -> torch.Tensor:
     """Runs a recurrent op's one-token update over the step's decode rows.
 
@@ -123,6 +124,7 @@ def run_decode_waves(
         states: the op's state tensors `(S, ...)`, indexed by slot, that `update` advances.
         update: `update(rows, slots)` advances the states of `slots` by the decode rows
             `rows` (a slice of the step's rows) in place and returns their outputs.
+        dim: the outputs' row dimension (RWKV's shift mixes return `(M, rows, H)`).
 
     Returns:
         The outputs of all decode rows, in row order.
@@ -138,4 +140,4 @@ def run_decode_waves(
             for state in states:
                 state.index_copy_(0, dst, state.index_select(0, src))
         start += rows
-    return torch.cat(outs)
+    return torch.cat(outs, dim=dim)

@@ -34,10 +34,7 @@ F the channel mix's width, S state slots.
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
@@ -46,11 +43,10 @@ from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
-from vllm_mamba.layers.token_shift import token_shift
+from vllm_mamba.layers.token_shift import shift_mix
 from vllm_mamba.ops import rwkv7 as rwkv7_ops
 from vllm_mamba.ops.table import MambaOps
 
-DECAY_SCALE = math.exp(-0.5)  # w = -exp(-0.5) * sigmoid(.): the log decay lies in (-0.607, 0)
 MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 
 
@@ -95,8 +91,8 @@ class LoRA(nn.Module):
 
 
 class HeadGroupNorm(nn.Module):
-    """`nn.GroupNorm` with one group per head over `(T, NH * D)` (weight and bias sharded by
-    heads), in float32."""
+    """The weights of `nn.GroupNorm` with one group per head (`g_norm`), sharded by heads; the
+    norm itself runs in the glue after the rule (`ops.rwkv7.glue_output`, `fused_update`)."""
 
     def __init__(
         self,
@@ -116,14 +112,6 @@ class HeadGroupNorm(nn.Module):
             part = [(start * head_dim, heads * head_dim)]
             for name in ("weight", "bias"):
                 shard_param(self, name, 0, part, total_heads * head_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`x (T, NH, D)` -> `(T, NH * D)` float32."""
-        x = x.float()
-        mean = x.mean(-1, keepdim=True)
-        var = (x - mean).square().mean(-1, keepdim=True)
-        y = ((x - mean) * torch.rsqrt(var + self.eps)).flatten(1)  # (T, NH * D)
-        return y * self.weight.float() + self.bias.float()
 
 
 class Rwkv7TimeMix(StatefulLayer):
@@ -197,57 +185,52 @@ class Rwkv7TimeMix(StatefulLayer):
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `x (T, H)` (the normed input), advancing `shift` and `wkv` in place.
 
+        Decode rows run the glue around the rule as one fused op (`fused_update`), prefill
+        chunks as tensor ops around the chunked rule (`glue_inputs`, `varlen`, `glue_output`).
+
         Returns:
             `(T, H)` in the model dtype.
         """
-        T, nh, dk, dv = x.shape[0], self.heads, self.head_dim, self.head_v_dim
-        prev = token_shift(x, self.state["shift"], meta)  # (T, H)
-        xr, xw, xk, xv, xa, xg = torch.addcmul(x, prev - x, self.mixes).unbind(0)  # (T, H) each
-        r = self.r_proj(xr)  # (T, C)
-        k = self.k_proj(xk)  # (T, C)
-        v = self.v_proj(xv)  # (T, CV)
-        w = -DECAY_SCALE * torch.sigmoid(self.w_lora(xw).float())  # (T, C) float32
-        a = torch.sigmoid(self.a_lora(xa))  # (T, C)
+        mixed = shift_mix(x, self.state["shift"], self.mixes, meta, self.wkv)  # (6, T, H)
+        xr, xw, xk, xv, xa, xg = mixed.unbind(0)  # (T, H) each
+        r, k, v = self.r_proj(xr), self.k_proj(xk), self.v_proj(xv)  # (T, C), (T, C), (T, CV)
+        w, a = self.w_lora(xw), self.a_lora(xa)  # (T, C) raw: the sigmoids are in the glue
         g = self.g_lora(xg)  # (T, CV)
-        kk = F.normalize((k * self.k_k).view(T, nh, dk).float(), dim=-1).to(k.dtype)  # (T, NH, Dk)
-        k = k * (1 + (a - 1) * self.k_a)
         if self.layer_idx == 0:
             self.value_first.value = v
+            v_first = v_gate = None
         else:
-            first = self.value_first.value
-            assert first is not None, "RWKV-7 layer 0 must run before the others"
-            v = torch.lerp(v, first, torch.sigmoid(self.v_lora(xv)))
-        heads = (T, nh, dk)
-        rh, wh, kh, ah = r.view(heads), w.view(heads), k.view(heads), a.view(heads)
-        vh = v.view(T, nh, dv)
-        o = self._wkv(rh, wh, kh, vh, -kk, kk * ah, meta)  # (T, NH, Dv)
-        bonus = (rh.float() * kh.float() * self.r_k.float()).sum(-1, keepdim=True) * vh.float()
-        o = self.g_norm(o) + bonus.flatten(1)  # (T, CV) float32
-        return self.o_proj((o * g.float()).to(x.dtype))
-
-    def _wkv(self, r, w, k, v, a, b, meta: MambaMetadata) -> torch.Tensor:  # noqa: ANN001
-        """The rule over the step's decode rows, then its prefill chunks: `(T, NH, Dv)`."""
-        states = self.state["wkv"]  # (S, NH, Dv, Dk)
-        nd = meta.num_decodes
-        parts = []
+            v_first = self.value_first.value
+            assert v_first is not None, "RWKV-7 layer 0 must run before the others"
+            v_gate = self.v_lora(xv)  # (T, CV) raw
+        states, nd = self.state["wkv"], meta.num_decodes  # (S, NH, Dv, Dk)
+        consts = (self.k_k, self.k_a)
+        norm = (self.r_k, self.g_norm.weight, self.g_norm.bias, self.g_norm.eps)
+        parts = []  # (rows, CV) each: the input of o_proj
         if nd:
-            parts.append(
-                run_decode_waves(
-                    meta, [states],
-                    lambda rows, slots: self.wkv.update(
-                        r[rows], w[rows], k[rows], v[rows], a[rows], b[rows], states, slots
-                    ),
-                )
-            )  # fmt: skip
+
+            def decode(rows: slice, slots: torch.Tensor) -> torch.Tensor:
+                first = None if v_first is None else v_first[rows]
+                gate = None if v_gate is None else v_gate[rows]
+                return self.wkv.fused_update(
+                    r[rows], w[rows], k[rows], v[rows], a[rows], g[rows], first, gate, *consts,
+                    *norm, states, slots,
+                )  # fmt: skip
+
+            parts.append(run_decode_waves(meta, [states], decode))
         if meta.num_prefills:
             p = slice(nd, None)
-            parts.append(
-                self.wkv.varlen(
-                    r[p], w[p], k[p], v[p], a[p], b[p], states, meta.prefill_query_start_loc,
-                    meta.prefill_state_indices, meta.prefill_has_initial_state,
-                )
+            first = None if v_first is None else v_first[p]
+            gate = None if v_gate is None else v_gate[p]
+            rh, wh, kh, vh, ah, bh = rwkv7_ops.glue_inputs(
+                r[p], w[p], k[p], v[p], a[p], first, gate, *consts, self.head_dim
+            )
+            o = self.wkv.varlen(
+                rh, wh, kh, vh, ah, bh, states, meta.prefill_query_start_loc,
+                meta.prefill_state_indices, meta.prefill_has_initial_state,
             )  # fmt: skip
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            parts.append(rwkv7_ops.glue_output(o, rh, kh, vh, g[p], *norm))
+        return self.o_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
 
 
 class Rwkv7ChannelMix(StatefulLayer):
@@ -258,6 +241,7 @@ class Rwkv7ChannelMix(StatefulLayer):
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
+        self.wkv = ops.family(rwkv7_ops.FAMILY)  # its `shift_mix` runs the decode rows
         self.x_k = nn.Parameter(torch.zeros(hidden_size))
         self.key = column_linear(hidden_size, [intermediate_size], False, ops, tp)
         self.value = row_linear(intermediate_size, hidden_size, False, ops, tp)
@@ -268,6 +252,6 @@ class Rwkv7ChannelMix(StatefulLayer):
 
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """`x (T, H)` -> `(T, H)`, advancing `shift` in place."""
-        prev = token_shift(x, self.state["shift"], meta)  # (T, H)
-        hidden = torch.relu(self.key(torch.addcmul(x, prev - x, self.x_k))).square()  # (T, F)
+        mixed = shift_mix(x, self.state["shift"], self.x_k.view(1, 1, -1), meta, self.wkv)[0]
+        hidden = torch.relu(self.key(mixed)).square()  # (T, F)
         return self.value(hidden)

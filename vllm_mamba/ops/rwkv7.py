@@ -36,14 +36,28 @@ Glossary:
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops.families import register_op_family
 
-__all__ = ["FAMILY", "wkv7_varlen_ref", "wkv7_update_ref", "wkv7_step"]
+__all__ = [
+    "FAMILY",
+    "DECAY_SCALE",
+    "wkv7_varlen_ref",
+    "wkv7_update_ref",
+    "wkv7_step",
+    "shift_mix_ref",
+    "glue_inputs",
+    "glue_output",
+    "fused_update_ref",
+]
 
 FAMILY = "rwkv7"
+DECAY_SCALE = math.exp(-0.5)  # w = -exp(-0.5) * sigmoid(.): the log decay lies in (-0.607, 0)
 
 
 def wkv7_step(
@@ -141,4 +155,132 @@ def wkv7_update_ref(
     return out.to(r.dtype)
 
 
-register_op_family(FAMILY, {"varlen": wkv7_varlen_ref, "update": wkv7_update_ref})
+def shift_mix_ref(
+    x: torch.Tensor, shift: torch.Tensor, state_indices: torch.Tensor, mixes: torch.Tensor
+) -> torch.Tensor:
+    """Decode rows' token shift and mixes: `out[m] = x + (x' - x) * mixes[m]` with `x'` each
+    row's saved input (zeros for padding rows), then `x` saved in its place.
+
+    Args:
+        x: `(B, H)` one token per row; shift: `(S, H)` every slot's last input (updated in
+            place); state_indices: `(B,)`, `PAD_SLOT_ID` rows neither read nor write;
+        mixes: `(M, 1, H)` (or `(H,)` for one mix).
+
+    Returns:
+        `(M, B, H)` in x's dtype (`(B, H)` for `(H,)` mixes).
+    """
+    valid = state_indices != PAD_SLOT_ID  # (B,)
+    slots = state_indices.long().clamp(min=0)
+    prev = (shift[slots] * valid[:, None].to(shift.dtype)).to(x.dtype)  # (B, H)
+    if bool(valid.any()):
+        shift[slots[valid]] = x[valid].to(shift.dtype)
+    return torch.addcmul(x, prev - x, mixes)
+
+
+def glue_inputs(
+    r: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    v_first: torch.Tensor | None,
+    v_gate: torch.Tensor | None,
+    k_k: torch.Tensor,
+    k_a: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, ...]:
+    """The wkv's inputs from the time mix's projections (the layer's math before the rule).
+
+    Args:
+        r, k: `(T, C)`; v: `(T, CV)`; w, a: `(T, C)` the raw `w_lora` and `a_lora` outputs;
+        v_first: `(T, CV)` layer 0's value (None in layer 0); v_gate: `(T, CV)` the raw
+        `v_lora` output (None in layer 0); k_k, k_a: `(C,)`.
+
+    Returns:
+        `(r, w, k, v, a, b)` per head: r, k, a, b `(T, NH, Dk)` in k's dtype, w float32 (the
+        log decay), v `(T, NH, Dv)` (lerped towards v_first after layer 0).
+    """
+    T, C = k.shape
+    heads = (T, C // head_dim, head_dim)
+    logw = -DECAY_SCALE * torch.sigmoid(w.float())  # (T, C)
+    rate = torch.sigmoid(a)  # (T, C)
+    kk = F.normalize((k * k_k).view(heads).float(), dim=-1).to(k.dtype)  # (T, NH, Dk)
+    k = k * (1 + (rate - 1) * k_a)
+    if v_first is not None:
+        v = torch.lerp(v, v_first, torch.sigmoid(v_gate))
+    vh = v.view(T, C // head_dim, -1)
+    rh, kh = r.view(heads), k.view(heads)
+    return rh, logw.view(heads), kh, vh, -kk, kk * rate.view(heads)
+
+
+def glue_output(
+    o: torch.Tensor,
+    r: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    r_k: torch.Tensor,
+    gn_weight: torch.Tensor,
+    gn_bias: torch.Tensor,
+    gn_eps: float,
+) -> torch.Tensor:
+    """`(group_norm(o) + sum(r * k * r_k) v) * g`, the input of `o_proj`.
+
+    Args:
+        o: `(T, NH, Dv)` the rule's output; r, k: `(T, NH, Dk)` (k after the `k_a` update);
+        v: `(T, NH, Dv)`; g: `(T, CV)`; r_k: `(NH, Dk)`; gn_weight, gn_bias: `(CV,)`.
+
+    Returns:
+        `(T, CV)` in g's dtype; math in float32.
+    """
+    of = o.float()
+    mean = of.mean(-1, keepdim=True)
+    var = (of - mean).square().mean(-1, keepdim=True)
+    normed = ((of - mean) * torch.rsqrt(var + gn_eps)).flatten(1)  # (T, CV)
+    normed = normed * gn_weight.float() + gn_bias.float()
+    bonus = (r.float() * k.float() * r_k.float()).sum(-1, keepdim=True) * v.float()
+    return ((normed + bonus.flatten(1)) * g.float()).to(g.dtype)
+
+
+def fused_update_ref(
+    r: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    g: torch.Tensor,
+    v_first: torch.Tensor | None,
+    v_gate: torch.Tensor | None,
+    k_k: torch.Tensor,
+    k_a: torch.Tensor,
+    r_k: torch.Tensor,
+    gn_weight: torch.Tensor,
+    gn_bias: torch.Tensor,
+    gn_eps: float,
+    states: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token per row of the whole time mix between its projections and `o_proj`:
+    `glue_inputs`, the rule's one-token update (`wkv7_update_ref`), `glue_output`.
+
+    Args: as `glue_inputs` and `glue_output`, one row per sequence (`(B, ...)`); states:
+        `(S, NH, Dv, Dk)` advanced in place; state_indices: `(B,)`, `PAD_SLOT_ID` skipped.
+
+    Returns:
+        `(B, CV)` in g's dtype.
+    """
+    head_dim = r_k.shape[-1]
+    rh, wh, kh, vh, ah, bh = glue_inputs(r, w, k, v, a, v_first, v_gate, k_k, k_a, head_dim)
+    o = wkv7_update_ref(rh, wh, kh, vh, ah, bh, states, state_indices)
+    return glue_output(o, rh, kh, vh, g, r_k, gn_weight, gn_bias, gn_eps)
+
+
+register_op_family(
+    FAMILY,
+    {
+        "varlen": wkv7_varlen_ref,
+        "update": wkv7_update_ref,
+        "shift_mix": shift_mix_ref,
+        "fused_update": fused_update_ref,
+    },
+)
