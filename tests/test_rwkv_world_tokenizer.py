@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from rwkv import rwkv_tokenizer  # the reference (a dev dependency)
 
 from tests.helpers.tmp_dirs import make_tmp_dir
 from vllm_mamba.engine.detokenizer import IncrementalDetokenizer
@@ -24,7 +25,6 @@ from vllm_mamba.rwkv_world_tokenizer import (
 )
 from vllm_mamba.tokenizer import default_tokenizer_source, load_tokenizer
 
-rwkv_tokenizer = pytest.importorskip("rwkv.rwkv_tokenizer")
 VOCAB = os.path.join(os.path.dirname(rwkv_tokenizer.__file__), "rwkv_vocab_v20230424.txt")
 NEWLINES = 261  # "\n\n"
 
