@@ -860,3 +860,32 @@ RWKV7 = {
         intermediate_size=160,
     ),
 }
+
+# RWKV-4 (transformers' `RwkvConfig`). The main variant rescales (`rescale_every` 2 < 3
+# blocks: the output weights of block 2 halved, the hidden states halved after block 1); the
+# second is tied, without rescaling. `attention_hidden_size` equals `hidden_size` (as in the
+# released models): transformers' generate sizes its WKV state by `hidden_size` and fails
+# otherwise (a narrower WKV is checked in tests/models/test_rwkv4.py).
+_COMMON_RWKV4 = dict(vocab_size=50280, context_length=1024, layer_norm_epsilon=1e-5)
+RWKV4 = {
+    # H 64, F 128, 3 blocks, rescale every 2, untied head.
+    "rwkv4-rescale": dict(
+        _COMMON_RWKV4,
+        hidden_size=64,
+        attention_hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        rescale_every=2,
+        tie_word_embeddings=False,
+    ),
+    # H 48, F 96, 2 blocks, no rescaling, tied head.
+    "rwkv4-tied": dict(
+        _COMMON_RWKV4,
+        hidden_size=48,
+        attention_hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        rescale_every=0,
+        tie_word_embeddings=True,
+    ),
+}

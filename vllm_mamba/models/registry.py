@@ -32,6 +32,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Lfm2ForCausalLM": "vllm_mamba.models.lfm2:Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM": "vllm_mamba.models.lfm2:Lfm2MoeForCausalLM",
     "RWKV7ForCausalLM": "vllm_mamba.models.rwkv7:RWKV7ForCausalLM",
+    "RwkvForCausalLM": "vllm_mamba.models.rwkv4:RwkvForCausalLM",
 }
 
 
