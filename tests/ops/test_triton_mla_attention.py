@@ -8,11 +8,6 @@ carry the `cuda` marker and skip without a CUDA device.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -50,20 +45,6 @@ DECODE_LENS = [1, 17, 0, 40]  # 0: a padding row
 def device(request: pytest.FixtureRequest) -> torch.device:
     """The CPU (in the interpreter) or a CUDA GPU, whichever this process can test."""
     return torch.device(request.param)
-
-
-@pytest.mark.skipif(IN_INTERPRETER, reason="this process runs the interpreter tests itself")
-def test_kernels_in_triton_interpreter() -> None:
-    """Runs this module's CPU tests in a child process that imports triton as interpreted."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("VLLM_MAMBA_OPS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda"]
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [*cmd, str(Path(__file__).resolve())],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
 def _scaled(lens: list[int], device: torch.device) -> list[int]:

@@ -1,19 +1,13 @@
 """The Triton kernels against the pure-PyTorch references, on the CPU and on a GPU.
 
-On the CPU the kernels run in the Triton interpreter. `TRITON_INTERPRET=1` only takes effect
-when it is set before triton is first imported (triton's own `tl.sum`, `tl.sigmoid`, ... are
-jitted at import), so a process that imported triton without it (a plain `pytest tests`) runs
-the CPU tests in a child pytest process started with it; that child runs them in-process.
+On the CPU the kernels run in the Triton interpreter, in the child pytest process that
+`test_triton_interpreter` starts for every Triton test module (see there why).
 The GPU tests carry the `cuda` marker and skip without a CUDA device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -52,20 +46,6 @@ LENS = [[5], [1, 7, 3, 12], [2, 1, 19]]
 def device(request: pytest.FixtureRequest) -> torch.device:
     """The CPU (in the interpreter) or a CUDA GPU, whichever this process can test."""
     return torch.device(request.param)
-
-
-@pytest.mark.skipif(IN_INTERPRETER, reason="this process runs the interpreter tests itself")
-def test_kernels_in_triton_interpreter() -> None:
-    """Runs this module's CPU tests in a child process that imports triton as interpreted."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("VLLM_MAMBA_OPS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda"]
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [*cmd, str(Path(__file__).resolve())],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
 def _on(case: VarlenCase, device: torch.device) -> VarlenCase:

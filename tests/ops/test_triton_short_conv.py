@@ -1,7 +1,7 @@
 """The Triton `short_conv` kernels (LFM2's gated short conv) against the references.
 
 On the CPU the kernels run in the Triton interpreter, in a child pytest process started with
-`TRITON_INTERPRET=1` when this process imported triton without it (see `test_triton_ops`).
+`TRITON_INTERPRET=1` when this process imported triton without it (see `test_triton_interpreter`).
 The GPU tests carry the `cuda` marker and skip without a CUDA device. The interpreter is slow,
 so the shapes are tiny.
 
@@ -96,19 +96,6 @@ def _tol(*dtypes: torch.dtype) -> dict[str, float]:
 def device(request: pytest.FixtureRequest) -> torch.device:
     """The CPU (in the interpreter) or a CUDA GPU, whichever this process can test."""
     return torch.device(request.param)
-
-
-@pytest.mark.skipif(IN_INTERPRETER, reason="this process runs the interpreter tests itself")
-def test_kernels_in_triton_interpreter() -> None:
-    """Runs this module's CPU tests in a child process that imports triton as interpreted."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("VLLM_MAMBA_OPS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda"]
-    proc = subprocess.run(
-        [*cmd, str(Path(__file__).resolve())],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
 def _assert_states(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """The Triton SSD kernels against `ssd_chunk_scan_varlen_ref` / `ssd_state_update_ref`.
 
 On the CPU the kernels run in the Triton interpreter, in a child pytest process started with
-`TRITON_INTERPRET=1` when this process imported triton without it (see `test_triton_ops`).
+`TRITON_INTERPRET=1` when this process imported triton without it (see `test_triton_interpreter`).
 The GPU tests carry the `cuda` marker and skip without a CUDA device.
 """
 
@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -46,20 +42,6 @@ SHAPES = [(4, 1, 3, 5), (4, 2, 40, 16), (4, 4, 16, 20), (6, 3, 5, 7)]
 def device(request: pytest.FixtureRequest) -> torch.device:
     """The CPU (in the interpreter) or a CUDA GPU, whichever this process can test."""
     return torch.device(request.param)
-
-
-@pytest.mark.skipif(IN_INTERPRETER, reason="this process runs the interpreter tests itself")
-def test_kernels_in_triton_interpreter() -> None:
-    """Runs this module's CPU tests in a child process that imports triton as interpreted."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("VLLM_MAMBA_OPS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda"]
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [*cmd, str(Path(__file__).resolve())],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
 def _case(
