@@ -45,6 +45,7 @@ from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
 from vllm_mamba.layers.token_shift import shift_mix
 from vllm_mamba.ops import rwkv7 as rwkv7_ops
+from vllm_mamba.ops.families import has_own_op
 from vllm_mamba.ops.table import MambaOps
 
 MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
@@ -143,6 +144,8 @@ class Rwkv7TimeMix(StatefulLayer):
         start, local = tp.range(heads, "RWKV-7 heads (hidden_size / head_dim)")
         self.ops = ops
         self.wkv = ops.family(rwkv7_ops.FAMILY)
+        # decode rows: the backend's fused glue, else its one-token rule inside tensor ops
+        self.fused_decode = has_own_op(rwkv7_ops.FAMILY, ops.name, "fused_update")
         self.layer_idx, self.value_first = layer_idx, value_first
         self.heads, self.head_dim, self.head_v_dim = local, head_dim, value_dim // heads
         self.hidden_size = hidden_size
@@ -185,8 +188,9 @@ class Rwkv7TimeMix(StatefulLayer):
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `x (T, H)` (the normed input), advancing `shift` and `wkv` in place.
 
-        Decode rows run the glue around the rule as one fused op (`fused_update`), prefill
-        chunks as tensor ops around the chunked rule (`glue_inputs`, `varlen`, `glue_output`).
+        Decode rows run the glue around the rule as one fused op (`fused_update`) where the
+        backend has one, else as tensor ops around its one-token rule; prefill chunks as tensor
+        ops around the chunked rule (`glue_inputs`, `varlen`, `glue_output`).
 
         Returns:
             `(T, H)` in the model dtype.
@@ -212,10 +216,17 @@ class Rwkv7TimeMix(StatefulLayer):
             def decode(rows: slice, slots: torch.Tensor) -> torch.Tensor:
                 first = None if v_first is None else v_first[rows]
                 gate = None if v_gate is None else v_gate[rows]
-                return self.wkv.fused_update(
-                    r[rows], w[rows], k[rows], v[rows], a[rows], g[rows], first, gate, *consts,
-                    *norm, states, slots,
+                if self.fused_decode:
+                    return self.wkv.fused_update(
+                        r[rows], w[rows], k[rows], v[rows], a[rows], g[rows], first, gate,
+                        *consts, *norm, states, slots,
+                    )  # fmt: skip
+                rh, wh, kh, vh, ah, bh = rwkv7_ops.glue_inputs(
+                    r[rows], w[rows], k[rows], v[rows], a[rows], first, gate, *consts,
+                    self.head_dim,
                 )  # fmt: skip
+                o = self.wkv.update(rh, wh, kh, vh, ah, bh, states, slots)
+                return rwkv7_ops.glue_output(o, rh, kh, vh, g[rows], *norm)
 
             parts.append(run_decode_waves(meta, [states], decode))
         if meta.num_prefills:

@@ -17,7 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import MappingProxyType, SimpleNamespace
 
-__all__ = ["register_op_family", "register_op_impl", "family_ops", "registered_families"]
+__all__ = [
+    "register_op_family",
+    "register_op_impl",
+    "family_ops",
+    "has_own_op",
+    "registered_families",
+]
 
 _REFS: dict[str, dict[str, Callable]] = {}
 _IMPLS: dict[tuple[str, str], dict[str, Callable]] = {}
@@ -58,6 +64,12 @@ def family_ops(family: str, backend: str) -> SimpleNamespace:
     if family not in _REFS:
         raise KeyError(f"op family {family!r} is not registered (known: {sorted(_REFS)})")
     return SimpleNamespace(**{**_REFS[family], **_IMPLS.get((family, backend), {})})
+
+
+def has_own_op(family: str, backend: str, op: str) -> bool:
+    """Whether `backend` registered its own version of `family`'s op `op` (else it runs the
+    reference): a layer may then prefer a composition of the backend's other ops."""
+    return op in _IMPLS.get((family, backend), {})
 
 
 def registered_families() -> Mapping[str, Mapping[str, Callable]]:
