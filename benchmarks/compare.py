@@ -30,6 +30,11 @@ own choice and llama.cpp the `--llama-cpp-home` build (`/tmp/llamacpp`: `-march=
 level of both systems is printed above the table (llama.cpp's read from its build's
 CMakeCache.txt).
 
+RWKV-7 (`make_model.py --arch rwkv7`, not in transformers: `--skip-transformers`):
+`--rwkv-pth FILE` adds the `rwkv` package on the same weights in BlinkDL's layout, at the
+`--dtype` (fp32 / bf16; it has no int8 for RWKV-7, so it is skipped with `--quantization`), one
+sequence only (no batching: its b32 / b128 cells are empty).
+
 Quantization: `--quantization int8` runs llama.cpp's Q8_0, `--quantization int4` (the
 engine's weight-only group-wise 4-bit) Q4_0 and Q4_K_M, one llama.cpp row each.
 
@@ -40,6 +45,9 @@ engine's weight-only group-wise 4-bit) Q4_0 and Q4_K_M, one llama.cpp row each.
     python benchmarks/compare.py --model /tmp/mamba-130m-random --quantization int4 --isa avx2
     python benchmarks/make_model.py /tmp/mamba2-130m-random --arch mamba2
     python benchmarks/compare.py --model /tmp/mamba2-130m-random --batches 1,32
+    python benchmarks/make_model.py /tmp/rwkv7-0.4b-random --arch rwkv7
+    python benchmarks/compare.py --model /tmp/rwkv7-0.4b-random --skip-transformers \
+        --rwkv-pth /tmp/rwkv7-0.4b-random/rwkv7-0.4b-random.pth
 """
 
 from __future__ import annotations
@@ -52,7 +60,13 @@ import statistics
 import sys
 import time
 
-from compare_systems import EngineSystem, LlamaCppSystem, TransformersSystem, random_prompts
+from compare_systems import (
+    EngineSystem,
+    LlamaCppSystem,
+    RwkvPackageSystem,
+    TransformersSystem,
+    random_prompts,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = "/tmp/mamba-130m-random"
@@ -91,6 +105,13 @@ def parse_args() -> argparse.Namespace:
         help="the engine's conv and SSM state dtype (auto: the model dtype)",
     )
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every system")
+    p.add_argument(
+        "--engine-threads",
+        type=int,
+        default=None,
+        help="pin the engine's threads (`threads=N`); default: the engine follows the load "
+        "(it drops a thread while a llama.cpp run of the previous repetition ends)",
+    )
     p.add_argument("--reps", type=int, default=3, help="repetitions; the median is reported")
     p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill prompt")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens of decode runs")
@@ -106,6 +127,15 @@ def parse_args() -> argparse.Namespace:
         help="bin/llama-bench, bin/llama-batched-bench and gguf/<model>-<type>.gguf live here "
         f"(default: {LLAMA_BASE}-<isa> with --isa when it exists, else $LLAMA_CPP_HOME or "
         f"{DEFAULT_LLAMA_HOME})",
+    )
+    p.add_argument(
+        "--rwkv-pth",
+        default=None,
+        help="a BlinkDL RWKV-7 .pth file of the same weights: also run the `rwkv` package "
+        "(float32 / bfloat16 only, one sequence)",
+    )
+    p.add_argument(
+        "--rwkv-jit", type=int, default=1, choices=[0, 1], help="the rwkv package's RWKV_JIT_ON"
     )
     p.add_argument("--json", default=None, help="also write every sample to this file")
     return p.parse_args()
@@ -173,13 +203,22 @@ def build_systems(args: argparse.Namespace) -> list:
     """The systems to measure; llama.cpp ones only when their tools and GGUF files exist."""
     systems: list = [
         EngineSystem(
-            args.model, args.dtype, max(args.batches), args.quantization, args.ssm_state_dtype
+            args.model,
+            args.dtype,
+            max(args.batches),
+            args.quantization,
+            args.ssm_state_dtype,
+            args.engine_threads,
         )
     ]
     if not args.skip_transformers:
         systems.append(
             TransformersSystem(args.model, args.dtype, args.hf_decode_tokens, args.hf_max_batch)
         )
+    if args.rwkv_pth and args.quantization:
+        print(f"rwkv package skipped: it has no {args.quantization} for RWKV-7")
+    elif args.rwkv_pth:
+        systems.append(RwkvPackageSystem(args.rwkv_pth, args.dtype, bool(args.rwkv_jit)))
     if args.skip_llama_cpp:
         return systems
     bin_dir = os.path.join(args.llama_cpp_home, "bin")

@@ -1,4 +1,5 @@
-"""The systems `compare.py` measures: this engine, `transformers` and llama.cpp's tools.
+"""The systems `compare.py` measures: this engine, `transformers`, llama.cpp's tools and the
+`rwkv` package (RWKV-7 `.pth` files).
 
 Each system has a `name`, `warm_up(prompt_len)`, `prefill(prompt) -> tokens/s`,
 `decode(prompts, num_tokens) -> aggregate decode tokens/s` (None when it does not run that
@@ -35,11 +36,13 @@ class EngineSystem:
         max_batch: int,
         quantization: str | None = None,
         ssm_state_dtype: str = "auto",
+        threads: int | None = None,
     ) -> None:
         from vllm_mamba import LLM
 
         self.name = "engine"
         self.dtype = dtype
+        self.threads = threads
         self.llm = LLM(
             model,
             dtype=dtype,
@@ -49,6 +52,7 @@ class EngineSystem:
             max_model_len=4096,
             quantization=quantization,
             ssm_state_dtype=ssm_state_dtype,
+            **({"threads": threads} if threads else {}),
         )
         self._ids = itertools.count()
 
@@ -83,8 +87,9 @@ class EngineSystem:
 
     def notes(self) -> list[str]:
         return [
-            f"vllm_mamba {self.dtype}, torch {torch.__version__}, {torch.get_num_threads()} "
-            "threads; prefill: LLM.generate with max_tokens=1; decode: LLMEngine.step after "
+            f"vllm_mamba {self.dtype}, torch {torch.__version__}, "
+            + (f"{self.threads} threads pinned" if self.threads else "threads following the load")
+            + "; prefill: LLM.generate with max_tokens=1; decode: LLMEngine.step after "
             "every prompt has its first token"
         ]
 
@@ -188,4 +193,60 @@ class LlamaCppSystem:
         return [
             f"{os.path.basename(self.gguf)}, {self.threads} threads, {self.build}; prefill "
             "and b1: llama-bench -p/-n; b>1: llama-batched-bench S_TG"
+        ]
+
+
+class RwkvPackageSystem:
+    """The `rwkv` package's RWKV-7 (`rwkv.model.RWKV` on a BlinkDL `.pth` file, CPU, JIT as
+    `jit` says): prefill is one `forward` over the prompt, decode one `forward` per token with
+    greedy argmax. No batching: decode runs only for one sequence (None for more)."""
+
+    def __init__(self, pth_file: str, dtype: str, jit: bool = True) -> None:
+        # read when rwkv.model is first imported
+        os.environ.update(
+            {"RWKV_V7_ON": "1", "RWKV_JIT_ON": "1" if jit else "0", "RWKV_CUDA_ON": "0"}
+        )
+        from importlib.metadata import version
+
+        from rwkv.model import RWKV
+
+        self.precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+        self.name = f"rwkv {self.precision}"
+        self.jit = jit
+        self.version = version("rwkv")
+        assert pth_file.endswith(".pth"), pth_file
+        self.model = RWKV(model=pth_file[: -len(".pth")], strategy=f"cpu {self.precision}")
+
+    @torch.no_grad()
+    def _forward(self, tokens: list[int], state: list | None) -> tuple[torch.Tensor, list]:
+        return self.model.forward(list(tokens), state)
+
+    def warm_up(self, prompt_len: int) -> None:
+        self.prefill(random_prompts(1, 64, seed=0)[0])
+        self.decode(random_prompts(1, prompt_len, seed=0), 4)
+
+    def prefill(self, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        logits, _ = self._forward(prompt, None)
+        int(logits.argmax())
+        return len(prompt) / (time.perf_counter() - start)
+
+    def decode(self, prompts: list[list[int]], num_tokens: int) -> float | None:
+        """The prompt, then `num_tokens - 1` timed one-token steps (the engine's decode steps
+        after the first token)."""
+        if len(prompts) != 1:
+            return None
+        logits, state = self._forward(prompts[0], None)
+        token = int(logits.argmax())
+        start = time.perf_counter()
+        for _ in range(num_tokens - 1):
+            logits, state = self._forward([token], state)
+            token = int(logits.argmax())
+        return (num_tokens - 1) / (time.perf_counter() - start)
+
+    def notes(self) -> list[str]:
+        return [
+            f"rwkv package {self.version} RWKV-7, strategy 'cpu {self.precision}', "
+            f"RWKV_JIT_ON={int(self.jit)}, torch {torch.__version__}; prefill: one forward over "
+            "the prompt; decode: one forward per token, 1 sequence only (no batching)"
         ]

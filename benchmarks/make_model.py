@@ -1,9 +1,17 @@
-"""Writes a benchmark model with random weights: `mamba-130m-hf`- or `mamba2-130m`-shaped.
+"""Writes a benchmark model with random weights: `mamba-130m-hf`-, `mamba2-130m`- or
+`rwkv7-0.4B-world`-shaped.
 
 - `--arch mamba` (default): MambaForCausalLM, 24 layers, hidden 768, state 16, conv 4,
   expand 2, vocab 50,280, tied embeddings.
 - `--arch mamba2`: Mamba2ForCausalLM, 24 layers, hidden 768, expand 2, 24 heads of 64, one
   group, state 128, conv 4, SSD chunks of 256, vocab 50,288, tied embeddings.
+- `--arch rwkv7`: RWKV7ForCausalLM in fla-hub's layout (fla-hub/rwkv7-0.4B-world's config:
+  24 layers, hidden 1024, heads of 64, channel mix 4096, vocab 65,536, LoRA ranks decay 64,
+  a 64, v 32, gate 128, untied head), `model.safetensors` + `config.json`, and the same
+  weights in BlinkDL's layout as `<dir name>.pth` (for the `rwkv` package; the engine reads
+  `config.json` when both are there), beside the installed `rwkv` package's World vocabulary
+  `rwkv_vocab_v20230424.txt` (the engine's and llama.cpp's converter's tokenizer). Not in
+  transformers: drawn by `tests/helpers/rwkv_checkpoints.py` at the released models' scales.
 
 Float32, saved with `save_pretrained` beside the GPT-NeoX tokenizer of the
 `state-spaces/mamba-*-hf` checkpoints. Default initialisation gives near-constant outputs, so
@@ -12,6 +20,7 @@ every weight except `A_log`, `D`, `dt_bias` and the norms is re-drawn from a see
 
     python benchmarks/make_model.py /tmp/mamba-130m-random
     python benchmarks/make_model.py /tmp/mamba2-130m-random --arch mamba2
+    python benchmarks/make_model.py /tmp/rwkv7-0.4b-random --arch rwkv7
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 
 import torch
 
@@ -64,11 +74,26 @@ MAMBA2_130M = dict(
     pad_token_id=0,
 )
 
+# fla-hub/rwkv7-0.4B-world's config.json (fla's field names)
+RWKV7_04B = dict(
+    hidden_size=1024,
+    num_hidden_layers=24,
+    head_dim=64,
+    intermediate_size=4096,
+    vocab_size=65536,
+    decay_low_rank_dim=64,
+    a_low_rank_dim=64,
+    v_low_rank_dim=32,
+    gate_low_rank_dim=128,
+)
+RWKV_VOCAB = "rwkv_vocab_v20230424.txt"
+
 # architecture -> (transformers config class, model class, shape)
 ARCHS = {
     "mamba": ("MambaConfig", "MambaForCausalLM", MAMBA_130M),
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", MAMBA2_130M),
 }
+OTHER_ARCHS = ["rwkv7"]  # not in transformers: written by their own path below
 
 
 def build_model(seed: int = 0, std: float = 0.1, arch: str = "mamba"):  # noqa: ANN201
@@ -94,8 +119,45 @@ def build_model(seed: int = 0, std: float = 0.1, arch: str = "mamba"):  # noqa: 
     return model
 
 
+def write_rwkv7(path: str, seed: int = 0) -> str:
+    """The RWKV-7 0.4B-shaped model in both layouts and the World vocabulary, into `path`."""
+    import json
+
+    import rwkv
+    from safetensors.torch import save_file
+
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
+    from tests.helpers.rwkv_checkpoints import rwkv7_state_dict, to_fla_layout
+
+    os.makedirs(path, exist_ok=True)
+    sd = rwkv7_state_dict(RWKV7_04B, seed)
+    torch.save(sd, os.path.join(path, os.path.basename(os.path.normpath(path)) + ".pth"))
+    fla = {k: v.contiguous() for k, v in to_fla_layout(sd).items()}
+    save_file(fla, os.path.join(path, "model.safetensors"))
+    config = {
+        "model_type": "rwkv7",
+        "architectures": ["RWKV7ForCausalLM"],
+        **RWKV7_04B,
+        "hidden_act": "sqrelu",
+        "norm_eps": 1e-5,
+        "norm_bias": True,
+        "norm_first": True,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "torch_dtype": "float32",
+    }
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    shutil.copy(os.path.join(os.path.dirname(rwkv.__file__), RWKV_VOCAB), path)
+    return path
+
+
 def write_model(path: str, seed: int = 0, arch: str = "mamba") -> str:
     """Saves the model and the tokenizer into `path` (created if missing); returns `path`."""
+    if arch == "rwkv7":
+        return write_rwkv7(path, seed)
     model = build_model(seed, arch=arch)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
@@ -109,7 +171,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("path", nargs="?", default=DEFAULT_DIR, help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    parser.add_argument("--arch", default="mamba", choices=sorted(ARCHS), help="model shape")
+    parser.add_argument(
+        "--arch", default="mamba", choices=sorted(ARCHS) + OTHER_ARCHS, help="model shape"
+    )
     args = parser.parse_args()
     path = write_model(args.path, args.seed, args.arch)
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))

@@ -25,8 +25,10 @@
 #   .../vendor/llama.cpp/build (native), build-avx2, build-avx512  the cmake build directories
 #
 # F32, BF16, F16 and Q8_0 come from convert_hf_to_gguf.py; Q4_0 and Q4_K_M (which it cannot
-# write) from llama-quantize run on the F32 file. A model directory whose name contains
-# "mamba2" is made with `make_model.py --arch mamba2` when missing (ARCH overrides).
+# write) from llama-quantize run on the F32 file. A missing model directory is made with
+# `make_model.py`: `--arch mamba2` or `--arch rwkv7` when its name contains "mamba2" or
+# "rwkv7", else `--arch mamba` (ARCH overrides). RWKV-7 (fla-hub's layout) converts with the
+# World vocabulary file `rwkv_vocab_v20230424.txt` that make_model.py puts beside it.
 #
 # Set INSTALL_PYTHON_PACKAGE=1 to also `pip install llama-cpp-python` (builds llama.cpp once
 # more, about 5+ minutes on 2 cores). Steps already done are skipped.
@@ -75,11 +77,12 @@ if [ ! -e "$LLAMA_CPP_HOME/gguf" ]; then
     ln -s "$LLAMA_CPP_BASE/gguf" "$LLAMA_CPP_HOME/gguf"
 fi
 
-# 1. The benchmark model (random weights, mamba-130m-hf or mamba2-130m shape, GPT-NeoX
-#    tokenizer).
+# 1. The benchmark model (random weights, mamba-130m-hf or mamba2-130m shape with the
+#    GPT-NeoX tokenizer, or rwkv7-0.4B-world shape with the World vocabulary).
 if [ ! -f "$MODEL_DIR/config.json" ]; then
     case "$(basename "$MODEL_DIR")" in
     *mamba2*) ARCH="${ARCH:-mamba2}" ;;
+    *rwkv7*) ARCH="${ARCH:-rwkv7}" ;;
     *) ARCH="${ARCH:-mamba}" ;;
     esac
     "$PYTHON" "$REPO_ROOT/benchmarks/make_model.py" "$MODEL_DIR" --arch "$ARCH"
