@@ -26,7 +26,12 @@ from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops import cpu_kernels, rwkv4, rwkv7
 from vllm_mamba.ops.families import family_ops
 from vllm_mamba.ops.rwkv4 import MAX_INIT, wkv4_update_ref, wkv4_varlen_ref
-from vllm_mamba.ops.rwkv7 import wkv7_update_ref, wkv7_varlen_ref
+from vllm_mamba.ops.rwkv7 import (
+    fused_update_ref,
+    shift_mix_ref,
+    wkv7_update_ref,
+    wkv7_varlen_ref,
+)
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(),
@@ -276,6 +281,186 @@ def test_rwkv7_non_contiguous_states_is_an_error() -> None:
         cpu_kernels.rwkv7_update(*(x[:1] for x in c.inputs()), states, c.state_indices)
 
 
+@pytest.mark.parametrize("lens", [[1000], [9, 8, 7, 30]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rwkv7_long_sequences_transposed(lens: list[int], dtype: torch.dtype) -> None:
+    """Sequences of at least 8 tokens run on the transposed state (axpys along the value rows):
+    a long one, and lengths around the switch, with and without initial states."""
+    check7_varlen(make7(lens, (2, 64, 64), dtype=dtype, state_dtype=dtype, pad=(), init=None))
+    check7_varlen(make7([20, 3, 12], (1, 264, 40), dtype=dtype, pad=(1,), init=True, seed=1))
+
+
+# --- RWKV-7 decode glue: shift_mix and fused_update ---------------------------------------------
+#
+# Tolerances. fused_update does its math in float32 and rounds the intermediates that the
+# reference's tensor ops round to a bfloat16 model dtype (the rate, kk, the k_a update, b, the
+# v_first lerp, the rule's output). float32 inputs: F32_TOL as the rule's tests. bfloat16: the
+# kernel's float32 sums (the kk norm, the rule's dot products, the group norm's moments) are
+# in other orders than torch's, so a rounded intermediate can land one bfloat16 ulp away; the
+# group norm scales such an ulp of the rule's output by the head's 1 / std, so the outputs
+# (order 1-3) agree to a few bfloat16 ulps (GLUE_BF16_TOL), the states to one.
+GLUE_BF16_TOL = {"rtol": 2**-5, "atol": 2**-5}
+# (NH, Dk, Dv): the released head size; one vector; a non-multiple of 16; Dv != Dk.
+GLUE_HEADS = [(2, 64, 64), (1, 16, 16), (3, 24, 24), (2, 24, 40)]
+
+
+def make_glue(
+    rows: int,
+    heads: tuple[int, int, int],
+    *,
+    dtype: torch.dtype,
+    state_dtype: torch.dtype,
+    first_layer: bool,
+    pad: tuple[int, ...],
+    seed: int = 0,
+) -> dict:
+    """fused_update's arguments as an RWKV-7 layer passes them: w, a and v_gate strided views
+    of one wider projection output; parameters in the model dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    nh, dk, dv = heads
+    c, cv = nh * dk, nh * dv
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    lora = randn(rows, 2 * c + cv + 3, scale=2.0)  # w_raw | a_raw | v_gate side by side
+    slots = torch.randperm(rows + 3, generator=gen)[:rows]
+    slots[list(pad)] = PAD_SLOT_ID
+    return {
+        "r": randn(rows, c),
+        "w": lora[:, 1 : 1 + c],
+        "k": randn(rows, c),
+        "v": randn(rows, cv),
+        "a": lora[:, 1 + c : 1 + 2 * c],
+        "g": randn(rows, cv),
+        "v_first": None if first_layer else randn(rows, cv),
+        "v_gate": None if first_layer else lora[:, 2 + 2 * c : 2 + 2 * c + cv],
+        "k_k": randn(c, scale=0.5) + 1,
+        "k_a": randn(c, scale=0.5) + 1,
+        "r_k": randn(nh, dk, scale=0.5),
+        "gn_weight": randn(cv, scale=0.2) + 1,
+        "gn_bias": randn(cv, scale=0.1),
+        "gn_eps": 64e-5,
+        "states": (torch.randn(rows + 3, nh, dv, dk, generator=gen) * 0.5).to(state_dtype),
+        "state_indices": slots.to(torch.int32),
+    }
+
+
+def check_fused_update(args: dict) -> None:
+    ref = {**args, "states": args["states"].clone()}
+    want = fused_update_ref(**ref)
+    before = args["states"].clone()
+    got = cpu_kernels.rwkv7_fused_update(**args)
+    g, states = args["g"], args["states"]
+    assert got.dtype == g.dtype and got.shape == want.shape
+    tol = GLUE_BF16_TOL if g.dtype == torch.bfloat16 else F32_TOL
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    s_tol = _tol(torch.bfloat16) if torch.bfloat16 in (g.dtype, states.dtype) else F32_TOL
+    torch.testing.assert_close(states.float(), ref["states"].float(), **s_tol)
+    used = torch.zeros(states.shape[0], dtype=torch.bool)
+    idx = args["state_indices"]
+    used[idx[idx != PAD_SLOT_ID].long()] = True
+    assert torch.equal(states[~used], before[~used])
+
+
+@pytest.mark.parametrize("heads", GLUE_HEADS)
+@pytest.mark.parametrize("first_layer", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rwkv7_fused_update(
+    heads: tuple[int, int, int], first_layer: bool, dtype: torch.dtype
+) -> None:
+    """Five rows (more than the threads), padding rows first and in the middle; the state in
+    the model dtype."""
+    args = make_glue(5, heads, dtype=dtype, state_dtype=dtype, first_layer=first_layer, pad=(0, 3))
+    check_fused_update(args)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_rwkv7_fused_update_one_row(threads: int, state_dtype: torch.dtype) -> None:
+    """Batch 1 with 16 heads (split over the threads), bfloat16 activations over float32 and
+    bfloat16 states; then a padding row alone."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for first_layer in (True, False):
+            args = make_glue(
+                1, (16, 64, 64), dtype=torch.bfloat16, state_dtype=state_dtype,
+                first_layer=first_layer, pad=(), seed=2,
+            )  # fmt: skip
+            check_fused_update(args)
+        check_fused_update(
+            make_glue(
+                1, (2, 64, 64), dtype=torch.float32, state_dtype=state_dtype,
+                first_layer=False, pad=(0,),
+            )
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_rwkv7_fused_update_equals_glue_around_update() -> None:
+    """float32: the same as `glue_inputs`, the C++ one-token update and `glue_output`, over
+    three steps (the state carried)."""
+    args = make_glue(
+        4, (2, 64, 64), dtype=torch.float32, state_dtype=torch.float32, first_layer=False,
+        pad=(2,),
+    )  # fmt: skip
+    ref_states = args["states"].clone()
+    for _ in range(3):
+        got = cpu_kernels.rwkv7_fused_update(**args)
+        r = {**args, "states": ref_states}
+        parts = rwkv7.glue_inputs(
+            r["r"], r["w"], r["k"], r["v"], r["a"], r["v_first"], r["v_gate"], r["k_k"],
+            r["k_a"], 64,
+        )  # fmt: skip
+        o = cpu_kernels.rwkv7_update(*parts, ref_states, r["state_indices"])
+        rh, _, kh, vh, _, _ = parts
+        want = rwkv7.glue_output(
+            o, rh, kh, vh, r["g"], r["r_k"], r["gn_weight"], r["gn_bias"], r["gn_eps"]
+        )
+        torch.testing.assert_close(got, want, **F32_TOL)
+        torch.testing.assert_close(args["states"], ref_states, **F32_TOL)
+
+
+@pytest.mark.parametrize("mixes", [6, 1, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rwkv7_shift_mix(mixes: int | None, dtype: torch.dtype, rows: int) -> None:
+    """Six mixes (the time mix), one as `(1, 1, H)` and as `(H,)` (the channel mix); a row
+    with a padding slot when B > 1; x a row slice of a wider tensor; 300 channels (more than
+    one task, a vector tail)."""
+    gen = torch.Generator().manual_seed(rows)
+    chans = 300
+    x = torch.randn(rows, chans + 7, generator=gen).to(dtype)[:, 3 : 3 + chans]
+    shape = (chans,) if mixes is None else (mixes, 1, chans)
+    mix = torch.rand(*shape, generator=gen).to(dtype)
+    shift = torch.randn(rows + 2, chans, generator=gen).to(dtype)
+    slots = torch.randperm(rows + 2, generator=gen)[:rows].to(torch.int32)
+    if rows > 1:
+        slots[1] = PAD_SLOT_ID
+    want_shift = shift.clone()
+    want = shift_mix_ref(x, want_shift, slots, mix)
+    got = cpu_kernels.rwkv7_shift_mix(x, shift, slots, mix)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    assert torch.equal(shift, want_shift)
+
+
+def test_rwkv7_shift_mix_float32_state_of_bfloat16_rows() -> None:
+    """A float32 shift with bfloat16 rows: x' read rounded to x's dtype, x saved widened."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    mix = torch.rand(6, 1, 64, generator=gen).bfloat16()
+    shift = torch.randn(4, 64, generator=gen)
+    slots = torch.tensor([2, PAD_SLOT_ID, 0])
+    want_shift = shift.clone()
+    want = shift_mix_ref(x, want_shift, slots, mix)
+    got = cpu_kernels.rwkv7_shift_mix(x, shift, slots, mix)
+    torch.testing.assert_close(got, want, **BF16_TOL)
+    assert torch.equal(shift, want_shift)
+
+
 # --- RWKV-4 -----------------------------------------------------------------------------------
 
 
@@ -426,4 +611,6 @@ def test_rwkv4_non_float32_states_is_an_error() -> None:
 def test_registered_for_cpp_backend() -> None:
     ops7, ops4 = family_ops(rwkv7.FAMILY, "cpp"), family_ops(rwkv4.FAMILY, "cpp")
     assert ops7.varlen is cpu_kernels.rwkv7_varlen and ops7.update is cpu_kernels.rwkv7_update
+    assert ops7.shift_mix is cpu_kernels.rwkv7_shift_mix
+    assert ops7.fused_update is cpu_kernels.rwkv7_fused_update
     assert ops4.varlen is cpu_kernels.rwkv4_varlen and ops4.update is cpu_kernels.rwkv4_update

@@ -66,6 +66,8 @@ _OP_NAMES = (
     "short_conv_varlen",
     "rwkv7_varlen",
     "rwkv7_update",
+    "rwkv7_shift_mix",
+    "rwkv7_fused_update",
     "rwkv4_varlen",
     "rwkv4_update",
 )
@@ -695,7 +697,67 @@ def rwkv7_update(
     return torch.ops.vllm_mamba.rwkv7_update(r, w, k, v, a, b, states, state_indices)
 
 
-register_op_impl(rwkv7.FAMILY, "cpp", varlen=rwkv7_varlen, update=rwkv7_update)
+def rwkv7_shift_mix(
+    x: torch.Tensor, shift: torch.Tensor, state_indices: torch.Tensor, mixes: torch.Tensor
+) -> torch.Tensor:
+    """Decode rows' token shift and mixes (`csrc/rwkv.cpp`); see `shift_mix_ref`.
+
+    Args:
+        x: `(B, H)` float32 or bfloat16 (a free row stride read in place); shift: `(S, H)`,
+            contiguous, updated in place; state_indices: `(B,)`, `PAD_SLOT_ID` rows neither
+            read nor write; mixes: `(M, 1, H)` or `(H,)`.
+
+    Returns:
+        `(M, B, H)` (`(B, H)` for `(H,)` mixes) in x's dtype.
+    """
+    return torch.ops.vllm_mamba.rwkv7_shift_mix(x, shift, state_indices, mixes)
+
+
+def rwkv7_fused_update(
+    r: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    g: torch.Tensor,
+    v_first: torch.Tensor | None,
+    v_gate: torch.Tensor | None,
+    k_k: torch.Tensor,
+    k_a: torch.Tensor,
+    r_k: torch.Tensor,
+    gn_weight: torch.Tensor,
+    gn_bias: torch.Tensor,
+    gn_eps: float,
+    states: torch.Tensor,
+    state_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token per row of RWKV-7's time mix between its projections and `o_proj`
+    (`csrc/rwkv.cpp`); see `fused_update_ref`.
+
+    Args:
+        r, w, k, a: `(B, C)`; v, g, v_first, v_gate: `(B, CV)` (v_first, v_gate None in layer
+            0); each float32 or bfloat16, views with a free row stride read in place.
+        k_k, k_a: `(C,)`; r_k: `(NH, Dk)`; gn_weight, gn_bias: `(CV,)`.
+        states: `(S, NH, Dv, Dk)`, contiguous, float32 or bfloat16; updated in place.
+        state_indices: `(B,)`, `PAD_SLOT_ID` rows skipped (outputs of a zero state).
+
+    Returns:
+        `(B, CV)` in g's dtype; math in float32.
+    """
+    return torch.ops.vllm_mamba.rwkv7_fused_update(
+        r, w, k, v, a, g, v_first, v_gate, k_k, k_a, r_k, gn_weight, gn_bias, gn_eps, states,
+        state_indices,
+    )  # fmt: skip
+
+
+register_op_impl(
+    rwkv7.FAMILY,
+    "cpp",
+    varlen=rwkv7_varlen,
+    update=rwkv7_update,
+    shift_mix=rwkv7_shift_mix,
+    fused_update=rwkv7_fused_update,
+)
 
 
 def rwkv4_varlen(
