@@ -43,6 +43,7 @@ KERNEL_TESTS = [
     "tests/ops/test_linear.py",
     "tests/ops/test_paged_attention.py",
     "tests/ops/test_rwkv_kernels.py",
+    "tests/ops/test_rwkv7_decode_layer.py",
     "tests/ops/test_fused_decode.py",
 ]
 

@@ -25,7 +25,9 @@ Each part is registered under the checkpoint's own name (`mixer`, `mamba`, `self
 `feed_forward`, `input_layernorm`, ...), so loading stays an identity mapping.
 
 A decode-only step of a layer whose one mixer is a state-space mixer with `fused_decode`
-runs norm, mixer and residual as one fused kernel call (`fused_decode_layer`).
+runs norm, mixer and residual as one fused kernel call (`fused_decode_layer`). A layer of one
+mixer with a `decode_layer(layer, hidden, meta)` method and one stateful feed-forward part
+(RWKV-7) offers the mixer its whole step first (`rwkv7_decode`); None runs it unfused.
 
 Glossary: T tokens in the step, H hidden size.
 """
@@ -95,6 +97,32 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = float(residual_multiplier)
         self.residual_in_fp32 = residual_in_fp32
         self._fusable = self._fused_mixer() is not None
+        self._fuses_layer = self._whole_layer_fusable()
+
+    def _whole_layer_fusable(self) -> bool:
+        """Whether the one mixer may run this whole layer's decode steps (`decode_layer`)."""
+        if len(self._mixers) != 1 or len(self._ffn_names) != 1 or self.residual_multiplier != 1:
+            return False
+        if self._post_norm_name or self._ffn_post_norm_name or self.residual_in_fp32:
+            return False
+        name, in_scale, out_scale = self._mixers[0]
+        return (
+            in_scale == out_scale == 1.0
+            and hasattr(getattr(self, name), "decode_layer")
+            and self._ffn_names[0] in self._ffn_with_state
+        )
+
+    def part_names(self) -> dict[str, str | None]:
+        """The registered names of the layer's norms (None where absent)."""
+        return {
+            "pre_norm": self._pre_norm_name, "norm": self._norm_name,
+            "post_norm": self._post_norm_name, "ffn_norm": self._ffn_norm_name,
+            "ffn_post_norm": self._ffn_post_norm_name,
+        }  # fmt: skip
+
+    def stateful_ffn(self) -> nn.Module:
+        """The layer's first feed-forward part that keeps per-sequence state."""
+        return next(getattr(self, n) for n in self._ffn_names if n in self._ffn_with_state)
 
     def _fused_mixer(self) -> StateSpaceMixer | None:
         """The one mixer whose decode steps may fuse with this layer's norm and residual."""
@@ -111,6 +139,10 @@ class DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, meta: object, embeds: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`; `embeds` (the step's embeddings) is not read here."""
+        if self._fuses_layer:
+            fused = getattr(self, self._mixers[0][0]).decode_layer(self, hidden, meta)
+            if fused is not None:
+                return fused
         hidden = self._normed(self._pre_norm_name, hidden)
         if self._mixers:
             hidden = self._mix(hidden, meta)

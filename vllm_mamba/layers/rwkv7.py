@@ -40,6 +40,7 @@ from torch import nn
 from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers import rwkv7_decode
 from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
@@ -146,6 +147,8 @@ class Rwkv7TimeMix(StatefulLayer):
         self.wkv = ops.family(rwkv7_ops.FAMILY)
         # decode rows: the backend's fused glue, else its one-token rule inside tensor ops
         self.fused_decode = has_own_op(rwkv7_ops.FAMILY, ops.name, "fused_update")
+        # decode-only steps of a few rows: the whole decoder layer in one call (`rwkv7_decode`)
+        self.fused_layer = has_own_op(rwkv7_ops.FAMILY, ops.name, "decode_layer")
         self.layer_idx, self.value_first = layer_idx, value_first
         self.heads, self.head_dim, self.head_v_dim = local, head_dim, value_dim // heads
         self.hidden_size = hidden_size
@@ -184,6 +187,13 @@ class Rwkv7TimeMix(StatefulLayer):
                 StateTensor("wkv", (self.heads, self.head_v_dim, self.head_dim), "recurrent"),
             )
         )
+
+    def decode_layer(
+        self, layer: nn.Module, hidden: torch.Tensor, meta: MambaMetadata
+    ) -> torch.Tensor | None:
+        """The whole decoder layer's step on `hidden (T, H)` in one fused call, or None where
+        that does not apply (`layers.rwkv7_decode`)."""
+        return rwkv7_decode.layer_step(self, layer, hidden, meta)
 
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `x (T, H)` (the normed input), advancing `shift` and `wkv` in place.

@@ -68,6 +68,7 @@ _OP_NAMES = (
     "rwkv7_update",
     "rwkv7_shift_mix",
     "rwkv7_fused_update",
+    "fused_rwkv7_decode",
     "rwkv4_varlen",
     "rwkv4_update",
 )
@@ -750,6 +751,29 @@ def rwkv7_fused_update(
     )  # fmt: skip
 
 
+def rwkv7_decode_layer(
+    hidden: torch.Tensor,
+    params: list[torch.Tensor | None],
+    tm_shift: torch.Tensor,
+    wkv_states: torch.Tensor,
+    cm_shift: torch.Tensor,
+    state_indices: torch.Tensor,
+    v_first: torch.Tensor | None,
+    norm_eps: float,
+    gn_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One RWKV-7 decoder layer for up to 8 decode rows in one call
+    (`csrc/fused_decode_rwkv7.cpp`); see `decode_layer_ref` (more rows: the reference)."""
+    if hidden.shape[0] > SMALL_BATCH:
+        return rwkv7.decode_layer_ref(
+            hidden, params, tm_shift, wkv_states, cm_shift, state_indices, v_first, norm_eps,
+            gn_eps,
+        )  # fmt: skip
+    return torch.ops.vllm_mamba.fused_rwkv7_decode(
+        hidden, params, tm_shift, wkv_states, cm_shift, state_indices, v_first, norm_eps, gn_eps
+    )
+
+
 register_op_impl(
     rwkv7.FAMILY,
     "cpp",
@@ -757,6 +781,7 @@ register_op_impl(
     update=rwkv7_update,
     shift_mix=rwkv7_shift_mix,
     fused_update=rwkv7_fused_update,
+    decode_layer=rwkv7_decode_layer,
 )
 
 

@@ -43,6 +43,8 @@ import torch.nn.functional as F
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops.families import register_op_family
+from vllm_mamba.ops.int4_linear import dequantize_int4
+from vllm_mamba.ops.int8_linear import dequantize_int8
 
 __all__ = [
     "FAMILY",
@@ -54,6 +56,8 @@ __all__ = [
     "glue_inputs",
     "glue_output",
     "fused_update_ref",
+    "DECODE_LAYER_PARAMS",
+    "decode_layer_ref",
 ]
 
 FAMILY = "rwkv7"
@@ -275,6 +279,88 @@ def fused_update_ref(
     return glue_output(o, rh, kh, vh, g, r_k, gn_weight, gn_bias, gn_eps)
 
 
+# The tensors of one decoder layer for `decode_layer`, in order (`csrc/fused_decode_rwkv7.cpp`'s
+# `Param`): the norms' weights and biases (`pre_*` layer 0's only) and the LoRAs' biases
+# float32; the mixes `(6, 1, H)`, the channel mix's `cm_x_k (H,)`, k_k, k_a, r_k and the group
+# norm's `gn_*` in the model dtype; the projection weights `*_w` (float, int8 or 4-bit) with
+# their quantisation scales `*_s` at the end (None for float weights). `v1_*` / `v2_*` (the
+# value LoRA) are None in layer 0.
+DECODE_LAYER_PARAMS = (
+    "pre_w", "pre_b", "attn_w", "attn_b", "mixes",
+    "r_w", "k_w", "v_w", "o_w",
+    "w1_w", "w2_w", "w2_b", "a1_w", "a2_w", "a2_b", "g1_w", "g2_w", "v1_w", "v2_w", "v2_b",
+    "k_k", "k_a", "r_k", "gn_w", "gn_b",
+    "ffn_w", "ffn_b", "cm_x_k", "key_w", "value_w",
+    "r_s", "k_s", "v_s", "o_s", "w1_s", "w2_s", "a1_s", "a2_s", "g1_s", "g2_s", "v1_s", "v2_s",
+    "key_s", "value_s",
+)  # fmt: skip
+
+
+def _project(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`x @ weight^T + bias` in float32 (an int8 or 4-bit weight dequantised), in x's dtype."""
+    if scale is None:
+        w = weight.float()
+    elif weight.dtype == torch.uint8:
+        w = dequantize_int4(weight, scale, torch.float32)
+    else:
+        w = dequantize_int8(weight, scale, torch.float32)
+    return F.linear(x.float(), w, bias).to(x.dtype)
+
+
+def decode_layer_ref(
+    hidden: torch.Tensor,
+    params: list[torch.Tensor | None],
+    tm_shift: torch.Tensor,
+    wkv_states: torch.Tensor,
+    cm_shift: torch.Tensor,
+    state_indices: torch.Tensor,
+    v_first: torch.Tensor | None,
+    norm_eps: float,
+    gn_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One whole RWKV-7 decoder layer for one decode token per row (`models/rwkv7.py`'s
+    layer: `pre_norm` in layer 0, the time mix and the channel mix with their norms and
+    residuals), the states advanced in place. Every tensor between two ops holds the model
+    dtype (hidden's), as in the unfused layer.
+
+    Args:
+        hidden: `(B, H)` the layer's input; params: `DECODE_LAYER_PARAMS`;
+        tm_shift, cm_shift: `(S, H)` the two token shifts; wkv_states: `(S, NH, Dv, Dk)`;
+        state_indices: `(B,)`, `PAD_SLOT_ID` rows neither read nor write;
+        v_first: `(B, CV)` layer 0's value (None in layer 0).
+
+    Returns:
+        `(hidden (B, H), v (B, CV))`: the layer's output and its value before the v_first lerp
+        (layer 0's is every later layer's `v_first`).
+    """
+    p = dict(zip(DECODE_LAYER_PARAMS, params, strict=True))
+    dtype, width = hidden.dtype, (hidden.shape[-1],)
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(x.float(), width, p[f"{name}_w"], p[f"{name}_b"], norm_eps).to(dtype)
+
+    def proj(x: torch.Tensor, name: str) -> torch.Tensor:
+        return _project(x, p[f"{name}_w"], p[f"{name}_s"], p.get(f"{name}_b"))
+
+    h = norm(hidden, "pre") if p["pre_w"] is not None else hidden
+    mixed = shift_mix_ref(norm(h, "attn"), tm_shift, state_indices, p["mixes"])
+    xr, xw, xk, xv, xa, xg = mixed.unbind(0)
+    r, k, v = proj(xr, "r"), proj(xk, "k"), proj(xv, "v")
+    w = proj(torch.tanh(proj(xw, "w1")), "w2")
+    a = proj(proj(xa, "a1"), "a2")
+    g = proj(torch.sigmoid(proj(xg, "g1")), "g2")
+    gate = None if v_first is None else proj(proj(xv, "v1"), "v2")
+    o = fused_update_ref(
+        r, w, k, v, a, g, v_first, gate, p["k_k"], p["k_a"], p["r_k"], p["gn_w"], p["gn_b"],
+        gn_eps, wkv_states, state_indices,
+    )  # fmt: skip
+    h = h + proj(o, "o")
+    xk = shift_mix_ref(norm(h, "ffn"), cm_shift, state_indices, p["cm_x_k"])
+    return h + proj(torch.relu(proj(xk, "key")).square(), "value"), v
+
+
 register_op_family(
     FAMILY,
     {
@@ -282,5 +368,6 @@ register_op_family(
         "update": wkv7_update_ref,
         "shift_mix": shift_mix_ref,
         "fused_update": fused_update_ref,
+        "decode_layer": decode_layer_ref,
     },
 )
