@@ -19,7 +19,9 @@
 // outputs, the mixes, each projection's output, the LoRAs' activations, the squared ReLU, the
 // residual stream), so that a bfloat16 model decodes as the unfused layer does up to orders of
 // summation. The token shifts go through the `rwkv7_shift_mix` op, so the shift states keep
-// their own dtype rules. Up to `kMaxRows` rows; more run unfused (`layers/rwkv7.py`).
+// their own dtype rules. Up to `kMaxRows` rows the projections stream the weights; more rows
+// run them as GEMMs (`fused::project`: oneDNN for float32, bfloat16 GEMMs where the CPU has
+// bfloat16 instructions, the int8 / 4-bit ops), with the elementwise stages over the threads.
 //
 // Glossary: B rows, H hidden, C = NH * Dk keys, CV values, F the channel mix's width, r* the
 // LoRA ranks.
@@ -85,40 +87,79 @@ void layer_norm_row(const float* x, const float* w, const float* b, int64_t n, f
   for (int64_t i = 0; i < n; ++i) out[i] = (x[i] - mean) * rstd * w[i] + (b ? b[i] : 0.0f);
 }
 
+// fn(r) for rows r in [0, rows), over the threads when there are many (many-stream decode).
+template <typename Fn>
+void each_row(int64_t rows, Fn&& fn) {
+  at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) fn(r);
+  });
+}
+
 // Every row of x (B, n) through a LayerNorm into out, rounded to the model dtype.
 void layer_norm(const float* x, const Params& params, size_t wi, size_t bi, int64_t rows,
                 int64_t n, float eps, bool round, float* out) {
   const float* w = fused::param_f32(params, wi, n, "a norm weight");
   TORCH_CHECK(w != nullptr, "the layer's norm weights are required");
   const float* b = fused::param_f32(params, bi, n, "a norm bias");
-  for (int64_t r = 0; r < rows; ++r) {
+  each_row(rows, [&](int64_t r) {
     layer_norm_row(x + r * n, w, b, n, eps, out + r * n);
     round_all(out + r * n, n, round);
-  }
+  });
+}
+
+// h += y over (B, n), rounded to the model dtype: a residual add.
+void add_rows(float* h, const float* y, int64_t rows, int64_t n, bool round) {
+  each_row(rows, [&](int64_t r) {
+    float* hr = h + r * n;
+    const float* yr = y + r * n;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) hr[i] += yr[i];
+    round_all(hr, n, round);
+  });
 }
 
 // One projection of a stage: out (B, rows) = x (B, k) @ w^T, then + bias, rounded.
 struct Proj {
   fused::Weight w;
-  const float* x;
-  float* out;
-  int64_t rows;
+  at::Tensor x;    // (B, k) float32, contiguous
+  at::Tensor out;  // (B, rows) float32, contiguous
   const float* bias;
 };
 
-// The projections of one stage in one parallel region, each weight's rows split over the
-// threads (in whole blocks of `gemv.h`'s rows); biases added and the outputs rounded after.
+// The projections of one stage; biases added and the outputs rounded after. Up to `kMaxRows`
+// rows they run in one parallel region, each weight's rows split over the threads (in whole
+// blocks of `gemv.h`'s rows); more rows run each projection as a GEMM (`fused::project`).
 void project_stage(const std::vector<Proj>& stage, int64_t batch, bool round) {
+  if (batch > kMaxRows) {
+    for (const Proj& p : stage) {
+      at::Tensor out = p.out;
+      fused::project(p.x, p.w, out);
+    }
+    at::parallel_for(0, static_cast<int64_t>(stage.size()) * batch, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const Proj& p = stage[t / batch];
+        const int64_t n = p.out.size(1);
+        float* o = p.out.data_ptr<float>() + (t % batch) * n;
+        if (p.bias) {
+          for (int64_t r = 0; r < n; ++r) o[r] += p.bias[r];
+        }
+        round_all(o, n, round);
+      }
+    });
+    return;
+  }
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const int tid = fused::thread_id(), nth = fused::num_threads();
     for (const Proj& p : stage) {
+      const int64_t rows = p.out.size(1);
       int64_t lo, hi;
-      fused::split(p.rows, fused::kRowBlock, tid, nth, lo, hi);
+      fused::split(rows, fused::kRowBlock, tid, nth, lo, hi);
       if (lo >= hi) continue;
-      fused::gemv(p.w, p.x, p.w.k, batch, lo, hi, p.out + lo, p.rows);
+      float* out = p.out.data_ptr<float>();
+      fused::gemv(p.w, p.x.data_ptr<float>(), p.w.k, batch, lo, hi, out + lo, rows);
       for (int64_t b = 0; b < batch; ++b) {
-        float* o = p.out + b * p.rows;
+        float* o = out + b * rows;
         if (p.bias) {
           for (int64_t r = lo; r < hi; ++r) o[r] += p.bias[r];
         }
@@ -148,8 +189,7 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "hidden must be float32 or bfloat16");
   const bool bf16 = dtype == at::kBFloat16;
   const int64_t batch = hidden.size(0), hid = hidden.size(1);
-  TORCH_CHECK(batch >= 1 && batch <= kMaxRows, "fused_rwkv7_decode takes 1 to ", kMaxRows,
-              " rows, got ", batch);
+  TORCH_CHECK(batch >= 1, "fused_rwkv7_decode needs at least one row");
   TORCH_CHECK(wkv_states.dim() == 4, "wkv_states must be (S, NH, Dv, Dk)");
   const int64_t heads = wkv_states.size(1), dv = wkv_states.size(2), dk = wkv_states.size(3);
   const int64_t keys = heads * dk, values = heads * dv;
@@ -180,8 +220,7 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
       shift_mix(x.to(dtype), tm_shift, state_indices, tensor_of(params, kMixes, "mixes"))
           .to(at::kFloat)
           .contiguous();  // (6, B, H): x_r, x_w, x_k, x_v, x_a, x_g
-  const float* mx = mixed.data_ptr<float>();
-  auto mix = [&](int m) { return mx + m * batch * hid; };
+  auto mix = [&](int m) { return mixed.select(0, m); };
 
   // Stage A: r, k, v and the LoRAs' first matrices.
   at::Tensor r = at::empty({batch, keys}, f32), k = at::empty({batch, keys}, f32);
@@ -189,17 +228,14 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
   at::Tensor wd = at::empty({batch, rw}, f32), ad = at::empty({batch, ra}, f32);
   at::Tensor gd = at::empty({batch, rg}, f32), vd = at::empty({batch, std::max<int64_t>(rv, 1)}, f32);
   std::vector<Proj> stage{
-      {weight(kRW, kRS, keys, hid, "r_proj"), mix(0), r.data_ptr<float>(), keys, nullptr},
-      {weight(kKW, kKS, keys, hid, "k_proj"), mix(2), k.data_ptr<float>(), keys, nullptr},
-      {weight(kVW, kVS, values, hid, "v_proj"), mix(3), v.data_ptr<float>(), values, nullptr},
-      {weight(kW1, kW1S, rw, hid, "w_lora.0"), mix(1), wd.data_ptr<float>(), rw, nullptr},
-      {weight(kA1, kA1S, ra, hid, "a_lora.0"), mix(4), ad.data_ptr<float>(), ra, nullptr},
-      {weight(kG1, kG1S, rg, hid, "g_lora.0"), mix(5), gd.data_ptr<float>(), rg, nullptr},
+      {weight(kRW, kRS, keys, hid, "r_proj"), mix(0), r, nullptr},
+      {weight(kKW, kKS, keys, hid, "k_proj"), mix(2), k, nullptr},
+      {weight(kVW, kVS, values, hid, "v_proj"), mix(3), v, nullptr},
+      {weight(kW1, kW1S, rw, hid, "w_lora.0"), mix(1), wd, nullptr},
+      {weight(kA1, kA1S, ra, hid, "a_lora.0"), mix(4), ad, nullptr},
+      {weight(kG1, kG1S, rg, hid, "g_lora.0"), mix(5), gd, nullptr},
   };
-  if (!first_layer) {
-    stage.push_back({weight(kV1, kV1S, rv, hid, "v_lora.0"), mix(3), vd.data_ptr<float>(), rv,
-                     nullptr});
-  }
+  if (!first_layer) stage.push_back({weight(kV1, kV1S, rv, hid, "v_lora.0"), mix(3), vd, nullptr});
   project_stage(stage, batch, bf16);
   {
     float* p = wd.data_ptr<float>();
@@ -214,16 +250,14 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
   at::Tensor w = at::empty({batch, keys}, f32), a = at::empty({batch, keys}, f32);
   at::Tensor g = at::empty({batch, values}, f32), vg = at::empty({batch, values}, f32);
   stage = {
-      {weight(kW2, kW2S, keys, rw, "w_lora.2"), wd.data_ptr<float>(), w.data_ptr<float>(), keys,
+      {weight(kW2, kW2S, keys, rw, "w_lora.2"), wd, w,
        fused::param_f32(params, kW2B, keys, "w_lora.2.bias")},
-      {weight(kA2, kA2S, keys, ra, "a_lora.2"), ad.data_ptr<float>(), a.data_ptr<float>(), keys,
+      {weight(kA2, kA2S, keys, ra, "a_lora.2"), ad, a,
        fused::param_f32(params, kA2B, keys, "a_lora.2.bias")},
-      {weight(kG2, kG2S, values, rg, "g_lora.2"), gd.data_ptr<float>(), g.data_ptr<float>(),
-       values, nullptr},
+      {weight(kG2, kG2S, values, rg, "g_lora.2"), gd, g, nullptr},
   };
   if (!first_layer) {
-    stage.push_back({weight(kV2, kV2S, values, rv, "v_lora.2"), vd.data_ptr<float>(),
-                     vg.data_ptr<float>(), values,
+    stage.push_back({weight(kV2, kV2S, values, rv, "v_lora.2"), vd, vg,
                      fused::param_f32(params, kV2B, values, "v_lora.2.bias")});
   }
   project_stage(stage, batch, bf16);
@@ -250,12 +284,10 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
 
   // o_proj and the residual.
   at::Tensor out = at::empty({batch, hid}, f32);
-  project_stage({{weight(kOW, kOS, hid, values, "o_proj"), of.data_ptr<float>(),
-                  out.data_ptr<float>(), hid, nullptr}},
+  project_stage({{weight(kOW, kOS, hid, values, "o_proj"), of, out, nullptr}},
                 batch, bf16);
   const float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < batch * hid; ++i) hp[i] += op[i];
-  round_all(hp, batch * hid, bf16);
+  add_rows(hp, op, batch, hid, bf16);
 
   // The channel mix: value(relu(key(x + (x' - x) * x_k)) ** 2), and the residual.
   at::Tensor y = at::empty({batch, hid}, f32);
@@ -265,20 +297,20 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
           .to(at::kFloat)
           .contiguous();  // (B, H)
   at::Tensor key = at::empty({batch, ffn}, f32);
-  project_stage({{weight(kKeyW, kKeyS, ffn, hid, "ffn.key"), xk.data_ptr<float>(),
-                  key.data_ptr<float>(), ffn, nullptr}},
+  project_stage({{weight(kKeyW, kKeyS, ffn, hid, "ffn.key"), xk, key, nullptr}},
                 batch, bf16);
   float* kp = key.data_ptr<float>();
-  for (int64_t i = 0; i < batch * ffn; ++i) {
-    const float relu = kp[i] > 0.0f ? kp[i] : 0.0f;
-    kp[i] = relu * relu;
-  }
-  round_all(kp, batch * ffn, bf16);
-  project_stage({{weight(kValW, kValS, hid, ffn, "ffn.value"), kp, out.data_ptr<float>(), hid,
-                  nullptr}},
+  each_row(batch, [&](int64_t r) {
+    float* kr = kp + r * ffn;
+    for (int64_t i = 0; i < ffn; ++i) {
+      const float relu = kr[i] > 0.0f ? kr[i] : 0.0f;
+      kr[i] = relu * relu;
+    }
+    round_all(kr, ffn, bf16);
+  });
+  project_stage({{weight(kValW, kValS, hid, ffn, "ffn.value"), key, out, nullptr}},
                 batch, bf16);
-  for (int64_t i = 0; i < batch * hid; ++i) hp[i] += op[i];
-  round_all(hp, batch * hid, bf16);
+  add_rows(hp, op, batch, hid, bf16);
   return {h.to(dtype), v_model};
 }
 

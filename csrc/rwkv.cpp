@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -249,9 +250,14 @@ struct Scratch7 {
 };
 
 // Rows [0, rows) of `s` (row stride NV * L) advanced by one token; o[i] = s_i . r.
+//
+// Each row's removal and readout end in a horizontal sum, whose latency one row at a time
+// leaves the vector units idle: groups of G rows interleave their independent chains (each row's
+// sums in the same order as alone, so the results do not depend on the grouping).
 template <int64_t NV>
 void step_rows(const float* coef, float* s, int64_t rows, const float* v, float* o) {
   constexpr int64_t P = NV * L;
+  constexpr int64_t G = NV <= 4 ? 4 : 2;  // rows in flight: their vectors fit the registers
   Vf ew[NV], a[NV], b[NV], k[NV], r[NV];
   for (int64_t j = 0; j < NV; ++j) {
     ew[j] = vec::load(coef + j * L);
@@ -260,24 +266,35 @@ void step_rows(const float* coef, float* s, int64_t rows, const float* v, float*
     k[j] = vec::load(coef + 3 * P + j * L);
     r[j] = vec::load(coef + 4 * P + j * L);
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    float* si = s + i * P;
-    Vf x[NV];
-    Vf acc = vec::zero();
-    for (int64_t j = 0; j < NV; ++j) {
-      x[j] = vec::load(si + j * L);
-      acc = vec::fma(x[j], a[j], acc);
+  auto group = [&](auto rows_in_flight, int64_t i0) {
+    constexpr int64_t N = decltype(rows_in_flight)::value;
+    Vf x[N][NV];
+    float sa[N];
+    for (int64_t g = 0; g < N; ++g) {
+      const float* si = s + (i0 + g) * P;
+      Vf acc = vec::zero();
+      for (int64_t j = 0; j < NV; ++j) {
+        x[g][j] = vec::load(si + j * L);
+        acc = vec::fma(x[g][j], a[j], acc);
+      }
+      sa[g] = vec::sum(acc);
     }
-    const Vf sa = vec::set1(vec::sum(acc));
-    const Vf vi = vec::set1(v[i]);
-    Vf out = vec::zero();
-    for (int64_t j = 0; j < NV; ++j) {
-      x[j] = vec::fma(x[j], ew[j], vec::fma(sa, b[j], vec::mul(vi, k[j])));
-      vec::store(si + j * L, x[j]);
-      out = vec::fma(x[j], r[j], out);
+    for (int64_t g = 0; g < N; ++g) {
+      float* si = s + (i0 + g) * P;
+      const Vf sav = vec::set1(sa[g]);
+      const Vf vi = vec::set1(v[i0 + g]);
+      Vf out = vec::zero();
+      for (int64_t j = 0; j < NV; ++j) {
+        x[g][j] = vec::fma(x[g][j], ew[j], vec::fma(sav, b[j], vec::mul(vi, k[j])));
+        vec::store(si + j * L, x[g][j]);
+        out = vec::fma(x[g][j], r[j], out);
+      }
+      o[i0 + g] = vec::sum(out);
     }
-    o[i] = vec::sum(out);
-  }
+  };
+  int64_t i = 0;
+  for (; i + G <= rows; i += G) group(std::integral_constant<int64_t, G>{}, i);
+  for (; i < rows; ++i) group(std::integral_constant<int64_t, 1>{}, i);
 }
 
 // The same for any vector count (rows longer than the unrolled code handles).

@@ -19,7 +19,7 @@ from vllm_mamba.ops.rwkv7 import DECODE_LAYER_PARAMS, decode_layer_ref
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
 
-SLOTS = 10
+SLOTS = 40
 
 
 def layer_params(
@@ -80,9 +80,13 @@ CASES = [
 ]
 
 
+# Up to 8 rows the projections stream the weights; more run them as GEMMs.
+ROWS = [[3], [0, 7, 2], [5, PAD_SLOT_ID, 1, 9, 4, 6, 8, 2], [*range(20, 31), PAD_SLOT_ID]]
+
+
 @pytest.mark.parametrize("dtype,int8,state_dtype,hidden,head_dim", CASES)
 @pytest.mark.parametrize("first", [True, False])
-@pytest.mark.parametrize("slots", [[3], [0, 7, 2], [5, PAD_SLOT_ID, 1, 9, 4, 6, 8, 2]])
+@pytest.mark.parametrize("slots", ROWS)
 def test_decode_layer_matches_reference(dtype, int8, state_dtype, hidden, head_dim, first, slots):  # noqa: ANN001
     ffn = 2 * hidden + 32
     params = layer_params(hidden, head_dim, ffn, first, dtype, int8, seed=len(slots))
@@ -120,6 +124,23 @@ def test_padding_rows_touch_no_state() -> None:
         assert changed.tolist() == [i == 4 for i in range(SLOTS)]
 
 
+def test_many_rows_match_each_row_alone() -> None:
+    """33 rows at once (the GEMM path) against each row through the weight-streaming path."""
+    params = layer_params(96, 32, 224, False, torch.float32, False, seed=5)
+    tm, wkv, cm = states(96, 32, torch.float32, torch.float32, seed=5)
+    alone = [s.clone() for s in (tm, wkv, cm)]
+    x, v_first = torch.randn(33, 96), torch.randn(33, 96)
+    idx = torch.arange(33)
+    h, _ = cpu_kernels.rwkv7_decode_layer(x, params, tm, wkv, cm, idx, v_first, 1e-5, 64e-5)
+    for i in range(33):
+        one, _ = cpu_kernels.rwkv7_decode_layer(
+            x[i : i + 1], params, *alone, idx[i : i + 1], v_first[i : i + 1], 1e-5, 64e-5
+        )
+        torch.testing.assert_close(h[i : i + 1], one, rtol=1e-4, atol=1e-4)
+    for many, one in zip((tm, wkv, cm), alone):
+        torch.testing.assert_close(many, one, rtol=1e-4, atol=1e-4)
+
+
 def test_engine_decode_steps_run_fused_and_match_unfused(monkeypatch) -> None:  # noqa: ANN001
     """Greedy decode of a tiny model: the fused steps (counted) give the unfused tokens, with
     logprobs equal to float32 rounding."""
@@ -132,11 +153,11 @@ def test_engine_decode_steps_run_fused_and_match_unfused(monkeypatch) -> None:  
         return out
 
     monkeypatch.setattr(rwkv7_decode, "layer_step", counting)
-    prompts = [[11, 42, 7, 300, 5], [9, 8], [1234, 77, 31]]
+    prompts = [[11, 42, 7, 300, 5], [9, 8], [1234, 77, 31]] * 4  # 12 rows: the GEMM path too
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
 
     def run() -> list:
-        llm = LLM(tiny_model_dir("rwkv7-h64"), max_num_seqs=4, max_model_len=256)
+        llm = LLM(tiny_model_dir("rwkv7-h64"), max_num_seqs=12, max_model_len=256)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0] for o in outs]
 

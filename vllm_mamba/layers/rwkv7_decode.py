@@ -1,10 +1,10 @@
 """How an RWKV-7 decoder layer hands a decode-only step to its family's `decode_layer` op.
 
-A step whose rows are all decodes (no prefill, no speculative chains) of at most 8 sequences
-runs the whole layer (layer 0's `pre_norm`, the time mix and the channel mix with their norms
-and residuals) in one call of the `rwkv7` family's `decode_layer` (`csrc/fused_decode_rwkv7.cpp`
-on the `cpp` backend; `ops.rwkv7.decode_layer_ref` defines it). Elsewhere, and for layers the op
-does not cover (tensor-parallel or otherwise modified projections, norms that are not plain
+A step whose rows are all decodes (no prefill, no speculative chains) runs the whole layer
+(layer 0's `pre_norm`, the time mix and the channel mix with their norms and residuals) in one
+call of the `rwkv7` family's `decode_layer` (`csrc/fused_decode_rwkv7.cpp` on the `cpp`
+backend; `ops.rwkv7.decode_layer_ref` defines it). Elsewhere, and for layers the op does not
+cover (tensor-parallel or otherwise modified projections, norms that are not plain
 `nn.LayerNorm`s, float16 states, autograd, `VLLM_MAMBA_FUSED_DECODE=0`), `layer_step` returns
 None and the layer runs unfused, which is the definition.
 
@@ -22,7 +22,6 @@ from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.layers.fused_decode_layer import plain_weight
 from vllm_mamba.ops.rwkv7 import DECODE_LAYER_PARAMS
 
-MAX_ROWS = 8  # decode rows up to which the fused layer runs (its weight-streaming products)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 # The projections of `DECODE_LAYER_PARAMS` by their module paths in the time mix ("ffn." in
 # the channel mix).
@@ -97,7 +96,7 @@ def layer_step(
         or torch.is_grad_enabled()
         or meta.num_prefills
         or meta.decode_waves
-        or not 0 < rows <= MAX_ROWS
+        or rows == 0
         or meta.num_decodes != rows
         or hidden.dtype != mix.mixes.dtype
     ):

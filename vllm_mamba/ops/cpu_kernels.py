@@ -762,13 +762,8 @@ def rwkv7_decode_layer(
     norm_eps: float,
     gn_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One RWKV-7 decoder layer for up to 8 decode rows in one call
-    (`csrc/fused_decode_rwkv7.cpp`); see `decode_layer_ref` (more rows: the reference)."""
-    if hidden.shape[0] > SMALL_BATCH:
-        return rwkv7.decode_layer_ref(
-            hidden, params, tm_shift, wkv_states, cm_shift, state_indices, v_first, norm_eps,
-            gn_eps,
-        )  # fmt: skip
+    """One RWKV-7 decoder layer's decode step in one call (`csrc/fused_decode_rwkv7.cpp`);
+    see `decode_layer_ref`."""
     return torch.ops.vllm_mamba.fused_rwkv7_decode(
         hidden, params, tm_shift, wkv_states, cm_shift, state_indices, v_first, norm_eps, gn_eps
     )
