@@ -865,15 +865,24 @@ struct Glue7 {
 struct GlueScratch {
   std::vector<float> coef;   // (5, dkp): exp(w), a, b, k (after the k_a update), r; zero past Dk
   std::vector<float> state;  // (Dv, dkp)
-  std::vector<float> tk;     // (4, Dk): raw k, a rate, k_k / k_a / r_k temporaries
+  std::vector<float> tk;     // (5, Dk): raw k, a rate, k_k / k_a / r_k temporaries
   std::vector<float> tv;     // (5, Dv): v, g, v_first, v_gate, o
   GlueScratch(int64_t dk, int64_t dkp, int64_t dv)
-      : coef(5 * dkp, 0.0f), state(dv * dkp, 0.0f), tk(4 * dk), tv(5 * dv) {}
+      : coef(5 * dkp, 0.0f), state(dv * dkp, 0.0f), tk(5 * dk), tv(5 * dv) {}
 };
 
-// x rounded to bfloat16 (and widened back) when `round`.
-inline float round_if(float x, bool round) {
-  return round ? vec::bf16_to_f32(vec::f32_to_bf16(x)) : x;
+// x[:n] rounded to bfloat16 in place (to nearest even, NaN kept a NaN, as `f32_to_bf16`) when
+// `round`; one branch-free pass the compiler vectorises.
+inline void round_bf16_if(float* x, int64_t n, bool round) {
+  if (!round) return;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &x[i], sizeof(u));
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    const uint32_t q = x[i] != x[i] ? 0x7FC00000u : r;
+    std::memcpy(&x[i], &q, sizeof(q));
+  }
 }
 
 void glue_task(const Glue7& p, int64_t b, int64_t h, int64_t slot, StepFn step, GlueScratch& s) {
@@ -881,9 +890,11 @@ void glue_task(const Glue7& p, int64_t b, int64_t h, int64_t slot, StepFn step, 
   float *ew = s.coef.data(), *an = ew + dkp, *bn = ew + 2 * dkp, *kn = ew + 3 * dkp;
   float* rn = ew + 4 * dkp;
   float *kraw = s.tk.data(), *rate = kraw + dk, *t1 = kraw + 2 * dk, *t2 = kraw + 3 * dk;
+  float* t3 = kraw + 4 * dk;
   float *v = s.tv.data(), *g = v + dv, *vf = v + 2 * dv, *vg = v + 3 * dv, *o = v + 4 * dv;
   const int64_t hk = h * dk, hv = h * dv;
-  // Decay, removal rate and k.
+  // Decay, removal rate and k, each an elementwise pass the compiler vectorises (`exp_f32`
+  // is branch-free); the bfloat16 roundings are passes of their own.
   p.w.load(b, hk, ew, dk);
   p.a.load(b, hk, rate, dk);
   p.k.load(b, hk, kraw, dk);
@@ -895,36 +906,57 @@ void glue_task(const Glue7& p, int64_t b, int64_t h, int64_t slot, StepFn step, 
   // k * k_k product, kk, each op of the k_a update and b (k's dtype), the gate and the lerp
   // (v_gate's, v's dtype); float32 inputs round nothing.
   const bool ra = p.a.bf16, rk = p.k.bf16;
+#pragma omp simd
+  for (int64_t j = 0; j < dk; ++j) ew[j] = exp_f32(-decay / (1.0f + exp_f32(-ew[j])));
+#pragma omp simd
+  for (int64_t j = 0; j < dk; ++j) rate[j] = 1.0f / (1.0f + exp_f32(-rate[j]));
+  round_bf16_if(rate, dk, ra);
+#pragma omp simd
+  for (int64_t j = 0; j < dk; ++j) t1[j] = kraw[j] * t1[j];  // k * k_k
+  round_bf16_if(t1, dk, rk);
   float sq = 0.0f;
-  for (int64_t j = 0; j < dk; ++j) {
-    ew[j] = exp_f32(-decay / (1.0f + exp_f32(-ew[j])));
-    rate[j] = round_if(1.0f / (1.0f + exp_f32(-rate[j])), ra);
-    const float kk = round_if(kraw[j] * t1[j], rk);
-    t1[j] = kk;
-    sq += kk * kk;
-    const float upd = round_if(1.0f + round_if(round_if(rate[j] - 1.0f, rk) * t2[j], rk), rk);
-    kn[j] = round_if(kraw[j] * upd, rk);
-  }
+#pragma omp simd reduction(+ : sq)
+  for (int64_t j = 0; j < dk; ++j) sq += t1[j] * t1[j];
+  // k = k * (1 + (rate - 1) * k_a), each op rounded as the reference's
+#pragma omp simd
+  for (int64_t j = 0; j < dk; ++j) t3[j] = rate[j] - 1.0f;
+  round_bf16_if(t3, dk, rk);
+#pragma omp simd
+  for (int64_t j = 0; j < dk; ++j) t3[j] *= t2[j];
+  round_bf16_if(t3, dk, rk);
+#pragma omp simd
+  for (int64_t j = 0; j < dk; ++j) t3[j] += 1.0f;
+  round_bf16_if(t3, dk, rk);
+#pragma omp simd
+  for (int64_t j = 0; j < dk; ++j) kn[j] = kraw[j] * t3[j];
+  round_bf16_if(kn, dk, rk);
   const float norm = std::sqrt(sq);
   const float inv = 1.0f / (norm > 1e-12f ? norm : 1e-12f);
   p.r_k.load(0, hk, t2, dk);
-  float bonus = 0.0f;
+#pragma omp simd
+  for (int64_t j = 0; j < dk; ++j) t1[j] *= inv;  // kk
+  round_bf16_if(t1, dk, rk);
+#pragma omp simd
   for (int64_t j = 0; j < dk; ++j) {
-    const float kk = round_if(t1[j] * inv, rk);
-    an[j] = -kk;
-    bn[j] = round_if(kk * rate[j], rk);
-    bonus += rn[j] * kn[j] * t2[j];
+    an[j] = -t1[j];
+    bn[j] = t1[j] * rate[j];
   }
+  round_bf16_if(bn, dk, rk);
+  float bonus = 0.0f;
+#pragma omp simd reduction(+ : bonus)
+  for (int64_t j = 0; j < dk; ++j) bonus += rn[j] * kn[j] * t2[j];
   // Values: the lerp towards layer 0's.
   p.v.load(b, hv, v, dv);
   p.g.load(b, hv, g, dv);
   if (p.vf.ptr != nullptr) {
     p.vf.load(b, hv, vf, dv);
     p.vg.load(b, hv, vg, dv);
-    for (int64_t i = 0; i < dv; ++i) {
-      const float gate = round_if(1.0f / (1.0f + exp_f32(-vg[i])), p.vg.bf16);
-      v[i] = round_if(v[i] + gate * (vf[i] - v[i]), p.v.bf16);
-    }
+#pragma omp simd
+    for (int64_t i = 0; i < dv; ++i) vg[i] = 1.0f / (1.0f + exp_f32(-vg[i]));
+    round_bf16_if(vg, dv, p.vg.bf16);
+#pragma omp simd
+    for (int64_t i = 0; i < dv; ++i) v[i] = v[i] + vg[i] * (vf[i] - v[i]);
+    round_bf16_if(v, dv, p.v.bf16);
   }
   // The rule's step from the slot's state (zeros for a padding row).
   // A float32 state whose rows are whole vectors is stepped in place; others through the
@@ -951,7 +983,7 @@ void glue_task(const Glue7& p, int64_t b, int64_t h, int64_t slot, StepFn step, 
     for (int64_t i = 0; i < dv; ++i) p.states.store(0, st0 + i * dk, st + i * dkp, dk);
   }
   if (p.r.bf16) {  // the rule's output in r's dtype, as the reference returns it
-    for (int64_t i = 0; i < dv; ++i) o[i] = round_if(o[i], true);
+    round_bf16_if(o, dv, true);
   }
   // Group norm of the head, bonus, gate.
   Vf acc = vec::zero();
