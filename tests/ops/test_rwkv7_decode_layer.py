@@ -172,3 +172,37 @@ def test_engine_decode_steps_run_fused_and_match_unfused(monkeypatch) -> None:  
         lp_a = torch.tensor([a.logprobs[i][t].logprob for i, t in enumerate(a.token_ids)])
         lp_b = torch.tensor([b.logprobs[i][t].logprob for i, t in enumerate(b.token_ids)])
         torch.testing.assert_close(lp_a, lp_b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {"quantization": "int8"},
+        {"quantization": "int4"},  # K of 8 / 16 (the LoRA ranks): those layers stay int8
+        {"ssm_state_dtype": "bfloat16"},
+        {"dtype": "bfloat16", "ssm_state_dtype": "bfloat16"},
+    ],
+)
+def test_engine_fused_decode_matches_unfused_across_precisions(monkeypatch, engine_args) -> None:  # noqa: ANN001
+    """The fused layer on quantised weights, bfloat16 weights and bfloat16 states: the same
+    greedy tokens as the unfused layer (VLLM_MAMBA_FUSED_DECODE=0), with the fused path run."""
+    calls = {"fused": 0}
+    real = rwkv7_decode.layer_step
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = real(*args, **kwargs)
+        calls["fused"] += out is not None
+        return out
+
+    monkeypatch.setattr(rwkv7_decode, "layer_step", counting)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8], [100, 200], [9] * 11)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        llm = LLM(tiny_model_dir("rwkv7-h64"), max_model_len=128, **engine_args)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    fused = run()
+    assert calls["fused"] > 0
+    monkeypatch.setenv("VLLM_MAMBA_FUSED_DECODE", "0")
+    assert run() == fused
