@@ -141,9 +141,9 @@ def test_many_rows_match_each_row_alone() -> None:
         torch.testing.assert_close(many, one, rtol=1e-4, atol=1e-4)
 
 
-def test_engine_decode_steps_run_fused_and_match_unfused(monkeypatch) -> None:  # noqa: ANN001
-    """Greedy decode of a tiny model: the fused steps (counted) give the unfused tokens, with
-    logprobs equal to float32 rounding."""
+@pytest.fixture
+def fused_calls(monkeypatch) -> dict[str, int]:  # noqa: ANN001
+    """Counts the layer steps that ran fused (`layer_step` returning a tensor)."""
     calls = {"fused": 0}
     real = rwkv7_decode.layer_step
 
@@ -153,6 +153,12 @@ def test_engine_decode_steps_run_fused_and_match_unfused(monkeypatch) -> None:  
         return out
 
     monkeypatch.setattr(rwkv7_decode, "layer_step", counting)
+    return calls
+
+
+def test_engine_decode_steps_run_fused_and_match_unfused(monkeypatch, fused_calls) -> None:  # noqa: ANN001
+    """Greedy decode of a tiny model: the fused steps (counted) give the unfused tokens, with
+    logprobs equal to float32 rounding."""
     prompts = [[11, 42, 7, 300, 5], [9, 8], [1234, 77, 31]] * 4  # 12 rows: the GEMM path too
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
 
@@ -162,11 +168,11 @@ def test_engine_decode_steps_run_fused_and_match_unfused(monkeypatch) -> None:  
         return [o.outputs[0] for o in outs]
 
     fused = run()
-    assert calls["fused"] > 0
+    assert fused_calls["fused"] > 0
     monkeypatch.setenv("VLLM_MAMBA_FUSED_DECODE", "0")
-    calls["fused"] = 0
+    fused_calls["fused"] = 0
     unfused = run()
-    assert calls["fused"] == 0
+    assert fused_calls["fused"] == 0
     for a, b in zip(fused, unfused):
         assert a.token_ids == b.token_ids
         lp_a = torch.tensor([a.logprobs[i][t].logprob for i, t in enumerate(a.token_ids)])
@@ -183,18 +189,11 @@ def test_engine_decode_steps_run_fused_and_match_unfused(monkeypatch) -> None:  
         {"dtype": "bfloat16", "ssm_state_dtype": "bfloat16"},
     ],
 )
-def test_engine_fused_decode_matches_unfused_across_precisions(monkeypatch, engine_args) -> None:  # noqa: ANN001
+def test_engine_fused_decode_matches_unfused_across_precisions(
+    monkeypatch, fused_calls, engine_args
+) -> None:  # noqa: ANN001
     """The fused layer on quantised weights, bfloat16 weights and bfloat16 states: the same
     greedy tokens as the unfused layer (VLLM_MAMBA_FUSED_DECODE=0), with the fused path run."""
-    calls = {"fused": 0}
-    real = rwkv7_decode.layer_step
-
-    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        out = real(*args, **kwargs)
-        calls["fused"] += out is not None
-        return out
-
-    monkeypatch.setattr(rwkv7_decode, "layer_step", counting)
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8], [100, 200], [9] * 11)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -203,6 +202,6 @@ def test_engine_fused_decode_matches_unfused_across_precisions(monkeypatch, engi
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     fused = run()
-    assert calls["fused"] > 0
+    assert fused_calls["fused"] > 0
     monkeypatch.setenv("VLLM_MAMBA_FUSED_DECODE", "0")
     assert run() == fused

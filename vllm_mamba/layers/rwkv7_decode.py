@@ -19,7 +19,7 @@ from torch import nn
 
 from vllm_mamba import envs
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
-from vllm_mamba.layers.fused_decode_layer import plain_weight
+from vllm_mamba.layers.fused_decode_layer import _f32, plain_weight
 from vllm_mamba.ops.rwkv7 import DECODE_LAYER_PARAMS
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -31,10 +31,6 @@ _PROJECTIONS = {
     "g1": "g_lora.lora.0", "g2": "g_lora.lora.2", "v1": "v_lora.lora.0", "v2": "v_lora.lora.2",
     "key": "ffn.key", "value": "ffn.value",
 }  # fmt: skip
-
-
-def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().float().contiguous()
 
 
 def _norm(module: nn.Module | None, eps: float | None) -> tuple[torch.Tensor, ...] | None:
@@ -101,17 +97,18 @@ def layer_step(
         or hidden.dtype != mix.mixes.dtype
     ):
         return None
-    ffn = layer.stateful_ffn()
-    states = (mix.state["shift"], mix.state["wkv"], ffn.state["shift"])
-    if any(s.dtype not in _STATE_DTYPES for s in states):
-        return None
     cache = mix.__dict__.setdefault("_decode_layer_params", {})
     entry = cache.get(id(layer))
     if entry is None or entry[0] is not mix.mixes:
-        entry = cache[id(layer)] = (mix.mixes, _build(mix, layer, ffn))
-    if entry[1] is None:
+        ffn = layer.stateful_ffn()
+        entry = cache[id(layer)] = (mix.mixes, ffn, _build(mix, layer, ffn))
+    _, ffn, built = entry
+    if built is None:
         return None
-    params, eps = entry[1]
+    states = (mix.state["shift"], mix.state["wkv"], ffn.state["shift"])
+    if any(s.dtype not in _STATE_DTYPES for s in states):
+        return None
+    params, eps = built
     v_first = None if mix.layer_idx == 0 else mix.value_first.value
     out, v = mix.wkv.decode_layer(
         hidden, params, *states, meta.decode_state_indices, v_first, eps, mix.g_norm.eps
