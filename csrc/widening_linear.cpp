@@ -8,12 +8,14 @@
 //     GEMM falls to a slow path.
 //
 // Activations are float32 or bfloat16 and products accumulate in float32, so an int8 layer's
-// only error against the float model is the weight rounding. Two paths, by the number of rows:
+// only error against the float model is the weight rounding. Three paths, by rows and CPU:
 // - up to kMaxTiledRows (kMaxNativeBf16TiledRows when the block GEMM runs in bfloat16): a
 //   tiled kernel that streams each weight row once, widens a vector of weights to float32 per
 //   step and multiplies it with several rows of x, four weight rows at a time (independent
 //   accumulators hide the FMA latency); an int8 row's scale is applied to the finished dot
 //   product. Threads split the output channels.
+// - float32 activations from `amx::kMinRows` rows on a CPU with AMX: the bfloat16 tile products
+//   of `amx_int8_gemm.h`, with float32 accuracy (activations split into three exact parts).
 // - more rows (prefill, many-stream decode): the weight is widened a block of output channels
 //   at a time into a buffer that stays in the cache, and the block is multiplied by a dense
 //   GEMM: oneDNN's float32 linear (`onednn_linear.h`), or ATen's bfloat16 `mm` for bfloat16
@@ -26,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "amx_int8_gemm.h"
 #include "block_gemm.h"
 #include "gemv.h"
 #include "vec.h"
@@ -227,6 +230,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "int8_linear: x must be float32 or bfloat16");
   const int64_t n = qweight.size(0);
+  if (x.scalar_type() == at::kFloat && amx::use_for(x.size(0), x.size(1))) {
+    return amx::int8_gemm(x, qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), n,
+                          bias_f32(bias, n, "int8_linear"));
+  }
   return widening_linear(x, qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), n,
                          bias_f32(bias, n, "int8_linear"));
 }
@@ -247,12 +254,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
 
 bool has_native_bf16() { return vec::native_bf16(); }
 
+bool has_amx_int8() { return amx::available(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("native_bf16() -> bool", &has_native_bf16);
+  m.def("amx_int8() -> bool", &has_amx_int8);
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {

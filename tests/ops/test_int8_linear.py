@@ -6,21 +6,27 @@ input sizes `K` with a small odd number of output channels: each output channel 
 product over `K`, so `K` (with its tail past a multiple of 16) is what the kernel's
 accumulation depends on, and `N` only splits the work over the threads. Rows 1 to 64 cover the
 decode kernel (up to 4 rows per pass), the float32 tiled path and the bfloat16 dense path
-(more than 32 rows).
+(more than 32 rows). On a CPU with AMX, float32 rows from 24 up take the bfloat16 tile path
+(`csrc/amx_int8_gemm.h`); its own tests cover its block edges, and the float32 tests run once
+more with it switched off.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_mamba.ops import cpu_kernels
+from vllm_mamba.ops import cpu_isa, cpu_kernels
 from vllm_mamba.ops.dispatch import REF_OPS, get_mamba_ops
 from vllm_mamba.ops.int8_linear import (
     dequantize_int8,
+    has_amx_int8_path,
     has_int8_kernel,
     int8_linear_ref,
     quantize_int8,
@@ -110,6 +116,59 @@ def test_bfloat16_matches_ref_within_bfloat16_rounding(shape: tuple[int, int]) -
         want = F.linear(xb.float(), _dequantised(n, k), bias)  # the float32 reference
         tol = 1e-2 * float(want.abs().max())
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=tol, msg=f"rows {rows}")
+
+
+def _cpu_has_amx_bf16() -> bool:
+    return {"amx_tile", "amx_bf16"} <= cpu_isa._cpu_flags()
+
+
+@needs_kernel
+def test_tile_path_is_on_exactly_where_the_cpu_has_amx() -> None:
+    """The AVX-512 build on a CPU with AMX tiles and bfloat16 tile products takes the tile path
+    (unless VLLM_MAMBA_AMX=0); every other build and CPU keeps the FMA kernels."""
+    expected = (
+        cpu_isa.active_level() == "avx512"
+        and _cpu_has_amx_bf16()
+        and torch.backends.mkldnn.is_available()
+        and os.environ.get("VLLM_MAMBA_AMX") != "0"
+    )
+    assert has_amx_int8_path() == expected
+
+
+# Rows around the tile path's blocks of 32 rows of x and 64 channels, K with and without a
+# tail past a multiple of 16, and an odd K (which the tile path leaves to the FMA kernels).
+TILE_SHAPES = [(64, 1024), (70, 130), (130, 1000), (1, 16), (193, 4096), (9, 33)]
+TILE_ROWS = [23, 24, 31, 32, 33, 64, 65, 97]
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", TILE_SHAPES, ids=str)
+def test_float32_rows_around_the_tile_blocks_match_float64(shape: tuple[int, int]) -> None:
+    """As close to the float64 product of the dequantised weight as float32 `F.linear` is,
+    with or without the tile path: the three bfloat16 parts of an activation are exact (two
+    parts, 16 bits, would be about 100 times further off)."""
+    n, k = shape
+    weight = _dequantised(n, k)
+    for rows in TILE_ROWS:
+        x, qweight, scale, bias = _case(n, k, rows, n * 3 + k + rows)
+        got = torch.ops.vllm_mamba.int8_linear(x, qweight, scale, bias)
+        want = F.linear(x.double(), weight.double(), bias.double())
+        f32_err = float((F.linear(x, weight, bias).double() - want).abs().max())
+        err = float((got.double() - want).abs().max())
+        assert err <= 4 * f32_err + 1e-7 * float(want.abs().max()), (rows, err, f32_err)
+
+
+@needs_kernel
+@pytest.mark.skipif(not has_amx_int8_path(), reason="the tile path is off here: nothing to switch")
+def test_float32_without_the_tile_path() -> None:
+    """With VLLM_MAMBA_AMX=0 the same tests run the FMA kernels (a process reads it once)."""
+    env = dict(os.environ, VLLM_MAMBA_AMX="0")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
+    cmd += ["-k", "float32 or tile_path_is_on"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
 
 
 @needs_kernel

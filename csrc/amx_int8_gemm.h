@@ -1,0 +1,164 @@
+// The many-row path of `int8_linear` for float32 activations on CPUs with AMX (Intel Sapphire
+// Rapids and later): out (M, N) = x (M, K) @ (qweight (N, K) * scale (N,))^T + bias, at the
+// accuracy of the float32 kernels, on the bfloat16 tile units.
+//
+// A bfloat16 product is exact in float32, and so is the split of a float32 value into three
+// bfloat16 parts: hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid) add up to x (8 + 8
+// + 8 significand bits). An int8 weight is exact in bfloat16 too. So
+//   x . w = hi . w + mid . w + lo . w
+// computed by AMX `tdpbf16ps` (exact products, float32 accumulation) has the error of a float32
+// dot product, and the row's scale multiplies the finished sum as in the tiled kernel. Three
+// bfloat16 tile products still run several times faster than float32 FMAs.
+//
+// Layout (the weight is the tile product's A operand, so it is only widened, never transposed):
+//   C (kWRows, 3 * kXRows) float32 = W block (kWRows, K) bfloat16 @ P (K, 3 * kXRows)
+// where P holds kXRows rows of x, split, as columns 3c + part, in the VNNI layout the tile
+// unit reads (pairs of consecutive k interleaved: P[k / 2][col][k % 2]). Every call uses the
+// same block shape (padded with zero rows and columns), so ATen's brgemm (a oneDNN ukernel,
+// JIT-compiled and cached per shape and thread) compiles one kernel per K.
+//
+// Glossary: M rows of x, K input features, N output channels; a "part" is hi, mid or lo.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "vec.h"
+
+namespace vllm_mamba {
+namespace amx {
+
+constexpr int64_t kParts = 3;     // bfloat16 parts of a float32 activation
+constexpr int64_t kXRows = 32;    // rows of x per packed block (3 * 32 tile columns)
+constexpr int64_t kWRows = 64;    // weight rows (output channels) per tile product
+constexpr int64_t kCols = kParts * kXRows;
+constexpr int64_t kMinRows = 24;  // rows of x from which the tile path beats the tiled FMAs
+
+// Whether this build and CPU run the bfloat16 tile products: the AVX-512 build on a CPU whose
+// oneDNN ISA has AMX (ATen's `could_pack`), unless VLLM_MAMBA_AMX=0.
+inline bool available() {
+#if defined(VLLM_MAMBA_VEC_AVX512)
+  static const bool ok = [] {
+    const char* env = std::getenv("VLLM_MAMBA_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    return at::native::cpublas::could_pack(at::kBFloat16);
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Whether `int8_linear` takes the tile path for these sizes (float32 x).
+inline bool use_for(int64_t m, int64_t k) { return m >= kMinRows && k % 2 == 0 && available(); }
+
+// Packs rows [m0, m0 + kXRows) of x (M, K) float32 into `dst` (K / 2, kCols) uint32 pairs:
+// column 3c + part holds that part of row m0 + c; rows past M are zeros. A vector of k at a
+// time for every row, so each stretch of `dst` is written whole while it is in the L1 cache.
+inline void pack_block(const float* x, int64_t m, int64_t k, int64_t m0, uint32_t* dst) {
+  constexpr int L = vec::kLanes;
+  const vec::Vf minus_one = vec::set1(-1.0f);
+  const int64_t rows = std::min(kXRows, m - m0);
+  alignas(64) vec::bf16_t parts[kParts][L];  // read back as uint32 pairs
+  for (int64_t i = 0; i < k; i += L) {
+    const int n = static_cast<int>(std::min<int64_t>(L, k - i));
+    uint32_t* out = dst + (i / 2) * kCols;
+    for (int64_t c = 0; c < rows; ++c) {
+      vec::Vf rest = vec::load_n(x + (m0 + c) * k + i, n);  // zeros past the row's end
+      for (int64_t p = 0; p < kParts; ++p) {
+        vec::store(parts[p], rest);                             // rounds to nearest even
+        rest = vec::fma(vec::load(parts[p]), minus_one, rest);  // the exact remainder
+      }
+      for (int64_t p = 0; p < kParts; ++p) {  // two bfloat16 of consecutive k: one pair
+        const auto* pairs = reinterpret_cast<const uint32_t*>(parts[p]);
+        for (int j = 0; j < n / 2; ++j) out[j * kCols + kParts * c + p] = pairs[j];
+      }
+    }
+    for (int j = 0; j + 1 < n; j += 2) {
+      std::fill(out + (j / 2) * kCols + kParts * rows, out + (j / 2 + 1) * kCols, 0u);
+    }
+  }
+}
+
+// buf (kWRows, K) bfloat16 = qweight rows [n0, n0 + kWRows) as exact bfloat16 integers; rows
+// past N are zeros.
+inline void widen_block(const int8_t* qw, int64_t n, int64_t k, int64_t n0, vec::bf16_t* buf) {
+  constexpr int L = vec::kLanes;
+  for (int64_t r = 0; r < kWRows; ++r) {
+    vec::bf16_t* dst = buf + r * k;
+    if (n0 + r >= n) {
+      std::memset(dst, 0, sizeof(vec::bf16_t) * k);
+      continue;
+    }
+    const int8_t* src = qw + (n0 + r) * k;
+    int64_t i = 0;
+    for (; i + L <= k; i += L) vec::store(dst + i, vec::load(src + i));
+    if (i < k) {
+      float tail[L];
+      const int t = static_cast<int>(k - i);
+      vec::store_n(tail, vec::load_n(src + i, t), t);
+      for (int j = 0; j < t; ++j) dst[i + j].bits = vec::f32_to_bf16(tail[j]);
+    }
+  }
+}
+
+// out[m0 + c][n0 + i] = (sum of the parts of C[i][3c..3c+2]) * scale + bias, for the rows and
+// channels that exist.
+inline void store_block(const float* c_buf, const float* scale, const float* bias, float* out,
+                        int64_t m, int64_t n, int64_t m0, int64_t n0) {
+  const int64_t rows = std::min(kXRows, m - m0), chans = std::min(kWRows, n - n0);
+  for (int64_t c = 0; c < rows; ++c) {
+    float* o = out + (m0 + c) * n + n0;
+    for (int64_t i = 0; i < chans; ++i) {
+      const float* ci = c_buf + i * kCols + kParts * c;
+      o[i] = ((ci[0] + ci[1]) + ci[2]) * scale[n0 + i] + (bias ? bias[n0 + i] : 0.0f);
+    }
+  }
+}
+
+// out (M, N) float32 = x (M, K) float32 @ (qweight * scale)^T + bias on the tile units.
+// Requires `use_for(M, K)`.
+inline at::Tensor int8_gemm(const at::Tensor& x_in, const int8_t* qw, const float* scale,
+                            int64_t n, const at::Tensor& bias) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t x_blocks = (m + kXRows - 1) / kXRows;
+  const int64_t w_blocks = (n + kWRows - 1) / kWRows;
+  const int64_t block_pairs = (k / 2) * kCols;
+  std::vector<uint32_t> packed(static_cast<size_t>(x_blocks * block_pairs));
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, x_blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) pack_block(xp, m, k, b * kXRows, packed.data() + b * block_pairs);
+  });
+  at::Tensor out = at::empty({m, n}, x.options());
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, w_blocks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<vec::bf16_t> w_buf(static_cast<size_t>(kWRows * k));
+    std::vector<float> c_buf(static_cast<size_t>(kWRows * kCols));
+    const auto* a = reinterpret_cast<const at::BFloat16*>(w_buf.data());
+    for (int64_t wb = lo; wb < hi; ++wb) {
+      widen_block(qw, n, k, wb * kWRows, w_buf.data());
+      for (int64_t xb = 0; xb < x_blocks; ++xb) {
+        const auto* b = reinterpret_cast<const at::BFloat16*>(packed.data() + xb * block_pairs);
+        at::native::cpublas::brgemm(kWRows, kCols, k, k, kCols, kCols, false, a, b,
+                                    c_buf.data(), true);
+        store_block(c_buf.data(), scale, bp, op, m, n, xb * kXRows, wb * kWRows);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+  return out;
+}
+
+}  // namespace amx
+}  // namespace vllm_mamba
