@@ -26,6 +26,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -41,6 +42,8 @@ constexpr int64_t kParts = 3;     // bfloat16 parts of a float32 activation
 constexpr int64_t kXRows = 32;    // rows of x per packed block (3 * 32 tile columns)
 constexpr int64_t kWRows = 64;    // weight rows (output channels) per tile product
 constexpr int64_t kCols = kParts * kXRows;
+constexpr int64_t kRowPad = 32;   // bfloat16 after each widened weight row: rows K apart
+                                  // (K a power of two) would share L1 sets
 constexpr int64_t kMinRows = 24;  // rows of x from which the tile path beats the tiled FMAs
 
 // Whether this build and CPU run the bfloat16 tile products: the AVX-512 build on a CPU whose
@@ -89,12 +92,13 @@ inline void pack_block(const float* x, int64_t m, int64_t k, int64_t m0, uint32_
   }
 }
 
-// buf (kWRows, K) bfloat16 = qweight rows [n0, n0 + kWRows) as exact bfloat16 integers; rows
-// past N are zeros.
-inline void widen_block(const int8_t* qw, int64_t n, int64_t k, int64_t n0, vec::bf16_t* buf) {
+// buf (kWRows, K), row stride lda, bfloat16 = qweight rows [n0, n0 + kWRows) as exact bfloat16
+// integers; rows past N are zeros.
+inline void widen_block(const int8_t* qw, int64_t n, int64_t k, int64_t lda, int64_t n0,
+                        vec::bf16_t* buf) {
   constexpr int L = vec::kLanes;
   for (int64_t r = 0; r < kWRows; ++r) {
-    vec::bf16_t* dst = buf + r * k;
+    vec::bf16_t* dst = buf + r * lda;
     if (n0 + r >= n) {
       std::memset(dst, 0, sizeof(vec::bf16_t) * k);
       continue;
@@ -127,6 +131,12 @@ inline void store_block(const float* c_buf, const float* scale, const float* bia
 
 // out (M, N) float32 = x (M, K) float32 @ (qweight * scale)^T + bias on the tile units.
 // Requires `use_for(M, K)`.
+//
+// The work is one task per (block of kWRows weight rows, group of x blocks): a single group
+// unless there are fewer weight blocks than threads (a LoRA's 32-128 channels). The threads
+// take tasks in order from a shared counter, so a thread that runs slower (a busy core of a
+// shared host) takes fewer of them; a task widens its weight block unless the thread's
+// previous task had the same one.
 inline at::Tensor int8_gemm(const at::Tensor& x_in, const int8_t* qw, const float* scale,
                             int64_t n, const at::Tensor& bias) {
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
@@ -134,23 +144,35 @@ inline at::Tensor int8_gemm(const at::Tensor& x_in, const int8_t* qw, const floa
   const int64_t x_blocks = (m + kXRows - 1) / kXRows;
   const int64_t w_blocks = (n + kWRows - 1) / kWRows;
   const int64_t block_pairs = (k / 2) * kCols;
+  const int64_t lda = k + kRowPad;
   std::vector<uint32_t> packed(static_cast<size_t>(x_blocks * block_pairs));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, x_blocks, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) pack_block(xp, m, k, b * kXRows, packed.data() + b * block_pairs);
+    for (int64_t b = lo; b < hi; ++b) {
+      pack_block(xp, m, k, b * kXRows, packed.data() + b * block_pairs);
+    }
   });
   at::Tensor out = at::empty({m, n}, x.options());
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, w_blocks, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<vec::bf16_t> w_buf(static_cast<size_t>(kWRows * k));
+  const int64_t threads = at::get_num_threads();
+  const int64_t groups = std::min(x_blocks, std::max<int64_t>(1, threads / w_blocks));
+  const int64_t tasks = w_blocks * groups;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
+    std::vector<vec::bf16_t> w_buf(static_cast<size_t>(kWRows * lda));
     std::vector<float> c_buf(static_cast<size_t>(kWRows * kCols));
     const auto* a = reinterpret_cast<const at::BFloat16*>(w_buf.data());
-    for (int64_t wb = lo; wb < hi; ++wb) {
-      widen_block(qw, n, k, wb * kWRows, w_buf.data());
-      for (int64_t xb = 0; xb < x_blocks; ++xb) {
+    int64_t widened = -1;
+    for (int64_t t = next++; t < tasks; t = next++) {
+      const int64_t wb = t / groups, g = t % groups;
+      if (wb != widened) {
+        widen_block(qw, n, k, lda, wb * kWRows, w_buf.data());
+        widened = wb;
+      }
+      for (int64_t xb = g * x_blocks / groups; xb < (g + 1) * x_blocks / groups; ++xb) {
         const auto* b = reinterpret_cast<const at::BFloat16*>(packed.data() + xb * block_pairs);
-        at::native::cpublas::brgemm(kWRows, kCols, k, k, kCols, kCols, false, a, b,
+        at::native::cpublas::brgemm(kWRows, kCols, k, lda, kCols, kCols, false, a, b,
                                     c_buf.data(), true);
         store_block(c_buf.data(), scale, bp, op, m, n, xb * kXRows, wb * kWRows);
       }
