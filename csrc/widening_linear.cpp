@@ -14,7 +14,7 @@
 //   step and multiplies it with several rows of x, four weight rows at a time (independent
 //   accumulators hide the FMA latency); an int8 row's scale is applied to the finished dot
 //   product. Threads split the output channels.
-// - float32 activations from `amx::kMinRows` rows on a CPU with AMX: the bfloat16 tile products
+// - float32 activations of `amx::use_for`'s rows on a CPU with AMX: the bfloat16 tile products
 //   of `amx_int8_gemm.h`, with float32 accuracy (activations split into three exact parts).
 // - more rows (prefill, many-stream decode): the weight is widened a block of output channels
 //   at a time into a buffer that stays in the cache, and the block is multiplied by a dense
