@@ -74,8 +74,9 @@ def int8_linear_cpp(
     Up to a few rows (decode) it streams each int8 weight row once (the float32 products of
     widened weights, scaled at the end); more rows run the same tiled kernel (float32) or
     dequantise blocks of the weight for the dense bfloat16 GEMM. On a CPU with AMX, float32
-    calls of 32 rows or more (and at least K / 64) run on the bfloat16 tile units with each activation split into
-    three exact bfloat16 parts (`has_amx_int8_path`). Same signature as `int8_linear_ref`.
+    calls of 32 rows or more (and at least K / 64) run on the bfloat16 tile units with each
+    activation split into three exact bfloat16 parts (`has_amx_int8_path`). Same signature as
+    `int8_linear_ref`.
     """
     if x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         return torch.ops.vllm_mamba.int8_linear(x, qweight, scale, bias)
