@@ -66,7 +66,8 @@ inline bool available() {
 #endif
 }
 
-// Whether `int8_linear` takes the tile path for these sizes (float32 x).
+// Whether the tile path beats the tiled FMA kernel for these sizes (float32 x); `int8_linear`
+// asks only up to the rows where that kernel gives way to its block GEMM.
 inline bool use_for(int64_t m, int64_t k) {
   return m >= std::max(kMinRows, k / 64) && k % 2 == 0 && available();
 }

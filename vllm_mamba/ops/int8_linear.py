@@ -74,9 +74,9 @@ def int8_linear_cpp(
     Up to a few rows (decode) it streams each int8 weight row once (the float32 products of
     widened weights, scaled at the end); more rows run the same tiled kernel (float32) or
     dequantise blocks of the weight for the dense bfloat16 GEMM. On a CPU with AMX, float32
-    calls of 32 rows or more (and at least K / 64) run on the bfloat16 tile units with each
-    activation split into three exact bfloat16 parts (`has_amx_int8_path`). Same signature as
-    `int8_linear_ref`.
+    calls of 32 to 256 rows (and at least K / 64) run on the bfloat16 tile units instead of the
+    tiled kernel, each activation split into three exact bfloat16 parts (`has_amx_int8_path`).
+    Same signature as `int8_linear_ref`.
     """
     if x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         return torch.ops.vllm_mamba.int8_linear(x, qweight, scale, bias)
@@ -84,7 +84,7 @@ def int8_linear_cpp(
 
 
 def has_amx_int8_path() -> bool:
-    """Whether float32 `int8_linear` calls of many rows run on AMX tiles (`csrc/amx_int8_gemm.h`):
+    """Whether float32 `int8_linear` calls of 32-256 rows run on AMX tiles (`csrc/amx_int8_gemm.h`):
     the AVX-512 build on a CPU with AMX, unless `VLLM_MAMBA_AMX=0`."""
     return has_int8_kernel() and bool(torch.ops.vllm_mamba.amx_int8())
 
