@@ -119,13 +119,15 @@ def test_bfloat16_matches_ref_within_bfloat16_rounding(shape: tuple[int, int]) -
 
 
 def _cpu_has_amx_bf16() -> bool:
-    return {"amx_tile", "amx_bf16"} <= cpu_isa._cpu_flags()
+    return {"amx_tile", "amx_bf16"} <= (cpu_isa._cpu_flags() or set())
 
 
 @needs_kernel
 def test_tile_path_is_on_exactly_where_the_cpu_has_amx() -> None:
     """The AVX-512 build on a CPU with AMX tiles and bfloat16 tile products takes the tile path
     (unless VLLM_MAMBA_AMX=0); every other build and CPU keeps the FMA kernels."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        pytest.skip("ONEDNN_MAX_CPU_ISA caps what oneDNN reports; the expectation follows it")
     expected = (
         cpu_isa.active_level() == "avx512"
         and _cpu_has_amx_bf16()
