@@ -91,15 +91,20 @@ def test_ref_is_f_linear_of_the_dequantised_weight() -> None:
 @needs_kernel
 @pytest.mark.parametrize("shape", MODEL_SHAPES + ODD_SHAPES, ids=str)
 def test_float32_matches_ref(shape: tuple[int, int]) -> None:
+    """Against the reference's product in float64: the float32 reference (`F.linear`, as
+    `int8_linear_ref`) is itself off by up to ~3e-5 at K = 4,096 (MKL's AVX2 path), so the
+    kernel may be off by twice the reference's own error beyond the fixed tolerance."""
     n, k = shape
     for i, rows in enumerate(ROWS):
         x, qweight, scale, bias = _case(n, k, rows, n * 7 + k + rows)
         b = bias if i % 2 else None
         got = torch.ops.vllm_mamba.int8_linear(x, qweight, scale, b)
         want = F.linear(x, _dequantised(n, k), b)  # = int8_linear_ref(x, qweight, scale, b)
+        exact = F.linear(x.double(), _dequantised(n, k).double(), None if b is None else b.double())
         assert got.dtype == torch.float32 and got.shape == (rows, n)
-        tol = 2e-6 * float(want.abs().max()) + 1e-6
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=tol, msg=f"rows {rows}")
+        ref_err = float((want.double() - exact).abs().max())
+        tol = 2e-6 * float(want.abs().max()) + 1e-6 + 2 * ref_err
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=tol, msg=f"rows {rows}")
 
 
 @needs_kernel
