@@ -124,9 +124,11 @@ def test_padding_rows_touch_no_state() -> None:
         assert changed.tolist() == [i == 4 for i in range(SLOTS)]
 
 
-def test_many_rows_match_each_row_alone() -> None:
-    """33 rows at once (the GEMM path) against each row through the weight-streaming path."""
-    params = layer_params(96, 32, 224, False, torch.float32, False, seed=5)
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_many_rows_match_each_row_alone(int8: bool) -> None:
+    """33 rows at once (the GEMM path; with int8 weights on an AMX CPU, the tile products of
+    `int8_linear`) against each row through the weight-streaming path."""
+    params = layer_params(96, 32, 224, False, torch.float32, int8, seed=5)
     tm, wkv, cm = states(96, 32, torch.float32, torch.float32, seed=5)
     alone = [s.clone() for s in (tm, wkv, cm)]
     x, v_first = torch.randn(33, 96), torch.randn(33, 96)
