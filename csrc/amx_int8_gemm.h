@@ -31,8 +31,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "vec.h"
 
@@ -154,11 +154,12 @@ inline at::Tensor int8_gemm(const at::Tensor& x_in, const int8_t* qw, const floa
   const int64_t w_blocks = (n + kWRows - 1) / kWRows;
   const int64_t block_pairs = (k / 2) * kCols;
   const int64_t lda = k + kRowPad;
-  std::vector<uint32_t> packed(static_cast<size_t>(x_blocks * block_pairs));
+  // Written whole by pack_block, so not zeroed first (nor are the buffers below).
+  const std::unique_ptr<uint32_t[]> packed(new uint32_t[x_blocks * block_pairs]);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, x_blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
-      pack_block(xp, m, k, b * kXRows, packed.data() + b * block_pairs);
+      pack_block(xp, m, k, b * kXRows, packed.get() + b * block_pairs);
     }
   });
   at::Tensor out = at::empty({m, n}, x.options());
@@ -169,21 +170,21 @@ inline at::Tensor int8_gemm(const at::Tensor& x_in, const int8_t* qw, const floa
   const int64_t tasks = w_blocks * groups;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, tasks), 1, [&](int64_t, int64_t) {
-    std::vector<vec::bf16_t> w_buf(static_cast<size_t>(kWRows * lda));
-    std::vector<float> c_buf(static_cast<size_t>(kWRows * kCols));
-    const auto* a = reinterpret_cast<const at::BFloat16*>(w_buf.data());
+    const std::unique_ptr<vec::bf16_t[]> w_buf(new vec::bf16_t[kWRows * lda]);
+    const std::unique_ptr<float[]> c_buf(new float[kWRows * kCols]);
+    const auto* a = reinterpret_cast<const at::BFloat16*>(w_buf.get());
     int64_t widened = -1;
     for (int64_t t = next++; t < tasks; t = next++) {
       const int64_t wb = t / groups, g = t % groups;
       if (wb != widened) {
-        widen_block(qw, n, k, lda, wb * kWRows, w_buf.data());
+        widen_block(qw, n, k, lda, wb * kWRows, w_buf.get());
         widened = wb;
       }
       for (int64_t xb = g * x_blocks / groups; xb < (g + 1) * x_blocks / groups; ++xb) {
-        const auto* b = reinterpret_cast<const at::BFloat16*>(packed.data() + xb * block_pairs);
+        const auto* b = reinterpret_cast<const at::BFloat16*>(packed.get() + xb * block_pairs);
         at::native::cpublas::brgemm(kWRows, kCols, k, lda, kCols, kCols, false, a, b,
-                                    c_buf.data(), true);
-        store_block(c_buf.data(), scale, bp, op, m, n, xb * kXRows, wb * kWRows);
+                                    c_buf.get(), true);
+        store_block(c_buf.get(), scale, bp, op, m, n, xb * kXRows, wb * kWRows);
       }
     }
     at::native::cpublas::brgemm_release(true);
