@@ -101,25 +101,17 @@ inline void pack_block(const float* x, int64_t m, int64_t k, int64_t m0, uint32_
   }
 }
 
-// buf (kWRows, K), row stride lda, bfloat16 = qweight rows [n0, n0 + kWRows) as exact bfloat16
-// integers; rows past N are zeros.
-inline void widen_block(const int8_t* qw, int64_t n, int64_t k, int64_t lda, int64_t n0,
+// buf (kWRows, K), row stride lda = qweight rows [n0, n0 + kWRows) as exact bfloat16 integers
+// (`widen_row(r, dst)` writes row r); rows past N are zeros.
+template <typename WidenRow>
+inline void widen_block(WidenRow& widen_row, int64_t n, int64_t k, int64_t lda, int64_t n0,
                         vec::bf16_t* buf) {
-  constexpr int L = vec::kLanes;
   for (int64_t r = 0; r < kWRows; ++r) {
     vec::bf16_t* dst = buf + r * lda;
-    if (n0 + r >= n) {
+    if (n0 + r < n) {
+      widen_row(n0 + r, dst);
+    } else {
       std::memset(dst, 0, sizeof(vec::bf16_t) * k);
-      continue;
-    }
-    const int8_t* src = qw + (n0 + r) * k;
-    int64_t i = 0;
-    for (; i + L <= k; i += L) vec::store(dst + i, vec::load(src + i));
-    if (i < k) {
-      float tail[L];
-      const int t = static_cast<int>(k - i);
-      vec::store_n(tail, vec::load_n(src + i, t), t);
-      for (int j = 0; j < t; ++j) dst[i + j].bits = vec::f32_to_bf16(tail[j]);
     }
   }
 }
@@ -138,17 +130,19 @@ inline void store_block(const float* c_buf, const float* scale, const float* bia
   }
 }
 
-// out (M, N) float32 = x (M, K) float32 @ (qweight * scale)^T + bias on the tile units.
-// Requires `use_for(M, K)`.
+// out (M, N) float32 = x (M, K) float32 @ (qweight * scale)^T + bias on the tile units, where
+// `widen_row(r, dst)` writes qweight row r (K values) as bfloat16 into `dst`. Requires
+// `use_for(M, K)`.
 //
 // The work is one task per (block of kWRows weight rows, group of x blocks): a single group
 // unless there are fewer weight blocks than threads (a LoRA's 32-128 channels). The threads
 // take tasks in order from a shared counter, so a thread that runs slower (a busy core of a
 // shared host) takes fewer of them; a task widens its weight block unless the thread's
 // previous task had the same one.
-inline at::Tensor int8_gemm(const at::Tensor& x_in, const int8_t* qw, const float* scale,
-                            int64_t n, const at::Tensor& bias) {
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+template <typename WidenRow>
+at::Tensor int8_gemm(const at::Tensor& x_in, WidenRow&& widen_row, const float* scale, int64_t n,
+                     const at::Tensor& bias) {
+  const at::Tensor x = x_in.contiguous();
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t x_blocks = (m + kXRows - 1) / kXRows;
   const int64_t w_blocks = (n + kWRows - 1) / kWRows;
@@ -177,7 +171,7 @@ inline at::Tensor int8_gemm(const at::Tensor& x_in, const int8_t* qw, const floa
     for (int64_t t = next++; t < tasks; t = next++) {
       const int64_t wb = t / groups, g = t % groups;
       if (wb != widened) {
-        widen_block(qw, n, k, lda, wb * kWRows, w_buf.get());
+        widen_block(widen_row, n, k, lda, wb * kWRows, w_buf.get());
         widened = wb;
       }
       for (int64_t xb = g * x_blocks / groups; xb < (g + 1) * x_blocks / groups; ++xb) {

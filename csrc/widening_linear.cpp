@@ -235,8 +235,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t n = qweight.size(0);
   if (x.scalar_type() == at::kFloat && x.size(0) <= kMaxTiledRows &&
       amx::use_for(x.size(0), x.size(1))) {
-    return amx::int8_gemm(x, qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), n,
-                          bias_f32(bias, n, "int8_linear"));
+    const int8_t* qw = qweight.data_ptr<int8_t>();
+    const int64_t k = x.size(1);
+    auto widen = [&](int64_t row, vec::bf16_t* dst) {  // unscaled: exact in bfloat16
+      widen_row(qw + row * k, 1.0f, reinterpret_cast<c10::BFloat16*>(dst), k);
+    };
+    return amx::int8_gemm(x, widen, scale.data_ptr<float>(), n, bias_f32(bias, n, "int8_linear"));
   }
   return widening_linear(x, qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), n,
                          bias_f32(bias, n, "int8_linear"));
