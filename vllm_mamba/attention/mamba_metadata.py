@@ -4,18 +4,22 @@ Every state-space mixer (Mamba, Mamba2, the Mamba layers of a hybrid) reads the 
 things about a step's flat batch `[decodes (one token each)] + [prefill chunks]`: how many
 decodes and prefills it holds, where each prefill chunk starts, the state slot of every
 sequence, and whether a prefill continues from a saved state (chunked prefill). The eager path
-and the CUDA-graph capture both build it with `build_mamba_metadata`.
+and the CUDA-graph capture both build it with `build_mamba_metadata`. How a mixer runs its
+recurrence over these rows (decodes, speculative waves, prefill chunks) is
+`vllm_mamba.layers.recurrent_step`.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from vllm_mamba.attention.backend import AttentionMetadata, StepLayout
+
+# Re-exported for plugins written against it; the layers call `recurrent_step`.
+from vllm_mamba.layers.recurrent_step import run_decode_waves as run_decode_waves
 
 
 @dataclass
@@ -109,35 +113,3 @@ def _wave_copies(
 
 def _longs(values: list[int], device: torch.device) -> torch.Tensor | None:
     return torch.tensor(values, dtype=torch.long, device=device) if values else None
-
-
-def run_decode_waves(
-    meta: MambaMetadata,
-    states: Sequence[torch.Tensor],
-    update: Callable[[slice, torch.Tensor], torch.Tensor],
-    dim: int = 0,
-) -> torch.Tensor:
-    """Runs a recurrent op's one-token update over the step's decode rows.
-
-    Args:
-        meta: the step's metadata.
-        states: the op's state tensors `(S, ...)`, indexed by slot, that `update` advances.
-        update: `update(rows, slots)` advances the states of `slots` by the decode rows
-            `rows` (a slice of the step's rows) in place and returns their outputs.
-        dim: the outputs' row dimension (RWKV's shift mixes return `(M, rows, H)`).
-
-    Returns:
-        The outputs of all decode rows, in row order.
-    """
-    if not meta.decode_waves:
-        return update(slice(0, meta.num_decodes), meta.decode_state_indices)
-    outs, start = [], 0
-    for wave, rows in enumerate(meta.decode_waves):
-        part = slice(start, start + rows)
-        outs.append(update(part, meta.decode_state_indices[part]))
-        if wave < len(meta.wave_copies):
-            src, dst = meta.wave_copies[wave]
-            for state in states:
-                state.index_copy_(0, dst, state.index_select(0, src))
-        start += rows
-    return torch.cat(outs, dim=dim)
