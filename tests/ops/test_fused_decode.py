@@ -21,11 +21,14 @@ from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
 from vllm_mamba.cache_specs import PAD_SLOT_ID
+from vllm_mamba.ops import cpu_kernels
 from vllm_mamba.ops import fused_decode as fd
 from vllm_mamba.ops.int4_linear import int4_supported, quantize_int4
 from vllm_mamba.ops.int8_linear import quantize_int8
 
-pytestmark = pytest.mark.skipif(not fd.available(), reason="C++ extension not built")
+pytestmark = pytest.mark.skipif(
+    "fused_mamba_decode" not in cpu_kernels.library_ops(), reason="C++ extension not built"
+)
 
 SLOTS = 13
 
@@ -184,7 +187,7 @@ def test_fused_mamba_decode_matches_reference(dtype, shape, batch, pad, norm) ->
     args = (1e-5, eps, out_dtype)
 
     def run(h, c, s, i):  # noqa: ANN001, ANN202
-        return fd.fused_mamba_decode(h, params, c, s, i, *args)
+        return cpu_kernels.fused_mamba_decode(h, params, c, s, i, *args)
 
     def ref(h, c, s, i):  # noqa: ANN001, ANN202
         return fd.fused_mamba_decode_ref(h, params, c, s, i, *args)
@@ -218,7 +221,7 @@ def test_fused_mamba2_decode_matches_reference(dtype, shape, batch, pad, norm) -
     args = (groups, group_size, 1e-5, 1e-6, torch.float32 if norm else _model(dtype))
 
     def run(h, c, s, i):  # noqa: ANN001, ANN202
-        return fd.fused_mamba2_decode(h, params, c, s, i, *args)
+        return cpu_kernels.fused_mamba2_decode(h, params, c, s, i, *args)
 
     def ref(h, c, s, i):  # noqa: ANN001, ANN202
         return fd.fused_mamba2_decode_ref(h, params, c, s, i, *args)
@@ -232,21 +235,31 @@ def test_fused_decode_rejects_bad_shapes() -> None:
     x = torch.randn(2, 64, generator=g)
     idx = _indices(2, False)
     with pytest.raises(RuntimeError, match="n_groups"):
-        fd.fused_mamba2_decode(x, params, conv, ssm, idx, 3, 128, 1e-5, 1e-6, torch.float32)
+        cpu_kernels.fused_mamba2_decode(
+            x, params, conv, ssm, idx, 3, 128, 1e-5, 1e-6, torch.float32
+        )
     with pytest.raises(RuntimeError, match="in_proj weight"):
-        fd.fused_mamba2_decode(x[:, :32], params, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32)
+        cpu_kernels.fused_mamba2_decode(
+            x[:, :32], params, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32
+        )
     int8, _ = quantize_int8(params[1])
     unscaled = [*params[:1], int8, *params[2:]]  # an int8 weight without its scale
     with pytest.raises(RuntimeError, match="in_proj weight is int8"):
-        fd.fused_mamba2_decode(x, unscaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32)
+        cpu_kernels.fused_mamba2_decode(
+            x, unscaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32
+        )
     scaled = [*params[:-2], torch.ones(params[1].shape[0]), None]  # a float weight with one
     with pytest.raises(RuntimeError, match="has a scale"):
-        fd.fused_mamba2_decode(x, scaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32)
+        cpu_kernels.fused_mamba2_decode(
+            x, scaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32
+        )
     int4, scales = quantize_int4(params[1])
     for bad_scales in (None, scales.float(), scales[:, :1].contiguous()):
         bad = [*params[:1], int4, *params[2:-2], bad_scales, None]
         with pytest.raises(RuntimeError, match="in_proj weight is 4-bit"):
-            fd.fused_mamba2_decode(x, bad, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32)
+            cpu_kernels.fused_mamba2_decode(
+                x, bad, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32
+            )
 
 
 def _generate(
@@ -337,7 +350,7 @@ def test_fused_chains_equal_one_row_at_a_time(
         eps = -1.0 if shape[6] is None else shape[6]
 
         def run(h, c, s, i, src=None):  # noqa: ANN001, ANN202
-            return fd.fused_mamba_decode(h, params, c, s, i, 1e-5, eps, torch.float32, src)
+            return cpu_kernels.fused_mamba_decode(h, params, c, s, i, 1e-5, eps, torch.float32, src)
 
         def ref(h, c, s, i, src=None):  # noqa: ANN001, ANN202
             return fd.fused_mamba_decode_ref(h, params, c, s, i, 1e-5, eps, torch.float32, src)
@@ -348,7 +361,7 @@ def test_fused_chains_equal_one_row_at_a_time(
         args = (groups, heads * head_dim // groups, 1e-5, 1e-6, torch.float32)
 
         def run(h, c, s, i, src=None):  # noqa: ANN001, ANN202
-            return fd.fused_mamba2_decode(h, params, c, s, i, *args, src)
+            return cpu_kernels.fused_mamba2_decode(h, params, c, s, i, *args, src)
 
         def ref(h, c, s, i, src=None):  # noqa: ANN001, ANN202
             return fd.fused_mamba2_decode_ref(h, params, c, s, i, *args, src)

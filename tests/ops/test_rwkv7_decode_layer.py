@@ -98,7 +98,7 @@ def test_decode_layer_matches_reference(dtype, int8, state_dtype, hidden, head_d
     ref_states = states(hidden, head_dim, dtype, state_dtype, seed=2)
     got_states = [s.clone() for s in ref_states]
     want_h, want_v = decode_layer_ref(x, params, *ref_states, idx, v_first, 1e-5, 64e-5)
-    got_h, got_v = cpu_kernels.rwkv7_decode_layer(x, params, *got_states, idx, v_first, 1e-5, 64e-5)
+    got_h, got_v = cpu_kernels.fused_rwkv7_decode(x, params, *got_states, idx, v_first, 1e-5, 64e-5)
     assert got_h.dtype == want_h.dtype == dtype and got_v.dtype == dtype
     # float32: orders of summation only. bfloat16: both round every intermediate to bfloat16,
     # so a value may land one ulp apart (2^-8 relative) and carry that through the next ops.
@@ -118,7 +118,7 @@ def test_padding_rows_touch_no_state() -> None:
     before = [s.clone() for s in (tm, wkv, cm)]
     x = torch.randn(2, 128)
     idx = torch.tensor([PAD_SLOT_ID, 4])
-    cpu_kernels.rwkv7_decode_layer(x, params, tm, wkv, cm, idx, torch.randn(2, 128), 1e-5, 64e-5)
+    cpu_kernels.fused_rwkv7_decode(x, params, tm, wkv, cm, idx, torch.randn(2, 128), 1e-5, 64e-5)
     for now, old in zip((tm, wkv, cm), before):
         changed = (now != old).flatten(1).any(1)
         assert changed.tolist() == [i == 4 for i in range(SLOTS)]
@@ -133,9 +133,9 @@ def test_many_rows_match_each_row_alone(int8: bool) -> None:
     alone = [s.clone() for s in (tm, wkv, cm)]
     x, v_first = torch.randn(33, 96), torch.randn(33, 96)
     idx = torch.arange(33)
-    h, _ = cpu_kernels.rwkv7_decode_layer(x, params, tm, wkv, cm, idx, v_first, 1e-5, 64e-5)
+    h, _ = cpu_kernels.fused_rwkv7_decode(x, params, tm, wkv, cm, idx, v_first, 1e-5, 64e-5)
     for i in range(33):
-        one, _ = cpu_kernels.rwkv7_decode_layer(
+        one, _ = cpu_kernels.fused_rwkv7_decode(
             x[i : i + 1], params, *alone, idx[i : i + 1], v_first[i : i + 1], 1e-5, 64e-5
         )
         torch.testing.assert_close(h[i : i + 1], one, rtol=1e-4, atol=1e-4)

@@ -12,10 +12,15 @@ Glossary:
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
+from vllm_mamba.ops.families import OpFamily, OpSpec
+
+Tensor = torch.Tensor
 
 
 def causal_conv1d_varlen_ref(
@@ -112,3 +117,32 @@ def causal_conv1d_update_ref(
     if bool(valid.any()):
         conv_states[slots[valid]] = window[valid, :, 1:].to(conv_states.dtype)
     return out.to(x.dtype)
+
+
+class ConvVarlenOp(Protocol):
+    """See `causal_conv1d_varlen_ref`."""
+
+    def __call__(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+        query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
+        activation: bool = True,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class ConvUpdateOp(Protocol):
+    """See `causal_conv1d_update_ref`."""
+
+    def __call__(
+        self, x: Tensor, conv_states: Tensor, weight: Tensor, bias: Tensor | None,
+        state_indices: Tensor, activation: bool = True,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
+    "causal_conv1d",
+    {
+        "varlen": OpSpec(ConvVarlenOp, causal_conv1d_varlen_ref),
+        "update": OpSpec(ConvUpdateOp, causal_conv1d_update_ref),
+    },
+)

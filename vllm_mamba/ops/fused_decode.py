@@ -1,8 +1,10 @@
-"""Fused decode layers: one kernel call per Mamba or Mamba2 layer for a few sequences.
+"""The `fused_decode` op family: one kernel call per Mamba or Mamba2 layer for a few sequences.
 
 Decode with a few sequences reads every weight once per token, and the unfused layer spends
-a third of its time in per-op Python and dispatch. `fused_mamba_decode` and
-`fused_mamba2_decode` (C++, `csrc/fused_decode_mamba*.cpp`) run a whole layer (optionally
+a third of its time in per-op Python and dispatch. The family's `mamba` and `mamba2` ops (C++:
+`torch.ops.vllm_mamba.fused_mamba_decode` / `fused_mamba2_decode`, `csrc/fused_decode_mamba*.cpp`,
+bound in `vllm_mamba.ops.cpu_kernels`; the ops table's `fused_mamba_decode` /
+`fused_mamba2_decode`, None for a backend without them) run a whole layer (optionally
 with the block's RMSNorm and residual) in one call: up to 8 rows with weight-streaming
 matrix-vector products inside one parallel region, more rows with torch's GEMMs between
 fused parallel stages (conv, state update, gate or gated norm, residual). Their pure-PyTorch twins
@@ -24,18 +26,20 @@ heads of P (`I = NH P`), G groups, CD = I + 2 G N conv channels.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from vllm_mamba import envs
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref
+from vllm_mamba.ops.families import OpFamily, OpSpec
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
 from vllm_mamba.ops.int4_linear import dequantize_int4
 from vllm_mamba.ops.int8_linear import dequantize_int8
 from vllm_mamba.ops.selective_scan import selective_state_update_ref
 from vllm_mamba.ops.ssd import ssd_state_update_ref
+
+Tensor = torch.Tensor
 
 MAMBA_PARAMS = (
     "norm_w", "in_proj_w", "in_proj_b", "conv_w", "conv_b", "x_proj_w", "dt_proj_w", "dt_proj_b",
@@ -48,25 +52,6 @@ MAMBA2_PARAMS = (
 )  # fmt: skip
 
 Params = list[torch.Tensor | None]
-
-
-def available() -> bool:
-    """Whether the C++ fused layers are built and not switched off by `VLLM_MAMBA_FUSED_DECODE=0`.
-
-    Returns:
-        True when `torch.ops.vllm_mamba` has both fused decode ops and the switch is not "0".
-    """
-    if not envs.VLLM_MAMBA_FUSED_DECODE:
-        return False
-    from vllm_mamba.ops import cpu_isa
-
-    try:
-        if cpu_isa.load() is None:  # registers torch.ops.vllm_mamba.*
-            return False
-    except OSError:
-        return False
-    ops = torch.ops.vllm_mamba
-    return hasattr(ops, "fused_mamba_decode") and hasattr(ops, "fused_mamba2_decode")
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -237,39 +222,31 @@ def _chained(
     return torch.cat(outs)
 
 
-def fused_mamba_decode(
-    hidden: torch.Tensor,
-    params: Params,
-    conv_states: torch.Tensor,
-    ssm_states: torch.Tensor,
-    state_indices: torch.Tensor,
-    norm_eps: float,
-    mixer_eps: float,
-    out_dtype: torch.dtype,
-    src_state_indices: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The C++ kernel of `fused_mamba_decode_ref` (same arguments and result)."""
-    return torch.ops.vllm_mamba.fused_mamba_decode(
-        hidden, params, conv_states, ssm_states, state_indices, norm_eps, mixer_eps, out_dtype,
-        src_state_indices,
-    )  # fmt: skip
+class FusedMambaDecodeOp(Protocol):
+    """See `fused_mamba_decode_ref`."""
+
+    def __call__(
+        self, hidden: Tensor, params: Params, conv_states: Tensor, ssm_states: Tensor,
+        state_indices: Tensor, norm_eps: float, mixer_eps: float, out_dtype: torch.dtype,
+        src_state_indices: Tensor | None = None,
+    ) -> Tensor: ...  # fmt: skip
 
 
-def fused_mamba2_decode(
-    hidden: torch.Tensor,
-    params: Params,
-    conv_states: torch.Tensor,
-    ssm_states: torch.Tensor,
-    state_indices: torch.Tensor,
-    n_groups: int,
-    group_size: int,
-    norm_eps: float,
-    gate_eps: float,
-    out_dtype: torch.dtype,
-    src_state_indices: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The C++ kernel of `fused_mamba2_decode_ref` (same arguments and result)."""
-    return torch.ops.vllm_mamba.fused_mamba2_decode(
-        hidden, params, conv_states, ssm_states, state_indices, n_groups, group_size,
-        norm_eps, gate_eps, out_dtype, src_state_indices,
-    )  # fmt: skip
+class FusedMamba2DecodeOp(Protocol):
+    """See `fused_mamba2_decode_ref`."""
+
+    def __call__(
+        self, hidden: Tensor, params: Params, conv_states: Tensor, ssm_states: Tensor,
+        state_indices: Tensor, n_groups: int, group_size: int, norm_eps: float, gate_eps: float,
+        out_dtype: torch.dtype, src_state_indices: Tensor | None = None,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
+    "fused_decode",
+    {
+        "mamba": OpSpec(FusedMambaDecodeOp, fused_mamba_decode_ref),
+        "mamba2": OpSpec(FusedMamba2DecodeOp, fused_mamba2_decode_ref),
+    },
+)

@@ -27,11 +27,15 @@ u_j^T`.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
-from vllm_mamba.ops.families import register_op_family
+from vllm_mamba.ops.families import OpFamily, OpSpec
+
+Tensor = torch.Tensor
 
 FAMILY = "gated_delta"
 L2_EPS = 1e-6
@@ -218,11 +222,39 @@ def rms_norm_gated_ref(
     return ((weight * normed) * F.silu(z.float())).to(x.dtype)
 
 
-register_op_family(
+class VarlenOp(Protocol):
+    """See `gated_delta_varlen_ref`."""
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+        beta_scale: float, ssm_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
+        has_initial_state: Tensor, chunk_size: int = 64,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class UpdateOp(Protocol):
+    """See `gated_delta_update_ref`."""
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+        beta_scale: float, ssm_states: Tensor, state_indices: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class NormGateOp(Protocol):
+    """See `rms_norm_gated_ref`."""
+
+    def __call__(
+        self, x: Tensor, z: Tensor, weight: Tensor, eps: float,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
     FAMILY,
     {
-        "varlen": gated_delta_varlen_ref,
-        "update": gated_delta_update_ref,
-        "norm_gate": rms_norm_gated_ref,
+        "varlen": OpSpec(VarlenOp, gated_delta_varlen_ref),
+        "update": OpSpec(UpdateOp, gated_delta_update_ref),
+        "norm_gate": OpSpec(NormGateOp, rms_norm_gated_ref),
     },
 )

@@ -9,8 +9,14 @@ statistics (Mamba2's `n_groups`).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
+
+from vllm_mamba.ops.families import OpFamily, OpSpec
+
+Tensor = torch.Tensor
 
 
 def gated_rms_norm_ref(
@@ -34,3 +40,20 @@ def gated_rms_norm_ref(
     variance = groups.pow(2).mean(-1, keepdim=True)
     normed = (groups * torch.rsqrt(variance + eps)).view_as(gated)
     return weight * normed.to(x.dtype)
+
+
+class GatedRMSNormOp(Protocol):
+    """See `gated_rms_norm_ref`."""
+
+    def __call__(
+        self, x: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: float,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
+    "gated_rms_norm",
+    {
+        "gated_rms_norm": OpSpec(GatedRMSNormOp, gated_rms_norm_ref),
+    },
+)

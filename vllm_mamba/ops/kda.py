@@ -47,13 +47,16 @@ sigmoid(gate)` per head of Dv, in float32 (the weight in float32 too), cast back
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
-from vllm_mamba.ops.families import register_op_family
+from vllm_mamba.ops.families import OpFamily, OpSpec
 from vllm_mamba.ops.gated_delta import L2_EPS, _heads_qk
+
+Tensor = torch.Tensor
 
 __all__ = [
     "FAMILY",
@@ -337,11 +340,39 @@ def kda_norm_gate_ref(
     return (weight.float() * normed * torch.sigmoid(gate.float())).to(o.dtype)
 
 
-register_op_family(
+class VarlenOp(Protocol):
+    """See `kda_varlen_ref`."""
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+        ssm_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
+        has_initial_state: Tensor, chunk_size: int = CHUNK_SIZE,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class UpdateOp(Protocol):
+    """See `kda_update_ref`."""
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
+        ssm_states: Tensor, state_indices: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class NormGateOp(Protocol):
+    """See `kda_norm_gate_ref`."""
+
+    def __call__(
+        self, o: Tensor, gate: Tensor, weight: Tensor, eps: float,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
     FAMILY,
     {
-        "varlen": kda_varlen_ref,
-        "update": kda_update_ref,
-        "norm_gate": kda_norm_gate_ref,
+        "varlen": OpSpec(VarlenOp, kda_varlen_ref),
+        "update": OpSpec(UpdateOp, kda_update_ref),
+        "norm_gate": OpSpec(NormGateOp, kda_norm_gate_ref),
     },
 )

@@ -36,13 +36,17 @@ Glossary:
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from vllm_mamba.ops.families import register_op_family
+from vllm_mamba.ops.families import OpFamily, OpSpec
 from vllm_mamba.ops.paged_attention import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
 )
+
+Tensor = torch.Tensor
 
 __all__ = [
     "FAMILY",
@@ -139,11 +143,38 @@ def mla_prefill_attention_ref(
     return out[..., :v_dim].contiguous()
 
 
-register_op_family(
+class CacheWriteOp(Protocol):
+    """See `mla_cache_write_ref`."""
+
+    def __call__(
+        self, latent: Tensor, cache: Tensor, slot_mapping: Tensor,
+    ) -> None: ...  # fmt: skip
+
+
+class DecodeOp(Protocol):
+    """See `mla_decode_attention_ref`."""
+
+    def __call__(
+        self, query: Tensor, cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
+        v_dim: int,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class PrefillOp(Protocol):
+    """See `mla_prefill_attention_ref`."""
+
+    def __call__(
+        self, query: Tensor, cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,
+        seq_lens: Tensor, scale: float, v_dim: int,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
     FAMILY,
     {
-        "cache_write": mla_cache_write_ref,
-        "decode_attention": mla_decode_attention_ref,
-        "prefill_attention": mla_prefill_attention_ref,
+        "cache_write": OpSpec(CacheWriteOp, mla_cache_write_ref),
+        "decode_attention": OpSpec(DecodeOp, mla_decode_attention_ref),
+        "prefill_attention": OpSpec(PrefillOp, mla_prefill_attention_ref),
     },
 )

@@ -21,9 +21,14 @@ Glossary:
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
+from vllm_mamba.ops.families import OpFamily, OpSpec
+
+Tensor = torch.Tensor
 
 __all__ = [
     "reshape_and_cache_ref",
@@ -179,3 +184,40 @@ def paged_prefill_attention_ref(
         allowed = k_pos[None, :] <= q_pos[:, None]  # (Q, L)
         out[begin:end] = _attend(query[begin:end].float(), keys, values, allowed, scale)
     return out.to(query.dtype)
+
+
+class ReshapeAndCacheOp(Protocol):
+    """See `reshape_and_cache_ref`."""
+
+    def __call__(
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+    ) -> None: ...  # fmt: skip
+
+
+class PagedDecodeOp(Protocol):
+    """See `paged_decode_attention_ref`."""
+
+    def __call__(
+        self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+        seq_lens: Tensor, scale: float,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class PagedPrefillOp(Protocol):
+    """See `paged_prefill_attention_ref`."""
+
+    def __call__(
+        self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+        query_start_loc: Tensor, seq_lens: Tensor, scale: float,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
+    "paged_attention",
+    {
+        "reshape_and_cache": OpSpec(ReshapeAndCacheOp, reshape_and_cache_ref),
+        "decode": OpSpec(PagedDecodeOp, paged_decode_attention_ref),
+        "prefill": OpSpec(PagedPrefillOp, paged_prefill_attention_ref),
+    },
+)

@@ -24,10 +24,14 @@ neither read nor written, and its outputs are those of a fresh state.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
-from vllm_mamba.ops.families import register_op_family
+from vllm_mamba.ops.families import OpFamily, OpSpec
+
+Tensor = torch.Tensor
 
 __all__ = ["FAMILY", "MAX_INIT", "wkv4_varlen_ref", "wkv4_update_ref", "wkv4_step"]
 
@@ -127,4 +131,30 @@ def wkv4_update_ref(
     return wkv.to(v.dtype)
 
 
-register_op_family(FAMILY, {"varlen": wkv4_varlen_ref, "update": wkv4_update_ref})
+class VarlenOp(Protocol):
+    """See `wkv4_varlen_ref`."""
+
+    def __call__(
+        self, w: Tensor, u: Tensor, k: Tensor, v: Tensor, num_states: Tensor, den_states: Tensor,
+        max_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
+        has_initial_state: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class UpdateOp(Protocol):
+    """See `wkv4_update_ref`."""
+
+    def __call__(
+        self, w: Tensor, u: Tensor, k: Tensor, v: Tensor, num_states: Tensor, den_states: Tensor,
+        max_states: Tensor, state_indices: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
+    FAMILY,
+    {
+        "varlen": OpSpec(VarlenOp, wkv4_varlen_ref),
+        "update": OpSpec(UpdateOp, wkv4_update_ref),
+    },
+)

@@ -37,14 +37,17 @@ Glossary:
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
-from vllm_mamba.ops.families import register_op_family
+from vllm_mamba.ops.families import OpFamily, OpSpec
 from vllm_mamba.ops.int4_linear import dequantize_int4
 from vllm_mamba.ops.int8_linear import dequantize_int8
+
+Tensor = torch.Tensor
 
 __all__ = [
     "FAMILY",
@@ -361,13 +364,60 @@ def decode_layer_ref(
     return h + proj(torch.relu(proj(xk, "key")).square(), "value"), v
 
 
-register_op_family(
+class VarlenOp(Protocol):
+    """See `wkv7_varlen_ref`."""
+
+    def __call__(
+        self, r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, states: Tensor,
+        query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class UpdateOp(Protocol):
+    """See `wkv7_update_ref`."""
+
+    def __call__(
+        self, r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, states: Tensor,
+        state_indices: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class ShiftMixOp(Protocol):
+    """See `shift_mix_ref`."""
+
+    def __call__(
+        self, x: Tensor, shift: Tensor, state_indices: Tensor, mixes: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class FusedUpdateOp(Protocol):
+    """See `fused_update_ref`."""
+
+    def __call__(
+        self, r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, g: Tensor,
+        v_first: Tensor | None, v_gate: Tensor | None, k_k: Tensor, k_a: Tensor, r_k: Tensor,
+        gn_weight: Tensor, gn_bias: Tensor, gn_eps: float, states: Tensor, state_indices: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class DecodeLayerOp(Protocol):
+    """See `decode_layer_ref`."""
+
+    def __call__(
+        self, hidden: Tensor, params: list[Tensor | None], tm_shift: Tensor, wkv_states: Tensor,
+        cm_shift: Tensor, state_indices: Tensor, v_first: Tensor | None, norm_eps: float,
+        gn_eps: float,
+    ) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
     FAMILY,
     {
-        "varlen": wkv7_varlen_ref,
-        "update": wkv7_update_ref,
-        "shift_mix": shift_mix_ref,
-        "fused_update": fused_update_ref,
-        "decode_layer": decode_layer_ref,
+        "varlen": OpSpec(VarlenOp, wkv7_varlen_ref),
+        "update": OpSpec(UpdateOp, wkv7_update_ref),
+        "shift_mix": OpSpec(ShiftMixOp, shift_mix_ref),
+        "fused_update": OpSpec(FusedUpdateOp, fused_update_ref),
+        "decode_layer": OpSpec(DecodeLayerOp, decode_layer_ref),
     },
 )

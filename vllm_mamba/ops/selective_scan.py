@@ -14,11 +14,16 @@ Glossary (token-major layout):
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops.discretize import discretize_dt
+from vllm_mamba.ops.families import OpFamily, OpSpec
+
+Tensor = torch.Tensor
 
 
 def _gate_and_skip(
@@ -126,3 +131,33 @@ def selective_state_update_ref(
         ssm_states[slots[valid]] = state[valid].to(ssm_states.dtype)
     y = torch.matmul(state, C.float()[:, :, None])[:, :, 0]  # (B, D)
     return _gate_and_skip(y, u, D_skip, z).to(u.dtype)
+
+
+class ScanVarlenOp(Protocol):
+    """See `selective_scan_varlen_ref`."""
+
+    def __call__(
+        self, u: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor, D_skip: Tensor | None,
+        z: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool, ssm_states: Tensor,
+        query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class ScanUpdateOp(Protocol):
+    """See `selective_state_update_ref`."""
+
+    def __call__(
+        self, ssm_states: Tensor, u: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor,
+        D_skip: Tensor | None, z: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool,
+        state_indices: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
+    "selective_scan",
+    {
+        "varlen": OpSpec(ScanVarlenOp, selective_scan_varlen_ref),
+        "update": OpSpec(ScanUpdateOp, selective_state_update_ref),
+    },
+)

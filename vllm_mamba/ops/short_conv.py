@@ -26,11 +26,15 @@ Glossary:
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_varlen_ref
-from vllm_mamba.ops.families import register_op_family
+from vllm_mamba.ops.families import OpFamily, OpSpec
+
+Tensor = torch.Tensor
 
 __all__ = ["FAMILY", "short_conv_update_ref", "short_conv_varlen_ref", "split_bcx"]
 
@@ -108,4 +112,29 @@ def short_conv_update_ref(
     return (c.float() * y).to(bcx.dtype)
 
 
-register_op_family(FAMILY, {"update": short_conv_update_ref, "varlen": short_conv_varlen_ref})
+class UpdateOp(Protocol):
+    """See `short_conv_update_ref`."""
+
+    def __call__(
+        self, bcx: Tensor, conv_states: Tensor, weight: Tensor, bias: Tensor | None,
+        state_indices: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class VarlenOp(Protocol):
+    """See `short_conv_varlen_ref`."""
+
+    def __call__(
+        self, bcx: Tensor, conv_states: Tensor, weight: Tensor, bias: Tensor | None,
+        query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
+    FAMILY,
+    {
+        "update": OpSpec(UpdateOp, short_conv_update_ref),
+        "varlen": OpSpec(VarlenOp, short_conv_varlen_ref),
+    },
+)

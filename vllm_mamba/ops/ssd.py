@@ -18,10 +18,15 @@ Glossary (token-major layout):
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops.discretize import discretize_dt
+from vllm_mamba.ops.families import OpFamily, OpSpec
+
+Tensor = torch.Tensor
 
 
 def _expand_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -201,3 +206,33 @@ def ssd_state_update_ref(
     if D_skip is not None:
         y = y + x.float() * D_skip.float()[:, None]
     return y.to(x.dtype)
+
+
+class SSDVarlenOp(Protocol):
+    """See `ssd_chunk_scan_varlen_ref`."""
+
+    def __call__(
+        self, x: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor, D_skip: Tensor | None,
+        dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float],
+        ssm_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
+        has_initial_state: Tensor, chunk_size: int,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class SSDUpdateOp(Protocol):
+    """See `ssd_state_update_ref`."""
+
+    def __call__(
+        self, ssm_states: Tensor, x: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor,
+        D_skip: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool, state_indices: Tensor,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
+    "ssd",
+    {
+        "chunk_scan_varlen": OpSpec(SSDVarlenOp, ssd_chunk_scan_varlen_ref),
+        "state_update": OpSpec(SSDUpdateOp, ssd_state_update_ref),
+    },
+)

@@ -1,161 +1,31 @@
-"""The ops table: the typed signature of every op the layers call, and `MambaOps` holding them.
+"""`MambaOps`: the ops table the layers receive, one backend's view of the op registry.
 
-A backend (`ref` in `vllm_mamba.ops.dispatch`, `cpu_kernels`, `triton_ops`) fills one
-`MambaOps`; the layers call its fields with keyword arguments. Each op's parameters are those
-of its pure-PyTorch `_ref` twin, documented there (`causal_conv1d`, `selective_scan`, `ssd`,
-`gated_rms_norm`, `paged_attention`).
-This module imports no backend, so the backends and the dispatcher can all import it.
+The core ops (conv1d, selective scan, SSD, gated RMSNorm, paged attention, the projections and
+the fused Mamba decode layers) are fields that the layers call with keyword arguments; every
+other family is reached by name through `MambaOps.family`. `bind_ops(backend)` fills the table
+from the one registry (`vllm_mamba.ops.families`): each field is the backend's own op where it
+registered one, else the family's `_ref`; the fused decode layers have no default (None: the
+layers run unfused) and are switched off by `VLLM_MAMBA_FUSED_DECODE=0`. The signatures are
+the families' protocols, next to their references (`causal_conv1d`, `selective_scan`, `ssd`,
+`gated_rms_norm`, `paged_attention`, `linear`, `fused_decode`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Protocol
 
-import torch
-import torch.nn.functional as F
+from vllm_mamba import envs
+from vllm_mamba.ops.causal_conv1d import ConvUpdateOp, ConvVarlenOp
+from vllm_mamba.ops.families import family_ops, load_backend, own_op
+from vllm_mamba.ops.fused_decode import FusedMamba2DecodeOp, FusedMambaDecodeOp
+from vllm_mamba.ops.gated_rms_norm import GatedRMSNormOp
+from vllm_mamba.ops.linear import Int4LinearOp, Int8LinearOp, LinearOp
+from vllm_mamba.ops.paged_attention import PagedDecodeOp, PagedPrefillOp, ReshapeAndCacheOp
+from vllm_mamba.ops.selective_scan import ScanUpdateOp, ScanVarlenOp
+from vllm_mamba.ops.ssd import SSDUpdateOp, SSDVarlenOp
 
-from vllm_mamba.ops.families import family_ops
-from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
-from vllm_mamba.ops.int4_linear import int4_linear_ref
-from vllm_mamba.ops.int8_linear import int8_linear_ref
-from vllm_mamba.ops.paged_attention import (
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
-    reshape_and_cache_ref,
-)
-from vllm_mamba.ops.ssd import ssd_chunk_scan_varlen_ref, ssd_state_update_ref
-
-Tensor = torch.Tensor
-
-
-class LinearOp(Protocol):
-    """`x (B, K) @ weight (N, K)^T + bias` -> `(B, N)`."""
-
-    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor: ...
-
-
-class Int8LinearOp(Protocol):
-    """See `int8_linear_ref`: `x (B, K) @ (qweight (N, K) * scale (N,))^T + bias` -> `(B, N)`."""
-
-    def __call__(
-        self, x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None
-    ) -> Tensor: ...
-
-
-class ConvVarlenOp(Protocol):
-    """See `causal_conv1d_varlen_ref`."""
-
-    def __call__(
-        self, x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
-        query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
-        activation: bool = True,
-    ) -> Tensor: ...  # fmt: skip
-
-
-class ConvUpdateOp(Protocol):
-    """See `causal_conv1d_update_ref`."""
-
-    def __call__(
-        self, x: Tensor, conv_states: Tensor, weight: Tensor, bias: Tensor | None,
-        state_indices: Tensor, activation: bool = True,
-    ) -> Tensor: ...  # fmt: skip
-
-
-class ScanVarlenOp(Protocol):
-    """See `selective_scan_varlen_ref`."""
-
-    def __call__(
-        self, u: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor, D_skip: Tensor | None,
-        z: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool, ssm_states: Tensor,
-        query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
-    ) -> Tensor: ...  # fmt: skip
-
-
-class ScanUpdateOp(Protocol):
-    """See `selective_state_update_ref`."""
-
-    def __call__(
-        self, ssm_states: Tensor, u: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor,
-        D_skip: Tensor | None, z: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool,
-        state_indices: Tensor,
-    ) -> Tensor: ...  # fmt: skip
-
-
-class SSDVarlenOp(Protocol):
-    """See `ssd_chunk_scan_varlen_ref`."""
-
-    def __call__(
-        self, x: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor, D_skip: Tensor | None,
-        dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float],
-        ssm_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
-        has_initial_state: Tensor, chunk_size: int,
-    ) -> Tensor: ...  # fmt: skip
-
-
-class SSDUpdateOp(Protocol):
-    """See `ssd_state_update_ref`."""
-
-    def __call__(
-        self, ssm_states: Tensor, x: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor,
-        D_skip: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool,
-        state_indices: Tensor,
-    ) -> Tensor: ...  # fmt: skip
-
-
-class GatedRMSNormOp(Protocol):
-    """See `gated_rms_norm_ref`."""
-
-    def __call__(
-        self, x: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: float
-    ) -> Tensor: ...
-
-
-class ReshapeAndCacheOp(Protocol):
-    """See `reshape_and_cache_ref`."""
-
-    def __call__(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
-    ) -> None: ...
-
-
-class PagedDecodeOp(Protocol):
-    """See `paged_decode_attention_ref`."""
-
-    def __call__(
-        self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-        seq_lens: Tensor, scale: float,
-    ) -> Tensor: ...  # fmt: skip
-
-
-class PagedPrefillOp(Protocol):
-    """See `paged_prefill_attention_ref`."""
-
-    def __call__(
-        self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-        query_start_loc: Tensor, seq_lens: Tensor, scale: float,
-    ) -> Tensor: ...  # fmt: skip
-
-
-class FusedMambaDecodeOp(Protocol):
-    """See `fused_mamba_decode_ref`."""
-
-    def __call__(
-        self, hidden: Tensor, params: list[Tensor | None], conv_states: Tensor,
-        ssm_states: Tensor, state_indices: Tensor, norm_eps: float, mixer_eps: float,
-        out_dtype: torch.dtype,
-    ) -> Tensor: ...  # fmt: skip
-
-
-class FusedMamba2DecodeOp(Protocol):
-    """See `fused_mamba2_decode_ref`."""
-
-    def __call__(
-        self, hidden: Tensor, params: list[Tensor | None], conv_states: Tensor,
-        ssm_states: Tensor, state_indices: Tensor, n_groups: int, group_size: int,
-        norm_eps: float, gate_eps: float, out_dtype: torch.dtype,
-    ) -> Tensor: ...  # fmt: skip
+__all__ = ["FIELDS", "MambaOps", "bind_ops"]
 
 
 @dataclass(frozen=True)
@@ -164,10 +34,9 @@ class MambaOps:
 
     Mamba uses the conv and selective-scan ops; Mamba2 the conv, SSD and gated-norm ops; every
     projection goes through `linear` (`int8_linear` / `int4_linear` once its weight is
-    quantised); the attention
-    layers of hybrids write their KV cache with `reshape_and_cache` and read it with the paged
-    attention ops. A backend without its own kernel for an op with a default keeps that
-    default (`F.linear` or the reference).
+    quantised); the attention layers of hybrids write their KV cache with `reshape_and_cache`
+    and read it with the paged attention ops. `fused_mamba_decode` / `fused_mamba2_decode` are
+    None where the backend has no fused layer.
     """
 
     name: str
@@ -175,19 +44,56 @@ class MambaOps:
     causal_conv1d_update: ConvUpdateOp
     selective_scan_varlen: ScanVarlenOp
     selective_state_update: ScanUpdateOp
-    linear: LinearOp = F.linear
-    ssd_chunk_scan_varlen: SSDVarlenOp = ssd_chunk_scan_varlen_ref
-    ssd_state_update: SSDUpdateOp = ssd_state_update_ref
-    gated_rms_norm: GatedRMSNormOp = gated_rms_norm_ref
-    reshape_and_cache: ReshapeAndCacheOp = reshape_and_cache_ref
-    paged_decode_attention: PagedDecodeOp = paged_decode_attention_ref
-    paged_prefill_attention: PagedPrefillOp = paged_prefill_attention_ref
+    linear: LinearOp
+    ssd_chunk_scan_varlen: SSDVarlenOp
+    ssd_state_update: SSDUpdateOp
+    gated_rms_norm: GatedRMSNormOp
+    reshape_and_cache: ReshapeAndCacheOp
+    paged_decode_attention: PagedDecodeOp
+    paged_prefill_attention: PagedPrefillOp
+    int8_linear: Int8LinearOp
+    int4_linear: Int4LinearOp
     fused_mamba_decode: FusedMambaDecodeOp | None = None
     fused_mamba2_decode: FusedMamba2DecodeOp | None = None
-    int8_linear: Int8LinearOp = int8_linear_ref
-    # `(x, qweight (N, K/2) uint8, scales (N, K/32) float16, bias)`, see `int4_linear_ref`.
-    int4_linear: Int8LinearOp = int4_linear_ref
 
     def family(self, name: str) -> SimpleNamespace:
         """The ops of family `name` (`vllm_mamba.ops.families`) for this backend."""
         return family_ops(name, self.name)
+
+
+# Each field of the table: the family and op of the registry it holds.
+FIELDS: dict[str, tuple[str, str]] = {
+    "causal_conv1d_varlen": ("causal_conv1d", "varlen"),
+    "causal_conv1d_update": ("causal_conv1d", "update"),
+    "selective_scan_varlen": ("selective_scan", "varlen"),
+    "selective_state_update": ("selective_scan", "update"),
+    "linear": ("linear", "linear"),
+    "ssd_chunk_scan_varlen": ("ssd", "chunk_scan_varlen"),
+    "ssd_state_update": ("ssd", "state_update"),
+    "gated_rms_norm": ("gated_rms_norm", "gated_rms_norm"),
+    "reshape_and_cache": ("paged_attention", "reshape_and_cache"),
+    "paged_decode_attention": ("paged_attention", "decode"),
+    "paged_prefill_attention": ("paged_attention", "prefill"),
+    "int8_linear": ("linear", "int8_linear"),
+    "int4_linear": ("linear", "int4_linear"),
+    "fused_mamba_decode": ("fused_decode", "mamba"),
+    "fused_mamba2_decode": ("fused_decode", "mamba2"),
+}
+_NO_DEFAULT = {"fused_mamba_decode", "fused_mamba2_decode"}  # the backend's own, else None
+
+
+def bind_ops(backend: str) -> MambaOps:
+    """The table of `backend` (its module's ops registered first, `families.load_backend`).
+
+    Raises:
+        ValueError: the backend does not run here.
+    """
+    if not load_backend(backend):
+        raise ValueError(f"ops backend {backend!r} is not available here")
+    ops = {}
+    for name, (family, op) in FIELDS.items():
+        if name in _NO_DEFAULT:
+            ops[name] = own_op(family, backend, op) if envs.VLLM_MAMBA_FUSED_DECODE else None
+        else:
+            ops[name] = getattr(family_ops(family, backend), op)
+    return MambaOps(name=backend, **ops)

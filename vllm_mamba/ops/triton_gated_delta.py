@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
-from vllm_mamba.ops.families import register_op_impl
-from vllm_mamba.ops.gated_delta import FAMILY, L2_EPS
+from vllm_mamba.ops.gated_delta import L2_EPS
 from vllm_mamba.ops.triton_ssd import _softplus
 
 _MAX_BLOCK_Q = 64  # tokens per chunk of the varlen kernel
@@ -342,12 +341,3 @@ def rms_norm_gated(
         BLOCK_R=_BLOCK_ROWS_NORM, BLOCK_D=triton.next_power_of_2(dim),
     )  # fmt: skip
     return out
-
-
-register_op_impl(
-    FAMILY,
-    "triton",
-    varlen=gated_delta_varlen,
-    update=gated_delta_update,
-    norm_gate=rms_norm_gated,
-)

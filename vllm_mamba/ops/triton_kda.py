@@ -30,8 +30,7 @@ import triton
 import triton.language as tl
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
-from vllm_mamba.ops.families import register_op_impl
-from vllm_mamba.ops.kda import CHUNK_SIZE, FAMILY
+from vllm_mamba.ops.kda import CHUNK_SIZE
 from vllm_mamba.ops.triton_gated_delta import _l2_normalise
 from vllm_mamba.ops.triton_ssd import _softplus
 
@@ -295,12 +294,3 @@ def kda_norm_gate(
         BLOCK_R=_BLOCK_ROWS_NORM, BLOCK_D=triton.next_power_of_2(dim),
     )  # fmt: skip
     return out
-
-
-register_op_impl(
-    FAMILY,
-    "triton",
-    varlen=kda_varlen,
-    update=kda_update,
-    norm_gate=kda_norm_gate,
-)

@@ -20,9 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_mamba.ops import mla_attention
-from vllm_mamba.ops.families import register_op_impl
-
 _BLOCK_N = 16  # context positions per tile (tl.dot needs at least 16)
 _BLOCK_M = 16  # prefill queries per program
 _HEADS = 16  # decode heads per program (tl.dot needs at least 16 rows)
@@ -273,12 +270,3 @@ def mla_prefill_attention(
         BLOCK_N=_BLOCK_N,
     )  # fmt: skip
     return out
-
-
-register_op_impl(
-    mla_attention.FAMILY,
-    "triton",
-    cache_write=mla_cache_write,
-    decode_attention=mla_decode_attention,
-    prefill_attention=mla_prefill_attention,
-)

@@ -1,5 +1,5 @@
-"""Triton kernels of the RWKV wkv op families, registered as the `triton` backend's versions on
-import (`vllm_mamba.ops.triton_ops.make_ops` imports this): `rwkv7` (the generalised delta rule,
+"""Triton kernels of the RWKV wkv op families, registered as the `triton` backend's versions by
+`vllm_mamba.ops.triton_ops.register`: `rwkv7` (the generalised delta rule,
 `varlen` and `update`) and `rwkv4` (the max-stabilised WKV, `varlen` and `update`).
 
 Same signatures and semantics as `wkv7_varlen_ref` / `wkv7_update_ref` in `vllm_mamba.ops.rwkv7`
@@ -33,8 +33,7 @@ import triton
 import triton.language as tl
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
-from vllm_mamba.ops import rwkv4, rwkv7
-from vllm_mamba.ops.families import register_op_impl
+from vllm_mamba.ops import rwkv4
 
 __all__ = ["wkv7_varlen", "wkv7_update", "wkv4_varlen", "wkv4_update"]
 
@@ -331,7 +330,3 @@ def wkv4_update(
         w, u, k, v, num_states, den_states, max_states, None, state_indices, None, out
     )  # fmt: skip
     return out
-
-
-register_op_impl(rwkv7.FAMILY, "triton", varlen=wkv7_varlen, update=wkv7_update)
-register_op_impl(rwkv4.FAMILY, "triton", varlen=wkv4_varlen, update=wkv4_update)

@@ -1,5 +1,5 @@
 """Triton kernels of the `short_conv` op family (LFM2's gated short conv), registered as the
-`triton` backend's versions on import (`vllm_mamba.ops.triton_ops.make_ops` imports this).
+`triton` backend's versions by `vllm_mamba.ops.triton_ops.register`.
 
 Same signatures and semantics as `short_conv_update_ref` / `short_conv_varlen_ref` in
 `vllm_mamba.ops.short_conv`: from the in_proj output `bcx = [B | C | x]`, `C * conv(B * x)`
@@ -20,8 +20,6 @@ import triton
 import triton.language as tl
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
-from vllm_mamba.ops import short_conv
-from vllm_mamba.ops.families import register_op_impl
 
 __all__ = ["short_conv_update", "short_conv_varlen"]
 
@@ -229,6 +227,3 @@ def short_conv_update(
         BLOCK_D=block_d, BLOCK_K=triton.next_power_of_2(width),
     )  # fmt: skip
     return out
-
-
-register_op_impl(short_conv.FAMILY, "triton", update=short_conv_update, varlen=short_conv_varlen)

@@ -1,0 +1,54 @@
+"""The `linear` op family: every projection of the layers, float, int8 and 4-bit weights.
+
+`linear` is `F.linear` by default (the C++ backend's picks a kernel by shape, dtype and CPU:
+`vllm_mamba.ops.cpu_kernels.linear`); `int8_linear` and `int4_linear` run once a weight is
+quantised (`vllm_mamba.ops.int8_linear`, `vllm_mamba.ops.int4_linear`: the quantisers, the
+references and the C++ kernels' wrappers).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from vllm_mamba.ops.families import OpFamily, OpSpec
+from vllm_mamba.ops.int4_linear import int4_linear_ref
+from vllm_mamba.ops.int8_linear import int8_linear_ref
+
+Tensor = torch.Tensor
+
+
+class LinearOp(Protocol):
+    """`x (..., K) @ weight (N, K)^T + bias` -> `(..., N)` (called positionally: the reference
+    is `F.linear`, whose first parameter is `input`)."""
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, /) -> Tensor: ...
+
+
+class Int8LinearOp(Protocol):
+    """See `int8_linear_ref`: `x (..., K) @ (qweight (N, K) * scale (N,))^T + bias`."""
+
+    def __call__(
+        self, x: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None
+    ) -> Tensor: ...
+
+
+class Int4LinearOp(Protocol):
+    """See `int4_linear_ref`: `qweight (N, K/2)` uint8 nibbles, `scales (N, K/32)` float16."""
+
+    def __call__(
+        self, x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None
+    ) -> Tensor: ...
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+OPS = OpFamily(
+    "linear",
+    {
+        "linear": OpSpec(LinearOp, F.linear),
+        "int8_linear": OpSpec(Int8LinearOp, int8_linear_ref),
+        "int4_linear": OpSpec(Int4LinearOp, int4_linear_ref),
+    },
+)
