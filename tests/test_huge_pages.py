@@ -1,4 +1,4 @@
-"""`vllm_mamba.huge_pages`: weights and caches on transparent huge pages change no value.
+"""`vllm_mamba.worker.huge_pages`: weights and caches on transparent huge pages change no value.
 
 The mapping's `VmFlags` in `/proc/self/smaps` show `hg` once `madvise(MADV_HUGEPAGE)` took;
 whether the kernel then backs it with 2 MiB pages depends on free memory, so the tests check
@@ -16,7 +16,7 @@ from torch import nn
 from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
-from vllm_mamba.huge_pages import HUGE_PAGE, enabled, huge_page_zeros, move_to_huge_pages
+from vllm_mamba.worker.huge_pages import HUGE_PAGE, enabled, huge_page_zeros, move_to_huge_pages
 
 needs_thp = pytest.mark.skipif(not enabled(), reason="no transparent huge pages on this kernel")
 

@@ -262,7 +262,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
-    cpu_threads: int | None = None  # None: the available CPUs (`engine/cpu_threads.py`)
+    cpu_threads: int | None = None  # None: the available CPUs (`worker/cpu_threads.py`)
 
     def ranks_per_machine(self) -> int:
         """Tensor-parallel ranks sharing this machine's CPUs (Ray spreads them: one)."""

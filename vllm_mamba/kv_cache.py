@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from vllm_mamba.cache_specs import AttentionSpec, KVSpec, MLASpec
-from vllm_mamba.huge_pages import huge_page_zeros
 from vllm_mamba.layers.cache_layers import LatentKV, LayerKV, LayerKVView, kv_cache_layers
+from vllm_mamba.worker.huge_pages import huge_page_zeros
 
 __all__ = [
     "KVCache",

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from vllm_mamba.cache_specs import StateSpec
-from vllm_mamba.huge_pages import huge_page_zeros
 from vllm_mamba.layers.cache_layers import LayerState, stateful_layers
+from vllm_mamba.worker.huge_pages import huge_page_zeros
 
 __all__ = ["SlotAllocator", "MambaCache", "state_specs_of"]
 

@@ -28,7 +28,6 @@ from tqdm.auto import tqdm
 
 from vllm_mamba.config import recorded_quantization
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
-from vllm_mamba.huge_pages import move_to_huge_pages
 from vllm_mamba.layers.parallel_linear import named_shards
 from vllm_mamba.layers.quantization import quantize_model
 from vllm_mamba.model_zoo import shipped_model_path
@@ -38,6 +37,7 @@ from vllm_mamba.models.registry import ModelRegistry
 from vllm_mamba.models.rwkv_pth_format import find_pth_checkpoint, load_pth, pth_config
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.spec_decode.mtp import MTP_PREFIX
+from vllm_mamba.worker.huge_pages import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
 

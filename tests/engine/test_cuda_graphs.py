@@ -8,7 +8,7 @@ from tests.helpers.prompts import MAX_TOKENS
 from tests.helpers.runners import HfRunner, VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
-from vllm_mamba.engine.cuda_graphs import capture_sizes
+from vllm_mamba.worker.cuda_graphs import capture_sizes
 
 
 def test_capture_sizes() -> None:
@@ -34,9 +34,9 @@ def test_graph_equals_eager(
         vllm_runner(model, dtype=dtype, max_num_seqs=16) as graph_runner,
         vllm_runner(model, dtype=dtype, max_num_seqs=16, enforce_eager=True) as eager_runner,
     ):
-        assert graph_runner.engine.runner.cuda_graphs is not None
+        assert graph_runner.engine.executor.runner.cuda_graphs is not None
         assert graph_runner.engine.config.device.type == "cuda"
-        assert eager_runner.engine.runner.cuda_graphs is None
+        assert eager_runner.engine.executor.runner.cuda_graphs is None
         graph = graph_runner.generate(prompts, params)
         eager = eager_runner.generate(prompts, params)
     assert len({tuple(e.outputs[0].token_ids) for e in eager}) == num_prompts

@@ -17,9 +17,9 @@ from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.llm_engine import LLMEngine
-from vllm_mamba.engine.model_runner import ModelRunner
 from vllm_mamba.entrypoints.cli import build_parser, main
 from vllm_mamba.errors import EngineStartupError
+from vllm_mamba.worker.model_runner import ModelRunner
 
 # A value different from the default for every option, as Python and as command-line words.
 NON_DEFAULTS: dict[str, tuple[Any, list[str]]] = {

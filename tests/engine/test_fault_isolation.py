@@ -15,8 +15,8 @@ import pytest
 from tests.helpers.runners import VllmRunner, assert_drained
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
-from vllm_mamba.engine.model_runner import ModelRunner
 from vllm_mamba.errors import RequestsFailedError
+from vllm_mamba.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPT = {"prompt_token_ids": [11, 22, 33, 44, 55]}

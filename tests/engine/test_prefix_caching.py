@@ -184,18 +184,18 @@ def test_failed_step_discards_its_snapshots(monkeypatch: pytest.MonkeyPatch) -> 
     path = MODELS["mamba"]()
     with VllmRunner(path, enable_prefix_caching=True, **ENGINE) as runner:
         engine = runner.engine
-        original = engine.runner.execute
+        original = engine.executor.runner.execute
 
         def boom(step: object) -> object:
             raise RuntimeError("injected")
 
-        monkeypatch.setattr(engine.runner, "execute", boom)
+        monkeypatch.setattr(engine.executor.runner, "execute", boom)
         engine.add_request("x", {"prompt_token_ids": list(range(100, 160))}, PARAMS)
         with pytest.raises(Exception, match="injected"):
             engine.step()
         assert engine.prefix_cache.num_snapshots == 0
         assert engine.prefix_cache.slots.num_used == 0
-        monkeypatch.setattr(engine.runner, "execute", original)
+        monkeypatch.setattr(engine.executor.runner, "execute", original)
         assert runner.generate({"prompt_token_ids": list(range(100, 160))}, PARAMS)
 
 

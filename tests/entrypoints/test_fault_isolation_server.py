@@ -17,10 +17,10 @@ from tests.helpers.runners import VllmRunner, assert_drained
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.engine.llm_engine import LLMEngine
-from vllm_mamba.engine.model_runner import ModelRunner
 from vllm_mamba.engine.scheduler import Scheduler
 from vllm_mamba.entrypoints.cli import build_parser
 from vllm_mamba.entrypoints.openai.api_server import build_app
+from vllm_mamba.worker.model_runner import ModelRunner
 
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0}
 

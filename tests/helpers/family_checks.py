@@ -287,7 +287,7 @@ def assert_gpu_graphs_equal_eager_and_cpu(path: str, dtype: str) -> None:
         VllmRunner(path, dtype=dtype, max_num_seqs=16, device="cuda") as graph_runner,
         VllmRunner(path, dtype=dtype, max_num_seqs=16, device="cuda", enforce_eager=True) as eager,
     ):
-        assert graph_runner.engine.runner.cuda_graphs is not None
+        assert graph_runner.engine.executor.runner.cuda_graphs is not None
         graph = tokens(graph_runner.generate(prompts()[:5], params))
         assert graph == tokens(eager.generate(prompts()[:5], params))
     if dtype == "float32":

@@ -27,7 +27,7 @@ MODEL = "zamba2-lora-rope"  # two shared blocks, block 0 used twice, tied
 def test_each_use_of_a_shared_block_has_its_own_kv_layer() -> None:
     """Three hybrid layers over two blocks: one weight set per block, three KV layers."""
     with VllmRunner(tiny_model_dir(MODEL)) as runner:
-        model = runner.engine.runner.model
+        model = runner.engine.executor.model
         hybrid = [layer for layer in model.model.layers if hasattr(layer, "shared_transformer")]
         assert hybrid[0].shared_transformer is hybrid[2].shared_transformer
         assert hybrid[0].shared_transformer is not hybrid[1].shared_transformer

@@ -87,7 +87,7 @@ def test_spare_slots_sized_by_k_and_freed() -> None:
         engine = runner.engine
         assert engine.max_spec_chains == 2
         assert engine.cache.num_slots == 4 + 2 * 3
-        assert engine.runner.spare_slot_base == 4
+        assert engine.executor.runner.config.spare_slot_base == 4
         assert engine.scheduler.slots.num_slots == 4
 
 

@@ -54,7 +54,16 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """A backend: the builder of per-step metadata."""
+    """A backend: the builder of per-step metadata.
+
+    Attributes:
+        decode_cuda_graphs: a decode-only step's metadata differs from another's of the same
+            batch size only in `decode_state_indices` (`MambaMetadata`), so the forward can be
+            captured once per batch size and replayed (`worker.cuda_graphs`). False where the
+            metadata carries more per step (block tables, context lengths).
+    """
+
+    decode_cuda_graphs: bool = False
 
     @staticmethod
     @abstractmethod

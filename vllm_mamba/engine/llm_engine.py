@@ -20,18 +20,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionBackend
-from vllm_mamba.attention.selector import select_attention_backend
 from vllm_mamba.cache_specs import KVSpec
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.block_manager import BlockManager, blocks_for
-from vllm_mamba.engine.cpu_threads import (
-    ThreadGovernor,
-    available_cpus,
-    default_threads,
-    set_cpu_threads,
-)
 from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
 from vllm_mamba.engine.output_processor import OutputProcessor
 from vllm_mamba.engine.prefix_cache import PrefixCache
@@ -45,11 +37,11 @@ from vllm_mamba.errors import EngineStartupError, RequestsFailedError, is_fatal
 from vllm_mamba.executor import make_executor
 from vllm_mamba.kv_cache import KVCacheSizing, plan_num_blocks
 from vllm_mamba.ops import cpu_isa
-from vllm_mamba.ops.cpu_kernels import flush_denormals
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.outputs import RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
 from vllm_mamba.tokenizer import load_tokenizer
+from vllm_mamba.worker.model_runner import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +66,8 @@ class LLMEngine:
         mc = config.model_config
         self.config = config
         self.tokenizer = tokenizer
-        self.cpu_threads = 0
-        self.thread_governor: ThreadGovernor | None = None
-        if config.device.type == "cpu":
-            threads = config.cpu_threads or default_threads(config.ranks_per_machine())
-            self.cpu_threads = set_cpu_threads(threads)
-            if config.cpu_threads is None and threads > 1 and config.ranks_per_machine() == 1:
-                self.thread_governor = ThreadGovernor(threads, available_cpus())
-            # Flush denormals to zero (as llama.cpp does): SSM states and activations that
-            # decay toward zero otherwise slow every CPU kernel by an order of magnitude.
-            flush_denormals()
-        self.executor = make_executor(config)  # loads the model (each rank its shard)
+        # Each rank's worker sets its process up (threads, denormals) and loads its shard.
+        self.executor = make_executor(config)
         self.kernels = get_mamba_ops(config.device).name
         if self.kernels == "cpp":  # the ISA level of the kernel build in use
             self.kernels = f"cpp ({cpu_isa.active_level()})"
@@ -98,21 +81,19 @@ class LLMEngine:
         sizing = self._plan_kv_cache(specs.kv)
         self.executor.init_caches(num_slots, sizing)
         self.cache, self.kv_cache = self.executor.cache, self.executor.kv_cache
-        # Attention-free models (no attention layer built) run with the placeholder backend.
-        self.backend = select_attention_backend(has_kv_cache=self.kv_cache is not None)
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = getattr(mc.hf_config, "eos_token_id", None)
         self.structured_outputs = StructuredOutputs(tokenizer, mc.vocab_size, self.eos_token_id)
-        self.runner = self.executor.init_runner(
-            self.backend, self.eos_token_id, self.structured_outputs
+        runner_config = RunnerConfig(
+            eos_token_id=self.eos_token_id,
+            spare_slot_base=spare_base,
+            max_drafts=spec_k,
+            # Prefix caching saves finished sequences with their last hidden row.
+            keep_sampled_hidden=self.num_snapshot_slots > 0,
         )
-        self.runner.spare_slot_base, self.runner.max_drafts = spare_base, spec_k
+        self.executor.init_runner(runner_config, self.structured_outputs)
         sc = config.scheduler_config
-        # Decode CUDA graphs are captured for attention-free models; hybrids run eagerly.
-        graphs = self.backend is PlaceholderAttentionBackend and not config.enforce_eager
-        if config.device.type == "cuda" and graphs and self.executor.tp.size == 1:
-            self.runner.capture_cuda_graphs(sc.max_num_seqs)
         blocks = None
         if self.kv_cache is not None:
             blocks = BlockManager(self.kv_cache.num_blocks, self.kv_cache.block_size)
@@ -133,13 +114,13 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, self.eos_token_id, mc.max_model_len)
         self.prefix_steps: PrefixCacheSteps | NoPrefixSteps = NoPrefixSteps()
         if self.prefix_cache is not None:
-            self.prefix_steps = PrefixCacheSteps(self.prefix_cache, self.runner, self.outputs)
+            self.prefix_steps = PrefixCacheSteps(self.prefix_cache, self.executor, self.outputs)
         self.spec_steps: SpecDecodeSteps | NoSpecSteps = NoSpecSteps()
         if config.speculative_config is not None:
             self.spec_steps = SpecDecodeSteps(
                 config.speculative_config,
                 make_proposer(config.speculative_config, self),
-                self.runner,
+                self.executor,
                 self.scheduler,
                 self.outputs,
                 mc.max_model_len,
@@ -216,7 +197,7 @@ class LLMEngine:
         if logprob is None or not math.isfinite(logprob):
             raise EngineStartupError(self._startup_failure(f"log-probability {logprob}"))
         self.stats = EngineCounters()
-        self.runner.generator.manual_seed(self.config.model_config.seed)
+        self.executor.reset_generator()
         self.prefix_steps.reset()
         self.spec_steps.reset()
 
@@ -240,7 +221,7 @@ class LLMEngine:
             str(mc.dtype).removeprefix("torch."),
             "/".join(str(d).removeprefix("torch.") for d in self.cache.state_dtypes()) or "-",
             self.config.device,
-            f" ({self.cpu_threads} threads)" if self.cpu_threads else "",
+            f" ({threads} threads)" if (threads := self.executor.platform.threads) else "",
             self.kernels,
             mc.max_model_len,
             self.config.num_state_slots,
@@ -454,8 +435,6 @@ class LLMEngine:
         self.stats.preemptions += self.scheduler.num_preemptions - preempted
         if not step.scheduled:
             return []
-        if self.thread_governor is not None:  # fewer threads while other processes hold CPUs
-            self.cpu_threads = self.thread_governor.maybe_adjust()
         ran = False
         try:
             outputs = self._run_step(step)

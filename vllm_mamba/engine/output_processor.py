@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_mamba.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from vllm_mamba.engine.model_runner import PromptLogprobChunk
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from vllm_mamba.engine.structured_outputs import accept_token
 from vllm_mamba.layers.sampler import SamplerOutput
 from vllm_mamba.outputs import Logprob, PositionLogprobs
+from vllm_mamba.worker.model_runner import PromptLogprobChunk
 
 
 class OutputProcessor:

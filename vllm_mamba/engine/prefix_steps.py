@@ -1,7 +1,8 @@
 """The engine's side of prefix caching, around each step.
 
-The scheduler decides hits and where snapshots are due (`prefix_cache.PrefixCache`); the runner
-copies states. This module does what lies between, on the engine thread:
+The scheduler decides hits and where snapshots are due (`prefix_cache.PrefixCache`); the
+worker's runner copies states (told to keep each sampled position's final hidden row when it is
+built). This module does what lies between, on the engine thread, through the executor:
 
 - before the forward, it fills the prompt logprobs a hit skipped: those the snapshot kept
   (cut to the request's top-k) and the next prompt token's, scored from the snapshot's saved
@@ -20,11 +21,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_mamba.engine.model_runner import ModelRunner
 from vllm_mamba.engine.output_processor import OutputProcessor
 from vllm_mamba.engine.prefix_cache import PrefixCache, Snapshot
 from vllm_mamba.engine.scheduler import SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
+from vllm_mamba.executor.base import Executor
 from vllm_mamba.outputs import PositionLogprobs
 
 __all__ = ["PrefixCacheSteps", "NoPrefixSteps"]
@@ -33,11 +34,10 @@ __all__ = ["PrefixCacheSteps", "NoPrefixSteps"]
 class PrefixCacheSteps:
     """Prefix-cache work of the engine's steps (see the module docstring)."""
 
-    def __init__(self, cache: PrefixCache, runner: ModelRunner, outputs: OutputProcessor) -> None:
+    def __init__(self, cache: PrefixCache, executor: Executor, outputs: OutputProcessor) -> None:
         self.cache = cache
-        self.runner = runner
+        self.executor = executor
         self.outputs = outputs
-        runner.keep_sampled_hidden = True  # finished sequences are saved with their last row
 
     @property
     def queries(self) -> int:
@@ -92,7 +92,7 @@ class PrefixCacheSteps:
         if pending is None:
             return
         pending.hidden = hidden.clone() if hidden is not None else None
-        self.runner.copy_states([seq.slot], [pending.slot])
+        self.executor.copy_states([seq.slot], [pending.slot])
         lps = group.prompt_logprobs if seq.index == 0 else None
         self.cache.commit(pending, lps, group.params.prompt_logprobs or 0)
 
@@ -109,7 +109,7 @@ class PrefixCacheSteps:
         group.prompt_logprobs.extend(
             _trim_top(entry, k, prompt[first + i]) for i, entry in enumerate(kept)
         )
-        chunk = self.runner.prompt_logprob_from_hidden(snap.hidden, prompt[depth], k, depth)
+        chunk = self.executor.prompt_logprob_from_hidden(snap.hidden, prompt[depth], k, depth)
         self.outputs.append_prompt_logprobs(group, chunk)
 
 

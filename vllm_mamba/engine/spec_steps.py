@@ -8,7 +8,7 @@ module does what lies between, on the engine thread:
 - `apply`: appends a chain's emitted tokens one by one with the usual stop checks (a stop
   string, stop token, EOS or `max_tokens` inside the accepted run ends the sequence there and
   drops the rest), then brings the sequence back to its last kept token: its state from the
-  spare slot that saved it (`ModelRunner.rollback`), its KV blocks trimmed, its
+  spare slot that saved it (`Executor.rollback`, on every rank), its KV blocks trimmed, its
   `num_computed_tokens` set. No prefix-cache snapshot is ever taken at a rejected position:
   a finished sequence is saved only after this rollback.
 - `propose`: new drafts for every sequence that decodes next, capped so that the chain fits
@@ -33,11 +33,12 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm_mamba.engine.model_runner import ModelRunner, StepResult
 from vllm_mamba.engine.output_processor import OutputProcessor
 from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
+from vllm_mamba.executor.base import Executor
 from vllm_mamba.spec_decode.config import SpeculativeConfig
+from vllm_mamba.worker.model_runner import StepResult
 
 
 class Proposer(Protocol):
@@ -72,14 +73,14 @@ class SpecDecodeSteps:
         self,
         config: SpeculativeConfig,
         proposer: Proposer,
-        runner: ModelRunner,
+        executor: Executor,
         scheduler: Scheduler,
         outputs: OutputProcessor,
         max_model_len: int,
     ) -> None:
         self.config = config
         self.proposer = proposer
-        self.runner = runner
+        self.executor = executor
         self.scheduler = scheduler
         self.outputs = outputs
         self.max_model_len = max_model_len
@@ -134,7 +135,7 @@ class SpecDecodeSteps:
             seq.num_computed_tokens += m
             self.scheduler.block_manager.trim(seq.seq_id, seq.num_computed_tokens)
             hidden[seq.seq_id] = spec.hidden[m - 1] if spec.hidden is not None else None
-        self.runner.rollback(kept)
+        self.executor.rollback(kept)
         return hidden, appended
 
     def propose(self, running: Seq[SequenceGroup]) -> None:
@@ -235,6 +236,8 @@ def make_proposer(config: SpeculativeConfig, engine: Any) -> Proposer:
     if config.method == "mtp":
         from vllm_mamba.spec_decode.mtp_proposer import MTPProposer
 
-        engine.runner.mtp = engine.model.mtp
-        return MTPProposer(engine.runner, engine.scheduler.block_manager, engine.kv_cache)
+        # The runner was built with the model's MTP head (`Worker.init_runner`); the proposer
+        # reads its first drafts and runs the head again (until drafting is part of the step).
+        runner = engine.executor.runner
+        return MTPProposer(runner, engine.scheduler.block_manager, engine.kv_cache)
     raise ValueError(f"speculative_config.method {config.method!r} is unknown")

@@ -1,11 +1,13 @@
-"""What runs the model for the engine: one process, or one process (or Ray actor) per rank.
+"""What runs the model for the engine: one process, or one process (or Ray actor) per rank,
+each rank a `worker.Worker`.
 
-- `base.Executor`: the interface the engine uses (`execute(runner, step)`, the caches, health).
+- `base.Executor`: the interface the engine uses (`execute(step)`, the caches, health).
 - `uniproc.UniProcExecutor`: the model in the engine's process (tensor_parallel_size 1).
 - `multiproc.MultiprocExecutor`: rank 0 in the engine's process, ranks 1..N-1 in worker
   processes on this machine (vLLM's `mp` backend).
 - `ray_executor.RayExecutor`: ranks 1..N-1 as Ray actors, anywhere in a Ray cluster.
-- `driver`: rank 0's forwarding of each step's commands; `worker`: what every other rank runs.
+- `driver.DriverExecutor`: the base of the last two: rank 0's worker here, the others started
+  by the subclass; the group's rendezvous, failures of a rank.
 """
 
 from __future__ import annotations

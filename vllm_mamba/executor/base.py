@@ -1,78 +1,46 @@
 """The executor interface: the engine's one seam to where the model runs.
 
-The executor owns the model (each rank its shard), the caches and the `ModelRunner`. The
-engine asks it for the cache specs of rank 0's shard (`cache_specs`: each recurrent layer's
-state spec and each attention layer's KV spec, read off the built layers), sizes the pools
-from them, has every rank allocate and bind its caches (`init_caches`), builds the runner
-(`init_runner`) and then executes each scheduled step (`execute`). A distributed executor hands
-the runner forwarding wrappers so that every rank runs the same step, and turns any failure of
-a rank into `TensorParallelError`, after which the engine is dead.
+An executor starts one `worker.Worker` per rank (rank 0 in the engine's process) and is all
+the engine sees of them. The engine asks it for the cache specs of rank 0's shard
+(`cache_specs`), sizes the pools from them, has every rank allocate and bind its caches
+(`init_caches`), has rank 0 build its runner with the engine's decisions (`init_runner`) and
+then executes each scheduled step (`execute`). A distributed executor hands rank 0's worker
+the function that sends a command to the other ranks, and turns any failure of a rank into
+`TensorParallelError`, after which the engine is dead.
+
+`copy_states`, `rollback`, `prompt_logprob_from_hidden` and `reset_generator` are the calls
+the engine still makes outside a step (prefix-cache saves and hits, speculative rollbacks,
+the warm-up's reseeding); they go to rank 0's worker until the step carries them as data.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from vllm_mamba.attention.backend import AttentionBackend
-from vllm_mamba.cache_specs import KVSpec, StateSpec
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.parallel_state import TensorParallel
-from vllm_mamba.engine.model_runner import ModelRunner, StepResult
+from vllm_mamba.engine.scheduler import SchedulerOutput
 from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.errors import EngineDeadError
 from vllm_mamba.kv_cache import KVCache, KVCacheSizing
-from vllm_mamba.layers.cache_layers import kv_cache_layers
-from vllm_mamba.mamba_cache import MambaCache, state_specs_of
+from vllm_mamba.mamba_cache import MambaCache
+from vllm_mamba.worker.caches import CacheSpecs
+from vllm_mamba.worker.model_runner import (
+    ModelRunner,
+    PromptLogprobChunk,
+    RunnerConfig,
+    StepResult,
+)
+from vllm_mamba.worker.platform import Platform
+from vllm_mamba.worker.worker import Worker
 
 
 class TensorParallelError(EngineDeadError):
     """A rank died, or a step failed on some rank: the ranks can no longer run in step."""
-
-
-@dataclass(frozen=True)
-class CacheSpecs:
-    """One shard's cache specs, in module order: its recurrent layers' state specs (dtypes
-    resolved) and its attention layers' KV specs."""
-
-    state: list[StateSpec]
-    kv: list[KVSpec]
-
-    def state_bytes_per_slot(self) -> int:
-        """State bytes one sequence holds in this shard."""
-        return sum(s.bytes_per_slot() for s in self.state)
-
-
-def cache_specs_of(model: nn.Module, config: EngineConfig) -> CacheSpecs:
-    """The specs of `model`'s layers (`ssm_state_dtype` applied to the recurrent states)."""
-    dtype = config.model_config.dtype
-    state = state_specs_of(model, dtype, config.ssm_state_dtype)
-    return CacheSpecs(state, [layer.kv_spec(dtype) for layer in kv_cache_layers(model)])
-
-
-def make_caches(
-    model: nn.Module,
-    config: EngineConfig,
-    num_slots: int,
-    sizing: KVCacheSizing | None,
-    device: torch.device,
-    state_cls: Callable[..., MambaCache] = MambaCache,
-    kv_cls: Callable[..., KVCache] = KVCache,
-) -> tuple[MambaCache, KVCache | None]:
-    """This rank's state cache (and KV cache, with a sizing), bound to its layers."""
-    specs = cache_specs_of(model, config)
-    cache = state_cls(specs.state, num_slots, device)
-    cache.bind(model)
-    kv_cache = None
-    if specs.kv and sizing is not None:
-        kv_cache = kv_cls(specs.kv, sizing, device)
-        kv_cache.bind(model)
-    return cache, kv_cache
 
 
 class Executor(ABC):
@@ -80,24 +48,44 @@ class Executor(ABC):
 
     Attributes:
         tp: rank 0's place (its `size` is `tensor_parallel_size`).
-        model: rank 0's model (the whole model with one rank).
-        runner_model: what the `ModelRunner` calls (`model`, or rank 0's forwarding wrapper).
-        cache, kv_cache: rank 0's caches, after `init_caches`.
-        runner: the runner, after `init_runner`.
+        worker: rank 0's worker (in this process).
     """
 
     tp: TensorParallel
-    model: nn.Module
-    runner_model: Any
     config: EngineConfig
     device: torch.device
-    cache: MambaCache
-    kv_cache: KVCache | None
-    runner: ModelRunner
+    worker: Worker
+
+    @property
+    def model(self) -> nn.Module:
+        """Rank 0's model (the whole model with one rank)."""
+        return self.worker.model
+
+    @property
+    def cache(self) -> MambaCache:
+        """Rank 0's state cache (after `init_caches`)."""
+        assert self.worker.cache is not None, "init_caches first"
+        return self.worker.cache
+
+    @property
+    def kv_cache(self) -> KVCache | None:
+        """Rank 0's KV cache (None for an attention-free model)."""
+        return self.worker.kv_cache
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's runner (after `init_runner`), for inspection and the MTP proposer."""
+        assert self.worker.runner is not None, "init_runner first"
+        return self.worker.runner
+
+    @property
+    def platform(self) -> Platform:
+        """Rank 0's platform setup (its CPU threads now, its thread governor)."""
+        return self.worker.platform
 
     def cache_specs(self) -> CacheSpecs:
         """Rank 0's cache specs (under tensor parallelism, its shard's)."""
-        return cache_specs_of(self.model, self.config)
+        return self.worker.cache_specs()
 
     @abstractmethod
     def init_caches(self, num_slots: int, sizing: KVCacheSizing | None) -> None:
@@ -105,21 +93,33 @@ class Executor(ABC):
         pool of `sizing` (None: no KV cache)."""
 
     def init_runner(
-        self,
-        backend: type[AttentionBackend],
-        eos_token_id: int | None,
-        structured_outputs: StructuredOutputs | None,
-    ) -> ModelRunner:
-        """Builds the runner over rank 0's model and caches."""
-        self.runner = ModelRunner(
-            self.runner_model, self.cache, backend, self.device,
-            self.config.model_config.seed, eos_token_id, structured_outputs, self.kv_cache,
-        )  # fmt: skip
-        return self.runner
+        self, config: RunnerConfig, structured_outputs: StructuredOutputs | None
+    ) -> None:
+        """Builds rank 0's runner, configured with the engine's decisions."""
+        self.worker.init_runner(config, structured_outputs)
 
     @abstractmethod
-    def execute(self, step: Any) -> StepResult:
+    def execute(self, step: SchedulerOutput) -> StepResult:
         """Runs the scheduled step (on every rank) and returns rank 0's `StepResult`."""
+
+    def copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copies every state of slots `src[i]` into `dst[i]` on every rank."""
+        self.worker.copy_states(src, dst)
+
+    def rollback(self, kept: list[tuple[int, int, int]]) -> None:
+        """Brings speculating sequences' states back to their last kept token on every rank
+        (`ModelRunner.rollback`)."""
+        self.worker.rollback(kept)
+
+    def prompt_logprob_from_hidden(
+        self, hidden: torch.Tensor, target: int, k: int, position: int
+    ) -> PromptLogprobChunk:
+        """The prompt logprob of token `position` from a saved final hidden row `(H,)`."""
+        return self.worker.prompt_logprob_from_hidden(hidden, target, k, position)
+
+    def reset_generator(self) -> None:
+        """Restarts the engine-wide sampling generator from the configured seed."""
+        self.worker.reset_generator()
 
     def watch(self, on_death: Callable[[BaseException], None]) -> None:  # noqa: B027
         """Calls `on_death(error)` (from another thread) when a rank dies; no-op with one."""

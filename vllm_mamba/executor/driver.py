@@ -1,9 +1,11 @@
-"""Rank 0's side of tensor parallelism: every model call of a step is first sent to the other
-ranks, so that all ranks run the same step (`DriverModel`, `DriverMambaCache`,
-`DriverKVCache`), and `DriverExecutor`, the base of the executors with worker ranks.
+"""`DriverExecutor`, the base of the executors with worker ranks: rank 0's `Worker` in this
+process, ranks 1..N-1 started by a subclass (processes, Ray actors).
 
-The `ModelRunner` is unchanged: it calls rank 0's model and caches through these wrappers.
-Rank 0 alone samples; the other ranks only take part in the collectives.
+It starts the other ranks, joins the group with them (watching that none failed meanwhile),
+builds rank 0's worker with `send` (which delivers a command to every other rank, in order:
+the worker relays each model call and cache copy of a step through it, `worker.relay`), and
+turns a failure of any rank into `TensorParallelError`. Rank 0 alone samples; the other ranks
+only take part in the collectives.
 """
 
 from __future__ import annotations
@@ -13,84 +15,23 @@ import socket
 import threading
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import Any
 
-import torch
-from torch import nn
-
-from vllm_mamba.cache_specs import KVSpec, StateSpec
 from vllm_mamba.config import EngineConfig
-from vllm_mamba.distributed.communication import broadcast
 from vllm_mamba.distributed.parallel_state import (
     TensorParallel,
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
-from vllm_mamba.engine.model_runner import StepResult
+from vllm_mamba.engine.scheduler import SchedulerOutput
 from vllm_mamba.errors import EngineStartupError
-from vllm_mamba.executor.base import Executor, TensorParallelError, make_caches
-from vllm_mamba.executor.worker import Command, metadata_to
-from vllm_mamba.kv_cache import KVCache, KVCacheSizing
-from vllm_mamba.mamba_cache import MambaCache
-from vllm_mamba.model_loader import build_model, check_tensor_parallel
+from vllm_mamba.executor.base import Executor, TensorParallelError
+from vllm_mamba.kv_cache import KVCacheSizing
+from vllm_mamba.model_loader import check_tensor_parallel
+from vllm_mamba.worker.model_runner import StepResult
+from vllm_mamba.worker.relay import Command
+from vllm_mamba.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-Send = Callable[[Command], None]
-CPU = torch.device("cpu")
-
-
-class DriverModel:
-    """Rank 0's model as the runner sees it: each call is sent to the other ranks first."""
-
-    def __init__(self, model: nn.Module, send: Send, tp: TensorParallel) -> None:
-        self.model = model
-        self.send = send
-        self.tp = tp
-
-    def __call__(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
-        """The step's forward on every rank; rank 0's hidden states `(T, H)`."""
-        self.send(("forward", input_ids.to(CPU), metadata_to(meta, CPU)))
-        return self.model(input_ids, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits `(R, V)` of rows `hidden (R, H)`, each rank scoring its vocabulary rows."""
-        hidden = hidden.contiguous()
-        self.send(("logits", tuple(hidden.shape), hidden.dtype))
-        broadcast(hidden, self.tp)
-        return self.model.compute_logits(hidden)
-
-
-class DriverMambaCache(MambaCache):
-    """Rank 0's state cache; slot copies (forks, snapshots) are made on every rank."""
-
-    def __init__(
-        self, specs: list[StateSpec], num_slots: int, device: torch.device, send: Send
-    ) -> None:
-        super().__init__(specs, num_slots, device)
-        self.send = send
-
-    def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        """Copies slots `src[i]` into `dst[i]` on every rank."""
-        if src:
-            self.send(("copy_slots", list(src), list(dst)))
-        super().copy_slots(src, dst)
-
-
-class DriverKVCache(KVCache):
-    """Rank 0's KV cache; block copies are made on every rank."""
-
-    def __init__(
-        self, specs: list[KVSpec], sizing: KVCacheSizing, device: torch.device, send: Send
-    ) -> None:
-        super().__init__(specs, sizing, device)
-        self.send = send
-
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copies blocks `src[i]` into `dst[i]` on every rank."""
-        if src:
-            self.send(("copy_blocks", list(src), list(dst)))
-        super().copy_blocks(src, dst)
 
 
 def free_port(host: str) -> int:
@@ -119,18 +60,22 @@ class DriverExecutor(Executor):
         self._closed = False
 
     def _start(self, host: str) -> None:
-        """Starts the workers, joins the group at `host`, loads rank 0's shard."""
+        """Starts the workers, then rank 0's: it joins the group at `host` and loads its
+        shard."""
         init_method = f"tcp://{host}:{free_port(host)}"
         self._start_workers(init_method)
         try:
-            self._join_group(init_method)
-            mc = self.config.model_config
-            self.model, _ = build_model(mc.path, mc.hf_config, mc.dtype, self.device, self.tp)
+            self.worker = Worker(
+                self.config,
+                self.tp,
+                self.device,
+                join=lambda tp, device: self._join_group(init_method),
+                send=self.send,
+            )
             self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
-        self.runner_model = DriverModel(self.model, self.send, self.tp)
         logger.info(
             "Tensor parallelism: %d ranks (%s backend), rank 0 in this process",
             self.tp.size,
@@ -181,16 +126,12 @@ class DriverExecutor(Executor):
         self._send(command)
 
     def init_caches(self, num_slots: int, sizing: KVCacheSizing | None) -> None:
-        """Every rank's caches, each of its own shard's specs and bound to it; rank 0's copy
-        slots and blocks on every rank."""
+        """Every rank's caches, each of its own shard's specs and bound to it; rank 0's
+        worker makes its runner's slot and block copies on every rank."""
         self.send(("init_caches", num_slots, sizing))
-        self.cache, self.kv_cache = make_caches(
-            self.model, self.config, num_slots, sizing, self.device,
-            state_cls=lambda *a: DriverMambaCache(*a, self.send),
-            kv_cls=lambda *a: DriverKVCache(*a, self.send),
-        )  # fmt: skip
+        self.worker.init_caches(num_slots, sizing)
 
-    def execute(self, step: Any) -> StepResult:
+    def execute(self, step: SchedulerOutput) -> StepResult:
         """The step on every rank.
 
         Raises:
@@ -200,7 +141,7 @@ class DriverExecutor(Executor):
         if self._dead is not None:
             raise self._dead
         try:
-            return self.runner.execute(step)
+            return self.worker.execute(step)
         except Exception as err:
             raise self._fail(err) from err
 

@@ -1,8 +1,9 @@
 """`MultiprocExecutor` (vLLM's `mp` backend): ranks 1..N-1 in worker processes on this machine.
 
-Each worker is a spawned process with a pipe from rank 0: it joins the group, loads its shard,
-says `ready`, then runs rank 0's commands in order until `shutdown` (or until rank 0's end of
-the pipe closes). A worker whose command fails sends the traceback and exits.
+Each worker is a spawned process with a pipe from rank 0: it builds its rank's `Worker` (the
+platform setup, joining the group, its shard), says `ready`, then runs rank 0's commands in
+order until `shutdown` (or until rank 0's end of the pipe closes). A worker whose command fails
+sends the traceback and exits.
 
 A dead worker is noticed in bounded time: a monitor thread waits on the workers' process
 sentinels and tells the watchers (the server's engine) at once; a step in flight fails when
@@ -31,7 +32,8 @@ from vllm_mamba.distributed.parallel_state import (
 )
 from vllm_mamba.errors import EngineStartupError
 from vllm_mamba.executor.driver import DriverExecutor
-from vllm_mamba.executor.worker import Command, Worker
+from vllm_mamba.worker.relay import Command
+from vllm_mamba.worker.worker import Worker, join_at
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ def _worker_main(
     """The body of a worker process."""
     try:
         device = worker_device(config.device, rank)
-        worker = Worker(config, TensorParallel(rank, size), init_method, device)
+        worker = Worker(config, TensorParallel(rank, size), device, join=join_at(init_method))
         conn.send(("ready", None))
         while True:
             command: Command = pickle.loads(conn.recv_bytes())

@@ -24,7 +24,8 @@ import torch
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.parallel_state import TensorParallel, collective_timeout_s
 from vllm_mamba.executor.driver import DriverExecutor
-from vllm_mamba.executor.worker import Command, Worker
+from vllm_mamba.worker.relay import Command
+from vllm_mamba.worker.worker import Worker, join_at
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class RayWorker:
 
     def __init__(self, config: EngineConfig, rank: int, size: int, init_method: str) -> None:
         device = torch.device("cuda", 0) if config.device.type == "cuda" else config.device
-        self.worker = Worker(config, TensorParallel(rank, size), init_method, device)
+        self.worker = Worker(config, TensorParallel(rank, size), device, join=join_at(init_method))
         self._exit = threading.Event()
 
     def ready(self) -> int:

@@ -28,7 +28,7 @@ class MTPProposer:
     """Drafts from the MTP head (see the module docstring).
 
     Args:
-        runner: the engine's `ModelRunner`, with `mtp` set.
+        runner: rank 0's `ModelRunner`, built with the MTP head.
         block_manager: the scheduler's KV block manager.
         kv_cache: the engine's KV cache (the head's layer is one of its layers).
     """

@@ -94,7 +94,10 @@ def build_paged_metadata(layout: StepLayout, device: torch.device) -> PagedMetad
 
 
 class PagedAttentionBackend(AttentionBackend):
-    """Selected for models with attention layers (hybrids)."""
+    """Selected for models with attention layers (hybrids). Its decode steps run eagerly:
+    their metadata carries each step's block tables and context lengths."""
+
+    decode_cuda_graphs = False
 
     @staticmethod
     def build_metadata(layout: StepLayout, device: torch.device) -> PagedMetadata:

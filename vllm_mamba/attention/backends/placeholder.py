@@ -13,7 +13,10 @@ from vllm_mamba.attention.mamba_metadata import MambaMetadata, build_mamba_metad
 
 
 class PlaceholderAttentionBackend(AttentionBackend):
-    """Selected for models with no attention layers."""
+    """Selected for models with no attention layers; its decode steps can be captured (the
+    metadata of a decode-only step is its state slots and fixed-size counts)."""
+
+    decode_cuda_graphs = True
 
     @staticmethod
     def build_metadata(layout: StepLayout, device: torch.device) -> MambaMetadata:

@@ -2,7 +2,7 @@
 
 - `--threads N` (`EngineArgs.threads`, every entry point): torch's intra-op pool and the C++
   kernels (which size their OpenMP teams from it) run exactly `N` threads.
-- By default the engine starts with one thread per CPU this process may run on (its affinity
+- By default each rank starts with one thread per CPU this process may run on (its affinity
   mask: a container or `taskset` limit counts), shared among the tensor-parallel ranks of one
   machine, and then follows the load: a kernel splits each stage over its threads and meets at
   a barrier, so when another process keeps one of those CPUs busy, the thread the scheduler

@@ -1,4 +1,4 @@
-"""Runs one engine step on the model: the only engine code that builds tensors.
+"""Runs one engine step on rank 0's model: the only code that builds a step's tensors.
 
 It lays the scheduled sequences out as one flat batch (decodes first, then prefill chunks),
 with the chains of speculating sequences (last token + draft tokens) among the decodes, wave
@@ -11,16 +11,22 @@ the LM head to the sampled positions (and to prompt positions whose logprobs wer
 for) and samples; a chain's positions are verified against its drafts
 (`spec_decode.rejection_sampler`). After the engine has appended a chain's tokens, `rollback`
 brings the sequence's state back to its last kept token from the spare slot that saved it.
+
+The runner is built by its `Worker` with everything it needs, once (`RunnerConfig`: the spare
+slots, whether hidden rows are kept; the MTP head; CUDA graphs): nothing sets its fields
+afterwards. It calls the model and makes its slot and block copies through what the worker
+hands it (`StepModel`, `caches.CacheCopies`), which under tensor parallelism relay each call to
+the other ranks first (`relay`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from vllm_mamba.attention.backend import AttentionBackend, StepLayout
-from vllm_mamba.engine.cuda_graphs import DecodeCudaGraphs
 from vllm_mamba.engine.scheduler import ScheduledSeq, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence
 from vllm_mamba.engine.structured_outputs import StructuredOutputs
@@ -28,6 +34,40 @@ from vllm_mamba.kv_cache import KVCache
 from vllm_mamba.layers.sampler import SamplerOutput, SamplingRow, sample
 from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.spec_decode.rejection_sampler import Chain, rejection_sample
+from vllm_mamba.worker.caches import CacheCopies
+from vllm_mamba.worker.cuda_graphs import DecodeCudaGraphs
+
+
+class StepModel(Protocol):
+    """What the runner calls: the model, or rank 0's `relay.RelayModel`."""
+
+    def __call__(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Final hidden rows `(T, H)` of the step's flat batch `input_ids (T,)`."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `(R, V)` of rows `hidden (R, H)`."""
+        ...
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What the engine decides about the runner, given when it is built.
+
+    Attributes:
+        eos_token_id: the tokenizer's (else the model config's) EOS token, banned before
+            `min_tokens` and in drafts' verification.
+        spare_slot_base: the first spare state slot of speculative decoding: chain c saves
+            its state after position w in slot `spare_slot_base + c * max_drafts + w`.
+        max_drafts: draft tokens per chain at most (`num_speculative_tokens`; 0: none).
+        keep_sampled_hidden: keep each sampled position's final hidden row in the result
+            (prefix caching saves finished sequences with it).
+    """
+
+    eos_token_id: int | None
+    spare_slot_base: int = 0
+    max_drafts: int = 0
+    keep_sampled_hidden: bool = False
 
 
 @dataclass
@@ -73,44 +113,54 @@ class StepResult:
 
 
 class ModelRunner:
-    """Owns the model, its state cache (and KV cache) and the engine-wide sampling generator."""
+    """Runs the steps on rank 0's model and caches; owns the engine-wide sampling generator.
+
+    Args:
+        model: the model, or a relay of it (`StepModel`).
+        cache, kv_cache: rank 0's caches (the KV cache of a hybrid, else None).
+        backend: the attention backend of the built model (builds each step's metadata).
+        config: the engine's decisions (`RunnerConfig`).
+        seed: the engine-wide generator's seed (requests without their own seed).
+        copies: makes the slot and block copies (on every rank, under tensor parallelism).
+        structured_outputs: the grammars of requests that ask for one.
+        mtp: the model's multi-token prediction head, run after every forward over the
+            step's rows (speculative method `mtp`); None otherwise.
+        cuda_graph_max_num_seqs: capture decode CUDA graphs for batches up to this size
+            (None: run every step eagerly).
+    """
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: StepModel,
         cache: MambaCache,
         backend: type[AttentionBackend],
         device: torch.device,
+        config: RunnerConfig,
+        *,
         seed: int,
-        eos_token_id: int | None,
+        copies: CacheCopies,
         structured_outputs: StructuredOutputs | None = None,
         kv_cache: KVCache | None = None,
+        mtp: torch.nn.Module | None = None,
+        cuda_graph_max_num_seqs: int | None = None,
     ) -> None:
         self.model = model
-        self.kv_cache = kv_cache
-        self.structured_outputs = structured_outputs
-        self.eos_token_id = eos_token_id
         self.cache = cache
+        self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
+        self.config = config
+        self.copies = copies
+        self.structured_outputs = structured_outputs
+        self.eos_token_id = config.eos_token_id
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.cuda_graphs: DecodeCudaGraphs | None = None
-        # Prefix caching saves finished sequences with their last hidden row; off, the
-        # decode step keeps none.
-        self.keep_sampled_hidden = False
-        # Speculative decoding: chain c saves the state after its position w in slot
-        # `spare_slot_base + c * max_drafts + w` (set by the engine).
-        self.spare_slot_base = 0
-        self.max_drafts = 0
-        # Speculative method mtp: the model's MTP head runs after every forward over the
-        # step's rows; `mtp_next` keeps, per sequence sampled, its first draft and the head's
-        # output row that further drafts start from.
-        self.mtp: torch.nn.Module | None = None
+        self.mtp = mtp
+        # Per sequence sampled, its first MTP draft and the head's output row that further
+        # drafts start from (`spec_decode.mtp_proposer` reads them after the step).
         self.mtp_next: dict[int, tuple[int, torch.Tensor]] = {}
-
-    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
-        """Captures decode forwards for replay (CUDA only)."""
-        self.cuda_graphs = DecodeCudaGraphs(self.model, self.cache, self.backend, max_num_seqs)
+        self.cuda_graphs: DecodeCudaGraphs | None = None
+        if cuda_graph_max_num_seqs is not None:
+            self.cuda_graphs = DecodeCudaGraphs(model, cache, backend, cuda_graph_max_num_seqs)
 
     def make_generator(self, seed: int, index: int) -> torch.Generator:
         """A per-sequence generator, so seeded requests do not depend on the batch."""
@@ -133,7 +183,7 @@ class ModelRunner:
                 prompt_pos.append((item, flat + first - item.seq.num_computed_tokens, first))
         if self.kv_cache is not None and step.block_copies:
             src, dst = zip(*step.block_copies)
-            self.kv_cache.copy_blocks(list(src), list(dst))
+            self.copies.copy_blocks(list(src), list(dst))
         hits = step.state_copies
         self.copy_states([s for s, _ in hits], [d for _, d in hits])
         meta = None
@@ -154,7 +204,7 @@ class ModelRunner:
         result = StepResult()
         if sample_pos:
             self._sample(hidden, sample_pos, sampled, result)
-            if self.keep_sampled_hidden:
+            if self.config.keep_sampled_hidden:
                 for item, pos in zip(sampled, sample_pos):
                     for seq in [item.seq, *item.children]:
                         result.sampled_hidden[seq.seq_id] = hidden[pos]
@@ -176,7 +226,7 @@ class ModelRunner:
 
     def spare_slot(self, chain: int, position: int) -> int:
         """The spare slot that saves chain `chain`'s state after its position `position`."""
-        return self.spare_slot_base + chain * self.max_drafts + position
+        return self.config.spare_slot_base + chain * self.config.max_drafts + position
 
     def rollback(self, kept: list[tuple[int, int, int]]) -> None:
         """Brings speculating sequences' states back to their last kept token.
@@ -194,7 +244,7 @@ class ModelRunner:
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """Copies every state of slots `src[i]` into `dst[i]` (forks, prefix-cache hits and
         snapshots)."""
-        self.cache.copy_slots(src, dst)
+        self.copies.copy_slots(src, dst)
 
     @torch.inference_mode()
     def prompt_logprob_from_hidden(
@@ -329,7 +379,7 @@ class ModelRunner:
                 chain=index,
                 num_drafts=len(item.spec_token_ids),
                 num_accepted=out.num_accepted,
-                hidden=hidden[rows[seq_id]] if self.keep_sampled_hidden else None,
+                hidden=hidden[rows[seq_id]] if self.config.keep_sampled_hidden else None,
             )
 
     def _mtp_pass(

@@ -1,5 +1,9 @@
 """CUDA graphs for decode-only steps: one captured forward per batch size.
 
+Captured when the attention backend declares its decode steps capturable
+(`AttentionBackend.decode_cuda_graphs`: their metadata differs from step to step only in
+`decode_state_indices`), on CUDA, with one rank and without `enforce_eager` (`Worker`).
+
 A decode step runs one token per sequence; its shapes depend only on the batch size, so the
 forward is captured once per size (1, 2, 4, 8, 16, 32, then every 32 up to `max_num_seqs`)
 and replayed. A batch is padded up to the next captured size with `PAD_SLOT_ID` rows, which
@@ -12,6 +16,7 @@ step's slots into that metadata's `decode_state_indices` in place.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 
@@ -35,7 +40,7 @@ class DecodeCudaGraphs:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Callable[[torch.Tensor, MambaMetadata], torch.Tensor],
         cache: MambaCache,
         backend: type[AttentionBackend],
         max_num_seqs: int,

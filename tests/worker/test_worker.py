@@ -1,0 +1,119 @@
+"""The worker package: its imports point down only, the runner is configured when it is built,
+its copies go through `CacheCopies` (relayed to the other ranks first under tensor
+parallelism), and CUDA graphs follow the backend's declared capability."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from tests.helpers.runners import VllmRunner
+from tests.tiny_models import tiny_model_dir
+from vllm_mamba import SamplingParams
+from vllm_mamba.attention.backends.paged import PagedAttentionBackend
+from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionBackend
+from vllm_mamba.cache_specs import StateSpec, StateTensor
+from vllm_mamba.mamba_cache import MambaCache
+from vllm_mamba.worker.caches import LocalCopies
+from vllm_mamba.worker.relay import Command, RelayCopies
+from vllm_mamba.worker.worker import Worker
+
+
+def test_worker_package_never_imports_the_executor() -> None:
+    """The worker sits under the executor: importing every worker module pulls in no
+    `vllm_mamba.executor` module (the executor hands the worker what it needs)."""
+    code = (
+        "import sys\n"
+        "import vllm_mamba.worker.worker, vllm_mamba.worker.model_runner\n"
+        "import vllm_mamba.worker.platform, vllm_mamba.worker.relay\n"
+        "bad = sorted(m for m in sys.modules if m.startswith('vllm_mamba.executor'))\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+class Recorder:
+    """`CacheCopies` that records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[int], list[int]]] = []
+
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        self.calls.append(("slots", list(src), list(dst)))
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        self.calls.append(("blocks", list(src), list(dst)))
+
+
+def test_relay_copies_send_each_copy_before_making_it() -> None:
+    sent: list[Command] = []
+    local = Recorder()
+    relay = RelayCopies(local, lambda command: sent.append(command))
+    relay.copy_slots([1, 2], [3, 4])
+    relay.copy_blocks([5], [6])
+    relay.copy_slots([], [])  # nothing to send; the local copy still sees it (a no-op there)
+    assert sent == [("copy_slots", [1, 2], [3, 4]), ("copy_blocks", [5], [6])]
+    assert local.calls == [
+        ("slots", [1, 2], [3, 4]),
+        ("blocks", [5], [6]),
+        ("slots", [], []),
+    ]
+
+
+def test_local_copies_copy_every_state_of_a_slot() -> None:
+    spec = StateSpec(
+        (
+            StateTensor("conv", (3, 2), "conv", torch.float32),
+            StateTensor("ssm", (3, 4), "recurrent", torch.float32),
+        )
+    )
+    cache = MambaCache([spec, spec], num_slots=4, device=torch.device("cpu"))
+    for group in cache.tensors:
+        for t in group.values():
+            t.copy_(torch.randn_like(t))
+    before = [{k: t.clone() for k, t in g.items()} for g in cache.tensors]
+    LocalCopies(cache, None).copy_slots([0, 2], [3, 1])
+    for group, old in zip(cache.tensors, before):
+        for name, t in group.items():
+            assert torch.equal(t[:, 3], old[name][:, 0]) and torch.equal(t[:, 1], old[name][:, 2])
+            assert torch.equal(t[:, 0], old[name][:, 0]) and torch.equal(t[:, 2], old[name][:, 2])
+
+
+def test_cuda_graphs_are_a_declared_backend_capability() -> None:
+    """Attention-free decode metadata is only the slots: capturable; paged metadata carries
+    each step's block tables: not."""
+    assert PlaceholderAttentionBackend.decode_cuda_graphs is True
+    assert PagedAttentionBackend.decode_cuda_graphs is False
+
+
+def test_runner_is_configured_when_built() -> None:
+    """The engine's decisions reach the runner in its `RunnerConfig`; rank 0's worker is the
+    executor's, and on the CPU no CUDA graphs are captured."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with VllmRunner(
+        tiny_model_dir("tied"), max_num_seqs=3, enable_prefix_caching=True, speculative_config=spec
+    ) as runner:
+        engine = runner.engine
+        worker = engine.executor.worker
+        assert isinstance(worker, Worker) and worker.tp.size == 1
+        config = engine.executor.runner.config
+        assert config.spare_slot_base == 3 + engine.num_snapshot_slots
+        assert config.max_drafts == 2 and config.keep_sampled_hidden
+        assert config.eos_token_id == engine.eos_token_id
+        assert engine.executor.runner.cuda_graphs is None
+        assert engine.executor.runner.mtp is None
+        out = runner.generate({"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}, _greedy())
+        assert len(out[0].outputs[0].token_ids) == 8
+    with VllmRunner(tiny_model_dir("tied"), max_num_seqs=3) as runner:
+        config = runner.engine.executor.runner.config
+        assert config.max_drafts == 0 and not config.keep_sampled_hidden
+        assert config.spare_slot_base == 3
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

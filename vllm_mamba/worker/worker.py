@@ -1,0 +1,190 @@
+"""`Worker`: what runs the model on one rank, built the same way on every rank.
+
+Every rank, in the engine's process (rank 0) or in a worker process or Ray actor (ranks
+1..N-1), constructs one `Worker`, which in order:
+
+1. sets the process up (`platform.Platform.setup`: threads, governor, denormals);
+2. joins the tensor-parallel group (with more than one rank; the executor says how);
+3. loads its shard of the model (the whole model with one rank; the MTP head when the
+   speculative method is `mtp`).
+
+Then the executor sizes the caches from rank 0's specs and calls `init_caches` on every rank
+(`caches.make_caches`: each rank allocates from its own shard's specs), and `init_runner` on
+rank 0, which builds the `ModelRunner` configured once and for all (`RunnerConfig`), with the
+attention backend of the built model and, on CUDA when the backend declares decode steps
+capturable and the model is not sharded, the decode CUDA graphs. Rank 0 then runs each step
+(`execute`); ranks 1..N-1 run the commands rank 0's model calls send them (`handle`, see
+`relay`), since a step is not yet plain data that every rank could run itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from vllm_mamba.attention.selector import select_attention_backend
+from vllm_mamba.config import EngineConfig
+from vllm_mamba.distributed.communication import broadcast
+from vllm_mamba.distributed.parallel_state import TensorParallel, init_tensor_parallel
+from vllm_mamba.engine.scheduler import SchedulerOutput
+from vllm_mamba.engine.structured_outputs import StructuredOutputs
+from vllm_mamba.kv_cache import KVCache, KVCacheSizing
+from vllm_mamba.mamba_cache import MambaCache
+from vllm_mamba.model_loader import build_model
+from vllm_mamba.worker.caches import (
+    CacheCopies,
+    CacheSpecs,
+    LocalCopies,
+    cache_specs_of,
+    make_caches,
+)
+from vllm_mamba.worker.model_runner import ModelRunner, PromptLogprobChunk, RunnerConfig, StepResult
+from vllm_mamba.worker.platform import Platform
+from vllm_mamba.worker.relay import Command, RelayCopies, RelayModel, Send, metadata_to
+
+JoinGroup = Callable[[TensorParallel, torch.device], None]
+
+
+def join_at(init_method: str) -> JoinGroup:
+    """Joins the group at `init_method` (a `tcp://host:port` rendezvous)."""
+
+    def join(tp: TensorParallel, device: torch.device) -> None:
+        init_tensor_parallel(tp, init_method, device)
+
+    return join
+
+
+class Worker:
+    """One rank: its platform setup, its shard, its caches and (rank 0) the runner.
+
+    Args:
+        config: the engine's configuration (the same on every rank).
+        tp: this rank's place in the group.
+        device: this rank's device.
+        join: how this rank joins the group (required with more than one rank).
+        send: rank 0 under tensor parallelism: delivers a command to ranks 1..N-1 (every
+            model call and cache copy of the runner goes through it first).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tp: TensorParallel,
+        device: torch.device,
+        join: JoinGroup | None = None,
+        send: Send | None = None,
+    ) -> None:
+        self.config = config
+        self.tp = tp
+        self.device = device
+        self.send = send
+        self.platform = Platform.setup(config, device, runs_steps=tp.rank == 0)
+        if tp.size > 1:
+            assert join is not None, "a rank of a group needs a way to join it"
+            join(tp, device)
+        mc = config.model_config
+        self.model, _ = build_model(
+            mc.path, mc.hf_config, mc.dtype, device, tp, mtp=config.uses_mtp
+        )
+        self.cache: MambaCache | None = None
+        self.kv_cache: KVCache | None = None
+        self.copies: CacheCopies | None = None
+        self.runner: ModelRunner | None = None
+
+    def cache_specs(self) -> CacheSpecs:
+        """This rank's cache specs (under tensor parallelism, its shard's)."""
+        return cache_specs_of(self.model, self.config)
+
+    def init_caches(self, num_slots: int, sizing: KVCacheSizing | None) -> None:
+        """Allocates this rank's state cache of `num_slots` slots and its KV cache of
+        `sizing` (None: none), and binds them to the shard's layers."""
+        self.cache, self.kv_cache = make_caches(
+            self.model, self.config, num_slots, sizing, self.device
+        )
+        self.copies = LocalCopies(self.cache, self.kv_cache)
+        if self.send is not None:
+            self.copies = RelayCopies(self.copies, self.send)
+
+    def init_runner(
+        self, runner_config: RunnerConfig, structured_outputs: StructuredOutputs | None
+    ) -> ModelRunner:
+        """Builds the runner over this rank's model and caches (rank 0, after
+        `init_caches`)."""
+        assert self.cache is not None and self.copies is not None, "init_caches first"
+        backend = select_attention_backend(has_kv_cache=self.kv_cache is not None)
+        model = self.model if self.send is None else RelayModel(self.model, self.send, self.tp)
+        graphs = (
+            self.device.type == "cuda"
+            and backend.decode_cuda_graphs
+            and not self.config.enforce_eager
+            and self.tp.size == 1
+        )
+        self.runner = ModelRunner(
+            model,
+            self.cache,
+            backend,
+            self.device,
+            runner_config,
+            seed=self.config.model_config.seed,
+            copies=self.copies,
+            structured_outputs=structured_outputs,
+            kv_cache=self.kv_cache,
+            mtp=self.model.mtp if self.config.uses_mtp else None,
+            cuda_graph_max_num_seqs=(self.config.scheduler_config.max_num_seqs if graphs else None),
+        )
+        return self.runner
+
+    # ----- rank 0: the engine's steps, and the calls outside them -----------------------
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        """Runs one scheduled step (the governor may first change the thread count)."""
+        assert self.runner is not None, "init_runner first"
+        self.platform.before_step()
+        return self.runner.execute(step)
+
+    def copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copies every state of slots `src[i]` into `dst[i]` (on every rank)."""
+        assert self.copies is not None, "init_caches first"
+        self.copies.copy_slots(src, dst)
+
+    def rollback(self, kept: list[tuple[int, int, int]]) -> None:
+        """Brings speculating sequences' states back to their last kept token
+        (`ModelRunner.rollback`)."""
+        assert self.runner is not None, "init_runner first"
+        self.runner.rollback(kept)
+
+    def prompt_logprob_from_hidden(
+        self, hidden: torch.Tensor, target: int, k: int, position: int
+    ) -> PromptLogprobChunk:
+        """The prompt logprob of token `position` from a saved final hidden row `(H,)`."""
+        assert self.runner is not None, "init_runner first"
+        return self.runner.prompt_logprob_from_hidden(hidden, target, k, position)
+
+    def reset_generator(self) -> None:
+        """Restarts the engine-wide sampling generator from the configured seed."""
+        assert self.runner is not None, "init_runner first"
+        self.runner.generator.manual_seed(self.config.model_config.seed)
+
+    # ----- ranks 1..N-1: rank 0's commands ----------------------------------------------
+    @torch.inference_mode()
+    def handle(self, command: Command) -> None:
+        """Runs one command of rank 0 (see `relay`)."""
+        kind = command[0]
+        if kind == "forward":
+            _, input_ids, meta = command
+            assert self.cache is not None
+            self.model(input_ids.to(self.device), metadata_to(meta, self.device))
+        elif kind == "logits":
+            _, shape, dtype = command
+            hidden = broadcast(torch.empty(shape, dtype=dtype, device=self.device), self.tp)
+            self.model.compute_logits(hidden)
+        elif kind == "copy_slots":
+            assert self.copies is not None
+            self.copies.copy_slots(command[1], command[2])
+        elif kind == "copy_blocks":
+            assert self.copies is not None
+            self.copies.copy_blocks(command[1], command[2])
+        elif kind == "init_caches":
+            self.init_caches(command[1], command[2])
+        else:
+            raise ValueError(f"unknown worker command {kind!r}")
