@@ -3,8 +3,10 @@
 Its model has a recurrent layer of its own state shape (`ema (C,)`, `last (2, C)`) with
 `_ref`-only ops. Checked through `vllm_mamba.LLM` on the CPU: greedy tokens equal to the
 plugin's independent full-sequence reference (and varied), batching, chunked prefill at odd
-budgets, forks, preemption by recompute and prefix caching each equal to the plain run, and
-every state slot free after draining (`VllmRunner` checks it on leaving each block).
+budgets, forks, preemption by recompute, prefix caching and n-gram speculative decoding (drafts
+proposed, accepted and rejected; the state after every step bit for bit the state without
+speculation) each equal to the plain run, and every state slot free after draining
+(`VllmRunner` checks it on leaving each block).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from tests.helpers.runners import VllmRunner
+from tests.helpers.spec_oracle import OracleProposer
 from tests.tiny_models import TOKENIZER_DIR
 from vllm_mamba import RequestOutput, SamplingParams
 from vllm_mamba.cache_specs import PAD_SLOT_ID
@@ -28,6 +31,9 @@ from vllm_mamba_ema.ops import ema_scan_varlen_ref, ema_state_update_ref  # noqa
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+SPEC_GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+ECHO = 8  # tokens of its own continuation an echo prompt starts with
 PROMPTS = [
     "Hello",
     "The capital of France is",
@@ -151,3 +157,73 @@ def test_prefix_caching_equals_off_and_hits(model_dir, alone) -> None:
         assert all(g.num_cached_tokens > 0 for g in got), [g.num_cached_tokens for g in got]
         assert on.engine.stats_snapshot().prefix_cache_hits > 0
         assert on.engine.scheduler.slots.num_used == 0
+
+
+@pytest.fixture(scope="module")
+def echo_prompts(runner: VllmRunner, alone: list[list[int]]) -> list[list[int]]:
+    """Prompts with a repetition that n-gram lookup drafts from: `PROMPTS[1:]`, each preceded
+    by the first `ECHO` tokens of its own greedy continuation. The EMA's memory fades within
+    a few tokens, so the model continues the echo prompt as it did the prompt: the lookup
+    finds each new token in the copy and drafts what follows it there, accepted until the
+    copy ends and rejected after (the tests assert both happen)."""
+    tok = runner.llm.get_tokenizer()
+    return [a[:ECHO] + tok(p)["input_ids"] for p, a in zip(PROMPTS[1:], alone[1:])]
+
+
+def assert_drafts_accepted_and_rejected(engine: object) -> None:
+    counters = engine.spec_steps.counters
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, vars(counters)
+
+
+def test_ngram_speculation_equals_plain(runner, model_dir, echo_prompts) -> None:
+    """Greedy tokens with n-gram drafts (some accepted, some rejected) equal those without,
+    for chains side by side in one step. The mixer runs a chain's rows in waves
+    (`recurrent_step`); one call over them at the sequence's slot would verify every draft on
+    the chain's starting state and never write the spare slots that rollbacks restore."""
+    prompts = [{"prompt_token_ids": p} for p in echo_prompts]
+    plain = tokens(runner.generate(prompts, SPEC_GREEDY))
+    with VllmRunner(model_dir, device="cpu", speculative_config=NGRAM) as spec:
+        assert tokens(spec.generate(prompts, SPEC_GREEDY)) == plain
+        assert_drafts_accepted_and_rejected(spec.engine)
+
+
+def slot_states_by_length(
+    engine: object, prompt: list[int]
+) -> tuple[dict[int, list[torch.Tensor]], list[int]]:
+    """Steps one greedy request alone. Returns its slot's rows of every tensor of the engine's
+    state cache after each step, keyed by the tokens it has computed, and its tokens."""
+    engine.add_request("alone", {"prompt_token_ids": prompt}, SPEC_GREEDY)
+    states: dict[int, list[torch.Tensor]] = {}
+    seq = slot = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.scheduler.running:  # after its last step it has left (its slot as it was)
+            seq = engine.scheduler.running[0].seqs[0]
+            slot = seq.slot
+        assert seq is not None and slot is not None
+        tensors = [t for group in engine.cache.tensors for t in group.values()]  # (L, S, ...)
+        states[seq.num_computed_tokens] = [t[:, slot].clone() for t in tensors]
+    return states, list(seq.output_token_ids)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "oracle"])
+def test_state_after_rejections_is_bitwise_the_plain_state(
+    model_dir, echo_prompts, proposer: str
+) -> None:
+    """After every step of a speculating request, whatever was accepted, its state slot holds
+    bit for bit the state of the same tokens decoded without speculation: the rejected
+    positions are rolled back from the spare slots the waves wrote. Drafts from the n-gram
+    lookup, and from `OracleProposer` (its continuation with every third draft made wrong:
+    rejections at every position of a chain)."""
+    prompt = echo_prompts[1]
+    with VllmRunner(model_dir, device="cpu") as plain:
+        want, out = slot_states_by_length(plain.engine, prompt)
+    with VllmRunner(model_dir, device="cpu", speculative_config=NGRAM) as spec:
+        if proposer == "oracle":
+            spec.engine.spec_steps.proposer = OracleProposer({tuple(prompt): out})
+        got, spec_out = slot_states_by_length(spec.engine, prompt)
+        assert_drafts_accepted_and_rejected(spec.engine)
+    assert spec_out == out
+    assert len(got) < len(want) and set(got) <= set(want)  # some steps kept several tokens
+    for length, state in got.items():
+        assert all(torch.equal(a, b) for a, b in zip(state, want[length], strict=True)), length

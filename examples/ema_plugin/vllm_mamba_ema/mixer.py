@@ -1,5 +1,5 @@
 """`EmaMixer`: a toy recurrent mixer with a state of its own shape, written against the engine's
-plugin API (`StatefulLayer`, `StateSpec`, `MambaMetadata`).
+plugin API (`StatefulLayer`, `StateSpec`, `MambaMetadata`, `recurrent_step`).
 
     u, z = in_proj(x).chunk(2)                            # (T, C) each
     m_t  = ema_t(u) + w1 * u_{t-1} + w2 * u_{t-2}         # see `vllm_mamba_ema.ops`
@@ -19,6 +19,7 @@ from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.recurrent_step import recurrent_step
 from vllm_mamba.ops.table import MambaOps
 from vllm_mamba_ema.ops import OP_FAMILY
 
@@ -43,23 +44,22 @@ class EmaMixer(StatefulLayer):
         ))  # fmt: skip
 
     def forward(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
-        """Mixes `hidden (T, H)` (decodes first, then prefill chunks) and advances the state."""
+        """Mixes `hidden (T, H)` (decodes first, then prefill chunks) and advances the state.
+
+        `recurrent_step` runs the decode rows (in speculative waves when chains verify
+        drafts, each wave's states saved into the spare slots), then the prefill chunks.
+        """
         u, z = self.in_proj(hidden).chunk(2, dim=-1)  # (T, C) each
         a = torch.sigmoid(self.decay.float())  # (C,)
         ema, last = self.state["ema"], self.state["last"]  # (S, C), (S, 2, C)
-        nd = meta.num_decodes
-        parts = []
-        if nd:
-            parts.append(
-                self.kernels.state_update(u[:nd], a, self.lag_weight, ema, last,
-                                          meta.decode_state_indices)
-            )  # fmt: skip
-        if meta.num_prefills:
-            parts.append(
-                self.kernels.scan_varlen(
-                    u[nd:], a, self.lag_weight, ema, last, meta.prefill_query_start_loc,
-                    meta.prefill_state_indices, meta.prefill_has_initial_state,
-                )
-            )  # fmt: skip
-        m = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, C)
+        m = recurrent_step(  # (T, C)
+            meta, [ema, last],
+            decode=lambda rows, slots: self.kernels.state_update(
+                u[rows], a, self.lag_weight, ema, last, slots
+            ),
+            prefill=lambda rows: self.kernels.scan_varlen(
+                u[rows], a, self.lag_weight, ema, last, meta.prefill_query_start_loc,
+                meta.prefill_state_indices, meta.prefill_has_initial_state,
+            ),
+        )  # fmt: skip
         return self.out_proj(m * F.silu(z))
