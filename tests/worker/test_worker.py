@@ -19,7 +19,7 @@ from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.worker.caches import LocalCopies
 from vllm_mamba.worker.relay import Command, RelayCopies
-from vllm_mamba.worker.worker import Worker
+from vllm_mamba.worker.worker import Worker, captures_decode
 
 
 def test_worker_package_never_imports_the_executor() -> None:
@@ -86,9 +86,21 @@ def test_local_copies_copy_every_state_of_a_slot() -> None:
 
 def test_cuda_graphs_are_a_declared_backend_capability() -> None:
     """Attention-free decode metadata is only the slots: capturable; paged metadata carries
-    each step's block tables: not."""
+    each step's block tables: not. The worker captures only on CUDA, with one rank, unless
+    `enforce_eager`, and only for a backend that declares it."""
     assert PlaceholderAttentionBackend.decode_cuda_graphs is True
     assert PagedAttentionBackend.decode_cuda_graphs is False
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert captures_decode(PlaceholderAttentionBackend, cuda, 1, enforce_eager=False)
+    assert not captures_decode(PagedAttentionBackend, cuda, 1, enforce_eager=False)
+    assert not captures_decode(PlaceholderAttentionBackend, cuda, 1, enforce_eager=True)
+    assert not captures_decode(PlaceholderAttentionBackend, cuda, 2, enforce_eager=False)
+    assert not captures_decode(PlaceholderAttentionBackend, cpu, 1, enforce_eager=False)
+
+    class Declared(PagedAttentionBackend):
+        decode_cuda_graphs = True
+
+    assert captures_decode(Declared, cuda, 1, enforce_eager=False)  # the flag, not the class
 
 
 def test_runner_is_configured_when_built() -> None:

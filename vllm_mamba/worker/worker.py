@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from vllm_mamba.attention.backend import AttentionBackend
 from vllm_mamba.attention.selector import select_attention_backend
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.communication import broadcast
@@ -53,6 +54,17 @@ def join_at(init_method: str) -> JoinGroup:
         init_tensor_parallel(tp, init_method, device)
 
     return join
+
+
+def captures_decode(
+    backend: type[AttentionBackend], device: torch.device, tp_size: int, enforce_eager: bool
+) -> bool:
+    """Whether the runner captures decode CUDA graphs: on CUDA, when the backend declares its
+    decode steps capturable, with one rank (a relayed forward cannot be captured) and unless
+    `enforce_eager`."""
+    return (
+        device.type == "cuda" and backend.decode_cuda_graphs and tp_size == 1 and not enforce_eager
+    )
 
 
 class Worker:
@@ -114,12 +126,7 @@ class Worker:
         assert self.cache is not None and self.copies is not None, "init_caches first"
         backend = select_attention_backend(has_kv_cache=self.kv_cache is not None)
         model = self.model if self.send is None else RelayModel(self.model, self.send, self.tp)
-        graphs = (
-            self.device.type == "cuda"
-            and backend.decode_cuda_graphs
-            and not self.config.enforce_eager
-            and self.tp.size == 1
-        )
+        graphs = captures_decode(backend, self.device, self.tp.size, self.config.enforce_eager)
         self.runner = ModelRunner(
             model,
             self.cache,
