@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import _wait_healthy, free_port
+from tests.entrypoints.conftest import _wait_healthy, start_server
 from tests.helpers.prompts import make_prompts
 from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
@@ -51,14 +50,12 @@ def _worker_pids(server_pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def tp_server() -> Iterator[tuple[subprocess.Popen, str]]:
     """A server on the tiny Mamba with `--tensor-parallel-size 2`."""
-    port = free_port()
     cmd = [
-        sys.executable, "-m", "vllm_mamba.entrypoints.openai.api_server",
-        "--model", tiny_model_dir("tied"), "--served-model-name", "tp", "--port", str(port),
+        "--model", tiny_model_dir("tied"), "--served-model-name", "tp",
         "--max-model-len", "4096", "--max-num-seqs", "8", "--tensor-parallel-size", "2",
         "--device", "cpu", "--log-level", "warning",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd)
+    proc, port = start_server(cmd)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, url)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -47,11 +48,40 @@ class RunningServer:
         return {"Authorization": f"Bearer {API_KEY}"}
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on right now."""
+def listening_socket() -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 and a port the kernel chose, inheritable: a server
+    started with `--fd` (`server_command`) serves on it, so no other process (a parallel test
+    worker) can take the port between choosing it and the server's start."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    # As the server's own `bind_socket`: connections it closes first leave TIME_WAIT entries
+    # that inherit this flag, and only then may the port be bound again at once.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+@contextlib.contextmanager
+def closed_port() -> Iterator[int]:
+    """A port held bound but not listening while the block runs: connecting to it is refused,
+    and no other process can start listening there meanwhile."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        yield sock.getsockname()[1]
+
+
+def start_server(cmd: list[str], **popen: Any) -> tuple[subprocess.Popen, int]:
+    """Starts `python -m vllm_mamba.entrypoints.openai.api_server` with the arguments `cmd`
+    on a socket bound here (`--fd`); returns the process and its port."""
+    sock = listening_socket()
+    try:
+        fd, port = sock.fileno(), sock.getsockname()[1]
+        argv = [sys.executable, "-m", "vllm_mamba.entrypoints.openai.api_server", *cmd]
+        proc = subprocess.Popen([*argv, "--fd", str(fd)], pass_fds=(fd,), **popen)
+    finally:
+        sock.close()  # the server holds its own copy
+    return proc, port
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, verify: ssl.SSLContext | bool = True) -> None:
@@ -95,17 +125,11 @@ def launch_server(
     `https_ca`: the server serves https (`extra_args` hold its TLS flags); its certificate
     verifies with this CA file, and the url is `https://`."""
     model_dir = model_dir or tiny_model_dir("tied")
-    port = free_port()
     cmd = [
-        sys.executable,
-        "-m",
-        "vllm_mamba.entrypoints.openai.api_server",
         "--model",
         model_dir,
         "--served-model-name",
         MODEL_NAME,
-        "--port",
-        str(port),
         "--max-model-len",
         str(MAX_MODEL_LEN),
         "--max-num-seqs",
@@ -117,7 +141,7 @@ def launch_server(
         *extra_args,
     ]
     env = {**os.environ, "VLLM_MAMBA_API_KEY": API_KEY}
-    proc = subprocess.Popen(cmd, env=env)
+    proc, port = start_server(cmd, env=env)
     url = f"{'https' if https_ca else 'http'}://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, url, ssl.create_default_context(cafile=https_ca) if https_ca else True)

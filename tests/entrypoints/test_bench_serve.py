@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, MODEL_NAME, free_port
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, closed_port
 from vllm_mamba.entrypoints import bench_serve
 from vllm_mamba.entrypoints.bench_serve import RequestOutput
 from vllm_mamba.entrypoints.cli import main
@@ -73,8 +73,8 @@ def test_chat(server, tmp_path):
 
 
 def test_wrong_port_counts_failures(server, tmp_path, capsys):
-    url = f"http://127.0.0.1:{free_port()}"
-    result = _bench(tmp_path, url, server.model_dir)
+    with closed_port() as port:
+        result = _bench(tmp_path, f"http://127.0.0.1:{port}", server.model_dir)
     assert result["completed"] == 0 and result["failed"] == NUM
     assert all(result["errors"]) and result["total_output_tokens"] == 0
     assert "Failed requests:" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
 import ssl
 import subprocess
 import sys
@@ -117,6 +118,24 @@ def test_half_a_tls_pair_is_a_one_line_startup_error(tmp_path: Path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "--ssl-keyfile needs --ssl-certfile" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("kind", ["closed", "not_listening", "udp"])
+def test_fd_that_is_no_listening_tcp_socket_is_a_one_line_startup_error(kind: str) -> None:
+    """`--fd` takes only a listening TCP socket; anything else fails before the model loads."""
+    cmd = [sys.executable, "-m", "vllm_mamba.entrypoints.openai.api_server"]
+    cmd += ["--model", tiny_model_dir("tied")]
+    family, sock_type = socket.AF_INET, socket.SOCK_DGRAM if kind == "udp" else socket.SOCK_STREAM
+    with socket.socket(family, sock_type) as sock:
+        sock.bind(("127.0.0.1", 0))
+        fd = sock.fileno() if kind != "closed" else 1000
+        pass_fds = (sock.fileno(),) if kind != "closed" else ()
+        done = subprocess.run(
+            [*cmd, "--fd", str(fd)], capture_output=True, text=True, timeout=120, pass_fds=pass_fds
+        )
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on --fd {fd}" in done.stderr and "Loaded" not in done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -250,9 +250,10 @@ def run_server(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.uvicorn_log_level)
     native_memory.limit_arenas()
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(args.host, args.port) if args.fd is None else inherited_socket(args.fd)
     except OSError as err:
-        logger.error("cannot listen on %s:%d: %s", args.host, args.port, err.strerror or err)
+        where = f"--fd {args.fd}" if args.fd is not None else f"{args.host}:{args.port}"
+        logger.error("cannot listen on %s: %s", where, err.strerror or err)
         return 1
     try:
         server = _load_server(args, sock)
@@ -352,6 +353,28 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     sock.set_inheritable(True)
+    return sock
+
+
+def inherited_socket(fd: int) -> socket.socket:
+    """The listening TCP socket this process inherited as file descriptor `fd` (`--fd`): a
+    supervisor or a test harness bound it, so the port is known before the server starts and
+    nothing else can take it in between.
+
+    Raises:
+        OSError: `fd` is not an open socket, not a TCP stream socket, or not listening.
+    """
+    sock = socket.socket(fileno=fd)  # family, type and protocol read from the descriptor
+    try:
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            raise OSError(f"file descriptor {fd} is not a TCP socket")
+        if not listening:
+            raise OSError(f"the socket of file descriptor {fd} is not listening")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see `bind_socket`
+    except OSError:
+        sock.detach()  # the descriptor stays the caller's
+        raise
     return sock
 
 

@@ -46,6 +46,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     net.add_argument("--host", default="127.0.0.1", help="address to listen on")
     net.add_argument("--port", type=int, default=8000, help="port to listen on")
     net.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="serve on the listening TCP socket inherited as file descriptor FD (from a "
+        "supervisor, systemd socket activation or a test harness) instead of binding "
+        "--host/--port",
+    )
+    net.add_argument(
         "--api-key",
         default=None,
         help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, or none)",
