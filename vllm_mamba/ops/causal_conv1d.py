@@ -120,8 +120,6 @@ def causal_conv1d_update_ref(
 
 
 class ConvVarlenOp(Protocol):
-    """See `causal_conv1d_varlen_ref`."""
-
     def __call__(
         self, x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
         query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
@@ -130,15 +128,14 @@ class ConvVarlenOp(Protocol):
 
 
 class ConvUpdateOp(Protocol):
-    """See `causal_conv1d_update_ref`."""
-
     def __call__(
         self, x: Tensor, conv_states: Tensor, weight: Tensor, bias: Tensor | None,
         state_indices: Tensor, activation: bool = True,
     ) -> Tensor: ...  # fmt: skip
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     "causal_conv1d",
     {

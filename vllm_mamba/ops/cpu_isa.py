@@ -171,3 +171,16 @@ def active_level() -> str | None:
     """The ISA level of the kernel build in use (loading it if needed), or None without one."""
     loaded = load()
     return loaded[0] if loaded else None
+
+
+def has_op(name: str) -> bool:
+    """Whether a kernel build is installed (loading it if needed) and registers
+    `torch.ops.vllm_mamba.<name>`."""
+    try:
+        if load() is None:  # registers torch.ops.vllm_mamba.*
+            return False
+    except OSError:
+        return False
+    import torch
+
+    return hasattr(torch.ops.vllm_mamba, name)

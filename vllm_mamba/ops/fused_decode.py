@@ -223,8 +223,6 @@ def _chained(
 
 
 class FusedMambaDecodeOp(Protocol):
-    """See `fused_mamba_decode_ref`."""
-
     def __call__(
         self, hidden: Tensor, params: Params, conv_states: Tensor, ssm_states: Tensor,
         state_indices: Tensor, norm_eps: float, mixer_eps: float, out_dtype: torch.dtype,
@@ -233,8 +231,6 @@ class FusedMambaDecodeOp(Protocol):
 
 
 class FusedMamba2DecodeOp(Protocol):
-    """See `fused_mamba2_decode_ref`."""
-
     def __call__(
         self, hidden: Tensor, params: Params, conv_states: Tensor, ssm_states: Tensor,
         state_indices: Tensor, n_groups: int, group_size: int, norm_eps: float, gate_eps: float,
@@ -242,7 +238,8 @@ class FusedMamba2DecodeOp(Protocol):
     ) -> Tensor: ...  # fmt: skip
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     "fused_decode",
     {

@@ -223,8 +223,6 @@ def rms_norm_gated_ref(
 
 
 class VarlenOp(Protocol):
-    """See `gated_delta_varlen_ref`."""
-
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
         beta_scale: float, ssm_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
@@ -233,8 +231,6 @@ class VarlenOp(Protocol):
 
 
 class UpdateOp(Protocol):
-    """See `gated_delta_update_ref`."""
-
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
         beta_scale: float, ssm_states: Tensor, state_indices: Tensor,
@@ -242,14 +238,11 @@ class UpdateOp(Protocol):
 
 
 class NormGateOp(Protocol):
-    """See `rms_norm_gated_ref`."""
-
-    def __call__(
-        self, x: Tensor, z: Tensor, weight: Tensor, eps: float,
-    ) -> Tensor: ...  # fmt: skip
+    def __call__(self, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor: ...
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     FAMILY,
     {

@@ -43,14 +43,13 @@ def gated_rms_norm_ref(
 
 
 class GatedRMSNormOp(Protocol):
-    """See `gated_rms_norm_ref`."""
-
     def __call__(
         self, x: Tensor, z: Tensor, weight: Tensor, group_size: int, eps: float,
     ) -> Tensor: ...  # fmt: skip
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     "gated_rms_norm",
     {

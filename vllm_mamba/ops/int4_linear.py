@@ -27,6 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_mamba.ops import cpu_isa
+from vllm_mamba.ops.int8_linear import kernel_rows
+
 INT4_GROUP = 32  # weights sharing one scale (gemv.h's kQ4Group)
 INT4_MIN, INT4_MAX = -8, 7
 
@@ -116,18 +119,11 @@ def int4_linear_cpp(
     rows of x; more rows dequantise blocks of the weight for a dense GEMM. Same signature as
     `int4_linear_ref`.
     """
-    if x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+    if kernel_rows(x):
         return torch.ops.vllm_mamba.int4_linear(x, qweight, scales, bias)
     return int4_linear_ref(x, qweight, scales, bias)
 
 
 def has_int4_kernel() -> bool:
     """Whether the C++ extension is loaded and registers `int4_linear`."""
-    from vllm_mamba.ops import cpu_isa
-
-    try:
-        if cpu_isa.load() is None:  # registers torch.ops.vllm_mamba.*
-            return False
-    except OSError:
-        return False
-    return hasattr(torch.ops.vllm_mamba, "int4_linear")
+    return cpu_isa.has_op("int4_linear")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_mamba.ops import cpu_isa
+
 INT8_MAX = 127
 
 
@@ -66,6 +68,11 @@ def int8_linear_ref(
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
+def kernel_rows(x: torch.Tensor) -> bool:
+    """Whether the int8 and 4-bit kernels take `x`: `(M, K)` on the CPU, float32 or bfloat16."""
+    return x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
+
 def int8_linear_cpp(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -78,7 +85,7 @@ def int8_linear_cpp(
     tiled kernel, each activation split into three exact bfloat16 parts (`has_amx_int8_path`).
     Same signature as `int8_linear_ref`.
     """
-    if x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+    if kernel_rows(x):
         return torch.ops.vllm_mamba.int8_linear(x, qweight, scale, bias)
     return int8_linear_ref(x, qweight, scale, bias)
 
@@ -91,11 +98,4 @@ def has_amx_int8_path() -> bool:
 
 def has_int8_kernel() -> bool:
     """Whether the C++ extension is loaded and registers `int8_linear`."""
-    from vllm_mamba.ops import cpu_isa
-
-    try:
-        if cpu_isa.load() is None:  # registers torch.ops.vllm_mamba.*
-            return False
-    except OSError:
-        return False
-    return hasattr(torch.ops.vllm_mamba, "int8_linear")
+    return cpu_isa.has_op("int8_linear")

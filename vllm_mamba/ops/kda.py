@@ -341,8 +341,6 @@ def kda_norm_gate_ref(
 
 
 class VarlenOp(Protocol):
-    """See `kda_varlen_ref`."""
-
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
         ssm_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
@@ -351,8 +349,6 @@ class VarlenOp(Protocol):
 
 
 class UpdateOp(Protocol):
-    """See `kda_update_ref`."""
-
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
         ssm_states: Tensor, state_indices: Tensor,
@@ -360,14 +356,11 @@ class UpdateOp(Protocol):
 
 
 class NormGateOp(Protocol):
-    """See `kda_norm_gate_ref`."""
-
-    def __call__(
-        self, o: Tensor, gate: Tensor, weight: Tensor, eps: float,
-    ) -> Tensor: ...  # fmt: skip
+    def __call__(self, o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor: ...
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     FAMILY,
     {

@@ -144,16 +144,10 @@ def mla_prefill_attention_ref(
 
 
 class CacheWriteOp(Protocol):
-    """See `mla_cache_write_ref`."""
-
-    def __call__(
-        self, latent: Tensor, cache: Tensor, slot_mapping: Tensor,
-    ) -> None: ...  # fmt: skip
+    def __call__(self, latent: Tensor, cache: Tensor, slot_mapping: Tensor) -> None: ...
 
 
 class DecodeOp(Protocol):
-    """See `mla_decode_attention_ref`."""
-
     def __call__(
         self, query: Tensor, cache: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
         v_dim: int,
@@ -161,15 +155,14 @@ class DecodeOp(Protocol):
 
 
 class PrefillOp(Protocol):
-    """See `mla_prefill_attention_ref`."""
-
     def __call__(
         self, query: Tensor, cache: Tensor, block_tables: Tensor, query_start_loc: Tensor,
         seq_lens: Tensor, scale: float, v_dim: int,
     ) -> Tensor: ...  # fmt: skip
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     FAMILY,
     {

@@ -187,16 +187,12 @@ def paged_prefill_attention_ref(
 
 
 class ReshapeAndCacheOp(Protocol):
-    """See `reshape_and_cache_ref`."""
-
     def __call__(
         self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
     ) -> None: ...  # fmt: skip
 
 
 class PagedDecodeOp(Protocol):
-    """See `paged_decode_attention_ref`."""
-
     def __call__(
         self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
         seq_lens: Tensor, scale: float,
@@ -204,15 +200,14 @@ class PagedDecodeOp(Protocol):
 
 
 class PagedPrefillOp(Protocol):
-    """See `paged_prefill_attention_ref`."""
-
     def __call__(
         self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
         query_start_loc: Tensor, seq_lens: Tensor, scale: float,
     ) -> Tensor: ...  # fmt: skip
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     "paged_attention",
     {

@@ -132,8 +132,6 @@ def wkv4_update_ref(
 
 
 class VarlenOp(Protocol):
-    """See `wkv4_varlen_ref`."""
-
     def __call__(
         self, w: Tensor, u: Tensor, k: Tensor, v: Tensor, num_states: Tensor, den_states: Tensor,
         max_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
@@ -142,15 +140,14 @@ class VarlenOp(Protocol):
 
 
 class UpdateOp(Protocol):
-    """See `wkv4_update_ref`."""
-
     def __call__(
         self, w: Tensor, u: Tensor, k: Tensor, v: Tensor, num_states: Tensor, den_states: Tensor,
         max_states: Tensor, state_indices: Tensor,
     ) -> Tensor: ...  # fmt: skip
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     FAMILY,
     {

@@ -365,8 +365,6 @@ def decode_layer_ref(
 
 
 class VarlenOp(Protocol):
-    """See `wkv7_varlen_ref`."""
-
     def __call__(
         self, r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, states: Tensor,
         query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
@@ -374,8 +372,6 @@ class VarlenOp(Protocol):
 
 
 class UpdateOp(Protocol):
-    """See `wkv7_update_ref`."""
-
     def __call__(
         self, r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, states: Tensor,
         state_indices: Tensor,
@@ -383,16 +379,12 @@ class UpdateOp(Protocol):
 
 
 class ShiftMixOp(Protocol):
-    """See `shift_mix_ref`."""
-
     def __call__(
         self, x: Tensor, shift: Tensor, state_indices: Tensor, mixes: Tensor,
     ) -> Tensor: ...  # fmt: skip
 
 
 class FusedUpdateOp(Protocol):
-    """See `fused_update_ref`."""
-
     def __call__(
         self, r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, g: Tensor,
         v_first: Tensor | None, v_gate: Tensor | None, k_k: Tensor, k_a: Tensor, r_k: Tensor,
@@ -401,8 +393,6 @@ class FusedUpdateOp(Protocol):
 
 
 class DecodeLayerOp(Protocol):
-    """See `decode_layer_ref`."""
-
     def __call__(
         self, hidden: Tensor, params: list[Tensor | None], tm_shift: Tensor, wkv_states: Tensor,
         cm_shift: Tensor, state_indices: Tensor, v_first: Tensor | None, norm_eps: float,
@@ -410,7 +400,8 @@ class DecodeLayerOp(Protocol):
     ) -> tuple[Tensor, Tensor]: ...  # fmt: skip
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     FAMILY,
     {

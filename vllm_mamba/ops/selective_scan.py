@@ -134,8 +134,6 @@ def selective_state_update_ref(
 
 
 class ScanVarlenOp(Protocol):
-    """See `selective_scan_varlen_ref`."""
-
     def __call__(
         self, u: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor, D_skip: Tensor | None,
         z: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool, ssm_states: Tensor,
@@ -144,8 +142,6 @@ class ScanVarlenOp(Protocol):
 
 
 class ScanUpdateOp(Protocol):
-    """See `selective_state_update_ref`."""
-
     def __call__(
         self, ssm_states: Tensor, u: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor,
         D_skip: Tensor | None, z: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool,
@@ -153,7 +149,8 @@ class ScanUpdateOp(Protocol):
     ) -> Tensor: ...  # fmt: skip
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     "selective_scan",
     {

@@ -113,8 +113,6 @@ def short_conv_update_ref(
 
 
 class UpdateOp(Protocol):
-    """See `short_conv_update_ref`."""
-
     def __call__(
         self, bcx: Tensor, conv_states: Tensor, weight: Tensor, bias: Tensor | None,
         state_indices: Tensor,
@@ -122,15 +120,14 @@ class UpdateOp(Protocol):
 
 
 class VarlenOp(Protocol):
-    """See `short_conv_varlen_ref`."""
-
     def __call__(
         self, bcx: Tensor, conv_states: Tensor, weight: Tensor, bias: Tensor | None,
         query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor,
     ) -> Tensor: ...  # fmt: skip
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     FAMILY,
     {

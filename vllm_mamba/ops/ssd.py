@@ -209,8 +209,6 @@ def ssd_state_update_ref(
 
 
 class SSDVarlenOp(Protocol):
-    """See `ssd_chunk_scan_varlen_ref`."""
-
     def __call__(
         self, x: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor, D_skip: Tensor | None,
         dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float],
@@ -220,15 +218,14 @@ class SSDVarlenOp(Protocol):
 
 
 class SSDUpdateOp(Protocol):
-    """See `ssd_state_update_ref`."""
-
     def __call__(
         self, ssm_states: Tensor, x: Tensor, dt: Tensor, A: Tensor, B_: Tensor, C: Tensor,
         D_skip: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool, state_indices: Tensor,
     ) -> Tensor: ...  # fmt: skip
 
 
-# The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
 OPS = OpFamily(
     "ssd",
     {

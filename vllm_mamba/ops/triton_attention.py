@@ -156,12 +156,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
+) -> None:  # fmt: skip
     """Writes each token's key and value into its cache slot; see `reshape_and_cache_ref`.
 
     Args:
@@ -183,13 +180,9 @@ def reshape_and_cache(
 
 
 def paged_decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
     """One query per row over its paged context; see `paged_decode_attention_ref`.
 
     Args:
@@ -217,14 +210,9 @@ def paged_decode_attention(
 
 
 def paged_prefill_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
     """Causal varlen attention over the cached context; see `paged_prefill_attention_ref`.
 
     Args:

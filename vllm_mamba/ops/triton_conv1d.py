@@ -156,15 +156,10 @@ def _block_d(dim: int) -> int:
 
 
 def causal_conv1d_varlen(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+    query_start_loc: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor,
     activation: bool = True,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `causal_conv1d_varlen_ref` (see there for the arguments).
 
     Returns:
@@ -193,13 +188,9 @@ def causal_conv1d_varlen(
 
 
 def causal_conv1d_update(
-    x: torch.Tensor,
-    conv_states: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    state_indices: torch.Tensor,
-    activation: bool = True,
-) -> torch.Tensor:
+    x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    state_indices: torch.Tensor, activation: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `causal_conv1d_update_ref`; no host syncs, so CUDA-graph capturable.
 
     Returns:

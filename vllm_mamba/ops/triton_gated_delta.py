@@ -246,20 +246,11 @@ def _launch_args(q, k, v, a, b, A_log, dt_bias, beta_scale, ssm_states, out) -> 
 
 
 def gated_delta_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    beta_scale: float,
-    ssm_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, beta_scale: float, ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor,
     chunk_size: int = 64,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `gated_delta_varlen_ref` (see there for the arguments).
 
     The kernel's chunk is `chunk_size` rounded to a power of two in [16, 64] (`tl.dot` needs 16
@@ -288,17 +279,10 @@ def gated_delta_varlen(
 
 
 def gated_delta_update(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    beta_scale: float,
-    ssm_states: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, beta_scale: float, ssm_states: torch.Tensor,
     state_indices: torch.Tensor,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `gated_delta_update_ref` (see there for the arguments).
 
     Returns:
@@ -320,8 +304,8 @@ def gated_delta_update(
 
 
 def rms_norm_gated(
-    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `rms_norm_gated_ref` (see there for the arguments).
 
     Returns:

@@ -203,19 +203,11 @@ def _flat_params(
 
 
 def kda_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor,
     chunk_size: int = CHUNK_SIZE,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `kda_varlen_ref` (see there for the arguments); the kernel runs the
     recurrent form, so `chunk_size` is accepted and ignored.
 
@@ -242,16 +234,10 @@ def kda_varlen(
 
 
 def kda_update(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_states: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor,
     state_indices: torch.Tensor,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `kda_update_ref` (see there for the arguments).
 
     Returns:
@@ -274,8 +260,8 @@ def kda_update(
 
 
 def kda_norm_gate(
-    o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
+    o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `kda_norm_gate_ref` (see there for the arguments).
 
     Returns:

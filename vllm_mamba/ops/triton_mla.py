@@ -199,13 +199,9 @@ def mla_cache_write(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: tor
 
 
 def mla_decode_attention(
-    query: torch.Tensor,
-    cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    v_dim: int,
-) -> torch.Tensor:
+    query: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, v_dim: int,
+) -> torch.Tensor:  # fmt: skip
     """Absorbed MLA decode over the paged latents; see `mla_decode_attention_ref`.
 
     Args:
@@ -234,14 +230,9 @@ def mla_decode_attention(
 
 
 def mla_prefill_attention(
-    query: torch.Tensor,
-    cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    v_dim: int,
-) -> torch.Tensor:
+    query: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, v_dim: int,
+) -> torch.Tensor:  # fmt: skip
     """Causal absorbed MLA over the cached latents; see `mla_prefill_attention_ref`.
 
     Args:

@@ -170,18 +170,10 @@ def _wkv4_kernel(
 
 
 def _launch_wkv7(
-    r: torch.Tensor,
-    w: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    states: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
+    r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+    b: torch.Tensor, states: torch.Tensor, query_start_loc: torch.Tensor | None,
+    state_indices: torch.Tensor, has_initial_state: torch.Tensor | None, out: torch.Tensor,
+) -> None:  # fmt: skip
     """Launches `_wkv7_kernel` over `(B, H, Dv / BLOCK_V)`; without `query_start_loc` row b is
     the one token b (the update)."""
     num_heads, key_dim = r.shape[1:]
@@ -202,17 +194,10 @@ def _launch_wkv7(
 
 
 def wkv7_varlen(
-    r: torch.Tensor,
-    w: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-) -> torch.Tensor:
+    r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+    b: torch.Tensor, states: torch.Tensor, query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `wkv7_varlen_ref` (see there for the arguments).
 
     Returns:
@@ -228,15 +213,9 @@ def wkv7_varlen(
 
 
 def wkv7_update(
-    r: torch.Tensor,
-    w: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    states: torch.Tensor,
-    state_indices: torch.Tensor,
-) -> torch.Tensor:
+    r: torch.Tensor, w: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+    b: torch.Tensor, states: torch.Tensor, state_indices: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `wkv7_update_ref` (see there for the arguments).
 
     Returns:
@@ -251,18 +230,10 @@ def wkv7_update(
 
 
 def _launch_wkv4(
-    w: torch.Tensor,
-    u: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    num_states: torch.Tensor,
-    den_states: torch.Tensor,
-    max_states: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
+    w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_states: torch.Tensor,
+    den_states: torch.Tensor, max_states: torch.Tensor, query_start_loc: torch.Tensor | None,
+    state_indices: torch.Tensor, has_initial_state: torch.Tensor | None, out: torch.Tensor,
+) -> None:  # fmt: skip
     """Launches `_wkv4_kernel` over `(B, C / BLOCK_C)`; without `query_start_loc` row b is the
     one token b (the update)."""
     channels = k.shape[1]
@@ -281,17 +252,10 @@ def _launch_wkv4(
 
 
 def wkv4_varlen(
-    w: torch.Tensor,
-    u: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    num_states: torch.Tensor,
-    den_states: torch.Tensor,
-    max_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-) -> torch.Tensor:
+    w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_states: torch.Tensor,
+    den_states: torch.Tensor, max_states: torch.Tensor, query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `wkv4_varlen_ref` (see there for the arguments).
 
     Returns:
@@ -308,15 +272,9 @@ def wkv4_varlen(
 
 
 def wkv4_update(
-    w: torch.Tensor,
-    u: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    num_states: torch.Tensor,
-    den_states: torch.Tensor,
-    max_states: torch.Tensor,
-    state_indices: torch.Tensor,
-) -> torch.Tensor:
+    w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_states: torch.Tensor,
+    den_states: torch.Tensor, max_states: torch.Tensor, state_indices: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `wkv4_update_ref` (see there for the arguments).
 
     Returns:

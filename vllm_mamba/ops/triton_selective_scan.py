@@ -101,20 +101,11 @@ def _selective_scan_kernel(
 
 
 def _launch(
-    u: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B_: torch.Tensor,
-    C: torch.Tensor,
-    D_skip: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool,
-    ssm_states: torch.Tensor,
-    query_start_loc: torch.Tensor | None,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor | None,
-) -> torch.Tensor:
+    u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B_: torch.Tensor, C: torch.Tensor,
+    D_skip: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
+    dt_softplus: bool, ssm_states: torch.Tensor, query_start_loc: torch.Tensor | None,
+    state_indices: torch.Tensor, has_initial_state: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
     """Runs the scan kernel: varlen when `query_start_loc` is given, else one token per row."""
     dim, nstate = A.shape
     batch = state_indices.shape[0]
@@ -144,20 +135,11 @@ def _launch(
 
 
 def selective_scan_varlen(
-    u: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B_: torch.Tensor,
-    C: torch.Tensor,
-    D_skip: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool,
-    ssm_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-) -> torch.Tensor:
+    u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B_: torch.Tensor, C: torch.Tensor,
+    D_skip: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
+    dt_softplus: bool, ssm_states: torch.Tensor, query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `selective_scan_varlen_ref` (see there for the arguments).
 
     Returns:
@@ -170,18 +152,10 @@ def selective_scan_varlen(
 
 
 def selective_state_update(
-    ssm_states: torch.Tensor,
-    u: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B_: torch.Tensor,
-    C: torch.Tensor,
-    D_skip: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool,
-    state_indices: torch.Tensor,
-) -> torch.Tensor:
+    ssm_states: torch.Tensor, u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B_: torch.Tensor,
+    C: torch.Tensor, D_skip: torch.Tensor | None, z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None, dt_softplus: bool, state_indices: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `selective_state_update_ref`; no host syncs, so CUDA-graph capturable.
 
     Returns:

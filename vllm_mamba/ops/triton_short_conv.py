@@ -163,14 +163,9 @@ def _block_d(dim: int) -> int:
 
 
 def short_conv_varlen(
-    bcx: torch.Tensor,
-    conv_states: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-) -> torch.Tensor:
+    bcx: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    query_start_loc: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `short_conv_varlen_ref` (see there for the arguments); K >= 2.
 
     Returns:
@@ -198,12 +193,9 @@ def short_conv_varlen(
 
 
 def short_conv_update(
-    bcx: torch.Tensor,
-    conv_states: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    bcx: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     state_indices: torch.Tensor,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `short_conv_update_ref`; K >= 2, no host syncs (CUDA-graph capturable).
 
     Returns:

@@ -199,16 +199,10 @@ def _ssd_update_kernel(
 
 
 def _strides(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    D_skip: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    B_: torch.Tensor,
-    C: torch.Tensor,
-    ssm_states: torch.Tensor,
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, D_skip: torch.Tensor | None,
+    dt_bias: torch.Tensor | None, B_: torch.Tensor, C: torch.Tensor, ssm_states: torch.Tensor,
     out: torch.Tensor,
-) -> tuple[int, ...]:
+) -> tuple[int, ...]:  # fmt: skip
     """The stride arguments both kernels take, in their order."""
     return (
         *x.stride(), *dt.stride(), A.stride(0),
@@ -219,21 +213,11 @@ def _strides(
 
 
 def ssd_chunk_scan_varlen(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B_: torch.Tensor,
-    C: torch.Tensor,
-    D_skip: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool,
-    dt_limit: tuple[float, float],
-    ssm_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    chunk_size: int,
-) -> torch.Tensor:
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B_: torch.Tensor, C: torch.Tensor,
+    D_skip: torch.Tensor | None, dt_bias: torch.Tensor | None, dt_softplus: bool,
+    dt_limit: tuple[float, float], ssm_states: torch.Tensor, query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor, has_initial_state: torch.Tensor, chunk_size: int,
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `ssd_chunk_scan_varlen_ref` (see there for the arguments).
 
     The kernel walks each sequence in chunks of its own size (`_BLOCK_Q`) from the sequence's
@@ -269,17 +253,10 @@ def ssd_chunk_scan_varlen(
 
 
 def ssd_state_update(
-    ssm_states: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B_: torch.Tensor,
-    C: torch.Tensor,
-    D_skip: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool,
+    ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B_: torch.Tensor,
+    C: torch.Tensor, D_skip: torch.Tensor | None, dt_bias: torch.Tensor | None, dt_softplus: bool,
     state_indices: torch.Tensor,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Triton twin of `ssd_state_update_ref` (see there for the arguments); dt is not clamped.
 
     Returns:
