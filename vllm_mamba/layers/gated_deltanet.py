@@ -39,13 +39,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.mixer_base import Conv1dWeights, causal_conv
 from vllm_mamba.layers.mixer_sharding import GatedDeltaShard, gated_delta_shard
 from vllm_mamba.layers.parallel_linear import Ranges, column_linear, row_linear, shard_param
+from vllm_mamba.layers.recurrent_step import recurrent_step
 from vllm_mamba.ops.gated_delta import FAMILY
 from vllm_mamba.ops.table import MambaOps
 
@@ -169,31 +170,21 @@ class GatedDeltaNet(StatefulLayer):
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)  # (T, Hk, Dk)
         v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # (T, Hv, Dv)
         gates = self._gate_args()
-        nd = meta.num_decodes
-        parts = []
-        if nd:
-            rec = self.state["recurrent"]
-            parts.append(
-                run_decode_waves(
-                    meta, [rec],
-                    lambda r, slots: self.gd.update(
-                        q=q[r], k=k[r], v=v[r], a=a[r], b=b[r], ssm_states=rec,
-                        state_indices=slots, **gates,
-                    ),
-                )
-            )  # fmt: skip
-        if meta.num_prefills:
-            parts.append(
-                self.gd.varlen(
-                    q=q[nd:], k=k[nd:], v=v[nd:], a=a[nd:], b=b[nd:],
-                    ssm_states=self.state["recurrent"],
-                    query_start_loc=meta.prefill_query_start_loc,
-                    state_indices=meta.prefill_state_indices,
-                    has_initial_state=meta.prefill_has_initial_state, chunk_size=self.chunk_size,
-                    **gates,
-                )
-            )  # fmt: skip
-        o = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, Hv, Dv)
+        rec = self.state["recurrent"]  # (S, Hv, Dk, Dv)
+        o = recurrent_step(  # (T, Hv, Dv)
+            meta, [rec],
+            decode=lambda r, slots: self.gd.update(
+                q=q[r], k=k[r], v=v[r], a=a[r], b=b[r], ssm_states=rec, state_indices=slots,
+                **gates,
+            ),
+            prefill=lambda r: self.gd.varlen(
+                q=q[r], k=k[r], v=v[r], a=a[r], b=b[r], ssm_states=rec,
+                query_start_loc=meta.prefill_query_start_loc,
+                state_indices=meta.prefill_state_indices,
+                has_initial_state=meta.prefill_has_initial_state, chunk_size=self.chunk_size,
+                **gates,
+            ),
+        )  # fmt: skip
         o = getattr(self, self.NORM)(o, z.reshape(o.shape))
         return getattr(self, self.OUT)(o.reshape(num_tokens, self.value_dim))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.fused_decode_layer import mamba2_decode_block
@@ -27,6 +27,7 @@ from vllm_mamba.layers.mixer_base import StateSpaceMixer
 from vllm_mamba.layers.mixer_sharding import mamba2_shard, shard_mixer_params
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
 from vllm_mamba.layers.parallel_norm import gated_rms_norm
+from vllm_mamba.layers.recurrent_step import recurrent_step
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -114,34 +115,24 @@ class Mamba2Mixer(StateSpaceMixer):
         fused = self.decode_block(hidden, None, False, meta)
         if fused is not None:
             return fused
-        nd = meta.num_decodes
         zxbcdt = self._project(hidden)  # (T, I + CD + NH)
         z, xbc, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.num_heads], -1)
         x, B, C = self._split_heads(self.conv(xbc, meta))
         shared = {"A": self.A, "D_skip": self.D, "dt_bias": self.dt_bias, "dt_softplus": True}
-        parts = []
-        if nd:
-            ssm = self.state["ssm"]
-            parts.append(
-                run_decode_waves(
-                    meta, [ssm],
-                    lambda r, slots: self.ops.ssd_state_update(
-                        ssm_states=ssm, x=x[r], dt=dt[r], B_=B[r], C=C[r], state_indices=slots,
-                        **shared,
-                    ),
-                )
-            )  # fmt: skip
-        if meta.num_prefills:
-            parts.append(
-                self.ops.ssd_chunk_scan_varlen(
-                    x=x[nd:], dt=dt[nd:], B_=B[nd:], C=C[nd:], dt_limit=self.time_step_limit,
-                    ssm_states=self.state["ssm"], query_start_loc=meta.prefill_query_start_loc,
-                    state_indices=meta.prefill_state_indices,
-                    has_initial_state=meta.prefill_has_initial_state, chunk_size=self.chunk_size,
-                    **shared,
-                )
-            )  # fmt: skip
-        y = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, NH, P)
+        ssm = self.state["ssm"]  # (S, NH, P, N)
+        y = recurrent_step(  # (T, NH, P)
+            meta, [ssm],
+            decode=lambda r, slots: self.ops.ssd_state_update(
+                ssm_states=ssm, x=x[r], dt=dt[r], B_=B[r], C=C[r], state_indices=slots, **shared,
+            ),
+            prefill=lambda r: self.ops.ssd_chunk_scan_varlen(
+                x=x[r], dt=dt[r], B_=B[r], C=C[r], dt_limit=self.time_step_limit,
+                ssm_states=ssm, query_start_loc=meta.prefill_query_start_loc,
+                state_indices=meta.prefill_state_indices,
+                has_initial_state=meta.prefill_has_initial_state, chunk_size=self.chunk_size,
+                **shared,
+            ),
+        )  # fmt: skip
         return self.out_proj(self._gate(y.reshape(-1, self.intermediate_size), z))
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:

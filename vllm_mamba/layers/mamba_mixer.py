@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.fused_decode_layer import mamba_decode_block
@@ -23,6 +23,7 @@ from vllm_mamba.layers.layernorm import RMSNorm, weightless_rms_norm
 from vllm_mamba.layers.mixer_base import StateSpaceMixer
 from vllm_mamba.layers.mixer_sharding import shard_mixer_params
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
+from vllm_mamba.layers.recurrent_step import recurrent_step
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -94,31 +95,22 @@ class MambaMixer(StateSpaceMixer):
         fused = self.decode_block(hidden, None, False, meta)
         if fused is not None:
             return fused
-        nd = meta.num_decodes
         x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (T, I) each
         xc = self.conv(x, meta)  # (T, I)
         dt, B, C = self._ssm_params(xc)
         shared = {"A": self.A, "D_skip": self.D, "dt_bias": self.dt_proj.bias, "dt_softplus": True}
         ssm = self.state["ssm"]  # (S, I, N)
-        parts = []
-        if nd:
-            parts.append(
-                run_decode_waves(
-                    meta, [ssm],
-                    lambda r, slots: self.ops.selective_state_update(
-                        ssm_states=ssm, u=xc[r], dt=dt[r], B_=B[r], C=C[r], z=z[r],
-                        state_indices=slots, **shared,
-                    ),
-                )
-            )  # fmt: skip
-        if meta.num_prefills:
-            parts.append(
-                self.ops.selective_scan_varlen(
-                    u=xc[nd:], dt=dt[nd:], B_=B[nd:], C=C[nd:], z=z[nd:], ssm_states=ssm,
-                    query_start_loc=meta.prefill_query_start_loc,
-                    state_indices=meta.prefill_state_indices,
-                    has_initial_state=meta.prefill_has_initial_state, **shared,
-                )
-            )  # fmt: skip
-        y = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, I)
+        y = recurrent_step(  # (T, I)
+            meta, [ssm],
+            decode=lambda r, slots: self.ops.selective_state_update(
+                ssm_states=ssm, u=xc[r], dt=dt[r], B_=B[r], C=C[r], z=z[r], state_indices=slots,
+                **shared,
+            ),
+            prefill=lambda r: self.ops.selective_scan_varlen(
+                u=xc[r], dt=dt[r], B_=B[r], C=C[r], z=z[r], ssm_states=ssm,
+                query_start_loc=meta.prefill_query_start_loc,
+                state_indices=meta.prefill_state_indices,
+                has_initial_state=meta.prefill_has_initial_state, **shared,
+            ),
+        )  # fmt: skip
         return self.out_proj(y)

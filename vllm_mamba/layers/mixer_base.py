@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.layers.cache_layers import StatefulLayer
+from vllm_mamba.layers.recurrent_step import recurrent_step
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -83,25 +84,16 @@ def causal_conv(
     Returns:
         `(T, CD)` in x's dtype.
     """
-    nd = meta.num_decodes
-    parts = []
-    if nd:
-        parts.append(
-            run_decode_waves(
-                meta, [conv_states],
-                lambda rows, slots: ops.causal_conv1d_update(
-                    x=x[rows], conv_states=conv_states, weight=weight, bias=bias,
-                    state_indices=slots, activation=activation,
-                ),
-            )
-        )  # fmt: skip
-    if meta.num_prefills:
-        parts.append(
-            ops.causal_conv1d_varlen(
-                x=x[nd:], weight=weight, bias=bias, conv_states=conv_states,
-                query_start_loc=meta.prefill_query_start_loc,
-                state_indices=meta.prefill_state_indices,
-                has_initial_state=meta.prefill_has_initial_state, activation=activation,
-            )
-        )  # fmt: skip
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return recurrent_step(
+        meta, [conv_states],
+        decode=lambda rows, slots: ops.causal_conv1d_update(
+            x=x[rows], conv_states=conv_states, weight=weight, bias=bias, state_indices=slots,
+            activation=activation,
+        ),
+        prefill=lambda rows: ops.causal_conv1d_varlen(
+            x=x[rows], weight=weight, bias=bias, conv_states=conv_states,
+            query_start_loc=meta.prefill_query_start_loc,
+            state_indices=meta.prefill_state_indices,
+            has_initial_state=meta.prefill_has_initial_state, activation=activation,
+        ),
+    )  # fmt: skip

@@ -42,12 +42,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
+from vllm_mamba.layers.recurrent_step import recurrent_step
 from vllm_mamba.layers.token_shift import shift_mix
 from vllm_mamba.ops import rwkv4 as rwkv4_ops
 from vllm_mamba.ops import rwkv7 as rwkv7_ops
@@ -124,23 +125,16 @@ class Rwkv4TimeMix(StatefulLayer):
         k, v = self.key(xk), self.value(xv)  # (T, A)
         r = torch.sigmoid(self.receptance(xr))  # (T, A)
         states = [self.state[n] for n in WKV_STATES]  # (S, A) float32 each
-        nd = meta.num_decodes
-        parts = []  # (rows, A) each
-        if nd:
-
-            def decode(rows: slice, slots: torch.Tensor) -> torch.Tensor:
-                return self.wkv.update(self.w, self.u, k[rows], v[rows], *states, slots)
-
-            parts.append(run_decode_waves(meta, states, decode))
-        if meta.num_prefills:
-            p = slice(nd, None)
-            parts.append(
-                self.wkv.varlen(
-                    self.w, self.u, k[p], v[p], *states, meta.prefill_query_start_loc,
-                    meta.prefill_state_indices, meta.prefill_has_initial_state,
-                )
-            )  # fmt: skip
-        o = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, A)
+        o = recurrent_step(  # (T, A)
+            meta, states,
+            decode=lambda rows, slots: self.wkv.update(
+                self.w, self.u, k[rows], v[rows], *states, slots
+            ),
+            prefill=lambda p: self.wkv.varlen(
+                self.w, self.u, k[p], v[p], *states, meta.prefill_query_start_loc,
+                meta.prefill_state_indices, meta.prefill_has_initial_state,
+            ),
+        )  # fmt: skip
         return self.output(r * o)
 
 

@@ -37,13 +37,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers import rwkv7_decode
 from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
+from vllm_mamba.layers.recurrent_step import recurrent_step
 from vllm_mamba.layers.token_shift import shift_mix
 from vllm_mamba.ops import rwkv7 as rwkv7_ops
 from vllm_mamba.ops.families import has_own_op
@@ -217,30 +218,25 @@ class Rwkv7TimeMix(StatefulLayer):
             v_first = self.value_first.value
             assert v_first is not None, "RWKV-7 layer 0 must run before the others"
             v_gate = self.v_lora(xv)  # (T, CV) raw
-        states, nd = self.state["wkv"], meta.num_decodes  # (S, NH, Dv, Dk)
+        states = self.state["wkv"]  # (S, NH, Dv, Dk)
         consts = (self.k_k, self.k_a)
         norm = (self.r_k, self.g_norm.weight, self.g_norm.bias, self.g_norm.eps)
-        parts = []  # (rows, CV) each: the input of o_proj
-        if nd:
 
-            def decode(rows: slice, slots: torch.Tensor) -> torch.Tensor:
-                first = None if v_first is None else v_first[rows]
-                gate = None if v_gate is None else v_gate[rows]
-                if self.fused_decode:
-                    return self.wkv.fused_update(
-                        r[rows], w[rows], k[rows], v[rows], a[rows], g[rows], first, gate,
-                        *consts, *norm, states, slots,
-                    )  # fmt: skip
-                rh, wh, kh, vh, ah, bh = rwkv7_ops.glue_inputs(
-                    r[rows], w[rows], k[rows], v[rows], a[rows], first, gate, *consts,
-                    self.head_dim,
+        def decode(rows: slice, slots: torch.Tensor) -> torch.Tensor:
+            first = None if v_first is None else v_first[rows]
+            gate = None if v_gate is None else v_gate[rows]
+            if self.fused_decode:
+                return self.wkv.fused_update(
+                    r[rows], w[rows], k[rows], v[rows], a[rows], g[rows], first, gate, *consts,
+                    *norm, states, slots,
                 )  # fmt: skip
-                o = self.wkv.update(rh, wh, kh, vh, ah, bh, states, slots)
-                return rwkv7_ops.glue_output(o, rh, kh, vh, g[rows], *norm)
+            rh, wh, kh, vh, ah, bh = rwkv7_ops.glue_inputs(
+                r[rows], w[rows], k[rows], v[rows], a[rows], first, gate, *consts, self.head_dim
+            )
+            o = self.wkv.update(rh, wh, kh, vh, ah, bh, states, slots)
+            return rwkv7_ops.glue_output(o, rh, kh, vh, g[rows], *norm)
 
-            parts.append(run_decode_waves(meta, [states], decode))
-        if meta.num_prefills:
-            p = slice(nd, None)
+        def prefill(p: slice) -> torch.Tensor:
             first = None if v_first is None else v_first[p]
             gate = None if v_gate is None else v_gate[p]
             rh, wh, kh, vh, ah, bh = rwkv7_ops.glue_inputs(
@@ -250,8 +246,10 @@ class Rwkv7TimeMix(StatefulLayer):
                 rh, wh, kh, vh, ah, bh, states, meta.prefill_query_start_loc,
                 meta.prefill_state_indices, meta.prefill_has_initial_state,
             )  # fmt: skip
-            parts.append(rwkv7_ops.glue_output(o, rh, kh, vh, g[p], *norm))
-        return self.o_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
+            return rwkv7_ops.glue_output(o, rh, kh, vh, g[p], *norm)
+
+        o = recurrent_step(meta, [states], decode=decode, prefill=prefill)  # (T, CV)
+        return self.o_proj(o)
 
 
 class Rwkv7ChannelMix(StatefulLayer):

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.mixer_base import Conv1dWeights
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
+from vllm_mamba.layers.recurrent_step import recurrent_step
 from vllm_mamba.ops import short_conv as short_conv_ops
 from vllm_mamba.ops.table import MambaOps
 
@@ -85,24 +86,15 @@ class ShortConv(StatefulLayer):
         """
         bcx = self.in_proj(hidden)  # (T, 3D): [B | C | x]
         conv_states = self.state["conv"]  # (S, D, K - 1)
-        nd = meta.num_decodes
-        parts = []  # (decode rows, D), then (prefill tokens, D)
-        if nd:
-            parts.append(
-                run_decode_waves(
-                    meta, [conv_states],
-                    lambda r, slots: self.sc.update(
-                        bcx[r], conv_states, self.conv_weight, self.conv.bias, slots
-                    ),
-                )
-            )  # fmt: skip
-        if meta.num_prefills:
-            parts.append(
-                self.sc.varlen(
-                    bcx[nd:], conv_states, self.conv_weight, self.conv.bias,
-                    meta.prefill_query_start_loc, meta.prefill_state_indices,
-                    meta.prefill_has_initial_state,
-                )
-            )  # fmt: skip
-        gated = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, D): C * conv(B * x)
+        gated = recurrent_step(  # (T, D): C * conv(B * x)
+            meta, [conv_states],
+            decode=lambda r, slots: self.sc.update(
+                bcx[r], conv_states, self.conv_weight, self.conv.bias, slots
+            ),
+            prefill=lambda r: self.sc.varlen(
+                bcx[r], conv_states, self.conv_weight, self.conv.bias,
+                meta.prefill_query_start_loc, meta.prefill_state_indices,
+                meta.prefill_has_initial_state,
+            ),
+        )  # fmt: skip
         return self.out_proj(gated)  # (T, H)

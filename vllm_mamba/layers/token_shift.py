@@ -8,8 +8,9 @@ its sequence's last input. The state is kind `conv` (kept in the model dtype, li
 history of width 2).
 
 Rows come as the step lays them out (`MambaMetadata`): decode rows first (one token each, in
-speculative waves when chains verify drafts: `run_decode_waves`), run by the op family's
-`shift_mix` (`vllm_mamba.ops.rwkv7`, fused in C++), then the prefill chunks back to back.
+speculative waves when chains verify drafts), run by the op family's `shift_mix`
+(`vllm_mamba.ops.rwkv7`, fused in C++), then the prefill chunks back to back; `recurrent_step`
+runs the split.
 
 Glossary: T tokens in the step, C channels, S state slots, B prefill sequences, M mixes.
 """
@@ -20,8 +21,9 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_mamba.attention.mamba_metadata import MambaMetadata, run_decode_waves
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import PAD_SLOT_ID
+from vllm_mamba.layers.recurrent_step import recurrent_step
 
 
 def _prefill_shift(x: torch.Tensor, shift: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
@@ -61,16 +63,12 @@ def shift_mix(
     Returns:
         `(M, T, C)` in x's dtype.
     """
-    nd = meta.num_decodes
-    parts = []
-    if nd:
-        parts.append(
-            run_decode_waves(
-                meta, [shift], lambda rows, slots: ops.shift_mix(x[rows], shift, slots, mixes),
-                dim=1,
-            )
-        )  # fmt: skip
-    if meta.num_prefills:
-        xp = x[nd:]
-        parts.append(torch.addcmul(xp, _prefill_shift(xp, shift, meta) - xp, mixes))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def prefill(rows: slice) -> torch.Tensor:
+        xp = x[rows]  # (prefill tokens, C)
+        return torch.addcmul(xp, _prefill_shift(xp, shift, meta) - xp, mixes)
+
+    return recurrent_step(
+        meta, [shift], decode=lambda rows, slots: ops.shift_mix(x[rows], shift, slots, mixes),
+        prefill=prefill, dim=1,
+    )  # fmt: skip
