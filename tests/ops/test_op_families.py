@@ -3,6 +3,7 @@ everywhere else, typed signatures checked, and clear errors for bad registration
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Iterator
 from typing import Protocol
@@ -164,3 +165,36 @@ def test_a_cpp_wrapper_takes_the_references_parameters_and_converts_scalars() ->
     bad = cpu_kernels.CppOp("ssd", "chunk_scan_varlen", "ssd_chunk_scan_varlen")  # no dt_limit
     with pytest.raises(TypeError, match="dt_min"):
         cpu_kernels.cpp_wrapper(bad, ssd)
+
+
+def _kda_varlen_other_default(
+    q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices,
+    has_initial_state, chunk_size=7,
+):  # fmt: skip
+    raise AssertionError("never called")
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="C++ extension not built")
+def test_a_cpp_wrapper_refuses_a_schema_default_the_reference_does_not_have() -> None:
+    """`kda_varlen`'s schema says `chunk_size=12`: a reference defaulting to 7 is refused."""
+    op = cpu_kernels.CppOp("kda", "varlen", "kda_varlen")
+    with pytest.raises(TypeError, match="default of 'chunk_size'"):
+        cpu_kernels.cpp_wrapper(op, _kda_varlen_other_default)
+
+
+def test_every_triton_launcher_takes_its_family_ops_parameters() -> None:
+    """`TRITON_OPS` names a launcher for existing family ops only, each with the op's
+    parameters (checked without a GPU: registered under a scratch backend name)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from vllm_mamba.ops import triton_ops
+
+    try:
+        for family, ops in triton_ops.TRITON_OPS.items():
+            for op, where in ops.items():
+                module, function = where.split(":")
+                launcher = getattr(importlib.import_module(f"vllm_mamba.ops.{module}"), function)
+                register_op_impl(family, "triton_check", **{op: launcher})
+                assert getattr(family_ops(family, "triton_check"), op) is launcher
+    finally:
+        for key in [k for k in families._IMPLS if k[1] == "triton_check"]:
+            families._IMPLS.pop(key)

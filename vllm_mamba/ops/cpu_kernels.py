@@ -138,8 +138,8 @@ def cpp_wrapper(op: CppOp, ref: Callable[..., Any]) -> Callable[..., Any]:
     """A Python function with `ref`'s parameters that calls kernel `op` (see the module).
 
     Raises:
-        TypeError: a schema argument that is not one of `ref`'s parameters, or a parameter
-            of `ref` that the schema does not take.
+        TypeError: a schema argument that is not one of `ref`'s parameters, a parameter of
+            `ref` that the schema does not take, or a schema default that is not `ref`'s.
     """
     schema = getattr(torch.ops.vllm_mamba, op.name).default._schema
     params = inspect.signature(ref).parameters
@@ -148,8 +148,16 @@ def cpp_wrapper(op: CppOp, ref: Callable[..., Any]) -> Callable[..., Any]:
         expr = op.args.get(arg.name, arg.name)
         if arg.name not in op.args and arg.name not in params:
             raise TypeError(f"{op.name}: schema argument {arg.name!r} is no parameter of {ref}")
-        kind = str(params[arg.name].annotation) if arg.name in params else str(arg.type)
+        param = params.get(arg.name)
+        if param is None:
+            kind = str(arg.type)
+        else:  # an annotation is a string under `from __future__ import annotations`
+            kind = param.annotation
+            kind = kind if isinstance(kind, str) else getattr(kind, "__name__", "")
         call.append(f"{kind}({expr})" if kind in ("float", "int") else expr)
+        if param is not None and arg.has_default_value():
+            if param.default is param.empty or param.default != arg.default_value:
+                raise TypeError(f"{op.name}: default of {arg.name!r} differs from {ref.__name__}'s")
     used = set(re.findall(r"\w+", " ".join(call)))
     unused = [p for p in params if p not in used]
     if unused:
@@ -160,7 +168,7 @@ def cpp_wrapper(op: CppOp, ref: Callable[..., Any]) -> Callable[..., Any]:
     )
     source = f"def {op.name}({signature}):\n    return _kernel({', '.join(call)})\n"
     namespace: dict[str, Any] = {"_kernel": getattr(torch.ops.vllm_mamba, op.name), **defaults}
-    exec(source, namespace)  # noqa: S102  (source made from the schema and the reference)
+    exec(source, namespace)  # the source is made from the schema and the reference only
     fn = namespace[op.name]
     fn.__module__, fn.__qualname__ = __name__, op.name
     fn.__doc__ = f"`torch.ops.vllm_mamba.{op.name}`: the C++ kernel of `{ref.__name__}`."
