@@ -34,6 +34,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 SPEC_GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 ECHO = 8  # tokens of its own continuation an echo prompt starts with
+# The speculative checks compare runs bit for bit: one thread each, so that no thread count
+# chosen by the engine's governor (it follows the load of other processes) differs between them.
+ONE_THREAD = {"device": "cpu", "threads": 1}
 PROMPTS = [
     "Hello",
     "The capital of France is",
@@ -175,14 +178,15 @@ def assert_drafts_accepted_and_rejected(engine: object) -> None:
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens, vars(counters)
 
 
-def test_ngram_speculation_equals_plain(runner, model_dir, echo_prompts) -> None:
+def test_ngram_speculation_equals_plain(model_dir, echo_prompts) -> None:
     """Greedy tokens with n-gram drafts (some accepted, some rejected) equal those without,
     for chains side by side in one step. The mixer runs a chain's rows in waves
     (`recurrent_step`); one call over them at the sequence's slot would verify every draft on
     the chain's starting state and never write the spare slots that rollbacks restore."""
     prompts = [{"prompt_token_ids": p} for p in echo_prompts]
-    plain = tokens(runner.generate(prompts, SPEC_GREEDY))
-    with VllmRunner(model_dir, device="cpu", speculative_config=NGRAM) as spec:
+    with VllmRunner(model_dir, **ONE_THREAD) as plain_runner:
+        plain = tokens(plain_runner.generate(prompts, SPEC_GREEDY))
+    with VllmRunner(model_dir, **ONE_THREAD, speculative_config=NGRAM) as spec:
         assert tokens(spec.generate(prompts, SPEC_GREEDY)) == plain
         assert_drafts_accepted_and_rejected(spec.engine)
 
@@ -216,9 +220,9 @@ def test_state_after_rejections_is_bitwise_the_plain_state(
     lookup, and from `OracleProposer` (its continuation with every third draft made wrong:
     rejections at every position of a chain)."""
     prompt = echo_prompts[1]
-    with VllmRunner(model_dir, device="cpu") as plain:
+    with VllmRunner(model_dir, **ONE_THREAD) as plain:
         want, out = slot_states_by_length(plain.engine, prompt)
-    with VllmRunner(model_dir, device="cpu", speculative_config=NGRAM) as spec:
+    with VllmRunner(model_dir, **ONE_THREAD, speculative_config=NGRAM) as spec:
         if proposer == "oracle":
             spec.engine.spec_steps.proposer = OracleProposer({tuple(prompt): out})
         got, spec_out = slot_states_by_length(spec.engine, prompt)
