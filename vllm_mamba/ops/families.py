@@ -7,8 +7,9 @@ An op family is a group of ops that one kind of layer calls (`causal_conv1d`, `s
 unless it registers its own. A backend (`cpp`: `vllm_mamba.ops.cpu_kernels`, `triton`:
 `vllm_mamba.ops.triton_ops`) overrides the ops it implements with `register_op_impl`, from its
 module's `register()` function, which `load_backend` calls once, when the backend is first
-asked for (by `vllm_mamba.ops.dispatch` or by `family_ops` / `has_own_op`). Importing a module
-registers nothing.
+asked for (by `vllm_mamba.ops.dispatch` or by `family_ops` / `has_own_op`); importing a
+backend module registers none of its ops. The built-in families (each module's `OPS`) are
+registered on the registry's first use.
 
     FAMILY = OpFamily("ema", {"scan_varlen": OpSpec(EmaScanOp, ema_scan_varlen_ref)})
     register_family(FAMILY)                 # or register_op_family("ema", {...refs...})
@@ -36,6 +37,8 @@ __all__ = [
     "family_ops",
     "has_own_op",
     "load_backend",
+    "own_op",
+    "parameter_names",
     "register_family",
     "register_op_family",
     "register_op_impl",
