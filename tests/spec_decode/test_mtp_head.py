@@ -1,4 +1,4 @@
-"""The multi-token prediction head (`vllm_mamba.spec_decode.mtp`) of Qwen3.5 (dense and MoE) and
+"""The multi-token prediction head (`vllm_mamba.models.mtp`) of Qwen3.5 (dense and MoE) and
 Qwen3-Next, loaded through the engine's loader, against a pure-PyTorch reference written from
 vLLM's `Qwen3NextMultiTokenPredictor` / `Qwen3_5MultiTokenPredictor`:
 
@@ -32,7 +32,7 @@ from vllm_mamba.distributed.parallel_state import TensorParallel
 from vllm_mamba.kv_cache import KVCache, plan_num_blocks
 from vllm_mamba.layers.cache_layers import kv_cache_layers
 from vllm_mamba.model_loader import build_model, load_hf_config
-from vllm_mamba.spec_decode.mtp import MultiTokenPredictor
+from vllm_mamba.models.mtp import MultiTokenPredictor
 
 CPU = torch.device("cpu")
 FAMILIES = sorted(VARIANTS)

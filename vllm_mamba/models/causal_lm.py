@@ -20,8 +20,11 @@ Capabilities are class attributes the engine and loader read (never probes):
 `supports_quantization` (its `Linear`s may be replaced by int8 ones), `ties_word_embeddings`
 (whether `tie_word_embeddings` in the config shares the embedding with the head) and
 `skipped_weights` (checkpoint name prefixes the loader skips, each with what it is: the vision
-tower of an image-text checkpoint served text-only, a multi-token prediction head). Whether a
+tower of an image-text checkpoint served text-only, a multi-token prediction head) and
+`opt_in_weights` (prefixes of parts built only on request, each with what the loader says when
+the checkpoint lacks their tensors: the MTP head of `models.mtp.SupportsMTP`). Whether a
 model has attention (hence a KV cache and the paged backend) is read off its built layers.
+Checkpoint formats other than Hugging Face's are declared in `models.formats`, not here.
 
 Glossary: T tokens in the step, H hidden size, R sampled rows, V vocabulary.
 """
@@ -85,6 +88,7 @@ class CausalLM(nn.Module):
     supports_quantization: ClassVar[bool] = True
     ties_word_embeddings: ClassVar[bool] = True
     skipped_weights: ClassVar[dict[str, str]] = {}
+    opt_in_weights: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,

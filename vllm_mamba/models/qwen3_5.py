@@ -23,7 +23,7 @@ The image-text checkpoints keep the language model under `model.language_model.*
 `model.*`), its config under `text_config`, the head at `lm_head` (tied by the top-level
 `tie_word_embeddings`); the vision tower (`model.visual.*`) is skipped. The multi-token
 prediction head (`mtp.*`, `mtp_num_hidden_layers` in the text config) is skipped unless asked
-for (speculative method `mtp`: `enable_mtp`, `vllm_mamba.spec_decode.mtp`), when it is built as
+for (speculative method `mtp`: `enable_mtp`, `vllm_mamba.models.mtp`), when it is built as
 one more gated-attention layer with this model's MLP or MoE (fused experts split as above).
 Qwen3.5-0.8B: 24 layers of hidden size 1024, attention every 4th (8 query and 2 KV heads of
 256), GDN with 16 key and 16 value heads of 128, vocabulary 248320.
@@ -51,8 +51,8 @@ from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.layer_types import layer_types
+from vllm_mamba.models.mtp import SupportsMTP
 from vllm_mamba.ops.table import MambaOps
-from vllm_mamba.spec_decode.mtp import SupportsMTP
 
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
 SKIPPED = {

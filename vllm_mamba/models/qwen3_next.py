@@ -20,7 +20,7 @@ the final `norm`) with plain residuals.
   `sigmoid(shared_expert_gate(x))`.
 
 The checkpoints ship a multi-token prediction head (`mtp.*`), skipped at load time unless asked
-for (speculative method `mtp`: `enable_mtp`, `vllm_mamba.spec_decode.mtp`); it is then built as
+for (speculative method `mtp`: `enable_mtp`, `vllm_mamba.models.mtp`); it is then built as
 one more gated-attention layer whose feed-forward follows layer `i`'s rule at its index (the
 MoE in the releases). The releases' config names no MTP depth; one layer, as vLLM assumes.
 Qwen3-Next-80B-A3B: 48 layers of hidden size 2048; attention 16 query and 2 KV heads of 256;
@@ -46,9 +46,9 @@ from vllm_mamba.layers.gated_deltanet import Qwen3NextGatedDeltaNet
 from vllm_mamba.layers.layernorm import ZeroCenteredRMSNorm
 from vllm_mamba.models.causal_lm import CausalLM
 from vllm_mamba.models.layer_types import layer_types
+from vllm_mamba.models.mtp import SupportsMTP
 from vllm_mamba.models.qwen3_5 import NAMES, decoder_layer, gated_attention
 from vllm_mamba.ops.table import MambaOps
-from vllm_mamba.spec_decode.mtp import SupportsMTP
 
 
 def is_moe_layer(config: Any, index: int) -> bool:
