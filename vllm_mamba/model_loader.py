@@ -1,13 +1,17 @@
 """Loads a model: resolves a local directory or hub id, reads the config, streams the weights.
 
-Weights come from `model.safetensors`, sharded safetensors with their index, or
-`pytorch_model.bin` (sharded or not, read with `torch.load(weights_only=True)`). Every
-parameter must be present with its shape; anything missing, unexpected or misshaped is a
-`ValueError` naming the tensors; the tensors under a model's `skipped_weights` prefixes are
-skipped with one log line per prefix (a multi-token prediction head, `mtp.*`, is loaded instead
-when `build_model(..., mtp=True)` attached it). A tensor-parallel rank reads only its slices of
-the sharded parameters (`vllm_mamba.layers.parallel_linear.Shard`), straight from the
-safetensors files.
+The loader knows no checkpoint format and no architecture: the directory's format
+(`vllm_mamba.models.formats`: Hugging Face's, or a registered one such as mamba-ssm's or
+BlinkDL's RWKV `.pth`) gives the config, the weight files and the checkpoint names mapped onto
+the model class's; the class (`ModelRegistry`) gives the rest. Hugging Face weights come from
+`model.safetensors`, sharded safetensors with their index, or `pytorch_model.bin` (sharded or
+not, read with `torch.load(weights_only=True)`). Every parameter must be present with its
+shape; anything missing, unexpected or misshaped is a `ValueError` naming the tensors; the
+tensors under a model's `skipped_weights` prefixes are skipped with one log line per prefix,
+and the missing tensors under its `opt_in_weights` prefixes (a part built on request, such as a
+multi-token prediction head) are named with what asked for them. A tensor-parallel rank reads
+only its slices of the sharded parameters (`vllm_mamba.layers.parallel_linear.Shard`),
+straight from the safetensors files.
 
 A load-time quantisation recorded in the config (`quantization="int8"` or `"int4"`, see
 `vllm_mamba.config.record_quantization`) is applied once the float weights are loaded.
@@ -15,8 +19,6 @@ A load-time quantisation recorded in the config (`quantization="int8"` or `"int4
 
 from __future__ import annotations
 
-import importlib
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -32,17 +34,13 @@ from vllm_mamba.layers.parallel_linear import named_shards
 from vllm_mamba.layers.quantization import quantize_model
 from vllm_mamba.model_zoo import shipped_model_path
 from vllm_mamba.models.causal_lm import CausalLM
-from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config, is_mamba_ssm_config
+from vllm_mamba.models.formats import detect_format, read_config_json
 from vllm_mamba.models.registry import ModelRegistry
-from vllm_mamba.models.rwkv_pth_format import find_pth_checkpoint, load_pth, pth_config
 from vllm_mamba.ops.dispatch import get_mamba_ops
-from vllm_mamba.spec_decode.mtp import MTP_PREFIX
 from vllm_mamba.worker.huge_pages import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
 
-# model types transformers has no config class for: the module that registers ours
-_OWN_CONFIG_MODULES = {"rwkv7": "vllm_mamba.models.rwkv7"}
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.py"]
 
 
@@ -98,81 +96,32 @@ def resolve_model_path(
 
 
 def load_hf_config(path: str) -> Any:
-    """Reads `config.json` of a model directory into its transformers config class.
-
-    A config in the original mamba-ssm format is converted to its transformers equivalent.
+    """Reads the config of a model directory into its transformers config class, through the
+    directory's checkpoint format (`config.json` as is, or converted from another format).
 
     Raises:
-        FileNotFoundError: there is no `config.json`.
-        ValueError: transformers' config class rejects it (its validators' message).
+        FileNotFoundError: there is no `config.json` and no other format recognises the
+            directory.
+        ValueError: the config is invalid (transformers' validators' message) or its format
+            refuses it.
     """
-    config_file = os.path.join(path, "config.json")
-    if not os.path.isfile(config_file):
-        pth = find_pth_checkpoint(path)
-        if pth is not None:
-            return pth_config(pth)
-        raise FileNotFoundError(
-            f"no config.json in model directory {path!r} (and no BlinkDL RWKV .pth checkpoint)"
-        )
-    with open(config_file) as f:
-        raw = json.load(f)
-    if isinstance(raw, dict) and is_mamba_ssm_config(raw):
-        return convert_mamba_ssm_config(raw)
-    own = _OWN_CONFIG_MODULES.get(raw.get("model_type")) if isinstance(raw, dict) else None
-    if own is not None:  # a model type transformers does not know: its config class registers
-        importlib.import_module(own)
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(path)
-    except StrictDataclassError as err:  # a validator's error, wrapped: not a ValueError
-        raise ValueError(f"config.json of {path!r} is invalid: {err.__cause__ or err}") from err
-
-
-def _weight_files(path: str) -> tuple[list[str], str]:
-    """The checkpoint files and their format (`safetensors` or `bin`)."""
-    for index_name, fmt in (
-        ("model.safetensors.index.json", "safetensors"),
-        ("pytorch_model.bin.index.json", "bin"),
-    ):
-        index = os.path.join(path, index_name)
-        if os.path.isfile(index):
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            return [os.path.join(path, s) for s in shards], fmt
-    for name, fmt in (("model.safetensors", "safetensors"), ("pytorch_model.bin", "bin")):
-        file = os.path.join(path, name)
-        if os.path.isfile(file):
-            return [file], fmt
-    pth = find_pth_checkpoint(path)
-    if pth is not None:
-        return [pth], "pth"
-    raise FileNotFoundError(
-        f"no weights in {path!r}: expected model.safetensors, sharded safetensors with "
-        "model.safetensors.index.json, pytorch_model.bin, or one BlinkDL RWKV .pth file"
-    )
+    raw = read_config_json(path)
+    return detect_format(path, raw).load_config(path, raw)
 
 
 def iterate_weights(path: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
-    """Yields `(name, tensor)` for every tensor of the checkpoint in `path`.
+    """Yields `(name, tensor)` for every tensor of the checkpoint in `path`, under the names
+    (and shapes) its format maps the model classes' onto.
 
     With `lazy`, safetensors tensors come as slices (read on indexing), so a rank reads only
     its part of a sharded parameter.
     """
-    files, fmt = _weight_files(path)
-    bar = tqdm(files, desc=f"Loading {fmt} checkpoint shards", unit="shard", disable=None)
+    fmt = detect_format(path)
+    files, kind = fmt.weight_files(path)
+    bar = tqdm(files, desc=f"Loading {kind} checkpoint shards", unit="shard", disable=None)
     for file in bar:
-        if fmt == "safetensors":
-            from safetensors import safe_open
-
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_slice(name) if lazy else f.get_tensor(name)
-        elif fmt == "pth":
-            yield from load_pth(file).items()
-        else:
-            yield from torch.load(file, map_location="cpu", weights_only=True).items()
+        for name, tensor in fmt.read_file(file, kind, lazy):
+            yield from fmt.convert_weight(name, tensor)
 
 
 def load_weights(model: CausalLM, weights: Iterator[tuple[str, Any]]) -> None:
@@ -232,13 +181,11 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, Any]]) -> None:
             logger.info("Skipped %d checkpoint tensors under %r: %s", count, prefix, what)
     missing = sorted(set(params) - seen)
     problems = []
-    missing_mtp = [n for n in missing if n.startswith(MTP_PREFIX)]
-    if missing_mtp:  # asked for (speculative method 'mtp'), absent from this checkpoint
-        problems.append(
-            "speculative method 'mtp': the checkpoint has no (or an incomplete) multi-token "
-            f"prediction head, missing tensors: {', '.join(missing_mtp)}"
-        )
-        missing = [n for n in missing if not n.startswith(MTP_PREFIX)]
+    for prefix, what in model.opt_in_weights.items():  # asked for, absent from the checkpoint
+        opted = [n for n in missing if n.startswith(prefix)]
+        if opted:
+            problems.append(f"{what}, missing tensors: {', '.join(opted)}")
+            missing = [n for n in missing if not n.startswith(prefix)]
     if missing:
         problems.append(f"missing tensors: {', '.join(missing)}")
     if unexpected:
@@ -283,7 +230,7 @@ def build_model(
     Args:
         tp: with more than one rank, this rank's shard of the model is built and loaded.
         mtp: also build and load the checkpoint's multi-token prediction head as `model.mtp`
-            (speculative method `mtp`, `vllm_mamba.spec_decode.mtp`); skipped otherwise.
+            (speculative method `mtp`, `vllm_mamba.models.mtp.SupportsMTP`); skipped otherwise.
 
     Returns:
         The model in eval mode on `device` with `dtype`, and its architecture name.
@@ -296,8 +243,8 @@ def build_model(
     model_cls, arch = check_tensor_parallel(hf_config, tp.size)
     if mtp and not getattr(model_cls, "supports_mtp", False):
         raise ValueError(
-            f"speculative method 'mtp': {arch} has no multi-token prediction head (Qwen3.5 / "
-            "Qwen3.6 and Qwen3-Next have one)"
+            f"speculative method 'mtp': {arch} has no multi-token prediction head (its class "
+            "does not declare supports_mtp)"
         )
     with torch.device("meta"):
         ops = get_mamba_ops(device)

@@ -1,8 +1,9 @@
 """Finds and loads the tokenizer of a model.
 
-The tokenizer comes from the `tokenizer` argument, else from the model directory. Checkpoints
-in the original mamba-ssm format ship without tokenizer files; they use the GPT-NeoX-20B
-tokenizer, which is then taken from the hub (or its cache), as mamba-ssm's own README does.
+The tokenizer comes from the `tokenizer` argument, else from the model directory. A
+checkpoint format may name the tokenizer its checkpoints use without shipping it
+(`CheckpointFormat.default_tokenizer`: mamba-ssm's use the GPT-NeoX-20B tokenizer, taken from
+the hub or its cache, as mamba-ssm's own README does).
 RWKV checkpoints without a `tokenizer.json` but with an `rwkv_vocab_*.txt` file use the RWKV
 World tokenizer of `vllm_mamba.rwkv_world_tokenizer` (fla-hub's remote-code tokenizer class
 named in `tokenizer_config.json` is never run).
@@ -10,30 +11,27 @@ named in `tokenizer_config.json` is never run).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-MAMBA_SSM_TOKENIZER = "EleutherAI/gpt-neox-20b"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def default_tokenizer_source(model_path: str) -> str | None:
-    """The hub id of the tokenizer a tokenizer-less mamba-ssm checkpoint needs, else None."""
+    """The hub id of the tokenizer a tokenizer-less checkpoint needs (its format's
+    `default_tokenizer`, e.g. mamba-ssm's), else None."""
     from vllm_mamba.rwkv_world_tokenizer import find_vocab_file
 
     if find_vocab_file(model_path) is not None:
         return None
     if any(os.path.isfile(os.path.join(model_path, f)) for f in _TOKENIZER_FILES):
         return None
-    from vllm_mamba.models.mamba_ssm_format import is_mamba_ssm_config
+    from vllm_mamba.models.formats import detect_format
 
     try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            raw = json.load(f)
+        return detect_format(model_path).default_tokenizer
     except (OSError, ValueError):
         return None
-    return MAMBA_SSM_TOKENIZER if is_mamba_ssm_config(raw) else None
 
 
 def load_tokenizer(path: str) -> Any:

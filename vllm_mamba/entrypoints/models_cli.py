@@ -4,7 +4,6 @@ Hugging Face cache whose architecture this engine supports (no network)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from vllm_mamba.model_zoo import list_shipped_models
@@ -48,18 +47,21 @@ def cached_models(cache_dir: str | None = None) -> list[tuple[str, str]]:
 def _architecture(snapshot: os.PathLike) -> str | None:
     """The first architecture named by a snapshot's `config.json`, if any.
 
-    A config in the original mamba-ssm format (no `architectures`) counts as Mamba.
+    A config of another checkpoint format (the original mamba-ssm one has no
+    `architectures`) counts as what its format converts it to.
     """
-    from vllm_mamba.models.mamba_ssm_format import convert_mamba_ssm_config, is_mamba_ssm_config
+    from vllm_mamba.models.formats import HF_FORMAT, detect_format, read_config_json
 
     try:
-        with open(os.path.join(snapshot, "config.json")) as f:
-            raw = json.load(f)
+        raw = read_config_json(str(snapshot))
     except (OSError, ValueError):
         return None
-    if isinstance(raw, dict) and is_mamba_ssm_config(raw):
-        return convert_mamba_ssm_config(raw).architectures[0]
-    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    if raw is None:
+        return None
+    fmt = detect_format(str(snapshot), raw)
+    if fmt is not HF_FORMAT:
+        return fmt.load_config(str(snapshot), raw).architectures[0]
+    archs = raw.get("architectures")
     return archs[0] if archs else None
 
 

@@ -7,13 +7,23 @@ such a config into the equivalent transformers `MambaConfig` or `Mamba2Config`, 
 checkpoint runs on the same model classes as its Hugging Face twin.
 
 Weight names already match the Hugging Face ones except `backbone.embedding.weight`, which the
-models' `remap_weight_name` maps to `backbone.embeddings.weight`; the saved `lm_head.weight`
-is the tied embedding. mamba-ssm's norms use epsilon 1e-5 (the transformers default).
+models' `remap_weight_name` maps to `backbone.embeddings.weight` (older Hugging Face checkpoints
+say `embedding` too); the saved `lm_head.weight` is the tied embedding. mamba-ssm's norms use
+epsilon 1e-5 (the transformers default).
+
+`FORMAT` declares all this to the checkpoint-format registry (`vllm_mamba.models.formats`):
+detected by its `config.json`, converted by `convert_mamba_ssm_config`, weights read as Hugging
+Face ones, tokenizer `EleutherAI/gpt-neox-20b` (the checkpoints ship none; mamba-ssm's README
+uses it).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from vllm_mamba.models.formats import CheckpointFormat
+
+MAMBA_SSM_TOKENIZER = "EleutherAI/gpt-neox-20b"
 
 # ssm_cfg keys that only set the initialisation or the training path.
 _INIT_ONLY_KEYS = {
@@ -155,3 +165,21 @@ def convert_mamba_ssm_config(raw: dict[str, Any]) -> Any:
         raise ValueError(f"unsupported mamba-ssm layer {layer!r}: expected Mamba1 or Mamba2")
     _check_supported(raw, ssm, _MAMBA1_KEYS if layer == "Mamba1" else _MAMBA2_KEYS)
     return _mamba1_config(raw, ssm) if layer == "Mamba1" else _mamba2_config(raw, ssm)
+
+
+class MambaSsmFormat(CheckpointFormat):
+    """The original mamba-ssm checkpoints (see the module docstring)."""
+
+    name = "mamba_ssm"
+    description = "mamba-ssm (config.json with d_model and n_layer, no model_type)"
+    default_tokenizer = MAMBA_SSM_TOKENIZER
+
+    def detect(self, path: str, raw: dict[str, Any] | None) -> bool:
+        return raw is not None and is_mamba_ssm_config(raw)
+
+    def load_config(self, path: str, raw: dict[str, Any] | None) -> Any:
+        assert raw is not None
+        return convert_mamba_ssm_config(raw)
+
+
+FORMAT = MambaSsmFormat()

@@ -1,7 +1,10 @@
-"""`ModelRegistry`: maps `config.json` architecture names to model classes, imported lazily.
+"""`ModelRegistry`: maps `config.json` architecture names to model classes, and model types
+transformers has no config class for to ours, both imported lazily.
 
 Out-of-tree models plug in with `ModelRegistry.register_model("MyArch", "pkg.module:MyClass")`
-or with the class itself.
+or with the class itself, and their config class with
+`ModelRegistry.register_config("my_type", "pkg.module:MyConfig")`. Checkpoint formats other
+than Hugging Face's are registered in `vllm_mamba.models.formats`.
 """
 
 from __future__ import annotations
@@ -35,12 +38,24 @@ _BUILTIN_MODELS: dict[str, str] = {
     "RwkvForCausalLM": "vllm_mamba.models.rwkv4:RwkvForCausalLM",
 }
 
+# model types transformers has no config class for: ours
+_BUILTIN_CONFIGS: dict[str, str] = {
+    "rwkv7": "vllm_mamba.models.rwkv7:Rwkv7Config",
+}
+
+
+def _import(reference: str) -> type:
+    module_name, cls_name = reference.split(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
 
 class _ModelRegistry:
-    """Architecture name -> class, or a lazy `"module:Class"` reference to one."""
+    """Architecture name -> class, or a lazy `"module:Class"` reference to one; model type ->
+    config class (or reference)."""
 
     def __init__(self) -> None:
         self._models: dict[str, type | str] = dict(_BUILTIN_MODELS)
+        self._configs: dict[str, type | str] = dict(_BUILTIN_CONFIGS)
 
     def register_model(self, arch: str, model_cls: type | str) -> None:
         """Registers (or replaces) the class serving architecture `arch`.
@@ -52,6 +67,25 @@ class _ModelRegistry:
         if isinstance(model_cls, str) and ":" not in model_cls:
             raise ValueError(f"model_cls {model_cls!r} must look like 'package.module:ClassName'")
         self._models[arch] = model_cls
+
+    def register_config(self, model_type: str, config_cls: type | str) -> None:
+        """Registers (or replaces) the config class of `model_type` (a `config.json`'s
+        `model_type` that transformers does not know); it is registered with `AutoConfig`
+        when a checkpoint of that type is read.
+
+        Args:
+            config_cls: a `PretrainedConfig` subclass, or `"package.module:ClassName"`.
+        """
+        if isinstance(config_cls, str) and ":" not in config_cls:
+            raise ValueError(f"config_cls {config_cls!r} must look like 'package.module:ClassName'")
+        self._configs[model_type] = config_cls
+
+    def resolve_config_cls(self, model_type: str) -> type | None:
+        """Our config class of `model_type`; None when it is not ours (transformers' own)."""
+        entry = self._configs.get(model_type)
+        if isinstance(entry, str):
+            entry = self._configs[model_type] = _import(entry)
+        return entry
 
     def get_supported_archs(self) -> list[str]:
         """All registered architecture names, sorted."""
@@ -75,9 +109,7 @@ class _ModelRegistry:
     def _load(self, arch: str) -> type:
         entry = self._models[arch]
         if isinstance(entry, str):
-            module_name, cls_name = entry.split(":")
-            entry = getattr(importlib.import_module(module_name), cls_name)
-            self._models[arch] = entry
+            entry = self._models[arch] = _import(entry)
         return entry
 
 

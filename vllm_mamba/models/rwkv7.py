@@ -1,6 +1,7 @@
 """RWKV-7 "Goose" (`RWKV7ForCausalLM`): fla-hub's Hugging Face format (`fla-hub/rwkv7-0.4B-world`
 ... `rwkv7-2.9B-world`, `config.json` with `model_type: rwkv7`) and BlinkDL's `.pth` releases
-(`RWKV-x070-World-0.4B-...pth`, read by `models.rwkv_pth_format`).
+(`RWKV-x070-World-0.4B-...pth`: the format `models.rwkv_pth_format` declares, names and shapes
+mapped onto fla's as they load).
 
 Every layer is a pre-norm time mix and channel mix with LayerNorms (with bias unless
 `norm_bias` is false); layer 0 first normalises the embeddings (`pre_norm`, BlinkDL's `ln0`):
@@ -33,7 +34,6 @@ from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
 from vllm_mamba.layers.rwkv7 import Rwkv7ChannelMix, Rwkv7TimeMix, ValueFirst
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
-from vllm_mamba.models.rwkv_pth_format import convert_rwkv7_pth_weight
 from vllm_mamba.ops.table import MambaOps
 
 NAMES = StackNames(prefix="model", embeddings="embeddings", final_norm="norm")
@@ -153,9 +153,3 @@ class RWKV7ForCausalLM(CausalLM):
         super().__init__(
             config, ops, tp, names=NAMES, layers=layers, norm_eps=eps, final_norm_cls=norm
         )
-
-    @staticmethod
-    def expand_weight(name: str, tensor: Any) -> list[tuple[str, Any]]:
-        """A BlinkDL `.pth` tensor under its fla name and shape (`rwkv_pth_format`); a
-        Hugging Face one as is."""
-        return convert_rwkv7_pth_weight(name, tensor)

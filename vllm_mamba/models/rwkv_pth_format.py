@@ -21,6 +21,9 @@ RWKV-7 names (`blocks.N.` prefix; C hidden size, R a LoRA rank):
 
 Layer 0's `v0`, `v1`, `v2` (present, unused: layer 0's value is `v_first` itself) are dropped.
 The group norm's epsilon is BlinkDL's `64e-5` for every head size.
+
+`FORMAT` declares all this to the checkpoint-format registry (`vllm_mamba.models.formats`), so
+neither the loader nor the model class knows the format.
 """
 
 from __future__ import annotations
@@ -28,12 +31,17 @@ from __future__ import annotations
 import glob
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from vllm_mamba.models.formats import CheckpointFormat
+
 __all__ = [
+    "FORMAT",
     "GROUP_NORM_EPS",
+    "RwkvPthFormat",
     "find_pth_checkpoint",
     "load_pth",
     "pth_config",
@@ -138,3 +146,35 @@ def convert_rwkv7_pth_weight(name: str, tensor: Any) -> list[tuple[str, Any]]:
             return [(target + "2.bias", tensor.reshape(-1))]
         return [(target + ("0" if index == "1" else "2") + ".weight", tensor.t())]
     return [(prefix + "attn." + rest, tensor)]  # x_r ... x_g (1, 1, C), r_k (H, N)
+
+
+class RwkvPthFormat(CheckpointFormat):
+    """BlinkDL's RWKV-7 `.pth` releases (see the module docstring)."""
+
+    name = "rwkv7_pth"
+    description = "BlinkDL RWKV-7 (one .pth file, no config.json)"
+
+    def detect(self, path: str, raw: dict[str, Any] | None) -> bool:
+        return raw is None and find_pth_checkpoint(path) is not None
+
+    def load_config(self, path: str, raw: dict[str, Any] | None) -> Any:
+        return pth_config(self._file(path))
+
+    def weight_files(self, path: str) -> tuple[list[str], str]:
+        return [self._file(path)], "pth"
+
+    def read_file(self, file: str, kind: str, lazy: bool) -> Iterator[tuple[str, Any]]:
+        yield from load_pth(file).items()
+
+    def convert_weight(self, name: str, tensor: Any) -> list[tuple[str, Any]]:
+        return convert_rwkv7_pth_weight(name, tensor)
+
+    @staticmethod
+    def _file(path: str) -> str:
+        file = find_pth_checkpoint(path)
+        if file is None:
+            raise FileNotFoundError(f"no BlinkDL RWKV .pth checkpoint in {path!r}")
+        return file
+
+
+FORMAT = RwkvPthFormat()
