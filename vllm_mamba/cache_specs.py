@@ -1,7 +1,7 @@
 """What each layer keeps per sequence: the cache specs the engine allocates from.
 
 A leaf module (torch dtypes only, no tensors): layers declare their specs, the state cache
-(`mamba_cache`) and the paged KV cache (`kv_cache`) allocate from them, and the kernels read
+(`state_cache`) and the paged KV cache (`kv_cache`) allocate from them, and the kernels read
 `PAD_SLOT_ID`.
 
 - `StateSpec`: a recurrent layer's per-sequence state, as named tensors (`StateTensor`) with

@@ -1,7 +1,7 @@
 """The paged KV cache of hybrid models: per-layer cache specs, the K/V tensors and their sizing.
 
 Each attention layer of a model declares its KV blocks (`AttentionSpec` or `MLASpec`, from its
-`KVCacheLayer.kv_spec`); recurrent layers hold a slot of `mamba_cache` instead. The attention layers
+`KVCacheLayer.kv_spec`); recurrent layers hold a slot of `state_cache` instead. The attention layers
 share one pool of `num_blocks` blocks of `block_size` tokens: block `b` holds tokens
 `[b * block_size, (b + 1) * block_size)` of whichever sequence's block table lists it. Each
 attention layer has its own tensors over the pool: K and V `(num_blocks, block_size,

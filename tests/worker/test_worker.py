@@ -16,7 +16,7 @@ from vllm_mamba import SamplingParams
 from vllm_mamba.attention.backends.paged import PagedAttentionBackend
 from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionBackend
 from vllm_mamba.cache_specs import StateSpec, StateTensor
-from vllm_mamba.mamba_cache import MambaCache
+from vllm_mamba.state_cache import StateCache
 from vllm_mamba.worker.caches import LocalCopies
 from vllm_mamba.worker.relay import Command, RelayCopies
 from vllm_mamba.worker.worker import Worker, captures_decode
@@ -72,7 +72,7 @@ def test_local_copies_copy_every_state_of_a_slot() -> None:
             StateTensor("ssm", (3, 4), "recurrent", torch.float32),
         )
     )
-    cache = MambaCache([spec, spec], num_slots=4, device=torch.device("cpu"))
+    cache = StateCache([spec, spec], num_slots=4, device=torch.device("cpu"))
     for group in cache.tensors:
         for t in group.values():
             t.copy_(torch.randn_like(t))

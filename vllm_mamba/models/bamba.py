@@ -6,7 +6,7 @@ twice (`input_layernorm` before the mixer, `pre_ff_layernorm` before the gated M
 `feed_forward`), with plain residuals.
 
 - Mamba2 layers are the SSD mixer (`mamba.*`: `in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`,
-  `norm`, `out_proj`), grouped gated RMSNorm, state in `mamba_cache`.
+  `norm`, `out_proj`), grouped gated RMSNorm, state in `state_cache`.
 - Attention layers rotate queries and keys with RoPE on the first half of each head
   (`partial_rotary_factor` 0.5, hard-coded by transformers' config), GQA, scale
   `head_dim ** -0.5`, optional biases (`attention_bias`); keys and values in the paged KV

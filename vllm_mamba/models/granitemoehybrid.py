@@ -14,7 +14,7 @@ are scaled by `embedding_multiplier`, the attention softmax by `attention_multip
   softmax over those k; expert `e` computes `silu(g) * u` with `g, u` the halves of
   `input_linear.weight[e] @ x`, then `output_linear.weight[e]` (`layers.moe`; the
   checkpoint's `router.layer` and stacked matrices are renamed onto `router` and `experts`).
-- The Mamba2 layers are the SSD mixer (`mamba.*`), state in `mamba_cache`.
+- The Mamba2 layers are the SSD mixer (`mamba.*`), state in `state_cache`.
 
 Names are the checkpoints' (`model.embed_tokens`, `model.layers.N.mamba.*`,
 `model.layers.N.self_attn.{q,k,v,o}_proj`, `model.layers.N.block_sparse_moe.router.layer`,

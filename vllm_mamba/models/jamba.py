@@ -8,7 +8,7 @@ before the feed-forward), with plain residuals.
 
 - Mamba layers are Mamba's selective-SSM mixer whose time step, B and C are RMS-normalised
   with weights (`dt_layernorm`, `b_layernorm`, `c_layernorm`, epsilon `rms_norm_eps`) before
-  the time-step projection and the scan; their state lives in `mamba_cache`.
+  the time-step projection and the scan; their state lives in `state_cache`.
 - Attention layers have no rotary embedding and no biases; GQA with `num_key_value_heads`,
   softmax scale `head_dim ** -0.5`; their keys and values live in the paged KV cache.
 - The router is transformers': softmax over the expert logits in float32, top-k of those

@@ -32,8 +32,8 @@ from vllm_mamba.engine.block_manager import BlockManager
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 from vllm_mamba.kv_cache import KVCache, plan_num_blocks
 from vllm_mamba.layers.cache_layers import kv_cache_layers
-from vllm_mamba.mamba_cache import MambaCache, SlotAllocator, state_specs_of
 from vllm_mamba.spec_decode.config import SpeculativeConfig
+from vllm_mamba.state_cache import SlotAllocator, StateCache, state_specs_of
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class DraftModelProposer:
         self.model, self.architecture = build_model(path, hf_config, mc.dtype, self.device)
         max_seqs = engine_config.scheduler_config.max_num_seqs
         specs = state_specs_of(self.model, mc.dtype, engine_config.ssm_state_dtype)
-        self.cache = MambaCache(specs, 2 * max_seqs, self.device)
+        self.cache = StateCache(specs, 2 * max_seqs, self.device)
         self.cache.bind(self.model)
         self.slots = SlotAllocator(2 * max_seqs)
         self.kv_cache: KVCache | None = None

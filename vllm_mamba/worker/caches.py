@@ -20,7 +20,7 @@ from vllm_mamba.cache_specs import KVSpec, StateSpec
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.kv_cache import KVCache, KVCacheSizing
 from vllm_mamba.layers.cache_layers import kv_cache_layers
-from vllm_mamba.mamba_cache import MambaCache, state_specs_of
+from vllm_mamba.state_cache import StateCache, state_specs_of
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,10 @@ def make_caches(
     num_slots: int,
     sizing: KVCacheSizing | None,
     device: torch.device,
-) -> tuple[MambaCache, KVCache | None]:
+) -> tuple[StateCache, KVCache | None]:
     """This rank's state cache (and KV cache, with a sizing), bound to its layers."""
     specs = cache_specs_of(model, config)
-    cache = MambaCache(specs.state, num_slots, device)
+    cache = StateCache(specs.state, num_slots, device)
     cache.bind(model)
     kv_cache = None
     if specs.kv and sizing is not None:
@@ -76,7 +76,7 @@ class CacheCopies(Protocol):
 class LocalCopies:
     """`CacheCopies` in this process's caches."""
 
-    def __init__(self, cache: MambaCache, kv_cache: KVCache | None) -> None:
+    def __init__(self, cache: StateCache, kv_cache: KVCache | None) -> None:
         self.cache = cache
         self.kv_cache = kv_cache
 

@@ -23,7 +23,7 @@ import torch
 from vllm_mamba.attention.backend import AttentionBackend, StepLayout
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import PAD_SLOT_ID
-from vllm_mamba.mamba_cache import MambaCache
+from vllm_mamba.state_cache import StateCache
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -41,7 +41,7 @@ class DecodeCudaGraphs:
     def __init__(
         self,
         model: Callable[[torch.Tensor, MambaMetadata], torch.Tensor],
-        cache: MambaCache,
+        cache: StateCache,
         backend: type[AttentionBackend],
         max_num_seqs: int,
     ) -> None:

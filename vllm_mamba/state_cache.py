@@ -1,0 +1,148 @@
+"""Per-sequence recurrent state of every recurrent layer: the state tensors and the slot allocator.
+
+A recurrent layer keeps, for every sequence, a fixed-size state, declared by the layer as a
+`StateSpec` (named tensors: Mamba's conv history and SSM state, a delta rule's matrix, a
+plugin's own). This module owns those tensors for every model; it knows no names but the
+specs'.
+
+- `SlotAllocator` is plain Python bookkeeping (no tensors), used by the scheduler: a slot is
+  taken when a sequence is admitted or forked, and freed when it finishes, is aborted or is
+  preempted.
+- `StateCache` allocates, for each group of layers with the same spec, one tensor per named
+  state `(layers_in_group, slots, *shape)`; layer `i` sees `(slots, *shape)` views
+  (`layer(i)`, bound to the layer by `bind`). Forks, prefix snapshots and preemption copy
+  slots through `copy_slots`, over every tensor of every group.
+
+The same cache serves every recurrent family (Mamba, Mamba2, Gated DeltaNet, KDA, RWKV, short
+conv, a plugin's own); `vllm_mamba.mamba_cache` keeps the old name `MambaCache` as an alias.
+
+`PAD_SLOT_ID` (-1, in `vllm_mamba.cache_specs`) marks padding rows; the kernels neither read
+nor write them.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+from torch import nn
+
+from vllm_mamba.cache_specs import StateSpec
+from vllm_mamba.layers.cache_layers import LayerState, stateful_layers
+from vllm_mamba.layers.decode_plan import plan_decode
+from vllm_mamba.worker.huge_pages import huge_page_zeros
+
+__all__ = ["SlotAllocator", "StateCache", "state_specs_of"]
+
+
+class SlotAllocator:
+    """Hands out state slot indices `0 .. num_slots - 1`; lowest free slot first."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots))  # a min-heap: the lowest free slot first
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        """Slots that can be allocated now."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Slots held by sequences."""
+        return len(self._used)
+
+    def allocate(self) -> int:
+        """Takes a free slot.
+
+        Raises:
+            RuntimeError: no slot is free (the scheduler checks `num_free` first).
+        """
+        if not self._free:
+            raise RuntimeError("no free state slot")
+        slot = heapq.heappop(self._free)
+        self._used.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Returns `slot` to the pool."""
+        assert slot in self._used, f"slot {slot} is not allocated"
+        self._used.remove(slot)
+        heapq.heappush(self._free, slot)
+
+
+def state_specs_of(
+    model: nn.Module, model_dtype: torch.dtype, state_dtype: torch.dtype | None
+) -> list[StateSpec]:
+    """The resolved state spec of each recurrent layer of `model` (this rank's shard), in
+    module order; `state_dtype` is the `ssm_state_dtype` option (None: the default rule)."""
+    return [m.state_spec().resolve(model_dtype, state_dtype) for m in stateful_layers(model)]
+
+
+class StateCache:
+    """The state tensors of all recurrent layers and slots of one model (one rank's shard)."""
+
+    def __init__(self, specs: list[StateSpec], num_slots: int, device: torch.device) -> None:
+        self.specs = list(specs)
+        self.num_slots = num_slots
+        self.device = device
+        groups: dict[StateSpec, list[int]] = {}
+        for i, spec in enumerate(self.specs):
+            groups.setdefault(spec, []).append(i)
+        # Per group: name -> (layers in the group, S, *shape).
+        self.tensors: list[dict[str, torch.Tensor]] = []
+        self._views: list[LayerState] = [{} for _ in self.specs]
+        for spec, layers in groups.items():
+            group = {
+                t.name: huge_page_zeros((len(layers), num_slots, *t.shape), t.dtype, device)
+                for t in spec.tensors
+            }
+            self.tensors.append(group)
+            for j, layer in enumerate(layers):
+                self._views[layer] = {name: t[j] for name, t in group.items()}
+
+    @property
+    def num_layers(self) -> int:
+        """Recurrent layers."""
+        return len(self.specs)
+
+    def layer(self, index: int) -> LayerState:
+        """Views of recurrent layer `index`'s state over all slots: name -> `(S, *shape)`."""
+        return self._views[index]
+
+    def bind(self, model: nn.Module) -> None:
+        """Gives each recurrent layer of `model` its views, in module order, then makes the
+        layers' decode plans from the weights and these states (`layers.decode_plan`): a
+        binding replaces the plans made before it."""
+        layers = stateful_layers(model)
+        assert len(layers) == len(self.specs), (len(layers), len(self.specs))
+        for i, module in enumerate(layers):
+            module.bind_state(self.layer(i))
+        plan_decode(model)
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copies the state of slots `src[i]` into `dst[i]` in every layer (a fork, a prefix
+        snapshot taken or restored)."""
+        if not src:
+            return
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for group in self.tensors:
+            for t in group.values():
+                t[:, dst_t] = t[:, src_t]
+
+    def bytes_per_slot(self) -> int:
+        """State bytes one sequence holds across all layers."""
+        return sum(spec.bytes_per_slot() for spec in self.specs)
+
+    def state_dtypes(self) -> list[torch.dtype]:
+        """The distinct dtypes of the recurrent (non-conv) states, for the startup banner."""
+        found = {t.dtype for s in self.specs for t in s.tensors if t.kind == "recurrent"}
+        return sorted(found, key=str)
+
+    def nbytes(self) -> int:
+        """Bytes of all state tensors."""
+        return sum(t.numel() * t.element_size() for g in self.tensors for t in g.values())
