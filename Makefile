@@ -19,8 +19,14 @@ $(STAMP): pyproject.toml setup.py $(wildcard csrc/*)
 
 install: $(STAMP)
 
+# The suite runs in parallel over the machine's CPUs (pytest-xdist; each worker pinned to its
+# share, see tests/conftest.py), then the tests that need the whole machine (timing, thread
+# counts, soak) one at a time. TEST_JOBS=1 runs the first part serially.
+TEST_JOBS ?= auto
+
 test: install
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup -m "not whole_machine" tests
+	$(VPY) -m pytest -q -m whole_machine tests
 
 lint: install
 	$(VPY) -m ruff check vllm_mamba tests benchmarks scripts

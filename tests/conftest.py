@@ -5,13 +5,23 @@
   runner:` gives a fresh engine and checks, on a clean exit, that it drained.
 - `example_token_prompts`: the eight token-id prompts (1 to 131 tokens) of the comparisons.
 
-Tests marked `cuda` are skipped on a machine without an NVIDIA GPU.
+Tests marked `cuda` are skipped on a machine without an NVIDIA GPU. Tests marked
+`whole_machine` (timing, thread counts, soak, several processes of threads) need every CPU of
+the machine: `make test` runs them after the parallel part, one at a time.
+
+Under pytest-xdist (`-n N`) each worker process is pinned to its own share of the CPUs this
+run may use (`pin_worker_cpus`), so an engine's default thread count (one per CPU of its
+affinity mask) and the servers it starts (which inherit the mask) never oversubscribe the
+machine: two workers of two threads each on two cores would make every kernel barrier wait
+for a parked thread.
 
 Tiny checkpoints of every family come from the one registry, `tests.tiny_models` (by name,
 saved once per session); the OpenAI server fixtures are in `tests/entrypoints/conftest.py`.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -20,14 +30,59 @@ from tests.helpers.prompts import make_prompts
 from tests.helpers.runners import HfRunner, VllmRunner
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skips the `cuda` tests without a GPU."""
-    if torch.cuda.is_available():
+def worker_cpus(cpus: list[int], worker: int, workers: int) -> list[int]:
+    """Worker `worker`'s share of `cpus` among `workers` workers: disjoint shares of
+    `len(cpus) // workers` CPUs (the first `len(cpus) % workers` workers get one more); the
+    shares wrap around when there are more workers than CPUs."""
+    if workers <= 0 or not cpus:
+        return list(cpus)
+    if workers >= len(cpus):
+        return [cpus[worker % len(cpus)]]
+    base, extra = divmod(len(cpus), workers)
+    start = worker * base + min(worker, extra)
+    return cpus[start : start + base + (worker < extra)]
+
+
+def pin_worker_cpus() -> None:
+    """Pins this xdist worker (and the processes it starts) to its share of the CPUs."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not worker.startswith("gw") or workers <= 1 or not hasattr(os, "sched_setaffinity"):
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    share = worker_cpus(sorted(os.sched_getaffinity(0)), int(worker[2:]), workers)
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(len(share))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Pins xdist workers to their CPUs (see the module docstring)."""
+    pin_worker_cpus()
+
+
+def shares_module_fixture(item: pytest.Item) -> bool:
+    """Whether `item` uses a fixture set up once per module, class or package (a server, an
+    engine), which its module's other tests reuse."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        defs and defs[-1].scope in ("module", "class", "package")
+        for defs in info.name2fixturedefs.values()
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skips the `cuda` tests without a GPU. Groups, for `--dist loadgroup`, the tests of a
+    module that share a module-scoped fixture (one server or engine per module, on one
+    worker); every other test is handed out alone, so a long parametrised module (the family
+    suite) spreads over the workers. Runs before xdist's own hook, which reads the groups."""
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if item.get_closest_marker("cuda") is not None:
+        if skip is not None and item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+        if item.get_closest_marker("xdist_group") is None and shares_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 @pytest.fixture(scope="session")

@@ -117,6 +117,7 @@ def test_incremental_detokenisation_equals_whole_decode(tok: RwkvWorldTokenizer)
     assert whole.startswith(streamed) and len(whole) - len(streamed) <= 3
 
 
+@pytest.mark.whole_machine  # a wall-clock bound
 def test_encode_100kb_is_linear(tok: RwkvWorldTokenizer, ref: object) -> None:
     text = ("The quick brown fox 你好 😀 jumps.\n\n" * 4000)[:100_000]
     start = time.perf_counter()

@@ -10,6 +10,8 @@ import pytest
 from vllm_mamba import SamplingParams
 from vllm_mamba import request_limits as limits
 
+pytestmark = pytest.mark.whole_machine  # a ratio of two timings
+
 
 class CountingTokenizer:
     """Each word is its own token sequence."""

@@ -23,6 +23,8 @@ from vllm_mamba.worker.cpu_threads import (
     read_cpu_times,
 )
 
+pytestmark = pytest.mark.whole_machine  # thread counts on the real /proc, every CPU
+
 
 class Script:
     """A clock and CPU-time readings advanced by hand: `tick(foreign, own)` moves half a

@@ -28,6 +28,7 @@ def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, **kwargs)
 
 
+@pytest.mark.whole_machine  # a wall-clock bound
 def test_version_is_fast() -> None:
     def once() -> float:
         start = time.perf_counter()

@@ -61,6 +61,7 @@ def _median_latency(client: httpx.Client, path: str, times: int = 15) -> float:
     return statistics.median(samples)
 
 
+@pytest.mark.whole_machine  # a latency ratio
 def test_small_response_on_keep_alive_is_not_delayed(server: RunningServer) -> None:
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=10) as client:
         client.get("/v1/models")  # the connection is open and warm

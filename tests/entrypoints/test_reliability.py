@@ -139,6 +139,7 @@ def test_unknown_output_changing_fields_are_400s(server: RunningServer) -> None:
     assert plain.status_code == 200
 
 
+@pytest.mark.whole_machine  # wall-clock bounds
 def test_request_chat_template_is_bounded_in_time(server: RunningServer) -> None:
     result: dict[str, httpx.Response] = {}
     body = {**CHAT, "chat_template": LOOPING_TEMPLATE}

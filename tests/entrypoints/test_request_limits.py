@@ -46,6 +46,7 @@ def probe(server: RunningServer) -> float:
     return time.perf_counter() - start
 
 
+@pytest.mark.whole_machine  # a latency ratio
 def test_slow_grammar_is_a_400_and_stalls_no_one(server: RunningServer) -> None:
     idle = statistics.median(probe(server) for _ in range(5))
     result: dict[str, httpx.Response] = {}

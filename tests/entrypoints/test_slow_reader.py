@@ -18,6 +18,8 @@ import pytest
 
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, RunningServer, launch_server
 
+pytestmark = pytest.mark.whole_machine  # latency ratios with and without stalled readers
+
 STALL_TIMEOUT_S = 5.0
 STALLED_CLIENTS = 4
 N = 8  # sequences per stalled request: 32 slots of 64 in all

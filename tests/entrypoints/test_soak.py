@@ -32,6 +32,8 @@ import pytest
 from tests.entrypoints.conftest import MODEL_NAME, RunningServer, launch_server
 from vllm_mamba.ops.cpu_kernels import GEMM_ROWS, gemm_rows
 
+pytestmark = pytest.mark.whole_machine  # a soak: time and memory bounds over 2,000 requests
+
 WARMUP = 600
 BLOCK = 100
 BLOCKS_PER_HALF = 8
