@@ -8,6 +8,9 @@ specs'.
 - `SlotAllocator` is plain Python bookkeeping (no tensors), used by the scheduler: a slot is
   taken when a sequence is admitted or forked, and freed when it finishes, is aborted or is
   preempted.
+- `SlotLayout` is where each kind of slot lives: `[sequences | prefix snapshots | spare]`,
+  counted once by the engine and read by everyone who indexes a slot (the scheduler's
+  allocator, the prefix cache, the runner's speculative waves).
 - `StateCache` allocates, for each group of layers with the same spec, one tensor per named
   state `(layers_in_group, slots, *shape)`; layer `i` sees `(slots, *shape)` views
   (`layer(i)`, bound to the layer by `bind`). Forks, prefix snapshots and preemption copy
@@ -23,16 +26,80 @@ nor write them.
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from vllm_mamba.cache_specs import StateSpec
 from vllm_mamba.layers.cache_layers import LayerState, stateful_layers
-from vllm_mamba.layers.decode_plan import plan_decode
 from vllm_mamba.worker.huge_pages import huge_page_zeros
 
-__all__ = ["SlotAllocator", "StateCache", "state_specs_of"]
+__all__ = ["SlotAllocator", "SlotLayout", "StateCache", "state_specs_of"]
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """The state cache's slots, in three regions: `[sequences | snapshots | spare]`.
+
+    - sequences `0 .. num_sequences - 1`: one per running sequence (`SlotAllocator`);
+    - snapshots `snapshot_base ..`: prefix-cache snapshots (0 without prefix caching);
+    - spare `spare_base ..`: speculative decoding's, `max_drafts` per chain for up to
+      `num_chains` chains; chain c saves its state after position w in `spare_slot(c, w)`.
+
+    Args:
+        num_sequences: slots for sequences (`num_state_slots`).
+        num_snapshots: prefix-cache snapshot slots.
+        num_chains: sequences that may speculate in one step.
+        max_drafts: spare slots per chain (`num_speculative_tokens`; 0 without speculation).
+    """
+
+    num_sequences: int
+    num_snapshots: int = 0
+    num_chains: int = 0
+    max_drafts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_sequences < 1:
+            raise ValueError(f"num_sequences must be >= 1, got {self.num_sequences}")
+        for name in ("num_snapshots", "num_chains", "max_drafts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def snapshot_base(self) -> int:
+        """The first snapshot slot."""
+        return self.num_sequences
+
+    @property
+    def spare_base(self) -> int:
+        """The first spare slot."""
+        return self.num_sequences + self.num_snapshots
+
+    @property
+    def num_spare(self) -> int:
+        """Spare slots (chains times drafts)."""
+        return self.num_chains * self.max_drafts
+
+    @property
+    def num_slots(self) -> int:
+        """All slots the state cache allocates."""
+        return self.spare_base + self.num_spare
+
+    def snapshot_slot(self, index: int) -> int:
+        """The state-cache slot of snapshot `index` (0-based within the snapshots)."""
+        if not 0 <= index < self.num_snapshots:
+            raise IndexError(f"snapshot {index} of {self.num_snapshots}")
+        return self.snapshot_base + index
+
+    def spare_slot(self, chain: int, position: int) -> int:
+        """The spare slot holding chain `chain`'s state after its position `position`."""
+        if not (0 <= chain < self.num_chains and 0 <= position < self.max_drafts):
+            raise IndexError(
+                f"spare slot of chain {chain} position {position}: {self.num_chains} chains of "
+                f"{self.max_drafts}"
+            )
+        return self.spare_base + chain * self.max_drafts + position
 
 
 class SlotAllocator:
@@ -114,14 +181,11 @@ class StateCache:
         return self._views[index]
 
     def bind(self, model: nn.Module) -> None:
-        """Gives each recurrent layer of `model` its views, in module order, then makes the
-        layers' decode plans from the weights and these states (`layers.decode_plan`): a
-        binding replaces the plans made before it."""
+        """Gives each recurrent layer of `model` its views, in module order."""
         layers = stateful_layers(model)
         assert len(layers) == len(self.specs), (len(layers), len(self.specs))
         for i, module in enumerate(layers):
             module.bind_state(self.layer(i))
-        plan_decode(model)
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copies the state of slots `src[i]` into `dst[i]` in every layer (a fork, a prefix

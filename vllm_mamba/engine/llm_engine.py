@@ -40,6 +40,7 @@ from vllm_mamba.ops import cpu_isa
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.outputs import RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
+from vllm_mamba.state_cache import SlotLayout
 from vllm_mamba.tokenizer import load_tokenizer
 from vllm_mamba.worker.model_runner import RunnerConfig
 
@@ -76,10 +77,12 @@ class LLMEngine:
         self.num_snapshot_slots = self._num_snapshot_slots(self.state_bytes_per_slot)
         self.max_spec_chains = self._max_spec_chains(self.state_bytes_per_slot)
         spec_k = config.speculative_config.num_speculative_tokens if self.max_spec_chains else 0
-        spare_base = config.num_state_slots + self.num_snapshot_slots
-        num_slots = spare_base + self.max_spec_chains * spec_k
+        # The one owner of the slot layout: the runner and the prefix cache read it.
+        self.slot_layout = SlotLayout(
+            config.num_state_slots, self.num_snapshot_slots, self.max_spec_chains, spec_k
+        )
         sizing = self._plan_kv_cache(specs.kv)
-        self.executor.init_caches(num_slots, sizing)
+        self.executor.init_caches(self.slot_layout.num_slots, sizing)
         self.cache, self.kv_cache = self.executor.cache, self.executor.kv_cache
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None:
@@ -87,8 +90,8 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputs(tokenizer, mc.vocab_size, self.eos_token_id)
         runner_config = RunnerConfig(
             eos_token_id=self.eos_token_id,
-            spare_slot_base=spare_base,
-            max_drafts=spec_k,
+            spare_slot_base=self.slot_layout.spare_base,
+            max_drafts=self.slot_layout.max_drafts,
             # Prefix caching saves finished sequences with their last hidden row.
             keep_sampled_hidden=self.num_snapshot_slots > 0,
         )
@@ -100,10 +103,7 @@ class LLMEngine:
         self.prefix_cache = None
         if self.num_snapshot_slots:
             self.prefix_cache = PrefixCache(
-                self.num_snapshot_slots,
-                config.num_state_slots,
-                blocks,
-                config.cache_config.prefix_snapshot_interval,
+                self.slot_layout, blocks, config.cache_config.prefix_snapshot_interval
             )
         self.scheduler = Scheduler(
             sc.max_num_seqs, sc.max_num_batched_tokens, blocks, self.prefix_cache,

@@ -11,7 +11,7 @@ granularity (SGLang's idea, with vLLM's interface):
   branches off: a shared system prompt of any length is saved once the second request sharing
   it is seen, and every later one starts from it.
 - `Snapshot` is the saved state of one prefix: the conv and SSM states of every layer in a
-  snapshot slot of `mamba_cache` (slots after the sequences' own), for hybrids the KV blocks of
+  snapshot slot of the state cache (`SlotLayout`'s snapshot region), for hybrids the KV blocks of
   the prefix (one reference each, shared with whoever else holds them), the final hidden row of
   the prefix's last position (so a hit can still score the next prompt token) and, when the
   request that took it asked for prompt logprobs, those of the prefix. A snapshot is written
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vllm_mamba.config import DEFAULT_SNAPSHOT_INTERVAL
-from vllm_mamba.mamba_cache import SlotAllocator
 from vllm_mamba.outputs import PositionLogprobs
+from vllm_mamba.state_cache import SlotAllocator, SlotLayout
 
 __all__ = ["PrefixCache", "RadixTree", "RadixNode", "Snapshot", "PendingSnapshot"]
 
@@ -182,22 +182,22 @@ class PrefixCache:
     """The radix tree, the snapshot slots and their eviction.
 
     Args:
-        num_snapshots: snapshot slots (the memory budget divided by one slot's bytes).
-        first_slot: the `mamba_cache` index of the first snapshot slot.
+        layout: the state cache's slots; the snapshots take its snapshot region (sized to the
+            memory budget divided by one slot's bytes).
         blocks: the KV block manager of a hybrid model, None for attention-free models.
         snapshot_interval: long prompts are also saved every this many tokens.
     """
 
     def __init__(
         self,
-        num_snapshots: int,
-        first_slot: int,
+        layout: SlotLayout,
         blocks: BlockRefs | None,
         snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL,
     ) -> None:
         self.tree = RadixTree()
-        self.slots = SlotAllocator(num_snapshots)
-        self.first_slot = first_slot
+        self.layout = layout
+        self.slots = SlotAllocator(layout.num_snapshots)
+        self.first_slot = layout.snapshot_base
         self.blocks = blocks
         self.snapshot_interval = snapshot_interval
         self._clock = itertools.count(1)

@@ -1,0 +1,69 @@
+"""The state cache's slot layout (`SlotLayout`: `[sequences | snapshots | spare]`) and the
+deprecated `vllm_mamba.mamba_cache` alias module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_mamba.cache_specs import StateSpec, StateTensor
+from vllm_mamba.state_cache import SlotLayout, StateCache
+
+
+def test_regions_follow_one_another() -> None:
+    layout = SlotLayout(num_sequences=4, num_snapshots=3, num_chains=2, max_drafts=5)
+    assert (layout.snapshot_base, layout.spare_base) == (4, 7)
+    assert layout.num_spare == 10
+    assert layout.num_slots == 17
+    assert [layout.snapshot_slot(i) for i in range(3)] == [4, 5, 6]
+    spare = [layout.spare_slot(c, w) for c in range(2) for w in range(5)]
+    assert spare == list(range(7, 17))  # every spare slot once, chain by chain
+
+
+def test_without_snapshots_or_speculation() -> None:
+    layout = SlotLayout(num_sequences=3)
+    assert (layout.snapshot_base, layout.spare_base, layout.num_slots) == (3, 3, 3)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda lay: lay.snapshot_slot(2), "snapshot 2 of 2"),
+        (lambda lay: lay.snapshot_slot(-1), "snapshot -1 of 2"),
+        (lambda lay: lay.spare_slot(3, 0), "chain 3 position 0: 3 chains of 2"),
+        (lambda lay: lay.spare_slot(0, 2), "chain 0 position 2"),
+    ],
+)
+def test_slots_out_of_their_region_are_refused(call, match: str) -> None:  # noqa: ANN001
+    with pytest.raises(IndexError, match=match):
+        call(SlotLayout(num_sequences=2, num_snapshots=2, num_chains=3, max_drafts=2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_sequences": 0}, "num_sequences"),
+        ({"num_sequences": 1, "max_drafts": -1}, "max_drafts"),
+    ],
+)
+def test_bad_counts_are_refused(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SlotLayout(**kwargs)
+
+
+def test_old_module_name_is_an_alias() -> None:
+    from vllm_mamba import mamba_cache, state_cache
+
+    assert mamba_cache.MambaCache is state_cache.StateCache
+    assert mamba_cache.SlotAllocator is state_cache.SlotAllocator
+    assert mamba_cache.state_specs_of is state_cache.state_specs_of
+
+
+def test_cache_allocates_every_slot_of_the_layout() -> None:
+    layout = SlotLayout(num_sequences=2, num_snapshots=1, num_chains=1, max_drafts=2)
+    spec = StateSpec((StateTensor("h", (3,), "recurrent", torch.float32),))
+    cache = StateCache([spec], layout.num_slots, torch.device("cpu"))
+    assert cache.layer(0)["h"].shape == (layout.num_slots, 3)
+    cache.layer(0)["h"][0] = 1.0
+    cache.copy_slots([0], [layout.spare_slot(0, 1)])
+    assert torch.equal(cache.layer(0)["h"][layout.spare_slot(0, 1)], torch.ones(3))
