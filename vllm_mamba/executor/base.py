@@ -27,7 +27,7 @@ from vllm_mamba.engine.scheduler import SchedulerOutput
 from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.errors import EngineDeadError
 from vllm_mamba.kv_cache import KVCache, KVCacheSizing
-from vllm_mamba.mamba_cache import MambaCache
+from vllm_mamba.state_cache import StateCache
 from vllm_mamba.worker.caches import CacheSpecs
 from vllm_mamba.worker.model_runner import (
     ModelRunner,
@@ -62,7 +62,7 @@ class Executor(ABC):
         return self.worker.model
 
     @property
-    def cache(self) -> MambaCache:
+    def cache(self) -> StateCache:
         """Rank 0's state cache (after `init_caches`)."""
         assert self.worker.cache is not None, "init_caches first"
         return self.worker.cache

@@ -31,8 +31,8 @@ from vllm_mamba.distributed.parallel_state import TensorParallel, init_tensor_pa
 from vllm_mamba.engine.scheduler import SchedulerOutput
 from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.kv_cache import KVCache, KVCacheSizing
-from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.model_loader import build_model
+from vllm_mamba.state_cache import StateCache
 from vllm_mamba.worker.caches import (
     CacheCopies,
     CacheSpecs,
@@ -99,7 +99,7 @@ class Worker:
         self.model, _ = build_model(
             mc.path, mc.hf_config, mc.dtype, device, tp, mtp=config.uses_mtp
         )
-        self.cache: MambaCache | None = None
+        self.cache: StateCache | None = None
         self.kv_cache: KVCache | None = None
         self.copies: CacheCopies | None = None
         self.runner: ModelRunner | None = None
