@@ -36,13 +36,24 @@ CPU = torch.device("cpu")
 
 
 def metadata_to(meta: Any, device: torch.device) -> Any:
-    """A copy of a step-metadata dataclass with every tensor field on `device`."""
-    moved = copy.copy(meta)
-    for f in dataclasses.fields(meta):
-        value = getattr(meta, f.name)
-        if isinstance(value, torch.Tensor):
-            setattr(moved, f.name, value.to(device))
-    return moved
+    """A copy of step metadata with every tensor on `device`, wherever it sits: a field, or
+    inside a field's tuples, lists, dicts or nested dataclasses (`MambaMetadata.wave_copies`
+    is a tuple of `(src, dst)` tensor pairs)."""
+    if isinstance(meta, torch.Tensor):
+        return meta.to(device)
+    if isinstance(meta, tuple | list):
+        return type(meta)(metadata_to(v, device) for v in meta)
+    if isinstance(meta, dict):
+        return {k: metadata_to(v, device) for k, v in meta.items()}
+    if dataclasses.is_dataclass(meta) and not isinstance(meta, type):
+        moved = copy.copy(meta)
+        for f in dataclasses.fields(meta):
+            value = getattr(meta, f.name)
+            moved_value = metadata_to(value, device)
+            if moved_value is not value:
+                object.__setattr__(moved, f.name, moved_value)
+        return moved
+    return meta
 
 
 class RelayModel:
