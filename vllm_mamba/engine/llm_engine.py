@@ -1,8 +1,10 @@
 """`LLMEngine`: requests in, `RequestOutput`s out, one scheduler step at a time.
 
 `add_request` tokenizes and validates through `InputProcessor` (bad input raises `ValueError`
-before anything enters the engine); `step` schedules, runs the model once, appends the sampled
-tokens, detokenizes, applies stop conditions and frees the slots of finished sequences. A step
+before anything enters the engine); `step` schedules, turns the schedule into a plain-data
+`worker.step.Step` (`step_builder.StepBuilder`), runs it through the executor (the only call
+into the worker), appends the sampled tokens, detokenizes, applies stop conditions and frees
+the slots of finished sequences. A step
 that raises ends only its own requests (`RequestsFailedError`). `pause_request` holds a request
 out of the steps, with what it holds, until `resume_request` (the server's back-pressure on a
 client that does not read).
@@ -32,6 +34,7 @@ from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 from vllm_mamba.engine.spec_steps import NoSpecSteps, SpecDecodeSteps, make_proposer
 from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
+from vllm_mamba.engine.step_builder import StepBuilder
 from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.errors import EngineStartupError, RequestsFailedError, is_fatal
 from vllm_mamba.executor import make_executor
@@ -95,7 +98,8 @@ class LLMEngine:
             # Prefix caching saves finished sequences with their last hidden row.
             keep_sampled_hidden=self.num_snapshot_slots > 0,
         )
-        self.executor.init_runner(runner_config, self.structured_outputs)
+        self.executor.init_runner(runner_config)
+        self.step_builder = StepBuilder(self.structured_outputs, self.eos_token_id, mc.vocab_size)
         sc = config.scheduler_config
         blocks = None
         if self.kv_cache is not None:
@@ -114,13 +118,13 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, self.eos_token_id, mc.max_model_len)
         self.prefix_steps: PrefixCacheSteps | NoPrefixSteps = NoPrefixSteps()
         if self.prefix_cache is not None:
-            self.prefix_steps = PrefixCacheSteps(self.prefix_cache, self.executor, self.outputs)
+            self.prefix_steps = PrefixCacheSteps(self.prefix_cache, self.step_builder, self.outputs)
         self.spec_steps: SpecDecodeSteps | NoSpecSteps = NoSpecSteps()
         if config.speculative_config is not None:
             self.spec_steps = SpecDecodeSteps(
                 config.speculative_config,
                 make_proposer(config.speculative_config, self),
-                self.executor,
+                self.step_builder,
                 self.scheduler,
                 self.outputs,
                 mc.max_model_len,
@@ -197,7 +201,7 @@ class LLMEngine:
         if logprob is None or not math.isfinite(logprob):
             raise EngineStartupError(self._startup_failure(f"log-probability {logprob}"))
         self.stats = EngineCounters()
-        self.executor.reset_generator()
+        self.step_builder.reset()
         self.prefix_steps.reset()
         self.spec_steps.reset()
 
@@ -403,6 +407,7 @@ class LLMEngine:
             group = self.scheduler.abort(rid)
             for seq in group.seqs if group is not None else []:
                 self.spec_steps.on_finished(seq)
+                self.step_builder.finish(seq)
 
     def pause_request(self, request_id: str) -> None:
         """Stops scheduling a request until `resume_request`; it keeps its slots and KV blocks
@@ -436,6 +441,8 @@ class LLMEngine:
         if not step.scheduled:
             return []
         ran = False
+        # A failed step may not have made the rollbacks it carried: their requests end too.
+        rolled_back = self.step_builder.pending_rollback_requests
         try:
             outputs = self._run_step(step)
             ran = True
@@ -443,7 +450,7 @@ class LLMEngine:
         except Exception as err:
             if is_fatal(err):
                 raise
-            failed = sorted({item.group.request_id for item in step.scheduled})
+            failed = sorted({item.group.request_id for item in step.scheduled} | {*rolled_back})
             logger.exception("an engine step failed; ending its requests %s", failed)
             self.abort_request(failed)
             self.stats.failed_requests += len(failed)
@@ -456,11 +463,15 @@ class LLMEngine:
         for item in step.scheduled:
             if item.group.first_scheduled_time is None:
                 item.group.first_scheduled_time = started
-        self.prefix_steps.before_forward(step)
-        result = self.executor.execute(step)
+        scored = self.prefix_steps.before_forward(step)
+        result = self.executor.execute(self.step_builder.build(step, scored))
         self.stats.steps += 1
         touched: dict[str, SequenceGroup] = {}
         now_s = time.monotonic()
+        for hit in step.hits:  # scored from a saved hidden row: before the chunk's own
+            chunk = result.hidden_logprobs.get(hit.group.request_id)
+            if chunk is not None and hit.seq.index == 0:
+                self.outputs.append_prompt_logprobs(hit.group, chunk)
         for item in step.scheduled:
             if item.is_spec:  # counted once its chain is verified (`spec_steps.apply`)
                 continue
@@ -472,7 +483,7 @@ class LLMEngine:
             chunk = result.prompt_logprobs.get(item.group.request_id)
             if chunk is not None:
                 self.outputs.append_prompt_logprobs(item.group, chunk)
-        self.prefix_steps.after_forward(step)
+        self.prefix_steps.after_forward(step, result)
         spec_hidden, appended = self.spec_steps.apply(step, result, now_s)
         self.stats.generation_tokens += appended
         for item in step.scheduled:
@@ -480,8 +491,7 @@ class LLMEngine:
                 seq, touched[item.group.request_id] = item.seq, item.group
                 if seq.status.finished:
                     self.prefix_steps.on_finished(item.group, seq, spec_hidden[seq.seq_id])
-                    self.spec_steps.on_finished(seq)
-                    self.scheduler.finish_seq(seq)
+                    self._forget(seq)
                 continue
             for seq in [item.seq, *item.children]:
                 if seq.seq_id in result.samples:
@@ -491,9 +501,15 @@ class LLMEngine:
                     if seq.status.finished:
                         hidden = result.sampled_hidden.get(seq.seq_id)
                         self.prefix_steps.on_finished(item.group, seq, hidden)
-                        self.spec_steps.on_finished(seq)
-                        self.scheduler.finish_seq(seq)
+                        self._forget(seq)
                     touched[item.group.request_id] = item.group
         self.scheduler.remove_finished()
         self.spec_steps.propose(self.scheduler.running)
         return [g.to_output() for g in touched.values()]
+
+    def _forget(self, seq: Sequence) -> None:
+        """A finished sequence leaves: the proposer, the worker (with the next step) and the
+        scheduler (its slot and KV blocks) forget it."""
+        self.spec_steps.on_finished(seq)
+        self.step_builder.finish(seq)
+        self.scheduler.finish_seq(seq)

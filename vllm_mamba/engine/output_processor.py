@@ -13,7 +13,7 @@ from vllm_mamba.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from vllm_mamba.engine.structured_outputs import accept_token
 from vllm_mamba.layers.sampler import SamplerOutput
 from vllm_mamba.outputs import Logprob, PositionLogprobs
-from vllm_mamba.worker.model_runner import PromptLogprobChunk
+from vllm_mamba.worker.step import PromptLogprobChunk
 
 
 class OutputProcessor:

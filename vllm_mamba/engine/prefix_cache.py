@@ -285,8 +285,9 @@ class PrefixCache:
         node.pending = True
         return PendingSnapshot(seq_id, seq_slot, slot, list(tokens), group, index)
 
-    def commit(self, pending: PendingSnapshot, prompt_logprobs: list | None, k: int) -> None:
-        """Registers a snapshot whose state the runner copied; takes its KV block references.
+    def commit(self, pending: PendingSnapshot, prompt_logprobs: list | None, k: int) -> Snapshot:
+        """Registers a snapshot whose state the runner copied (or will copy before any step
+        reads it); takes its KV block references; returns it.
 
         Args:
             pending: from `reserve`.
@@ -313,6 +314,7 @@ class PrefixCache:
             if pending.hidden is not None:
                 snap.hidden = pending.hidden
         self.touch(snap)
+        return snap
 
     def discard(self, pending: PendingSnapshot) -> None:
         """Drops a reserved snapshot whose step failed: no half-written snapshot is kept."""
@@ -321,6 +323,11 @@ class PrefixCache:
         node = self.tree.insert(pending.tokens)
         node.pending = False
         self.tree.prune(node)
+
+    def drop(self, snap: Snapshot) -> None:
+        """Evicts `snap` if the cache still holds it (its state copy's step failed)."""
+        if snap in self._snapshots:
+            self._evict(snap)
 
     def has_snapshot(self, tokens: list[int]) -> bool:
         """True when a snapshot (taken or pending) of exactly `tokens` exists."""

@@ -1,5 +1,8 @@
 """Requests and their sequences: plain Python state that the scheduler moves through the engine.
 
+A sequence never leaves the engine: a step carries what the worker needs of it as plain data
+(`step_builder`), and the worker keeps the sequence's sampling generator itself.
+
 A `SequenceGroup` is one request; it holds `n` `Sequence`s once its prompt is prefilled and
 forked. Every sequence tracks `num_computed_tokens`: the tokens whose effect is already in its
 state slot. What remains to compute (a prompt chunk, the last sampled token, or everything
@@ -12,8 +15,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from vllm_mamba.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
@@ -53,7 +54,7 @@ class Sequence:
     output_logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
+    # Engine-side helpers; a step never carries them (`step_builder` copies what it needs).
     detokenizer: object | None = None
     matcher: object | None = None  # grammar matcher of a request with structured outputs
     grammar_started: bool = False  # its `start_after` text has been generated

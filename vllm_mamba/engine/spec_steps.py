@@ -7,10 +7,12 @@ module does what lies between, on the engine thread:
 
 - `apply`: appends a chain's emitted tokens one by one with the usual stop checks (a stop
   string, stop token, EOS or `max_tokens` inside the accepted run ends the sequence there and
-  drops the rest), then brings the sequence back to its last kept token: its state from the
-  spare slot that saved it (`Executor.rollback`, on every rank), its KV blocks trimmed, its
-  `num_computed_tokens` set. No prefix-cache snapshot is ever taken at a rejected position:
-  a finished sequence is saved only after this rollback.
+  drops the rest), then brings the sequence back to its last kept token: the worker already
+  brought its state back to the chain's last emitted token (from the spare slot that saved
+  it); when the engine kept fewer, the next step carries that rollback
+  (`step_builder.StepBuilder.rollback`, made before anything else reads the state); its KV
+  blocks are trimmed, its `num_computed_tokens` set. No prefix-cache snapshot is ever taken at
+  a rejected position: a finished sequence's save is copied after this rollback.
 - `propose`: new drafts for every sequence that decodes next, capped so that the chain fits
   `max_model_len` and never drafts past `max_tokens`; none while more requests run than
   `disable_by_batch_size`. A sequence whose chain was wholly rejected backs off: it decodes
@@ -36,9 +38,9 @@ import torch
 from vllm_mamba.engine.output_processor import OutputProcessor
 from vllm_mamba.engine.scheduler import Scheduler, SchedulerOutput
 from vllm_mamba.engine.sequence import Sequence, SequenceGroup
-from vllm_mamba.executor.base import Executor
+from vllm_mamba.engine.step_builder import StepBuilder
 from vllm_mamba.spec_decode.config import SpeculativeConfig
-from vllm_mamba.worker.model_runner import StepResult
+from vllm_mamba.worker.step import StepResult
 
 
 class Proposer(Protocol):
@@ -73,14 +75,14 @@ class SpecDecodeSteps:
         self,
         config: SpeculativeConfig,
         proposer: Proposer,
-        executor: Executor,
+        builder: StepBuilder,
         scheduler: Scheduler,
         outputs: OutputProcessor,
         max_model_len: int,
     ) -> None:
         self.config = config
         self.proposer = proposer
-        self.executor = executor
+        self.builder = builder
         self.scheduler = scheduler
         self.outputs = outputs
         self.max_model_len = max_model_len
@@ -103,7 +105,6 @@ class SpecDecodeSteps:
             prefix-cache snapshot saves; and the number of tokens appended.
         """
         appended = 0
-        kept: list[tuple[int, int, int]] = []
         hidden: dict[int, torch.Tensor | None] = {}
         c = self.counters
         for item in step.scheduled:
@@ -129,13 +130,12 @@ class SpecDecodeSteps:
             else:
                 streak = self._misses.get(seq.seq_id, (0, 0))[0] + 1
                 self._misses[seq.seq_id] = (streak, min(2**streak - 1, MAX_BACKOFF_STEPS))
-            if m < item.num_tokens:  # the chain's last position is not kept
+            if m < len(spec.token_ids):  # cut short here: the worker kept more
                 assert seq.slot is not None
-                kept.append((seq.slot, spec.chain, m))
+                self.builder.rollback(item.group.request_id, seq.slot, spec.chain, m)
             seq.num_computed_tokens += m
             self.scheduler.block_manager.trim(seq.seq_id, seq.num_computed_tokens)
             hidden[seq.seq_id] = spec.hidden[m - 1] if spec.hidden is not None else None
-        self.executor.rollback(kept)
         return hidden, appended
 
     def propose(self, running: Seq[SequenceGroup]) -> None:

@@ -4,38 +4,30 @@ An executor starts one `worker.Worker` per rank (rank 0 in the engine's process)
 the engine sees of them. The engine asks it for the cache specs of rank 0's shard
 (`cache_specs`), sizes the pools from them, has every rank allocate and bind its caches
 (`init_caches`), has rank 0 build its runner with the engine's decisions (`init_runner`) and
-then executes each scheduled step (`execute`). A distributed executor hands rank 0's worker
-the function that sends a command to the other ranks, and turns any failure of a rank into
+then executes each step (`execute`): a `worker.step.Step`, plain data that carries every
+state copy, snapshot and rollback the engine wants, in, a `worker.step.StepResult` out; the
+engine calls nothing else during its life. A distributed executor hands rank 0's worker the
+function that sends a command to the other ranks, and turns any failure of a rank into
 `TensorParallelError`, after which the engine is dead.
-
-`copy_states`, `rollback`, `prompt_logprob_from_hidden` and `reset_generator` are the calls
-the engine still makes outside a step (prefix-cache saves and hits, speculative rollbacks,
-the warm-up's reseeding); they go to rank 0's worker until the step carries them as data.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.parallel_state import TensorParallel
-from vllm_mamba.engine.scheduler import SchedulerOutput
-from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.errors import EngineDeadError
 from vllm_mamba.kv_cache import KVCache, KVCacheSizing
 from vllm_mamba.state_cache import StateCache
 from vllm_mamba.worker.caches import CacheSpecs
-from vllm_mamba.worker.model_runner import (
-    ModelRunner,
-    PromptLogprobChunk,
-    RunnerConfig,
-    StepResult,
-)
+from vllm_mamba.worker.model_runner import ModelRunner, RunnerConfig
 from vllm_mamba.worker.platform import Platform
+from vllm_mamba.worker.step import Step, StepResult
 from vllm_mamba.worker.worker import Worker
 
 
@@ -92,34 +84,13 @@ class Executor(ABC):
         """Allocates and binds every rank's caches: `num_slots` state slots each, and the KV
         pool of `sizing` (None: no KV cache)."""
 
-    def init_runner(
-        self, config: RunnerConfig, structured_outputs: StructuredOutputs | None
-    ) -> None:
+    def init_runner(self, config: RunnerConfig) -> None:
         """Builds rank 0's runner, configured with the engine's decisions."""
-        self.worker.init_runner(config, structured_outputs)
+        self.worker.init_runner(config)
 
     @abstractmethod
-    def execute(self, step: SchedulerOutput) -> StepResult:
-        """Runs the scheduled step (on every rank) and returns rank 0's `StepResult`."""
-
-    def copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copies every state of slots `src[i]` into `dst[i]` on every rank."""
-        self.worker.copy_states(src, dst)
-
-    def rollback(self, kept: list[tuple[int, int, int]]) -> None:
-        """Brings speculating sequences' states back to their last kept token on every rank
-        (`ModelRunner.rollback`)."""
-        self.worker.rollback(kept)
-
-    def prompt_logprob_from_hidden(
-        self, hidden: torch.Tensor, target: int, k: int, position: int
-    ) -> PromptLogprobChunk:
-        """The prompt logprob of token `position` from a saved final hidden row `(H,)`."""
-        return self.worker.prompt_logprob_from_hidden(hidden, target, k, position)
-
-    def reset_generator(self) -> None:
-        """Restarts the engine-wide sampling generator from the configured seed."""
-        self.worker.reset_generator()
+    def execute(self, step: Step) -> StepResult:
+        """Runs the step (on every rank) and returns rank 0's `StepResult`."""
 
     def watch(self, on_death: Callable[[BaseException], None]) -> None:  # noqa: B027
         """Calls `on_death(error)` (from another thread) when a rank dies; no-op with one."""

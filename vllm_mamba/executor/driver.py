@@ -22,13 +22,12 @@ from vllm_mamba.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
-from vllm_mamba.engine.scheduler import SchedulerOutput
 from vllm_mamba.errors import EngineStartupError
 from vllm_mamba.executor.base import Executor, TensorParallelError
 from vllm_mamba.kv_cache import KVCacheSizing
 from vllm_mamba.model_loader import check_tensor_parallel
-from vllm_mamba.worker.model_runner import StepResult
 from vllm_mamba.worker.relay import Command
+from vllm_mamba.worker.step import Step, StepResult
 from vllm_mamba.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -131,7 +130,7 @@ class DriverExecutor(Executor):
         self.send(("init_caches", num_slots, sizing))
         self.worker.init_caches(num_slots, sizing)
 
-    def execute(self, step: SchedulerOutput) -> StepResult:
+    def execute(self, step: Step) -> StepResult:
         """The step on every rank.
 
         Raises:

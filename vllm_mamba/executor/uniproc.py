@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.parallel_state import SINGLE
-from vllm_mamba.engine.scheduler import SchedulerOutput
 from vllm_mamba.executor.base import Executor
 from vllm_mamba.kv_cache import KVCacheSizing
-from vllm_mamba.worker.model_runner import StepResult
+from vllm_mamba.worker.step import Step, StepResult
 from vllm_mamba.worker.worker import Worker
 
 
@@ -25,6 +24,6 @@ class UniProcExecutor(Executor):
         """The state cache of `num_slots` slots and the KV cache, bound to the model."""
         self.worker.init_caches(num_slots, sizing)
 
-    def execute(self, step: SchedulerOutput) -> StepResult:
+    def execute(self, step: Step) -> StepResult:
         """The worker's step."""
         return self.worker.execute(step)

@@ -13,23 +13,49 @@ Glossary: R rows (sampled positions), V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_mamba.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from vllm_mamba.worker.step import SamplingOptions
+
 
 @dataclass
 class SamplingRow:
-    """What the sampler needs to know about one row."""
+    """What the sampler needs to know about one row.
 
-    params: SamplingParams
+    Attributes:
+        params: the request's `SamplingParams`, or their plain copy in a step
+            (`worker.step.SamplingOptions`).
+        prompt_token_ids, output_token_ids: the sequence's tokens (read only by penalties and
+            bad words: a step sends them only then).
+        matcher: the sequence's grammar matcher (xgrammar), when it has one here; or
+        bitmask: its allowed tokens at this row, `(ceil(V / 32),)` int32, filled from the
+            matcher where it lives (the engine).
+        num_output_tokens: tokens generated before this row (`len(output_token_ids)` when
+            not given).
+    """
+
+    params: SamplingParams | SamplingOptions
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: list[int]
-    matcher: Any = None  # the sequence's grammar matcher (xgrammar), when it has one
+    matcher: Any = None
+    bitmask: torch.Tensor | None = None
+    num_output_tokens: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_output_tokens < 0:
+            self.num_output_tokens = len(self.output_token_ids)
+
+    @property
+    def has_grammar(self) -> bool:
+        """True when a grammar masks this row."""
+        return self.matcher is not None or self.bitmask is not None
 
 
 @dataclass
@@ -85,13 +111,17 @@ def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow], idx: list[i
             banned = banned + _bad_word_tokens(p.bad_words_token_ids, row.output_token_ids)
         if banned:
             logits[i, banned] = float("-inf")
-    grammar_rows = [i for i in idx if rows[i].matcher is not None]
+    grammar_rows = [i for i in idx if rows[i].has_grammar]
     if grammar_rows:
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])  # (R, ceil(V / 32))
         for i in grammar_rows:
-            rows[i].matcher.fill_next_token_bitmask(bitmask, i)
+            row_mask = rows[i].bitmask
+            if row_mask is not None:
+                bitmask[i] = row_mask
+            else:
+                rows[i].matcher.fill_next_token_bitmask(bitmask, i)
         xgr.apply_token_bitmask_inplace(
             logits, bitmask.to(logits.device, non_blocking=True), indices=grammar_rows
         )
@@ -107,7 +137,7 @@ def _bad_word_tokens(words: list[list[int]], output: list[int]) -> list[int]:
     return banned
 
 
-def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _filter(logits: torch.Tensor, params: list[SamplingParams | SamplingOptions]) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p masking, for the non-greedy rows `(R', V)`."""
     device = logits.device
     temps = torch.tensor([p.temperature for p in params], device=device)
@@ -151,7 +181,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     constrained = [
         i
         for i, r in enumerate(rows)
-        if r.params.needs_logit_masks or r.banned_token_ids or r.matcher is not None
+        if r.params.needs_logit_masks or r.banned_token_ids or r.has_grammar
     ]
     needs_copy = constrained or any(r.params.needs_penalties for r in rows)
     work = logits.clone() if needs_copy else logits

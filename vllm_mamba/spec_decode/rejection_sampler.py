@@ -40,6 +40,7 @@ Glossary: R rows of logits, V vocabulary, k drafts of one chain, P verified posi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -65,14 +66,17 @@ class Chain:
             `output_token_ids` is everything generated so far, `banned_token_ids` the tokens
             banned at every position, `matcher` the grammar matcher (left unchanged).
         min_tokens_banned: tokens banned at position i only while
-            `len(row.output_token_ids) + i < row.params.min_tokens` (EOS and stop tokens,
+            `row.num_output_tokens + i < row.params.min_tokens` (EOS and stop tokens,
             when the sequence has no grammar), so a draft may cross `min_tokens`.
+        grammar: the chain's grammar plan made beforehand from its matcher (`grammar_plan`,
+            where the matcher lives: the engine); None: made here from `row.matcher`.
     """
 
     row_start: int
     drafts: list[int]
     row: SamplingRow
     min_tokens_banned: list[int] = field(default_factory=list)
+    grammar: GrammarPlan | None = None
 
 
 @dataclass
@@ -86,9 +90,10 @@ class ChainOutput(SamplerOutput):
 
 
 @dataclass
-class _Plan:
+class GrammarPlan:
     """Which positions of a chain are verified: drafts `[:n_check]` are checked at rows
-    `row_start + i`; when `final`, one more position samples the token after them."""
+    `row_start + i`; when `final`, one more position samples the token after them; with a
+    grammar, each verified position's token bitmask."""
 
     n_check: int
     final: bool
@@ -156,31 +161,38 @@ def rejection_sample(logits: torch.Tensor, chains: list[Chain]) -> list[ChainOut
     return _outputs(logits, chains, emitted, accepted)
 
 
-def _plan(chain: Chain, vocab: int) -> _Plan:
-    """The positions to verify and, with a grammar, their masks (the matcher is advanced over
-    the drafts it allows, then rolled back)."""
-    k = len(chain.drafts)
-    matcher = chain.row.matcher
+def _plan(chain: Chain, vocab: int) -> GrammarPlan:
+    """The positions to verify and, with a grammar, their masks."""
+    if chain.grammar is not None:
+        return chain.grammar
+    return grammar_plan(chain.row.matcher, chain.drafts, vocab)
+
+
+def grammar_plan(matcher: Any, drafts: list[int], vocab: int) -> GrammarPlan:
+    """The positions of a chain with drafts `drafts` to verify and, with a grammar matcher,
+    their masks (the matcher is advanced over the drafts it allows, then rolled back, so it
+    is left as it was). `vocab` is the width of the logits."""
+    k = len(drafts)
     if matcher is None:
-        return _Plan(n_check=k, final=True)
+        return GrammarPlan(n_check=k, final=True)
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(k + 1, vocab)  # (k + 1, ceil(V / 32))
-    plan = _Plan(n_check=k, final=True)
+    plan = GrammarPlan(n_check=k, final=True)
     advanced = 0
     try:
         for i in range(k + 1):
             matcher.fill_next_token_bitmask(bitmask, i)
             if i == k:
                 break
-            d = chain.drafts[i]
+            d = drafts[i]
             allowed = 0 <= d < vocab and (int(bitmask[i, d >> 5]) >> (d & 31)) & 1
             if not allowed or not matcher.accept_token(d):
-                plan = _Plan(n_check=i, final=True)  # rejected here: sample from p_i
+                plan = GrammarPlan(n_check=i, final=True)  # rejected here: sample from p_i
                 break
             advanced += 1
             if matcher.is_terminated():
-                plan = _Plan(n_check=i + 1, final=False)  # the sequence ends on drafts[i]
+                plan = GrammarPlan(n_check=i + 1, final=False)  # the sequence ends on drafts[i]
                 break
     finally:
         if advanced:
@@ -195,7 +207,7 @@ def _position_row(chain: Chain, i: int) -> SamplingRow:
     base = chain.row
     output = base.output_token_ids + chain.drafts[:i] if i else base.output_token_ids
     banned = base.banned_token_ids
-    if chain.min_tokens_banned and len(output) < base.params.min_tokens:
+    if chain.min_tokens_banned and base.num_output_tokens + i < base.params.min_tokens:
         banned = banned + chain.min_tokens_banned
     return SamplingRow(
         params=base.params,
@@ -204,10 +216,11 @@ def _position_row(chain: Chain, i: int) -> SamplingRow:
         output_token_ids=output,
         banned_token_ids=banned,
         matcher=None,
+        num_output_tokens=base.num_output_tokens + i,
     )
 
 
-def _apply_grammar(work: torch.Tensor, plans: list[_Plan], starts: list[int]) -> None:
+def _apply_grammar(work: torch.Tensor, plans: list[GrammarPlan], starts: list[int]) -> None:
     """Masks the positions of the chains with a grammar, in place."""
     with_grammar = [(p, s) for p, s in zip(plans, starts) if p.bitmask is not None and p.n_pos]
     if not with_grammar:
@@ -223,7 +236,9 @@ def _apply_grammar(work: torch.Tensor, plans: list[_Plan], starts: list[int]) ->
     xgr.apply_token_bitmask_inplace(work, bitmask.to(work.device), indices=indices)
 
 
-def _verify_greedy(drafts: list[int], plan: _Plan, argmax: list[int]) -> tuple[list[int], int]:
+def _verify_greedy(
+    drafts: list[int], plan: GrammarPlan, argmax: list[int]
+) -> tuple[list[int], int]:
     """Accepts drafts while they equal the argmax; then the argmax at the first mismatch."""
     for i in range(plan.n_check):
         if drafts[i] != argmax[i]:
@@ -233,7 +248,11 @@ def _verify_greedy(drafts: list[int], plan: _Plan, argmax: list[int]) -> tuple[l
 
 
 def _draft_probs(
-    probs: torch.Tensor, chains: list[Chain], plans: list[_Plan], starts: list[int], slot: list[int]
+    probs: torch.Tensor,
+    chains: list[Chain],
+    plans: list[GrammarPlan],
+    starts: list[int],
+    slot: list[int],
 ) -> list[float]:
     """`p_i(drafts[i])` at every checked position of the random chains, gathered at once from
     `probs (P', V)` (0 for a draft outside the vocabulary); other positions get 0."""
@@ -259,7 +278,7 @@ def _draft_probs(
 
 
 def _verify_random(
-    chain: Chain, plan: _Plan, p_draft: list[float], filtered: torch.Tensor, first: int
+    chain: Chain, plan: GrammarPlan, p_draft: list[float], filtered: torch.Tensor, first: int
 ) -> tuple[list[int], int]:
     """Accepts `drafts[i]` with probability `p_i(drafts[i])` (`p_draft[i]`); at the first
     rejection samples the residual (p_i without the draft), else the bonus from `p_k`.

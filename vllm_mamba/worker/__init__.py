@@ -10,9 +10,12 @@
   block copies the runner asks for (made here, or on every rank through `relay`).
 - `relay`: rank 0's model calls and cache copies sent to the other ranks first, and the
   commands both ends speak.
-- `model_runner`: one step on the model (flat batch, metadata, forward, sampling).
+- `step`: the step as plain data (`Step` in, `StepResult` out): what crosses from the engine
+  to a worker, picklable.
+- `model_runner`: one step on the model (flat batch, metadata, forward, sampling), and the
+  sampling generators of seeded sequences, kept by sequence id.
 - `cuda_graphs`: captured decode forwards (CUDA, backends that declare them capturable).
 
-Nothing here imports `executor`: an executor builds `Worker`s and hands rank 0's the function
-that sends a command to the other ranks.
+Nothing here imports `executor` or `engine`: an executor builds `Worker`s and hands rank 0's
+the function that sends a command to the other ranks; the engine sends steps as data.
 """

@@ -1,16 +1,22 @@
 """Runs one engine step on rank 0's model: the only code that builds a step's tensors.
 
-It lays the scheduled sequences out as one flat batch (decodes first, then prefill chunks),
-with the chains of speculating sequences (last token + draft tokens) among the decodes, wave
-by wave (`attention.mamba_metadata`),
-builds the step metadata with the selected backend (with block tables and context lengths
-when the model has a KV cache), makes the step's copy-on-write KV block copies and copies
-prefix-cache hits' snapshots into their sequences' slots, runs one forward, forks states for
-`n > 1`, copies the states of the step's new snapshots into their snapshot slots, applies
-the LM head to the sampled positions (and to prompt positions whose logprobs were asked
-for) and samples; a chain's positions are verified against its drafts
-(`spec_decode.rejection_sampler`). After the engine has appended a chain's tokens, `rollback`
-brings the sequence's state back to its last kept token from the spare slot that saved it.
+The runner consumes a `step.Step` (plain data) and returns a `step.StepResult` (plain data);
+it never sees the engine's requests or sequences. It lays the step's sequences out as one flat
+batch (decodes first, then prefill chunks), with the chains of speculating sequences (last
+token + draft tokens) among the decodes, wave by wave (`attention.mamba_metadata`), builds the
+step metadata with the selected backend (with block tables and context lengths when the model
+has a KV cache), makes the step's copy-on-write KV block copies, the rollbacks the engine asked
+for and the state copies before the forward (prefix-cache saves and hits), runs one forward,
+forks states for `n > 1`, copies the states of the step's new snapshots into their snapshot
+slots, applies the LM head to the sampled positions (and to prompt positions whose logprobs
+were asked for) and samples; a chain's positions are verified against its drafts
+(`spec_decode.rejection_sampler`) and its state brought back to its last emitted token from
+the spare slot that saved it.
+
+What the runner keeps per sequence across steps is its sampling generator: made from the
+request's seed (and the sequence's index) when the sequence is first sampled, dropped when a
+step lists the sequence as finished. Requests without a seed draw from the engine-wide
+generator, restarted from the configured seed when a step asks (after the warm-up).
 
 The runner is built by its `Worker` with everything it needs, once (`RunnerConfig`: the spare
 slots, whether hidden rows are kept; the MTP head; CUDA graphs): nothing sets its fields
@@ -21,21 +27,35 @@ the other ranks first (`relay`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from vllm_mamba.attention.backend import AttentionBackend, StepLayout
-from vllm_mamba.engine.scheduler import ScheduledSeq, SchedulerOutput
-from vllm_mamba.engine.sequence import Sequence
-from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.kv_cache import KVCache
-from vllm_mamba.layers.sampler import SamplerOutput, SamplingRow, sample
+from vllm_mamba.layers.sampler import SamplingRow, sample
 from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.spec_decode.rejection_sampler import Chain, rejection_sample
 from vllm_mamba.worker.caches import CacheCopies
 from vllm_mamba.worker.cuda_graphs import DecodeCudaGraphs
+from vllm_mamba.worker.step import (
+    PromptLogprobChunk,
+    SampleSpec,
+    SpecResult,
+    Step,
+    StepResult,
+    StepSeq,
+)
+
+__all__ = [
+    "ModelRunner",
+    "PromptLogprobChunk",
+    "RunnerConfig",
+    "SpecResult",
+    "StepModel",
+    "StepResult",
+]
 
 
 class StepModel(Protocol):
@@ -70,50 +90,23 @@ class RunnerConfig:
     keep_sampled_hidden: bool = False
 
 
-@dataclass
-class PromptLogprobChunk:
-    """Prompt logprobs of consecutive positions: entry j scores prompt token `start + j`."""
-
-    start: int
-    token_logprobs: list[float]
-    token_ranks: list[int]
-    topk_ids: list[list[int]]
-    topk_logprobs: list[list[float]]
-
-
-@dataclass
-class SpecResult:
-    """One verified chain: the tokens it emits (its accepted drafts and one more), one
-    sampler-output row each, and what a rollback needs.
-
-    Attributes:
-        chain: the chain's index in the step (which spare slots hold its states).
-        num_drafts: draft tokens verified; num_accepted: how many were accepted.
-        hidden: `(L, H)` final hidden rows of the chain's positions, when kept.
-    """
-
-    token_ids: list[int]
-    out: SamplerOutput
-    chain: int
-    num_drafts: int
-    num_accepted: int
-    hidden: torch.Tensor | None = None
-
-
-@dataclass
-class StepResult:
-    """Per sampled sequence id, its row in a sampler output; per request, prompt logprobs;
-    per speculating sequence id, its verified chain."""
-
-    samples: dict[int, tuple[int, SamplerOutput]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, PromptLogprobChunk] = field(default_factory=dict)
-    # seq id -> (H,), when the runner keeps them (prefix caching)
-    sampled_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-    spec: dict[int, SpecResult] = field(default_factory=dict)
+def in_order(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`(src, dst)` copies cut into batches that one gathered copy each makes as if the copies
+    ran one by one: a copy that reads or writes a slot an earlier copy of the batch wrote
+    starts the next batch (a finished sequence's save, then a hit on that snapshot)."""
+    batches: list[list[tuple[int, int]]] = []
+    written: set[int] = set()
+    for src, dst in pairs:
+        if not batches or src in written or dst in written:
+            batches.append([])
+            written = set()
+        batches[-1].append((src, dst))
+        written.add(dst)
+    return batches
 
 
 class ModelRunner:
-    """Runs the steps on rank 0's model and caches; owns the engine-wide sampling generator.
+    """Runs the steps on rank 0's model and caches; owns the sampling generators.
 
     Args:
         model: the model, or a relay of it (`StepModel`).
@@ -122,7 +115,6 @@ class ModelRunner:
         config: the engine's decisions (`RunnerConfig`).
         seed: the engine-wide generator's seed (requests without their own seed).
         copies: makes the slot and block copies (on every rank, under tensor parallelism).
-        structured_outputs: the grammars of requests that ask for one.
         mtp: the model's multi-token prediction head, run after every forward over the
             step's rows (speculative method `mtp`); None otherwise.
         cuda_graph_max_num_seqs: capture decode CUDA graphs for batches up to this size
@@ -139,7 +131,6 @@ class ModelRunner:
         *,
         seed: int,
         copies: CacheCopies,
-        structured_outputs: StructuredOutputs | None = None,
         kv_cache: KVCache | None = None,
         mtp: torch.nn.Module | None = None,
         cuda_graph_max_num_seqs: int | None = None,
@@ -151,9 +142,12 @@ class ModelRunner:
         self.device = device
         self.config = config
         self.copies = copies
-        self.structured_outputs = structured_outputs
         self.eos_token_id = config.eos_token_id
+        self.seed = seed
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # Per sequence id, the generator of a seeded request's sequence (see the module
+        # docstring).
+        self.generators: dict[int, torch.Generator] = {}
         self.mtp = mtp
         # Per sequence sampled, its first MTP draft and the head's output row that further
         # drafts start from (`spec_decode.mtp_proposer` reads them after the step).
@@ -168,24 +162,28 @@ class ModelRunner:
         return torch.Generator(device=self.device).manual_seed((seed + 7919 * index) % 2**63)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> StepResult:
-        """Runs the step's forward and sampling; the caller appends tokens and updates counts."""
-        items = step.scheduled
+    def execute(self, step: Step) -> StepResult:
+        """Runs the step's copies, forward and sampling (see the module docstring)."""
+        if step.reset_generator:
+            self.generator.manual_seed(self.seed)
+        for seq_id in step.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        items = step.seqs
         layout, token_ids, rows = self._layout(items)
         last_row = {seq_id: r[-1] for seq_id, r in rows.items()}  # its chunk's last token
         sampled = [i for i in items if i.sample and not i.is_spec]
-        sample_pos = [last_row[i.seq.seq_id] for i in sampled]
-        prompt_pos: list[tuple[ScheduledSeq, int, int]] = []  # (item, flat start, prompt start)
-        for item in items:
-            first = self._first_prompt_logprob_pos(item)
-            if first is not None:
-                flat = rows[item.seq.seq_id][0]
-                prompt_pos.append((item, flat + first - item.seq.num_computed_tokens, first))
+        sample_pos = [last_row[i.seq_id] for i in sampled]
         if self.kv_cache is not None and step.block_copies:
             src, dst = zip(*step.block_copies)
             self.copies.copy_blocks(list(src), list(dst))
-        hits = step.state_copies
-        self.copy_states([s for s, _ in hits], [d for _, d in hits])
+        self.rollback(step.rollbacks)
+        for batch in in_order(step.state_copies):
+            self.copy_states([s for s, _ in batch], [d for _, d in batch])
+        result = StepResult()
+        for h in step.hidden_logprobs:
+            result.hidden_logprobs[h.request_id] = self._prompt_logprobs(
+                h.hidden.to(self.device)[None], [h.target], h.k, h.position
+            )
         meta = None
         if self.cuda_graphs is not None and not layout.prefill_lens and not layout.decode_waves:
             hidden = self.cuda_graphs.run(token_ids, layout.decode_slots)  # (T, H)
@@ -194,33 +192,39 @@ class ModelRunner:
             meta = self.backend.build_metadata(layout, self.device)
             hidden = self.model(input_ids, meta)  # (T, H)
 
-        forks = [(item.seq.slot, c.slot) for item in items for c in item.children]
+        forks = [(item.slot, slot) for item in items for _, slot in item.forks]
         self.copy_states([s for s, _ in forks], [d for _, d in forks])
         for snap in step.snapshots:
-            snap.hidden = hidden[last_row[snap.seq_id]].clone()  # (H,)
+            result.snapshot_hidden[snap.seq_id] = hidden[last_row[snap.seq_id]].clone()  # (H,)
         takes = [p for p in step.snapshots if p.slot is not None]
-        self.copy_states([p.seq_slot for p in takes], [p.slot for p in takes])
+        self.copy_states([p.seq_slot for p in takes], [p.slot for p in takes])  # type: ignore[misc]
 
-        result = StepResult()
         if sample_pos:
             self._sample(hidden, sample_pos, sampled, result)
             if self.config.keep_sampled_hidden:
                 for item, pos in zip(sampled, sample_pos):
-                    for seq in [item.seq, *item.children]:
-                        result.sampled_hidden[seq.seq_id] = hidden[pos]
+                    row = hidden[pos].clone()  # (H,)
+                    for spec in item.samples:
+                        result.sampled_hidden[spec.seq_id] = row
         chains = [i for i in items if i.is_spec]
         if chains:
             self._verify(hidden, chains, rows, result)
         if self.mtp is not None:
             self._mtp_pass(hidden, meta, items, rows, result)
-        for item, flat_start, prompt_start in prompt_pos:
-            end = min(
-                item.seq.num_computed_tokens + item.num_tokens, len(item.seq.prompt_token_ids) - 1
-            )
-            rows = hidden[flat_start : flat_start + end - prompt_start]
-            targets = item.seq.prompt_token_ids[prompt_start + 1 : end + 1]
-            result.prompt_logprobs[item.group.request_id] = self._prompt_logprobs(
-                rows, targets, item.group.params.prompt_logprobs, prompt_start + 1
+        for item in items:
+            wanted = item.prompt_logprobs
+            if wanted is None:
+                continue
+            first = wanted.first
+            flat_start = rows[item.seq_id][0] + first - item.num_computed_tokens
+            end = min(item.num_computed_tokens + item.num_tokens, item.num_prompt_tokens - 1)
+            targets = [item.token_at(pos) for pos in range(first + 1, end + 1)]
+            assert None not in targets, "a prompt logprob's target is not in the step"
+            result.prompt_logprobs[item.request_id] = self._prompt_logprobs(
+                hidden[flat_start : flat_start + end - first],
+                targets,  # type: ignore[arg-type]
+                wanted.k,
+                first + 1,
             )
         return result
 
@@ -243,20 +247,10 @@ class ModelRunner:
 
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """Copies every state of slots `src[i]` into `dst[i]` (forks, prefix-cache hits and
-        snapshots)."""
+        snapshots, rollbacks)."""
         self.copies.copy_slots(src, dst)
 
-    @torch.inference_mode()
-    def prompt_logprob_from_hidden(
-        self, hidden: torch.Tensor, target: int, k: int, position: int
-    ) -> PromptLogprobChunk:
-        """The prompt logprob of token `position` from the saved final hidden row `(H,)` of
-        position `position - 1` (a prefix-cache hit that skipped that position)."""
-        return self._prompt_logprobs(hidden[None], [target], k, position)
-
-    def _layout(
-        self, items: list[ScheduledSeq]
-    ) -> tuple[StepLayout, list[int], dict[int, list[int]]]:
+    def _layout(self, items: list[StepSeq]) -> tuple[StepLayout, list[int], dict[int, list[int]]]:
         """The step's flat batch: its layout (block tables and context lengths with a KV
         cache), its token ids, and each sequence's rows in it, in token order.
 
@@ -267,46 +261,41 @@ class ModelRunner:
         chains = [s for s in items if s.is_decode or s.is_spec]
         prefills = [s for s in items if not (s.is_decode or s.is_spec)]
         tokens: list[int] = []
-        rows: dict[int, list[int]] = {s.seq.seq_id: [] for s in items}
+        rows: dict[int, list[int]] = {s.seq_id: [] for s in items}
         decode_slots: list[int] = []
         chain_src: list[int] = []
         chain_dst: list[int] = []
         contexts: list[int] = []
         tables: list[list[int]] = []
-        inputs = [
-            s.seq.token_slice(s.seq.num_computed_tokens, s.seq.num_computed_tokens + 1)
-            + s.spec_token_ids
-            for s in chains
-        ]
-        chain_index = {s.seq.seq_id: c for c, s in enumerate(i for i in chains if i.is_spec)}
-        longest = max((len(t) for t in inputs), default=0)
+        chain_index = {s.seq_id: c for c, s in enumerate(i for i in chains if i.is_spec)}
+        longest = max((s.num_tokens for s in chains), default=0)
         waves = []
         for wave in range(longest):
             first = len(tokens)
-            for item, chain in zip(chains, inputs):
+            for item in chains:
+                chain = item.token_ids
                 if wave >= len(chain):
                     continue
-                slot = item.seq.slot
-                rows[item.seq.seq_id].append(len(tokens))
+                slot = item.slot
+                rows[item.seq_id].append(len(tokens))
                 tokens.append(chain[wave])
                 decode_slots.append(slot)
-                contexts.append(item.seq.num_computed_tokens + wave)
+                contexts.append(item.num_computed_tokens + wave)
                 tables.append(item.block_table)
                 if longest > 1:  # position w writes spare slot w, the last one the sequence's
-                    c = chain_index.get(item.seq.seq_id, -1)  # -1: a plain decode, one row
+                    c = chain_index.get(item.seq_id, -1)  # -1: a plain decode, one row
                     last = wave + 1 == len(chain)
                     chain_dst.append(slot if last else self.spare_slot(c, wave))
                     chain_src.append(slot if wave == 0 else self.spare_slot(c, wave - 1))
             waves.append(len(tokens) - first)
         for item in prefills:
-            start = item.seq.num_computed_tokens
-            rows[item.seq.seq_id] = list(range(len(tokens), len(tokens) + item.num_tokens))
-            tokens.extend(item.seq.token_slice(start, start + item.num_tokens))
+            rows[item.seq_id] = list(range(len(tokens), len(tokens) + item.num_tokens))
+            tokens.extend(item.token_ids)
         layout = StepLayout(
             decode_slots=decode_slots,
             prefill_lens=[s.num_tokens for s in prefills],
-            prefill_slots=[s.seq.slot for s in prefills],
-            prefill_context_lens=[s.seq.num_computed_tokens for s in prefills],
+            prefill_slots=[s.slot for s in prefills],
+            prefill_context_lens=[s.num_computed_tokens for s in prefills],
         )
         if longest > 1:
             layout.decode_waves = waves
@@ -318,75 +307,64 @@ class ModelRunner:
             layout.prefill_block_tables = [s.block_table for s in prefills]
         return layout, tokens, rows
 
-    def _first_prompt_logprob_pos(self, item: ScheduledSeq) -> int | None:
-        """The first position of this chunk whose prompt logprob is still owed, if any."""
-        group = item.group
-        if group.params.prompt_logprobs is None or item.seq.index != 0:
-            return None
-        done = len(group.prompt_logprobs or [None]) - 1  # positions already scored
-        first = max(item.seq.num_computed_tokens, done)
-        last = min(
-            item.seq.num_computed_tokens + item.num_tokens, len(item.seq.prompt_token_ids) - 1
-        )
-        return first if first < last else None
-
     def _sample(
         self,
         hidden: torch.Tensor,
         positions: list[int],
-        items: list[ScheduledSeq],
+        items: list[StepSeq],
         result: StepResult,
     ) -> None:
         """LM head on the sampled positions, one row per sequence (forks share their parent's)."""
-        pairs = [
-            (seq, r, item) for r, item in enumerate(items) for seq in [item.seq, *item.children]
-        ]
+        pairs = [(spec, r) for r, item in enumerate(items) for spec in item.samples]
         logits = self.model.compute_logits(hidden[positions])  # (len(items), V)
-        rows = [r for _, r, _ in pairs]
+        rows = [r for _, r in pairs]
         if len(rows) != len(items):  # forks sample from their parent's row: (R, V)
             logits = logits[rows]
-        out = sample(logits, [self._row(seq, item) for seq, _, item in pairs])
-        for i, (seq, _, _) in enumerate(pairs):
-            result.samples[seq.seq_id] = (i, out)
+        out = sample(logits, [self._row(spec) for spec, _ in pairs])
+        for i, (spec, _) in enumerate(pairs):
+            result.samples[spec.seq_id] = (i, out)
 
     def _verify(
         self,
         hidden: torch.Tensor,
-        chains: list[ScheduledSeq],
+        chains: list[StepSeq],
         rows: dict[int, list[int]],
         result: StepResult,
     ) -> None:
-        """Verifies every chain's drafts against the target's logits at its positions."""
-        flat = [r for item in chains for r in rows[item.seq.seq_id]]
+        """Verifies every chain's drafts against the target's logits at its positions, then
+        brings each chain's state back to its last emitted token."""
+        flat = [r for item in chains for r in rows[item.seq_id]]
         logits = self.model.compute_logits(hidden[flat])  # (sum L, V)
         specs, start = [], 0
         for item in chains:
-            row = self._row(item.seq, item)
-            banned: list[int] = []
-            if row.matcher is None:
-                banned = list(item.group.params.stop_token_ids or [])
-                if self.eos_token_id is not None and not item.group.params.ignore_eos:
-                    banned.append(self.eos_token_id)
+            spec = item.samples[0]
+            row = self._row(spec)
             row.banned_token_ids = []
-            specs.append(Chain(start, item.spec_token_ids, row, banned))
-            start += len(item.spec_token_ids) + 1
+            specs.append(
+                Chain(start, item.token_ids[1:], row, list(spec.min_tokens_banned), spec.grammar)
+            )
+            start += item.num_tokens
         outs = rejection_sample(logits, specs)
+        kept: list[tuple[int, int, int]] = []
         for index, (item, out) in enumerate(zip(chains, outs)):
-            seq_id = item.seq.seq_id
+            seq_id = item.seq_id
             result.spec[seq_id] = SpecResult(
                 token_ids=out.token_ids,
                 out=out,
                 chain=index,
-                num_drafts=len(item.spec_token_ids),
+                num_drafts=item.num_drafts,
                 num_accepted=out.num_accepted,
-                hidden=hidden[rows[seq_id]] if self.config.keep_sampled_hidden else None,
+                hidden=hidden[rows[seq_id]].clone() if self.config.keep_sampled_hidden else None,
             )
+            if len(out.token_ids) < item.num_tokens:  # the chain's last position is not kept
+                kept.append((item.slot, index, len(out.token_ids)))
+        self.rollback(kept)
 
     def _mtp_pass(
         self,
         hidden: torch.Tensor,
         meta: object,
-        items: list[ScheduledSeq],
+        items: list[StepSeq],
         rows: dict[int, list[int]],
         result: StepResult,
     ) -> None:
@@ -398,23 +376,23 @@ class ModelRunner:
         next_ids = [0] * hidden.shape[0]  # rows past a chain's emitted tokens: overwritten later
         last: dict[int, int] = {}  # seq id -> the row whose MTP output drafts its next token
         for item in items:
-            seq, seq_rows = item.seq, rows[item.seq.seq_id]
+            seq_id, seq_rows = item.seq_id, rows[item.seq_id]
             if item.is_spec:
-                emitted = result.spec[seq.seq_id].token_ids
+                emitted = result.spec[seq_id].token_ids
                 for row, token in zip(seq_rows, emitted):
                     next_ids[row] = token
-                last[seq.seq_id] = seq_rows[len(emitted) - 1]
+                last[seq_id] = seq_rows[len(emitted) - 1]
                 continue
-            start = seq.num_computed_tokens
+            start = item.num_computed_tokens
             for j, row in enumerate(seq_rows):
-                pos = start + j + 1
-                if pos < seq.num_tokens:
-                    next_ids[row] = seq.token_slice(pos, pos + 1)[0]
+                token = item.token_at(start + j + 1)
+                if token is not None:
+                    next_ids[row] = token
             if item.sample:
-                index, out = result.samples[seq.seq_id]
+                index, out = result.samples[seq_id]
                 next_ids[seq_rows[-1]] = out.token_ids[index]
-                if not item.children:  # forks draft from their second step on
-                    last[seq.seq_id] = seq_rows[-1]
+                if not item.forks:  # forks draft from their second step on
+                    last[seq_id] = seq_rows[-1]
         ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)
         out_rows = self.mtp(hidden, ids, meta)  # (T, H)
         if not last:
@@ -424,28 +402,24 @@ class ModelRunner:
         for (seq_id, row), draft in zip(last.items(), drafts):
             self.mtp_next[seq_id] = (draft, out_rows[row])
 
-    def _row(self, seq: Sequence, item: ScheduledSeq) -> SamplingRow:
-        """Sampling inputs of one sequence; EOS and stop tokens are banned before min_tokens
-        (unless a grammar decides when the output ends)."""
-        params = item.group.params
-        if seq.generator is None and params.seed is not None:
-            seq.generator = self.make_generator(params.seed, seq.index)
-        so = params.structured_outputs
-        if so is not None and seq.matcher is None and (not so.start_after or seq.grammar_started):
-            assert self.structured_outputs is not None
-            seq.matcher = self.structured_outputs.new_matcher(params)
-        banned: list[int] = []
-        if len(seq.output_token_ids) < params.min_tokens and seq.matcher is None:
-            banned = list(params.stop_token_ids or [])
-            if self.eos_token_id is not None and not params.ignore_eos:
-                banned.append(self.eos_token_id)
+    def _row(self, spec: SampleSpec) -> SamplingRow:
+        """Sampling inputs of one sequence, with its generator (made from its request's seed
+        when it first samples)."""
+        generator = self.generator
+        if spec.seed is not None:
+            generator = self.generators.get(spec.seq_id)  # type: ignore[assignment]
+            if generator is None:
+                generator = self.generators[spec.seq_id] = self.make_generator(
+                    spec.seed, spec.index
+                )
         return SamplingRow(
-            params=params,
-            generator=seq.generator or self.generator,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            banned_token_ids=banned,
-            matcher=seq.matcher,
+            params=spec.options,
+            generator=generator,
+            prompt_token_ids=spec.prompt_token_ids,
+            output_token_ids=spec.output_token_ids,
+            banned_token_ids=list(spec.banned_token_ids),
+            bitmask=spec.bitmask,
+            num_output_tokens=spec.num_output_tokens,
         )
 
     def _prompt_logprobs(

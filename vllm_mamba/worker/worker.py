@@ -13,13 +13,14 @@ Then the executor sizes the caches from rank 0's specs and calls `init_caches` o
 rank 0, which builds the `ModelRunner` configured once and for all (`RunnerConfig`), with the
 attention backend of the built model and, on CUDA when the backend declares decode steps
 capturable and the model is not sharded, the decode CUDA graphs. Rank 0 then runs each step
-(`execute`); ranks 1..N-1 run the commands rank 0's model calls send them (`handle`, see
-`relay`), since a step is not yet plain data that every rank could run itself.
+(`execute`: a plain-data `step.Step` in, a `step.StepResult` out; the per-sequence state the
+runner keeps, its sampling generators, lives here, keyed by sequence id); ranks 1..N-1 still
+run the commands rank 0's model calls send them (`handle`, see `relay`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -28,8 +29,6 @@ from vllm_mamba.attention.selector import select_attention_backend
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.communication import broadcast
 from vllm_mamba.distributed.parallel_state import TensorParallel, init_tensor_parallel
-from vllm_mamba.engine.scheduler import SchedulerOutput
-from vllm_mamba.engine.structured_outputs import StructuredOutputs
 from vllm_mamba.kv_cache import KVCache, KVCacheSizing
 from vllm_mamba.model_loader import build_model
 from vllm_mamba.state_cache import StateCache
@@ -40,9 +39,10 @@ from vllm_mamba.worker.caches import (
     cache_specs_of,
     make_caches,
 )
-from vllm_mamba.worker.model_runner import ModelRunner, PromptLogprobChunk, RunnerConfig, StepResult
+from vllm_mamba.worker.model_runner import ModelRunner, RunnerConfig
 from vllm_mamba.worker.platform import Platform
 from vllm_mamba.worker.relay import Command, RelayCopies, RelayModel, Send, metadata_to
+from vllm_mamba.worker.step import Step, StepResult
 
 JoinGroup = Callable[[TensorParallel, torch.device], None]
 
@@ -118,9 +118,7 @@ class Worker:
         if self.send is not None:
             self.copies = RelayCopies(self.copies, self.send)
 
-    def init_runner(
-        self, runner_config: RunnerConfig, structured_outputs: StructuredOutputs | None
-    ) -> ModelRunner:
+    def init_runner(self, runner_config: RunnerConfig) -> ModelRunner:
         """Builds the runner over this rank's model and caches (rank 0, after
         `init_caches`)."""
         assert self.cache is not None and self.copies is not None, "init_caches first"
@@ -135,42 +133,18 @@ class Worker:
             runner_config,
             seed=self.config.model_config.seed,
             copies=self.copies,
-            structured_outputs=structured_outputs,
             kv_cache=self.kv_cache,
             mtp=self.model.mtp if self.config.uses_mtp else None,
             cuda_graph_max_num_seqs=(self.config.scheduler_config.max_num_seqs if graphs else None),
         )
         return self.runner
 
-    # ----- rank 0: the engine's steps, and the calls outside them -----------------------
-    def execute(self, step: SchedulerOutput) -> StepResult:
-        """Runs one scheduled step (the governor may first change the thread count)."""
+    # ----- rank 0: the engine's steps -----------------------------------------------------
+    def execute(self, step: Step) -> StepResult:
+        """Runs one step (the governor may first change the thread count)."""
         assert self.runner is not None, "init_runner first"
         self.platform.before_step()
         return self.runner.execute(step)
-
-    def copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copies every state of slots `src[i]` into `dst[i]` (on every rank)."""
-        assert self.copies is not None, "init_caches first"
-        self.copies.copy_slots(src, dst)
-
-    def rollback(self, kept: list[tuple[int, int, int]]) -> None:
-        """Brings speculating sequences' states back to their last kept token
-        (`ModelRunner.rollback`)."""
-        assert self.runner is not None, "init_runner first"
-        self.runner.rollback(kept)
-
-    def prompt_logprob_from_hidden(
-        self, hidden: torch.Tensor, target: int, k: int, position: int
-    ) -> PromptLogprobChunk:
-        """The prompt logprob of token `position` from a saved final hidden row `(H,)`."""
-        assert self.runner is not None, "init_runner first"
-        return self.runner.prompt_logprob_from_hidden(hidden, target, k, position)
-
-    def reset_generator(self) -> None:
-        """Restarts the engine-wide sampling generator from the configured seed."""
-        assert self.runner is not None, "init_runner first"
-        self.runner.generator.manual_seed(self.config.model_config.seed)
 
     # ----- ranks 1..N-1: rank 0's commands ----------------------------------------------
     @torch.inference_mode()
