@@ -33,6 +33,7 @@ from torch import nn
 
 from vllm_mamba.cache_specs import StateSpec
 from vllm_mamba.layers.cache_layers import LayerState, stateful_layers
+from vllm_mamba.layers.decode_plan import plan_decode
 from vllm_mamba.worker.huge_pages import huge_page_zeros
 
 __all__ = ["SlotAllocator", "SlotLayout", "StateCache", "state_specs_of"]
@@ -181,11 +182,14 @@ class StateCache:
         return self._views[index]
 
     def bind(self, model: nn.Module) -> None:
-        """Gives each recurrent layer of `model` its views, in module order."""
+        """Gives each recurrent layer of `model` its views, in module order, then makes the
+        layers' decode plans from the weights and these states (`layers.decode_plan`): a
+        binding replaces the plans made before it."""
         layers = stateful_layers(model)
         assert len(layers) == len(self.specs), (len(layers), len(self.specs))
         for i, module in enumerate(layers):
             module.bind_state(self.layer(i))
+        plan_decode(model)
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copies the state of slots `src[i]` into `dst[i]` in every layer (a fork, a prefix

@@ -21,6 +21,7 @@ from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
 from vllm_mamba.cache_specs import PAD_SLOT_ID
+from vllm_mamba.layers.fused_decode_layer import FusedMambaStep
 from vllm_mamba.ops import cpu_kernels
 from vllm_mamba.ops import fused_decode as fd
 from vllm_mamba.ops.int4_linear import int4_supported, quantize_int4
@@ -68,66 +69,63 @@ def _states(dtype: torch.dtype | str) -> tuple[torch.dtype, torch.dtype]:
     return _model(dtype), torch.float32
 
 
-def _weight_dtypes(params, ids, dtype, float_ids=()) -> list[torch.Tensor | None]:  # noqa: ANN001
-    """Casts the projection weights `params[i]` (i in `ids`) to `dtype` in place, or quantises
-    them to int8 or 4-bit (but `float_ids`; 4-bit where K is a multiple of 32, else int8);
-    returns their scale entries (None for a float weight)."""
-    scales = []
-    for i in ids:
-        if dtype in (INT4_F32, INT4_BF16) and i not in float_ids and int4_supported(params[i]):
-            params[i], scale = quantize_int4(params[i])
-            scales.append(scale)
-        elif dtype in (INT8_F32, INT8_BF16, INT4_F32, INT4_BF16) and i not in float_ids:
-            params[i], scale = quantize_int8(params[i])
-            scales.append(scale)
+def _weight_dtypes(params, names, dtype, float_names=()) -> None:  # noqa: ANN001
+    """Casts the projection weights `params[f"{n}_w"]` (n in `names`) to `dtype` in place, or
+    quantises them to int8 or 4-bit (but `float_names`; 4-bit where K is a multiple of 32, else
+    int8), and sets their scale entries `params[f"{n}_scale"]` (None for a float weight)."""
+    for n in names:
+        w, quantised = params[f"{n}_w"], n not in float_names
+        if dtype in (INT4_F32, INT4_BF16) and quantised and int4_supported(w):
+            params[f"{n}_w"], params[f"{n}_scale"] = quantize_int4(w)
+        elif dtype in (INT8_F32, INT8_BF16, INT4_F32, INT4_BF16) and quantised:
+            params[f"{n}_w"], params[f"{n}_scale"] = quantize_int8(w)
         else:
-            params[i] = params[i].to(_model(dtype))
-            scales.append(None)
-    return scales
+            params[f"{n}_w"], params[f"{n}_scale"] = w.to(_model(dtype)), None
 
 
 def _mamba_case(g, hidden, inter, nstate, rank, kernel, bias, norm, dtype):  # noqa: ANN001, ANN202
-    params = [
-        1 + 0.1 * torch.randn(hidden, generator=g) if norm else None,
-        _w(g, 2 * inter, hidden),
-        _w(g, 2 * inter) if bias else None,
-        _w(g, inter, kernel),
-        _w(g, inter) if bias else None,
-        _w(g, rank + 2 * nstate, inter),
-        _w(g, inter, rank),
-        _w(g, inter) - 1.0,
-        -torch.exp(torch.rand(inter, nstate, generator=g) * 2),
-        torch.randn(inter, generator=g),
-        _w(g, hidden, inter),
-        _w(g, hidden) if bias else None,
-    ]
-    # in_proj, x_proj, dt_proj, out_proj; int8 models keep dt_proj float, as the quantiser does
-    params += _weight_dtypes(params, (1, 5, 6, 10), dtype, float_ids=(6,))
+    params = {
+        "norm_w": 1 + 0.1 * torch.randn(hidden, generator=g) if norm else None,
+        "in_proj_w": _w(g, 2 * inter, hidden),
+        "in_proj_b": _w(g, 2 * inter) if bias else None,
+        "conv_w": _w(g, inter, kernel),
+        "conv_b": _w(g, inter) if bias else None,
+        "x_proj_w": _w(g, rank + 2 * nstate, inter),
+        "dt_proj_w": _w(g, inter, rank),
+        "dt_proj_b": _w(g, inter) - 1.0,
+        "A": -torch.exp(torch.rand(inter, nstate, generator=g) * 2),
+        "D": torch.randn(inter, generator=g),
+        "out_proj_w": _w(g, hidden, inter),
+        "out_proj_b": _w(g, hidden) if bias else None,
+    }
+    # int8 models keep dt_proj float, as the quantiser does
+    projections = ("in_proj", "x_proj", "dt_proj", "out_proj")
+    _weight_dtypes(params, projections, dtype, float_names=("dt_proj",))
     conv = torch.randn(SLOTS, inter, kernel - 1, generator=g).to(_states(dtype)[0])
     ssm = torch.randn(SLOTS, inter, nstate, generator=g).to(_states(dtype)[1])
-    return params, conv, ssm
+    return list(fd.MambaParams(**params)), conv, ssm
 
 
 def _mamba2_case(g, hidden, heads, head_dim, groups, nstate, kernel, bias, norm, dtype):  # noqa: ANN001, ANN202
     inter = heads * head_dim
     cd = inter + 2 * groups * nstate
-    params = [
-        1 + 0.1 * torch.randn(hidden, generator=g) if norm else None,
-        _w(g, inter + cd + heads, hidden),
-        _w(g, inter + cd + heads) if bias else None,
-        _w(g, cd, kernel),
-        _w(g, cd) if bias else None,
-        _w(g, heads) - 1.0,
-        -torch.exp(torch.rand(heads, generator=g) * 2),
-        torch.randn(heads, generator=g),
-        1 + 0.1 * torch.randn(inter, generator=g),
-        _w(g, hidden, inter),
-        _w(g, hidden) if bias else None,
-    ]
-    params += _weight_dtypes(params, (1, 9), dtype)
+    params = {
+        "norm_w": 1 + 0.1 * torch.randn(hidden, generator=g) if norm else None,
+        "in_proj_w": _w(g, inter + cd + heads, hidden),
+        "in_proj_b": _w(g, inter + cd + heads) if bias else None,
+        "conv_w": _w(g, cd, kernel),
+        "conv_b": _w(g, cd) if bias else None,
+        "dt_bias": _w(g, heads) - 1.0,
+        "A": -torch.exp(torch.rand(heads, generator=g) * 2),
+        "D": torch.randn(heads, generator=g),
+        "gate_norm_w": 1 + 0.1 * torch.randn(inter, generator=g),
+        "out_proj_w": _w(g, hidden, inter),
+        "out_proj_b": _w(g, hidden) if bias else None,
+    }
+    _weight_dtypes(params, ("in_proj", "out_proj"), dtype)
     conv = torch.randn(SLOTS, cd, kernel - 1, generator=g).to(_states(dtype)[0])
     ssm = torch.randn(SLOTS, heads, head_dim, nstate, generator=g).to(_states(dtype)[1])
-    return params, conv, ssm
+    return list(fd.Mamba2Params(**params)), conv, ssm
 
 
 def _check(run, ref, hidden, conv, ssm, idx, tol) -> None:  # noqa: ANN001
@@ -242,31 +240,47 @@ def test_fused_decode_rejects_bad_shapes() -> None:
         cpu_kernels.fused_mamba2_decode(
             x[:, :32], params, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32
         )
-    int8, _ = quantize_int8(params[1])
-    unscaled = [*params[:1], int8, *params[2:]]  # an int8 weight without its scale
+    named = fd.Mamba2Params(*params)
+    int8, _ = quantize_int8(named.in_proj_w)
+    unscaled = list(named._replace(in_proj_w=int8))  # an int8 weight without its scale
     with pytest.raises(RuntimeError, match="in_proj weight is int8"):
         cpu_kernels.fused_mamba2_decode(
             x, unscaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32
         )
-    scaled = [*params[:-2], torch.ones(params[1].shape[0]), None]  # a float weight with one
+    # a float weight with a scale
+    scaled = list(named._replace(in_proj_scale=torch.ones(named.in_proj_w.shape[0])))
     with pytest.raises(RuntimeError, match="has a scale"):
         cpu_kernels.fused_mamba2_decode(
             x, scaled, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32
         )
-    int4, scales = quantize_int4(params[1])
+    int4, scales = quantize_int4(named.in_proj_w)
     for bad_scales in (None, scales.float(), scales[:, :1].contiguous()):
-        bad = [*params[:1], int4, *params[2:-2], bad_scales, None]
+        bad = list(named._replace(in_proj_w=int4, in_proj_scale=bad_scales))
         with pytest.raises(RuntimeError, match="in_proj weight is 4-bit"):
             cpu_kernels.fused_mamba2_decode(
                 x, bad, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32
             )
 
 
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the fused Mamba / Mamba2 steps that ran (`FusedMambaStep` calls)."""
+    calls = {"fused": 0}
+    real = FusedMambaStep.__call__
+
+    def counting(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls["fused"] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedMambaStep, "__call__", counting)
+    return calls
+
+
 def _generate(
     model: str, quantization: str | None, state_dtype: str
-) -> tuple[list[list[int]], list[list[float]], bool]:
+) -> tuple[list[list[int]], list[list[float]], dict[str, torch.Tensor | None] | None]:
     """Greedy tokens and logprobs of 9 prompts (decode batches of 9 and then fewer rows) and
-    whether the fused kernels ran."""
+    the first layer's fused parameters by name (None: unfused)."""
     g = torch.Generator().manual_seed(3)
     prompts = [
         {"prompt_token_ids": torch.randint(0, 50000, (n,), generator=g).tolist()}
@@ -276,14 +290,17 @@ def _generate(
     kwargs = dict(max_num_seqs=9, quantization=quantization, ssm_state_dtype=state_dtype)
     with VllmRunner(model, **kwargs) as runner:
         outs = [o.outputs[0] for o in runner.generate(prompts, params)]
-        mixer = runner.engine.model.backbone.layers[0].mixer
+        plan = runner.engine.model.backbone.layers[0].decode_plan
     logprobs = [[next(iter(d.values())).logprob for d in o.logprobs] for o in outs]
-    prepared = [p for _, p in mixer.__dict__.get("_fused_decode_params", {}).values() if p]
-    if quantization == "int8":  # the fused layer ran on the int8 weights themselves
-        assert all(params[1].dtype == torch.int8 for params, _ in prepared)
+    if plan is None:
+        return [o.token_ids for o in outs], logprobs, None
+    fields = fd.MAMBA2_PARAMS if "mamba2" in model else fd.MAMBA_PARAMS
+    params = dict(zip(fields, plan.step.params, strict=True))
+    if quantization == "int8":  # the fused layer runs on the int8 weights themselves
+        assert params["in_proj_w"].dtype == torch.int8
     if quantization == "int4":  # on 4-bit weights (in_proj is int8 where K % 32 != 0)
-        assert all(any(t is not None and t.dtype == torch.uint8 for t in p) for p, _ in prepared)
-    return [o.token_ids for o in outs], logprobs, bool(prepared)
+        assert any(t is not None and t.dtype == torch.uint8 for t in params.values())
+    return [o.token_ids for o in outs], logprobs, params
 
 
 @pytest.mark.parametrize(
@@ -303,17 +320,21 @@ def _generate(
     ],
 )
 def test_engine_outputs_equal_with_and_without_fused_decode(
-    name: str, quantization: str | None, state_dtype: str, monkeypatch: pytest.MonkeyPatch
+    name: str,
+    quantization: str | None,
+    state_dtype: str,
+    monkeypatch: pytest.MonkeyPatch,
+    fused_calls: dict[str, int],
 ) -> None:
     monkeypatch.delenv("VLLM_MAMBA_OPS", raising=False)
     model = tiny_model_dir(name)
     monkeypatch.setenv("VLLM_MAMBA_FUSED_DECODE", "0")
-    want, want_lp, used = _generate(model, quantization, state_dtype)
-    assert not used
+    want, want_lp, planned = _generate(model, quantization, state_dtype)
+    assert planned is None and fused_calls["fused"] == 0
     assert len({tuple(t) for t in want}) > 5, "reference generations should be varied"
     monkeypatch.delenv("VLLM_MAMBA_FUSED_DECODE")
-    got, got_lp, used = _generate(model, quantization, state_dtype)
-    assert used, "the fused decode kernels did not run"
+    got, got_lp, planned = _generate(model, quantization, state_dtype)
+    assert planned is not None and fused_calls["fused"] > 0, "the fused kernels did not run"
     assert got == want
     # bfloat16 states round the same values at slightly different points in the two paths
     atol = 1e-4 if state_dtype == "auto" else 1e-3

@@ -12,10 +12,10 @@ import torch
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.cache_specs import PAD_SLOT_ID
-from vllm_mamba.layers import rwkv7_decode
+from vllm_mamba.layers.rwkv7_decode import FusedRwkv7Step
 from vllm_mamba.ops import cpu_kernels
 from vllm_mamba.ops.int8_linear import quantize_int8
-from vllm_mamba.ops.rwkv7 import DECODE_LAYER_PARAMS, decode_layer_ref
+from vllm_mamba.ops.rwkv7 import DecodeLayerParams, decode_layer_ref
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ kernels not built")
 
@@ -25,7 +25,7 @@ SLOTS = 40
 def layer_params(
     hidden: int, head_dim: int, ffn: int, first: bool, dtype: torch.dtype, int8: bool, seed: int
 ) -> list[torch.Tensor | None]:
-    """Random `DECODE_LAYER_PARAMS` at the released models' scales (ranks 8 / 4 / 6 / 12)."""
+    """Random `DecodeLayerParams` at the released models' scales (ranks 8 / 4 / 6 / 12)."""
     g = torch.Generator().manual_seed(seed)
     heads = hidden // head_dim
 
@@ -58,7 +58,7 @@ def layer_params(
     p["r_k"] = rnd(heads, head_dim, std=0.3).to(dtype)
     p["gn_w"] = rnd(hidden, std=0.1, mean=1).to(dtype)
     p["gn_b"] = rnd(hidden, std=0.1).to(dtype)
-    return [p[n] for n in DECODE_LAYER_PARAMS]
+    return list(DecodeLayerParams(**p))
 
 
 def states(hidden: int, head_dim: int, dtype: torch.dtype, state_dtype: torch.dtype, seed: int):
@@ -145,16 +145,15 @@ def test_many_rows_match_each_row_alone(int8: bool) -> None:
 
 @pytest.fixture
 def fused_calls(monkeypatch) -> dict[str, int]:  # noqa: ANN001
-    """Counts the layer steps that ran fused (`layer_step` returning a tensor)."""
+    """Counts the layer steps that ran fused (`FusedRwkv7Step` calls)."""
     calls = {"fused": 0}
-    real = rwkv7_decode.layer_step
+    real = FusedRwkv7Step.__call__
 
-    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        out = real(*args, **kwargs)
-        calls["fused"] += out is not None
-        return out
+    def counting(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls["fused"] += 1
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(rwkv7_decode, "layer_step", counting)
+    monkeypatch.setattr(FusedRwkv7Step, "__call__", counting)
     return calls
 
 

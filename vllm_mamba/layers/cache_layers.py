@@ -3,7 +3,9 @@
 - `StatefulLayer`: a recurrent mixer (Mamba, Mamba2, a plugin's own layer, ...). It declares
   its per-sequence state (`state_spec`, this rank's shard) and is given its view of the state
   cache (`bind_state`) before the first step: `self.state[name]` is `(S, *shape)` over all
-  slots, read and advanced in place by its forward.
+  slots, read and advanced in place by its forward. It may offer fused decode steps, which a
+  layer's decode plan takes once after binding (`fused_mixer_step`, `fused_layer_step`:
+  `layers.decode_plan`).
 - `KVCacheLayer`: an attention layer. It declares its KV blocks (`kv_spec`) and is given its
   view of the pool (`bind_kv_cache`): K and V tensors (`LayerKV`) for an `AttentionSpec`, one
   latent tensor (`LatentKV`) for an `MLASpec` (Multi-head Latent Attention).
@@ -15,11 +17,15 @@ by probing for attributes; a model's forward never passes caches around.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from vllm_mamba.cache_specs import AttentionSpec, KVSpec, StateSpec
+
+if TYPE_CHECKING:
+    from vllm_mamba.layers.decode_plan import FusedStep
 
 LayerState = dict[str, torch.Tensor]  # state name -> (S, *shape) over all slots
 
@@ -60,6 +66,17 @@ class StatefulLayer(nn.Module):
         """Takes this layer's views of the state cache, one per name of its spec."""
         assert set(state) == set(self.state_spec().names), (set(state), self.state_spec())
         self.state = state
+
+    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+        """This mixer's decode-only steps as one fused call, made once at plan time from its
+        weights and bound state: with the block's `norm` and residual (`residual_in_fp32`: kept
+        in float32) when given, else the mixer alone. None (the default): not offered."""
+        return None
+
+    def fused_layer_step(self, layer: nn.Module) -> FusedStep | None:
+        """The decode-only steps of the whole decoder `layer` this mixer is the one mixer of,
+        as one fused call made once at plan time. None (the default): not offered."""
+        return None
 
 
 class KVCacheLayer(nn.Module):

@@ -24,10 +24,13 @@ multipliers (Falcon-H1 runs attention and Mamba2 side by side). With `residual_i
 Each part is registered under the checkpoint's own name (`mixer`, `mamba`, `self_attn`,
 `feed_forward`, `input_layernorm`, ...), so loading stays an identity mapping.
 
-A decode-only step of a layer whose one mixer is a state-space mixer with `fused_decode`
-runs norm, mixer and residual as one fused kernel call (`fused_decode_layer`). A layer of one
-mixer with a `decode_layer(layer, hidden, meta)` method and one stateful feed-forward part
-(RWKV-7) offers the mixer its whole step first (`rwkv7_decode`); None runs it unfused.
+A layer's decode-only steps may run fused (`layers.decode_plan`); its plan, made once after
+load and binding (`make_decode_plan`), takes the first of: the whole layer, when the layer is
+one mixer and one stateful feed-forward part without multipliers, post-norms or a float32
+residual and the mixer offers it (`fused_layer_step`: RWKV-7); the mixer stage `h + mixer(norm
+(h))`, when the layer is one mixer after its norm without pre- or post-norm or multipliers and
+the mixer offers it with that norm (`fused_mixer_step`: Mamba, Mamba2); one mixer's call alone
+(`fused_mixer_step` without a norm). A step asks the plan only whether it is decode-only.
 
 Glossary: T tokens in the step, H hidden size.
 """
@@ -41,8 +44,7 @@ import torch
 from torch import nn
 
 from vllm_mamba.layers.cache_layers import StatefulLayer
-from vllm_mamba.layers.layernorm import RMSNorm
-from vllm_mamba.layers.mixer_base import StateSpaceMixer
+from vllm_mamba.layers.decode_plan import DecodePlan, DecodeScope, PlannedLayer
 
 Named = tuple[str, nn.Module]
 
@@ -57,7 +59,7 @@ class MixerPart:
     out_scale: float = 1.0
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PlannedLayer):
     """One decoder layer built from parts (see the module docstring)."""
 
     def __init__(
@@ -96,21 +98,46 @@ class DecoderLayer(nn.Module):
             self.add_module(name, module)
         self.residual_multiplier = float(residual_multiplier)
         self.residual_in_fp32 = residual_in_fp32
-        self._fusable = self._fused_mixer() is not None
-        self._fuses_layer = self._whole_layer_fusable()
 
     def _whole_layer_fusable(self) -> bool:
-        """Whether the one mixer may run this whole layer's decode steps (`decode_layer`)."""
+        """Whether the layer's shape lets its one mixer run the whole layer's decode steps."""
         if len(self._mixers) != 1 or len(self._ffn_names) != 1 or self.residual_multiplier != 1:
             return False
         if self._post_norm_name or self._ffn_post_norm_name or self.residual_in_fp32:
             return False
-        name, in_scale, out_scale = self._mixers[0]
-        return (
-            in_scale == out_scale == 1.0
-            and hasattr(getattr(self, name), "decode_layer")
-            and self._ffn_names[0] in self._ffn_with_state
-        )
+        _, in_scale, out_scale = self._mixers[0]
+        return in_scale == out_scale == 1.0 and self._ffn_names[0] in self._ffn_with_state
+
+    def _block_fusable(self) -> bool:
+        """Whether the layer's shape lets its one mixer run the mixer stage with its norm."""
+        if len(self._mixers) != 1 or self.residual_multiplier != 1.0 or self._pre_norm_name:
+            return False
+        if self._norm_name is None or self._post_norm_name is not None:
+            return False
+        _, in_scale, out_scale = self._mixers[0]
+        return in_scale == out_scale == 1.0
+
+    def make_decode_plan(self) -> DecodePlan | None:
+        """The first fused step the layer's shape allows and its mixer offers (see the module
+        docstring), from the weights and bound states now; None: unfused."""
+        stateful = [(n, getattr(self, n)) for n, _, _ in self._mixers]
+        stateful = [(n, m) for n, m in stateful if isinstance(m, StatefulLayer)]
+        if len(stateful) == len(self._mixers) == 1:
+            name, mixer = stateful[0]
+            if self._whole_layer_fusable():
+                step = mixer.fused_layer_step(self)
+                if step is not None:
+                    return DecodePlan(DecodeScope.LAYER, step, name)
+            if self._block_fusable():
+                norm = getattr(self, self._norm_name)
+                step = mixer.fused_mixer_step(norm, self.residual_in_fp32)
+                if step is not None:
+                    return DecodePlan(DecodeScope.BLOCK, step, name)
+        for name, mixer in stateful:
+            step = mixer.fused_mixer_step(None, False)
+            if step is not None:
+                return DecodePlan(DecodeScope.MIXER, step, name)
+        return None
 
     def part_names(self) -> dict[str, str | None]:
         """The registered names of the layer's norms (None where absent)."""
@@ -124,28 +151,16 @@ class DecoderLayer(nn.Module):
         """The layer's first feed-forward part that keeps per-sequence state."""
         return next(getattr(self, n) for n in self._ffn_names if n in self._ffn_with_state)
 
-    def _fused_mixer(self) -> StateSpaceMixer | None:
-        """The one mixer whose decode steps may fuse with this layer's norm and residual."""
-        if len(self._mixers) != 1 or self.residual_multiplier != 1.0 or self._pre_norm_name:
-            return None
-        if self._norm_name is None or self._post_norm_name is not None:
-            return None
-        name, in_scale, out_scale = self._mixers[0]
-        mixer, norm = getattr(self, name), getattr(self, self._norm_name)
-        plain = in_scale == out_scale == 1.0 and type(norm) is RMSNorm
-        return mixer if plain and isinstance(mixer, StateSpaceMixer) else None
-
-    def forward(
-        self, hidden: torch.Tensor, meta: object, embeds: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """`hidden (T, H)` -> `(T, H)`; `embeds` (the step's embeddings) is not read here."""
-        if self._fuses_layer:
-            fused = getattr(self, self._mixers[0][0]).decode_layer(self, hidden, meta)
-            if fused is not None:
-                return fused
+    def forward(self, hidden: torch.Tensor, meta: object) -> torch.Tensor:
+        """`hidden (T, H)` -> `(T, H)`."""
+        plan = self.decode_plan
+        if plan is not None and not plan.step.takes(hidden, meta):
+            plan = None  # not a step the fused kernel takes: the parts, unfused
+        if plan is not None and plan.scope is DecodeScope.LAYER:
+            return plan.step(hidden, meta)
         hidden = self._normed(self._pre_norm_name, hidden)
         if self._mixers:
-            hidden = self._mix(hidden, meta)
+            hidden = self._mix(hidden, meta, plan)
         if self._ffn_names:
             x = self._normed(self._ffn_norm_name, hidden)
             ff = None
@@ -156,13 +171,12 @@ class DecoderLayer(nn.Module):
             hidden = hidden + self._scaled(self._normed(self._ffn_post_norm_name, ff))
         return hidden
 
-    def _mix(self, hidden: torch.Tensor, meta: object) -> torch.Tensor:
-        """The mixer stage: `h + rm * post_norm(sum_i out_i * mixer_i(in_i * norm(h)))`."""
-        if self._fusable:
-            mixer, norm = getattr(self, self._mixers[0][0]), getattr(self, self._norm_name)
-            fused = mixer.decode_block(hidden, norm, self.residual_in_fp32, meta)
-            if fused is not None:
-                return fused
+    def _mix(self, hidden: torch.Tensor, meta: object, fused: DecodePlan | None) -> torch.Tensor:
+        """The mixer stage: `h + rm * post_norm(sum_i out_i * mixer_i(in_i * norm(h)))`; with
+        `fused` (this step's plan, when it takes the step) the stage or one mixer fused."""
+        if fused is not None and fused.scope is DecodeScope.BLOCK:
+            return fused.step(hidden, meta)
+        fused_part = fused.part if fused is not None else None
         if self.residual_in_fp32:
             norm = getattr(self, self._norm_name)
             residual, x = hidden.float(), norm(hidden.to(norm.weight.dtype))
@@ -170,7 +184,8 @@ class DecoderLayer(nn.Module):
             residual, x = hidden, self._normed(self._norm_name, hidden)
         mixed = None
         for name, in_scale, out_scale in self._mixers:
-            y = getattr(self, name)(x if in_scale == 1.0 else x * in_scale, meta)
+            mixer = fused.step if name == fused_part else getattr(self, name)
+            y = mixer(x if in_scale == 1.0 else x * in_scale, meta)
             y = y if out_scale == 1.0 else y * out_scale
             mixed = y if mixed is None else mixed + y
         return residual + self._scaled(self._normed(self._post_norm_name, mixed))

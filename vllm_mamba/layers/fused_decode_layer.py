@@ -1,40 +1,40 @@
-"""How the Mamba and Mamba2 mixers hand a decode-only step to the fused decode kernels.
+"""The fused decode steps of the Mamba and Mamba2 mixers, planned once per layer.
 
-`mamba_decode_block` / `mamba2_decode_block` run one layer's step in one call of the ops
-table's `fused_mamba_decode` / `fused_mamba2_decode` (`vllm_mamba.ops.fused_decode`), with the
-block's RMSNorm and residual when the block passes its norm, or return None where the fused
-kernel does not apply: no kernel in the table, prefill rows, autograd, a mixer that declares
-`fused_decode = False` (a subclass that changes the math: Jamba's normed dt/B/C, Falcon-H1's
-multipliers), or projections
-that are not plain `Linear`s with float32 / bfloat16 weights of the model dtype, int8
-weights with per-row scales (`quantization="int8"`) or 4-bit weights with group scales
-(`quantization="int4"`; tensor-parallel layers are not). The
-caller then runs its unfused path, which is the definition.
-
-The parameter list of each (mixer, norm) pair is built once and kept on the mixer; it is
-rebuilt when the mixer's derived `A` changes (`process_weights_after_loading`).
+`plan_mamba` / `plan_mamba2` decide at plan time (`layers.decode_plan`) whether a mixer's
+decode-only steps run in one call of the ops table's `fused_mamba_decode` /
+`fused_mamba2_decode` (`vllm_mamba.ops.fused_decode`), with the block's RMSNorm and residual
+when given its norm, and build the call's parameter list once (`MambaParams`, `Mamba2Params`,
+by name). They return None, and the layer runs unfused (which is the definition), where the
+kernel does not apply: no kernel in the table, a mixer that declares `fused_decode = False` (a
+subclass that changes the math: Jamba's normed dt/B/C, Falcon-H1's multipliers), a block norm
+that is not a plain `RMSNorm`, projections that are not plain `Linear`s with float32 /
+bfloat16 weights of the model dtype, int8 weights with per-row scales (`quantization="int8"`)
+or 4-bit weights with group scales (`quantization="int4"`; tensor-parallel layers are not), or
+states other than float32 / bfloat16. Per step the plan's `FusedMambaStep.takes` asks only
+whether the step is decode-only (`decode_plan.decode_only`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.layers.cache_layers import LayerState
+from vllm_mamba.layers.decode_plan import (
+    CHAIN_MAX_ROWS,
+    MAMBA_MAX_ROWS,
+    decode_only,
+    decode_slots,
+)
 from vllm_mamba.layers.layernorm import GatedRMSNorm, RMSNorm
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.quantization import is_int4_linear, is_int8_linear
+from vllm_mamba.ops.fused_decode import Mamba2Params, MambaParams
 
 Params = list[torch.Tensor | None]
-# A layer's fused parameters and its model dtype (that of its activations).
-Prepared = tuple[Params, torch.dtype]
-# Mamba rows up to which the fused layer runs. Above it the kernel's GEMM path was measured
-# no faster than the unfused one (its per-channel selective-scan stage costs as much as the
-# dispatch it saves: benchmarks/README.md), so larger Mamba batches stay unfused. Mamba2's
-# fused layer runs at every batch size.
-MAMBA_MAX_ROWS = 8
-CHAIN_MAX_ROWS = 64  # rows of a step with speculative chains that the fused layers take
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -68,149 +68,137 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _weights(
     mixer: nn.Module, names: tuple[str, ...]
-) -> tuple[list[torch.Tensor], list[torch.Tensor | None], torch.dtype] | None:
-    """The named projections' weights and scales and their one model dtype, or None."""
-    found = [plain_weight(getattr(mixer, n), mixer.ops.linear) for n in names]
-    if any(f is None for f in found) or len({f[2] for f in found}) != 1:
+) -> tuple[dict[str, torch.Tensor | None], torch.dtype] | None:
+    """The named projections' `{name}_w` weights and `{name}_scale` scales and their one model
+    dtype, or None."""
+    found = {n: plain_weight(getattr(mixer, n), mixer.ops.linear) for n in names}
+    if any(f is None for f in found.values()) or len({f[2] for f in found.values()}) != 1:
         return None
-    return [f[0] for f in found], [f[1] for f in found], found[0][2]
-
-
-def _mamba_params(mixer: nn.Module, norm: RMSNorm | None) -> Prepared | None:
-    """`MAMBA_PARAMS` of a `MambaMixer` (norm weight first) and its model dtype, or None."""
-    found = _weights(mixer, ("in_proj", "x_proj", "dt_proj", "out_proj"))
-    if found is None:
-        return None
-    (in_w, x_w, dt_w, out_w), scales, dtype = found
-    return [
-        _f32(norm.weight) if norm is not None else None, in_w, _f32(mixer.in_proj.bias),
-        _f32(mixer.conv_weight), _f32(mixer.conv1d.bias), x_w, dt_w, _f32(mixer.dt_proj.bias),
-        mixer.A.contiguous(), _f32(mixer.D), out_w, _f32(mixer.out_proj.bias), *scales,
-    ], dtype  # fmt: skip
-
-
-def _mamba2_params(mixer: nn.Module, norm: RMSNorm | None) -> Prepared | None:
-    """`MAMBA2_PARAMS` of a `Mamba2Mixer` (norm weight first) and its model dtype, or None."""
-    found = _weights(mixer, ("in_proj", "out_proj"))
-    if found is None or type(mixer.norm) is not GatedRMSNorm:
-        return None
-    (in_w, out_w), scales, dtype = found
-    return [
-        _f32(norm.weight) if norm is not None else None, in_w, _f32(mixer.in_proj.bias),
-        _f32(mixer.conv_weight), _f32(mixer.conv1d.bias), _f32(mixer.dt_bias),
-        mixer.A.contiguous(), _f32(mixer.D), _f32(mixer.norm.weight), out_w,
-        _f32(mixer.out_proj.bias), *scales,
-    ], dtype  # fmt: skip
-
-
-def _cached_params(mixer: nn.Module, norm: RMSNorm | None, build) -> Prepared | None:  # noqa: ANN001
-    """The parameters of (mixer, norm), built on first use and after `A` changes."""
-    cache = mixer.__dict__.setdefault("_fused_decode_params", {})
-    key = None if norm is None else id(norm)
-    entry = cache.get(key)
-    if entry is None or entry[0] is not mixer.A:
-        entry = cache[key] = (mixer.A, build(mixer, norm))
-    return entry[1]
+    named: dict[str, torch.Tensor | None] = {}
+    for n, (weight, scale, _) in found.items():
+        named[f"{n}_w"], named[f"{n}_scale"] = weight, scale
+    return named, found[names[0]][2]
 
 
 def _states_apply(state: LayerState) -> bool:
-    """States the kernels read: float32 or bfloat16 each (any `ssm_state_dtype` but float16)."""
-    return state["conv"].dtype in _FLOAT_DTYPES and state["ssm"].dtype in _FLOAT_DTYPES
+    """Bound states the kernels read: float32 or bfloat16 each (any `ssm_state_dtype` but
+    float16)."""
+    return bool(state) and all(state[n].dtype in _FLOAT_DTYPES for n in ("conv", "ssm"))
 
 
-def _applies(hidden: torch.Tensor, meta: MambaMetadata) -> bool:
-    """A decode-only step (every row a decode; with speculative chains, up to `CHAIN_MAX_ROWS`
-    rows, which the kernels run in order), without autograd."""
-    rows = hidden.shape[0]
-    if meta.num_prefills or torch.is_grad_enabled():
-        return False
-    if meta.decode_waves and (meta.decode_chain_src is None or rows > CHAIN_MAX_ROWS):
-        return False
-    return meta.num_decodes == rows > 0
+def _planned(mixer: nn.Module, op: object, norm: nn.Module | None) -> bool:
+    """What both mixers' plans need: the kernel, a mixer whose math it computes, a plain
+    `RMSNorm` (when fused with the block) and states it reads."""
+    return (
+        op is not None
+        and mixer.fused_decode
+        and (norm is None or type(norm) is RMSNorm)
+        and _states_apply(mixer.state)
+    )
 
 
-def _slots(meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The slots the rows write their states to, and read them from when those differ
-    (speculative chains: each position's state in its own slot)."""
-    if meta.decode_waves:
-        assert meta.decode_chain_dst is not None
-        return meta.decode_chain_dst, meta.decode_chain_src
-    return meta.decode_state_indices, None
+@dataclass(frozen=True, eq=False)
+class FusedMambaStep:
+    """A Mamba (`kind` "mamba") or Mamba2 ("mamba2") mixer's decode-only step in one call of
+    `op`, with the block's norm and residual when planned with one (`block`).
+
+    `params` is the kernel's list (built once); `args` its constant arguments between the
+    slots and the result dtype (Mamba: norm and mixer epsilons; Mamba2: groups, group size,
+    norm and gate epsilons). The result dtype is `out_dtype`, or, for a block in a model dtype
+    `dtype` other than float32 without a float32 residual, float32 for a float32 input (as
+    `residual + mixed` promotes) and `dtype` otherwise.
+    """
+
+    op: object
+    mixer: nn.Module
+    params: Params
+    args: tuple[float | int, ...]
+    dtype: torch.dtype
+    out_dtype: torch.dtype | None
+    max_rows: int | None
+
+    def takes(self, hidden: torch.Tensor, meta: MambaMetadata) -> bool:
+        """A decode-only step (see `decode_plan.decode_only`)."""
+        return decode_only(hidden, meta, self.max_rows, CHAIN_MAX_ROWS)
+
+    def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """`hidden (T, H)` -> `(T, H)` as the unfused block (or mixer) returns it; the mixer's
+        bound states advanced in place."""
+        out_dtype = self.out_dtype
+        if out_dtype is None:
+            out_dtype = torch.float32 if hidden.dtype == torch.float32 else self.dtype
+        state = self.mixer.state
+        dst, src = decode_slots(meta)
+        return self.op(
+            hidden, self.params, state["conv"], state["ssm"], dst, *self.args, out_dtype, src
+        )  # fmt: skip
 
 
-def _out_dtype(
-    dtype: torch.dtype, hidden: torch.Tensor, norm: RMSNorm | None, fp32: bool
-) -> torch.dtype:
-    """The unfused path's result dtype: the mixer returns the model dtype `dtype`, the block
-    `residual + mixed` float32 with a float32 residual (`residual_in_fp32`: `fp32`)."""
-    if norm is not None and (fp32 or hidden.dtype == torch.float32):
+def _out_dtype(dtype: torch.dtype, norm: nn.Module | None, fp32: bool) -> torch.dtype | None:
+    """The unfused path's result dtype where fixed: the mixer returns the model dtype `dtype`,
+    the block with a float32 residual (`fp32`) float32; None: it follows the input's."""
+    if norm is None:
+        return dtype
+    if fp32 or dtype == torch.float32:
         return torch.float32
-    return dtype
+    return None
 
 
-def mamba_decode_block(
-    mixer: nn.Module,
-    hidden: torch.Tensor,
-    norm: RMSNorm | None,
-    residual_in_fp32: bool,
-    meta: MambaMetadata,
-) -> torch.Tensor | None:
-    """A `MambaMixer`'s decode-only step in one fused call, or None where it does not apply.
+def plan_mamba(
+    mixer: nn.Module, norm: nn.Module | None, residual_in_fp32: bool
+) -> FusedMambaStep | None:
+    """A `MambaMixer`'s fused decode step, or None where the kernel does not apply.
 
     Args:
-        mixer: the mixer (its bound `state` is advanced in place).
-        hidden: `(T, H)`, the block input with `norm`, else the mixer input.
-        norm: the block's pre-norm; given, the result is `residual + mixer(norm(hidden))`.
+        mixer: the mixer, its weights final and its state bound.
+        norm: the block's pre-norm; given, the step computes `residual + mixer(norm(hidden))`,
+            else `mixer(hidden)`.
         residual_in_fp32: the block keeps its residual stream in float32.
-        meta: as for the mixer's `forward`.
-
-    Returns:
-        `(T, H)` as the unfused block (or mixer) returns it, or None.
     """
     op = mixer.ops.fused_mamba_decode
-    rows_apply = (hidden.shape[0] <= MAMBA_MAX_ROWS or meta.decode_waves) and _applies(hidden, meta)
-    if op is None or not mixer.fused_decode or not rows_apply:
+    if not _planned(mixer, op, norm):
         return None
-    state = mixer.state
-    prepared = _cached_params(mixer, norm, _mamba_params)
-    if prepared is None or not _states_apply(state):
+    found = _weights(mixer, ("in_proj", "x_proj", "dt_proj", "out_proj"))
+    if found is None:
         return None
-    params, dtype = prepared
-    eps = norm.variance_epsilon if norm is not None else 0.0
+    weights, dtype = found
+    params = MambaParams(
+        norm_w=_f32(norm.weight) if norm is not None else None,
+        in_proj_b=_f32(mixer.in_proj.bias), conv_w=_f32(mixer.conv_weight),
+        conv_b=_f32(mixer.conv1d.bias), dt_proj_b=_f32(mixer.dt_proj.bias),
+        A=mixer.A.contiguous(), D=_f32(mixer.D), out_proj_b=_f32(mixer.out_proj.bias), **weights,
+    )  # fmt: skip
+    norm_eps = norm.variance_epsilon if norm is not None else 0.0
     mixer_eps = -1.0 if mixer.mixer_rms_eps is None else float(mixer.mixer_rms_eps)
-    out_dtype = _out_dtype(dtype, hidden, norm, residual_in_fp32)
-    dst, src = _slots(meta)
-    return op(
-        hidden, params, state["conv"], state["ssm"], dst, eps, mixer_eps, out_dtype, src
+    return FusedMambaStep(
+        op, mixer, list(params), (norm_eps, mixer_eps), dtype,
+        _out_dtype(dtype, norm, residual_in_fp32), MAMBA_MAX_ROWS,
     )  # fmt: skip
 
 
-def mamba2_decode_block(
-    mixer: nn.Module,
-    hidden: torch.Tensor,
-    norm: RMSNorm | None,
-    residual_in_fp32: bool,
-    meta: MambaMetadata,
-) -> torch.Tensor | None:
-    """A `Mamba2Mixer`'s decode-only step in one fused call, or None where it does not apply.
+def plan_mamba2(
+    mixer: nn.Module, norm: nn.Module | None, residual_in_fp32: bool
+) -> FusedMambaStep | None:
+    """A `Mamba2Mixer`'s fused decode step, or None where the kernel does not apply.
 
-    Args: as `mamba_decode_block`.
-
-    Returns:
-        `(T, H)` as the unfused block (or mixer) returns it, or None.
+    Args: as `plan_mamba`.
     """
     op = mixer.ops.fused_mamba2_decode
-    if op is None or not mixer.fused_decode or not _applies(hidden, meta):
+    if not _planned(mixer, op, norm) or type(mixer.norm) is not GatedRMSNorm:
         return None
-    state = mixer.state
-    prepared = _cached_params(mixer, norm, _mamba2_params)
-    if prepared is None or not _states_apply(state):
+    found = _weights(mixer, ("in_proj", "out_proj"))
+    if found is None:
         return None
-    params, dtype = prepared
-    eps = norm.variance_epsilon if norm is not None else 0.0
-    out_dtype = _out_dtype(dtype, hidden, norm, residual_in_fp32)
-    dst, src = _slots(meta)
-    return op(
-        hidden, params, state["conv"], state["ssm"], dst, mixer.n_groups,
-        mixer.norm.group_size, eps, mixer.norm.variance_epsilon, out_dtype, src,
+    weights, dtype = found
+    params = Mamba2Params(
+        norm_w=_f32(norm.weight) if norm is not None else None,
+        in_proj_b=_f32(mixer.in_proj.bias), conv_w=_f32(mixer.conv_weight),
+        conv_b=_f32(mixer.conv1d.bias), dt_bias=_f32(mixer.dt_bias), A=mixer.A.contiguous(),
+        D=_f32(mixer.D), gate_norm_w=_f32(mixer.norm.weight),
+        out_proj_b=_f32(mixer.out_proj.bias), **weights,
     )  # fmt: skip
+    norm_eps = norm.variance_epsilon if norm is not None else 0.0
+    args = (mixer.n_groups, mixer.norm.group_size, norm_eps, mixer.norm.variance_epsilon)
+    return FusedMambaStep(
+        op, mixer, list(params), args, dtype, _out_dtype(dtype, norm, residual_in_fp32), None
+    )

@@ -21,8 +21,8 @@ from torch import nn
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
-from vllm_mamba.layers.fused_decode_layer import mamba2_decode_block
-from vllm_mamba.layers.layernorm import RMSNorm
+from vllm_mamba.layers.decode_plan import FusedStep
+from vllm_mamba.layers.fused_decode_layer import plan_mamba2
 from vllm_mamba.layers.mixer_base import StateSpaceMixer
 from vllm_mamba.layers.mixer_sharding import mamba2_shard, shard_mixer_params
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
@@ -93,16 +93,10 @@ class Mamba2Mixer(StateSpaceMixer):
         C = C.reshape(num_tokens, self.n_groups, self.state_size)
         return x, B, C
 
-    def decode_block(
-        self,
-        hidden: torch.Tensor,
-        norm: RMSNorm | None,
-        residual_in_fp32: bool,
-        meta: MambaMetadata,
-    ) -> torch.Tensor | None:
-        """A decode-only step in one fused kernel call (with the block's `norm` and residual
-        when given), or None where it does not apply; see `fused_decode_layer`."""
-        return mamba2_decode_block(self, hidden, norm, residual_in_fp32, meta)
+    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+        """The decode-only steps in one fused kernel call (with the block's `norm` and residual
+        when given), planned once; None where that does not apply (`fused_decode_layer`)."""
+        return plan_mamba2(self, norm, residual_in_fp32)
 
     def forward(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's state in place.
@@ -112,9 +106,6 @@ class Mamba2Mixer(StateSpaceMixer):
         Returns:
             `(T, H)` in the model dtype.
         """
-        fused = self.decode_block(hidden, None, False, meta)
-        if fused is not None:
-            return fused
         zxbcdt = self._project(hidden)  # (T, I + CD + NH)
         z, xbc, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.num_heads], -1)
         x, B, C = self._split_heads(self.conv(xbc, meta))

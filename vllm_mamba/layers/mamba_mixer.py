@@ -14,12 +14,14 @@ size, R time-step rank, K conv kernel width. Parameter names follow the Hugging 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
-from vllm_mamba.layers.fused_decode_layer import mamba_decode_block
-from vllm_mamba.layers.layernorm import RMSNorm, weightless_rms_norm
+from vllm_mamba.layers.decode_plan import FusedStep
+from vllm_mamba.layers.fused_decode_layer import plan_mamba
+from vllm_mamba.layers.layernorm import weightless_rms_norm
 from vllm_mamba.layers.mixer_base import StateSpaceMixer
 from vllm_mamba.layers.mixer_sharding import shard_mixer_params
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
@@ -75,16 +77,10 @@ class MambaMixer(StateSpaceMixer):
         dt = self.ops.linear(ts, self.dt_proj.weight, None)  # (T, I), bias added in the scan
         return dt, B, C
 
-    def decode_block(
-        self,
-        hidden: torch.Tensor,
-        norm: RMSNorm | None,
-        residual_in_fp32: bool,
-        meta: MambaMetadata,
-    ) -> torch.Tensor | None:
-        """A decode-only step in one fused kernel call (with the block's `norm` and residual
-        when given), or None where it does not apply; see `fused_decode_layer`."""
-        return mamba_decode_block(self, hidden, norm, residual_in_fp32, meta)
+    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+        """The decode-only steps in one fused kernel call (with the block's `norm` and residual
+        when given), planned once; None where that does not apply (`fused_decode_layer`)."""
+        return plan_mamba(self, norm, residual_in_fp32)
 
     def forward(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's state in place.
@@ -92,9 +88,6 @@ class MambaMixer(StateSpaceMixer):
         Returns:
             `(T, H)` in the model dtype.
         """
-        fused = self.decode_block(hidden, None, False, meta)
-        if fused is not None:
-            return fused
         x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (T, I) each
         xc = self.conv(x, meta)  # (T, I)
         dt, B, C = self._ssm_params(xc)

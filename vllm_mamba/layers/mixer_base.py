@@ -31,7 +31,8 @@ class StateSpaceMixer(StatefulLayer):
     """Base of the Mamba and Mamba2 mixers: `conv1d`, `A_log`, `D`, and the ops table.
 
     `fused_decode` says whether the mixer's decode-only steps may run as one fused kernel call
-    (`fused_decode_layer`); a subclass that changes the mixer's math sets it False.
+    (`fused_decode_layer`, read when the layer's decode plan is made); a subclass that changes
+    the mixer's math sets it False.
     """
 
     fused_decode: bool = True

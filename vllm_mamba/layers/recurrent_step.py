@@ -27,11 +27,11 @@ and `recurrent_step` owns the rest:
   chunks; a step with neither runs `decode` on zero rows (an output with zero rows);
 - **the concatenation** of the decode and prefill outputs along their row dimension.
 
-The fused decode paths are not part of it: a Mamba / Mamba2 mixer's `decode_block` and
-RWKV-7's `decode_layer` replace the whole mixer (or layer), projections included, so they are
-tried before any projection is computed, in the mixer's `forward` (or the decoder layer), and
-fall through to this step where they do not apply. The per-row kernel choice of a decode
-(RWKV-7's `fused_update`) is the mixer's `decode`.
+The fused decode paths are not part of it: a layer's decode plan (`layers.decode_plan`: a
+Mamba / Mamba2 mixer's `fused_mixer_step`, RWKV-7's `fused_layer_step`) replaces the whole
+mixer (or stage, or layer), projections included, so the layer asks it before any projection
+is computed and calls the mixer, which runs this step, where the plan does not take the step.
+The per-row kernel choice of a decode (RWKV-7's `fused_update`) is the mixer's `decode`.
 
 Glossary: T tokens in the step, D decode rows, S state slots.
 """

@@ -42,6 +42,7 @@ from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers import rwkv7_decode
 from vllm_mamba.layers.cache_layers import StatefulLayer
+from vllm_mamba.layers.decode_plan import FusedStep
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
 from vllm_mamba.layers.recurrent_step import recurrent_step
@@ -189,12 +190,10 @@ class Rwkv7TimeMix(StatefulLayer):
             )
         )
 
-    def decode_layer(
-        self, layer: nn.Module, hidden: torch.Tensor, meta: MambaMetadata
-    ) -> torch.Tensor | None:
-        """The whole decoder layer's step on `hidden (T, H)` in one fused call, or None where
-        that does not apply (`layers.rwkv7_decode`)."""
-        return rwkv7_decode.layer_step(self, layer, hidden, meta)
+    def fused_layer_step(self, layer: nn.Module) -> FusedStep | None:
+        """The whole decoder layer's decode-only steps in one fused call, planned once; None
+        where that does not apply (`layers.rwkv7_decode`)."""
+        return rwkv7_decode.plan_layer(self, layer)
 
     def forward(self, x: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `x (T, H)` (the normed input), advancing `shift` and `wkv` in place.

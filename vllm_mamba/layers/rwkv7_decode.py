@@ -1,29 +1,30 @@
-"""How an RWKV-7 decoder layer hands a decode-only step to its family's `decode_layer` op.
+"""How an RWKV-7 decoder layer's decode-only steps run as one call of its family's `decode_layer`.
 
-A step whose rows are all decodes (no prefill, no speculative chains) runs the whole layer
-(layer 0's `pre_norm`, the time mix and the channel mix with their norms and residuals) in one
-call of the `rwkv7` family's `decode_layer` (`csrc/fused_decode_rwkv7.cpp` on the `cpp`
-backend; `ops.rwkv7.decode_layer_ref` defines it). Elsewhere, and for layers the op does not
-cover (tensor-parallel or otherwise modified projections, norms that are not plain
-`nn.LayerNorm`s, float16 states, autograd, `VLLM_MAMBA_FUSED_DECODE=0`), `layer_step` returns
-None and the layer runs unfused, which is the definition.
-
-The parameter list (`DECODE_LAYER_PARAMS`) is built on first use and kept on the time mix,
-rebuilt when its stacked mixes are (`process_weights_after_loading`).
+`plan_layer` decides at plan time (`layers.decode_plan`) whether the whole layer (layer 0's
+`pre_norm`, the time mix and the channel mix with their norms and residuals) runs in one call
+of the `rwkv7` family's `decode_layer` (`csrc/fused_decode_rwkv7.cpp` on the `cpp` backend;
+`ops.rwkv7.decode_layer_ref` defines it), and builds its parameter list once
+(`DecodeLayerParams`, by name). It returns None, and the layer runs unfused (which is the
+definition), where the op does not apply: a backend without its own op, tensor-parallel or
+otherwise modified projections, norms that are not plain `nn.LayerNorm`s of one epsilon,
+float16 states. Per step `FusedRwkv7Step.takes` asks only whether the step is decode-only
+(no prefill, no speculative chains, no autograd) with an input in the model dtype.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from vllm_mamba import envs
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.layers.decode_plan import decode_only
 from vllm_mamba.layers.fused_decode_layer import _f32, plain_weight
-from vllm_mamba.ops.rwkv7 import DECODE_LAYER_PARAMS
+from vllm_mamba.ops.rwkv7 import DecodeLayerParams
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
-# The projections of `DECODE_LAYER_PARAMS` by their module paths in the time mix ("ffn." in
+# The projections of `DecodeLayerParams` by their module paths in the time mix ("ffn." in
 # the channel mix).
 _PROJECTIONS = {
     "r": "r_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
@@ -43,7 +44,8 @@ def _norm(module: nn.Module | None, eps: float | None) -> tuple[torch.Tensor, ..
 
 
 def _build(mix: nn.Module, layer: nn.Module, ffn: nn.Module) -> tuple[list, float] | None:
-    """`(DECODE_LAYER_PARAMS, norm eps)` of one layer, or None where the op does not apply."""
+    """`(DecodeLayerParams as a list, norm eps)` of one layer, or None where the op does not
+    apply."""
     names = layer.part_names()
     attn_norm = getattr(layer, names["norm"])
     eps = getattr(attn_norm, "eps", None)
@@ -77,42 +79,50 @@ def _build(mix: nn.Module, layer: nn.Module, ffn: nn.Module) -> tuple[list, floa
         p[name] = getattr(mix, name).detach().contiguous()
     p["gn_w"] = mix.g_norm.weight.detach().contiguous()
     p["gn_b"] = mix.g_norm.bias.detach().contiguous()
-    return [p[n] for n in DECODE_LAYER_PARAMS], float(eps)
+    return list(DecodeLayerParams(**p)), float(eps)
 
 
-def layer_step(
-    mix: nn.Module, layer: nn.Module, hidden: torch.Tensor, meta: MambaMetadata
-) -> torch.Tensor | None:
-    """The decoder layer `layer` (whose time mix is `mix`) on a decode-only step of `hidden
-    (B, H)` in one call, its three states advanced in place; None where it does not apply."""
-    rows = hidden.shape[0]
-    if (
-        not mix.fused_layer
-        or not envs.VLLM_MAMBA_FUSED_DECODE
-        or torch.is_grad_enabled()
-        or meta.num_prefills
-        or meta.decode_waves
-        or rows == 0
-        or meta.num_decodes != rows
-        or hidden.dtype != mix.mixes.dtype
-    ):
+@dataclass(frozen=True, eq=False)
+class FusedRwkv7Step:
+    """An RWKV-7 decoder layer's decode-only step in one `decode_layer` call: `params` its
+    list (built once), `eps` its LayerNorms' epsilon; `mix` and `ffn` hold the states."""
+
+    mix: nn.Module
+    ffn: nn.Module
+    params: list[torch.Tensor | None]
+    eps: float
+
+    def takes(self, hidden: torch.Tensor, meta: MambaMetadata) -> bool:
+        """A decode-only step without chains, its input in the model dtype."""
+        return hidden.dtype == self.mix.mixes.dtype and decode_only(hidden, meta)
+
+    def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """The layer on `hidden (B, H)` -> `(B, H)`, its three states advanced in place."""
+        mix = self.mix
+        states = (mix.state["shift"], mix.state["wkv"], self.ffn.state["shift"])
+        v_first = None if mix.layer_idx == 0 else mix.value_first.value
+        out, v = mix.wkv.decode_layer(
+            hidden, self.params, *states, meta.decode_state_indices, v_first, self.eps,
+            mix.g_norm.eps,
+        )  # fmt: skip
+        if mix.layer_idx == 0:
+            mix.value_first.value = v
+        return out
+
+
+def plan_layer(mix: nn.Module, layer: nn.Module) -> FusedRwkv7Step | None:
+    """The decoder layer `layer` (whose time mix is `mix`, its stateful feed-forward the
+    channel mix) as one fused step, or None where the op does not apply."""
+    if not mix.fused_layer:
         return None
-    cache = mix.__dict__.setdefault("_decode_layer_params", {})
-    entry = cache.get(id(layer))
-    if entry is None or entry[0] is not mix.mixes:
-        ffn = layer.stateful_ffn()
-        entry = cache[id(layer)] = (mix.mixes, ffn, _build(mix, layer, ffn))
-    _, ffn, built = entry
-    if built is None:
+    ffn = layer.stateful_ffn()
+    if not mix.state or not ffn.state:  # not bound
         return None
     states = (mix.state["shift"], mix.state["wkv"], ffn.state["shift"])
     if any(s.dtype not in _STATE_DTYPES for s in states):
         return None
+    built = _build(mix, layer, ffn)
+    if built is None:
+        return None
     params, eps = built
-    v_first = None if mix.layer_idx == 0 else mix.value_first.value
-    out, v = mix.wkv.decode_layer(
-        hidden, params, *states, meta.decode_state_indices, v_first, eps, mix.g_norm.eps
-    )
-    if mix.layer_idx == 0:
-        mix.value_first.value = v
-    return out
+    return FusedRwkv7Step(mix, ffn, params, eps)

@@ -2,7 +2,8 @@
 
     embeds = embeddings(input_ids) * embedding_multiplier   # (T, H)
     hidden = embeds
-    for layer in layers: hidden = layer(hidden, meta, embeds)
+    for layer in layers:                                      # embeds: ReadsEmbeddings only
+        hidden = layer(hidden, meta, embeds) if reads_embeds(layer) else layer(hidden, meta)
     hidden = final_norm(hidden)                               # what the runner gets
     logits = scale_logits(lm_head(hidden[sampled]))           # compute_logits, float32
 
@@ -26,6 +27,10 @@ the checkpoint lacks their tensors: the MTP head of `models.mtp.SupportsMTP`). W
 model has attention (hence a KV cache and the paged backend) is read off its built layers.
 Checkpoint formats other than Hugging Face's are declared in `models.formats`, not here.
 
+A layer is called `layer(hidden, meta)`; one that also reads the step's embeddings (Zamba2's
+hybrid layers) declares it by being a `ReadsEmbeddings` and is called `layer(hidden, meta,
+embeds)`, decided once when the model is built.
+
 Glossary: T tokens in the step, H hidden size, R sampled rows, V vocabulary.
 """
 
@@ -40,9 +45,15 @@ from torch import nn
 
 from vllm_mamba.distributed.parallel_state import TensorParallel
 from vllm_mamba.layers.cache_layers import kv_cache_layers, stateful_layers
+from vllm_mamba.layers.decode_plan import drop_decode_plans
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.parallel_linear import lm_head, vocab_embedding
 from vllm_mamba.ops.table import MambaOps
+
+
+class ReadsEmbeddings(nn.Module):
+    """A decoder layer that reads the step's embeddings `(T, H)` besides the hidden state:
+    `forward(hidden, meta, embeds)`."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,10 @@ class CausalLM(nn.Module):
         embeddings = vocab_embedding(config.vocab_size, config.hidden_size, tp)
         final_norm = final_norm_cls(config.hidden_size, eps=norm_eps)
         self.add_module(names.prefix, DecoderStack(names, embeddings, layers, final_norm))
+        # the layers given the embeddings, by index (`ReadsEmbeddings`)
+        self._reads_embeds = frozenset(
+            i for i, layer in enumerate(layers) if isinstance(layer, ReadsEmbeddings)
+        )
         self.embedding_multiplier = float(embedding_multiplier)
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, ops, tp)
         self.tie_weights()
@@ -142,7 +157,9 @@ class CausalLM(nn.Module):
         return [(name, tensor)]
 
     def process_weights_after_loading(self) -> None:
-        """Lets each recurrent and attention layer precompute its derived tensors."""
+        """Lets each recurrent and attention layer precompute its derived tensors; drops the
+        layers' decode plans (made again when the state cache binds: `layers.decode_plan`)."""
+        drop_decode_plans(self)
         for layer in stateful_layers(self):
             layer.process_weights_after_loading()
         for attn in kv_cache_layers(self):
@@ -154,8 +171,8 @@ class CausalLM(nn.Module):
         if self.embedding_multiplier != 1.0:
             embeds = embeds * self.embedding_multiplier
         hidden = embeds
-        for layer in self.stack.layers:
-            hidden = layer(hidden, meta, embeds)
+        for i, layer in enumerate(self.stack.layers):
+            hidden = layer(hidden, meta, embeds) if i in self._reads_embeds else layer(hidden, meta)
         return self.stack.last_norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -167,4 +184,4 @@ class CausalLM(nn.Module):
         return logits
 
 
-__all__ = ["CausalLM", "DecoderStack", "StackNames"]
+__all__ = ["CausalLM", "DecoderStack", "ReadsEmbeddings", "StackNames"]

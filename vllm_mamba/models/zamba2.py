@@ -52,6 +52,7 @@ from torch import nn
 from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.attention import PagedAttention
+from vllm_mamba.layers.decode_plan import DecodePlan, DecodeScope, PlannedLayer
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
@@ -63,7 +64,7 @@ from vllm_mamba.layers.parallel_linear import (
     row_linear,
 )
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
-from vllm_mamba.models.causal_lm import CausalLM, StackNames
+from vllm_mamba.models.causal_lm import CausalLM, ReadsEmbeddings, StackNames
 from vllm_mamba.models.mamba2_args import check_mamba2_args
 from vllm_mamba.ops.table import MambaOps
 
@@ -215,27 +216,31 @@ class Zamba2SharedBlock(nn.Module):
         return self.feed_forward(self.pre_ff_layernorm(x), use)
 
 
-class Zamba2MambaLayer(nn.Module):
-    """`h + mamba(norm(h + injected))`; `injected` is a hybrid layer's block output."""
+class Zamba2MambaLayer(PlannedLayer):
+    """`h + mamba(norm(h + injected))`; `injected` is a hybrid layer's block output. Its decode
+    plan may fuse the mixer's call alone (`layers.decode_plan`)."""
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.mamba = Mamba2Mixer(**mamba2_args(config), ops=ops, tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    def make_decode_plan(self) -> DecodePlan | None:
+        """The mixer's fused step without the norm, when it offers one."""
+        step = self.mamba.fused_mixer_step(None, False)
+        return None if step is None else DecodePlan(DecodeScope.MIXER, step, "mamba")
+
     def forward(
-        self,
-        hidden: torch.Tensor,
-        meta: PagedMetadata,
-        embeds: torch.Tensor | None = None,
-        injected: torch.Tensor | None = None,
+        self, hidden: torch.Tensor, meta: PagedMetadata, injected: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`."""
-        x = hidden if injected is None else hidden + injected
-        return hidden + self.mamba(self.input_layernorm(x), meta)
+        x = self.input_layernorm(hidden if injected is None else hidden + injected)
+        plan = self.decode_plan
+        fused = plan is not None and plan.step.takes(x, meta)
+        return hidden + (plan.step(x, meta) if fused else self.mamba(x, meta))
 
 
-class Zamba2HybridLayer(nn.Module):
+class Zamba2HybridLayer(ReadsEmbeddings):
     """A shared block (use `use`), the layer's `linear`, then its Mamba2 layer
     (`mamba_decoder`); `attn` is this use's KV cache layer."""
 
@@ -258,7 +263,7 @@ class Zamba2HybridLayer(nn.Module):
         self.use = use
 
     def forward(
-        self, hidden: torch.Tensor, meta: PagedMetadata, embeds: torch.Tensor | None = None
+        self, hidden: torch.Tensor, meta: PagedMetadata, embeds: torch.Tensor
     ) -> torch.Tensor:
         """`hidden`, `embeds (T, H)` -> `(T, H)`."""
         block_out = self.shared_transformer(hidden, embeds, self.use, self.attn, meta)

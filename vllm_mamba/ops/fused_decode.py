@@ -26,7 +26,7 @@ heads of P (`I = NH P`), G groups, CD = I + 2 G N conv channels.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,10 @@ MAMBA2_PARAMS = (
     "norm_w", "in_proj_w", "in_proj_b", "conv_w", "conv_b", "dt_bias", "A", "D", "gate_norm_w",
     "out_proj_w", "out_proj_b", "in_proj_scale", "out_proj_scale",
 )  # fmt: skip
+# `params` by name: `list(MambaParams(**tensors))`; the fields are the names above, in the order
+# of the C++ index constants (`csrc/fused_decode_mamba.cpp`, `fused_decode_mamba2.cpp`: `Param`).
+MambaParams = NamedTuple("MambaParams", [(n, "Tensor | None") for n in MAMBA_PARAMS])
+Mamba2Params = NamedTuple("Mamba2Params", [(n, "Tensor | None") for n in MAMBA2_PARAMS])
 
 Params = list[torch.Tensor | None]
 

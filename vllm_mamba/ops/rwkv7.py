@@ -37,7 +37,7 @@ Glossary:
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,7 @@ __all__ = [
     "glue_output",
     "fused_update_ref",
     "DECODE_LAYER_PARAMS",
+    "DecodeLayerParams",
     "decode_layer_ref",
 ]
 
@@ -297,6 +298,10 @@ DECODE_LAYER_PARAMS = (
     "r_s", "k_s", "v_s", "o_s", "w1_s", "w2_s", "a1_s", "a2_s", "g1_s", "g2_s", "v1_s", "v2_s",
     "key_s", "value_s",
 )  # fmt: skip
+# `params` by name: `list(DecodeLayerParams(**tensors))`, the fields in the order above.
+DecodeLayerParams = NamedTuple(
+    "DecodeLayerParams", [(n, "Tensor | None") for n in DECODE_LAYER_PARAMS]
+)
 
 
 def _project(

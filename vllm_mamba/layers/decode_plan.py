@@ -1,0 +1,162 @@
+"""The decode plan: how a layer runs its decode-only steps, decided once after load and binding.
+
+A layer's decode-only steps may run as one fused kernel call instead of its parts: the whole
+decoder layer (RWKV-7: `rwkv7_decode`), the mixer stage with the block's norm and residual
+(Mamba, Mamba2: `fused_decode_layer`), or the mixer alone (a Mamba / Mamba2 mixer in a layer
+the block kernel does not cover: multipliers, another norm, several mixers; Zamba2's layers).
+Each `PlannedLayer` holds a `DecodePlan` (which scope, which part, the `FusedStep` with its
+kernel and parameter list built once) or None (unfused), made by `plan_decode(model)`.
+
+Decided at plan time, once per layer:
+- `VLLM_MAMBA_FUSED_DECODE` (read then; `0`: no layer is fused) and whether the ops table has
+  the kernel (the backend's own `fused_decode` / `rwkv7.decode_layer` op);
+- the layer's structure (one mixer, which norms, multipliers, a stateful feed-forward) and
+  whether the mixer declares its math fusable (`StateSpaceMixer.fused_decode`);
+- the weights as loaded, quantised (`quantization`) and sharded (tensor parallelism): plain
+  CPU `Linear`s with float32 / bfloat16, int8 or 4-bit weights of one model dtype, else
+  unfused; the norms' types; the parameter list, by name (`ops.fused_decode.MambaParams`,
+  `Mamba2Params`, `ops.rwkv7.DecodeLayerParams`), and the constant arguments (epsilons,
+  groups, the result dtype where it is fixed);
+- the bound states' dtypes (float32 or bfloat16 each).
+
+Decided per step (`FusedStep.takes`, `decode_only`), the one question a step asks: is every
+row a decode the kernel takes? No prefill rows, no autograd, at least one row; speculative
+chains only where the kernel runs them (Mamba, Mamba2: up to `CHAIN_MAX_ROWS` rows with their
+source slots; RWKV-7: none); Mamba at most `MAMBA_MAX_ROWS` rows outside chains; RWKV-7 an input
+in the model dtype. The step's slots and, for the Mamba block without a float32 residual, its
+input's dtype are read per step; the states through the mixer's binding, per call.
+
+Re-planning: a plan holds the weights it was made from and the decisions on the states bound
+then. `StateCache.bind` binds every layer and then calls `plan_decode(model)`, so a (re)binding
+makes new plans; `CausalLM.process_weights_after_loading` drops them (`drop_decode_plans`). A
+layer bound or changed otherwise (a test binding one layer, weights replaced after binding)
+runs unfused until `plan_decode` runs again: a layer never planned has no plan.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from vllm_mamba import envs
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
+
+# Mamba rows up to which the fused layer runs. Above it the kernel's GEMM path was measured
+# no faster than the unfused one (its per-channel selective-scan stage costs as much as the
+# dispatch it saves: benchmarks/README.md), so larger Mamba batches stay unfused. Mamba2's
+# fused layer runs at every batch size.
+MAMBA_MAX_ROWS = 8
+CHAIN_MAX_ROWS = 64  # rows of a step with speculative chains that the fused layers take
+
+
+class FusedStep(Protocol):
+    """One layer part's decode-only step in one kernel call, its parameters bound at plan time."""
+
+    def takes(self, hidden: torch.Tensor, meta: MambaMetadata) -> bool:
+        """Whether this step (`hidden (T, H)`, `meta`) is one the kernel runs."""
+        ...
+
+    def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """The part's output `(T, H)`, its states advanced in place."""
+        ...
+
+
+class DecodeScope(enum.Enum):
+    """What a fused step replaces in its layer."""
+
+    LAYER = "layer"  # the whole layer (its first norm to its last residual)
+    BLOCK = "block"  # the mixer stage: `h + mixer(norm(h))`
+    MIXER = "mixer"  # one mixer's call: `mixer(x)`
+
+
+@dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """A layer's fused decode: `step` replaces `scope` (the mixer `part` for `MIXER`)."""
+
+    scope: DecodeScope
+    step: FusedStep
+    part: str
+
+
+def decode_only(
+    hidden: torch.Tensor,
+    meta: MambaMetadata,
+    max_rows: int | None = None,
+    chain_rows: int | None = None,
+) -> bool:
+    """A step of decode rows only (at least one), no prefill, without autograd.
+
+    Args:
+        hidden: `(T, H)`, the rows.
+        max_rows: most rows outside speculative chains (None: any).
+        chain_rows: most rows of a step with speculative chains, which the kernel then runs in
+            order, each reading the slot the row before wrote (None: no chains).
+    """
+    rows = hidden.shape[0]
+    if meta.num_prefills or rows == 0 or meta.num_decodes != rows or torch.is_grad_enabled():
+        return False
+    if meta.decode_waves:
+        return chain_rows is not None and rows <= chain_rows and meta.decode_chain_src is not None
+    return max_rows is None or rows <= max_rows
+
+
+def decode_slots(meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The slots the rows write their states to, and read them from when those differ
+    (speculative chains: each position's state in its own slot)."""
+    if meta.decode_waves:
+        assert meta.decode_chain_dst is not None
+        return meta.decode_chain_dst, meta.decode_chain_src
+    return meta.decode_state_indices, None
+
+
+class PlannedLayer(nn.Module):
+    """A layer whose decode-only steps may run fused: it holds its `decode_plan`, made by
+    `make_decode_plan` when `plan_decode(model)` runs (None until then, and when unfused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decode_plan: DecodePlan | None = None
+
+    def make_decode_plan(self) -> DecodePlan | None:
+        """This layer's plan from its weights and bound states now, or None (unfused)."""
+        raise NotImplementedError
+
+
+def planned_layers(model: nn.Module) -> list[PlannedLayer]:
+    """The model's `PlannedLayer`s, in module order."""
+    return [m for m in model.modules() if isinstance(m, PlannedLayer)]
+
+
+def plan_decode(model: nn.Module) -> list[DecodePlan | None]:
+    """Makes every layer's plan (none with `VLLM_MAMBA_FUSED_DECODE=0`); after the weights are
+    final and the states bound (`StateCache.bind` calls it). Returns the plans, in order."""
+    fused = envs.VLLM_MAMBA_FUSED_DECODE
+    layers = planned_layers(model)
+    for layer in layers:
+        layer.decode_plan = layer.make_decode_plan() if fused else None
+    return [layer.decode_plan for layer in layers]
+
+
+def drop_decode_plans(model: nn.Module) -> None:
+    """Drops every layer's plan (its weights are about to change): unfused until re-planned."""
+    for layer in planned_layers(model):
+        layer.decode_plan = None
+
+
+__all__ = [
+    "CHAIN_MAX_ROWS",
+    "MAMBA_MAX_ROWS",
+    "DecodePlan",
+    "DecodeScope",
+    "FusedStep",
+    "PlannedLayer",
+    "decode_only",
+    "decode_slots",
+    "drop_decode_plans",
+    "plan_decode",
+    "planned_layers",
+]
