@@ -1,8 +1,8 @@
 """The decode plan (`layers.decode_plan`): decided once per layer when the state cache binds,
 reused by every step (no plan-time predicate runs during steps), re-made by a binding, dropped
-by `process_weights_after_loading`; the fused and unfused paths of one engine agree; the one
-per-step question (`decode_only`) on each kind of step; the step's embeddings reach only the
-layers that read them (`ReadsEmbeddings`).
+by `process_weights_after_loading` and by quantisation; the fused and unfused paths of one
+engine agree; the one per-step question (`decode_only`) on each kind of step; the step's
+embeddings reach only the layers that read them (`ReadsEmbeddings`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ from vllm_mamba.layers.decode_plan import (
 )
 from vllm_mamba.layers.decoder_layer import DecoderLayer
 from vllm_mamba.layers.fused_decode_layer import FusedMambaStep
+from vllm_mamba.layers.quantization import quantize_model
 from vllm_mamba.layers.rwkv7_decode import FusedRwkv7Step
 from vllm_mamba.models.causal_lm import CausalLM, ReadsEmbeddings, StackNames
 from vllm_mamba.models.zamba2 import Zamba2MambaLayer
 from vllm_mamba.ops import cpu_kernels
+from vllm_mamba.ops.dispatch import get_mamba_ops
+from vllm_mamba.ops.fused_decode import MAMBA2_PARAMS
 from vllm_mamba.ops.table import bind_ops
 
 needs_kernels = pytest.mark.skipif(
@@ -133,6 +136,10 @@ def test_binding_remakes_the_plans_and_loading_drops_them(counts: Counter) -> No
     _generate(llm)
     assert counts["mamba step"] == 0, "a dropped plan must leave the layers unfused"
     assert all(p is not None for p in plan_decode(model))
+    quantize_model(model, get_mamba_ops("cpu"), "int8")  # new weights: the plans dropped
+    assert all(layer.decode_plan is None for layer in planned_layers(model))
+    in_proj = MAMBA2_PARAMS.index("in_proj_w")
+    assert all(p.step.params[in_proj].dtype == torch.int8 for p in plan_decode(model))
 
 
 @needs_kernels

@@ -28,9 +28,10 @@ input's dtype are read per step; the states through the mixer's binding, per cal
 
 Re-planning: a plan holds the weights it was made from and the decisions on the states bound
 then. `StateCache.bind` binds every layer and then calls `plan_decode(model)`, so a (re)binding
-makes new plans; `CausalLM.process_weights_after_loading` drops them (`drop_decode_plans`). A
-layer bound or changed otherwise (a test binding one layer, weights replaced after binding)
-runs unfused until `plan_decode` runs again: a layer never planned has no plan.
+makes new plans; `CausalLM.process_weights_after_loading` and `quantize_model` drop them
+(`drop_decode_plans`): the layers run unfused until the next binding or `plan_decode`. A layer
+never planned (bound on its own, outside a state cache) has no plan and runs unfused; weights
+changed any other way after planning need `plan_decode(model)` again.
 """
 
 from __future__ import annotations

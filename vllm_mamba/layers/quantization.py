@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_mamba.layers.decode_plan import drop_decode_plans
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import VocabParallelEmbedding
 from vllm_mamba.ops.int4_linear import dequantize_int4, int4_supported, quantize_int4
@@ -173,7 +174,8 @@ def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> Quantization
     """Quantises every eligible `Linear` of a loaded float model to `method`, in place.
 
     A plain `nn.Embedding` whose weight is tied to a quantised layer (the LM head) is replaced
-    by an `Int8Embedding` / `Int4Embedding` reading the same table.
+    by an `Int8Embedding` / `Int4Embedding` reading the same table. The layers' decode plans
+    are dropped (they hold the float weights): the state cache's binding makes new ones.
 
     Args:
         model: the model after its weights are loaded and processed.
@@ -190,6 +192,7 @@ def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> Quantization
     """
     if method not in ("int8", "int4"):
         raise ValueError(f"quantization {method!r}: use 'int8' or 'int4'")
+    drop_decode_plans(model)
     before = _weight_bytes(model)
     embeddings = {
         id(module.weight): (parent, name)
