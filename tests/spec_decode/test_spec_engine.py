@@ -18,6 +18,7 @@ from tests.helpers.spec_oracle import OracleProposer
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
 from vllm_mamba.engine.sequence import Sequence
+from vllm_mamba.layers.decode_plan import plan_decode
 from vllm_mamba.layers.mixer_base import StateSpaceMixer
 from vllm_mamba.sampling_params import StructuredOutputsParams
 
@@ -40,10 +41,13 @@ def _slot_state(engine: object, slot: int) -> list[torch.Tensor]:
 
 
 def _unfused(runner: VllmRunner) -> None:
-    """Switches off the fused Mamba decode layers of the runner's model."""
-    for module in runner.engine.model.modules():
+    """Switches off the fused Mamba decode layers of the runner's model (read when the layers'
+    decode plans are made, so they are made again)."""
+    model = runner.engine.model
+    for module in model.modules():
         if isinstance(module, StateSpaceMixer):
             module.fused_decode = False
+    assert not any(plan_decode(model)), "no Mamba layer may keep a fused plan"
 
 
 def _states_by_length(runner: VllmRunner, prompt: list[int], max_tokens: int) -> dict:
