@@ -16,6 +16,7 @@ whether the step is decode-only (`decode_plan.decode_only`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,7 +110,7 @@ class FusedMambaStep:
     `residual + mixed` promotes) and `dtype` otherwise.
     """
 
-    op: object
+    op: Callable[..., torch.Tensor]
     mixer: nn.Module
     params: Params
     args: tuple[float | int, ...]

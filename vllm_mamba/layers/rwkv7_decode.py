@@ -85,12 +85,15 @@ def _build(mix: nn.Module, layer: nn.Module, ffn: nn.Module) -> tuple[list, floa
 @dataclass(frozen=True, eq=False)
 class FusedRwkv7Step:
     """An RWKV-7 decoder layer's decode-only step in one `decode_layer` call: `params` its
-    list (built once), `eps` its LayerNorms' epsilon; `mix` and `ffn` hold the states."""
+    list (built once), `eps` its LayerNorms' epsilon, `gn_eps` its group norm's; `mix` and
+    `ffn` hold the states, layer 0's (`first`) value is every later layer's `v_first`."""
 
     mix: nn.Module
     ffn: nn.Module
     params: list[torch.Tensor | None]
     eps: float
+    gn_eps: float
+    first: bool
 
     def takes(self, hidden: torch.Tensor, meta: MambaMetadata) -> bool:
         """A decode-only step without chains, its input in the model dtype."""
@@ -100,12 +103,12 @@ class FusedRwkv7Step:
         """The layer on `hidden (B, H)` -> `(B, H)`, its three states advanced in place."""
         mix = self.mix
         states = (mix.state["shift"], mix.state["wkv"], self.ffn.state["shift"])
-        v_first = None if mix.layer_idx == 0 else mix.value_first.value
+        v_first = None if self.first else mix.value_first.value
         out, v = mix.wkv.decode_layer(
             hidden, self.params, *states, meta.decode_state_indices, v_first, self.eps,
-            mix.g_norm.eps,
+            self.gn_eps,
         )  # fmt: skip
-        if mix.layer_idx == 0:
+        if self.first:
             mix.value_first.value = v
         return out
 
@@ -125,4 +128,4 @@ def plan_layer(mix: nn.Module, layer: nn.Module) -> FusedRwkv7Step | None:
     if built is None:
         return None
     params, eps = built
-    return FusedRwkv7Step(mix, ffn, params, eps)
+    return FusedRwkv7Step(mix, ffn, params, eps, mix.g_norm.eps, mix.layer_idx == 0)
