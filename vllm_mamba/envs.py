@@ -2,7 +2,8 @@
 the package).
 
 Each is read when asked for (`envs.VLLM_MAMBA_HUGE_PAGES`), so a test or a caller may set the
-variable at any time before the code that reads it runs.
+variable at any time before the code that reads it runs. `VLLM_MAMBA_FUSED_DECODE` is read
+when a state cache binds a model and its layers' decode plans are made (`layers/decode_plan`).
 
 | variable | default | what it does |
 |---|---|---|
