@@ -1,13 +1,13 @@
 """The worker package: its imports point down only, the runner is configured when it is built,
-its copies go through `CacheCopies` (relayed to the other ranks first under tensor
-parallelism), and CUDA graphs follow the backend's declared capability."""
+the other ranks make rank 0's calls, and CUDA graphs follow the backend's declared
+capability."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Sequence
 
+import pytest
 import torch
 
 from tests.helpers.runners import VllmRunner
@@ -18,7 +18,7 @@ from vllm_mamba.attention.backends.placeholder import PlaceholderAttentionBacken
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.state_cache import StateCache
 from vllm_mamba.worker.caches import LocalCopies
-from vllm_mamba.worker.relay import Command, RelayCopies
+from vllm_mamba.worker.relay import Command
 from vllm_mamba.worker.worker import Worker, captures_decode
 
 
@@ -37,32 +37,31 @@ def test_worker_package_never_imports_the_executor() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-class Recorder:
-    """`CacheCopies` that records its calls."""
+def test_other_ranks_make_rank_0s_calls() -> None:
+    """Ranks 1..N-1 run what rank 0's executor sends them: the same call on their own worker
+    (`init_caches`, `init_runner`, `execute` with the same step); nothing else."""
+    calls: list[tuple] = []
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, list[int], list[int]]] = []
+    class Probe(Worker):
+        def __init__(self) -> None:  # no model: only the dispatch is under test
+            pass
 
-    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        self.calls.append(("slots", list(src), list(dst)))
+        def init_caches(self, *args: object) -> None:
+            calls.append(("init_caches", *args))
 
-    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        self.calls.append(("blocks", list(src), list(dst)))
+        def init_runner(self, *args: object) -> None:  # type: ignore[override]
+            calls.append(("init_runner", *args))
 
+        def execute(self, *args: object) -> None:  # type: ignore[override]
+            calls.append(("execute", *args))
 
-def test_relay_copies_send_each_copy_before_making_it() -> None:
-    sent: list[Command] = []
-    local = Recorder()
-    relay = RelayCopies(local, lambda command: sent.append(command))
-    relay.copy_slots([1, 2], [3, 4])
-    relay.copy_blocks([5], [6])
-    relay.copy_slots([], [])  # nothing to send; the local copy still sees it (a no-op there)
-    assert sent == [("copy_slots", [1, 2], [3, 4]), ("copy_blocks", [5], [6])]
-    assert local.calls == [
-        ("slots", [1, 2], [3, 4]),
-        ("blocks", [5], [6]),
-        ("slots", [], []),
-    ]
+    worker = Probe()
+    sent: list[Command] = [("init_caches", 4, None), ("init_runner", "config"), ("execute", "s")]
+    for command in sent:
+        worker.handle(command)
+    assert calls == sent
+    with pytest.raises(ValueError, match="unknown worker command 'forward'"):
+        worker.handle(("forward", None, None))
 
 
 def test_local_copies_copy_every_state_of_a_slot() -> None:

@@ -134,7 +134,8 @@ class PrefixCacheSteps:
         group.prompt_logprobs.extend(
             _trim_top(entry, k, prompt[first + i]) for i, entry in enumerate(kept)
         )
-        return HiddenLogprob(group.request_id, snap.hidden, prompt[depth], k, depth)
+        # On the CPU in the step (it may travel to other processes).
+        return HiddenLogprob(group.request_id, snap.hidden.cpu(), prompt[depth], k, depth)
 
 
 class NoPrefixSteps:

@@ -3,12 +3,13 @@
 An executor starts one `worker.Worker` per rank (rank 0 in the engine's process) and is all
 the engine sees of them. The engine asks it for the cache specs of rank 0's shard
 (`cache_specs`), sizes the pools from them, has every rank allocate and bind its caches
-(`init_caches`), has rank 0 build its runner with the engine's decisions (`init_runner`) and
-then executes each step (`execute`): a `worker.step.Step`, plain data that carries every
-state copy, snapshot and rollback the engine wants, in, a `worker.step.StepResult` out; the
-engine calls nothing else during its life. A distributed executor hands rank 0's worker the
-function that sends a command to the other ranks, and turns any failure of a rank into
-`TensorParallelError`, after which the engine is dead.
+(`init_caches`), has every rank build its runner with the engine's decisions
+(`init_runner`) and then executes each step (`execute`): a `worker.step.Step`, plain data that
+carries every state copy, snapshot and rollback the engine wants, in, a `worker.step.StepResult`
+out; the engine calls nothing else during its life. A distributed executor sends each of these
+calls to the other ranks before making it on rank 0's worker (every rank runs the same worker
+code on the same step), and turns any failure of a rank into `TensorParallelError`, after which
+the engine is dead.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Executor(ABC):
         pool of `sizing` (None: no KV cache)."""
 
     def init_runner(self, config: RunnerConfig) -> None:
-        """Builds rank 0's runner, configured with the engine's decisions."""
+        """Builds every rank's runner, configured with the engine's decisions."""
         self.worker.init_runner(config)
 
     @abstractmethod

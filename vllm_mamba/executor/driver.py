@@ -2,10 +2,10 @@
 process, ranks 1..N-1 started by a subclass (processes, Ray actors).
 
 It starts the other ranks, joins the group with them (watching that none failed meanwhile),
-builds rank 0's worker with `send` (which delivers a command to every other rank, in order:
-the worker relays each model call and cache copy of a step through it, `worker.relay`), and
-turns a failure of any rank into `TensorParallelError`. Rank 0 alone samples; the other ranks
-only take part in the collectives.
+builds rank 0's worker, sends every other rank each call it makes on rank 0's worker first
+(`init_caches`, `init_runner`, `execute` with the same plain-data step: `worker.relay`), so
+every rank runs the same worker code, and turns a failure of any rank into
+`TensorParallelError`. Every rank samples the same tokens; rank 0's result goes to the engine.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from vllm_mamba.errors import EngineStartupError
 from vllm_mamba.executor.base import Executor, TensorParallelError
 from vllm_mamba.kv_cache import KVCacheSizing
 from vllm_mamba.model_loader import check_tensor_parallel
+from vllm_mamba.worker.model_runner import RunnerConfig
 from vllm_mamba.worker.relay import Command
 from vllm_mamba.worker.step import Step, StepResult
 from vllm_mamba.worker.worker import Worker
@@ -69,7 +70,6 @@ class DriverExecutor(Executor):
                 self.tp,
                 self.device,
                 join=lambda tp, device: self._join_group(init_method),
-                send=self.send,
             )
             self._wait_ready()
         except BaseException:
@@ -125,13 +125,17 @@ class DriverExecutor(Executor):
         self._send(command)
 
     def init_caches(self, num_slots: int, sizing: KVCacheSizing | None) -> None:
-        """Every rank's caches, each of its own shard's specs and bound to it; rank 0's
-        worker makes its runner's slot and block copies on every rank."""
+        """Every rank's caches, each of its own shard's specs and bound to it."""
         self.send(("init_caches", num_slots, sizing))
         self.worker.init_caches(num_slots, sizing)
 
+    def init_runner(self, config: RunnerConfig) -> None:
+        """Every rank's runner, configured with the engine's decisions."""
+        self.send(("init_runner", config))
+        self.worker.init_runner(config)
+
     def execute(self, step: Step) -> StepResult:
-        """The step on every rank.
+        """The step on every rank (sent to the others first); rank 0's result.
 
         Raises:
             TensorParallelError: a rank died or the step failed on some rank; the ranks are
@@ -140,6 +144,7 @@ class DriverExecutor(Executor):
         if self._dead is not None:
             raise self._dead
         try:
+            self.send(("execute", step))
             return self.worker.execute(step)
         except Exception as err:
             raise self._fail(err) from err

@@ -2,9 +2,9 @@
 and block copies the runner asks for.
 
 `CacheCopies` is the small protocol between the runner and whoever makes its copies (forks,
-prefix-cache snapshots and hits, speculative rollbacks, copy-on-write KV blocks): with one
-rank `LocalCopies` copies in this process's caches; under tensor parallelism rank 0's worker
-hands the runner `relay.RelayCopies`, which sends each copy to the other ranks first.
+prefix-cache snapshots and hits, speculative rollbacks, copy-on-write KV blocks):
+`LocalCopies` copies in this process's caches, on every rank (under tensor parallelism each
+rank runs the same step, so it makes the same copies in its own shard's caches).
 """
 
 from __future__ import annotations

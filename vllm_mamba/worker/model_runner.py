@@ -1,4 +1,4 @@
-"""Runs one engine step on rank 0's model: the only code that builds a step's tensors.
+"""Runs one engine step on a rank's model: the only code that builds a step's tensors.
 
 The runner consumes a `step.Step` (plain data) and returns a `step.StepResult` (plain data);
 it never sees the engine's requests or sequences. It lays the step's sequences out as one flat
@@ -21,8 +21,9 @@ generator, restarted from the configured seed when a step asks (after the warm-u
 The runner is built by its `Worker` with everything it needs, once (`RunnerConfig`: the spare
 slots, whether hidden rows are kept; the MTP head; CUDA graphs): nothing sets its fields
 afterwards. It calls the model and makes its slot and block copies through what the worker
-hands it (`StepModel`, `caches.CacheCopies`), which under tensor parallelism relay each call to
-the other ranks first (`relay`).
+hands it (`StepModel`, `caches.CacheCopies`). Under tensor parallelism every rank's runner runs
+the same step: the same layout, copies and calls (the model's collectives join them), the
+same samples from the same generators.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ __all__ = [
 
 
 class StepModel(Protocol):
-    """What the runner calls: the model, or rank 0's `relay.RelayModel`."""
+    """What the runner calls: the model (under tensor parallelism, this rank's shard)."""
 
     def __call__(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
         """Final hidden rows `(T, H)` of the step's flat batch `input_ids (T,)`."""
@@ -106,15 +107,15 @@ def in_order(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
 
 
 class ModelRunner:
-    """Runs the steps on rank 0's model and caches; owns the sampling generators.
+    """Runs the steps on this rank's model and caches; owns the sampling generators.
 
     Args:
-        model: the model, or a relay of it (`StepModel`).
-        cache, kv_cache: rank 0's caches (the KV cache of a hybrid, else None).
+        model: the model (`StepModel`).
+        cache, kv_cache: this rank's caches (the KV cache of a hybrid, else None).
         backend: the attention backend of the built model (builds each step's metadata).
         config: the engine's decisions (`RunnerConfig`).
         seed: the engine-wide generator's seed (requests without their own seed).
-        copies: makes the slot and block copies (on every rank, under tensor parallelism).
+        copies: makes the slot and block copies.
         mtp: the model's multi-token prediction head, run after every forward over the
             step's rows (speculative method `mtp`); None otherwise.
         cuda_graph_max_num_seqs: capture decode CUDA graphs for batches up to this size

@@ -14,8 +14,10 @@ rank 0, which builds the `ModelRunner` configured once and for all (`RunnerConfi
 attention backend of the built model and, on CUDA when the backend declares decode steps
 capturable and the model is not sharded, the decode CUDA graphs. Rank 0 then runs each step
 (`execute`: a plain-data `step.Step` in, a `step.StepResult` out; the per-sequence state the
-runner keeps, its sampling generators, lives here, keyed by sequence id); ranks 1..N-1 still
-run the commands rank 0's model calls send them (`handle`, see `relay`).
+runner keeps, its sampling generators, lives here, keyed by sequence id). Under tensor
+parallelism every rank does all of this the same way: rank 0's executor sends the other ranks
+each call it makes on rank 0's worker (`init_caches`, `init_runner`, `execute` with the same
+step; `handle`, see `relay`), so every rank runs the same runner code on the same data.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import torch
 from vllm_mamba.attention.backend import AttentionBackend
 from vllm_mamba.attention.selector import select_attention_backend
 from vllm_mamba.config import EngineConfig
-from vllm_mamba.distributed.communication import broadcast
 from vllm_mamba.distributed.parallel_state import TensorParallel, init_tensor_parallel
 from vllm_mamba.kv_cache import KVCache, KVCacheSizing
 from vllm_mamba.model_loader import build_model
@@ -41,7 +42,7 @@ from vllm_mamba.worker.caches import (
 )
 from vllm_mamba.worker.model_runner import ModelRunner, RunnerConfig
 from vllm_mamba.worker.platform import Platform
-from vllm_mamba.worker.relay import Command, RelayCopies, RelayModel, Send, metadata_to
+from vllm_mamba.worker.relay import COMMANDS, Command
 from vllm_mamba.worker.step import Step, StepResult
 
 JoinGroup = Callable[[TensorParallel, torch.device], None]
@@ -60,23 +61,21 @@ def captures_decode(
     backend: type[AttentionBackend], device: torch.device, tp_size: int, enforce_eager: bool
 ) -> bool:
     """Whether the runner captures decode CUDA graphs: on CUDA, when the backend declares its
-    decode steps capturable, with one rank (a relayed forward cannot be captured) and unless
-    `enforce_eager`."""
+    decode steps capturable, with one rank (a forward with collectives is not captured) and
+    unless `enforce_eager`."""
     return (
         device.type == "cuda" and backend.decode_cuda_graphs and tp_size == 1 and not enforce_eager
     )
 
 
 class Worker:
-    """One rank: its platform setup, its shard, its caches and (rank 0) the runner.
+    """One rank: its platform setup, its shard, its caches and its runner.
 
     Args:
         config: the engine's configuration (the same on every rank).
         tp: this rank's place in the group.
         device: this rank's device.
         join: how this rank joins the group (required with more than one rank).
-        send: rank 0 under tensor parallelism: delivers a command to ranks 1..N-1 (every
-            model call and cache copy of the runner goes through it first).
     """
 
     def __init__(
@@ -85,12 +84,10 @@ class Worker:
         tp: TensorParallel,
         device: torch.device,
         join: JoinGroup | None = None,
-        send: Send | None = None,
     ) -> None:
         self.config = config
         self.tp = tp
         self.device = device
-        self.send = send
         self.platform = Platform.setup(config, device, runs_steps=tp.rank == 0)
         if tp.size > 1:
             assert join is not None, "a rank of a group needs a way to join it"
@@ -115,18 +112,14 @@ class Worker:
             self.model, self.config, num_slots, sizing, self.device
         )
         self.copies = LocalCopies(self.cache, self.kv_cache)
-        if self.send is not None:
-            self.copies = RelayCopies(self.copies, self.send)
 
     def init_runner(self, runner_config: RunnerConfig) -> ModelRunner:
-        """Builds the runner over this rank's model and caches (rank 0, after
-        `init_caches`)."""
+        """Builds the runner over this rank's model and caches (after `init_caches`)."""
         assert self.cache is not None and self.copies is not None, "init_caches first"
         backend = select_attention_backend(has_kv_cache=self.kv_cache is not None)
-        model = self.model if self.send is None else RelayModel(self.model, self.send, self.tp)
         graphs = captures_decode(backend, self.device, self.tp.size, self.config.enforce_eager)
         self.runner = ModelRunner(
-            model,
+            self.model,
             self.cache,
             backend,
             self.device,
@@ -139,33 +132,17 @@ class Worker:
         )
         return self.runner
 
-    # ----- rank 0: the engine's steps -----------------------------------------------------
     def execute(self, step: Step) -> StepResult:
-        """Runs one step (the governor may first change the thread count)."""
+        """Runs one step (the governor, on rank 0, may first change the thread count)."""
         assert self.runner is not None, "init_runner first"
         self.platform.before_step()
         return self.runner.execute(step)
 
-    # ----- ranks 1..N-1: rank 0's commands ----------------------------------------------
-    @torch.inference_mode()
+    # ----- ranks 1..N-1: rank 0's calls, as commands --------------------------------------
     def handle(self, command: Command) -> None:
-        """Runs one command of rank 0 (see `relay`)."""
+        """Makes the call rank 0's executor made on rank 0's worker (see `relay`); a step's
+        result stays here (rank 0's goes to the engine)."""
         kind = command[0]
-        if kind == "forward":
-            _, input_ids, meta = command
-            assert self.cache is not None
-            self.model(input_ids.to(self.device), metadata_to(meta, self.device))
-        elif kind == "logits":
-            _, shape, dtype = command
-            hidden = broadcast(torch.empty(shape, dtype=dtype, device=self.device), self.tp)
-            self.model.compute_logits(hidden)
-        elif kind == "copy_slots":
-            assert self.copies is not None
-            self.copies.copy_slots(command[1], command[2])
-        elif kind == "copy_blocks":
-            assert self.copies is not None
-            self.copies.copy_blocks(command[1], command[2])
-        elif kind == "init_caches":
-            self.init_caches(command[1], command[2])
-        else:
+        if kind not in COMMANDS:
             raise ValueError(f"unknown worker command {kind!r}")
+        getattr(self, kind)(*command[1:])
