@@ -54,6 +54,9 @@ class Proposer(Protocol):
         """Forgets what the proposer holds for a sequence that left the engine."""
         ...
 
+    # Optional: `on_step(result: StepResult) -> None`, called with every step's result before
+    # `propose` (the MTP proposer takes the head's first drafts from it).
+
 
 MAX_BACKOFF_STEPS = 15  # plain steps after wholly rejected chains, at most
 
@@ -104,6 +107,9 @@ class SpecDecodeSteps:
             position (None unless the runner keeps hidden rows): what a finished sequence's
             prefix-cache snapshot saves; and the number of tokens appended.
         """
+        on_step = getattr(self.proposer, "on_step", None)  # optional: proposers that read
+        if on_step is not None:  # what the step computed for them (the MTP head's drafts)
+            on_step(result)
         appended = 0
         hidden: dict[int, torch.Tensor | None] = {}
         c = self.counters
@@ -236,8 +242,7 @@ def make_proposer(config: SpeculativeConfig, engine: Any) -> Proposer:
     if config.method == "mtp":
         from vllm_mamba.spec_decode.mtp_proposer import MTPProposer
 
-        # The runner was built with the model's MTP head (`Worker.init_runner`); the proposer
-        # reads its first drafts and runs the head again (until drafting is part of the step).
-        runner = engine.executor.runner
-        return MTPProposer(runner, engine.scheduler.block_manager, engine.kv_cache)
+        # The runner was built with the model's MTP head (`Worker.init_runner`): each step's
+        # result brings the first drafts; further drafts are steps of their own.
+        return MTPProposer(engine.executor, engine.scheduler.block_manager)
     raise ValueError(f"speculative_config.method {config.method!r} is unknown")

@@ -11,7 +11,8 @@ forks states for `n > 1`, copies the states of the step's new snapshots into the
 slots, applies the LM head to the sampled positions (and to prompt positions whose logprobs
 were asked for) and samples; a chain's positions are verified against its drafts
 (`spec_decode.rejection_sampler`) and its state brought back to its last emitted token from
-the spare slot that saved it.
+the spare slot that saved it. With the MTP head it runs the head over the step's rows (first
+drafts in the result) and, in a step of their own, the further drafts (`Step.mtp_drafts`).
 
 What the runner keeps per sequence across steps is its sampling generator: made from the
 request's seed (and the sequence's index) when the sequence is first sampled, dropped when a
@@ -41,6 +42,7 @@ from vllm_mamba.spec_decode.rejection_sampler import Chain, rejection_sample
 from vllm_mamba.worker.caches import CacheCopies
 from vllm_mamba.worker.cuda_graphs import DecodeCudaGraphs
 from vllm_mamba.worker.step import (
+    MTPDraft,
     PromptLogprobChunk,
     SampleSpec,
     SpecResult,
@@ -151,7 +153,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.mtp = mtp
         # Per sequence sampled, its first MTP draft and the head's output row that further
-        # drafts start from (`spec_decode.mtp_proposer` reads them after the step).
+        # drafts start from (a drafting step, `Step.mtp_drafts`, continues from them).
         self.mtp_next: dict[int, tuple[int, torch.Tensor]] = {}
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if cuda_graph_max_num_seqs is not None:
@@ -169,11 +171,6 @@ class ModelRunner:
             self.generator.manual_seed(self.seed)
         for seq_id in step.finished_seq_ids:
             self.generators.pop(seq_id, None)
-        items = step.seqs
-        layout, token_ids, rows = self._layout(items)
-        last_row = {seq_id: r[-1] for seq_id, r in rows.items()}  # its chunk's last token
-        sampled = [i for i in items if i.sample and not i.is_spec]
-        sample_pos = [last_row[i.seq_id] for i in sampled]
         if self.kv_cache is not None and step.block_copies:
             src, dst = zip(*step.block_copies)
             self.copies.copy_blocks(list(src), list(dst))
@@ -185,6 +182,20 @@ class ModelRunner:
             result.hidden_logprobs[h.request_id] = self._prompt_logprobs(
                 h.hidden.to(self.device)[None], [h.target], h.k, h.position
             )
+        if step.seqs:
+            self._run_seqs(step, result)
+        if step.mtp_drafts:
+            self._more_mtp_drafts(step.mtp_drafts, result)
+        return result
+
+    def _run_seqs(self, step: Step, result: StepResult) -> None:
+        """The step's forward over its sequences, its copies after the forward, sampling,
+        verification, the MTP head's pass and prompt logprobs."""
+        items = step.seqs
+        layout, token_ids, rows = self._layout(items)
+        last_row = {seq_id: r[-1] for seq_id, r in rows.items()}  # its chunk's last token
+        sampled = [i for i in items if i.sample and not i.is_spec]
+        sample_pos = [last_row[i.seq_id] for i in sampled]
         meta = None
         if self.cuda_graphs is not None and not layout.prefill_lens and not layout.decode_waves:
             hidden = self.cuda_graphs.run(token_ids, layout.decode_slots)  # (T, H)
@@ -227,7 +238,6 @@ class ModelRunner:
                 wanted.k,
                 first + 1,
             )
-        return result
 
     def spare_slot(self, chain: int, position: int) -> int:
         """The spare slot that saves chain `chain`'s state after its position `position`."""
@@ -402,6 +412,38 @@ class ModelRunner:
         drafts = self.mtp.compute_logits(out_rows[picked]).argmax(-1).tolist()
         for (seq_id, row), draft in zip(last.items(), drafts):
             self.mtp_next[seq_id] = (draft, out_rows[row])
+            result.mtp_drafts[seq_id] = draft
+
+    def _more_mtp_drafts(self, wanted: list[MTPDraft], result: StepResult) -> None:
+        """Further drafts from the MTP head (`Step.mtp_drafts`): one decode row per sequence,
+        one position further each time, fed the head's previous output row (the first from the
+        last step's pass) and the previous draft, as vLLM's MTP proposer. The rows write the
+        head's KV at positions the target has not computed yet (in blocks the engine
+        reserved); the target's next step overwrites them."""
+        assert self.mtp is not None and self.kv_cache is not None
+        chains = [(w, *self.mtp_next[w.seq_id]) for w in wanted]  # (wanted, draft, row)
+        self.mtp_next = {}
+        for w, _, _ in chains:
+            result.more_drafts[w.seq_id] = []
+        for step in range(1, max(w.num_drafts for w, _, _ in chains) + 1):
+            chains = [c for c in chains if c[0].num_drafts >= step]
+            hidden = torch.stack([row for _, _, row in chains])  # (B, H)
+            ids = torch.tensor([draft for _, draft, _ in chains], device=hidden.device)
+            layout = StepLayout(
+                decode_slots=[w.slot for w, _, _ in chains],
+                prefill_lens=[],
+                prefill_slots=[],
+                prefill_context_lens=[],
+                decode_context_lens=[w.position + step - 1 for w, _, _ in chains],
+                block_size=self.kv_cache.block_size,
+                decode_block_tables=[w.block_table for w, _, _ in chains],
+            )
+            meta = self.backend.build_metadata(layout, hidden.device)
+            hidden = self.mtp(hidden, ids, meta, spec_step=step)  # (B, H)
+            drafts = self.mtp.compute_logits(hidden).argmax(-1).tolist()
+            chains = [(w, d, hidden[j]) for j, ((w, _, _), d) in enumerate(zip(chains, drafts))]
+            for w, draft, _ in chains:
+                result.more_drafts[w.seq_id].append(draft)
 
     def _row(self, spec: SampleSpec) -> SamplingRow:
         """Sampling inputs of one sequence, with its generator (made from its request's seed

@@ -42,6 +42,7 @@ from vllm_mamba.spec_decode.rejection_sampler import GrammarPlan
 __all__ = [
     "GrammarPlan",
     "HiddenLogprob",
+    "MTPDraft",
     "PromptLogprobChunk",
     "PromptLogprobsWanted",
     "SampleSpec",
@@ -246,6 +247,22 @@ class HiddenLogprob:
 
 
 @dataclass(frozen=True)
+class MTPDraft:
+    """Further drafts of the MTP head (speculative method `mtp`) for a sequence whose first
+    draft the last step returned (`StepResult.mtp_drafts`): `num_drafts` more, each a decode row
+    of the head fed its own previous output row and the previous draft, the first at context
+    length `position` (the sequence's last token), the next one further on; `block_table` holds
+    the blocks of the KV the head writes there (reserved by the engine).
+    """
+
+    seq_id: int
+    slot: int
+    num_drafts: int
+    position: int
+    block_table: list[int]
+
+
+@dataclass(frozen=True)
 class Step:
     """One engine step as plain data (see the module docstring).
 
@@ -261,6 +278,8 @@ class Step:
             forgets what it keeps for them (their generators).
         reset_generator: restart the engine-wide generator from the configured seed first
             (after the warm-up).
+        mtp_drafts: further MTP drafts to make after the step's own work (a step of its own,
+            with no `seqs`, between two engine steps: see `spec_decode.mtp_proposer`).
     """
 
     seqs: list[StepSeq]
@@ -271,6 +290,7 @@ class Step:
     hidden_logprobs: list[HiddenLogprob] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
     reset_generator: bool = False
+    mtp_drafts: list[MTPDraft] = field(default_factory=list)
 
 
 @dataclass
@@ -317,6 +337,9 @@ class StepResult:
         snapshot_hidden: per sequence of `Step.snapshots`, the final hidden row `(H,)` of its
             chunk's last position.
         spec: per speculating sequence id, its verified chain.
+        mtp_drafts: with the MTP head, per sequence that drafts next, the head's first draft
+            (its output row stays in the worker for `Step.mtp_drafts`).
+        more_drafts: per `Step.mtp_drafts` entry, the further drafts.
     """
 
     samples: dict[int, tuple[int, SamplerOutput]] = field(default_factory=dict)
@@ -325,3 +348,5 @@ class StepResult:
     sampled_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     snapshot_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     spec: dict[int, SpecResult] = field(default_factory=dict)
+    mtp_drafts: dict[int, int] = field(default_factory=dict)
+    more_drafts: dict[int, list[int]] = field(default_factory=dict)
