@@ -67,7 +67,7 @@ class Executor(ABC):
 
     @property
     def runner(self) -> ModelRunner:
-        """Rank 0's runner (after `init_runner`), for inspection and the MTP proposer."""
+        """Rank 0's runner (after `init_runner`), for inspection."""
         assert self.worker.runner is not None, "init_runner first"
         return self.worker.runner
 
