@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import urllib.parse
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +65,44 @@ def collective_timeout_s() -> float:
     return envs.VLLM_MAMBA_DIST_TIMEOUT_S
 
 
-def init_tensor_parallel(tp: TensorParallel, init_method: str, device: torch.device) -> None:
-    """Joins the group of `tp.size` ranks at `init_method` (a `tcp://host:port` address).
+def open_rendezvous(host: str, size: int) -> tuple[dist.TCPStore, str]:
+    """Rank 0's rendezvous for a group of `size` ranks: a store listening on `host` at a port
+    the kernel chose (bound, not probed, so no other process can take it in between), and
+    the `tcp://host:port` address the other ranks join at."""
+    store = dist.TCPStore(
+        host,
+        0,
+        world_size=size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=collective_timeout_s()),
+        wait_for_workers=False,
+    )
+    return store, f"tcp://{host}:{store.port}"
+
+
+def _rendezvous_client(init_method: str, size: int) -> dist.TCPStore:
+    """A client of the rendezvous store at `init_method` (`tcp://host:port`)."""
+    address = urllib.parse.urlsplit(init_method)
+    if address.scheme != "tcp" or not address.hostname or not address.port:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    return dist.TCPStore(
+        address.hostname,
+        address.port,
+        world_size=size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=collective_timeout_s()),
+    )
+
+
+def init_tensor_parallel(
+    tp: TensorParallel,
+    init_method: str,
+    device: torch.device,
+    store: dist.Store | None = None,
+) -> None:
+    """Joins the group of `tp.size` ranks at `init_method` (a `tcp://host:port` address: a
+    client of rank 0's rendezvous store), or through `store` (rank 0's own, from
+    `open_rendezvous`) when given.
 
     Gloo on the CPU, NCCL on CUDA (each rank on `cuda:rank` of its machine); a collective
     that waits longer than `collective_timeout_s()` for a rank raises.
@@ -83,7 +120,7 @@ def init_tensor_parallel(tp: TensorParallel, init_method: str, device: torch.dev
         torch.cuda.set_device(device)
     dist.init_process_group(
         backend=backend,
-        init_method=init_method,
+        store=store if store is not None else _rendezvous_client(init_method, tp.size),
         rank=tp.rank,
         world_size=tp.size,
         timeout=datetime.timedelta(seconds=collective_timeout_s()),

@@ -11,16 +11,18 @@ every rank runs the same worker code, and turns a failure of any rank into
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from abc import abstractmethod
 from collections.abc import Callable
+
+import torch.distributed as dist
 
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.distributed.parallel_state import (
     TensorParallel,
     destroy_tensor_parallel,
     init_tensor_parallel,
+    open_rendezvous,
 )
 from vllm_mamba.errors import EngineStartupError
 from vllm_mamba.executor.base import Executor, TensorParallelError
@@ -32,13 +34,6 @@ from vllm_mamba.worker.step import Step, StepResult
 from vllm_mamba.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` now (for the group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class DriverExecutor(Executor):
@@ -62,14 +57,14 @@ class DriverExecutor(Executor):
     def _start(self, host: str) -> None:
         """Starts the workers, then rank 0's: it joins the group at `host` and loads its
         shard."""
-        init_method = f"tcp://{host}:{free_port(host)}"
+        store, init_method = open_rendezvous(host, self.tp.size)
         self._start_workers(init_method)
         try:
             self.worker = Worker(
                 self.config,
                 self.tp,
                 self.device,
-                join=lambda tp, device: self._join_group(init_method),
+                join=lambda tp, device: self._join_group(init_method, store),
             )
             self._wait_ready()
         except BaseException:
@@ -81,13 +76,14 @@ class DriverExecutor(Executor):
             self.config.parallel_config.distributed_executor_backend,
         )
 
-    def _join_group(self, init_method: str) -> None:
-        """Joins the group (on a helper thread) while watching that no worker failed."""
+    def _join_group(self, init_method: str, store: dist.Store) -> None:
+        """Joins the group through rank 0's rendezvous `store` (on a helper thread) while
+        watching that no worker failed."""
         errors: list[BaseException] = []
 
         def join() -> None:
             try:
-                init_tensor_parallel(self.tp, init_method, self.device)
+                init_tensor_parallel(self.tp, init_method, self.device, store)
             except BaseException as err:  # noqa: BLE001 - re-raised on the calling thread
                 errors.append(err)
 
