@@ -85,15 +85,17 @@ def test_state_after_rejections_is_bitwise_the_one_by_one_state(name: str, fused
 
     With the fused Mamba / Mamba2 decode layers (the default) a chain runs through them in one
     call per layer, each row as a one-row call would; without them (`fused=False`, both
-    engines) each op runs its one-token kernel wave by wave."""
+    engines) each op runs its one-token kernel wave by wave. Both engines run one thread: the
+    thread governor would otherwise follow other processes' load, and a kernel's sums depend
+    on how many threads split them."""
     path = tiny_model_dir(name)
     prompt = prompts()[3]["prompt_token_ids"]
-    with VllmRunner(path, max_num_seqs=2) as plain:
+    with VllmRunner(path, max_num_seqs=2, threads=1) as plain:
         if not fused:
             _unfused(plain)
         want = _states_by_length(plain, prompt, 16)
     refs = {tuple(prompt): alone(path)[3]}
-    with VllmRunner(path, max_num_seqs=2, speculative_config=NGRAM) as spec:
+    with VllmRunner(path, max_num_seqs=2, speculative_config=NGRAM, threads=1) as spec:
         if not fused:
             _unfused(spec)
         _oracle(spec, refs)
