@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -202,7 +203,11 @@ def headless_chromium(width: int = 1000, height: int = 700) -> Iterator[Page]:
             "--remote-debugging-port=0",
             "about:blank",
         ]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Its own process group: the browser's child processes (renderer, GPU, utility) are
+        # killed with it, so none still writes the profile while it is removed.
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         page = None
         try:
             port = _devtools_port(proc, profile)
@@ -222,8 +227,21 @@ def headless_chromium(width: int = 1000, height: int = 700) -> Iterator[Page]:
         finally:
             if page is not None:
                 page.close()
-            proc.kill()
-            proc.wait(timeout=10)
+            _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Kills the browser's whole process group and waits until no process of it is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # raises once the group is empty
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 def _devtools_port(proc: subprocess.Popen, profile: str) -> int:
