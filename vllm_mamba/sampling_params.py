@@ -120,8 +120,40 @@ def _check_limits(name: str, message: str | None) -> None:
         raise ValueError(f"SamplingParams.{message}")
 
 
+class SamplerFlags:
+    """What the sampler asks of a set of sampling parameters (`SamplingParams` and the
+    worker's plain `SamplingOptions` both have these fields)."""
+
+    temperature: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: Any
+    allowed_token_ids: Any
+    bad_words_token_ids: Any
+
+    @property
+    def needs_logit_masks(self) -> bool:
+        """True when logit bias, allowed token ids or bad words change the logits."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax."""
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when any repetition-style penalty changes the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
 @dataclass
-class SamplingParams:
+class SamplingParams(SamplerFlags):
     """Sampling and stopping settings of one request, with vLLM's names and meanings.
 
     `temperature=0` is greedy. `seed` (0 to 2**63 - 1) makes a request's sampling
@@ -282,22 +314,3 @@ class SamplingParams:
                 if ids:
                     seqs[ids] = None
         self.bad_words_token_ids = [list(ids) for ids in seqs]
-
-    @property
-    def needs_logit_masks(self) -> bool:
-        """True when logit bias, allowed token ids or bad words change the logits."""
-        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
-
-    @property
-    def greedy(self) -> bool:
-        """True when sampling is argmax."""
-        return self.temperature == 0.0
-
-    @property
-    def needs_penalties(self) -> bool:
-        """True when any repetition-style penalty changes the logits."""
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )

@@ -111,6 +111,7 @@ class SequenceGroup:
     cache_points: list[int] = field(default_factory=list)  # prompt offsets to snapshot at
     cache_point_nodes: list[Any] = field(default_factory=list)  # their nodes in the tree
     paused: bool = False  # its consumer is not reading: not scheduled (see `Scheduler`)
+    sampling_options: Any = None  # `params` as the step's plain copy, made once (`StepBuilder`)
 
     @property
     def pending_forks(self) -> int:

@@ -140,7 +140,9 @@ class StepBuilder:
         stops = list(params.stop_token_ids or [])
         if self.eos_token_id is not None and not params.ignore_eos:
             stops.append(self.eos_token_id)
-        options = SamplingOptions.of(params)
+        if group.sampling_options is None:  # once per request, not every step
+            group.sampling_options = SamplingOptions.of(params)
+        options = group.sampling_options
         num_output = len(seq.output_token_ids)
         banned: list[int] = []
         min_tokens_banned: list[int] = []

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from vllm_mamba.layers.sampler import SamplerOutput
-from vllm_mamba.sampling_params import SamplingParams
+from vllm_mamba.sampling_params import SamplerFlags, SamplingParams
 from vllm_mamba.spec_decode.rejection_sampler import GrammarPlan
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class SamplingOptions:
+class SamplingOptions(SamplerFlags):
     """The sampling parameters the sampler reads, as plain values (a request's
     `SamplingParams` without its stop strings, tokenizer-derived text and compiled grammar)."""
 
@@ -89,25 +89,6 @@ class SamplingOptions:
             allowed_token_ids=list(params.allowed_token_ids) if params.allowed_token_ids else None,
             bad_words_token_ids=[list(w) for w in params.bad_words_token_ids],
             logprobs=params.logprobs,
-        )
-
-    @property
-    def needs_logit_masks(self) -> bool:
-        """True when logit bias, allowed token ids or bad words change the logits."""
-        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
-
-    @property
-    def greedy(self) -> bool:
-        """True when sampling is argmax."""
-        return self.temperature == 0.0
-
-    @property
-    def needs_penalties(self) -> bool:
-        """True when any repetition-style penalty changes the logits."""
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
         )
 
 
