@@ -33,7 +33,8 @@ def _assistant_state(page) -> str | None:
 
 
 def _assistant_text(page) -> str:
-    return page.eval(f"{LAST_ASSISTANT}.querySelector('.content').textContent")
+    """The last reply's text as the model wrote it (the page shows it rendered as markdown)."""
+    return page.eval(f"{LAST_ASSISTANT}.querySelector('.content').dataset.source ?? ''")
 
 
 def _wait_reply(page, timeout: float = 20.0) -> str:
@@ -141,12 +142,75 @@ def test_web_ui_chats_streams_and_stops(tmp_path: Path) -> None:
             shutil.copyfile(shot, DOCS_SCREENSHOT)
 
         _check_reasoning_and_stream_error(page)
+        _check_markdown(page)
         assert page.problems() == []
 
 
 def _chunk(delta: dict) -> str:
     choice = {"index": 0, "delta": delta, "finish_reason": None}
     return "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [choice]}) + "\n\n"
+
+
+def _send_and_answer(page, text: str, body: str) -> None:
+    """Sends `text` from the page and answers its chat request with `body` (server-sent
+    events), from the browser's own request interception."""
+    page.send("Fetch.enable", patterns=[{"urlPattern": "*/v1/chat/completions"}])
+    page.type_into("#input", text)
+    page.click("#send")
+    paused = page.wait_event("Fetch.requestPaused")
+    page.send(
+        "Fetch.fulfillRequest",
+        requestId=paused["requestId"],
+        responseCode=200,
+        responseHeaders=[{"name": "Content-Type", "value": "text/event-stream"}],
+        body=base64.b64encode(body.encode()).decode(),
+    )
+    page.send("Fetch.disable")
+
+
+MARKDOWN_REPLY = (
+    "## Plan\n\nUse **bold**, *care* and `len(x)` with snake_case_names.\n\n"
+    "```python\ndef f(x):\n    return x * 2\n```\n"
+    "- one\n- two\n\n1. first\n2. second\n\n> quoted\n\n"
+    "[docs](https://example.com/a) [bad](javascript:alert(1)) <script>window.pwned=1</script>"
+)
+
+
+def _check_markdown(page) -> None:
+    """A reply in markdown, streamed in pieces that split its marks: code blocks in a
+    monospace font, inline code, emphasis, lists, quotes and http(s) links become elements;
+    markup stays text and a `javascript:` link stays text."""
+    pieces = [MARKDOWN_REPLY[i : i + 7] for i in range(0, len(MARKDOWN_REPLY), 7)]
+    body = "".join(_chunk({"content": piece}) for piece in pieces)
+    body += "data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    _send_and_answer(page, "Show markdown.", body + "\n\n" + SSE_DONE)
+    assert _wait_reply(page) == "stop"
+    reply = f"{LAST_ASSISTANT}.querySelector('.content')"
+    assert _assistant_text(page) == MARKDOWN_REPLY
+    code = page.eval(f"{reply}.querySelector('pre > code')?.textContent")
+    assert code == "def f(x):\n    return x * 2"
+    font = page.eval(f"getComputedStyle({reply}.querySelector('pre')).fontFamily")
+    assert "monospace" in font
+    assert page.eval(f"{reply}.querySelector('h4')?.textContent") == "Plan"
+    texts = {
+        tag: page.eval(f"[...{reply}.querySelectorAll('{tag}')].map(e => e.textContent)")
+        for tag in ("strong", "em", "p > code", "ul > li", "ol > li", "blockquote", "a")
+    }
+    assert texts == {
+        "strong": ["bold"],
+        "em": ["care"],
+        "p > code": ["len(x)"],
+        "ul > li": ["one", "two"],
+        "ol > li": ["first", "second"],
+        "blockquote": ["quoted"],
+        "a": ["docs"],
+    }
+    assert page.eval(f"{reply}.querySelector('a').href") == "https://example.com/a"
+    last = page.eval(f"[...{reply}.querySelectorAll('p')].at(-1).textContent")
+    assert "[bad](javascript:alert(1))" in last and "<script>" in last
+    assert "snake_case_names" in page.eval(f"{reply}.querySelector('p').textContent")
+    assert page.eval("document.querySelectorAll('#messages script').length") == 0
+    assert page.eval("window.pwned === undefined")
 
 
 def _check_reasoning_and_stream_error(page) -> None:
