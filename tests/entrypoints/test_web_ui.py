@@ -2,16 +2,14 @@
 asked for and kept, a streamed reply equal to the non-streamed one, model and user text shown
 as text, errors in OpenAI's shape shown, Stop aborting a long generation; `--disable-web-ui`.
 
-Chromium is required (the test fails, saying how to install it, when it is missing). With
-`UPDATE_WEB_UI_SCREENSHOT=1` the test also rewrites `docs/web_ui.png`.
+Chromium is required (the test fails, saying how to install it, when it is missing).
+`scripts/web_ui_screenshot.py` redraws `docs/web_ui.png` from the page.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -22,7 +20,6 @@ from tests.entrypoints.chromium import INSTALL_HINT, browser_path, headless_chro
 from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME, launch_server
 from vllm_mamba.entrypoints.openai.streaming import SSE_DONE, sse_error
 
-DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "web_ui.png"
 # Markup in a message must show as text: nothing here may become an element.
 USER_TEXT = 'Hi <b>there</b> & <img src="x" onerror="window.pwned = 1"> "quoted"'
 LAST_ASSISTANT = "[...document.querySelectorAll('.msg.assistant')].at(-1)"
@@ -138,8 +135,6 @@ def test_web_ui_chats_streams_and_stops(tmp_path: Path) -> None:
         shot = tmp_path / "web_ui.png"
         page.screenshot(str(shot))
         assert shot.read_bytes().startswith(b"\x89PNG")
-        if os.environ.get("UPDATE_WEB_UI_SCREENSHOT"):
-            shutil.copyfile(shot, DOCS_SCREENSHOT)
 
         _check_reasoning_and_stream_error(page)
         _check_markdown(page)
