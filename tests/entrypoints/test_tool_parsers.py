@@ -417,6 +417,82 @@ def test_strict_accepts_well_formed_and_plain_text() -> None:
     assert _parser("hermes").extract("just text", strict=True) == ToolParseResult("just text", [])
 
 
+BIG_INT = "1" * 5000  # past Python's int digit limit (4300)
+# Model text that looks like a call but cannot give strict JSON arguments: (parser, text,
+# what the strict error says). Non-strict, each is content, verbatim, streamed or not.
+NOT_A_CALL = [
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + '{"a":' * 2000, "deeper than"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + "[" * 900 + "]" * 900 + "}", "deeper"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>', "surrogate"),
+    ("hermes", '<tool_call>{"name": "\\udc00", "arguments": {}}</tool_call>', "surrogate"),
+    ("hermes", f'<tool_call>{{"name": "f", "arguments": {{"a": {BIG_INT}}}}}', "digits"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": -Infinity}}</tool_call>', "JSON"),
+    ("granite4", '<tool_call>{"name": "f", "arguments": ' + "[" * 3000 + "</tool_call>", "deep"),
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": ' + '{"a":' * 2000, "deeper than"),
+    ("granite", f'[{{"name": "f", "arguments": {{"a": {BIG_INT}}}}}]', "digits"),
+    ("nemotron_json", "<TOOLCALL>" + "[" * 2000 + "</TOOLCALL>", "deeper than"),
+    ("nemotron_json", '<TOOLCALL>[{"name": "f", "arguments": {"a": "\\ud800"}}]', "surrogate"),
+    ("llama3_json", '{"name": "f", "parameters": ' + '{"a":' * 2000, "deeper than"),
+    ("llama3_json", f'{{"name": "f", "parameters": {{"a": {BIG_INT}}}}}', "digits"),
+    ("llama3_json", '{"name": "f", "parameters": {"a": "\\ud800"}}', "surrogate"),
+    ("pythonic", "[f(x=-1e999)]", "inf"),
+    ("pythonic", "[f(x=+1e999, y=1)]", "inf"),
+    ("pythonic", '[f(x="\\ud800")]', "surrogate"),
+    ("pythonic", f"[f(x={BIG_INT})]", "digits"),
+    ("pythonic", "[f(x=" + "-" * 100_000 + "1)]", "not a Python expression"),
+    ("pythonic", "[f(x=" + "[" * 150 + "]" * 150 + ")]", "deeper than"),
+]
+
+
+@pytest.mark.parametrize(
+    "name,text,message", NOT_A_CALL, ids=[f"{c[0]}-{i}" for i, c in enumerate(NOT_A_CALL)]
+)
+def test_model_text_that_cannot_be_arguments_is_content(name: str, text: str, message: str) -> None:
+    """Nesting past the bound, huge integers, non-finite numbers and escaped lone surrogates
+    never raise out of a parser (a 500, or a cut stream): the region is content."""
+    with pytest.raises(ToolParseError, match=message):
+        _parser(name).extract(text, strict=True)
+    assert _parser(name).extract(text) == ToolParseResult(text, [])
+    for pieces in ([text], [text[i : i + 7] for i in range(0, len(text), 7)]):
+        assert _run_stream(_parser(name), pieces) == (text, [])
+
+
+def test_qwen3_values_that_cannot_be_json_stay_strings() -> None:
+    """A typed parameter whose value would be too deep, a huge integer or hold a lone
+    surrogate is its raw text (vLLM's rule for a value that does not convert); within the
+    bound, it converts."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "deep": {"type": "array"},
+                        "near": {"type": "array"},
+                        "count": {"type": "integer"},
+                        "list": {"type": "array"},
+                        "odd": {"type": "array"},
+                    },
+                },
+            },
+        }
+    ]
+    values = {
+        "deep": "[" * 1000,
+        "near": "[" * 60 + "]" * 60,
+        "count": BIG_INT,
+        "list": f"[{BIG_INT}]",
+        "odd": '["\\ud800"]',
+    }
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    text = f"<tool_call>\n<function=f>\n{params}</function>\n</tool_call>"
+    [call] = ToolParserManager.get("qwen3_coder")(tools).extract(text, strict=True).calls
+    args = json.loads(call.arguments)
+    assert args == {**values, "near": json.loads(values["near"])}
+
+
 def test_qwen3_without_tools_keeps_strings() -> None:
     text = "<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>"
     result = ToolParserManager.get("qwen3_coder")(None).extract(text)

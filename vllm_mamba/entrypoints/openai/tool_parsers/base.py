@@ -25,13 +25,17 @@ made). When no call was found, the content is the whole text, verbatim (None for
 A call region that cannot be parsed is, non-strict, put back as content verbatim (markers
 included) while the other calls stand: a stream cannot take back calls it already sent, so
 the fallback is per region, not vLLM's "whole output as content". `extract(strict=True)`
-raises `ToolParseError` on the first such region instead.
+raises `ToolParseError` on the first such region instead. Arguments are always strict JSON
+text (`json_text`): a region whose values cannot be (nesting past `MAX_JSON_DEPTH`, an
+integer past Python's digit limit, NaN or Infinity, an escaped lone surrogate) is such a
+region, so model output never fails a request or cuts a stream.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -179,22 +183,85 @@ class ToolParserManager:
 # --------------------------------------------------------------------------------------------
 
 
+# Output that cannot be turned into strict JSON arguments is not a call: its region falls back
+# to content. Nesting deeper than this (a model looping on `[` or `{"a":`) is refused before
+# `json` recurses into it.
+MAX_JSON_DEPTH = 64
+_JSON_SYNTAX = re.compile(r'[\[\]{}"\\]')
+
+
+def json_depth(text: str, limit: int = MAX_JSON_DEPTH) -> int:
+    """The deepest bracket nesting of JSON text, brackets inside strings not counted (the
+    text need not be valid). Linear; stops counting once past `limit`."""
+    depth = deepest = 0
+    in_string = False
+    escaped_at = -1
+    for match in _JSON_SYNTAX.finditer(text):
+        i = match.start()
+        if i == escaped_at:
+            continue
+        c = text[i]
+        if in_string:
+            if c == "\\":
+                escaped_at = i + 1
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        elif c in "]}":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def loads_json(text: str, what: str) -> Any:
+    """json.loads of model text, every failure (bad syntax, nesting past `MAX_JSON_DEPTH`,
+    an integer over Python's digit limit) raised as ToolParseError naming `what`."""
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise ToolParseError(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise ToolParseError(f"{what} is not valid JSON: {e}") from None
+
+
+def json_text(value: Any, what: str) -> str:
+    """`value` as strict JSON text (ensure_ascii=False): no NaN or Infinity, nesting within
+    `MAX_JSON_DEPTH`, valid Unicode (no lone surrogate, which a model can write as an escape).
+    Anything else raises ToolParseError naming `what`."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ToolParseError(f"{what} cannot be written as JSON: {e}") from None
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise ToolParseError(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels")
+    check_unicode(text, what)
+    return text
+
+
+def check_unicode(text: str, what: str) -> None:
+    """ToolParseError when `text` holds a lone surrogate (it cannot be sent as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ToolParseError(f"{what} holds a lone surrogate (not valid Unicode)") from None
+
+
 def arguments_json(value: Any, what: str = "arguments") -> str:
     """The arguments as JSON object text: a dict, None (-> "{}"), or a JSON string holding
     an object (decoded, as vLLM does). Anything else raises ToolParseError."""
     if value is None:
         return "{}"
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ToolParseError(f"{what} is a string that is not JSON: {e}") from None
+        value = loads_json(value, f"{what} (a string)")
     if not isinstance(value, dict):
         raise ToolParseError(f"{what} must be a JSON object, got {type(value).__name__}")
-    try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ToolParseError(f"{what} cannot be written as JSON: {e}") from None
+    return json_text(value, what)
 
 
 def call_from_object(obj: Any, arg_keys: Iterable[str] = ("arguments", "parameters")) -> ParsedCall:
@@ -205,20 +272,13 @@ def call_from_object(obj: Any, arg_keys: Iterable[str] = ("arguments", "paramete
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         raise ToolParseError('a call needs a non-empty string "name"')
+    check_unicode(name, "the call's name")
     args: Any = None
     for key in arg_keys:
         if key in obj:
             args = obj[key]
             break
     return ParsedCall(name=name, arguments=arguments_json(args, f"the arguments of {name!r}"))
-
-
-def loads_json(text: str, what: str) -> Any:
-    """json.loads, a failure raised as ToolParseError naming `what`."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ToolParseError(f"{what} is not valid JSON: {e}") from None
 
 
 def find_tool_properties(tools: list[Any], name: str) -> dict[str, Any]:

@@ -13,11 +13,13 @@ import json
 from typing import ClassVar
 
 from .base import (
+    MAX_JSON_DEPTH,
     ParsedCall,
     ToolParseError,
     ToolParserManager,
     WholeOutputToolParser,
     call_from_object,
+    json_depth,
 )
 
 PYTHON_TAG = "<|python_tag|>"
@@ -32,6 +34,8 @@ class Llama3JsonToolParser(WholeOutputToolParser):
 
     def parse_output(self, text: str) -> list[ParsedCall]:
         text = text.removeprefix(PYTHON_TAG)
+        if json_depth(text) > MAX_JSON_DEPTH:
+            raise ToolParseError(f"the calls are nested deeper than {MAX_JSON_DEPTH} levels")
         decoder = json.JSONDecoder()
         calls: list[ParsedCall] = []
         pos, n = 0, len(text)
@@ -42,7 +46,7 @@ class Llama3JsonToolParser(WholeOutputToolParser):
                 raise ToolParseError(f"expected a JSON call object at offset {pos}")
             try:
                 obj, pos = decoder.raw_decode(text, pos)
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
                 raise ToolParseError(f"a call is not valid JSON: {e}") from None
             calls.append(call_from_object(obj, ("arguments", "parameters")))
             while pos < n and text[pos].isspace():

@@ -11,11 +11,16 @@ output: a stream starting with `[` sends nothing until `finish()`.
 from __future__ import annotations
 
 import ast
-import json
 import math
 from typing import Any, ClassVar
 
-from .base import ParsedCall, ToolParseError, ToolParserManager, WholeOutputToolParser
+from .base import (
+    ParsedCall,
+    ToolParseError,
+    ToolParserManager,
+    WholeOutputToolParser,
+    json_text,
+)
 
 PYTHON_START = "<|python_start|>"
 PYTHON_END = "<|python_end|>"
@@ -36,7 +41,7 @@ def _literal(node: ast.expr) -> Any:
         and isinstance(node.operand, ast.Constant)
         and type(node.operand.value) in (int, float)
     ):
-        v = node.operand.value
+        v = _literal(node.operand)  # a finite number (`-1e999` is -inf: refused)
         return -v if isinstance(node.op, ast.USub) else v
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(e) for e in node.elts]
@@ -62,7 +67,7 @@ def _call(node: ast.expr) -> ParsedCall:
         if kw.arg is None:
             raise ToolParseError(f"{node.func.id}(): **kwargs is not supported")
         args[kw.arg] = _literal(kw.value)
-    return ParsedCall(name=node.func.id, arguments=json.dumps(args, ensure_ascii=False))
+    return ParsedCall(name=node.func.id, arguments=json_text(args, f"{node.func.id}()"))
 
 
 @ToolParserManager.register("llama4_pythonic")
@@ -80,7 +85,7 @@ class PythonicToolParser(WholeOutputToolParser):
             raise ToolParseError("the output must be a Python list of calls")
         try:
             tree = ast.parse(src, mode="eval")
-        except (SyntaxError, ValueError, RecursionError) as e:
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
             raise ToolParseError(f"not a Python expression: {e}") from None
         if not isinstance(tree.body, ast.List) or not tree.body.elts:
             raise ToolParseError("the output must be a non-empty Python list of calls")

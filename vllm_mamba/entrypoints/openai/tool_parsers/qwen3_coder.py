@@ -18,13 +18,13 @@ the type the request's tool schema gives the parameter, following vLLM's rules: 
 the schema does not list (or no schema) stays a string; string types stay strings; integer /
 number types become numbers and booleans bools (a bad value stays a string, a bad boolean is
 false); object / array types are decoded with json (then `ast.literal_eval`); "null"/"None"
-is null for non-string or nullable types; other types try `ast.literal_eval`.
+is null for non-string or nullable types; other types try `ast.literal_eval`. A value that
+cannot be strict JSON (too deep, NaN, a lone surrogate) stays the raw string.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import math
 from typing import Any, ClassVar
 
@@ -35,6 +35,8 @@ from .base import (
     ToolParseError,
     ToolParserManager,
     find_tool_properties,
+    json_text,
+    loads_json,
 )
 
 TOOL_CALL_START = "<tool_call>"
@@ -74,10 +76,10 @@ def _schema_type(schema: Any) -> tuple[str, bool]:
 
 
 def _json_safe(value: Any, raw: str) -> Any:
-    """`value` if json.dumps can write it (strict JSON), else the raw text."""
+    """`value` if it can be written as strict JSON (`json_text`), else the raw text."""
     try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
+        json_text(value, "a parameter")
+    except ToolParseError:
         return raw
     return value
 
@@ -111,14 +113,14 @@ def convert_value(raw: str, name: str, properties: dict[str, Any]) -> Any:
     container = ptype in ("object", "array", "arr") or ptype.startswith(("dict", "list"))
     if container:
         try:
-            value = json.loads(raw)
+            value = loads_json(raw, "a parameter")
             if isinstance(value, str):
                 try:
                     value = ast.literal_eval(value)
                 except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
                     pass
             return _json_safe(value, raw)
-        except json.JSONDecodeError:
+        except ToolParseError:
             pass
     try:
         value = ast.literal_eval(raw)
@@ -216,4 +218,4 @@ class Qwen3CoderToolParser(MarkerToolParser):
                 end = nxt + 1 if nxt >= 0 else len(rest)
                 value, pos = rest[value_start:end], end
             args[pname] = convert_value(_strip_one_newline(value), pname, properties)
-        return ParsedCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
+        return ParsedCall(name=name, arguments=json_text(args, f"the arguments of {name!r}"))
