@@ -4,7 +4,8 @@ The hybrids' attention layers rotate queries and keys at each token's absolute p
 paged metadata's `positions`) before the keys enter the KV cache. NeoX pairing
 (`rotate_half`, as transformers' Llama-style models), optionally partial (`partial_rotary_factor`:
 the first `rot_dim` dimensions of each head rotate, the rest pass through). The cos/sin table is
-built on first use on the tensors' device (not a parameter, so nothing to load).
+built on first use on the tensors' device (not a parameter, so nothing to load) from the
+config's frequencies, plain or scaled (`rope_scaling.py`).
 
 Glossary: T tokens in the step, H heads, D head dim, R rotated dims per head.
 """
@@ -16,40 +17,50 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_mamba.layers.rope_scaling import RopeFrequencies, rope_frequencies, rope_parameters
 from vllm_mamba.ops.rotary_embedding import rotary_cos_sin_cache, rotary_embedding_ref
-
-
-def rope_settings(config: Any, head_dim: int) -> tuple[float, int]:
-    """`(base, rot_dim)` of the config's plain RoPE (`rope_parameters` or `rope_theta`).
-
-    Raises:
-        ValueError: a scaled RoPE (`rope_type` other than `default`), which is not implemented.
-    """
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only plain RoPE)")
-    base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    return base, int(head_dim * (factor or 1.0))
 
 
 class RotaryEmbedding(nn.Module):
     """Rotates `q (T, Hq * D)` and `k (T, Hkv * D)` at `positions (T,)` (NeoX pairing)."""
 
-    def __init__(self, head_dim: int, rot_dim: int, max_position: int, base: float) -> None:
+    def __init__(
+        self, head_dim: int, rot_dim: int, max_position: int, freqs: RopeFrequencies
+    ) -> None:
         super().__init__()
         if rot_dim % 2 or not 0 < rot_dim <= head_dim:
             raise ValueError(f"rotary dims ({rot_dim}) must be even and at most head_dim")
+        if freqs.inv_freq.shape != (rot_dim // 2,):
+            raise ValueError(f"{tuple(freqs.inv_freq.shape)} frequencies for {rot_dim} dims")
         self.head_dim = head_dim
         self.rot_dim = rot_dim
         self.max_position = max_position
-        self.base = base
+        self.freqs = freqs
         self._cos_sin: torch.Tensor | None = None  # (max_position, R) float32
 
-    def _table(self, device: torch.device) -> torch.Tensor:
+    @classmethod
+    def from_config(cls, config: Any, head_dim: int, rot_dim: int | None = None) -> RotaryEmbedding:
+        """`config`'s RoPE (`rope_parameters`: plain or scaled, `rope_scaling.py`) over
+        `head_dim`-wide heads; `rot_dim` defaults to `partial_rotary_factor * head_dim`."""
+        if rot_dim is None:
+            params = rope_parameters(config)
+            factor = params.get("partial_rotary_factor") or getattr(
+                config, "partial_rotary_factor", None
+            )
+            rot_dim = int(head_dim * (factor or 1.0))
+        freqs = rope_frequencies(config, rot_dim)
+        return cls(head_dim, rot_dim, config.max_position_embeddings, freqs)
+
+    def _table(self, device: torch.device, positions: torch.Tensor) -> torch.Tensor:
+        # A position past the table (a max_model_len beyond max_position_embeddings) grows it
+        # (checked on the CPU only: on CUDA it would synchronise every layer).
+        needed = int(positions.max()) + 1 if positions.numel() and not positions.is_cuda else 0
+        if needed > self.max_position:
+            self.max_position = max(needed, 2 * self.max_position)
+            self._cos_sin = None
         if self._cos_sin is None or self._cos_sin.device != device:
-            table = rotary_cos_sin_cache(self.rot_dim, self.max_position, self.base)
+            freqs = self.freqs
+            table = rotary_cos_sin_cache(freqs.inv_freq, self.max_position, freqs.attention_factor)
             self._cos_sin = table.to(device)
         return self._cos_sin
 
@@ -60,5 +71,6 @@ class RotaryEmbedding(nn.Module):
         num_tokens = q.shape[0]
         q3 = q.view(num_tokens, -1, self.head_dim)  # (T, Hq, D)
         k3 = k.view(num_tokens, -1, self.head_dim)  # (T, Hkv, D)
-        q3, k3 = rotary_embedding_ref(positions, q3, k3, self._table(q.device), is_neox=True)
+        table = self._table(q.device, positions)
+        q3, k3 = rotary_embedding_ref(positions, q3, k3, table, is_neox=True)
         return q3.reshape(q.shape), k3.reshape(k.shape)

@@ -35,7 +35,7 @@ from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
 from vllm_mamba.layers.mlp import GatedMLP
-from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
+from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.mamba2_args import (
@@ -56,8 +56,7 @@ def is_attention_layer(config: Any, index: int) -> bool:
 
 def make_rotary(config: Any, head_dim: int) -> RotaryEmbedding:
     """The config's RoPE over `head_dim`-wide heads."""
-    base, rot_dim = rope_settings(config, head_dim)
-    return RotaryEmbedding(head_dim, rot_dim, config.max_position_embeddings, base)
+    return RotaryEmbedding.from_config(config, head_dim)
 
 
 def _mixer(config: Any, index: int, ops: MambaOps, tp: TensorParallel) -> MixerPart:

@@ -45,7 +45,7 @@ from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mamba2_mixer import Mamba2Mixer
 from vllm_mamba.layers.mlp import GatedMLP
 from vllm_mamba.layers.moe import ExpertRouter, RouterConfig, SparseMoE, StackedGatedExperts
-from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
+from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.mamba2_args import (
@@ -84,8 +84,8 @@ def _attention(config: Any, ops: MambaOps, tp: TensorParallel) -> SelfAttention:
     head_dim = attention_head_dim(config)
     rotary = None
     if getattr(config, "position_embedding_type", None) == "rope":
-        base, _ = rope_settings(config, head_dim)  # transformers rotates whole heads
-        rotary = RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, base)
+        # transformers rotates whole heads
+        rotary = RotaryEmbedding.from_config(config, head_dim, rot_dim=head_dim)
     return SelfAttention(
         config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
         bias=config.attention_bias, scale=config.attention_multiplier, rotary=rotary, ops=ops,

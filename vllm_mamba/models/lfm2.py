@@ -54,7 +54,7 @@ from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mlp import GatedMLP
 from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, SparseMoE
-from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
+from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.layers.short_conv import ShortConv
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
@@ -91,8 +91,7 @@ def _attention(config: Any, ops: MambaOps, tp: TensorParallel) -> SelfAttention:
     """Attention with per-head RMSNorms of the queries and keys and RoPE over whole heads."""
     heads, eps = config.num_attention_heads, config.norm_eps
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    base, rot_dim = rope_settings(config, head_dim)
-    rotary = RotaryEmbedding(head_dim, rot_dim, config.max_position_embeddings, base)
+    rotary = RotaryEmbedding.from_config(config, head_dim)
     return SelfAttention(
         config.hidden_size, heads, config.num_key_value_heads, head_dim, bias=False,
         scale=head_dim**-0.5, rotary=rotary, ops=ops, q_norm=RMSNorm(head_dim, eps),

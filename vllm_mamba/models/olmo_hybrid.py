@@ -51,7 +51,7 @@ from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mixer_sharding import kv_head_ranges
 from vllm_mamba.layers.mlp import GatedMLP
 from vllm_mamba.layers.parallel_norm import projection_rms_norm
-from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
+from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.layer_types import layer_types
@@ -80,8 +80,7 @@ def _rotary(config: Any, head_dim: int) -> RotaryEmbedding | None:
     params = getattr(config, "rope_parameters", None) or {}
     if params.get("rope_theta") is None:
         return None
-    base, _ = rope_settings(config, head_dim)
-    return RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, base)
+    return RotaryEmbedding.from_config(config, head_dim, rot_dim=head_dim)
 
 
 def _attention(config: Any, ops: MambaOps, tp: TensorParallel) -> SelfAttention:

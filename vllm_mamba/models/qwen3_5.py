@@ -47,7 +47,7 @@ from vllm_mamba.layers.layernorm import ZeroCenteredRMSNorm
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mlp import GatedMLP
 from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, SparseMoE
-from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
+from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.layer_types import layer_types
@@ -72,8 +72,7 @@ def _gdn(config: Any, ops: MambaOps, tp: TensorParallel) -> Qwen3_5GatedDeltaNet
 def gated_attention(config: Any, ops: MambaOps, tp: TensorParallel) -> SelfAttention:
     """Gated attention with zero-centred q/k norms per head and partial RoPE."""
     head_dim, eps = config.head_dim, config.rms_norm_eps
-    base, rot_dim = rope_settings(config, head_dim)
-    rotary = RotaryEmbedding(head_dim, rot_dim, config.max_position_embeddings, base)
+    rotary = RotaryEmbedding.from_config(config, head_dim)
     return SelfAttention(
         config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
         bias=config.attention_bias, scale=head_dim**-0.5, rotary=rotary, ops=ops,

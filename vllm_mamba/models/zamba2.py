@@ -63,7 +63,7 @@ from vllm_mamba.layers.parallel_linear import (
     column_linear,
     row_linear,
 )
-from vllm_mamba.layers.rotary_embedding import RotaryEmbedding, rope_settings
+from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.models.causal_lm import CausalLM, ReadsEmbeddings, StackNames
 from vllm_mamba.models.mamba2_args import check_mamba2_args
 from vllm_mamba.ops.table import MambaOps
@@ -153,8 +153,8 @@ class Zamba2Attention(nn.Module):
             )
         self.rotary = None
         if config.use_mem_rope:
-            base, _ = rope_settings(config, head_dim)  # transformers rotates whole heads
-            self.rotary = RotaryEmbedding(head_dim, head_dim, config.max_position_embeddings, base)
+            # transformers rotates whole heads
+            self.rotary = RotaryEmbedding.from_config(config, head_dim, rot_dim=head_dim)
 
     def forward(
         self, x: torch.Tensor, use: int, attn: PagedAttention, meta: PagedMetadata

@@ -17,22 +17,23 @@ import torch
 __all__ = ["rotary_cos_sin_cache", "rotary_embedding_ref"]
 
 
-def rotary_cos_sin_cache(rot_dim: int, max_position: int, base: float = 10000.0) -> torch.Tensor:
-    """The float32 `(max_position, rot_dim)` table of cosines and sines of plain RoPE.
+def rotary_cos_sin_cache(
+    inv_freq: torch.Tensor, max_position: int, attention_factor: float = 1.0
+) -> torch.Tensor:
+    """The float32 `(max_position, R)` table of cosines and sines of a RoPE.
 
     Args:
-        rot_dim: rotated dimensions per head (even).
+        inv_freq: `(R/2,)` float32 inverse frequencies (`layers.rope_scaling`; plain RoPE:
+            `base ** (-2i / R)`).
         max_position: positions in the table.
-        base: the RoPE base (`rope_theta`).
+        attention_factor: the factor on every cosine and sine (scaled RoPE; 1 for plain).
 
     Returns:
-        `(max_position, rot_dim)`: `cos(p * f_i)` for the `rot_dim / 2` frequencies
-        `f_i = base ** (-2i / rot_dim)`, then `sin(p * f_i)`.
+        `(max_position, R)`: `cos(p * f_i) * a`, then `sin(p * f_i) * a`.
     """
-    assert rot_dim % 2 == 0, "rot_dim must be even"
-    inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
     angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq  # (P, R/2)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return table * attention_factor if attention_factor != 1.0 else table
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
