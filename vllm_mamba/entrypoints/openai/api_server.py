@@ -35,7 +35,7 @@ from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.entrypoints.chat_utils import ChatTemplate
 from vllm_mamba.entrypoints.openai.cli_serve import HelpFormatter, add_server_args
 from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
-from vllm_mamba.entrypoints.openai.http_protocol import deadline_protocol
+from vllm_mamba.entrypoints.openai.http_protocol import ConnectionLimits, deadline_protocol
 from vllm_mamba.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
 from vllm_mamba.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
@@ -294,11 +294,23 @@ def _load_server(args: argparse.Namespace, sock: socket.socket) -> GracefulServe
         log_level=args.uvicorn_log_level or args.log_level,
         timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S) + 5,
         timeout_keep_alive=args.timeout_keep_alive,
-        http=deadline_protocol(args.header_timeout, args.body_timeout, args.max_connections),
+        http=deadline_protocol(connection_limits(args)),
         **tls,
     )
     holder.append(GracefulServer(config, engine))
     return holder[0]
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    """The connection deadlines and caps from the flags."""
+    return ConnectionLimits(
+        first_byte_timeout=args.first_byte_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+        uncapped_clients=args.uncapped_clients,
+    )
 
 
 def tls_options(args: argparse.Namespace) -> dict[str, Any]:

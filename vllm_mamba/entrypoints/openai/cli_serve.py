@@ -8,6 +8,7 @@ imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import ssl
 from typing import Any
@@ -24,7 +25,10 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 3.0
 DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 256
+DEFAULT_UNCAPPED_CLIENTS = "127.0.0.0/8,::1"
 DEFAULT_STREAM_STALL_TIMEOUT_S = 30.0
 DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_GRAMMAR_COMPILE_WORKERS = 2
@@ -200,10 +204,16 @@ def _add_connection_args(net: Any) -> None:
         help="seconds an idle keep-alive connection stays open",
     )
     net.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=DEFAULT_FIRST_BYTE_TIMEOUT_S,
+        help="seconds a new connection may take to send its first byte (then 408, closed)",
+    )
+    net.add_argument(
         "--header-timeout",
         type=float,
         default=DEFAULT_HEADER_TIMEOUT_S,
-        help="seconds a request's headers may take to arrive (then 408, connection closed)",
+        help="seconds a request's headers may take after their first byte (then 408, closed)",
     )
     net.add_argument(
         "--body-timeout",
@@ -215,7 +225,23 @@ def _add_connection_args(net: Any) -> None:
         "--max-connections",
         type=int,
         default=DEFAULT_MAX_CONNECTIONS,
-        help="open connections accepted at once; more get a 503 and are closed",
+        help="open connections at once: a new one closes the one that has waited longest "
+        "without a request in flight, or, when all have one, gets a 503",
+    )
+    net.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+        help="open connections from one client address (an IPv6 client's /64), made room "
+        "for as --max-connections",
+    )
+    net.add_argument(
+        "--uncapped-clients",
+        type=parse_networks,
+        default=parse_networks(DEFAULT_UNCAPPED_CLIENTS),
+        metavar="CIDRS",
+        help="comma-separated addresses or networks exempt from --max-connections-per-client "
+        "(a local reverse proxy or benchmark stands for many clients; '' for none)",
     )
     net.add_argument(
         "--stream-stall-timeout",
@@ -241,6 +267,14 @@ def _add_connection_args(net: Any) -> None:
         default=DEFAULT_GRAMMAR_COMPILE_WORKERS,
         help="processes compiling structured-output grammars at once",
     )
+
+
+def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """`--uncapped-clients`: comma-separated addresses or networks."""
+    try:
+        return tuple(ipaddress.ip_network(part.strip()) for part in text.split(",") if part.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _serve(args: argparse.Namespace) -> int:
