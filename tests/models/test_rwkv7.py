@@ -102,3 +102,35 @@ def test_unsupported_config_fields_are_named(tmp_path, field: str, value, messag
         json.dump(raw, f)
     with pytest.raises(ValueError, match=message):
         LLM(str(tmp_path))
+
+
+def test_older_fla_layout_gives_the_same_tokens(tmp_path) -> None:  # noqa: ANN001
+    """fla's converter of early 2025: each time mix's six token-shift mixes as one `attn.x_x`
+    `(6, H)` (rows r, w, k, v, a, g), a config without `value_dim` and with `fuse_norm`, and a
+    safetensors file without metadata: the same tokens as the split layout."""
+    from safetensors.torch import load_file, save_file
+
+    new_dir = save_rwkv7(RWKV7[NAME], str(tmp_path / "new"), "hf", seed=4)
+    old_dir = tmp_path / "old"
+    shutil.copytree(new_dir, old_dir)
+    tensors = load_file(os.path.join(new_dir, "model.safetensors"))
+    mixes = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+    for prefix in {k[: -len("x_r")] for k in tensors if k.endswith("attn.x_r")}:
+        rows = [tensors.pop(prefix + mix).reshape(-1) for mix in mixes]
+        tensors[prefix + "x_x"] = torch.stack(rows)  # (6, H)
+    assert not any(k.endswith("attn.x_r") for k in tensors)
+    save_file(tensors, str(old_dir / "model.safetensors"))  # no metadata
+    with open(old_dir / "config.json") as f:
+        config = json.load(f)
+    config.pop("value_dim", None)
+    config["fuse_norm"] = True
+    with open(old_dir / "config.json", "w") as f:
+        json.dump(config, f)
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    outs = []
+    for path in (new_dir, str(old_dir)):
+        with VllmRunner(path, max_num_seqs=4) as runner:
+            outs.append([o.outputs[0].token_ids for o in runner.generate(prompts()[:4], params)])
+    assert outs[0] == outs[1]
+    assert len({tuple(t) for t in outs[0]}) > 1

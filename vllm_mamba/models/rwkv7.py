@@ -11,6 +11,10 @@ Every layer is a pre-norm time mix and channel mix with LayerNorms (with bias un
     h = h + ffn(ffn_norm(h))                     channel mix
     logits = lm_head(norm(h))
 
+fla's converter of January to April 2025 wrote the six token-shift mixes of each time mix as one
+`attn.x_x` of shape `(6, H)` (rows r, w, k, v, a, g) instead of six `attn.x_*` tensors; such a
+checkpoint is split as it loads (`expand_weight`), as fla itself does.
+
 The time mix's group norm uses `head_dim * norm_eps` (fla's) unless the config sets
 `group_norm_eps` (BlinkDL's 64e-5). fla's `value_dim` may be wider than `hidden_size`; the
 released models have it equal. RWKV-7 has no attention, so the engine runs it on the
@@ -27,12 +31,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
-from vllm_mamba.layers.rwkv7 import Rwkv7ChannelMix, Rwkv7TimeMix, ValueFirst
+from vllm_mamba.layers.rwkv7 import MIXES, Rwkv7ChannelMix, Rwkv7TimeMix, ValueFirst
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.ops.table import MambaOps
 
@@ -153,3 +158,14 @@ class RWKV7ForCausalLM(CausalLM):
         super().__init__(
             config, ops, tp, names=NAMES, layers=layers, norm_eps=eps, final_norm_cls=norm
         )
+
+    @staticmethod
+    def expand_weight(name: str, tensor: Any) -> list[tuple[str, Any]]:
+        """fla's older `attn.x_x (6, H)` -> the six `attn.x_r ... attn.x_g (1, 1, H)`."""
+        if not name.endswith("attn.x_x"):
+            return [(name, tensor)]
+        whole = tensor if isinstance(tensor, torch.Tensor) else tensor[...]  # (6, H)
+        if whole.dim() != 2 or whole.shape[0] != len(MIXES):
+            return [(name, tensor)]  # left for the loader to name as misshaped
+        prefix = name[: -len("x_x")]
+        return [(prefix + mix, row.reshape(1, 1, -1)) for mix, row in zip(MIXES, whole)]
