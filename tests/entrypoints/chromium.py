@@ -2,8 +2,8 @@
 websocket (`websocket-client`): start the browser, evaluate JavaScript in the page, type with
 real input events, click with real mouse events, take screenshots.
 
-The browser is Debian's `chromium` (or `$CHROMIUM`); `browser_path()` says how to install it
-when it is missing.
+The browser is Debian's `chromium` (or `$CHROMIUM`), which `make test` installs when it is
+missing (`scripts/install_chromium.sh`); `INSTALL_HINT` says how.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import Any
 import httpx
 
 INSTALL_HINT = (
-    "the web UI test needs Chromium: `apt-get install -y --no-install-recommends chromium` "
-    "(Debian/Ubuntu; .ci/run does it), or set $CHROMIUM to a Chromium/Chrome binary"
+    "the web UI test needs Chromium: `make test` installs it (scripts/install_chromium.sh: "
+    "`apt-get install -y --no-install-recommends chromium` on Debian/Ubuntu, as root or with "
+    "sudo), or set $CHROMIUM to a Chromium/Chrome binary"
 )
 START_TIMEOUT_S = 30
 
@@ -176,72 +177,158 @@ class Page:
         self.ws.close()
 
 
+PROFILE_PREFIX = "vllm-mamba-chromium-"
+
+
 @contextlib.contextmanager
 def headless_chromium(width: int = 1000, height: int = 700) -> Iterator[Page]:
     """A headless Chromium with a fresh profile, and its one page (viewport `width`x`height`),
-    its Runtime, Log and Page domains enabled; the browser is killed on exit."""
+    its Runtime, Log and Page domains enabled.
+
+    Everything the browser writes goes under one directory, `$TMPDIR/vllm-mamba-chromium-
+    <pid>-*`: the profile, and its own temporary files (its `TMPDIR`: the singleton socket
+    directory `org.chromium.Chromium.*` it leaves when killed). On exit, also on failure,
+    the browser's whole process group is killed and waited for until no process of it is
+    left, then the directory is removed; anything left raises. Directories left by a run that
+    was itself killed (its pid gone) are removed at the next start."""
     binary = browser_path()
     if binary is None:
         raise FileNotFoundError(INSTALL_HINT)
-    with tempfile.TemporaryDirectory(prefix="vllm-mamba-chromium-") as profile:
-        cmd = [
-            binary,
-            "--headless=new",
-            "--no-sandbox",  # CI runs as root, where the sandbox cannot start
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--disable-extensions",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--no-first-run",
-            "--no-default-browser-check",
-            "--hide-scrollbars",
-            "--mute-audio",
-            f"--window-size={width},{height}",
-            f"--user-data-dir={profile}",
-            "--remote-debugging-port=0",
-            "about:blank",
-        ]
-        # Its own process group: the browser's child processes (renderer, GPU, utility) are
-        # killed with it, so none still writes the profile while it is removed.
+    _remove_orphans()
+    root = tempfile.mkdtemp(prefix=f"{PROFILE_PREFIX}{os.getpid()}-")
+    profile, tmp = os.path.join(root, "profile"), os.path.join(root, "tmp")
+    os.mkdir(tmp)
+    cmd = [
+        binary,
+        "--headless=new",
+        "--no-sandbox",  # CI runs as root, where the sandbox cannot start
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--no-default-browser-check",
+        "--hide-scrollbars",
+        "--mute-audio",
+        f"--window-size={width},{height}",
+        f"--user-data-dir={profile}",
+        "--remote-debugging-port=0",
+        "about:blank",
+    ]
+    proc = None
+    page = None
+    try:
+        # Its own process group: the browser's child processes (zygotes, renderer, GPU,
+        # utility) are killed with it, so none still writes the profile while it is removed.
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "TMPDIR": tmp},
         )
-        page = None
+        port = _devtools_port(proc, profile)
+        targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
+        target = next(t for t in targets if t["type"] == "page")
+        page = Page(target["webSocketDebuggerUrl"])
+        for domain in ("Page", "Runtime", "Log"):
+            page.send(f"{domain}.enable")
+        page.send(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+        yield page
+    finally:
         try:
-            port = _devtools_port(proc, profile)
-            targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
-            target = next(t for t in targets if t["type"] == "page")
-            page = Page(target["webSocketDebuggerUrl"])
-            for domain in ("Page", "Runtime", "Log"):
-                page.send(f"{domain}.enable")
-            page.send(
-                "Emulation.setDeviceMetricsOverride",
-                width=width,
-                height=height,
-                deviceScaleFactor=1,
-                mobile=False,
-            )
-            yield page
-        finally:
             if page is not None:
                 page.close()
-            _kill_group(proc)
+        finally:
+            try:
+                if proc is not None:
+                    _kill_group(proc)
+            finally:
+                _remove_tree(root)
 
 
-def _kill_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    """Kills the browser's whole process group and waits until no process of it is left."""
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            members.append(int(entry))
+    return members
+
+
+def _kill_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """Kills the browser's whole process group and waits until no process of it is left.
+
+    Raises:
+        RuntimeError: processes of the group are still alive after `timeout` seconds.
+    """
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=timeout)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)  # raises once the group is empty
-        except ProcessLookupError:
+    while True:
+        if os.path.isdir("/proc"):
+            left = _group_members(proc.pid)
+        else:  # no procfs: the group exists while a process (maybe a zombie) is in it
+            try:
+                os.killpg(proc.pid, 0)
+                left = [proc.pid]
+            except ProcessLookupError:
+                left = []
+        if not left:
             return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"chromium's processes {left} outlived SIGKILL for {timeout} s")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # one forked after the first kill
         time.sleep(0.05)
+
+
+def _remove_tree(root: str, timeout: float = 10.0) -> None:
+    """Removes the browser's directory, retrying while something still writes into it.
+
+    Raises:
+        OSError: it could not be removed within `timeout` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            shutil.rmtree(root)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def _remove_orphans() -> None:
+    """Removes the directories of earlier runs whose process is gone (killed mid-test)."""
+    base = tempfile.gettempdir()
+    for name in os.listdir(base):
+        if not name.startswith(PROFILE_PREFIX):
+            continue
+        pid = name[len(PROFILE_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
 
 
 def _devtools_port(proc: subprocess.Popen, profile: str) -> int:
