@@ -5,23 +5,24 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vllm_mamba.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:  # torch is imported when a dtype is resolved: the CLI's parsers load none
+    import torch
 
 DEFAULT_SNAPSHOT_INTERVAL = 512  # prompt tokens between prefix-cache snapshots
 DEFAULT_PREFIX_CACHE_MEMORY_BYTES = 1 << 30  # the snapshot slots' budget
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+_DTYPE_NAMES = {  # name -> the torch dtype's attribute
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
-DTYPE_CHOICES = ("auto", *_DTYPES)
+DTYPE_CHOICES = ("auto", *_DTYPE_NAMES)
 STATE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("int8", "int4")
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -37,18 +38,28 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
     Returns:
         The torch dtype to run in.
     """
+    import torch
+
+    dtypes = _dtypes()
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
+        if dtype not in dtypes.values():
             raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
         config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(config_dtype, str):
-            config_dtype = _DTYPES.get(config_dtype)
-        return config_dtype if config_dtype in _DTYPES.values() else torch.float32
-    if dtype not in _DTYPES:
+            config_dtype = dtypes.get(config_dtype)
+        return config_dtype if config_dtype in dtypes.values() else torch.float32
+    if dtype not in dtypes:
         raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16, float16")
-    return _DTYPES[dtype]
+    return dtypes[dtype]
+
+
+def _dtypes() -> dict[str, torch.dtype]:
+    """Each dtype name's torch dtype."""
+    import torch
+
+    return {name: getattr(torch, attr) for name, attr in _DTYPE_NAMES.items()}
 
 
 def resolve_state_dtype(name: str) -> torch.dtype | None:
@@ -60,7 +71,7 @@ def resolve_state_dtype(name: str) -> torch.dtype | None:
             f"ssm_state_dtype {name!r} is not supported; "
             f"use one of {', '.join(STATE_DTYPE_CHOICES)}"
         )
-    return _DTYPES[name]
+    return _dtypes()[name]
 
 
 def record_quantization(hf_config: Any, quantization: str | None) -> None:
@@ -99,6 +110,8 @@ def recorded_quantization(hf_config: Any) -> str | None:
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """`auto` picks CUDA when a GPU is present, else the CPU."""
+    import torch
+
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)

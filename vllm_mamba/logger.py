@@ -2,12 +2,18 @@
 
 On import, the `vllm_mamba` logger gets a stderr handler at INFO (as vLLM does), unless
 `VLLM_MAMBA_CONFIGURE_LOGGING=0` or the application configured it already. The server calls
-`configure_logging(level)`, which routes uvicorn's loggers through the same handler.
+`configure_logging(level)`, which routes uvicorn's loggers through the same handler; `generate`
+and `chat` log warnings and errors only (`log_level`), and write the model's text through
+`StreamedText`, so that a record never lands inside a line of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 from vllm_mamba import envs
 
@@ -17,8 +23,73 @@ _ROOT_NAME = "vllm_mamba"
 _UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 
 
+class StreamedText:
+    """Model text written to `out` as it comes (each piece flushed). While it is entered and
+    leaves a line open, a record of the project's handler bound for the same terminal or file
+    first ends that line: the record starts on its own line and the text carries on below."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.open = False  # the last piece did not end its line
+
+    def write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.open = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        """Ends the open line, if any."""
+        if self.open:
+            self.write("\n")
+
+    def __enter__(self) -> StreamedText:
+        _streaming.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _streaming.remove(self)
+
+
+_streaming: list[StreamedText] = []
+
+
+class LineHandler(logging.StreamHandler):
+    """The project's handler: see `StreamedText`."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for text in _streaming:
+            if text.open and _same_file(text.out, self.stream):
+                text.end_line()
+        super().emit(record)
+
+
+def _same_file(a: Any, b: Any) -> bool:
+    """Whether two streams write to the same file or terminal."""
+    if a is b:
+        return True
+    try:
+        first, second = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, OSError, ValueError):  # no descriptor (StringIO, closed)
+        return False
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
+
+
+@contextlib.contextmanager
+def log_level(verbose: bool) -> Iterator[None]:
+    """The level of a terminal command (`generate`, `chat`): warnings and errors only, info
+    with `verbose`; the previous level is restored after."""
+    project = logging.getLogger(_ROOT_NAME)
+    previous = project.level
+    project.setLevel(logging.INFO if verbose else logging.WARNING)
+    try:
+        yield
+    finally:
+        project.setLevel(previous)
+
+
 def _handler() -> logging.Handler:
-    handler = logging.StreamHandler()
+    handler = LineHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
     return handler
 

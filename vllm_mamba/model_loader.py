@@ -20,7 +20,6 @@ A load-time quantisation recorded in the config (`quantization="int8"` or `"int4
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +31,7 @@ from vllm_mamba.config import recorded_quantization
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.parallel_linear import named_shards
 from vllm_mamba.layers.quantization import quantize_model
-from vllm_mamba.model_zoo import shipped_model_path
+from vllm_mamba.model_resolver import resolve_model_path  # noqa: F401 - the loaders' import
 from vllm_mamba.models.causal_lm import CausalLM
 from vllm_mamba.models.formats import detect_format, read_config_json
 from vllm_mamba.models.registry import ModelRegistry
@@ -40,60 +39,6 @@ from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.worker.huge_pages import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
-
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.txt", "*.model", "*.py"]
-
-
-def looks_like_path(model: str) -> bool:
-    """True when `model` can only be a filesystem path, never a hub id (`org/name`)."""
-    return (
-        model.startswith(("/", ".", "~"))
-        or os.sep in model.strip(os.sep).replace(os.sep, "", 1)
-        or (os.altsep is not None and os.altsep in model)
-    )
-
-
-def resolve_model_path(
-    model: str, revision: str | None = None, download_dir: str | None = None
-) -> str:
-    """A local directory as is; a shipped model (`vllm-mamba/NAME`) from the package; anything
-    else as a hub id through `huggingface_hub`.
-
-    The hub download honours `HF_HOME` / `HF_HUB_CACHE` (or `download_dir`) and
-    `HF_HUB_OFFLINE=1` (then only the local cache is used).
-
-    Args:
-        model: a directory, a shipped name or a hub id.
-        revision: the hub revision (branch, tag or commit).
-        download_dir: the hub cache directory to use instead of the default.
-
-    Raises:
-        FileNotFoundError: not a directory, and not resolvable as a hub id.
-    """
-    if os.path.isdir(model):
-        return model
-    shipped = shipped_model_path(model)
-    if shipped is not None:
-        return shipped
-    if os.path.exists(model):
-        hint = (
-            " (for a BlinkDL RWKV .pth, the directory holding it)" if model.endswith(".pth") else ""
-        )
-        raise FileNotFoundError(f"model {model!r} is a file; expected a model directory{hint}")
-    if looks_like_path(model):
-        raise FileNotFoundError(f"model directory {model!r} does not exist")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(
-            repo_id=model, revision=revision, cache_dir=download_dir, allow_patterns=_HUB_PATTERNS
-        )
-    except Exception as err:  # noqa: BLE001 - any hub failure means the model is not there
-        raise FileNotFoundError(
-            f"model {model!r} is not a local directory and could not be resolved from the "
-            f"Hugging Face hub or its cache: {err}"
-        ) from err
-
 
 def load_hf_config(path: str) -> Any:
     """Reads the config of a model directory into its transformers config class, through the

@@ -1,14 +1,18 @@
-"""Smoke tests of `vllm-mamba bench latency|throughput` on the tiny model (no timing checks)."""
+"""Smoke tests of `vllm-mamba bench latency|throughput` on the tiny model (no timing checks),
+and how `bench serve` resolves its model and fails."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
+from tests.entrypoints.conftest import closed_port
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba.entrypoints.cli import main
+from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 
 def _numbers(text: str, label: str) -> list[float]:
@@ -71,3 +75,30 @@ def test_bad_arguments_exit_2(extra, capsys):
 def test_bench_without_subcommand_prints_help(capsys):
     assert main(["bench"]) == 2
     assert "latency" in capsys.readouterr().out
+
+
+def test_bench_serve_resolves_the_model_as_serve_does(monkeypatch, capsys):
+    """`bench serve --model vllm-mamba/tiny-stdlib` (the shipped model, which `serve` takes)
+    looked the name up on the hub for its tokenizer, retried for 55 s offline and failed; a
+    hub id that is not to be had fails at once, in one line."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with closed_port() as port:
+        argv = ["bench", "serve", "--port", str(port), "--num-prompts", "2", "--disable-tqdm"]
+        argv += ["--random-input-len", "8", "--random-output-len", "2"]
+        assert main([*argv, "--model", DEFAULT_MODEL]) == 0  # its tokenizer: the shipped one
+        assert "Failed requests" in capsys.readouterr().out  # no server there
+        start = time.monotonic()
+        assert main([*argv, "--model", "someone/no-such-model"]) == 2
+        assert time.monotonic() - start < 5
+    err = capsys.readouterr().err
+    assert err.startswith("error: could not load the tokenizer 'someone/no-such-model' (give")
+    assert "HF_HUB_OFFLINE=1" in err and err.count("\n") == 1
+
+
+def test_bench_serve_without_a_server_is_a_runtime_error(capsys):
+    with closed_port() as port:
+        assert main(["bench", "serve", "--port", str(port), "--num-prompts", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: could not read the first model from") and err.count("\n") == 1

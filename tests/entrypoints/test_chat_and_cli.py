@@ -1,10 +1,13 @@
 """Chat everywhere (`LLM.chat`, the server, the `chat` REPL), a model without a chat template,
-`generation_config.json` defaults, `vllm-mamba models`, and `generate --stream --n`."""
+`generation_config.json` defaults, `vllm-mamba models`, `generate --stream --n`, and the logs
+of `generate` and `chat` (warnings only by default, never inside the streamed text)."""
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -20,6 +23,7 @@ from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.entrypoints.chat_cli import ChatSession
 from vllm_mamba.entrypoints.chat_utils import ChatTemplate
 from vllm_mamba.entrypoints.cli import main
+from vllm_mamba.logger import LineHandler
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 MESSAGES = [
@@ -141,3 +145,50 @@ def test_generate_stream_prints_every_continuation(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "--- 'def add(a, b):' [0]" in out and "--- 'def add(a, b):' [1]" in out
     assert "1 prompt(s), 12 tokens" in out
+
+
+def _noisy_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's third step logs an info line (as the thread governor's `CPU threads 2 ->
+    1`) and a warning, in the middle of the streamed text."""
+    from vllm_mamba.engine.llm_engine import LLMEngine
+
+    step = LLMEngine.step
+    calls = itertools.count()
+    log = logging.getLogger("vllm_mamba.engine.cpu_threads")
+
+    def noisy_step(self: LLMEngine) -> list:
+        if next(calls) == 2:
+            log.info("CPU threads 2 -> 1")
+            log.warning("a warning")
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", noisy_step)
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_generate_logs_warnings_only_and_never_inside_the_text(
+    verbose: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log line landed inside the streamed text (`import os.path.join(self._pathINFO ...`):
+    `generate` logs warnings and up (info with `-v`), and a record on the same terminal as
+    the text starts on its own line."""
+    _noisy_steps(monkeypatch)
+    terminal = io.StringIO()  # standard output and the log on one terminal
+    monkeypatch.setattr(sys, "stdout", terminal)
+    handler = LineHandler(terminal)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    project = logging.getLogger("vllm_mamba")
+    project.addHandler(handler)
+    try:
+        argv = ["generate", "def add(a, b):", "--stream", "--max-tokens", "8", "--seed", "0"]
+        assert main([*argv, *(["-v"] if verbose else [])]) == 0
+    finally:
+        project.removeHandler(handler)
+    lines = terminal.getvalue().splitlines()
+    assert "WARNING a warning" in lines
+    assert ("INFO CPU threads 2 -> 1" in lines) is verbose
+    logs = [line for line in lines if line.startswith(("INFO ", "WARNING "))]
+    text = [line for line in lines if line not in logs]
+    assert not [line for line in text if "INFO " in line or "WARNING " in line]  # never inside
+    assert text[:2] == ["--- 'def add(a, b):'", text[1]] and text[1].startswith("def add(a, b):")
+    assert lines[-1].startswith("1 prompt(s), 8 tokens")

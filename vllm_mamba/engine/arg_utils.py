@@ -18,9 +18,7 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from vllm_mamba.config import (
     DEFAULT_PREFIX_CACHE_MEMORY_BYTES,
@@ -43,6 +41,9 @@ from vllm_mamba.config import (
 )
 from vllm_mamba.spec_decode.config import SpeculativeConfig
 
+if TYPE_CHECKING:  # imported where used: the CLI's parsers (`add_cli_args`) load no torch
+    import torch
+
 logger = logging.getLogger(__name__)
 
 
@@ -54,6 +55,8 @@ def cpu_auto_dtype(requested: str | torch.dtype, dtype: torch.dtype, device: Any
     (AVX2 level, `benchmarks/README.md`), so `auto` runs float32 and says why; an explicit
     `dtype="bfloat16"` is kept.
     """
+    import torch
+
     if requested != "auto" or dtype != torch.bfloat16 or str(device) != "cpu":
         return dtype
     from vllm_mamba.ops import cpu_kernels
@@ -353,6 +356,8 @@ def check_dtype_on_device(name: str, dtype: torch.dtype | None, device: torch.de
     Raises:
         ValueError: the dtype of option `name` cannot run on the device.
     """
+    import torch
+
     if device.type == "cpu" and dtype == torch.float16:
         raise ValueError(
             f"{name} float16 is not supported on the CPU (its kernels run float32 and "

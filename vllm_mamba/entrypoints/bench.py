@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import time
 from typing import Any
 
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.entrypoints import bench_serve
 from vllm_mamba.entrypoints.cli_args import HelpFormatter, add_model_args
-from vllm_mamba.errors import STARTUP_ERRORS
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -174,14 +172,10 @@ def _requests(llm: Any, args: argparse.Namespace, num: int) -> tuple[list[dict],
 
 def run_latency(args: argparse.Namespace) -> int:
     """Times whole-batch generation; prints the average and percentile latencies."""
-    try:
-        if args.batch_size < 1 or args.num_iters < 1 or args.num_iters_warmup < 0:
-            raise ValueError("--batch-size and --num-iters must be >= 1, warmup >= 0")
-        llm = _load(args, args.batch_size)
-        prompts, params = _requests(llm, args, args.batch_size)
-    except STARTUP_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if args.batch_size < 1 or args.num_iters < 1 or args.num_iters_warmup < 0:
+        raise ValueError("--batch-size and --num-iters must be >= 1, warmup >= 0")
+    llm = _load(args, args.batch_size)
+    prompts, params = _requests(llm, args, args.batch_size)
     for _ in range(args.num_iters_warmup):
         llm.generate(prompts, params, use_tqdm=False)
     latencies = []
@@ -208,14 +202,10 @@ def run_latency(args: argparse.Namespace) -> int:
 
 def run_throughput(args: argparse.Namespace) -> int:
     """Runs all requests through one `LLM.generate`; prints requests/s and tokens/s."""
-    try:
-        if args.num_prompts < 1:
-            raise ValueError("--num-prompts must be >= 1")
-        llm = _load(args, args.num_prompts)
-        prompts, params = _requests(llm, args, args.num_prompts)
-    except STARTUP_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    llm = _load(args, args.num_prompts)
+    prompts, params = _requests(llm, args, args.num_prompts)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start

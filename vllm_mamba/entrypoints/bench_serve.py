@@ -675,19 +675,30 @@ def _first_model(base_url: str, headers: dict[str, str]) -> str:
         reply.raise_for_status()
         return reply.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
-        raise RuntimeError(
+        raise ConnectionError(
             f"could not read the first model from {base_url}/v1/models (give --model): {err}"
         ) from err
 
 
 def _load_tokenizer(name: str, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
+    """The tokenizer of `name`, resolved as every subcommand resolves a model (a shipped
+    name, a directory, or a hub id that fails at once, in one line, when the hub is out of
+    reach).
+
+    Raises:
+        FileNotFoundError: naming `--tokenizer`.
+    """
+    from vllm_mamba.model_resolver import TOKENIZER_FILES, resolve_model_path
 
     try:
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        path = resolve_model_path(name, allow_patterns=TOKENIZER_FILES)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        message = f"could not load the tokenizer {name!r} (give --tokenizer): {err}"
-        raise RuntimeError(message) from err
+        reason = " ".join(str(err).split())  # one line
+        message = f"could not load the tokenizer {name!r} (give --tokenizer): {reason}"
+        raise FileNotFoundError(message) from err
 
 
 def _resolve(args: argparse.Namespace) -> tuple[str, str, bool]:
@@ -713,13 +724,11 @@ def result_filename(args: argparse.Namespace, model_id: str, label: str, date: s
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs the benchmark of `args`; prints the summary and, with `--save-result`, saves it."""
-    try:
-        result = benchmark(args)
-    except (RuntimeError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0 if result is not None else 1
+    """Runs the benchmark of `args`; prints the summary and, with `--save-result`, saves it.
+    A bad option or tokenizer raises `ValueError` / `FileNotFoundError`, a server out of
+    reach `ConnectionError` (the command's exit statuses 2 and 1)."""
+    benchmark(args)
+    return 0
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:

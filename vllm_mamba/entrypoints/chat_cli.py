@@ -4,7 +4,8 @@ Each line typed is a user message; the reply streams as it is generated and join
 history, so the conversation carries on. `/reset` clears the history (keeping `--system`),
 `/exit` (or end of input, Ctrl-D) leaves. Ctrl-C during a reply stops it (the turn is dropped
 from the history) and the chat goes on; Ctrl-C at the prompt leaves. The prompt is rendered
-with the model's chat template, or `--chat-template`.
+with the model's chat template, or `--chat-template`. Logs go to standard error, warnings and
+errors only (`-v` for info), never inside a reply's line.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import threading
 from typing import Any, TextIO
 
 from vllm_mamba.engine.arg_utils import EngineArgs
-from vllm_mamba.entrypoints.cli_args import HelpFormatter, add_model_args
-from vllm_mamba.errors import STARTUP_ERRORS
+from vllm_mamba.entrypoints.cli_args import HelpFormatter, add_model_args, add_verbose_arg
+from vllm_mamba.logger import StreamedText, log_level
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 EXAMPLES = """examples:
@@ -46,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     conversation.add_argument(
         "--chat-template", default=None, help="chat template, file or text (default: the model's)"
     )
+    add_verbose_arg(conversation)
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=128, help="tokens per reply")
     sampling.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_mamba import LLM, SamplingParams
     from vllm_mamba.entrypoints.chat_utils import ChatTemplate
 
-    try:
+    with log_level(args.verbose):
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
         )
@@ -67,10 +69,7 @@ def run(args: argparse.Namespace) -> int:
         template = ChatTemplate(llm.get_tokenizer(), args.chat_template)
         if template.template is None:
             raise ValueError(f"{args.model} has no chat template: pass --chat-template")
-    except STARTUP_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    ChatSession(llm, template, params, args.system).loop(sys.stdin, sys.stdout)
+        ChatSession(llm, template, params, args.system).loop(sys.stdin, sys.stdout)
     return 0
 
 
@@ -122,12 +121,11 @@ class ChatSession:
             stdout.write(f"error: {err}\n")
             return ""
         printed = ""
-        with _SigintFlag() as interrupted:
+        with _SigintFlag() as interrupted, StreamedText(stdout) as shown:
             while engine.has_unfinished_requests() and not interrupted:
                 for out in engine.step():
                     reply = out.outputs[0].text
-                    stdout.write(reply[len(printed) :])
-                    stdout.flush()
+                    shown.write(reply[len(printed) :])
                     printed = reply
         if interrupted:
             engine.abort_request(request_id)

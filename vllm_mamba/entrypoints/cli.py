@@ -2,7 +2,13 @@
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)`, which registers
 its arguments and sets `func` to run it and `parser` to itself (so that an unknown flag is
-reported with that subcommand's usage). Engine flags come from `EngineArgs`.
+reported with that subcommand's usage). Engine flags come from `EngineArgs`. Building a
+parser imports no torch, transformers or engine: a subcommand's `--help` or a mistyped flag
+answers as fast as `vllm-mamba --help`.
+
+Every subcommand fails the same way: `error: ...` on standard error, exit status 2 for what
+the command line gave (a flag, a value, a model that is not there), 1 for a failure while
+running.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from vllm_mamba.entrypoints.cli_args import RUNTIME_ERROR, USAGE_ERROR, Parser, print_error
 
 _SUBCOMMANDS = {
     "serve": ("vllm_mamba.entrypoints.openai.cli_serve", "start an OpenAI-compatible HTTP server"),
@@ -30,7 +38,7 @@ def build_parser(command: str | None | object = _ALL) -> argparse.ArgumentParser
     no engine (and no torch), the others show their name and one line."""
     from vllm_mamba import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="vllm-mamba",
         description="Inference and serving engine for state-space language models (Mamba).",
     )
@@ -71,10 +79,24 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
-        return int(args.func(args) or 0)
+        return _run(args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Runs the parsed subcommand; its errors become one `error: ...` line."""
+    from vllm_mamba.errors import STARTUP_ERRORS, EngineDeadError, RequestsFailedError
+
+    try:
+        return int(args.func(args) or 0)
+    except STARTUP_ERRORS as err:  # an option, a value or a model that cannot be used
+        print_error(err)
+        return USAGE_ERROR
+    except (EngineDeadError, RequestsFailedError, OSError) as err:
+        print_error(err)
+        return RUNTIME_ERROR
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """`vllm-mamba generate [MODEL] [PROMPT ...]`: continue prompts from the command line and
 report throughput.
 
-The model is `--model MODEL`, or the first word when it names one (an existing directory, a
-shipped name such as `vllm-mamba/tiny-stdlib` or a hub id `owner/name`); every other word is a
-prompt. `-` as the prompt, or no prompt while standard input is not a terminal, reads the
-whole of standard input as one prompt (as `ollama run` and `llama-cli` do: `cat file.py |
-vllm-mamba generate MODEL`). `--system` renders each prompt as a user message after that
-system message with the model's chat template (a model without one is an error).
+The model is `--model MODEL`, or the first word when it is meant as one (`names_a_model`: an
+existing directory, a word shaped as a path such as `./models/x`, a shipped name such as
+`vllm-mamba/tiny-stdlib` or a hub id `owner/name`; one that is not there is an error, never a
+prompt); every other word is a prompt. `-` as the prompt, or no prompt while standard input
+is not a terminal, reads the whole of standard input as one prompt (as `ollama run` and
+`llama-cli` do: `cat file.py | vllm-mamba generate MODEL`). `--system` renders each prompt as
+a user message after that system message with the model's chat template (a model without one
+is an error). The text goes to standard output; logs (warnings and errors, `-v` for info) to
+standard error, never inside a streamed line.
 """
 
 from __future__ import annotations
@@ -18,8 +21,13 @@ import time
 from typing import Any
 
 from vllm_mamba.engine.arg_utils import EngineArgs
-from vllm_mamba.entrypoints.cli_args import HelpFormatter, add_model_args, names_a_model
-from vllm_mamba.errors import STARTUP_ERRORS
+from vllm_mamba.entrypoints.cli_args import (
+    HelpFormatter,
+    add_model_args,
+    add_verbose_arg,
+    names_a_model,
+)
+from vllm_mamba.logger import StreamedText, log_level
 from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 DEFAULT_PROMPT = "def fibonacci(n):"
@@ -74,6 +82,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the model's chat template",
     )
     output.add_argument("--stream", action="store_true", help="print tokens as they come")
+    add_verbose_arg(output)
     EngineArgs.add_cli_args(parser, skip=("model", "served_model_name"))
     parser.set_defaults(func=run, parser=parser, more_positionals="prompts")
 
@@ -101,39 +110,36 @@ def resolve_prompts(args: argparse.Namespace, stdin: Any = None) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Loads the model, generates, prints the outputs and a summary line."""
+    with log_level(args.verbose):
+        return _generate(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
     from vllm_mamba import LLM, SamplingParams
 
-    try:
-        prompts = resolve_prompts(args)
-        params = SamplingParams(
-            n=args.n,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            stop=args.stop,
-            max_tokens=args.max_tokens,
-        )
-        llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
-        inputs = _chat_prompts(llm, prompts, args.system) if args.system else prompts
-    except STARTUP_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    prompts = resolve_prompts(args)
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop,
+        max_tokens=args.max_tokens,
+    )
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    inputs = _chat_prompts(llm, prompts, args.system) if args.system else prompts
     start = time.perf_counter()
-    try:
-        if args.stream:
-            num_tokens = _stream(llm, prompts, inputs, params)
-        else:
-            outputs = llm.generate(inputs, params, use_tqdm=False)
-            num_tokens = 0
-            for prompt, out in zip(prompts, outputs):
-                shown = "" if args.system else prompt
-                for completion in out.outputs:
-                    num_tokens += len(completion.token_ids)
-                    tag = f" [{completion.index}]" if params.n > 1 else ""
-                    print(f"--- {prompt!r}{tag}\n{shown}{completion.text}\n")
-    except ValueError as err:  # a request the engine refuses (such as its length)
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if args.stream:
+        num_tokens = _stream(llm, prompts, inputs, params)
+    else:
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        num_tokens = 0
+        for prompt, out in zip(prompts, outputs):
+            shown = "" if args.system else prompt
+            for completion in out.outputs:
+                num_tokens += len(completion.token_ids)
+                tag = f" [{completion.index}]" if params.n > 1 else ""
+                print(f"--- {prompt!r}{tag}\n{shown}{completion.text}\n")
     elapsed = time.perf_counter() - start
     print(
         f"{len(prompts)} prompt(s), {num_tokens} tokens in {elapsed:.2f} s "
@@ -178,16 +184,17 @@ def _stream(llm, prompts: list[str], inputs: list, params) -> int:  # noqa: ANN0
         engine.add_request(request_id, engine_input, params)
         shown = prompt if engine_input is prompt else ""
         tag = " [0]" if params.n > 1 else ""
-        print(f"--- {prompt!r}{tag}\n{shown}", end="", flush=True)
-        printed = 0
         final = None
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                text = out.outputs[0].text
-                print(text[printed:], end="", flush=True)
-                printed = len(text)
-                final = out if out.finished else final
-        print("\n")
+        with StreamedText(sys.stdout) as out:
+            out.write(f"--- {prompt!r}{tag}\n{shown}")
+            printed = 0
+            while engine.has_unfinished_requests():
+                for step_out in engine.step():
+                    text = step_out.outputs[0].text
+                    out.write(text[printed:])
+                    printed = len(text)
+                    final = step_out if step_out.finished else final
+            out.write("\n\n")
         for completion in final.outputs[1:] if final else []:
             print(f"--- {prompt!r} [{completion.index}]\n{shown}{completion.text}\n")
         total += sum(len(c.token_ids) for c in final.outputs) if final else 0

@@ -33,6 +33,7 @@ from vllm_mamba.engine import native_memory
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.entrypoints.chat_utils import ChatTemplate
+from vllm_mamba.entrypoints.cli_args import Parser, print_error
 from vllm_mamba.entrypoints.openai.cli_serve import HelpFormatter, add_server_args
 from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
 from vllm_mamba.entrypoints.openai.http_protocol import ConnectionLimits, deadline_protocol
@@ -244,8 +245,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     Returns:
         The exit status: 0 after a clean shutdown, 2 for an option or model that cannot be
-        used, 1 when the port is taken or the engine failed beyond recovery (each message is
-        logged in one line, without a traceback).
+        used, 1 when the port is taken or the engine failed beyond recovery (a startup error
+        is one `error: ...` line on standard error, as every subcommand's, no traceback).
     """
     configure_logging(args.log_level, args.uvicorn_log_level)
     native_memory.limit_arenas()
@@ -253,13 +254,13 @@ def run_server(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host, args.port) if args.fd is None else inherited_socket(args.fd)
     except OSError as err:
         where = f"--fd {args.fd}" if args.fd is not None else f"{args.host}:{args.port}"
-        logger.error("cannot listen on %s: %s", where, err.strerror or err)
+        print_error(f"cannot listen on {where}: {err.strerror or err}")
         return 1
     try:
         server = _load_server(args, sock)
     except STARTUP_ERRORS as err:
         sock.close()
-        logger.error("%s", err)
+        print_error(err)
         return 2
     server.run(sockets=[sock])
     return 1 if server.engine.errored else 0
@@ -392,7 +393,7 @@ def inherited_socket(fd: int) -> socket.socket:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m vllm_mamba.entrypoints.openai.api_server --model MODEL [flags]`."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         description="Serve a model over an OpenAI-compatible HTTP API.",
         formatter_class=HelpFormatter,
     )

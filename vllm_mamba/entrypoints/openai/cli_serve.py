@@ -17,8 +17,8 @@ from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.entrypoints.cli_args import (  # noqa: F401 - HelpFormatter for api_server
     HelpFormatter,
     add_model_args,
-    require_model,
 )
+from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 API_KEY_ENV = "VLLM_MAMBA_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
@@ -36,7 +36,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 EXAMPLES = """examples:
-  vllm-mamba serve vllm-mamba/tiny-stdlib --port 8000      # the shipped model, offline
+  vllm-mamba serve --port 8000                          # the shipped model, offline
   curl http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \\
       -d '{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
   vllm-mamba serve state-spaces/mamba-130m-hf --dtype bfloat16 --api-key KEY
@@ -280,12 +280,12 @@ def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Net
 def _serve(args: argparse.Namespace) -> int:
     from vllm_mamba.entrypoints.openai.api_server import run_server
 
-    require_model(args)
     return run_server(args)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Registers `serve MODEL` (or `serve --model MODEL`) on the `vllm-mamba` command."""
+    """Registers `serve [MODEL]` (or `serve --model MODEL`; by default the shipped model) on
+    the `vllm-mamba` command."""
     parser = subparsers.add_parser(
         "serve",
         usage="%(prog)s [MODEL] [options]",
@@ -294,7 +294,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=HelpFormatter,
     )
-    add_model_args(parser, default=None)  # `serve MODEL` or `serve --model MODEL`
+    add_model_args(parser, DEFAULT_MODEL)  # `serve MODEL` or `serve --model MODEL`
     add_server_args(parser)
     parser.set_defaults(func=_serve, parser=parser)
     return parser
