@@ -257,6 +257,46 @@ def test_unknown_route_and_chat_errors(server: RunningServer) -> None:
     assert httpx.post(chat, json=good, headers=server.headers).status_code == 200
 
 
+# What a page's Content-Security-Policy may allow: nothing from another origin, and no
+# script but this origin's files or inline scripts named by their hash.
+SAME_ORIGIN_SOURCES = {"'self'", "'none'", "data:"}
+
+
+def _csp(response: httpx.Response) -> dict[str, list[str]]:
+    policy = response.headers.get("content-security-policy")
+    assert policy, f"{response.url} has no Content-Security-Policy"
+    directives = [part.split() for part in policy.split(";") if part.strip()]
+    return {name: sources for name, *sources in directives}
+
+
+def test_html_pages_load_nothing_from_another_origin(server: RunningServer) -> None:
+    for path in ("/", "/docs"):
+        page = httpx.get(f"{server.url}{path}")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        csp = _csp(page)
+        assert csp["default-src"] == ["'none'"], csp
+        for name, sources in csp.items():
+            for source in sources:
+                allowed = source in SAME_ORIGIN_SOURCES or (
+                    name == "script-src" and re.fullmatch(r"'sha256-[A-Za-z0-9+/]+=*'", source)
+                )
+                allowed = allowed or (name == "style-src" and source == "'unsafe-inline'")
+                assert allowed, (path, name, source)
+        # What a page loads or links is this origin's (a path, not a URL or `//host`).
+        for url in re.findall(r"""\s(?:src|href)=["']([^"']*)["']""", page.text):
+            assert url.startswith(("/", "#", "data:")) and not url.startswith("//"), (path, url)
+    # The reference's script and style: served here, under the same policy, naming no URL.
+    for asset, media in (("docs.js", "text/javascript"), ("docs.css", "text/css")):
+        response = httpx.get(f"{server.url}/docs/{asset}")
+        assert response.status_code == 200 and response.headers["content-type"].startswith(media)
+        assert _csp(response)["script-src"] == ["'self'"]
+        assert "http://" not in response.text and "https://" not in response.text
+    # FastAPI's own pages, which load Swagger UI or ReDoc from a CDN, are gone.
+    for path in ("/redoc", "/docs/oauth2-redirect"):
+        assert httpx.get(f"{server.url}{path}").status_code == 404, path
+    assert httpx.get(f"{server.url}/openapi.json").json()["paths"]["/v1/completions"]
+
+
 def test_version_and_metrics(server: RunningServer) -> None:
     assert httpx.get(f"{server.url}/version").json()["version"]
     text = httpx.get(f"{server.url}/metrics").text

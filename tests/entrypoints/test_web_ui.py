@@ -1,6 +1,7 @@
 """The web chat page at `/`, in a real headless Chromium against a real server: the API key
 asked for and kept, a streamed reply equal to the non-streamed one, model and user text shown
-as text, errors in OpenAI's shape shown, Stop aborting a long generation; `--disable-web-ui`.
+as text, errors in OpenAI's shape shown, Stop aborting a long generation; `--disable-web-ui`;
+the API reference at `/docs` working under its Content-Security-Policy.
 
 Chromium is required (the test fails, saying how to install it, when it is missing).
 `scripts/web_ui_screenshot.py` redraws `docs/web_ui.png` from the page.
@@ -138,7 +139,24 @@ def test_web_ui_chats_streams_and_stops(tmp_path: Path) -> None:
 
         _check_reasoning_and_stream_error(page)
         _check_markdown(page)
+        _check_api_docs(page, server.url)
         assert page.problems() == []
+
+
+def _check_api_docs(page, url: str) -> None:
+    """The API reference at /docs (this origin's files only, under its CSP) renders the
+    operations of /openapi.json and sends a request with the API key typed into it."""
+    page.navigate(f"{url}/docs")
+    page.wait_for("document.querySelectorAll('details.op').length > 1", what="the reference")
+    op = "document.getElementById('op-get--v1-models')"
+    page.type_into("#api-key", API_KEY)
+    page.eval(f"{op}.open = true")
+    page.click("#op-get--v1-models .try button")
+    reply = page.wait_for(
+        f"(t => t.startsWith('200 ') ? t : null)({op}.querySelector('.reply').textContent)",
+        what="the reply to Send",
+    )
+    assert f'"id": "{MODEL_NAME}"' in reply
 
 
 def _chunk(delta: dict) -> str:

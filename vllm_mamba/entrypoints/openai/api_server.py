@@ -34,6 +34,7 @@ from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.entrypoints.chat_utils import ChatTemplate
 from vllm_mamba.entrypoints.cli_args import Parser, print_error
+from vllm_mamba.entrypoints.openai.api_docs import add_api_docs
 from vllm_mamba.entrypoints.openai.cli_serve import HelpFormatter, add_server_args
 from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
 from vllm_mamba.entrypoints.openai.http_protocol import ConnectionLimits, deadline_protocol
@@ -91,7 +92,10 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
         yield
         await engine.shutdown()
 
-    app = FastAPI(title="vllm-mamba", version=__version__, lifespan=lifespan)
+    # FastAPI's /docs and /redoc load their scripts from a CDN: /docs is a page of ours.
+    app = FastAPI(
+        title="vllm-mamba", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
     install_error_handlers(app)
     api_key = args.api_key or envs.VLLM_MAMBA_API_KEY
     if api_key:
@@ -161,6 +165,7 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
     async def tokenizer_info() -> JSONResponse:
         return JSONResponse(tokenization.info())
 
+    add_api_docs(app)
     if not getattr(args, "disable_web_ui", False):  # a Namespace built by hand may lack it
         add_web_ui(app)
     return app
