@@ -11,6 +11,8 @@ origin. The page itself reads no storage: the key it sends is typed into it.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
@@ -39,7 +41,7 @@ def add_api_docs(app: FastAPI) -> None:
         app.add_api_route(f"{DOCS_PATH}/{name}", route, methods=["GET"], include_in_schema=False)
 
 
-def _static_route(response: Response):  # noqa: ANN202 - a route FastAPI inspects
+def _static_route(response: Response) -> Callable[[], Awaitable[Response]]:
     """A route that answers `response` (the same bytes every time)."""
 
     async def static_file() -> Response:
