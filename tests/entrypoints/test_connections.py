@@ -121,10 +121,12 @@ def _half_sent_body(server: RunningServer, source: str) -> socket.socket:
     """A connection whose request is in flight: its headers read by the server (which says
     so with `100 Continue` when the app asks for the body), its body not yet sent whole."""
     sock = _connect(server, source)
-    sock.sendall(
-        b"POST /tokenize HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-        b"expect: 100-continue\r\ncontent-length: 100\r\n\r\n"
+    head = (
+        "POST /tokenize HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        f"authorization: {server.headers['Authorization']}\r\n"
+        "expect: 100-continue\r\ncontent-length: 100\r\n\r\n"
     )
+    sock.sendall(head.encode())
     sock.settimeout(10)
     assert sock.recv(1024).startswith(b"HTTP/1.1 100 ")
     sock.sendall(b"{")
