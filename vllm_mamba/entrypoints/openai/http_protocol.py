@@ -122,11 +122,11 @@ class ConnectionTable:
         return len(self.by_client.get(client_key, ()))
 
     def longest_waiting(self, client_key: str | None = None) -> DeadlineH11Protocol | None:
-        """The connection (of `client_key`'s, when given) that has waited longest without a
-        request in flight, or None."""
+        """The connection that has waited longest without a request in flight (of
+        `client_key`'s, when given: its oldest connection without one), or None."""
         if client_key is None:
             return next(iter(self.waiting), None)
-        # Oldest connection first; bounded by the per-client cap.
+        # The address's connections in the order they opened; at most the per-client cap.
         return next((c for c in self.by_client.get(client_key, ()) if c in self.waiting), None)
 
 
