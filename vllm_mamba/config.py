@@ -81,9 +81,17 @@ def record_quantization(hf_config: Any, quantization: str | None) -> None:
     on a model it quantises while loading; every process that builds the model gets it with
     the config.
 
+    A checkpoint that ships quantised weights the engine reads (FP8 with block scales,
+    `models.prequantized`) keeps its own record under `checkpoint_quantization`: it is read as
+    float weights and quantised again.
+
     Raises:
-        ValueError: `quantization` is not supported, or the checkpoint is already quantised.
+        ValueError: `quantization` is not supported, or the checkpoint is pre-quantised in a
+            format the engine does not read.
     """
+    from vllm_mamba.models.prequantized import checkpoint_method
+
+    shipped = checkpoint_method(hf_config)  # refuses a pre-quantised format it cannot read
     if quantization is None:
         return
     if quantization not in QUANTIZATION_CHOICES:
@@ -91,14 +99,10 @@ def record_quantization(hf_config: Any, quantization: str | None) -> None:
             f"quantization {quantization!r} is not supported; use one of "
             f"{', '.join(QUANTIZATION_CHOICES)}, or leave it unset for float weights"
         )
-    existing = getattr(hf_config, "quantization_config", None)
-    if existing:
-        method = existing.get("quant_method") if isinstance(existing, dict) else existing
-        raise ValueError(
-            f"quantization {quantization!r}: the checkpoint is already quantised "
-            f"({method}); {quantization} quantises a float checkpoint while loading it"
-        )
-    hf_config.quantization_config = {"quant_method": quantization}
+    record: dict[str, Any] = {"quant_method": quantization}
+    if shipped is not None:  # read as float (FP8 blocks dequantised), then quantised again
+        record["checkpoint_quantization"] = hf_config.quantization_config
+    hf_config.quantization_config = record
 
 
 def recorded_quantization(hf_config: Any) -> str | None:

@@ -34,11 +34,13 @@ from vllm_mamba.layers.quantization import quantize_model
 from vllm_mamba.model_resolver import resolve_model_path  # noqa: F401 - the loaders' import
 from vllm_mamba.models.causal_lm import CausalLM
 from vllm_mamba.models.formats import detect_format, read_config_json
+from vllm_mamba.models.prequantized import dequantized_weights
 from vllm_mamba.models.registry import ModelRegistry
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.worker.huge_pages import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
+
 
 def load_hf_config(path: str) -> Any:
     """Reads the config of a model directory into its transformers config class, through the
@@ -198,7 +200,8 @@ def build_model(
             model.enable_mtp(ops, tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # materialising from meta unties shared parameters
-    load_weights(model, iterate_weights(path, lazy=tp.size > 1))
+    # A pre-quantised checkpoint (FP8 blocks) reaches the model as float weights.
+    load_weights(model, dequantized_weights(hf_config, iterate_weights(path, lazy=tp.size > 1)))
     model.process_weights_after_loading()
     method = recorded_quantization(hf_config)
     if method is not None:
