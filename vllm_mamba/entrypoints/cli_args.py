@@ -15,8 +15,7 @@ from typing import Any, NoReturn
 
 USAGE_ERROR = 2  # exit status: what the command line gave cannot be used
 RUNTIME_ERROR = 1  # exit status: it failed while running
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_RELATIVE_PATH = re.compile(r"^[\w.-]+(/[\w.-]+)+/?$")  # models/mamba/130m, models/
+_NAME_PATH = re.compile(r"^[\w.-]+(/[\w.-]+)+/?$")  # owner/name, models/mamba/130m
 _PATH_START = re.compile(r"^(\.{1,2}/|~$|~[\w.-]*/|/[\w.~-])")  # ./ ../ ~/ ~user/ /abs
 _GIVEN = "_model_given"  # on the namespace: the model as the command line gave it
 
@@ -111,7 +110,7 @@ def names_a_model(word: str) -> bool:
         os.path.isdir(word)
         or bool(_PATH_START.match(word))
         or (word.endswith(("/", os.sep)) and not any(c.isspace() for c in word))
-        or bool(_HUB_ID.match(word) or _RELATIVE_PATH.match(word))
+        or bool(_NAME_PATH.match(word))
     )
 
 
