@@ -41,6 +41,8 @@ _METRIC_HEADERS = {
 }
 
 EXAMPLES = """examples:
+  vllm-mamba serve --port 8000 &                      # the shipped model, offline
+  vllm-mamba bench serve --model vllm-mamba/tiny-stdlib --num-prompts 50 --random-input-len 64
   vllm-mamba serve state-spaces/mamba-130m-hf --port 8000 &
   vllm-mamba bench serve --model state-spaces/mamba-130m-hf --num-prompts 200 \\
       --request-rate 4 --random-input-len 256 --random-output-len 64 --save-result
@@ -91,7 +93,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--served-model-name", default=None, help="name sent in requests (default: --model)"
     )
-    server.add_argument("--tokenizer", default=None, help="tokenizer name or path (default: model)")
+    server.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer: a directory, a shipped name or a hub id, as serve's MODEL (default: "
+        "--model)",
+    )
     server.add_argument("--trust-remote-code", action="store_true")
     data = parser.add_argument_group("dataset")
     data.add_argument(
