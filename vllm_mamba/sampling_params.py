@@ -120,6 +120,15 @@ def _check_limits(name: str, message: str | None) -> None:
         raise ValueError(f"SamplingParams.{message}")
 
 
+def _check_unicode(name: str, texts: list[str], bad: Callable[[str, str], ValueError]) -> None:
+    """Raises `bad(name, ...)` when a text is not valid Unicode (holds a lone surrogate)."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise bad(name, "must be valid Unicode text") from err
+
+
 class SamplerFlags:
     """What the sampler asks of a set of sampling parameters (`SamplingParams` and the
     worker's plain `SamplingOptions` both have these fields)."""
@@ -258,11 +267,7 @@ class SamplingParams(SamplerFlags):
                 "stop_token_ids", len(self.stop_token_ids), limits.MAX_STOP_TOKEN_IDS
             ),
         )
-        for text in self.stop_list:
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise bad("stop", "must be valid Unicode text") from err
+        _check_unicode("stop", self.stop_list, bad)
         if any(not _is_int(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be integers")
 
@@ -286,6 +291,7 @@ class SamplingParams(SamplerFlags):
         ):
             raise bad("bad_words", "must be a list of non-empty strings")
         if words is not None:
+            _check_unicode("bad_words", words, bad)  # a lone surrogate fails the tokenizer
             _check_limits(
                 "bad_words",
                 limits.over_count("bad_words", len(words), limits.MAX_BAD_WORDS)

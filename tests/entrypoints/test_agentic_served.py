@@ -431,12 +431,14 @@ def test_response_store_is_bounded_in_count_and_bytes() -> None:
     """The `previous_response_id` store drops the least recently used responses beyond its
     count and byte bounds, and an unknown or dropped id is a 404 naming the field."""
     from vllm_mamba.entrypoints.openai.errors import APIError
-    from vllm_mamba.entrypoints.openai.responses_protocol import stored_size
     from vllm_mamba.entrypoints.openai.serving_responses import ResponseStore
 
     def put(store: ResponseStore, rid: str, text: str) -> None:
-        conversation, body = [{"role": "user", "content": text}], {"id": rid}
-        store.put(rid, conversation, body, stored_size(conversation, body))
+        conversation = json.dumps([{"role": "user", "content": text}]).encode()
+        store.put(rid, conversation, json.dumps({"id": rid}).encode())
+
+    def body(store: ResponseStore, rid: str) -> Any:
+        return json.loads(store.get(rid)[1])
 
     store = ResponseStore(max_items=3, max_bytes=10_000)
     for rid in ("a", "b", "c"):
@@ -446,7 +448,7 @@ def test_response_store_is_bounded_in_count_and_bytes() -> None:
     with pytest.raises(APIError) as gone:
         store.get("b")
     assert gone.value.status == 404 and gone.value.param == "previous_response_id"
-    assert store.get("a")[1] == {"id": "a"} and store.get("d")[1] == {"id": "d"}
+    assert body(store, "a") == {"id": "a"} and body(store, "d") == {"id": "d"}
     put(store, "big", "y" * 6_000)
     put(store, "big2", "y" * 6_000)  # the two together exceed the bytes: the older goes
     with pytest.raises(APIError):
@@ -454,4 +456,4 @@ def test_response_store_is_bounded_in_count_and_bytes() -> None:
     put(store, "huge", "z" * 20_000)  # larger than the whole store: not kept
     with pytest.raises(APIError):
         store.get("huge")
-    assert store.get("big2")[1] == {"id": "big2"}
+    assert body(store, "big2") == {"id": "big2"}

@@ -12,13 +12,15 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, RunningServer, launch_server
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, RunningServer, launch_server
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 COMPLETION = {"prompt": "hello", "max_tokens": 4}
@@ -72,21 +74,113 @@ def test_values_that_killed_the_engine_are_400s(
     assert_healthy(server)
 
 
+RESPONSE = {"input": "hi", "max_output_tokens": 4}
+
+
+def generated_tokens(server: RunningServer) -> float:
+    """The server's `vllm:generation_tokens` counter."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    [line] = [x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total")]
+    return float(line.split()[-1])
+
+
 @pytest.mark.parametrize(
-    ("path", "body"),
+    ("path", "body", "param"),
     [
-        ("/v1/completions", {**COMPLETION, "prompt": "a\ud800b"}),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}),
-        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "us\udc00er", "content": "x"}]}),
-        ("/v1/chat/completions", {**CHAT, "chat_template": "{{ '\ud800' }}"}),
-        ("/tokenize", {"prompt": "x\ud800"}),
-        ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}),
+        ("/v1/completions", {**COMPLETION, "prompt": "a\ud800b"}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "bad_words": ["ok", "\ud800"]}, "bad_words.1"),
+        ("/v1/completions", {**COMPLETION, "stop": "\udfff"}, "stop"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]},
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "us\udc00er", "content": "x"}]},
+            "messages.0.role",
+        ),
+        ("/v1/chat/completions", {**CHAT, "chat_template": "{{ '\ud800' }}"}, "chat_template"),
+        ("/v1/chat/completions", {**CHAT, "bad_words": ["\ud800"]}, "bad_words.0"),
+        ("/v1/responses", {**RESPONSE, "metadata": {"k": "\ud800"}}, "metadata.k"),
+        ("/v1/responses", {**RESPONSE, "user": "u\ud800"}, "user"),
+        ("/v1/responses", {**RESPONSE, "instructions": "\udc00"}, "instructions"),
+        (
+            "/v1/responses",
+            {**RESPONSE, "input": [{"role": "user", "content": "\ud800"}]},
+            "input.0.content",
+        ),
+        ("/tokenize", {"prompt": "x\ud800"}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
     ],
 )
-def test_lone_surrogates_are_400s(server: RunningServer, path: str, body: Any) -> None:
+def test_lone_surrogates_are_400s(server: RunningServer, path: str, body: Any, param: str) -> None:
+    """Refused at the door, naming the field, before the model runs (`bad_words` was a 500;
+    a Responses request whose `metadata` or `user` held one ran, was stored, then failed)."""
+    before = generated_tokens(server)
     response = post(server, path, body)
     assert response.status_code == 400, response.text
-    assert "not valid Unicode" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert "not valid Unicode" in error["message"]
+    assert error["param"] == param
+    assert generated_tokens(server) == before
+
+
+METADATA_OVER_THE_BOUNDS = {
+    "17 keys": {f"k{i}": "v" for i in range(17)},
+    "65-char key": {"k" * 65: "v"},
+    "513-char value": {"k": "v" * 513},
+    "nested value": {"k": {"a": [{"b": "c"}]}},
+    "number value": {"k": 1},
+}
+
+
+@pytest.mark.parametrize(
+    "metadata", METADATA_OVER_THE_BOUNDS.values(), ids=list(METADATA_OVER_THE_BOUNDS)
+)
+def test_responses_metadata_over_openai_bounds_is_a_400(
+    server: RunningServer, metadata: dict[str, Any]
+) -> None:
+    """OpenAI's bounds (16 keys, 64-character keys, 512-character string values), checked
+    before the model runs; at the bounds it is kept and echoed."""
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    before = generated_tokens(server)
+    with pytest.raises(openai.BadRequestError) as err:
+        api.responses.create(model=MODEL_NAME, metadata=metadata, **RESPONSE)
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "metadata"
+    assert generated_tokens(server) == before
+    if len(metadata) > 1:  # once: the largest metadata within the bounds
+        largest = {f"{i:02}" + "k" * 62: "v" * 512 for i in range(16)}
+        reply = api.responses.create(model=MODEL_NAME, metadata=largest, **RESPONSE)
+        assert reply.metadata == largest
+        assert api.responses.retrieve(reply.id).metadata == largest
+
+
+def test_response_store_counts_the_memory_it_holds() -> None:
+    """What the Responses store counts against its byte bound is the memory it holds
+    (measured with tracemalloc), for responses with the largest `metadata` allowed and a
+    conversation of many small items (counted as JSON text beside parsed objects, it held
+    about 18 times its count)."""
+    from vllm_mamba.entrypoints.openai.responses_protocol import ResponsesRequest
+    from vllm_mamba.entrypoints.openai.serving_responses import ResponseStore
+
+    metadata = {f"{i:02}" + "k" * 62: "v" * 512 for i in range(16)}
+    items = [{"role": "user", "content": f"{i}"} for i in range(100)]
+    request = ResponsesRequest(input=items, metadata=metadata)
+    tracemalloc.start()
+    try:
+        store = ResponseStore(max_items=10_000, max_bytes=2**18)
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(40):  # past the bound: the oldest go
+            body = {"id": f"resp_{i:032}", "metadata": request.metadata, "input": items}
+            conversation = json.dumps(items).encode()
+            store.put(body["id"], conversation, json.dumps(body).encode())
+        del body, conversation
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert store.max_bytes / 2 <= store.bytes <= store.max_bytes
+    assert held <= store.bytes * 1.1, (held, store.bytes)
 
 
 def test_max_completion_tokens_zero_is_a_400(server: RunningServer) -> None:

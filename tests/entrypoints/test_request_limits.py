@@ -2,11 +2,15 @@
 seconds holds up no other request (it compiles in its own process) and is a 400 naming its
 field once over `--grammar-compile-timeout`; every list- or text-valued field over its limit is
 a 400 naming it; malformed tool `$defs` are 400s, not 500s; `prompt_logprobs` is answered, and
-above the limit a 400; error messages carry no source paths or reprs.
+out of range (-1 too) a 400; error messages carry no source paths or reprs; a 500 (a tool-call
+parser plugin with a bug) says `Connection: close`; model text that cannot be a call (too
+deep, a huge integer, an escaped lone surrogate) is content, not a 500 or a cut stream.
 """
 
 from __future__ import annotations
 
+import json
+import socket
 import statistics
 import threading
 import time
@@ -14,9 +18,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
+from transformers import AutoTokenizer
 
-from tests.entrypoints.conftest import RunningServer, launch_server
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, RunningServer, launch_server
+from tests.tiny_models import TOKENIZER_DIR
 from vllm_mamba import request_limits as limits
 
 COMPLETION = {"prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0}
@@ -30,9 +37,34 @@ def slow_grammar(rules: int = 1500) -> str:
     return f'root ::= r0\n{body}\nr{rules} ::= "z"'
 
 
+# hermes with a bug: a request offering a tool named `crash` fails inside the parser (a 500).
+HERMES_WITH_A_BUG = """
+from vllm_mamba.entrypoints.openai.tool_parsers import ToolParserManager
+from vllm_mamba.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+
+
+@ToolParserManager.register("hermes_with_a_bug")
+class HermesWithABug(HermesToolParser):
+    def extract(self, text, strict=False):
+        if "crash" in str(self.tools):
+            raise RuntimeError("a bug in the tool-call parser")
+        return super().extract(text, strict)
+"""
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    with launch_server("--grammar-compile-timeout", str(COMPILE_TIMEOUT_S)) as running:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    plugin = tmp_path_factory.mktemp("plugin") / "hermes_with_a_bug.py"
+    plugin.write_text(HERMES_WITH_A_BUG)
+    with launch_server(
+        "--grammar-compile-timeout",
+        str(COMPILE_TIMEOUT_S),
+        "--tool-parser-plugin",
+        str(plugin),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes_with_a_bug",
+    ) as running:
         yield running
 
 
@@ -159,9 +191,19 @@ def test_xgrammar_errors_carry_no_source_path(server: RunningServer) -> None:
 
 
 def test_prompt_logprobs_are_answered_and_bounded(server: RunningServer) -> None:
-    response = post(server, "/v1/completions", {**COMPLETION, "prompt_logprobs": 10**9})
-    assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == "prompt_logprobs"
+    """Out of [0, 20] is a 400, -1 too (as `logprobs: -1` is here: vLLM's "the whole
+    vocabulary" is not served), with or without echo's own prompt logprobs."""
+    for body in (
+        {"prompt_logprobs": 10**9},
+        {"prompt_logprobs": -1},
+        {"prompt_logprobs": -1, "echo": True, "logprobs": 1},
+        {"logprobs": -1},
+    ):
+        response = post(server, "/v1/completions", {**COMPLETION, **body})
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["param"] == next(iter(body)), body
+    chat = post(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": -1})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_logprobs"
     response = post(server, "/v1/completions", {**COMPLETION, "prompt_logprobs": 2})
     assert response.status_code == 200, response.text
     entries = response.json()["choices"][0]["prompt_logprobs"]
@@ -171,3 +213,80 @@ def test_prompt_logprobs_are_answered_and_bounded(server: RunningServer) -> None
     assert chat.status_code == 200 and chat.json()["prompt_logprobs"][0] is None
     streamed = post(server, "/v1/completions", {**COMPLETION, "prompt_logprobs": 1, "stream": True})
     assert streamed.status_code == 400
+
+
+def test_a_500_closes_its_connection_and_says_so(server: RunningServer) -> None:
+    """An internal error's 500 says `Connection: close`, and the connection is closed: a
+    keep-alive client opens a new one for its next request instead of failing on it."""
+    host, port = server.url.removeprefix("http://").split(":")
+    tools = [{"type": "function", "function": {"name": "crash", "parameters": {}}}]
+    body = json.dumps({**CHAT, "tools": tools}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\n"
+        f"authorization: {server.headers['Authorization']}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head.encode() + body)
+        received = b""
+        while chunk := sock.recv(65536):  # ends only when the server closes
+            received += chunk
+    status, _, rest = received.partition(b"\r\n")
+    headers = rest.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 500"), received
+    assert b"connection: close" in headers, received
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+    with httpx.Client(headers=server.headers, timeout=60) as client:
+        failed = client.post(f"{server.url}/v1/chat/completions", json={**CHAT, "tools": tools})
+        assert failed.status_code == 500 and failed.headers["connection"] == "close"
+        assert client.post(f"{server.url}/v1/chat/completions", json=CHAT).status_code == 200
+
+
+# Model text that looks like hermes calls but cannot give JSON arguments: an escaped lone
+# surrogate (not Unicode: was a 400 blaming the client), an integer past Python's digit limit
+# (ValueError: a 400, or a cut stream) and nesting past the parsers' bound (RecursionError in
+# json: a 500, or a cut stream), the last region left open. All of it is content.
+_CALL = '<tool_call>{"name": "get_weather", "arguments": '
+NOT_CALLS = (
+    _CALL
+    + '{"city": "\\udbff"}}</tool_call>\n'
+    + _CALL
+    + '{"days": 1'
+    + "0" * 4416
+    + "}}</tool_call>\n"
+    + _CALL
+    + "[" * 1000
+)
+
+
+def forced_in_runs(text: str, runs: list[str]) -> dict[str, Any]:
+    """Extra fields that make the model write exactly `text` (`structured_outputs.choice`),
+    a repeated character `run[0]` only as `run` (one token) at a time: a random model left to
+    itself spells `[[[[` one bracket a token."""
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    run_ids = [tokenizer.encode(run) for run in runs]
+    assert all(len(ids) == 1 for ids in run_ids)
+    singles = {i for c in set(text) - {r[0] for r in runs} for i in tokenizer.encode(c)}
+    allowed = singles | {ids[0] for ids in run_ids} | {0}  # 0: the end of text
+    return {"structured_outputs": {"choice": [text]}, "allowed_token_ids": sorted(allowed)}
+
+
+def test_text_that_cannot_be_a_call_is_content(server: RunningServer) -> None:
+    """Streamed (`extract`, the non-streamed path, runs the same stream over the whole text):
+    the stream carries all the text as content, no call, and ends normally."""
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    chunks = api.chat.completions.create(
+        model=MODEL_NAME,
+        messages=CHAT["messages"],
+        tools=[tool],
+        max_tokens=3000,
+        temperature=0,
+        stream=True,
+        extra_body=forced_in_runs(NOT_CALLS, ["[[", "0" * 32]),
+    )
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert not any(d.delta.tool_calls for d in deltas)
+    assert "".join(d.delta.content or "" for d in deltas) == NOT_CALLS
+    assert deltas[-1].finish_reason == "stop"

@@ -90,6 +90,8 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    if first.get("type") == "lone_surrogate":  # protocol.ClientRequest: names the field
+        return first["msg"], first["ctx"]["param"]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
@@ -129,4 +131,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(_: Request, err: Exception) -> JSONResponse:
         logger.exception("internal error")  # the details stay in the server's log
-        return error_response(f"internal server error ({type(err).__name__})", 500)
+        response = error_response(f"internal server error ({type(err).__name__})", 500)
+        # Starlette re-raises the exception after this response, and uvicorn then closes the
+        # connection: say so, or a keep-alive client sends its next request into a closed one.
+        response.headers["connection"] = "close"
+        return response

@@ -16,7 +16,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from vllm_mamba.entrypoints.chat_utils import conversation_message
 from vllm_mamba.entrypoints.openai.output_constraints import (
@@ -31,6 +32,58 @@ from vllm_mamba.entrypoints.openai.tool_calls import (
     ToolCall,
 )
 from vllm_mamba.sampling_params import SamplingParams, StructuredOutputsParams
+
+_PATH_PART_CHARS = 64
+
+
+def lone_surrogate_path(data: Any) -> str | None:
+    """The dotted path (`messages.0.content`) of the first string of decoded JSON `data`, or
+    dict key, that holds a lone surrogate (`"\\ud800"` decodes to one; it is not Unicode
+    text and cannot be encoded); None when every string is valid. Iterative: any depth."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _has_lone_surrogate(value):
+                return ".".join(path)
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                part = str(key)[:_PATH_PART_CHARS]
+                if isinstance(key, str) and _has_lone_surrogate(key):
+                    return ".".join((*path, part))
+                if isinstance(item, (str, dict, list)):
+                    stack.append(((*path, part), item))
+        elif isinstance(value, list):
+            for i in range(len(value) - 1, -1, -1):
+                if isinstance(value[i], (str, dict, list)):
+                    stack.append(((*path, str(i)), value[i]))
+    return None
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+class ClientRequest(BaseModel):
+    """A request body. Every string the client sent (dict keys too) must be valid Unicode:
+    a lone surrogate is refused before any field is read, and so before the model runs, as
+    a `lone_surrogate` validation error whose `param` names the field (`errors.py`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        path = lone_surrogate_path(data)
+        if path is not None:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{param} is not valid Unicode text (it holds a lone surrogate)",
+                {"param": path or "body"},
+            )
+        return data
 
 
 def random_id(prefix: str) -> str:
@@ -63,7 +116,7 @@ _NO_EFFECT_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(ClientRequest):
     """The sampling and stopping fields shared by completions and chat completions.
 
     Other fields are accepted and ignored unless they would change the output
@@ -144,8 +197,10 @@ class SamplingRequest(BaseModel):
             ValueError: a value out of range (the message names the field).
         """
         self.check_prompt_logprobs()
-        if self.prompt_logprobs is not None:
-            prompt_logprobs = max(prompt_logprobs or 0, self.prompt_logprobs)
+        own = self.prompt_logprobs
+        if own is not None:  # a negative value goes on to SamplingParams, which refuses it
+            alone = own < 0 or prompt_logprobs is None
+            prompt_logprobs = own if alone else max(own, prompt_logprobs)
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -245,7 +300,7 @@ class ChatCompletionRequest(SamplingRequest):
         return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(ClientRequest):
     """`POST /tokenize` of a text (vLLM's shape)."""
 
     model: str | None = None
@@ -254,7 +309,7 @@ class TokenizeCompletionRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(ClientRequest):
     """`POST /tokenize` of chat messages rendered with the chat template (vLLM's shape)."""
 
     model: str | None = None
@@ -278,7 +333,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(ClientRequest):
     """`POST /detokenize`."""
 
     model: str | None = None

@@ -11,15 +11,15 @@ content), `message` (one `output_text` part) and `function_call`.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from vllm_mamba.entrypoints.openai.chat_output import ParsedChoice
 from vllm_mamba.entrypoints.openai.output_constraints import JsonSchemaSpec, ResponseFormat
+from vllm_mamba.entrypoints.openai.protocol import ClientRequest
 from vllm_mamba.entrypoints.openai.tool_calls import (
     ChatTool,
     FunctionDefinition,
@@ -51,12 +51,19 @@ _SAMPLING_EXTRAS = (
 )
 
 
+# OpenAI's bounds on `metadata`: at most 16 pairs, keys of at most 64 characters, string
+# values of at most 512.
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
 def new_id(prefix: str) -> str:
     """A fresh id such as `resp_3f2a...`."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(ClientRequest):
     """`POST /v1/responses`."""
 
     model_config = ConfigDict(extra="allow")
@@ -75,8 +82,28 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
     user: str | None = None
+
+    @field_validator("metadata", mode="before")
+    @classmethod
+    def _check_metadata(cls, value: Any) -> Any:
+        """OpenAI's bounds, checked before pydantic reads the pairs (so a huge or deeply
+        nested `metadata` is refused at once, naming the field)."""
+        if value is None:
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("must be an object of string keys and string values")
+        if len(value) > MAX_METADATA_KEYS:
+            raise ValueError(f"may hold at most {MAX_METADATA_KEYS} keys, got {len(value)}")
+        for key, item in value.items():
+            if len(key) > MAX_METADATA_KEY_CHARS:
+                raise ValueError(f"keys must be at most {MAX_METADATA_KEY_CHARS} characters")
+            if not isinstance(item, str):
+                raise ValueError(f"values must be strings, got {type(item).__name__}")
+            if len(item) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"values must be at most {MAX_METADATA_VALUE_CHARS} characters")
+        return value
 
     def unsupported_field(self) -> str | None:
         """The first field set that would change the answer and is not implemented."""
@@ -358,8 +385,3 @@ def response_object(
         "usage": usage.model_dump() if usage is not None else None,
         "user": req.user,
     }
-
-
-def stored_size(messages: list[dict[str, Any]], body: dict[str, Any]) -> int:
-    """The bytes a stored response holds (its conversation and its body, as JSON)."""
-    return len(json.dumps(messages, default=str)) + len(json.dumps(body, default=str))

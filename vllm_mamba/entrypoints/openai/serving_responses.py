@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -40,7 +41,6 @@ from vllm_mamba.entrypoints.openai.responses_protocol import (
     output_text_part,
     reasoning_item,
     response_object,
-    stored_size,
 )
 from vllm_mamba.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat
 from vllm_mamba.entrypoints.openai.streaming import TextDeltas, unless_disconnected
@@ -50,35 +50,49 @@ MAX_STORED_RESPONSES = 1_024
 MAX_STORED_BYTES = 64 * 2**20
 
 
+# What one stored entry costs besides its two byte strings: the key, the entry's tuple and
+# its node in the ordered dict.
+_ENTRY_OVERHEAD = 256
+
+
 class ResponseStore:
     """Finished responses by id, for `previous_response_id` and `GET /v1/responses/{id}`:
-    least recently used first out, bounded in count and bytes, for the server's lifetime."""
+    least recently used first out, bounded in count and bytes, for the server's lifetime.
+
+    Each is kept serialized (its conversation's JSON and the reply's own body), so the bytes
+    counted against `max_bytes` are the memory held: parsed, the same JSON costs many times
+    its length in Python objects."""
 
     def __init__(
         self, max_items: int = MAX_STORED_RESPONSES, max_bytes: int = MAX_STORED_BYTES
     ) -> None:
         self.max_items = max_items
         self.max_bytes = max_bytes
-        self._items: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any], int]] = (
-            OrderedDict()
-        )
-        self._bytes = 0
+        self._items: OrderedDict[str, tuple[bytes, bytes, int]] = OrderedDict()
+        self.bytes = 0
 
-    def put(
-        self, response_id: str, messages: list[dict[str, Any]], body: dict[str, Any], size: int
-    ) -> None:
-        """Keeps a response and the conversation that continues from it (`size`: their
-        bytes, `stored_size`)."""
+    def put(self, response_id: str, conversation: bytes, body: bytes) -> None:
+        """Keeps a response's body (the JSON of its reply) and the JSON of the conversation
+        that continues from it."""
+        size = (
+            sys.getsizeof(response_id)
+            + sys.getsizeof(conversation)
+            + sys.getsizeof(body)
+            + _ENTRY_OVERHEAD
+        )
         if size > self.max_bytes:
             return
-        self._items[response_id] = (messages, body, size)
-        self._bytes += size
-        while len(self._items) > self.max_items or self._bytes > self.max_bytes:
+        old = self._items.pop(response_id, None)
+        if old is not None:
+            self.bytes -= old[2]
+        self._items[response_id] = (conversation, body, size)
+        self.bytes += size
+        while len(self._items) > self.max_items or self.bytes > self.max_bytes:
             _, (_, _, dropped) = self._items.popitem(last=False)
-            self._bytes -= dropped
+            self.bytes -= dropped
 
-    def get(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """The conversation and body of a stored response.
+    def get(self, response_id: str) -> tuple[bytes, bytes]:
+        """The JSON of a stored response's conversation and of its body.
 
         Raises:
             APIError: 404 when it is unknown (never stored, or dropped).
@@ -91,8 +105,8 @@ class ResponseStore:
                 "response_not_found",
             )
         self._items.move_to_end(response_id)
-        messages, body, _ = self._items[response_id]
-        return messages, body
+        conversation, body, _ = self._items[response_id]
+        return conversation, body
 
 
 class OpenAIServingResponses:
@@ -105,7 +119,7 @@ class OpenAIServingResponses:
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         """`GET /v1/responses/{id}`."""
-        return self.store.get(response_id)[1]
+        return json.loads(self.store.get(response_id)[1])
 
     async def create(self, req: ResponsesRequest, raw: Request, defaults: Any) -> Response:
         """Runs a Responses request and answers it (a stream of events when `req.stream`)."""
@@ -113,7 +127,7 @@ class OpenAIServingResponses:
         unsupported = req.unsupported_field()
         if unsupported is not None:
             raise APIError(f"{unsupported} is not supported by this server", 400, unsupported)
-        messages = self._conversation(req)
+        messages = await self._conversation(req)
         chat_req = self._chat_request(req, messages)
         chat_req = defaults(chat_req)
         prepared = await self.chat.prepare(chat_req)
@@ -138,14 +152,15 @@ class OpenAIServingResponses:
         items = output_items(parsed, status)
         usage = await self._usage(final, parsed.reasoning)
         body = response_object(req, response_id, model_name, status, items, usage, created)
-        await self._keep(req, response_id, messages, items, body)
-        return JSONResponse(body)
+        return await self._reply(req, response_id, messages, items, body)
 
-    def _conversation(self, req: ResponsesRequest) -> list[dict[str, Any]]:
-        """The stored conversation of `previous_response_id`, then the input items."""
+    async def _conversation(self, req: ResponsesRequest) -> list[dict[str, Any]]:
+        """The stored conversation of `previous_response_id` (decoded on the tokenizer
+        thread), then the input items."""
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
-            history = list(self.store.get(req.previous_response_id)[0])
+            stored = self.store.get(req.previous_response_id)[0]
+            history = await self.engine.run_tokenizer(json.loads, stored)
         try:
             return history + input_messages(req.input)
         except ValueError as err:
@@ -176,20 +191,29 @@ class OpenAIServingResponses:
                 raise APIError(str(err), 400, field) from err
         return ChatCompletionRequest(**fields, **req.sampling_fields())
 
-    async def _keep(
+    async def _reply(
         self,
         req: ResponsesRequest,
         response_id: str,
         messages: list[dict[str, Any]],
         items: list[dict[str, Any]],
         body: dict[str, Any],
-    ) -> None:
-        """Stores the response (its size measured on the tokenizer thread: serialising a
-        long conversation stays off the event loop)."""
-        if req.store:
+    ) -> JSONResponse:
+        """The reply holding `body`, rendered first (on the tokenizer thread: a long
+        conversation is serialized off the event loop) and only then stored, so that a
+        response is never stored under an id whose reply failed."""
+
+        def render() -> tuple[JSONResponse, bytes | None]:
+            reply = JSONResponse(body)
+            if not req.store:
+                return reply, None
             conversation = messages + history_messages(items)
-            size = await self.engine.run_tokenizer(stored_size, conversation, body)
-            self.store.put(response_id, conversation, body, size)
+            return reply, json.dumps(conversation, ensure_ascii=False).encode("utf-8")
+
+        reply, conversation = await self.engine.run_tokenizer(render)
+        if conversation is not None:
+            self.store.put(response_id, conversation, reply.body)
+        return reply
 
     async def _usage(self, final: RequestOutput, reasoning: str | None) -> ResponseUsage:
         """Token counts; the reasoning's tokens counted by encoding its text."""
@@ -247,9 +271,10 @@ class OpenAIServingResponses:
             body = response_object(
                 req, response_id, model_name, status, writer.items, usage, created
             )
-            await self._keep(req, response_id, messages, writer.items, body)
             kind = "response.completed" if status == "completed" else "response.incomplete"
-            yield writer.event(kind, response=body)
+            last = writer.event(kind, response=body)
+            await self._reply(req, response_id, messages, writer.items, body)
+            yield last
         except ToolOutputError as err:
             yield writer.error(str(err), err.status)
         except ENGINE_ERRORS as err:
