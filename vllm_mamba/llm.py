@@ -169,7 +169,8 @@ class LLM:
 
         Args:
             prompts: a string, a list of strings, token ids (`{"prompt_token_ids": [...]}`),
-                or a list of those.
+                or a list of those. A dict may hold `prompt`, `prompt_token_ids` and
+                `cache_points`; any other field (`multi_modal_data`, ...) is refused.
             sampling_params: one for all prompts, or one per prompt.
             use_tqdm: show a progress bar with token throughput.
 
@@ -177,7 +178,8 @@ class LLM:
             One finished `RequestOutput` per prompt, in input order.
 
         Raises:
-            ValueError: a bad prompt or parameter; nothing is left in the engine.
+            ValueError: a bad prompt or parameter (a prompt field the engine does not use,
+                such as `multi_modal_data`, is named); nothing is left in the engine.
             RequestsFailedError: a step failed; every request of this call was ended and
                 the engine can serve the next call.
         """

@@ -8,6 +8,10 @@ A prompt dict may also carry `"cache_points"`: token offsets inside the prompt w
 cache should save a state snapshot while prefilling (where each chat message ends, say), so the
 next request sharing that prefix hits even when this request was alone in the cache
 (`cache_points`).
+
+Those three are the only fields a prompt dict may have: any other (vLLM's `multi_modal_data`,
+`mm_processor_kwargs`, ...) is refused by name rather than dropped, since the engine would
+otherwise generate from the text alone.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ PromptInput = str | list[int] | dict[str, Any]
 # The most cache points one prompt may carry: each may cut a prefill chunk and take a snapshot
 # slot, so the count is bounded (a chat conversation needs a handful).
 MAX_CACHE_POINTS = 64
+# The fields of a prompt dict the engine uses.
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "cache_points")
 
 
 class InputProcessor:
@@ -45,8 +51,9 @@ class InputProcessor:
         """Returns `(text or None, token ids)` of a prompt, validated.
 
         Raises:
-            ValueError: empty, too long, not encodable, or with token ids outside the
-                vocabulary.
+            ValueError: empty, too long, not encodable, with token ids outside the
+                vocabulary, or a dict with a field the engine does not use (naming it:
+                `multi_modal_data`, say; only `PROMPT_FIELDS` are used).
         """
         text, ids = _split_prompt(prompt)
         if ids is None:
@@ -169,6 +176,13 @@ def check_cache_points(prompt: PromptInput, num_tokens: int) -> list[int]:
 def _split_prompt(prompt: PromptInput) -> tuple[Any, list[Any] | None]:
     """`(text, ids or None)` of the accepted prompt shapes."""
     if isinstance(prompt, dict):
+        unused = [key for key in prompt if key not in PROMPT_FIELDS]
+        if unused:
+            names = ", ".join(repr(key) for key in unused)
+            raise ValueError(
+                f"prompt field(s) {names} not supported: this engine serves text only and "
+                f"uses only {', '.join(repr(f) for f in PROMPT_FIELDS)}"
+            )
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)):

@@ -8,13 +8,23 @@ sends the traceback and exits.
 A dead worker is noticed in bounded time: a monitor thread waits on the workers' process
 sentinels and tells the watchers (the server's engine) at once; a step in flight fails when
 its collective loses the peer (or after the group's timeout, `VLLM_MAMBA_DIST_TIMEOUT_S`).
+Workers that exit because the engine stops (`shutdown`, the engine collected, or the
+interpreter exiting with the engine still alive) are no failure: nothing is logged.
+
+A worker process imports the script's main module again (as `__mp_main__`), so a script
+that builds its engine at module level, without the `if __name__ == "__main__":` guard,
+would start an engine in every worker: such a worker writes one line saying so and exits
+with `EXIT_UNGUARDED_MAIN`, and rank 0's startup error says the same.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
+import os
 import pickle
+import sys
 import threading
 import time
 import traceback
@@ -38,6 +48,27 @@ from vllm_mamba.worker.worker import Worker, join_at
 logger = logging.getLogger(__name__)
 
 EXIT_WAIT_S = 2.0  # how long a failed step waits for a dying worker's exit status
+EXIT_UNGUARDED_MAIN = 78  # a worker re-importing a main module without the __main__ guard
+UNGUARDED_MAIN = (
+    'the script that starts the engine must create it under `if __name__ == "__main__":` '
+    "(tensor-parallel worker processes import the script again)"
+)
+
+# Set when the interpreter begins to exit: multiprocessing's exit handler (registered before
+# this one, as `multiprocessing.connection` imports it, so it runs after) then ends the
+# daemonic workers of engines still alive, which is no failure.
+_exiting = threading.Event()
+atexit.register(_exiting.set)
+
+
+def exit_if_importing_main() -> None:
+    """In a worker process still importing the script's main module (which built an engine
+    at module level): one line on stderr, then exit with `EXIT_UNGUARDED_MAIN`, instead of
+    multiprocessing's traceback."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        sys.stderr.write(f"vllm_mamba: {UNGUARDED_MAIN}\n")
+        sys.stderr.flush()
+        os._exit(EXIT_UNGUARDED_MAIN)
 
 
 def worker_device(device: torch.device, rank: int) -> torch.device:
@@ -67,12 +98,14 @@ def _worker_main(
             raise SystemExit(1) from err
 
 
-def _monitor(sentinels: list[int], executor: weakref.ref[MultiprocExecutor]) -> None:
+def _monitor(
+    sentinels: list[int], executor: weakref.ref[MultiprocExecutor], stopping: threading.Event
+) -> None:
     """Waits for any worker to exit; tells the executor's watchers unless it is gone or
-    shutting down."""
+    stopping, or the interpreter is exiting."""
     wait(sentinels)
     alive = executor()
-    if alive is not None:
+    if alive is not None and not stopping.is_set() and not _exiting.is_set():
         alive._worker_died()
 
 
@@ -80,6 +113,7 @@ class MultiprocExecutor(DriverExecutor):
     """Rank 0 here, ranks 1..N-1 in spawned processes."""
 
     def __init__(self, config: EngineConfig) -> None:
+        exit_if_importing_main()
         super().__init__(config)
         size = self.tp.size
         if config.device.type == "cuda" and torch.cuda.device_count() < size:
@@ -91,16 +125,26 @@ class MultiprocExecutor(DriverExecutor):
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         self._errors: dict[int, str] = {}
+        self._stopping = threading.Event()
         self._start("127.0.0.1")
         self._generation = group_generation()
-        # Dropping the engine stops its workers and leaves its group, never a newer engine's
-        # (the monitor holds only a weak reference, so it does not keep the executor alive).
+        # Dropping the engine (or exiting with it alive) stops its workers and leaves its
+        # group, never a newer engine's (the monitor holds only a weak reference, so it does
+        # not keep the executor alive).
         self._finalizer = weakref.finalize(
-            self, MultiprocExecutor._stop, self.procs, self.conns, self._generation
+            self,
+            MultiprocExecutor._stop,
+            self.procs,
+            self.conns,
+            self._generation,
+            self._stopping,
         )
         sentinels = [p.sentinel for p in self.procs]
         monitor = threading.Thread(
-            target=_monitor, args=(sentinels, weakref.ref(self)), name="tp-monitor", daemon=True
+            target=_monitor,
+            args=(sentinels, weakref.ref(self), self._stopping),
+            name="tp-monitor",
+            daemon=True,
         )
         monitor.start()
 
@@ -151,6 +195,8 @@ class MultiprocExecutor(DriverExecutor):
                 continue
             line = f"worker rank {rank} (pid {proc.pid})"
             line += f" exited with code {proc.exitcode}" if not proc.is_alive() else " failed"
+            if proc.exitcode == EXIT_UNGUARDED_MAIN:
+                error = UNGUARDED_MAIN
             failed.append(line + (f": {error}" if error else ""))
         return failed
 
@@ -169,16 +215,21 @@ class MultiprocExecutor(DriverExecutor):
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
-        MultiprocExecutor._stop(self.procs, self.conns, getattr(self, "_generation", None))
+        MultiprocExecutor._stop(
+            self.procs, self.conns, getattr(self, "_generation", None), self._stopping
+        )
 
     @staticmethod
     def _stop(
         procs: list[mp.process.BaseProcess],
         conns: list[Connection],
-        generation: int | None = None,
+        generation: int | None,
+        stopping: threading.Event,
     ) -> None:
-        """Asks each worker to exit; terminates those that do not within a few seconds; leaves
+        """Asks each worker to exit (setting `stopping` first, so the monitor does not take
+        their exits for failures); terminates those that do not within a few seconds; leaves
         the group of `generation` (any group when None)."""
+        stopping.set()
         for conn in conns:
             try:
                 conn.send_bytes(pickle.dumps(("shutdown",)))
