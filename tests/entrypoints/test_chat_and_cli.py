@@ -147,9 +147,11 @@ def test_generate_stream_prints_every_continuation(capsys: pytest.CaptureFixture
     assert "1 prompt(s), 12 tokens" in out
 
 
-def _noisy_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's third step logs an info line (as the thread governor's `CPU threads 2 ->
-    1`) and a warning, in the middle of the streamed text."""
+def _on_one_terminal(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Runs `vllm-mamba ARGV` in this process with standard output and the log on one
+    terminal, while the engine's third step logs an info line (as the thread governor's `CPU
+    threads 2 -> 1`) and a warning, in the middle of the streamed text; returns the
+    terminal's lines."""
     from vllm_mamba.engine.llm_engine import LLMEngine
 
     step = LLMEngine.step
@@ -163,6 +165,22 @@ def _noisy_steps(monkeypatch: pytest.MonkeyPatch) -> None:
         return step(self)
 
     monkeypatch.setattr(LLMEngine, "step", noisy_step)
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    handler = LineHandler(terminal)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    project = logging.getLogger("vllm_mamba")
+    project.addHandler(handler)
+    try:
+        assert main(argv) == 0
+    finally:
+        project.removeHandler(handler)
+    lines = terminal.getvalue().splitlines()
+    assert "WARNING a warning" in lines
+    logs = [line for line in lines if line.startswith(("INFO ", "WARNING "))]
+    text = [line for line in lines if line not in logs]
+    assert not [line for line in text if "INFO " in line or "WARNING " in line]  # never inside
+    return lines
 
 
 @pytest.mark.parametrize("verbose", [False, True])
@@ -172,23 +190,20 @@ def test_generate_logs_warnings_only_and_never_inside_the_text(
     """A log line landed inside the streamed text (`import os.path.join(self._pathINFO ...`):
     `generate` logs warnings and up (info with `-v`), and a record on the same terminal as
     the text starts on its own line."""
-    _noisy_steps(monkeypatch)
-    terminal = io.StringIO()  # standard output and the log on one terminal
-    monkeypatch.setattr(sys, "stdout", terminal)
-    handler = LineHandler(terminal)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
-    project = logging.getLogger("vllm_mamba")
-    project.addHandler(handler)
-    try:
-        argv = ["generate", "def add(a, b):", "--stream", "--max-tokens", "8", "--seed", "0"]
-        assert main([*argv, *(["-v"] if verbose else [])]) == 0
-    finally:
-        project.removeHandler(handler)
-    lines = terminal.getvalue().splitlines()
-    assert "WARNING a warning" in lines
+    argv = ["generate", "def add(a, b):", "--stream", "--max-tokens", "8", "--seed", "0"]
+    lines = _on_one_terminal([*argv, *(["-v"] if verbose else [])], monkeypatch)
     assert ("INFO CPU threads 2 -> 1" in lines) is verbose
-    logs = [line for line in lines if line.startswith(("INFO ", "WARNING "))]
-    text = [line for line in lines if line not in logs]
-    assert not [line for line in text if "INFO " in line or "WARNING " in line]  # never inside
-    assert text[:2] == ["--- 'def add(a, b):'", text[1]] and text[1].startswith("def add(a, b):")
+    at = lines.index("WARNING a warning")
+    assert lines[at - 1].startswith(("def add(a, b):", "INFO CPU threads"))  # the text ended
     assert lines[-1].startswith("1 prompt(s), 8 tokens")
+
+
+def test_chat_logs_warnings_only_and_never_inside_the_reply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def reverse(text):\n"))
+    argv = ["chat", "--max-tokens", "12", "--temperature", "0", "--max-num-seqs", "2"]
+    lines = _on_one_terminal(argv, monkeypatch)
+    assert not [line for line in lines if line.startswith("INFO ")]
+    at = lines.index("WARNING a warning")
+    assert lines[at - 1].startswith("> ")  # the reply's first line, after the prompt, ended

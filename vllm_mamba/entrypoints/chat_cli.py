@@ -86,26 +86,28 @@ class ChatSession:
 
     def loop(self, stdin: TextIO, stdout: TextIO) -> None:
         """Reads lines until `/exit`, end of input or Ctrl-C at the prompt."""
-        stdout.write("Type a message; /reset clears the history, /exit leaves.\n")
-        while True:
-            stdout.write(PROMPT)
-            stdout.flush()
-            try:
-                line = stdin.readline()
-            except KeyboardInterrupt:
-                line = ""
-            if not line or line.strip() in ("/exit", "/quit"):
-                stdout.write("\n")
-                return
-            text = line.rstrip("\n")
-            if text.strip() == "/reset":
-                self.history = list(self.system)
-                stdout.write("(history cleared)\n")
-            elif text.strip():
-                self.reply(text, stdout)
+        with StreamedText(stdout) as out:
+            out.write("Type a message; /reset clears the history, /exit leaves.\n")
+            while True:
+                out.write(PROMPT)
+                try:
+                    line = stdin.readline()
+                except KeyboardInterrupt:
+                    line = ""
+                if stdin.isatty():
+                    out.open = False  # the terminal echoed the line typed, Enter included
+                if not line or line.strip() in ("/exit", "/quit"):
+                    out.write("\n")
+                    return
+                text = line.rstrip("\n")
+                if text.strip() == "/reset":
+                    self.history = list(self.system)
+                    out.write("(history cleared)\n")
+                elif text.strip():
+                    self.reply(text, out)
 
-    def reply(self, text: str, stdout: TextIO) -> str:
-        """Streams the reply to `text` onto `stdout` and adds both turns to the history.
+    def reply(self, text: str, out: StreamedText) -> str:
+        """Streams the reply to `text` onto `out` and adds both turns to the history.
 
         Ctrl-C (SIGINT) while it streams aborts the request between two engine steps and
         returns what came so far; that turn stays out of the history.
@@ -118,20 +120,20 @@ class ChatSession:
             request_id = f"chat-{next(self._ids)}"
             engine.add_request(request_id, {"prompt": prompt, "prompt_token_ids": ids}, self.params)
         except ValueError as err:
-            stdout.write(f"error: {err}\n")
+            out.write(f"error: {err}\n")
             return ""
         printed = ""
-        with _SigintFlag() as interrupted, StreamedText(stdout) as shown:
+        with _SigintFlag() as interrupted:
             while engine.has_unfinished_requests() and not interrupted:
-                for out in engine.step():
-                    reply = out.outputs[0].text
-                    shown.write(reply[len(printed) :])
+                for step_out in engine.step():
+                    reply = step_out.outputs[0].text
+                    out.write(reply[len(printed) :])
                     printed = reply
         if interrupted:
             engine.abort_request(request_id)
-            stdout.write("\n(interrupted)\n")
+            out.write("\n(interrupted)\n")
             return printed
-        stdout.write("\n")
+        out.write("\n")
         self.history = [*turns, {"role": "assistant", "content": printed}]
         return printed
 
