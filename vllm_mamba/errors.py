@@ -19,7 +19,13 @@ class RequestsFailedError(RuntimeError):
     Attributes:
         request_ids: the requests that were in the failed step.
         cause: the original exception.
+        status, param: how a server answers it (a subclass for the client's own fault: 400).
+        outputs: outputs of other requests of the step, when the step itself ran.
     """
+
+    status = 500
+    param: str | None = None
+    outputs: list = []  # noqa: RUF012 (never mutated)
 
     def __init__(self, request_ids: list[str], cause: BaseException) -> None:
         super().__init__(f"{len(request_ids)} request(s) failed in an engine step: {cause!r}")

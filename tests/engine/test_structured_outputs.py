@@ -15,6 +15,7 @@ from tests.helpers.json_schemas import random_object_schema, random_schema
 from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
+from vllm_mamba.errors import RequestsFailedError
 from vllm_mamba.sampling_params import StructuredOutputsParams
 
 PROMPTS = ["The history of the", "def main():", "Once upon a time", "import numpy as np"]
@@ -279,3 +280,53 @@ def test_grammar_starts_after_its_text(llm: VllmRunner) -> None:
         never = constrained(12, choice=[" yes"], start_after="\x00never\x00")
         never.ignore_eos = True
         assert llm.generate(prompt, never)[0].outputs[0].token_ids == alone.token_ids
+
+
+AMBIGUOUS = 'root ::= x\nx ::= x x x | x x | "a" | "aa" | "" | "b"'
+"""A grammar whose matching work grows with every token (xgrammar's Earley parser keeps every
+way of splitting the text): issue 46 measured 8 s for 120 tokens, all on the engine thread."""
+
+
+def test_ambiguous_grammar_ends_on_its_matching_budget_others_go_on(llm: VllmRunner) -> None:
+    """The request over its budget ends with a 400 `GrammarFailedError` long before its 120
+    tokens; the step's other request keeps its output and goes on to its end."""
+    engine = llm.engine
+    spec = StructuredOutputsParams(grammar=AMBIGUOUS)
+    heavy = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=120, ignore_eos=True, structured_outputs=spec
+    )
+    engine.add_request("heavy", "x", heavy)
+    engine.add_request("free", PROMPTS[0], SamplingParams(temperature=0, max_tokens=60))
+    errors, finals = [], {}
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RequestsFailedError as err:
+            errors.append(err)
+            outs = err.outputs
+        finals.update((o.request_id, o) for o in outs)
+    assert len(errors) == 1 and errors[0].request_ids == ["heavy"], errors
+    assert errors[0].status == 400 and "structured_outputs.grammar" in str(errors[0])
+    assert "too ambiguous" in str(errors[0])
+    assert len(finals["heavy"].outputs[0].token_ids) < 60  # it stopped well before its end
+    assert finals["free"].finished and len(finals["free"].outputs[0].token_ids) == 60
+
+
+def test_allowed_token_ids_outside_the_grammar_are_refused(llm: VllmRunner) -> None:
+    """No first token both allowed and in the grammar: a ValueError at the door. Allowed
+    first tokens that the grammar cannot continue: a 400 `GrammarFailedError` once the next
+    mask is empty, never an output cut short as if it had stopped."""
+    tok = llm.llm.get_tokenizer()
+    brace, cat = tok.convert_tokens_to_ids("{"), 5798
+    json_object = StructuredOutputsParams(json_object=True)
+    params = SamplingParams(max_tokens=8, allowed_token_ids=[cat], structured_outputs=json_object)
+    with pytest.raises(ValueError, match="allowed_token_ids: none of them"):
+        llm.generate("x", params)
+    assert not llm.engine.has_unfinished_requests()
+    params = SamplingParams(
+        max_tokens=8, allowed_token_ids=[brace, cat], structured_outputs=json_object
+    )
+    with pytest.raises(RequestsFailedError, match="allowed_token_ids: after 1 generated") as err:
+        llm.generate("x", params)
+    assert err.value.status == 400
+    assert not llm.engine.has_unfinished_requests()

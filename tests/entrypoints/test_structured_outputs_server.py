@@ -255,6 +255,11 @@ def test_logit_bias_allowed_token_ids_and_bad_words(server: RunningServer) -> No
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"allowed_token_ids": [99999999]}, "allowed_token_ids"),
+        # no token both allowed and a JSON object's first (issue 46: an empty 200)
+        (
+            {"response_format": {"type": "json_object"}, "allowed_token_ids": [5798]},
+            "allowed_token_ids",
+        ),
         ({"bad_words": [""]}, "bad_words"),
         ({"guided_json": {}, "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
@@ -318,3 +323,65 @@ def test_tool_call_parsing_and_schema() -> None:
     named = NamedToolChoice.model_validate({"function": {"name": "get_time"}})
     assert tool_structured_outputs(tools, named).json == TOOL_SCHEMAS["get_time"]
     assert parse_tool_calls('{"zone": "u', named) is None
+
+
+AMBIGUOUS = 'root ::= x\nx ::= x x x | x x | "a" | "aa" | "" | "b"'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_grammar_over_its_matching_budget_is_a_400_and_others_go_on(
+    server: RunningServer, stream: bool
+) -> None:
+    """Issue 46: an ambiguous grammar's matching work grows with every token, on the engine
+    thread (8.2 s for 120 tokens, stalling every other request). It ends early with a 400
+    (streamed: an error event) that says why; a request beside it is served in full."""
+    heavy = {
+        "model": MODEL_NAME,
+        "prompt": "x",
+        "max_tokens": 120,
+        "temperature": 1,
+        "seed": 3,
+        "extra_body": {"ignore_eos": True, "structured_outputs": {"grammar": AMBIGUOUS}},
+    }
+
+    async def run_heavy(api: openai.AsyncOpenAI) -> None:
+        if not stream:
+            await api.completions.create(**heavy)
+            return
+        async for _ in await api.completions.create(stream=True, **heavy):
+            pass
+
+    async def run_light(api: openai.AsyncOpenAI) -> Any:
+        return await api.completions.create(
+            model=MODEL_NAME,
+            prompt="The history of",
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+
+    async def both() -> list[Any]:
+        async with client(server) as api:
+            return await asyncio.gather(run_heavy(api), run_light(api), return_exceptions=True)
+
+    err, light = asyncio.run(both())
+    assert isinstance(err, openai.BadRequestError if not stream else openai.APIError), err
+    assert "structured_outputs.grammar" in str(err) and "too ambiguous" in str(err)
+    if stream:
+        assert err.body["code"] == 400 and err.body["type"] == "invalid_request_error"
+    assert light.usage.completion_tokens == 16
+
+
+def test_allowed_tokens_the_grammar_cannot_continue_are_a_400(server: RunningServer) -> None:
+    """`{` is allowed and starts a JSON object, but nothing allowed can follow it: a 400
+    saying so, not a 200 with a cut output."""
+    brace = post(server, "/tokenize", {"prompt": "{", "add_special_tokens": False}).json()
+    body = {
+        "prompt": "x",
+        "max_tokens": 8,
+        "response_format": {"type": "json_object"},
+        "allowed_token_ids": [*brace["tokens"], 5798],
+    }
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    assert "allowed_token_ids: after 1 generated tokens" in response.json()["error"]["message"]

@@ -406,7 +406,7 @@ class AsyncLLMEngine:
                     outputs, has_work = await self.call(self._step)
                 except RequestsFailedError as err:
                     self._fail_requests(err)
-                    continue
+                    outputs = err.outputs  # the step's other requests, when it ran
                 for out in outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:

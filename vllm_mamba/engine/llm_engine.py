@@ -35,7 +35,7 @@ from vllm_mamba.engine.sequence import Sequence, SequenceGroup
 from vllm_mamba.engine.spec_steps import NoSpecSteps, SpecDecodeSteps, make_proposer
 from vllm_mamba.engine.stats import EngineCounters, StatsSnapshot, now
 from vllm_mamba.engine.step_builder import StepBuilder
-from vllm_mamba.engine.structured_outputs import StructuredOutputs
+from vllm_mamba.engine.structured_outputs import StructuredOutputs, grammar_failures
 from vllm_mamba.errors import EngineStartupError, RequestsFailedError, is_fatal
 from vllm_mamba.executor import make_executor
 from vllm_mamba.kv_cache import KVCacheSizing, plan_num_blocks
@@ -434,6 +434,9 @@ class LLMEngine:
         Raises:
             RequestsFailedError: the step failed; its requests were ended and their slots
                 freed, and the engine can go on stepping.
+            GrammarFailedError: (a `RequestsFailedError`) the step ran, but requests had to
+                end because of their grammar (`structured_outputs`); the others' outputs are
+                its `outputs`.
         """
         preempted = self.scheduler.num_preemptions
         step = self.scheduler.schedule()
@@ -446,7 +449,6 @@ class LLMEngine:
         try:
             outputs = self._run_step(step)
             ran = True
-            return outputs
         except Exception as err:
             if is_fatal(err):
                 raise
@@ -457,6 +459,12 @@ class LLMEngine:
             raise RequestsFailedError(failed, err) from err
         finally:
             self.prefix_steps.end_step(step, failed=not ran)
+        failure = grammar_failures([item.group for item in step.scheduled], outputs)
+        if failure is not None:  # over their matching budget, or no allowed token left
+            self.abort_request(failure.request_ids)
+            self.stats.failed_requests += len(failure.request_ids)
+            raise failure
+        return outputs
 
     def _run_step(self, step: SchedulerOutput) -> list[RequestOutput]:
         started = time.monotonic()

@@ -112,6 +112,7 @@ class SequenceGroup:
     cache_point_nodes: list[Any] = field(default_factory=list)  # their nodes in the tree
     paused: bool = False  # its consumer is not reading: not scheduled (see `Scheduler`)
     sampling_options: Any = None  # `params` as the step's plain copy, made once (`StepBuilder`)
+    matching: Any = None  # its grammar matching work (`structured_outputs.RequestMatching`)
 
     @property
     def pending_forks(self) -> int:

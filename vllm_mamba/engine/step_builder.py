@@ -136,7 +136,9 @@ class StepBuilder:
         params = group.params
         so = params.structured_outputs
         if so is not None and seq.matcher is None and (not so.start_after or seq.grammar_started):
-            seq.matcher = self.structured_outputs.new_matcher(params)
+            if group.matching is None:
+                group.matching = self.structured_outputs.new_request(params)
+            seq.matcher = self.structured_outputs.new_matcher(params, group.matching)
         stops = list(params.stop_token_ids or [])
         if self.eos_token_id is not None and not params.ignore_eos:
             stops.append(self.eos_token_id)

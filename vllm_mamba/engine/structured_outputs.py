@@ -20,6 +20,18 @@ engine's own `compile` at `add_request` does no work. Building the compiler read
 tokenizer, so it runs on the engine's thread. Error messages from xgrammar are cleaned of
 source paths (`clean_message`). A tokenizer with `token_bytes()` (the RWKV World tokenizer, which
 xgrammar cannot read itself) gives xgrammar its raw byte vocabulary.
+
+Matching work is bounded per request. Compiles run off the engine thread, but a matcher runs
+on it, between steps, and for an ambiguous grammar (`x ::= x x | "a" | ""`) xgrammar's Earley
+parser does more work with every token (filling one mask took 25 ms after 10 tokens, 0.4 s
+after 50 and 2.9 s after 110): every other request waits for it. So each sequence's matcher
+(`Matcher`) charges the CPU time of its calls to its request (`RequestMatching`), which may
+spend `MATCH_BUDGET_S` plus `MATCH_S_PER_TOKEN` per token its matchers accepted (an ordinary
+JSON schema or regex costs well under a millisecond a token). A request over its budget, or
+one whose `allowed_token_ids` leave no token its grammar allows, is ended by the engine after
+the step with `GrammarFailedError`; from then on its matchers do no work. A request whose
+`allowed_token_ids` exclude every token its grammar can start with is a `ValueError` at
+`add_request` (`prepare`).
 """
 
 from __future__ import annotations
@@ -28,15 +40,22 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
+import torch
+
+from vllm_mamba.errors import RequestsFailedError
 from vllm_mamba.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 # Compiled grammars hold token masks: the cache is bounded by their bytes, not their count.
 CACHE_BYTES = 64 * 2**20
+# A request's matchers may spend this much CPU time, plus so much per token they accepted.
+MATCH_BUDGET_S = 0.1
+MATCH_S_PER_TOKEN = 0.001
 _PATH = re.compile(r"(?:[\w.~-]*/)+[\w.-]+\.(?:h|hpp|cc|cpp|cxx|c|cu|cuh|py)\b(?::\d+)?")
 
 
@@ -48,6 +67,131 @@ class StructuredOutputError(ValueError):
         super().__init__(f"SamplingParams.structured_outputs.{kind} cannot be compiled: {why}")
         self.kind = kind
         self.why = why
+
+
+class GrammarFailedError(RequestsFailedError):
+    """Requests ended during generation because of their own grammar (over their matching
+    budget, or no token left that both the grammar and `allowed_token_ids` allow): a client
+    error (`status` 400). `outputs` are the other requests' outputs of the step, which ran."""
+
+    status = 400
+
+    def __init__(self, request_ids: list[str], message: str, outputs: list[Any]) -> None:
+        super().__init__(request_ids, ValueError(message))
+        self.args = (message,)
+        self.param = "structured_outputs"
+        self.outputs = outputs
+
+
+class RequestMatching:
+    """The grammar matching of one request: the CPU time its sequences' matchers spent, the
+    tokens they accepted, and, once set, why the request must end (`error`).
+
+    Args:
+        kind: the request's structured-outputs kind (for the messages).
+        allowed_token_ids: the request's `allowed_token_ids` (None: every token).
+        budget_s, per_token_s: the CPU time its matchers may spend, plus so much per token.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        allowed_token_ids: list[int] | None = None,
+        budget_s: float = MATCH_BUDGET_S,
+        per_token_s: float = MATCH_S_PER_TOKEN,
+    ) -> None:
+        self.kind = kind
+        self.budget_s = budget_s
+        self.per_token_s = per_token_s
+        self.used_s = 0.0
+        self.tokens = 0
+        self.error: str | None = None
+        self._allowed = None if not allowed_token_ids else torch.tensor(allowed_token_ids)
+
+    def charge(self, seconds: float, tokens: int = 0) -> None:
+        """Adds one matcher call's CPU time (and the tokens it accepted)."""
+        self.used_s += seconds
+        self.tokens += tokens
+        allowance = self.budget_s + self.per_token_s * self.tokens
+        if self.error is None and self.used_s > allowance:
+            self.error = (
+                f"structured_outputs.{self.kind}: following the grammar took {self.used_s:.2f} s "
+                f"of CPU time over {self.tokens} generated tokens, more than a request may "
+                f"spend ({self.budget_s:g} s plus {self.per_token_s * 1e3:g} ms per token); the "
+                "grammar is too ambiguous to match token by token: make it unambiguous (no rule "
+                "that can match the same text in several ways, no empty alternatives)"
+            )
+
+    def check_mask(self, row: torch.Tensor) -> None:
+        """Ends the request when the mask row `(ceil(V / 32),)` allows none of
+        `allowed_token_ids`."""
+        if self._allowed is None or self.error is not None or _any_allowed(row, self._allowed):
+            return
+        self.error = (
+            f"allowed_token_ids: after {self.tokens} generated tokens, none of them is a token "
+            f"that structured_outputs.{self.kind} allows next, so no output is possible"
+        )
+
+
+class Matcher:
+    """A sequence's xgrammar `GrammarMatcher` whose work is charged to its request
+    (`RequestMatching`). Once the request must end it does no more work: masks allow every
+    token and tokens are refused, until the engine ends the request after the step."""
+
+    def __init__(self, matcher: Any, request: RequestMatching) -> None:
+        self.matcher = matcher
+        self.request = request
+
+    @property
+    def stopped(self) -> bool:
+        """True once the request must end."""
+        return self.request.error is not None
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        if self.stopped:
+            return
+        start = time.thread_time()
+        self.matcher.fill_next_token_bitmask(bitmask, index)
+        self.request.charge(time.thread_time() - start)
+        self.request.check_mask(bitmask[index])
+
+    def accept_token(self, token: int) -> bool:
+        if self.stopped:
+            return False
+        start = time.thread_time()
+        accepted = self.matcher.accept_token(token)
+        self.request.charge(time.thread_time() - start, tokens=1)
+        return accepted
+
+    def rollback(self, num_tokens: int) -> None:
+        start = time.thread_time()
+        self.matcher.rollback(num_tokens)
+        self.request.charge(time.thread_time() - start)
+
+    def __getattr__(self, name: str) -> Any:  # is_terminated, is_completed, ...
+        return getattr(self.matcher, name)
+
+
+def _any_allowed(row: torch.Tensor, ids: torch.Tensor) -> bool:
+    """True when the bitmask row allows any of the token ids `ids`."""
+    words = row.to(torch.int64)[ids // 32]
+    return bool(((words >> (ids % 32)) & 1).any())
+
+
+def grammar_failures(groups: list[Any], outputs: list[Any]) -> GrammarFailedError | None:
+    """The error of the requests among `groups` (`SequenceGroup`s, each with its
+    `matching`) that must end because of their grammar, carrying the `outputs` of the
+    others; None when there are none."""
+    failed = {g.request_id: g.matching.error for g in groups if _failed(g)}
+    if not failed:
+        return None
+    message = next(iter(failed.values()))
+    rest = [out for out in outputs if out.request_id not in failed]
+    return GrammarFailedError(list(failed), message, rest)
+
+
+def _failed(group: Any) -> bool:
+    return group.matching is not None and group.matching.error is not None
 
 
 class StructuredOutputs:
@@ -163,24 +307,47 @@ class StructuredOutputs:
         Raises:
             StructuredOutputError: the grammar cannot be compiled.
         """
+        so = params.structured_outputs
         if params.bad_words:
             params.update_from_tokenizer(self.tokenizer)
-        if params.structured_outputs is not None:
-            self.compile(params.structured_outputs)
+        if so is not None:
+            compiled = self.compile(so)
+            if params.allowed_token_ids and not so.start_after:
+                self._check_first_token(compiled, so.kind, params.allowed_token_ids)
 
-    def new_matcher(self, params: SamplingParams) -> Any:
-        """A fresh matcher for one sequence of a request with `structured_outputs`."""
+    def _check_first_token(self, compiled: Any, kind: str, allowed: list[int]) -> None:
+        """ValueError when the grammar allows none of `allowed` as the first token."""
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask, 0)
+        if not _any_allowed(mask[0], torch.tensor(allowed)):
+            raise ValueError(
+                f"SamplingParams.allowed_token_ids: none of them is a token that "
+                f"structured_outputs.{kind} allows first, so no output is possible"
+            )
+
+    def new_request(self, params: SamplingParams) -> RequestMatching:
+        """The matching bookkeeping of one request with `structured_outputs`."""
+        assert params.structured_outputs is not None
+        return RequestMatching(params.structured_outputs.kind, params.allowed_token_ids)
+
+    def new_matcher(self, params: SamplingParams, request: RequestMatching | None = None) -> Any:
+        """A fresh matcher for one sequence of a request with `structured_outputs`, charging
+        its work to `request` (the request's `new_request`; a new one when None)."""
         import xgrammar as xgr
 
         assert params.structured_outputs is not None
-        return xgr.GrammarMatcher(self.compile(params.structured_outputs))
+        matcher = xgr.GrammarMatcher(self.compile(params.structured_outputs))
+        return Matcher(matcher, request or self.new_request(params))
 
 
 def accept_token(matcher: Any, token: int) -> bool:
     """Advances a sequence's matcher by its new token; True when the sequence must end (the
     grammar is complete, or, which the bitmask should prevent, the token was rejected)."""
     if not matcher.accept_token(token):
-        logger.warning("the grammar rejected token %d; ending the sequence", token)
+        if not getattr(matcher, "stopped", False):  # else the engine ends the request
+            logger.warning("the grammar rejected token %d; ending the sequence", token)
         return True
     return matcher.is_terminated()
 

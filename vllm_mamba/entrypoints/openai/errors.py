@@ -64,8 +64,9 @@ ENGINE_ERRORS = (EngineDeadError, RequestsFailedError)
 
 
 def engine_error_status(err: BaseException) -> int:
-    """503 when the engine is not serving, 500 when the request failed inside a step."""
-    return 503 if isinstance(err, EngineDeadError) else 500
+    """503 when the engine is not serving, else the failed request's status (500 when it
+    failed inside a step, 400 when its own grammar ended it)."""
+    return 503 if isinstance(err, EngineDeadError) else getattr(err, "status", 500)
 
 
 def error_from_value_error(err: ValueError) -> APIError:
@@ -126,7 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestsFailedError)
     async def _request_failed(_: Request, err: RequestsFailedError) -> JSONResponse:
-        return error_response(str(err), 500)
+        return error_response(str(err), err.status, err.param)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, err: Exception) -> JSONResponse:

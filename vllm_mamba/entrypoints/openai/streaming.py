@@ -27,7 +27,8 @@ def sse(payload: BaseModel) -> str:
 
 def sse_error(message: str, status: int) -> str:
     """One server-sent event carrying an OpenAI-shaped error (a stream that cannot go on)."""
-    info = ErrorInfo(message=message, type="server_error", code=status)
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    info = ErrorInfo(message=message, type=kind, code=status)
     return sse(ErrorResponse(error=info))
 
 
