@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -87,14 +86,6 @@ def test_chat_repl_keeps_history_and_resets(shipped: LLM) -> None:
     assert first in text and second[0].outputs[0].text in text  # the second turn saw the first
     assert "(history cleared)" in text
     assert session.history == [{"role": "system", "content": "String helpers."}]
-
-
-def test_chat_command_reads_stdin() -> None:
-    cmd = [sys.executable, "-m", "vllm_mamba.entrypoints.cli", "chat", "--temperature", "0"]
-    cmd += ["--max-tokens", "6", "--max-num-seqs", "2"]
-    done = subprocess.run(cmd, input="def reverse(text):\n", capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.count("> ") == 2  # one reply, then the end of input leaves
 
 
 @pytest.fixture(scope="module")
@@ -201,9 +192,11 @@ def test_generate_logs_warnings_only_and_never_inside_the_text(
 def test_chat_logs_warnings_only_and_never_inside_the_reply(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """`chat` reads standard input, and logs as `generate` does."""
     monkeypatch.setattr(sys, "stdin", io.StringIO("def reverse(text):\n"))
     argv = ["chat", "--max-tokens", "12", "--temperature", "0", "--max-num-seqs", "2"]
     lines = _on_one_terminal(argv, monkeypatch)
+    assert "\n".join(lines).count("> ") == 2  # one reply, then the end of input leaves
     assert not [line for line in lines if line.startswith("INFO ")]
     at = lines.index("WARNING a warning")
     assert lines[at - 1].startswith("> ")  # the reply's first line, after the prompt, ended
