@@ -96,6 +96,7 @@ def resolve_prompts(args: argparse.Namespace, stdin: Any = None) -> list[str]:
     given = getattr(args, "_model_given", None)
     if words and (words[0] == given or (given is None and names_a_model(words[0]))):
         args.model = words.pop(0)
+        args.model_from_words = given is None  # taken for the model by its shape alone
     if "-" in words and words != ["-"]:
         raise ValueError("- (standard input) must be the only prompt")
     if words == ["-"] or (not words and stdin is not None and not stdin.isatty()):
@@ -126,7 +127,15 @@ def _generate(args: argparse.Namespace) -> int:
         stop=args.stop,
         max_tokens=args.max_tokens,
     )
-    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    try:
+        llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+    except FileNotFoundError as err:
+        if not getattr(args, "model_from_words", False):
+            raise
+        raise FileNotFoundError(
+            f"{err} (a first word shaped as a path or model name is the model: to use it as a "
+            "prompt, give the model with --model first)"
+        ) from err
     inputs = _chat_prompts(llm, prompts, args.system) if args.system else prompts
     start = time.perf_counter()
     if args.stream:
