@@ -11,7 +11,6 @@ parses a real model's output. The rendered prompts are compared with transformer
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, RunningServer, launch_server
+from tests.entrypoints.forced_calls import check_forced_calls_over_seeds
 from tests.tiny_models import TOKENIZER_DIR
 
 # A ChatML template with hermes-style tools (the shape of Qwen2.5's, written for the tests):
@@ -82,6 +82,7 @@ CALL_TEXT = (
     '"days": 2}}\n</tool_call>'
 )
 THOUGHT_TEXT = "Here is my thought process: rain is likely. Here is my response: Take an umbrella."
+WEATHER_NAME = {"name": "get_weather"}
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -262,46 +263,37 @@ def test_auto_text_without_a_call_is_content_and_chat_template_kwargs_reach_the_
 
 
 def test_required_and_named_calls_over_many_seeds(server: RunningServer) -> None:
-    """Sampled at temperature 1: always a call whose arguments are valid JSON under the
-    schema, or a 400 saying max_tokens cut it; never plain content."""
+    """Sampled at temperature 1, streamed and not: always a complete call whose arguments are
+    valid JSON under the schema, or a `length` finish with the call cut short; never an
+    error (`forced_calls.py`)."""
+    check_forced_calls_over_seeds(server.url, [WEATHER], seeds=3)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": WEATHER_NAME}])
+def test_forced_call_when_the_prompt_does_not_open_the_reasoning(
+    server: RunningServer, choice: Any
+) -> None:
+    """Thinking on, but the generation prompt does not open the reasoning: the output is read
+    as content from its first token, so the tool grammar applies from there too (it used to
+    wait for the reasoning to end, and the call was never generated)."""
     api = client(server)
-    schema = WEATHER["function"]["parameters"]
-
-    async def one(seed: int, choice: Any, parallel: bool) -> Any:
-        aapi = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-        try:
-            return await aapi.chat.completions.create(
-                model=MODEL_NAME,
-                messages=QUESTION,
-                tools=[WEATHER],
-                tool_choice=choice,
-                parallel_tool_calls=parallel,
-                max_tokens=60,
-                temperature=1.0,
-                seed=seed,
-            )
-        except openai.BadRequestError as err:
-            return err
-
-    named = {"type": "function", "function": {"name": "get_weather"}}
-
-    async def run() -> list[Any]:
-        jobs = [one(s, "required", False) for s in range(12)]
-        jobs += [one(s, named, True) for s in range(6)]
-        return await asyncio.gather(*jobs)
-
-    replies = asyncio.run(run())
-    made = 0
-    for reply in replies:
-        if isinstance(reply, openai.BadRequestError):
-            assert "max_tokens" in str(reply)
-            continue
-        choice = reply.choices[0]
-        assert choice.message.content is None and len(choice.message.tool_calls) == 1
-        jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), schema)
-        made += 1
-    assert made >= len(replies) // 2
-    del api
+    for seed in range(3):
+        reply = api.chat.completions.create(
+            model=MODEL_NAME,
+            messages=QUESTION,
+            tools=[WEATHER],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"chat_template_kwargs": {"thinking": True}},
+        )
+        answer = reply.choices[0]
+        assert answer.finish_reason in ("tool_calls", "stop"), answer
+        assert answer.message.reasoning is None and answer.message.content is None
+        arguments = json.loads(answer.message.tool_calls[0].function.arguments)
+        jsonschema.validate(arguments, WEATHER["function"]["parameters"])
 
 
 def test_responses_agent_loop(server: RunningServer) -> None:
@@ -366,6 +358,7 @@ def test_responses_agent_loop(server: RunningServer) -> None:
 
 def test_responses_structured_text_and_errors(server: RunningServer) -> None:
     api = client(server)
+    tool = {"type": "function", **WEATHER["function"]}
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     reply = api.responses.create(
         model=MODEL_NAME,
@@ -385,6 +378,10 @@ def test_responses_structured_text_and_errors(server: RunningServer) -> None:
         ({"input": "x", "tools": [{"type": "function", "name": ""}]}, "tools"),
         ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
         ({"input": "x", "tool_choice": {"type": "mcp"}}, "tool_choice"),
+        (
+            {"input": "x", "tools": [tool], "tool_choice": "required", "stop": ["}"]},
+            "stop",
+        ),
     ):
         response = httpx.post(f"{server.url}/v1/responses", json=body, headers=server.headers)
         assert response.status_code in (400, 404), response.text

@@ -1,6 +1,7 @@
 """How the server reads a choice (`chat_output.py`): the reasoning parser, then the tool-call
 parser, whole and streamed, on transcripts in each model family's real format; and the
-required / named choices, whose unfinished or malformed output is an error."""
+required / named choices: their calls, streamed as generated, cut short by max_tokens, or an
+error when the output ended otherwise unfinished or malformed; where their grammars start."""
 
 from __future__ import annotations
 
@@ -172,7 +173,7 @@ def test_reasoning_can_be_left_out() -> None:
 
 
 @pytest.mark.parametrize("mode", ["required", "named"])
-def test_required_and_named_choices_are_calls_or_errors(mode: str) -> None:
+def test_required_and_named_choices_are_calls_cut_calls_or_errors(mode: str) -> None:
     p = parsing(None, None, "", mode)
     p.named = NamedToolChoice(function=NamedFunction(name="get_weather"))
     whole = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
@@ -180,20 +181,109 @@ def test_required_and_named_choices_are_calls_or_errors(mode: str) -> None:
         whole = '{"city": "Paris"}'
     out = p.parse(whole, "stop")
     assert out.content is None and [c.function.name for c in out.tool_calls] == ["get_weather"]
-    assert json.loads(out.tool_calls[0].function.arguments) == {"city": "Paris"}
+    assert out.tool_calls[0].function.arguments == '{"city": "Paris"}'
     assert out.finish_reason == ("tool_calls" if mode == "required" else "stop")
     piece, _ = streamed(p, whole, random.Random(3))
     assert piece.content == "" and [d.index for d in piece.tool_calls] == [0]
-    with pytest.raises(ToolOutputError) as cut:
-        p.parse(whole[:-3], "length")
-    assert cut.value.status == 400 and "max_tokens" in str(cut.value)
-    with pytest.raises(ToolOutputError) as bad:
-        p.parse('{"city": "Pa\x01ris"}' if mode == "named" else "[{]", "stop")
-    assert bad.value.status == 500
+    # cut by max_tokens: `length` and the call so far (OpenAI's contract)
+    cut = p.parse(whole[: whole.index("Paris") + 3], "length")
+    assert cut.content is None and cut.finish_reason == "length"
+    assert [(c.function.name, c.function.arguments) for c in cut.tool_calls] == [
+        ("get_weather", '{"city": "Par')
+    ]
     stream = p.stream()
-    stream.feed(whole[:-3])
-    with pytest.raises(ToolOutputError):
-        stream.finish("length")
+    stream.feed(whole[: whole.index("Paris") + 3])
+    rest = stream.finish("length")
+    assert [d.function.arguments for d in rest.tool_calls] == ['{"city": "Par']
+    assert stream.finish_reason("length") == "length"
+    if mode == "required":  # cut before the name is complete: no call yet
+        assert p.parse('[{"name": "get_wea', "length").tool_calls == []
+    # ended otherwise without a complete, well-formed call: the server is at fault
+    for bad in ('{"city": "Pa\x01ris"}', '{"city": "Pa'):
+        text = bad if mode == "named" else f'[{{"name": "get_weather", "parameters": {bad}}}]'
+        with pytest.raises(ToolOutputError) as err:
+            p.parse(text, "stop")
+        assert err.value.status == 500
+
+
+@pytest.mark.parametrize("mode", ["required", "named"])
+def test_forced_calls_stream_as_generated(mode: str) -> None:
+    """In chat streams a call's first piece has its index, id, type, name and the arguments
+    so far, the later pieces only index and argument text; together they are the whole
+    answer's calls, whatever the split."""
+    p = parsing(None, None, "", mode)
+    p.named = NamedToolChoice(function=NamedFunction(name="get_weather"))
+    args = ['{"city": "P\\"a}r,is", "days": 3}', "{}"]
+    whole = (
+        args[0]
+        if mode == "named"
+        else (
+            f'[{{"name": "get_weather", "parameters": {args[0]}}}, '
+            f'{{"parameters": {args[1]}, "name": "now"}}]'
+        )
+    )
+    want = (
+        [("get_weather", args[0])]
+        if mode == "named"
+        else [
+            ("get_weather", args[0]),
+            ("now", args[1]),
+        ]
+    )
+    assert [(c.function.name, c.function.arguments) for c in p.parse(whole, "stop").tool_calls] == (
+        want
+    )
+    rng = random.Random(5)
+    for _ in range(30):
+        stream = p.stream(incremental=True)
+        pieces, i = [], 0
+        while i < len(whole):
+            j = min(len(whole), i + rng.choice([1, 2, 5, 11]))
+            pieces += stream.feed(whole[i:j]).tool_calls
+            i = j
+        pieces += stream.finish("stop").tool_calls
+        calls: dict[int, list[str]] = {}
+        for d in pieces:
+            sent = d.model_dump()
+            if d.index not in calls:
+                assert sent.keys() == {"index", "id", "type", "function"}
+                assert sent["function"].keys() == {"name", "arguments"}
+                calls[d.index] = [d.function.name, ""]
+            else:
+                assert sent == {"index": d.index, "function": {"arguments": d.function.arguments}}
+            calls[d.index][1] += d.function.arguments
+        assert [tuple(calls[k]) for k in sorted(calls)] == want
+        assert stream.finish_reason("stop") == ("tool_calls" if mode == "required" else "stop")
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "kwargs", "prompt", "start_after"),
+    [
+        ("qwen3", None, "<|im_start|>assistant\n<think>\n", "</think>"),  # opened by the template
+        # not opened: read as content from the first token, so no waiting for </think>
+        ("qwen3", None, "<|im_start|>assistant\n", None),
+        ("qwen3", {"enable_thinking": False}, "<|im_start|>assistant\n", None),
+        ("qwen3", None, "<|im_start|>assistant\n<think>\n\n</think>\n\n", None),
+        ("deepseek_r1", {"enable_thinking": False}, "<|Assistant|>", "</think>"),  # ignored
+        ("nemotron_v3", {"enable_thinking": False}, "<SPECIAL_11>Assistant\n", None),
+        ("granite", None, "<|start_of_role|>assistant<|end_of_role|>", None),
+        ("granite", {"thinking": True}, "<|start_of_role|>assistant<|end_of_role|>", None),
+    ],
+)
+def test_grammars_start_where_the_parser_reads_the_answer(
+    reasoning: str, kwargs: dict[str, Any] | None, prompt: str, start_after: str | None
+) -> None:
+    """One decision: a grammar waits for the reasoning's end exactly when the output is read
+    as starting inside the reasoning; otherwise it applies from the first token, where the
+    parser reads content."""
+    p = OutputParsing(tool_mode="required")
+    p.reasoning = ReasoningParserManager.get(reasoning)(kwargs)
+    p.in_reasoning = p.reasoning.starts_in_reasoning(prompt)
+    assert p.grammar_start_after() == start_after
+    answer = '[{"name": "now", "parameters": {}}]'
+    out = p.parse(answer if start_after is None else f"hm{start_after}{answer}", "stop")
+    assert [c.function.name for c in out.tool_calls] == ["now"]
+    assert out.reasoning == (None if start_after is None else "hm")
 
 
 def test_required_after_reasoning_parses_only_the_answer() -> None:
@@ -254,23 +344,3 @@ def test_llm_chat_renders_tools_and_kwargs_as_transformers_and_caches_message_en
     assert second.num_cached_tokens >= len(tokenizer.encode(system)) - 1
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         llm.chat(messages, params, chat_template=TOOLS_TEMPLATE, chat_template_kwargs={"tools": 1})
-
-
-@pytest.mark.parametrize(
-    "name, kwargs, prompt, waits",
-    [
-        ("qwen3", None, "<|im_start|>assistant\n<think>\n", True),  # opened by the template
-        ("qwen3", None, "<|im_start|>assistant\n", True),  # the model may open it
-        ("qwen3", {"enable_thinking": False}, "<|im_start|>assistant\n", False),
-        ("qwen3", None, "<|im_start|>assistant\n<think>\n\n</think>\n\n", False),
-        ("deepseek_r1", {"enable_thinking": False}, "<|Assistant|>", True),  # R1 ignores it
-        ("nemotron_v3", {"enable_thinking": False}, "<SPECIAL_11>Assistant\n", False),
-        ("granite", None, "<|start_of_role|>assistant<|end_of_role|>", False),
-        ("granite", {"thinking": True}, "<|start_of_role|>assistant<|end_of_role|>", True),
-    ],
-)
-def test_grammars_wait_for_the_end_of_reasoning_only_when_it_may_come(
-    name: str, kwargs: dict | None, prompt: str, waits: bool
-) -> None:
-    parser = ReasoningParserManager.get(name)(kwargs)
-    assert parser.waits_for_end(prompt, parser.starts_in_reasoning(prompt)) is waits

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, RunningServer
+from tests.entrypoints.forced_calls import read_stream
 from tests.helpers.json_schemas import random_object_schema
 
 WEATHER = {
@@ -67,13 +68,16 @@ async def chat(server: RunningServer, stream: bool, **kwargs: Any) -> tuple[str,
             resp = await api.chat.completions.create(**args)
             msg = resp.choices[0].message
             return msg.content or "", resp.choices[0].finish_reason, msg.tool_calls
-        text, finish, calls = "", None, None
-        async for chunk in await api.chat.completions.create(stream=True, **args):
-            for choice in chunk.choices:
-                text += choice.delta.content or ""
-                calls = choice.delta.tool_calls or calls
-                finish = choice.finish_reason or finish
-        return text, finish, calls
+        chunks = [c async for c in await api.chat.completions.create(stream=True, **args)]
+        text, finish, calls = read_stream(chunks)
+        return text, finish, [_call(c["id"], c["name"], c["arguments"]) for c in calls] or None
+
+
+def _call(call_id: str, name: str, arguments: str) -> Any:
+    from openai.types.chat import ChatCompletionMessageToolCall
+
+    function = {"name": name, "arguments": arguments}
+    return ChatCompletionMessageToolCall(id=call_id, type="function", function=function)
 
 
 async def complete(server: RunningServer, stream: bool, prompt: str, **kwargs: Any) -> str:
@@ -168,6 +172,7 @@ def test_required_and_named_tool_calls(server: RunningServer, stream: bool) -> N
                 seed=s,
                 temperature=1.0,
                 parallel_tool_calls=s != 2,
+                stop=["\n"],  # never in a call's compact JSON: allowed
             )
             for s in range(3)
         ] + [
@@ -193,6 +198,71 @@ def test_required_and_named_tool_calls(server: RunningServer, stream: bool) -> N
     assert [r[2][0].function.name for r in results[3:]] == ["get_weather", "get_time"]
     assert len(results[2][2]) == 1  # parallel_tool_calls=false
     assert all(len(r[2]) == 1 for r in results[3:])
+
+
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED_WEATHER])
+def test_calls_cut_by_max_tokens_finish_with_length(server: RunningServer, choice: Any) -> None:
+    """Cut by max_tokens, a required or named call is a 200 with `length` and the call so far
+    (OpenAI's contract; it was a 400): streamed as generated, the same as the whole answer,
+    and a prefix of what the same seed writes with room to finish."""
+    base = {"tools": [WEATHER], "tool_choice": choice, "temperature": 1.0}
+    base["parallel_tool_calls"] = False
+
+    async def run() -> list[tuple[Any, list[tuple[str, str, Any]]]]:
+        async with client(server) as api:
+            full = await asyncio.gather(
+                *[
+                    api.chat.completions.create(
+                        model=MODEL_NAME, messages=MESSAGES, max_tokens=200, seed=seed, **base
+                    )
+                    for seed in range(3)
+                ]
+            )
+        jobs = [
+            chat(server, stream, max_tokens=reply.usage.completion_tokens - 3, seed=seed, **base)
+            for seed, reply in enumerate(full)
+            for stream in (False, True)
+        ]
+        return list(zip(full, zip(*[iter(await asyncio.gather(*jobs))] * 2)))
+
+    partial = 0
+    for full, (whole, streamed) in asyncio.run(run()):
+        assert full.choices[0].finish_reason in ("tool_calls", "stop")
+        want = full.choices[0].message.tool_calls[0].function
+        for content, finish, calls in (whole, streamed):
+            assert not content and finish == "length", (content, finish)
+            if calls:  # none when cut before the name was complete
+                got = calls[0].function
+                assert len(calls) == 1 and got.name == want.name
+                assert want.arguments.startswith(got.arguments), (got, want)
+        assert [c.function for c in whole[2]] == [c.function for c in streamed[2]]
+        if whole[2] and whole[2][0].function.arguments not in ("", want.arguments):
+            partial += 1
+    assert partial, "no call was cut inside its arguments"
+
+
+def test_length_limited_strings_hold_no_control_characters(server: RunningServer) -> None:
+    """A string with maxLength used to let a raw tab (or any control character) in, which
+    JSON forbids: the grammar ended, the call could not be read, and the answer was a 500.
+    Tabs pushed up by logit_bias: the arguments are still JSON."""
+    tab, tabs = 186, 623  # "\t", "\t\t"
+    for stream in (False, True):
+        content, finish, calls = asyncio.run(
+            chat(
+                server,
+                stream,
+                tools=[WEATHER],
+                tool_choice=NAMED_WEATHER,
+                max_tokens=100,
+                logit_bias={str(tab): 100, str(tabs): 100},
+            )
+        )
+        assert finish == "stop" and len(calls) == 1
+        arguments = json.loads(calls[0].function.arguments)
+        jsonschema.validate(arguments, TOOL_SCHEMAS["get_weather"])
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words(server: RunningServer) -> None:
@@ -269,6 +339,14 @@ def test_logit_bias_allowed_token_ids_and_bad_words(server: RunningServer) -> No
             "tool_choice",
         ),
         ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+        # a constraint that could end the output inside the call
+        ({"tools": [WEATHER], "tool_choice": "required", "stop": "}"}, "stop"),
+        ({"tools": [WEATHER], "tool_choice": NAMED_WEATHER, "stop": ["\n", "c"]}, "stop"),
+        (
+            {"tools": [WEATHER], "tool_choice": NAMED_WEATHER, "stop_token_ids": [9]},
+            "stop_token_ids",
+        ),
+        ({"tools": [WEATHER], "tool_choice": "required", "bad_words": ["Paris"]}, "bad_words"),
         (
             {
                 "tools": [

@@ -6,33 +6,39 @@ A choice's text passes two optional parsers, in this order:
 - the answer then holds tool calls: with `tool_choice="auto"`, in the model's own format,
   found by the server's tool-call parser (`--tool-call-parser`; text that is not a well-formed
   call stays content, as vLLM does); with `"required"` or a named function, as the JSON the
-  tools' grammar generated (a text that is not complete JSON is a `ToolOutputError`: the
-  client asked for a call and gets an error, never a silent `content`).
+  tools' grammar generated (`tool_calls.ForcedCalls`), never as content. Cut short by
+  `max_tokens`, such a choice finishes with `"length"` and the calls generated so far, the
+  last one's arguments partial (OpenAI's contract).
 
 Streams do work proportional to each new piece of text: the reasoning and tool parsers hold
-back only what could be the start of a marker, and a call is sent whole (one piece with its
-`index`, `id`, name and arguments) once its text is complete.
+back only what could be the start of a marker. An "auto" call is sent whole (one piece with
+its `index`, `id`, name and arguments) once its text is complete; a required or named call
+streams as it is generated in chat completions (its first piece with `index`, `id`, `type`,
+name and the arguments so far, then `index` and argument text), and whole in the Responses
+API.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_mamba.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
 from vllm_mamba.entrypoints.openai.tool_calls import (
     DeltaToolCall,
+    ForcedCalls,
     FunctionCall,
     NamedToolChoice,
     ToolCall,
-    parse_tool_calls,
 )
 from vllm_mamba.entrypoints.openai.tool_parsers import ToolCallStream, ToolParser
 
 
 class ToolOutputError(ValueError):
-    """A required or named tool choice whose output is not a complete call; `status` is the
-    HTTP status to answer with (400 when `max_tokens` cut it short)."""
+    """A required or named tool choice whose output ended, not cut by `max_tokens`, before
+    the call was complete (which the request checks and the grammar rule out); `status` is
+    the HTTP status to answer with."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
@@ -99,11 +105,24 @@ class OutputParsing:
             content = found.content
             calls = [_tool_call(c.name, c.arguments) for c in found.calls]
         elif self.tool_mode in ("required", "named"):
-            calls = self.forced_calls(content or "", finish_reason)
+            forced = self.forced()
+            forced.feed(content or "")
+            self.check_complete(forced, finish_reason)
+            calls = forced.tool_calls()
             content = None
         return ParsedChoice(
             reasoning, content, calls, self.finish_reason(bool(calls), finish_reason)
         )
+
+    def grammar_start_after(self) -> str | None:
+        """The text after which a grammar (structured outputs, a required or named tool
+        choice) starts: the end of the reasoning when the output starts inside it, as the
+        reasoning parser reads it (`in_reasoning`, decided once from the prompt by
+        `starts_in_reasoning`); else None, the grammar applies from the first token (and
+        the output is content from the start)."""
+        if self.reasoning is not None and self.in_reasoning:
+            return self.reasoning.end_marker
+        return None
 
     def finish_reason(self, made_calls: bool, finish_reason: str | None) -> str | None:
         """`tool_calls` when a stopped choice made calls with "auto" or "required" (vLLM; a
@@ -112,45 +131,47 @@ class OutputParsing:
             return "tool_calls"
         return finish_reason
 
-    def forced_calls(self, text: str, finish_reason: str | None) -> list[ToolCall]:
-        """The calls of a required or named choice's answer.
+    def forced(self) -> ForcedCalls:
+        """A reader of a required or named choice's calls."""
+        choice: Any = self.named if self.tool_mode == "named" else "required"
+        return ForcedCalls(choice)
+
+    def check_complete(self, forced: ForcedCalls, finish_reason: str | None) -> None:
+        """A required or named answer is complete unless `max_tokens` cut it (`length`).
 
         Raises:
-            ToolOutputError: the answer is not a complete call.
+            ToolOutputError: it ended otherwise before the call was complete.
         """
-        choice: Any = self.named if self.tool_mode == "named" else "required"
-        calls = parse_tool_calls(text, choice)
-        if calls is not None:
-            return calls
         if finish_reason == "length":
+            return
+        if not forced.complete or not all(_is_json(c.text) for c in forced.calls if c.name):
             raise ToolOutputError(
-                "the tool call was cut short by max_tokens before it was complete: raise "
-                "max_tokens (or max_completion_tokens)",
-                400,
+                f"tool_choice {self.tool_mode}: the output ended without a complete, "
+                f"well-formed tool call (finish reason {finish_reason})",
+                500,
             )
-        raise ToolOutputError(
-            f"tool_choice {self.tool_mode}: the output is not a complete tool call "
-            f"(finish reason {finish_reason})",
-            500,
-        )
 
-    def stream(self) -> ChoiceStream:
-        """A stream reader for one choice."""
-        return ChoiceStream(self)
+    def stream(self, incremental: bool = False) -> ChoiceStream:
+        """A stream reader for one choice; `incremental`: required and named calls stream
+        as they are generated (else each is sent whole once complete)."""
+        return ChoiceStream(self, incremental)
 
 
 class ChoiceStream:
     """Turns one choice's text deltas into stream pieces (see the module docstring)."""
 
-    def __init__(self, parsing: OutputParsing) -> None:
+    def __init__(self, parsing: OutputParsing, incremental: bool = False) -> None:
         self.parsing = parsing
+        self.incremental = incremental
         self.reasoning: ReasoningStream | None = None
         if parsing.reasoning is not None:
             self.reasoning = parsing.reasoning.stream(parsing.in_reasoning)
         self.tools: ToolCallStream | None = None
         if parsing.tool_mode == "auto" and parsing.tool_parser is not None:
             self.tools = parsing.tool_parser.stream()
-        self.forced: list[str] | None = [] if parsing.tool_mode in ("required", "named") else None
+        self.forced: ForcedCalls | None = None
+        if parsing.tool_mode in ("required", "named"):
+            self.forced = parsing.forced()
         self.num_calls = 0
 
     def feed(self, delta: str) -> StreamPiece:
@@ -174,9 +195,9 @@ class ChoiceStream:
             piece.content += rest.content
             piece.tool_calls += self._send([_tool_call(c.name, c.arguments) for _, c in rest.calls])
         if self.forced is not None:
-            piece.tool_calls += self._send(
-                self.parsing.forced_calls("".join(self.forced), finish_reason)
-            )
+            self.parsing.check_complete(self.forced, finish_reason)
+            rest = self.forced.pieces() if self.incremental else self.forced.rest()
+            piece.tool_calls += self._count(rest)
         return piece
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
@@ -188,7 +209,8 @@ class ChoiceStream:
         if not answer:
             return piece
         if self.forced is not None:
-            self.forced.append(answer)
+            self.forced.feed(answer)
+            piece.tool_calls = self._count(self.forced.pieces(whole=not self.incremental))
         elif self.tools is not None:
             out = self.tools.feed(answer)
             piece.content = out.content
@@ -197,10 +219,27 @@ class ChoiceStream:
             piece.content = answer
         return piece
 
+    def _count(self, pieces: list[DeltaToolCall]) -> list[DeltaToolCall]:
+        """`pieces` of forced calls, counting the calls they start."""
+        self.num_calls += sum(1 for p in pieces if p.id is not None)
+        return pieces
+
     def _send(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
         """Stream pieces of whole calls, numbered after those already sent."""
         start, self.num_calls = self.num_calls, self.num_calls + len(calls)
         return [DeltaToolCall.whole(start + i, call) for i, call in enumerate(calls)]
+
+
+def _is_json(text: str) -> bool:
+    """Whether `text` is one JSON value. Numbers are not converted (so no digit limit), and
+    nesting deeper than Python's parser goes is taken as written."""
+    try:
+        json.loads(text, parse_int=len, parse_float=len)
+    except RecursionError:
+        return True
+    except ValueError:
+        return False
+    return True
 
 
 def _tool_call(name: str, arguments: str) -> ToolCall:

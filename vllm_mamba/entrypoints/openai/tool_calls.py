@@ -10,6 +10,9 @@ required or named choice generates under (vLLM's way); the call objects of the a
 - a named function (`{"type": "function", "function": {"name": ...}}`): the output is that
   function's parameters object, returned as its one tool call (finish reason `"stop"`, as
   vLLM does).
+- either cut short by `max_tokens`: finish reason `"length"` and the calls so far, the last
+  one's arguments partial (`ForcedCalls` reads the output as it streams in; the arguments are
+  the generated text, never re-serialised).
 - `"none"`: the tools are rendered into the prompt but no call is parsed.
 
 The tools reach the chat template as `tools` (`chat_utils.py`).
@@ -19,9 +22,10 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from vllm_mamba import request_limits as limits
 from vllm_mamba.sampling_params import StructuredOutputsParams
@@ -73,7 +77,15 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class DeltaFunctionCall(BaseModel):
+class _SetFieldsOnly(BaseModel):
+    """Serialised without the fields that are None, as OpenAI's stream pieces are."""
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_SetFieldsOnly):
     """The function part of a streamed tool call piece: the name in the first piece of a
     call, argument text in it and the pieces after."""
 
@@ -81,9 +93,10 @@ class DeltaFunctionCall(BaseModel):
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(_SetFieldsOnly):
     """A piece of a tool call in a streamed delta: `index` says which call; the first piece
-    of a call has its `id`, `type` and name."""
+    of a call has its `id`, `type` and name, the later ones only argument text (OpenAI's
+    stream: `{"index": 0, "function": {"arguments": "..."}}`)."""
 
     index: int
     id: str | None = None
@@ -226,18 +239,178 @@ def _params(schema: dict[str, Any]) -> StructuredOutputsParams:
         ) from err
 
 
+@dataclass
+class _Call:
+    """One call being read: its name once known, its argument text in pieces."""
+
+    name: str | None = None
+    args: list[str] = field(default_factory=list)
+    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    done: bool = False  # its element has closed
+    sent: int = -1  # pieces of `args` sent (-1: the call's first piece not sent yet)
+
+    def tool_call(self) -> ToolCall:
+        assert self.name is not None
+        return ToolCall(id=self.id, function=FunctionCall(name=self.name, arguments=self.text))
+
+    @property
+    def text(self) -> str:
+        return "".join(self.args)
+
+
+class ForcedCalls:
+    """Reads the JSON a required or named tool choice generates, as it streams in (work
+    proportional to the new text), into calls whose arguments are the generated text itself.
+
+    A named choice's whole output is its one call's arguments. A required choice's output is
+    `[{"name": ..., "parameters": {...}}, ...]`: each element is a call, named by its `name`
+    string and with the text of its `parameters` value as arguments (in whichever order the
+    two come). The text need not be complete: a call cut short (by `max_tokens`) has the
+    arguments generated so far, and one cut before its name is complete is not a call yet.
+    The arguments are never re-serialised, so what a stream sent adds up to what a whole
+    answer holds, numbers and escapes as generated.
+    """
+
+    def __init__(self, choice: str | NamedToolChoice) -> None:
+        self.named = isinstance(choice, NamedToolChoice)
+        self.calls: list[_Call] = []
+        if isinstance(choice, NamedToolChoice):
+            self.calls.append(_Call(name=choice.function.name))
+        self.depth = 0
+        self.opened = False  # a JSON value has begun
+        self.in_string = False
+        self.escape = False
+        self.expect_key = False  # in a required element, a key comes next
+        self.key: str | None = None  # the key whose value is being read
+        self.capture: list[str] | None = None  # raw text of the key or name being read
+        self.args: bool | None = None  # None: not in parameters; True: reading; False: done
+        self.first_unsent = 0  # calls before it are sent whole
+
+    @property
+    def complete(self) -> bool:
+        """The JSON value has ended (a number at the very end counts as ended)."""
+        return self.opened and self.depth == 0 and not self.in_string
+
+    def feed(self, text: str) -> None:
+        """Reads the next piece of the output."""
+        if self.named:
+            if text:
+                self.calls[0].args.append(text)
+            for ch in text:
+                self._track(ch)
+            return
+        args: list[str] = []
+        for ch in text:
+            if self.in_string:
+                if self.args:
+                    args.append(ch)
+                elif self.capture is not None and not (ch == '"' and not self.escape):
+                    self.capture.append(ch)
+                self._track(ch)
+                if not self.in_string and self.capture is not None:
+                    self._captured()
+                continue
+            at_value = self.depth == 2 and self.key == "parameters" and not self.expect_key
+            if at_value and not ch.isspace():
+                if self.args is None:
+                    self.args = True
+                elif self.args and ch in ",}":
+                    self.args = False
+            if self.args and self.depth >= 2:
+                args.append(ch)
+            elif self.depth == 2:
+                self._element_syntax(ch)
+            self._track(ch)
+            if ch == "{" and self.depth == 2:
+                self.calls.append(_Call())
+                self.expect_key, self.key, self.args = True, None, None
+            elif ch == "}" and self.depth == 1:
+                self._flush(args)
+                self.calls[-1].done = True
+        self._flush(args)
+
+    def _element_syntax(self, ch: str) -> None:
+        """A character of a required element's own syntax (not inside a value)."""
+        if ch == '"' and (self.expect_key or self.key == "name"):
+            self.capture = []
+        elif ch == ":":
+            self.expect_key = False
+        elif ch == ",":
+            self.expect_key, self.key = True, None
+
+    def _captured(self) -> None:
+        assert self.capture is not None
+        value = json.loads('"' + "".join(self.capture) + '"')
+        self.capture = None
+        if self.expect_key:
+            self.key = value
+            self.args = None
+        elif self.key == "name" and self.calls:
+            self.calls[-1].name = value
+
+    def _flush(self, args: list[str]) -> None:
+        if args and self.calls:
+            self.calls[-1].args.append("".join(args))
+            args.clear()
+
+    def _track(self, ch: str) -> None:
+        """Depth and strings of the JSON text."""
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif ch == "\\":
+                self.escape = True
+            elif ch == '"':
+                self.in_string = False
+            return
+        if ch == '"':
+            self.in_string = True
+        elif ch in "[{":
+            self.depth += 1
+        elif ch in "]}":
+            self.depth -= 1
+        if not ch.isspace():
+            self.opened = True
+
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls read so far (the last one's arguments may be partial)."""
+        return [c.tool_call() for c in self.calls if c.name is not None]
+
+    def pieces(self, whole: bool = False) -> list[DeltaToolCall]:
+        """The stream pieces of what was read since the last call: a call's first piece
+        (`index`, `id`, `type`, name and the arguments so far) once its name is known, then
+        pieces of `index` and new argument text. `whole`: calls are sent only once complete,
+        each as one piece (and at the end, with `whole` and `flush`, the rest as they are)."""
+        out: list[DeltaToolCall] = []
+        for index in range(self.first_unsent, len(self.calls)):
+            call = self.calls[index]
+            if call.name is None or (whole and not call.done):
+                break
+            if whole:
+                call.sent = len(call.args)
+                out.append(DeltaToolCall.whole(index, call.tool_call()))
+            elif call.sent < 0:
+                text, call.sent = call.text, len(call.args)
+                function = DeltaFunctionCall(name=call.name, arguments=text)
+                out.append(
+                    DeltaToolCall(index=index, id=call.id, type="function", function=function)
+                )
+            elif call.sent < len(call.args):
+                text, call.sent = "".join(call.args[call.sent :]), len(call.args)
+                out.append(DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=text)))
+            if call.done:
+                self.first_unsent = index + 1
+        return out
+
+    def rest(self) -> list[DeltaToolCall]:
+        """At the end of a stream sending whole calls: the calls not sent yet, as they are."""
+        for call in self.calls[self.first_unsent :]:
+            call.done = True
+        return self.pieces(whole=True)
+
+
 def parse_tool_calls(text: str, choice: str | NamedToolChoice) -> list[ToolCall] | None:
-    """The tool calls in a generated text; None when it is not complete JSON (cut by length)."""
-    if isinstance(choice, NamedToolChoice):
-        try:
-            json.loads(text)
-        except ValueError:
-            return None
-        return [ToolCall(function=FunctionCall(name=choice.function.name, arguments=text))]
-    try:
-        return [
-            ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
-            for c in json.loads(text)
-        ]
-    except (ValueError, TypeError, KeyError):  # cut short (a stop string, max_tokens)
-        return None
+    """The tool calls in a generated text; None when it is not complete JSON (cut short)."""
+    calls = ForcedCalls(choice)
+    calls.feed(text)
+    return calls.tool_calls() if calls.complete else None

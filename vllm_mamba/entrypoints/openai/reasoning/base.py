@@ -5,7 +5,10 @@ A reasoning parser splits a generated text into its reasoning part and its answe
 (content), whole (`ReasoningParser.extract`) or as the text streams in
 (`ReasoningParser.stream`, one `ReasoningStream` per choice). The server asks
 `starts_in_reasoning(prompt)` once per request: whether the chat template already opened
-the reasoning part at the end of the generation prompt.
+the reasoning part at the end of the generation prompt. That one answer decides both how
+the output is read and where a grammar starts (after `end_marker` when the output starts
+in reasoning, else at the first token: `OutputParsing.grammar_start_after`), so the two
+never disagree.
 
 This module owns:
 
@@ -62,13 +65,6 @@ class ReasoningParser(ABC):
         """Whether the request lets the model reason: False only for `enable_thinking:
         false` (the templates test `is false`)."""
         return self.chat_template_kwargs.get("enable_thinking") is not False
-
-    def waits_for_end(self, prompt: str, in_reasoning: bool) -> bool:
-        """Whether a grammar must wait for `end_marker`: the output starts inside the
-        reasoning, or may open it (thinking is on and the prompt has not closed it)."""
-        return in_reasoning or (
-            self.thinking_enabled and not prompt.rstrip().endswith(self.end_marker)
-        )
 
     @abstractmethod
     def starts_in_reasoning(self, prompt: str) -> bool:
