@@ -22,27 +22,36 @@ ENV PATH=/opt/venv/bin:$PATH
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url ${TORCH_INDEX_URL} torch==${TORCH_VERSION} \
-    && pip install "setuptools>=64" wheel
+    && pip install "setuptools>=77" wheel ninja
 WORKDIR /src
 COPY pyproject.toml setup.py README.md LICENSE ./
 COPY csrc ./csrc
 COPY vllm_mamba ./vllm_mamba
-# Every kernel level of the build machine's architecture (setup.py), so the image runs on any
-# CPU of that architecture; the engine picks the best one at startup. Override to build fewer,
-# e.g. --build-arg VLLM_MAMBA_CPU_ISAS=avx2,avx512.
-ARG VLLM_MAMBA_CPU_ISAS=
+# Every kernel level of the build machine's architecture (`all`, setup.py), so the image runs
+# on any CPU of that architecture; the engine picks the best one at startup. Override to build
+# fewer, e.g. --build-arg VLLM_MAMBA_CPU_ISAS=avx2,avx512 (or `native`: this machine's).
+# The kernels compile first in a step of their own, in parallel, a line per file (pip would
+# hide them); `pip install .` then finds them built (build/) and compiles nothing again.
+ARG VLLM_MAMBA_CPU_ISAS=all
 RUN set -eu; \
+    export VLLM_MAMBA_CPU_ISAS; \
     case "$(uname -m)" in \
         x86_64) all=generic,avx2,avx512 ;; \
         aarch64) all=neon ;; \
         *) all=generic ;; \
     esac; \
-    isas="${VLLM_MAMBA_CPU_ISAS:-$all}"; \
-    VLLM_MAMBA_CPU_ISAS="$isas" pip install --no-build-isolation . ; \
+    case "$VLLM_MAMBA_CPU_ISAS" in \
+        all) isas=$all ;; \
+        native|supported) isas= ;; \
+        *) isas=$VLLM_MAMBA_CPU_ISAS ;; \
+    esac; \
+    python setup.py -q build_ext; \
+    pip install --no-build-isolation . ; \
     cd / && for level in $(echo "$isas" | tr , ' '); do \
         python -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm_mamba._C_$level') is None)" \
             || { echo "kernel level $level was not built" >&2; exit 1; }; \
-    done
+    done; \
+    python -c "from vllm_mamba.ops import cpu_isa; print('kernels:', cpu_isa.active_level())"
 
 # --- runtime: the venv, libgomp for the kernels' OpenMP, a non-root user ---
 FROM ${PYTHON_IMAGE}
