@@ -33,6 +33,10 @@ from vllm_mamba.sampling_params import StructuredOutputsParams
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
+def _call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 class FunctionDefinition(BaseModel):
     """A tool's function: its name and JSON schema of parameters."""
 
@@ -72,7 +76,7 @@ class FunctionCall(BaseModel):
 class ToolCall(BaseModel):
     """One tool call of an assistant message."""
 
-    id: str = Field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    id: str = Field(default_factory=_call_id)
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -245,7 +249,7 @@ class _Call:
 
     name: str | None = None
     args: list[str] = field(default_factory=list)
-    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    id: str = field(default_factory=_call_id)
     done: bool = False  # its element has closed
     sent: int = -1  # pieces of `args` sent (-1: the call's first piece not sent yet)
 
@@ -380,7 +384,7 @@ class ForcedCalls:
         """The stream pieces of what was read since the last call: a call's first piece
         (`index`, `id`, `type`, name and the arguments so far) once its name is known, then
         pieces of `index` and new argument text. `whole`: calls are sent only once complete,
-        each as one piece (and at the end, with `whole` and `flush`, the rest as they are)."""
+        each as one piece (at the end `rest` sends the others as they are)."""
         out: list[DeltaToolCall] = []
         for index in range(self.first_unsent, len(self.calls)):
             call = self.calls[index]
