@@ -222,7 +222,13 @@ def test_calls_cut_by_max_tokens_finish_with_length(server: RunningServer, choic
                 ]
             )
         jobs = [
-            chat(server, stream, max_tokens=reply.usage.completion_tokens - 3, seed=seed, **base)
+            chat(
+                server,
+                stream,
+                max_tokens=max(1, reply.usage.completion_tokens - 3),
+                seed=seed,
+                **base,
+            )
             for seed, reply in enumerate(full)
             for stream in (False, True)
         ]
