@@ -251,6 +251,45 @@ def test_request_chat_template_is_bounded_in_time(server: RunningServer) -> None
     assert_healthy(server)
 
 
+SANDBOX_ESCAPES = {
+    "folded center": "{{ 'x'|center(300000000) }}",  # 300 MB while compiling, then cached
+    "lipsum": "{{ lipsum(n=60000) }}",  # 6.5 s in one call
+    "~ doubling": "{% set s = 'xxxxxxxx' %}" + "{% set s = s ~ s %}" * 26 + "{{ s|length }}",
+}
+
+
+@pytest.mark.parametrize("source", SANDBOX_ESCAPES.values(), ids=SANDBOX_ESCAPES.keys())
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+def test_request_chat_templates_stay_in_the_sandbox(
+    server: RunningServer, path: str, source: str
+) -> None:
+    """Issue 46: each was a slow 400 (or a 537 MB prompt and a 200); now a quick 400."""
+    start = time.monotonic()
+    response = post(server, path, {**CHAT, "chat_template": source})
+    elapsed = time.monotonic() - start
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and "chat template" in error["message"]
+    assert elapsed < 3.0  # milliseconds of work; 4.8 s (center) and 6.5 s (lipsum) before
+
+
+def test_routes_that_render_templates_need_the_key(server: RunningServer) -> None:
+    """`/tokenize` renders a request's chat template: with a key set it needs the key, as
+    `/detokenize` and `/v1/*` do (it was open to anyone)."""
+    for path, body in (
+        ("/tokenize", {**CHAT, "chat_template": "{{ messages[0].content }}"}),
+        ("/tokenize", COMPLETION),
+        ("/detokenize", {"tokens": [1, 2]}),
+    ):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=30)
+            assert response.status_code == 401, path
+            assert response.json()["error"]["type"] == "authentication_error"
+        assert post(server, path, body).status_code == 200
+    assert httpx.get(f"{server.url}/tokenizer_info", timeout=30).status_code == 200
+
+
 def test_request_chat_template_needs_the_flag() -> None:
     with launch_server() as plain:
         body = {**CHAT, "chat_template": "{{ messages }}"}

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from vllm_mamba.entrypoints.chat_utils import render_budget
+
 __all__ = ["chat_cache_points"]
 
 
@@ -35,8 +37,10 @@ def chat_cache_points(
     request with the same messages shares. Points `<= 0` or `>= len(prompt_ids)` are dropped.
 
     Cost: one render and one encode per candidate point (at most `max_points`), each of a
-    prefix of the prompt, so at most `max_points` times the work of rendering and encoding the
-    prompt once; call it off the event loop for long conversations.
+    prefix of the prompt. The renders continue the time budget of the last render on this
+    thread (`render_budget(resume=True)`: call it right after rendering `prompt_text`, on the
+    same thread), so a request's template runs for at most one `RENDER_TIMEOUT_S` in all; once
+    that is spent the remaining points are dropped. Call it off the event loop.
 
     Args:
         render: renders a conversation prefix WITHOUT the generation prompt (the same template
@@ -59,7 +63,8 @@ def chat_cache_points(
     points: set[int] = set()
     for k in chosen:
         try:
-            text = render(messages[:k])
+            with render_budget(resume=True):
+                text = render(messages[:k])
         except Exception:  # noqa: BLE001 - a template may refuse a partial conversation
             continue
         if not isinstance(text, str) or not text or not prompt_text.startswith(text):

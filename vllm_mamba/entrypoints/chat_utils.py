@@ -5,80 +5,53 @@ The template is `--chat-template` / `chat_template=` (a file or the template tex
 tokenizer's. A model with neither cannot chat: rendering is a `ValueError` that names
 `--chat-template` (vLLM's behaviour), never a template nobody chose. A template sent in a
 request is used only when the server runs with `--trust-request-chat-template` (vLLM's flag).
-Every render runs in an immutable sandbox that stops after `RENDER_TIMEOUT_S` seconds or
-`MAX_RENDER_CHARS` characters, so no template can hold a worker for long or fill the memory.
+Every render runs in the bounded sandbox of `template_sandbox.py`: it stops after
+`RENDER_TIMEOUT_S` seconds (renders inside one `render_budget()` share them) and refuses any
+value or output over its `MAX_RENDER_CHARS` characters before building it, so no template can
+hold a worker for long or fill the memory; a request's template is at most
+`MAX_REQUEST_TEMPLATE_CHARS` long, and the compiled templates kept are bounded in number and
+size.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import json
 import os
 import threading
-import time
+from collections import OrderedDict
 from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2 import Template, TemplateError
+
+from vllm_mamba.entrypoints.template_sandbox import (
+    RENDER_TIMEOUT_S,
+    BoundedEnvironment,
+    TemplateBudgetError,
+)
 
 NO_TEMPLATE_MESSAGE = (
     "the model has no chat template: give one with --chat-template (a file or the template "
     "text), or chat_template= in Python"
 )
-RENDER_TIMEOUT_S = 2.0
-MAX_RENDER_CHARS = 4_000_000
-_MAX_POWER = 1_000
+MAX_REQUEST_TEMPLATE_CHARS = 100_000  # a request's chat_template (the largest known are ~20k)
+_CACHE_MAX_TEMPLATES = 16
+_CACHE_MAX_CHARS = 1_000_000  # the source characters of all compiled templates kept
+_MAX_STRFTIME_FORMAT = 256
 
 
 class TemplateRenderError(ValueError):
     """A template that cannot render these messages, ran too long or produced too much."""
 
 
-class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """A sandbox whose calls, attribute lookups and `*` / `**` check a deadline and sizes."""
-
-    intercepted_binops = frozenset(["*", "**"])
-
-    def __init__(self) -> None:
-        super().__init__(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        self._local = threading.local()  # each thread renders against its own deadline
-
-    def set_deadline(self, deadline: float) -> None:
-        """Renders on this thread stop once `time.monotonic()` passes `deadline`."""
-        self._local.deadline = deadline
-
-    def _check_time(self) -> None:
-        if time.monotonic() > getattr(self._local, "deadline", float("inf")):
-            raise SecurityError(f"the chat template ran for more than {RENDER_TIMEOUT_S} s")
-
-    def call(self, context: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
-        self._check_time()
-        return super().call(context, obj, *args, **kwargs)
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        self._check_time()
-        return super().getattr(obj, attribute)
-
-    def getitem(self, obj: Any, argument: Any) -> Any:
-        self._check_time()
-        return super().getitem(obj, argument)
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        self._check_time()
-        if operator == "**" and isinstance(right, (int, float)) and abs(right) > _MAX_POWER:
-            raise SecurityError("the chat template raised a number to a too large power")
-        if operator == "*":
-            for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
-                    if len(seq) * count > MAX_RENDER_CHARS:
-                        raise SecurityError("the chat template built a too large value")
-        return super().call_binop(context, operator, left, right)
+_ENV = BoundedEnvironment()
 
 
-_ENV = _BoundedEnvironment()
+def render_budget(resume: bool = False) -> contextlib.AbstractContextManager[None]:
+    """Every render on this thread inside shares one deadline, `RENDER_TIMEOUT_S` from entry,
+    or with `resume` the deadline of the thread's last render (see `chat_cache_points`)."""
+    return _ENV.budget(RENDER_TIMEOUT_S, resume)
 
 
 def _raise_exception(message: str) -> None:
@@ -86,20 +59,51 @@ def _raise_exception(message: str) -> None:
 
 
 def _strftime_now(fmt: str) -> str:
+    if not isinstance(fmt, str) or len(fmt) > _MAX_STRFTIME_FORMAT:
+        raise TemplateBudgetError(
+            f"strftime_now takes a format of at most {_MAX_STRFTIME_FORMAT} characters"
+        )
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, indent: int | None = None, **kwargs: Any) -> str:
+def _tojson(value: Any, indent: Any = None, **kwargs: Any) -> str:
+    separators = kwargs.get("separators") or ("", "")
+    per_item = 4 + sum(len(_ENV.to_text(sep)) for sep in separators)
+    width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
+    _ENV.text_size(value, per_item=per_item, indent=max(width, 0))
     return json.dumps(value, ensure_ascii=False, indent=indent, **kwargs)
 
 
 _ENV.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
-_ENV.filters["tojson"] = _tojson
+_ENV.set_filter("tojson", _tojson)
+_CACHE: OrderedDict[str, Template] = OrderedDict()
+_CACHE_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=32)
-def _compile(source: str) -> Any:
-    return _ENV.from_string(source)
+def _compile(source: str) -> Template:
+    """The compiled template of `source`; the last few that compiled are kept (a bounded
+    number and total size), a template that fails to compile is not.
+
+    Raises:
+        TemplateError: the template does not compile.
+    """
+    with _CACHE_LOCK:
+        compiled = _CACHE.get(source)
+        if compiled is not None:
+            _CACHE.move_to_end(source)
+            return compiled
+    try:
+        compiled = _ENV.from_string(source)
+    except TemplateError:
+        raise
+    except (RecursionError, SyntaxError, MemoryError) as err:  # nesting Python cannot compile
+        raise TemplateError(f"the template is nested too deeply: {type(err).__name__}") from None
+    if len(source) <= _CACHE_MAX_CHARS // 4:
+        with _CACHE_LOCK:
+            _CACHE[source] = compiled
+            while len(_CACHE) > _CACHE_MAX_TEMPLATES or sum(map(len, _CACHE)) > _CACHE_MAX_CHARS:
+                _CACHE.popitem(last=False)
+    return compiled
 
 
 class ChatTemplate:
@@ -184,26 +188,26 @@ class ChatTemplate:
         source = template or self.template
         if source is None:
             raise ValueError(NO_TEMPLATE_MESSAGE)
-        try:
-            compiled = _compile(source)
-            _ENV.set_deadline(time.monotonic() + RENDER_TIMEOUT_S)
-            text = compiled.render(
-                **(template_kwargs or {}),
-                messages=turns,
-                tools=tools or None,
-                documents=documents or None,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **self.special,
-            )
-        except (TemplateError, TypeError, ValueError, RecursionError) as err:
-            raise TemplateRenderError(f"cannot apply the chat template: {err}") from err
-        finally:
-            _ENV.set_deadline(float("inf"))
-        if len(text) > MAX_RENDER_CHARS:
+        if template is not None and len(template) > MAX_REQUEST_TEMPLATE_CHARS:
             raise TemplateRenderError(
-                f"the chat template produced more than {MAX_RENDER_CHARS} characters"
+                f"chat_template is {len(template)} characters long, more than the limit of "
+                f"{MAX_REQUEST_TEMPLATE_CHARS}"
             )
+        try:
+            with render_budget():
+                _ENV.check_time()  # a shared budget already spent renders nothing more
+                compiled = _compile(source)
+                text = compiled.render(
+                    **(template_kwargs or {}),
+                    messages=turns,
+                    tools=tools or None,
+                    documents=documents or None,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **self.special,
+                )
+        except Exception as err:  # noqa: BLE001 - whatever the template does is its failure
+            raise TemplateRenderError(f"cannot apply the chat template: {err}") from err
         if continue_final_message:
             text = _cut_after_final_message(text, turns)
         return text

@@ -10,9 +10,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_mamba.entrypoints.openai.errors import error_response
 
+# Routes outside /v1 that need the key too: they tokenize a request's text and render its
+# chat messages with the chat template (a request's own with --trust-request-chat-template).
+GUARDED_PATHS = frozenset(["/tokenize", "/detokenize"])
+
 
 class BearerAuth:
-    """ASGI middleware: `/v1/*` needs `Authorization: Bearer <api_key>` (401 otherwise).
+    """ASGI middleware: `/v1/*`, `/tokenize` and `/detokenize` need
+    `Authorization: Bearer <api_key>` (401 otherwise); `/health`, `/version`, `/metrics`,
+    `/tokenizer_info` and the web UI's page do not.
 
     The scheme is matched in any case and the first `Authorization` header counts (vLLM).
     """
@@ -22,7 +28,8 @@ class BearerAuth:
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith("/v1") or path.rstrip("/") in GUARDED_PATHS:
             token = _bearer_token(scope["headers"])
             if token is None or not secrets.compare_digest(token, self.expected):
                 response = error_response("invalid or missing API key", 401)

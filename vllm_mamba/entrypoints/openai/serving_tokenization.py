@@ -4,6 +4,10 @@ template), `POST /detokenize` and `GET /tokenizer_info`.
 Clients that tokenize on the server, such as lm-evaluation-harness's `local-completions` with
 its default tokenizer backend, need no tokenizer files of their own: they send the token ids
 back as prompts, so what they score is exactly what the model sees.
+
+`/tokenize` renders chat messages with the chat template (a request's own `chat_template` with
+`--trust-request-chat-template`, in the same bounded sandbox as chat completions), so with
+`--api-key` it and `/detokenize` need the key, as `/v1/*` does (`middleware.BearerAuth`).
 """
 
 from __future__ import annotations
