@@ -51,7 +51,8 @@ RUN set -eu; \
         python -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm_mamba._C_$level') is None)" \
             || { echo "kernel level $level was not built" >&2; exit 1; }; \
     done; \
-    python -c "from vllm_mamba.ops import cpu_isa; print('kernels:', cpu_isa.active_level())"
+    python -c "import sys; from vllm_mamba.ops import cpu_isa; level = cpu_isa.active_level(); \
+print('kernels of this machine:', level); sys.exit(level is None)"
 
 # --- runtime: the venv, libgomp for the kernels' OpenMP, a non-root user ---
 FROM ${PYTHON_IMAGE}

@@ -150,6 +150,10 @@ def load() -> tuple[str, ModuleType] | None:
     global _loaded
     if _loaded is not None:
         return _loaded
+    # Each build links against torch's libraries (libc10, libtorch), which only importing torch
+    # loads: without it every level would fail to import, as if none were installed.
+    import torch  # noqa: F401
+
     forced = requested_level()
     candidates = [forced] if forced else list(reversed(supported_levels()))
     for level in candidates:
