@@ -49,6 +49,11 @@ class HermesWithABug(HermesToolParser):
         if "crash" in str(self.tools):
             raise RuntimeError("a bug in the tool-call parser")
         return super().extract(text, strict)
+
+    def stream(self):
+        if "crash" in str(self.tools):
+            raise RuntimeError("a bug in the tool-call parser")
+        return super().stream()
 """
 
 
@@ -241,6 +246,21 @@ def test_a_500_closes_its_connection_and_says_so(server: RunningServer) -> None:
         failed = client.post(f"{server.url}/v1/chat/completions", json={**CHAT, "tools": tools})
         assert failed.status_code == 500 and failed.headers["connection"] == "close"
         assert client.post(f"{server.url}/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_a_bug_in_a_stream_ends_it_with_an_error_event(server: RunningServer) -> None:
+    """The same bug while streaming (chat; completions and responses share the guard): the
+    stream ends with an error event in OpenAI's shape and `[DONE]`, not cut off."""
+    tools = [{"type": "function", "function": {"name": "crash", "parameters": {}}}]
+    body = {**CHAT, "tools": tools, "stream": True, "model": MODEL_NAME}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=body, headers=server.headers, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        events = [line[len("data: ") :] for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]", events
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "RuntimeError" in error["message"], events
 
 
 # Model text that looks like hermes calls but cannot give JSON arguments: an escaped lone

@@ -98,6 +98,13 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
 
+def internal_error_message(err: BaseException) -> str:
+    """Logs an unexpected error with its traceback (the details stay in the server's log) and
+    returns what the client is told: its kind only."""
+    logger.error("internal error", exc_info=err)
+    return f"internal server error ({type(err).__name__})"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Registers handlers that answer every error in OpenAI's shape."""
 
@@ -131,8 +138,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, err: Exception) -> JSONResponse:
-        logger.exception("internal error")  # the details stay in the server's log
-        response = error_response(f"internal server error ({type(err).__name__})", 500)
+        response = error_response(internal_error_message(err), 500)
         # Starlette re-raises the exception after this response, and uvicorn then closes the
         # connection: say so, or a keep-alive client sends its next request into a closed one.
         response.headers["connection"] = "close"

@@ -36,7 +36,12 @@ from vllm_mamba.entrypoints.openai.chat_output import (
     StreamPiece,
     ToolOutputError,
 )
-from vllm_mamba.entrypoints.openai.errors import ENGINE_ERRORS, APIError, engine_error_status
+from vllm_mamba.entrypoints.openai.errors import (
+    ENGINE_ERRORS,
+    APIError,
+    engine_error_status,
+    internal_error_message,
+)
 from vllm_mamba.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
 from vllm_mamba.entrypoints.openai.output_constraints import (
@@ -455,6 +460,9 @@ class OpenAIServingChat:
             yield SSE_DONE
         except ENGINE_ERRORS as err:
             yield sse_error(str(err), engine_error_status(err))
+            yield SSE_DONE
+        except Exception as err:  # a bug: the client gets an error event, not a cut stream
+            yield sse_error(internal_error_message(err), 500)
             yield SSE_DONE
         finally:
             if final is None or not final.finished:

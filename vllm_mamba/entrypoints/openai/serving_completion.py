@@ -22,7 +22,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
-from vllm_mamba.entrypoints.openai.errors import ENGINE_ERRORS, APIError, engine_error_status
+from vllm_mamba.entrypoints.openai.errors import (
+    ENGINE_ERRORS,
+    APIError,
+    engine_error_status,
+    internal_error_message,
+)
 from vllm_mamba.entrypoints.openai.logprobs import (
     completion_logprobs,
     join_logprobs,
@@ -226,6 +231,9 @@ class OpenAIServingCompletion:
             yield SSE_DONE
         except ENGINE_ERRORS as err:
             yield sse_error(str(err), engine_error_status(err))
+            yield SSE_DONE
+        except Exception as err:  # a bug: the client gets an error event, not a cut stream
+            yield sse_error(internal_error_message(err), 500)
             yield SSE_DONE
         finally:
             for rid, out in zip(ids, finals):

@@ -27,7 +27,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_mamba.entrypoints.openai.chat_output import StreamPiece, ToolOutputError
-from vllm_mamba.entrypoints.openai.errors import ENGINE_ERRORS, APIError, engine_error_status
+from vllm_mamba.entrypoints.openai.errors import (
+    ENGINE_ERRORS,
+    APIError,
+    engine_error_status,
+    internal_error_message,
+)
 from vllm_mamba.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from vllm_mamba.entrypoints.openai.responses_protocol import (
     ResponsesRequest,
@@ -279,6 +284,8 @@ class OpenAIServingResponses:
             yield writer.error(str(err), err.status)
         except ENGINE_ERRORS as err:
             yield writer.error(str(err), engine_error_status(err))
+        except Exception as err:  # a bug: the client gets an error event, not a cut stream
+            yield writer.error(internal_error_message(err), 500)
         finally:
             if final is None or not final.finished:
                 self.engine.abort(response_id)
