@@ -72,6 +72,17 @@ def test_huge_values_are_refused_before_they_are_built(
     assert elapsed < chat_utils.RENDER_TIMEOUT_S  # refused, not timed out
 
 
+def test_values_kept_alive_are_bounded_together(template: ChatTemplate, heap: None) -> None:
+    """Each value within the size limit, but a namespace keeps all of them: 1 GB before."""
+    source = (
+        "{% set ns = namespace(kept=[]) %}{% for i in range(1000) %}"
+        "{% set ns.kept = ns.kept + [('x' * 1000000) ~ i] %}{% endfor %}{{ ns.kept|length }}"
+    )
+    with pytest.raises(TemplateRenderError):
+        template.render(TURNS, True, template=source)
+    assert tracemalloc.get_traced_memory()[1] < 256 * MB
+
+
 def test_integers_are_bounded(template: ChatTemplate) -> None:
     with pytest.raises(TemplateRenderError):  # 3.3 million bits: each step adds 1000 times
         template.render(TURNS, True, template="{{ ((10 ** 1000) ** 1000) % 7 }}")

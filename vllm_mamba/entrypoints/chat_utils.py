@@ -197,6 +197,7 @@ class ChatTemplate:
             with render_budget():
                 _ENV.check_time()  # a shared budget already spent renders nothing more
                 compiled = _compile(source)
+                _ENV.start_render()
                 text = compiled.render(
                     **(template_kwargs or {}),
                     messages=turns,

@@ -42,6 +42,11 @@ RENDER_TIMEOUT_S = 2.0
 MAX_RENDER_CHARS = 4_000_000
 MAX_ITEMS = 100_000  # the most items of a list a template builds (as Jinja's range limit)
 MAX_INT_BITS = 100_000
+# What one render may build in all (characters of the strings, 32 per item of the collections
+# that calls, filters and operators return): values kept alive (`set`, a namespace's list grown
+# with `+`) are bounded together, not only one by one.
+MAX_BUILT = 32 * MAX_RENDER_CHARS
+_ITEM_COST = 32
 _MAX_POWER = 1_000
 # Filters that iterate their input item by item in Python: refused on inputs of more items.
 _ITERATING_FILTERS = frozenset(
@@ -237,13 +242,32 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         self.text_size(value)
         return str(value)
 
-    @staticmethod
-    def check_result(value: Any) -> Any:
-        """`value`, unless it is a string or a collection over the limits."""
-        if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > MAX_RENDER_CHARS:
+    def start_render(self) -> None:
+        """A render starts on this thread: nothing of `MAX_BUILT` is spent yet."""
+        self._local.built = 0
+
+    def check_result(self, value: Any) -> Any:
+        """`value`, unless it is a string or a collection over the limits, or takes what this
+        render built over `MAX_BUILT`."""
+        if isinstance(value, (str, bytes)):
+            count, cost = len(value), 1
+        elif isinstance(value, (list, tuple, dict)):
+            count, cost = len(value), _ITEM_COST
+        else:
+            return value
+        if count > MAX_RENDER_CHARS:
             del value  # an error's traceback keeps its frames' locals until a gc pass
             raise _too_large("a value")
+        self._add_built(count * cost)
         return value
+
+    def _add_built(self, size: int) -> None:
+        built = getattr(self._local, "built", 0) + size
+        self._local.built = built
+        if built > MAX_BUILT:
+            raise TemplateBudgetError(
+                f"the chat template built more than {MAX_BUILT} characters in all"
+            )
 
     def output_buffer(self) -> list[str]:
         """The list a block, macro or loop body writes its output pieces to."""
@@ -263,6 +287,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             if total > MAX_RENDER_CHARS:
                 raise _too_large("a text")
             texts.append(text)
+        self._add_built(total)
         return sep.join(texts)
 
     def _printable(self, value: Any) -> Any:
