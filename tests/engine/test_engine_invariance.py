@@ -82,14 +82,16 @@ def test_forced_preemption_gives_same_tokens(llm, prompts, alone) -> None:
 
 
 def test_preempting_forked_request_gives_same_tokens(vllm_runner, model, prompts, alone) -> None:
-    """Slots for n=3 are reserved on admission; preempting after the fork recomputes each child."""
+    """n=3 in three slots beside another request: one slot is left for the other request, so
+    one fork is reserved and the third sequence waits; preempting after the fork recomputes
+    each sequence."""
     with vllm_runner(model, max_num_seqs=3) as runner:
         engine = runner.engine
         engine.add_request("fork", prompts[6], SamplingParams(temperature=0, max_tokens=20, n=3))
         engine.add_request("other", prompts[1], GREEDY)
         engine.step()
-        assert engine.scheduler.slots.num_free == 0  # three reserved, the other request waits
-        assert [g.request_id for g in engine.scheduler.waiting] == ["other"]
+        assert engine.scheduler.slots.num_free == 0  # one reserved fork, and the other request
+        assert [g.request_id for g in engine.scheduler.running] == ["fork", "other"]
         finished = {}
         for step in range(200):
             if step == 5:
@@ -126,3 +128,31 @@ def test_abort_in_flight_frees_slots(vllm_runner, model, prompts, alone) -> None
         runner.assert_drained()
         # The engine still serves normally afterwards.
         assert tokens(runner.generate(prompts[0], GREEDY)) == [alone[0]]
+
+
+def test_large_n_leaves_room_for_a_later_request(
+    vllm_runner, model, prompts, alone, shared
+) -> None:
+    """Issue 46: a request of n = max_num_seqs held every slot until it finished. A request
+    added after it now runs before it finishes (the large one gives back a slot, its last
+    sequence restarting later from the prompt), and every output is what it is with room for
+    all: the seeded samples of each index, the other request's greedy tokens."""
+    big = SamplingParams(temperature=1.0, seed=11, max_tokens=30, n=4)
+    roomy = [o.token_ids for o in shared.generate(prompts[6], big)[0].outputs]
+    with vllm_runner(model, max_num_seqs=4) as runner:
+        engine = runner.engine
+        engine.add_request("big", prompts[6], big)
+        engine.step()
+        assert engine.scheduler.slots.num_free == 0  # the big request holds every slot
+        engine.add_request("small", prompts[1], GREEDY)
+        finished: dict[str, RequestOutput] = {}
+        order = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    order.append(out.request_id)
+        assert order == ["small", "big"]
+        assert engine.scheduler.num_preemptions >= 1
+    assert finished["small"].outputs[0].token_ids == alone[1]
+    assert [o.token_ids for o in finished["big"].outputs] == roomy

@@ -3,8 +3,22 @@
 Each step the scheduler fills a token budget (`max_num_batched_tokens`): first the running
 sequences (mostly one-token decodes), then waiting requests in arrival order while state slots
 are free. A sequence with more tokens to compute than the budget allows gets a chunk now and
-the rest later (chunked prefill). A request with `n > 1` reserves its `n` slots on admission,
-prefills once, and forks into the reserved slots when its prompt's last chunk is scheduled.
+the rest later (chunked prefill). A request with `n > 1` reserves slots for its other
+sequences on admission, prefills once, and forks into the reserved slots when its prompt's last
+chunk is scheduled.
+
+A request's sequences share the slots with other requests (issue 46: two requests of `n=128`
+held all 256 slots and the others queued for their whole generation). A request is admitted
+as soon as one slot is free: its first sequence takes it, its other sequences the free slots
+that the requests waiting behind it do not need (one each); a sequence without a slot waits
+inside its running request (`SequenceStatus.WAITING`) and starts later on its own, from its
+prompt (a sequence forked later would start from the state of a prompt its parent has moved
+past), when slots are free and no request waits for one; a running request none of whose
+sequences holds a slot gets one before the waiting requests, as it came before them. When a
+request waits and no slot is free, a running request that holds more than its fair share (the
+slots divided among the running requests and it) gives one back: a reserved slot, else its
+last sequence, preempted by recompute (`preempt_seq`); a request always keeps one sequence
+running.
 
 `preempt` is preemption by recompute: the request's slots and KV blocks are freed and it goes
 back to the front of the queue; when they return its sequences start over, prompt and generated
@@ -184,6 +198,35 @@ class Scheduler:
         self.waiting.appendleft(group)
         self.num_preemptions += 1
 
+    def preempt_seq(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Preemption by recompute of one sequence of a running request: its slot and blocks
+        are freed, and it waits inside the request until a slot is free again."""
+        self.finish_seq(seq)
+        seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+
+    def _make_room(self) -> None:
+        """Frees one slot for each request that waits without one (up to the slots that
+        requests over their fair share hold beyond it): see the module docstring."""
+        wanting = sum(1 for g in self.waiting if not g.paused)
+        wanting += sum(1 for g in self.running if _starved(g))
+        while wanting > self.slots.num_free:
+            fair = max(1, self.slots.num_slots // (len(self.running) + 1))
+            held = {id(g): _held(g) for g in self.running}
+            over = [g for g in self.running if held[id(g)] > fair]
+            if not over:
+                return
+            group = max(over, key=lambda g: held[id(g)])
+            if group.reserved_slots:
+                self.slots.free(group.reserved_slots.pop())
+                continue
+            seqs = [s for s in group.unfinished_seqs() if s.slot is not None]
+            if len(seqs) < 2:
+                return
+            self.preempt_seq(group, seqs[-1])
+
     def _free_group(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
             self.finish_seq(seq)
@@ -197,6 +240,7 @@ class Scheduler:
         self._spec_left = self.max_spec_chains
         out = SchedulerOutput(scheduled=[])
         preempted = False
+        self._make_room()
         index = 0
         while index < len(self.running) and budget > 0:
             group = self.running[index]
@@ -218,17 +262,19 @@ class Scheduler:
         waiting = 0
         # Waiting for a branch point makes sense only behind a request that progresses.
         unpaused = [g for g in self.running if not g.paused]
+        if not preempted:
+            budget = self._start_waiting_seqs(budget, out, starved_only=True)
         while waiting < len(self.waiting) and budget > 0 and not preempted:
             group = self.waiting[waiting]
             if group.paused:
                 waiting += 1
                 continue
-            seqs = group.unfinished_seqs()
-            if self.slots.num_free < len(seqs) + group.pending_forks:
+            if self.slots.num_free == 0:
                 break
             if self.prefix.should_wait(group, unpaused):
                 waiting += 1
                 continue
+            seqs = group.unfinished_seqs()[: self.slots.num_free]
             for seq in seqs:
                 seq.slot = self.slots.allocate()
             hits = self.prefix.find_hits(group, seqs)
@@ -239,15 +285,44 @@ class Scheduler:
             del self.waiting[waiting]
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-            group.reserved_slots = [self.slots.allocate() for _ in range(group.pending_forks)]
+            behind = sum(1 for g in itertools.islice(self.waiting, waiting, None) if not g.paused)
+            forks = min(group.pending_forks, max(self.slots.num_free - behind, 0))
+            group.reserved_slots = [self.slots.allocate() for _ in range(forks)]
             self.running.append(group)
             unpaused.append(group)
             self.prefix.count(group, seqs, hits)
             out.hits.extend(hits)
             budget -= self._commit(group, plan, out)
+        if not preempted and not any(not g.paused for g in self.waiting):
+            self._start_waiting_seqs(budget, out)
         out.scheduled.sort(key=lambda s: 0 if s.is_decode else 1 if s.is_spec else 2)
         out.block_copies = self.block_manager.take_copies()
         return out
+
+    def _start_waiting_seqs(
+        self, budget: int, out: SchedulerOutput, starved_only: bool = False
+    ) -> int:
+        """Gives free slots to the sequences waiting inside running requests (in the order
+        of the requests; `starved_only`: one to each request none of whose sequences holds
+        a slot); returns the budget left."""
+        for group in self.running:
+            if group.paused or (starved_only and not _starved(group)):
+                continue
+            for seq in group.unfinished_seqs()[: 1 if starved_only else None]:
+                if seq.slot is not None:
+                    continue
+                if self.slots.num_free == 0 or budget <= 0:
+                    return budget
+                seq.slot = self.slots.allocate()
+                hits = self.prefix.find_hits(group, [seq])
+                plan = self._plan(group, budget, seqs=[seq])
+                if not self._fit_blocks(plan):
+                    self._undo_admission([seq], hits)
+                    return budget
+                seq.status = SequenceStatus.RUNNING
+                out.hits.extend(hits)
+                budget -= self._commit(group, plan, out)
+        return budget
 
     def _victim(self) -> SequenceGroup:
         """The request to preempt for KV blocks: the most recently admitted paused one, else
@@ -256,15 +331,21 @@ class Scheduler:
         return paused[-1] if paused else self.running[-1]
 
     def _plan(
-        self, group: SequenceGroup, budget: int, speculate: bool = True
+        self,
+        group: SequenceGroup,
+        budget: int,
+        speculate: bool = True,
+        seqs: list[Sequence] | None = None,
     ) -> list[tuple[Sequence, int]]:
-        """The group's sequences and their token counts within `budget`; with prefix caching,
-        a prefill chunk ends at the next point where a snapshot is due. A decoding sequence
-        with draft tokens (`spec_token_ids`) also counts those that fit, while the step has
-        spare slots for their states (`max_spec_chains`)."""
+        """The group's sequences that hold a slot (or `seqs`) and their token counts within
+        `budget`; with prefix caching, a prefill chunk ends at the next point where a snapshot
+        is due. A decoding sequence with draft tokens (`spec_token_ids`) also counts those
+        that fit, while the step has spare slots for their states (`max_spec_chains`)."""
         plan = []
         chains = self._spec_left if speculate else 0
-        for seq in group.unfinished_seqs():
+        if seqs is None:
+            seqs = [s for s in group.unfinished_seqs() if s.slot is not None]
+        for seq in seqs:
             num = min(seq.num_uncomputed_tokens, budget)
             if num == 0:
                 break
@@ -325,10 +406,15 @@ class Scheduler:
         return used
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
-        """Creates the request's remaining sequences in its reserved slots; they share the
-        parent's KV blocks."""
+        """Creates the request's remaining sequences: in its reserved slots, forks of the
+        parent that share its KV blocks; beyond them, sequences that wait for a slot and
+        start from the prompt."""
         children = []
         for index in range(len(group.seqs), group.params.n):
+            if not group.reserved_slots:
+                seq = Sequence(self.new_seq_id(), index, parent.prompt_token_ids)
+                group.seqs.append(seq)
+                continue
             child = Sequence(
                 seq_id=self.new_seq_id(),
                 index=index,
@@ -340,3 +426,14 @@ class Scheduler:
             group.seqs.append(child)
             children.append(child)
         return children
+
+
+def _held(group: SequenceGroup) -> int:
+    """The state slots a request holds: its sequences' and those reserved for its forks."""
+    return sum(s.slot is not None for s in group.seqs) + len(group.reserved_slots)
+
+
+def _starved(group: SequenceGroup) -> bool:
+    """A running request with sequences to run, none of which holds a slot."""
+    seqs = group.unfinished_seqs()
+    return not group.paused and bool(seqs) and _held(group) == 0
