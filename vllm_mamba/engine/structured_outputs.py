@@ -402,10 +402,31 @@ def compile_source(compiler: Any, method: str, text: str) -> Any:
     """Compiles one `grammar_source` result with an xgrammar `GrammarCompiler` (here, or in a
     worker of `grammar_pool`)."""
     if method == "json_schema":
-        return compiler.compile_json_schema(text, any_whitespace=False)
+        import xgrammar as xgr
+
+        grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        ebnf = str(grammar)
+        if _LENGTH_LIMITED_CHAR not in ebnf:
+            return compiler.compile_grammar(grammar)
+        return compiler.compile_grammar(_TOKEN.sub(_json_string_char, ebnf))
     if method == "regex":
         return compiler.compile_regex(text)
     return compiler.compile_grammar(text)
+
+
+# xgrammar (0.2.9) writes a character of a string with minLength / maxLength as
+# `[^\"\\\r\n]`, which lets a raw tab or other control character (U+0000-U+001F) into
+# the string: JSON forbids them, so `json.loads` rejected outputs the grammar had accepted
+# (a tool call that ended but could not be read). Such a character class is rewritten to
+# the one of an ordinary JSON string character; quoted literals and other classes (each
+# matched whole, escapes included) are left as they are.
+_LENGTH_LIMITED_CHAR = r"[^\"\\\r\n]"
+_JSON_CHAR = r"[^\0-\x1f\"\\]"
+_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
+
+
+def _json_string_char(match: re.Match[str]) -> str:
+    return _JSON_CHAR if match.group(0) == _LENGTH_LIMITED_CHAR else match.group(0)
 
 
 def clean_message(err: BaseException) -> str:
