@@ -3,17 +3,26 @@ concurrent clients (completions, chat, streaming, echo with logprobs, client abo
 disconnects, invalid inputs). No 5xx, every slot free at the end, no steady memory growth in the
 second half, and the greedy output of a fixed prompt unchanged.
 
-Memory is sampled at quiescent points (no request in flight, the engine's idle `malloc_trim`
-done) after every block of requests, each sample the median of a few readings, and the growth
-per request of a half is the least-squares slope over its samples, not the difference of two
-endpoints. The bounded measure is the server's native heap in use (glibc's `mallinfo2`,
-`vllm:native_heap_in_use_bytes`): RSS at one point moves by several MB with fragmentation and
-trimmed pages, which two readings 800 requests apart turn into KB per request of either sign.
-oneDNN caches a compiled GEMM per row count (`ops.cpu_kernels.gemm_rows`: 20 sizes, 2.3 MB of
-heap each for the tiny model's weights); the mixed traffic reaches the large sizes only now and
-then, so the warm-up also sends one prompt of each size (echoed with logprobs, so the LM head
-sees it too): what is left is growth that no bounded cache explains. RSS keeps a gross bound
-between the ends of the second half; Python's allocated blocks are reported.
+Memory is sampled at quiescent points after every block of requests (no request in flight,
+after the engine's idle `malloc_trim`, so RSS does not carry freed pages kept in the heap),
+each sample the median of a few readings, and the growth per request of a half is the
+median slope between its samples, not the difference of two endpoints. Both the server's
+native heap in use (glibc's `mallinfo2`, `vllm:native_heap_in_use_bytes`) and its RSS are
+compared by halves: the second half grows less than `BYTES_PER_REQUEST` per request on each,
+and no faster than the first half did (no trend). Python's allocated blocks are reported.
+Reference cycles that closed connections leave behind are collected soon because the server
+freezes its startup heap (`native_memory.freeze_startup_heap`): a second half of +78 B/request
+of RSS where it was +359 without the freeze (+594 and +356 by least squares), the heap flat.
+
+Bounded caches that mixed traffic fills late are warmed first. oneDNN compiles a GEMM
+primitive per row count (`ops.cpu_kernels.gemm_rows`: 20 sizes, 2.3 MB of heap each for the
+tiny model's weights), so the warm-up sends one prompt of each size (echoed with logprobs, so
+the LM head sees it too). It also keys them by the thread count they run on: each thread count
+the CPU governor moves to (`worker.cpu_threads`, when other processes take CPUs) compiles them
+all again (55 MB more heap on the shipped tiny-stdlib model), bounded by the counts the
+governor visits. That is no growth per request, so the server runs a fixed thread count
+(`--threads`, the count it would start with): on a shared machine the governor would put a
+step of tens of MB anywhere in the soak.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import pytest
 
 from tests.entrypoints.conftest import MODEL_NAME, RunningServer, launch_server
 from vllm_mamba.ops.cpu_kernels import GEMM_ROWS, gemm_rows
+from vllm_mamba.worker.cpu_threads import default_threads
 
 pytestmark = pytest.mark.whole_machine  # a soak: time and memory bounds over 2,000 requests
 
@@ -39,10 +49,9 @@ BLOCK = 100
 BLOCKS_PER_HALF = 8
 CONCURRENCY = 16
 TIME_LIMIT_S = 300
-# Growth per request over the second half (fitted slope), see the module docstring.
-HEAP_BYTES_PER_REQUEST = 500
-# A gross guard on RSS, end to end over the second half (its noise, see above).
-RSS_BYTES_PER_REQUEST = 49152
+# Growth per request of the heap and of RSS over the second half (fitted slope), see the
+# module docstring.
+BYTES_PER_REQUEST = 500
 READINGS = 3
 GREEDY = {"model": MODEL_NAME, "prompt": "import os\n", "max_tokens": 12, "temperature": 0}
 WORDS = ["def", "class", "import", "return", "self", "value", "for", "in", "print", "if"]
@@ -128,7 +137,7 @@ def _metric(server: RunningServer, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def soak_server() -> Iterator[RunningServer]:
-    with launch_server() as running:
+    with launch_server("--threads", str(default_threads())) as running:
         yield running
 
 
@@ -149,17 +158,16 @@ def _metrics(server: RunningServer) -> dict[str, float]:
     return values
 
 
-def _sample(server: RunningServer, trimmed: bool = False) -> tuple[float, float, float]:
-    """(heap bytes in use, RSS bytes, Python blocks) of the quiescent server, each the median
-    of `READINGS` readings; with `trimmed`, after the engine's idle `malloc_trim` (which moves
-    RSS, not the heap in use)."""
+def _sample(server: RunningServer) -> tuple[float, float, float]:
+    """(heap bytes in use, RSS bytes, Python blocks) of the quiescent server after the
+    engine's idle `malloc_trim` (which moves RSS, not the heap in use), each the median of
+    `READINGS` readings."""
     _drained(server)
-    if trimmed:
-        # The engine trims at most once a second; a lone request after that gap ends in an
-        # idle trim.
-        time.sleep(1.1)
-        httpx.post(f"{server.url}/v1/completions", json=GREEDY, headers=server.headers)
-        _drained(server)
+    # The engine trims at most once a second; a lone request after that gap ends in an idle
+    # trim.
+    time.sleep(1.1)
+    httpx.post(f"{server.url}/v1/completions", json=GREEDY, headers=server.headers)
+    _drained(server)
     readings = []
     for _ in range(READINGS):
         values = _metrics(server)
@@ -170,9 +178,16 @@ def _sample(server: RunningServer, trimmed: bool = False) -> tuple[float, float,
 
 
 def _growth(values: list[float]) -> float:
-    """Least-squares growth per request of `values`, sampled every `BLOCK` requests."""
-    counts = [BLOCK * i for i in range(len(values))]
-    return statistics.linear_regression(counts, values).slope
+    """Growth per request of `values`, sampled every `BLOCK` requests: the median of the
+    slopes between every two samples (Theil-Sen). RSS now and then drops by a few MB at one
+    sample (the kernel reclaiming idle pages) and is back at the next, which swings a
+    least-squares slope by KB per request; the median slope is the trend of the others."""
+    slopes = [
+        (values[j] - values[i]) / (BLOCK * (j - i))
+        for i in range(len(values))
+        for j in range(i + 1, len(values))
+    ]
+    return statistics.median(slopes)
 
 
 def _warm_gemm_shapes(server: RunningServer) -> None:
@@ -197,7 +212,7 @@ def test_soak(soak_server: RunningServer) -> None:
     for block in range(2 * BLOCKS_PER_HALF):
         statuses += asyncio.run(_soak(server, seed=2 + block, count=BLOCK))
         done += BLOCK
-        samples.append(_sample(server, trimmed=block + 1 in (BLOCKS_PER_HALF, 2 * BLOCKS_PER_HALF)))
+        samples.append(_sample(server))
     assert time.monotonic() - start < TIME_LIMIT_S
     total = WARMUP + done
     assert not [s for s in statuses if isinstance(s, int) and s >= 500], statuses
@@ -210,10 +225,11 @@ def test_soak(soak_server: RunningServer) -> None:
         for i, name in enumerate(("heap", "rss", "blocks"))
     }
     report = ", ".join(f"{half} {name} {value:+.1f}" for (half, name), value in growth.items())
-    heaps = [int(sample[0]) for sample in samples]
-    print(f"per request after {WARMUP} warm-up: {report}; heap samples {heaps}")
-    assert growth["second", "heap"] < HEAP_BYTES_PER_REQUEST, (report, heaps)
-    rss_growth = samples[-1][1] - samples[mid - 1][1]
-    assert rss_growth < RSS_BYTES_PER_REQUEST * BLOCK * BLOCKS_PER_HALF, rss_growth
+    heaps, rss = [int(sample[0]) for sample in samples], [int(sample[1]) for sample in samples]
+    print(f"per request after {WARMUP} warm-up: {report}; heap samples {heaps}; rss {rss}")
+    for name in ("heap", "rss"):
+        first, second = growth["first", name], growth["second", name]
+        assert second < BYTES_PER_REQUEST, (name, report, heaps, rss)
+        assert second <= max(first, 0.0) + BYTES_PER_REQUEST / 2, (name, report, heaps, rss)
     again = httpx.post(f"{server.url}/v1/completions", json=GREEDY, headers=server.headers)
     assert again.json()["choices"][0]["text"] == want

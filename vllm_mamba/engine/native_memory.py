@@ -10,12 +10,21 @@ creeps up per request although nothing leaks. `limit_arenas` caps the arenas (wh
 all arenas and mmapped chunks): unlike RSS it does not move with fragmentation or with pages
 kept or trimmed, so the soak test fits its growth per request. All do nothing (or return None)
 where the C library is not glibc.
+
+`freeze_startup_heap` moves the objects alive once the server is loaded (about 1.4 million:
+torch, transformers, the model) out of Python's cyclic collector, as vLLM does. Each closed
+HTTP connection leaves a reference cycle (asyncio's socket transport holds a bound method of
+itself), collected only by a full collection; with the startup objects counted as long-lived,
+one runs only after ~350,000 more objects pile up, so those cycles held RSS growing by ~350 B
+per request for thousands of requests (pymalloc's arenas, outside malloc's heap in use).
+Frozen, the objects a full collection walks are the server's own, and it runs often and fast.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import time
 
 
@@ -77,3 +86,12 @@ def heap_in_use() -> int | None:
     fn.restype = _Mallinfo2
     info = fn()
     return int(info.uordblks + info.hblkhd)
+
+
+def freeze_startup_heap() -> None:
+    """Collects the garbage of startup, then freezes every object still alive (`gc.freeze`),
+    so later full collections walk only what was allocated since (see the module docstring);
+    the last collection restarts the collector's count of long-lived objects from those."""
+    gc.collect()
+    gc.freeze()
+    gc.collect()

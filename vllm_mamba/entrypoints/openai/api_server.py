@@ -267,6 +267,7 @@ def run_server(args: argparse.Namespace) -> int:
         sock.close()
         print_error(err)
         return 2
+    native_memory.freeze_startup_heap()
     server.run(sockets=[sock])
     return 1 if server.engine.errored else 0
 
