@@ -61,7 +61,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     net.add_argument(
         "--api-key",
         default=None,
-        help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV}, or none)",
+        help=(
+            "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
+            f"(default: ${API_KEY_ENV}, or none)"
+        ),
     )
     net.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging level")
     net.add_argument(
