@@ -156,3 +156,23 @@ def test_large_n_leaves_room_for_a_later_request(
         assert engine.scheduler.num_preemptions >= 1
     assert finished["small"].outputs[0].token_ids == alone[1]
     assert [o.token_ids for o in finished["big"].outputs] == roomy
+
+
+def test_a_request_without_a_slot_is_not_starved_by_new_ones(vllm_runner, model, prompts, alone):
+    """n=2 in two slots while a short request arrives every other step: each new request
+    takes one of the two slots back, and when the request's running sequence ends, its other
+    one gets the free slot before the newer requests waiting (not once none waits)."""
+    with vllm_runner(model, max_num_seqs=2) as runner:
+        engine = runner.engine
+        engine.add_request("big", prompts[6], SamplingParams(temperature=0, max_tokens=20, n=2))
+        big = None
+        for step in range(400):
+            if step < 150 and step % 2 == 0:
+                engine.add_request(f"s{step}", prompts[1], SamplingParams(max_tokens=4))
+            for out in engine.step():
+                if out.request_id == "big" and out.finished:
+                    big = (step, out)
+            if not engine.has_unfinished_requests():
+                break
+    assert big is not None and big[0] < 150, big  # while new requests still came
+    assert [o.token_ids for o in big[1].outputs] == [alone[6]] * 2
