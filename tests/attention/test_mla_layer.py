@@ -22,6 +22,7 @@ from vllm_mamba.kv_cache import KVCache, plan_num_blocks
 from vllm_mamba.layers.mla_attention import MLAAttention
 from vllm_mamba.layers.parallel_linear import named_shards
 from vllm_mamba.layers.quantization import quantize_model
+from vllm_mamba.layers.rope_scaling import plain_frequencies
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.ops import cpu_kernels
 from vllm_mamba.ops.dispatch import REF_OPS
@@ -202,7 +203,7 @@ def test_rotary_rotates_rope_parts() -> None:
     latent is cached: chunked equals whole, and differs from the unrotated layer."""
     hf = _hf_attention(None)
     hidden = torch.randn(10, HIDDEN, generator=torch.Generator().manual_seed(3))
-    rotary = RotaryEmbedding(ROPE, ROPE, 64, 10000.0)
+    rotary = RotaryEmbedding(ROPE, ROPE, 64, plain_frequencies(10000.0, ROPE))
     layer = _layer(hf, "ref", None, rotary=rotary)
     _bind(layer)
     with torch.no_grad():

@@ -275,18 +275,17 @@ def test_request_chat_templates_stay_in_the_sandbox(
 
 
 def test_routes_that_render_templates_need_the_key(server: RunningServer) -> None:
-    """`/tokenize` renders a request's chat template: with a key set it needs the key, as
-    `/detokenize` and `/v1/*` do (it was open to anyone)."""
-    for path, body in (
-        ("/tokenize", {**CHAT, "chat_template": "{{ messages[0].content }}"}),
-        ("/tokenize", COMPLETION),
-        ("/detokenize", {"tokens": [1, 2]}),
-    ):
-        for headers in ({}, {"Authorization": "Bearer wrong"}):
-            response = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=30)
-            assert response.status_code == 401, path
-            assert response.json()["error"]["type"] == "authentication_error"
-        assert post(server, path, body).status_code == 200
+    """`/tokenize` with chat messages renders a chat template (a request's own too): with a key
+    set it needs the key, as `/v1/*` does (it was open to anyone). Plain text tokenization and
+    `/detokenize` stay open, as in vLLM (lm-eval's remote tokenizer calls them without one)."""
+    rendering = {**CHAT, "chat_template": "{{ messages[0].content }}"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(f"{server.url}/tokenize", json=rendering, headers=headers, timeout=30)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert post(server, "/tokenize", rendering).status_code == 200
+    for path, body in (("/tokenize", COMPLETION), ("/detokenize", {"tokens": [1, 2]})):
+        assert httpx.post(f"{server.url}{path}", json=body, timeout=30).status_code == 200, path
     assert httpx.get(f"{server.url}/tokenizer_info", timeout=30).status_code == 200
 
 

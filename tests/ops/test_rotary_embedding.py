@@ -8,6 +8,7 @@ from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb as gptj_
 from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
 
+from vllm_mamba.layers.rope_scaling import plain_frequencies
 from vllm_mamba.ops.rotary_embedding import rotary_cos_sin_cache, rotary_embedding_ref
 
 
@@ -15,7 +16,12 @@ def _inputs(rot_dim: int, head_dim: int = 16):
     torch.manual_seed(0)
     positions = torch.tensor([0, 3, 7, 2, 40])
     query, key = torch.randn(5, 4, head_dim), torch.randn(5, 2, head_dim)
-    return positions, query, key, rotary_cos_sin_cache(rot_dim, 64)
+    return (
+        positions,
+        query,
+        key,
+        rotary_cos_sin_cache(plain_frequencies(10000.0, rot_dim).inv_freq, 64),
+    )
 
 
 @pytest.mark.parametrize("rot_dim", [16, 8])

@@ -57,6 +57,11 @@ def _plain(base: float, rot_dim: int) -> torch.Tensor:
     return 1.0 / base ** _exponents(rot_dim)
 
 
+def plain_frequencies(base: float, rot_dim: int) -> RopeFrequencies:
+    """Plain RoPE over `rot_dim` dims: `f_i = base ** (-2i / R)`, no attention factor."""
+    return RopeFrequencies(_plain(base, rot_dim))
+
+
 def _required(params: dict[str, Any], key: str) -> Any:
     value = params.get(key)
     if value is None:

@@ -36,11 +36,11 @@ from vllm_mamba.entrypoints.chat_utils import ChatTemplate
 from vllm_mamba.entrypoints.cli_args import Parser, print_error
 from vllm_mamba.entrypoints.openai.api_docs import add_api_docs
 from vllm_mamba.entrypoints.openai.cli_serve import HelpFormatter, add_server_args
-from vllm_mamba.entrypoints.openai.errors import error_response, install_error_handlers
+from vllm_mamba.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from vllm_mamba.entrypoints.openai.http_protocol import ConnectionLimits, deadline_protocol
 from vllm_mamba.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from vllm_mamba.entrypoints.openai.metrics import ServerMetrics
-from vllm_mamba.entrypoints.openai.middleware import BearerAuth, BodySizeLimit
+from vllm_mamba.entrypoints.openai.middleware import BearerAuth, BodySizeLimit, has_api_key
 from vllm_mamba.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -154,7 +154,13 @@ def build_app(engine: AsyncLLMEngine, args: argparse.Namespace) -> FastAPI:
         return JSONResponse(responses.retrieve(response_id))
 
     @app.post("/tokenize")
-    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> JSONResponse:
+    async def tokenize(
+        req: TokenizeCompletionRequest | TokenizeChatRequest, raw: Request
+    ) -> JSONResponse:
+        # Chat messages render a chat template (a request's own with
+        # --trust-request-chat-template): behind the key, as /v1 is.
+        if isinstance(req, TokenizeChatRequest) and not has_api_key(raw.scope["headers"], api_key):
+            raise APIError("invalid or missing API key", 401)
         return JSONResponse((await tokenization.tokenize(req)).model_dump())
 
     @app.post("/detokenize")

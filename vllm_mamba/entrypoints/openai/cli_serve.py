@@ -62,7 +62,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         help=(
-            "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
+            "require `Authorization: Bearer KEY` on /v1/* and on /tokenize with chat messages "
             f"(default: ${API_KEY_ENV}, or none)"
         ),
     )

@@ -10,32 +10,36 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_mamba.entrypoints.openai.errors import error_response
 
-# Routes outside /v1 that need the key too: they tokenize a request's text and render its
-# chat messages with the chat template (a request's own with --trust-request-chat-template).
-GUARDED_PATHS = frozenset(["/tokenize", "/detokenize"])
-
 
 class BearerAuth:
-    """ASGI middleware: `/v1/*`, `/tokenize` and `/detokenize` need
-    `Authorization: Bearer <api_key>` (401 otherwise); `/health`, `/version`, `/metrics`,
-    `/tokenizer_info` and the web UI's page do not.
+    """ASGI middleware: `/v1/*` needs `Authorization: Bearer <api_key>` (401 otherwise), as in
+    vLLM; `/tokenize` with chat messages (which renders a chat template) checks the key in its
+    route (`has_api_key`); plain `/tokenize`, `/detokenize`, `/health`, `/version`, `/metrics`,
+    `/tokenizer_info` and the web UI's page do not need it (lm-eval's remote tokenizer calls
+    `/tokenize` without a key).
 
     The scheme is matched in any case and the first `Authorization` header counts (vLLM).
     """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = api_key.encode()
+        self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
-        if path.startswith("/v1") or path.rstrip("/") in GUARDED_PATHS:
-            token = _bearer_token(scope["headers"])
-            if token is None or not secrets.compare_digest(token, self.expected):
-                response = error_response("invalid or missing API key", 401)
-                await response(scope, receive, send)
-                return
+        if path.startswith("/v1") and not has_api_key(scope["headers"], self.api_key):
+            response = error_response("invalid or missing API key", 401)
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+
+def has_api_key(headers: list[tuple[bytes, bytes]], api_key: str | None) -> bool:
+    """Whether a request with raw `headers` carries `api_key` (always, when there is none)."""
+    if not api_key:
+        return True
+    token = _bearer_token(headers)
+    return token is not None and secrets.compare_digest(token, api_key.encode())
 
 
 def _bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:

@@ -7,7 +7,8 @@ back as prompts, so what they score is exactly what the model sees.
 
 `/tokenize` renders chat messages with the chat template (a request's own `chat_template` with
 `--trust-request-chat-template`, in the same bounded sandbox as chat completions), so with
-`--api-key` it and `/detokenize` need the key, as `/v1/*` does (`middleware.BearerAuth`).
+`--api-key` such a request needs the key, as `/v1/*` does (`middleware.has_api_key`, checked
+in its route); plain text and `/detokenize` stay open, as in vLLM.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and what every HTML page of the server shares: its files read from `static/` and the
 Content-Security-Policy that lets it load nothing from another origin.
 
-The page is public (the API key guards `/v1/*`, `/tokenize` and `/detokenize`); it asks for
+The page is public (the API key guards `/v1/*` and `/tokenize` with chat messages); it asks for
 the key itself, keeps it in this origin's `localStorage` and sends it on its API calls, so no
 script from elsewhere may run on this origin: the page's inline script runs by its hash, and
 no other script runs.
