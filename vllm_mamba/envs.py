@@ -17,8 +17,11 @@ when a state cache binds a model and its layers' decode plans are made (`layers/
 | `VLLM_MAMBA_CPU_ISA` | (best) | force a lower CPU kernel level (`vllm_mamba.ops.cpu_isa`) |
 
 Build time only (read by `setup.py`, which cannot import the package): `VLLM_MAMBA_NO_EXT=1`
-builds without the C++ extensions; `VLLM_MAMBA_CPU_ISAS=avx2,avx512` builds only the listed
-kernel levels (all of the machine's architecture by default; no build uses `-march=native`).
+builds without the C++ extensions; `VLLM_MAMBA_CPU_ISAS` picks the kernel levels (`native`:
+generic and this CPU's best, the default of a local build; `supported`: every level this CPU
+runs; `all`: every level of the architecture, the default of a wheel; or a list such as
+`avx2,avx512`; no build uses `-march=native`); `VLLM_MAMBA_BUILD_VERBOSE=1` shows the
+compiler's warnings.
 """
 
 from __future__ import annotations
