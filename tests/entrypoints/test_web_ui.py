@@ -164,9 +164,9 @@ def _chunk(delta: dict) -> str:
     return "data: " + json.dumps({"object": "chat.completion.chunk", "choices": [choice]}) + "\n\n"
 
 
-def _send_and_answer(page, text: str, body: str) -> None:
+def _send_and_answer(page, text: str, body: str) -> dict:
     """Sends `text` from the page and answers its chat request with `body` (server-sent
-    events), from the browser's own request interception."""
+    events), from the browser's own request interception; returns the request it sent."""
     page.send("Fetch.enable", patterns=[{"urlPattern": "*/v1/chat/completions"}])
     page.type_into("#input", text)
     page.click("#send")
@@ -179,6 +179,7 @@ def _send_and_answer(page, text: str, body: str) -> None:
         body=base64.b64encode(body.encode()).decode(),
     )
     page.send("Fetch.disable")
+    return paused["request"]
 
 
 MARKDOWN_REPLY = (
@@ -231,14 +232,6 @@ def _check_reasoning_and_stream_error(page) -> None:
     runs on the tiny model, so the browser's own request interception answers, with the
     server's error event): the reasoning shows, as text, in a closed collapsible block, the
     answer so far stays, the error shows below it."""
-    page.send("Fetch.enable", patterns=[{"urlPattern": "*/v1/chat/completions"}])
-    page.type_into("#input", "Think first.")
-    page.click("#send")
-    paused = page.wait_event("Fetch.requestPaused")
-    request = json.loads(paused["request"]["postData"])
-    assert request["stream"] is True and request["model"] == MODEL_NAME
-    assert request["messages"][-1] == {"role": "user", "content": "Think first."}
-    assert paused["request"]["headers"]["Authorization"] == f"Bearer {API_KEY}"
     body = (
         _chunk({"role": "assistant", "content": ""})
         + _chunk({"reasoning": "Let me <think>"})
@@ -247,15 +240,12 @@ def _check_reasoning_and_stream_error(page) -> None:
         + sse_error("the engine failed", 500)
         + SSE_DONE
     )
-    page.send(
-        "Fetch.fulfillRequest",
-        requestId=paused["requestId"],
-        responseCode=200,
-        responseHeaders=[{"name": "Content-Type", "value": "text/event-stream"}],
-        body=base64.b64encode(body.encode()).decode(),
-    )
+    sent = _send_and_answer(page, "Think first.", body)
+    request = json.loads(sent["postData"])
+    assert request["stream"] is True and request["model"] == MODEL_NAME
+    assert request["messages"][-1] == {"role": "user", "content": "Think first."}
+    assert sent["headers"]["Authorization"] == f"Bearer {API_KEY}"
     assert _wait_reply(page) == "error"
-    page.send("Fetch.disable")
     block = f"{LAST_ASSISTANT}.querySelector('details')"
     assert page.eval(f"!{block}.hidden && !{block}.open")
     assert page.eval(f"{block}.querySelector('.reasoning').textContent") == "Let me <think> hard."
