@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from vllm_mamba.config import recorded_quantization
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.packed_weights import install_packed_weights, packed_of
 from vllm_mamba.layers.parallel_linear import named_shards
 from vllm_mamba.layers.quantization import quantize_model
 from vllm_mamba.model_resolver import resolve_model_path  # noqa: F401 - the loaders' import
@@ -37,6 +38,7 @@ from vllm_mamba.models.formats import detect_format, read_config_json
 from vllm_mamba.models.prequantized import dequantized_weights
 from vllm_mamba.models.registry import ModelRegistry
 from vllm_mamba.ops.dispatch import get_mamba_ops
+from vllm_mamba.ops.grouped_linear import GroupedWeight
 from vllm_mamba.worker.huge_pages import move_to_huge_pages
 
 logger = logging.getLogger(__name__)
@@ -71,8 +73,16 @@ def iterate_weights(path: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
             yield from fmt.convert_weight(name, tensor)
 
 
-def load_weights(model: CausalLM, weights: Iterator[tuple[str, Any]]) -> None:
+def load_weights(
+    model: CausalLM,
+    weights: Iterator[tuple[str, Any]],
+    packed: dict[str, GroupedWeight] | None = None,
+) -> None:
     """Copies checkpoint tensors into `model`'s parameters, checking names and shapes.
+
+    A tensor that carries a pre-quantised integer layout (`packed_weights.attach_packed`) is
+    copied as its float values and its layout recorded under the parameter's name in `packed`
+    (refused without a `packed` dict: a tensor-parallel rank reads no integer layouts).
 
     A tied head (`lm_head.weight` sharing the embedding) may be present or absent; tensors
     under the model's `skipped_weights` prefixes are not loaded (one log line per prefix); a
@@ -119,6 +129,14 @@ def load_weights(model: CausalLM, weights: Iterator[tuple[str, Any]]) -> None:
                 f"{raw_name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
             )
             continue
+        layout = packed_of(tensor)
+        if layout is not None:
+            if packed is None:
+                raise ValueError(
+                    f"{raw_name}: pre-quantised integer weights load on one rank only "
+                    "(tensor_parallel_size 1)"
+                )
+            packed[name] = layout
         with torch.no_grad():
             param.copy_(tensor)
         seen.add(name)
@@ -200,9 +218,14 @@ def build_model(
             model.enable_mtp(ops, tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # materialising from meta unties shared parameters
-    # A pre-quantised checkpoint (FP8 blocks) reaches the model as float weights.
-    load_weights(model, dequantized_weights(hf_config, iterate_weights(path, lazy=tp.size > 1)))
+    # A pre-quantised checkpoint reaches the model as float weights (FP8 blocks widened;
+    # integer layouts recorded in `packed` and put back on the `Linear`s once processed).
+    packed: dict[str, GroupedWeight] | None = {} if tp.size == 1 else None
+    weights = dequantized_weights(hf_config, iterate_weights(path, lazy=tp.size > 1))
+    load_weights(model, weights, packed)
     model.process_weights_after_loading()
+    if packed:
+        install_packed_weights(model, packed, get_mamba_ops(device))
     method = recorded_quantization(hf_config)
     if method is not None:
         if not model_cls.supports_quantization:

@@ -3,7 +3,8 @@
 `linear` is `F.linear` by default (the C++ backend's picks a kernel by shape, dtype and CPU:
 `vllm_mamba.ops.cpu_kernels.linear`); `int8_linear` and `int4_linear` run once a weight is
 quantised (`vllm_mamba.ops.int8_linear`, `vllm_mamba.ops.int4_linear`: the quantisers, the
-references and the C++ kernels' wrappers).
+references and the C++ kernels' wrappers); `grouped_linear` runs the integer weights that a
+pre-quantised checkpoint ships (`vllm_mamba.ops.grouped_linear`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mamba.ops.families import OpFamily, OpSpec
+from vllm_mamba.ops.grouped_linear import grouped_linear_ref
 from vllm_mamba.ops.int4_linear import int4_linear_ref
 from vllm_mamba.ops.int8_linear import int8_linear_ref
 
@@ -43,6 +45,21 @@ class Int4LinearOp(Protocol):
     ) -> Tensor: ...
 
 
+class GroupedLinearOp(Protocol):
+    """See `grouped_linear_ref`: integer codes in groups with float32 scales and offsets."""
+
+    def __call__(
+        self,
+        x: Tensor,
+        codes: Tensor,
+        scales: Tensor,
+        offsets: Tensor | None,
+        bias: Tensor | None,
+        bits: int,
+        group: int,
+    ) -> Tensor: ...
+
+
 # The family's ops (`vllm_mamba.ops.families`): each op's signature and reference.
 OPS = OpFamily(
     "linear",
@@ -50,5 +67,6 @@ OPS = OpFamily(
         "linear": OpSpec(LinearOp, F.linear),
         "int8_linear": OpSpec(Int8LinearOp, int8_linear_ref),
         "int4_linear": OpSpec(Int4LinearOp, int4_linear_ref),
+        "grouped_linear": OpSpec(GroupedLinearOp, grouped_linear_ref),
     },
 )

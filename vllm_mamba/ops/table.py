@@ -20,7 +20,7 @@ from vllm_mamba.ops.causal_conv1d import ConvUpdateOp, ConvVarlenOp
 from vllm_mamba.ops.families import family_ops, load_backend, own_op
 from vllm_mamba.ops.fused_decode import FusedMamba2DecodeOp, FusedMambaDecodeOp
 from vllm_mamba.ops.gated_rms_norm import GatedRMSNormOp
-from vllm_mamba.ops.linear import Int4LinearOp, Int8LinearOp, LinearOp
+from vllm_mamba.ops.linear import GroupedLinearOp, Int4LinearOp, Int8LinearOp, LinearOp
 from vllm_mamba.ops.paged_attention import PagedDecodeOp, PagedPrefillOp, ReshapeAndCacheOp
 from vllm_mamba.ops.selective_scan import ScanUpdateOp, ScanVarlenOp
 from vllm_mamba.ops.ssd import SSDUpdateOp, SSDVarlenOp
@@ -53,6 +53,7 @@ class MambaOps:
     paged_prefill_attention: PagedPrefillOp
     int8_linear: Int8LinearOp
     int4_linear: Int4LinearOp
+    grouped_linear: GroupedLinearOp
     fused_mamba_decode: FusedMambaDecodeOp | None = None
     fused_mamba2_decode: FusedMamba2DecodeOp | None = None
 
@@ -76,6 +77,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "paged_prefill_attention": ("paged_attention", "prefill"),
     "int8_linear": ("linear", "int8_linear"),
     "int4_linear": ("linear", "int4_linear"),
+    "grouped_linear": ("linear", "grouped_linear"),
     "fused_mamba_decode": ("fused_decode", "mamba"),
     "fused_mamba2_decode": ("fused_decode", "mamba2"),
 }

@@ -1,0 +1,168 @@
+"""Integer weights that a pre-quantised checkpoint ships, kept as they are in the model.
+
+A checkpoint format that reads integer weights (GGUF blocks, GPTQ / AWQ, compressed-tensors)
+yields each such tensor as its float dequantisation (so that every model's `load_weights`,
+`expand_weight` and tied parameters work unchanged) with the exact integer layout attached:
+`attach_packed(tensor, packed)`. The loader records, per parameter, the layout of the tensor it
+copied (`packed_of`), and once the model has processed its weights `install_packed_weights`
+puts each recorded layout on its `Linear`, where the float weight was:
+
+- a 4-bit layout that is the engine's own int4 (groups of 32, offsets -8 times scales that
+  float16 holds exactly: GGUF's Q4_0) runs through `int4_linear` with float16 scales;
+- any other layout runs through `grouped_linear` (`vllm_mamba.ops.grouped_linear`).
+
+A parameter that the model transformed after loading (its float weight no longer equals the
+layout's dequantisation on sampled rows), or that is not a `Linear`'s weight (stacked MoE
+experts, embeddings, convolution filters), keeps the float values; `install_packed_weights`
+reports how many tensors kept their integer layout and how many were widened, and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from vllm_mamba.layers.decode_plan import drop_decode_plans
+from vllm_mamba.layers.linear import Linear
+from vllm_mamba.ops.grouped_linear import NIBBLE_BLOCK, GroupedWeight
+from vllm_mamba.ops.table import MambaOps
+
+__all__ = ["PackedReport", "attach_packed", "install_packed_weights", "packed_of"]
+
+logger = logging.getLogger(__name__)
+
+_ATTRIBUTE = "_vllm_mamba_packed"
+_SAMPLE_ROWS = 8  # rows compared between a layout and the processed float weight
+
+
+def attach_packed(tensor: torch.Tensor, packed: GroupedWeight) -> torch.Tensor:
+    """Marks the float `tensor` (the dequantised weight) as carrying the integer `packed`."""
+    if tuple(tensor.shape) != packed.shape:
+        raise ValueError(f"attach_packed: tensor {tuple(tensor.shape)} vs layout {packed.shape}")
+    setattr(tensor, _ATTRIBUTE, packed)
+    return tensor
+
+
+def packed_of(tensor: object) -> GroupedWeight | None:
+    """The layout attached to `tensor` by `attach_packed`, None for a plain tensor."""
+    return getattr(tensor, _ATTRIBUTE, None)
+
+
+@dataclass
+class PackedReport:
+    """What `install_packed_weights` did: layers with integer weights, widened tensors."""
+
+    installed: int = 0
+    bytes_packed: int = 0
+    widened: dict[str, str] = field(default_factory=dict)  # parameter name -> why
+
+
+def _as_int4(packed: GroupedWeight) -> torch.Tensor | None:
+    """The float16 scales under which `packed` is the engine's int4 (Q4_0), else None."""
+    if packed.bits != 4 or packed.group != NIBBLE_BLOCK or packed.offsets is None:
+        return None
+    scales16 = packed.scales.to(torch.float16)
+    exact = torch.equal(scales16.float(), packed.scales) and torch.equal(
+        packed.offsets, packed.scales * -8.0
+    )
+    return scales16.contiguous() if exact else None
+
+
+def _grouped_product(
+    self: Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The `linear_op` of a grouped integer `Linear`: `x (..., K)` -> `(..., N)`."""
+    flat = x.reshape(-1, x.shape[-1])  # (M, K)
+    out = self.grouped_op(
+        flat, weight, self.weight_scale, self.weight_offset, bias, self.bits, self.group
+    )
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _int4_product(
+    self: Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The `linear_op` of a Q4_0 `Linear` (the engine's int4): `x (..., K)` -> `(..., N)`."""
+    flat = x.reshape(-1, x.shape[-1])  # (M, K)
+    out = self.int4_op(flat, weight, self.weight_scale, bias)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def install_packed(linear: Linear, packed: GroupedWeight, ops: MambaOps) -> None:
+    """Replaces `linear`'s float weight by `packed` (see the module docstring)."""
+    device = linear.weight.device
+    linear.activation_dtype = linear.weight.dtype
+    linear.weight = nn.Parameter(packed.codes.to(device), requires_grad=False)
+    scales16 = _as_int4(packed)
+    if scales16 is not None:
+        linear.register_buffer("weight_scale", scales16.to(device))
+        linear.int4_op = ops.int4_linear
+        linear.linear_op = types.MethodType(_int4_product, linear)
+        return
+    linear.register_buffer("weight_scale", packed.scales.to(device))
+    offsets = None if packed.offsets is None else packed.offsets.to(device)
+    linear.register_buffer("weight_offset", offsets)
+    linear.bits, linear.group = packed.bits, packed.group
+    linear.grouped_op = ops.grouped_linear
+    linear.linear_op = types.MethodType(_grouped_product, linear)
+
+
+def _matches(weight: torch.Tensor, packed: GroupedWeight) -> bool:
+    """Whether the float `weight` still equals `packed`'s dequantisation on sampled rows."""
+    if tuple(weight.shape) != packed.shape:
+        return False
+    n = packed.shape[0]
+    rows = torch.linspace(0, n - 1, min(n, _SAMPLE_ROWS)).long().unique()
+    expected = packed.rows(rows).dequantize(weight.dtype)
+    return torch.equal(weight.detach()[rows], expected)
+
+
+def install_packed_weights(
+    model: nn.Module, packed: dict[str, GroupedWeight], ops: MambaOps
+) -> PackedReport:
+    """Puts the recorded integer layouts on the model's `Linear`s (see the module docstring).
+
+    Args:
+        model: the model after `process_weights_after_loading`.
+        packed: parameter name -> the layout of the tensor the loader copied into it.
+        ops: the table whose `grouped_linear` / `int4_linear` the layers call.
+
+    Returns:
+        The layers installed, their bytes, and the parameters left in float with why.
+    """
+    report = PackedReport()
+    if not packed:
+        return report
+    drop_decode_plans(model)
+    owners = {
+        f"{name}.weight" if name else "weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, Linear)
+    }
+    for name, layout in packed.items():
+        linear = owners.get(name)
+        if linear is None:
+            report.widened[name] = "not a Linear's weight"
+        elif linear.weight.dtype in (torch.int8, torch.uint8):
+            continue  # a shared module already installed
+        elif not _matches(linear.weight, layout):
+            report.widened[name] = "the model transformed it after loading"
+        else:
+            install_packed(linear, layout, ops)
+            report.installed += 1
+            report.bytes_packed += layout.nbytes
+    if report.widened:
+        reasons: dict[str, int] = {}
+        for why in report.widened.values():
+            reasons[why] = reasons.get(why, 0) + 1
+        logger.info(
+            "Pre-quantised weights: %d layers keep their integer layout; %d tensors run in "
+            "float (%s)",
+            report.installed, len(report.widened),
+            "; ".join(f"{count} {why}" for why, count in reasons.items()),
+        )  # fmt: skip
+    return report
