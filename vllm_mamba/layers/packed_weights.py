@@ -31,7 +31,14 @@ from vllm_mamba.layers.linear import Linear
 from vllm_mamba.ops.grouped_linear import NIBBLE_BLOCK, GroupedWeight
 from vllm_mamba.ops.table import MambaOps
 
-__all__ = ["PackedReport", "attach_packed", "install_packed_weights", "packed_of"]
+__all__ = [
+    "PackedReport",
+    "attach_packed",
+    "cat_rows",
+    "install_packed_weights",
+    "packed_of",
+    "rows_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -166,3 +173,22 @@ def install_packed_weights(
             "; ".join(f"{count} {why}" for why, count in reasons.items()),
         )  # fmt: skip
     return report
+
+
+def rows_of(tensor: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
+    """`tensor[index]` (rows), keeping the attached integer layout's matching rows."""
+    out = tensor[index]
+    layout = packed_of(tensor)
+    return attach_packed(out, layout.rows(index)) if layout is not None else out
+
+
+def cat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors stacked along rows; the integer layout kept when every part has one of the
+    same kind (else the result is plain float)."""
+    out = torch.cat(tensors)
+    layouts = [packed_of(t) for t in tensors]
+    if all(layout is not None for layout in layouts):
+        kinds = {(layout.bits, layout.group) for layout in layouts}
+        if len(kinds) == 1:
+            return attach_packed(out, GroupedWeight.cat(layouts))
+    return out
