@@ -17,6 +17,9 @@ TOOLS := $(VENV)/.tools-stamp
 RUNTIME := $(VENV)/.runtime-stamp
 DEV := $(VENV)/.dev-stamp
 KERNEL_SOURCES := setup.py vllm_mamba/ops/cpu_isa.py $(wildcard csrc/*)
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CONVERT := .cache/llama-cpp-convert/convert_hf_to_gguf.py
+LLAMA_SRC := llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 
 .PHONY: install install-dev kernels browser test lint format demo clean
 
@@ -50,7 +53,17 @@ kernels: $(VENV)/.kernels-native
 
 install: $(RUNTIME) $(VENV)/.kernels-native
 
-install-dev: $(DEV) $(VENV)/.kernels-supported
+install-dev: $(DEV) $(VENV)/.kernels-supported $(LLAMA_CONVERT)
+
+# llama.cpp's converter (convert_hf_to_gguf.py, its conversion/ package and gguf-py/), from the
+# llama-cpp-python source package, for the GGUF tests (tests/gguf): they write tiny models as
+# GGUF files with it. Only those paths are extracted; nothing is built.
+$(LLAMA_CONVERT): | $(TOOLS)
+	@echo "==> llama.cpp's GGUF converter (llama-cpp-python $(LLAMA_CPP_PYTHON) source) into .cache/llama-cpp-convert"
+	rm -rf .cache/llama-cpp-convert .cache/llama-cpp-sdist && mkdir -p .cache/llama-cpp-sdist .cache/llama-cpp-convert
+	$(VPY) -m pip download --no-deps --no-binary :all: --progress-bar off -d .cache/llama-cpp-sdist llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	tar -xzf .cache/llama-cpp-sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C .cache/llama-cpp-convert --strip-components=3 $(LLAMA_SRC)/convert_hf_to_gguf.py $(LLAMA_SRC)/conversion $(LLAMA_SRC)/gguf-py
+	rm -rf .cache/llama-cpp-sdist
 
 # Chromium for tests/entrypoints/test_web_ui.py, through apt when it is missing; `make test`
 # checks it first, and where it cannot install it, says how to and fails before installing.

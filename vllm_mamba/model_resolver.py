@@ -1,11 +1,11 @@
 """Where a model name points: the one resolution every entry point uses (`LLM`, `serve`,
 `generate`, `chat`, `bench`, and the tokenizer of `bench serve`).
 
-A local directory as is; a shipped name (`vllm-mamba/NAME`) from the package; a path that is
-not there is an error; anything else is a hub id, fetched through `huggingface_hub`, which
-honours `HF_HOME` / `HF_HUB_CACHE` and `HF_HUB_OFFLINE=1` (then only the local cache is
-looked at). A hub id that cannot be had (offline, no network, not on the hub) fails at once,
-in one line. Light on purpose: no torch, no transformers.
+A local directory or `.gguf` file as is; a shipped name (`vllm-mamba/NAME`) from the package;
+a path that is not there is an error; anything else is a hub id, fetched through
+`huggingface_hub`, which honours `HF_HOME` / `HF_HUB_CACHE` and `HF_HUB_OFFLINE=1` (then only
+the local cache is looked at). A hub id that cannot be had (offline, no network, not on the
+hub) fails at once, in one line. Light on purpose: no torch, no transformers.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def resolve_model_path(
     download_dir: str | None = None,
     allow_patterns: list[str] | None = None,
 ) -> str:
-    """The local directory of `model`.
+    """The local directory (or GGUF file) of `model`.
 
     Args:
-        model: a directory, a shipped name or a hub id.
+        model: a directory, a `.gguf` file, a shipped name or a hub id.
         revision: the hub revision (branch, tag or commit).
         download_dir: the hub cache directory to use instead of the default.
         allow_patterns: the files fetched from the hub (default: `MODEL_FILES`).
@@ -46,8 +46,8 @@ def resolve_model_path(
         FileNotFoundError: not a directory, not shipped, and not to be had from the hub or its
             cache (the message is one line).
     """
-    if os.path.isdir(model):
-        return model
+    if os.path.isdir(model) or (model.endswith(".gguf") and os.path.isfile(model)):
+        return model  # a directory, or a GGUF file (vllm_mamba.gguf)
     shipped = shipped_model_path(model)
     if shipped is not None:
         return shipped

@@ -7,6 +7,8 @@ the hub or its cache, as mamba-ssm's own README does).
 RWKV checkpoints without a `tokenizer.json` but with an `rwkv_vocab_*.txt` file use the RWKV
 World tokenizer of `vllm_mamba.rwkv_world_tokenizer` (fla-hub's remote-code tokenizer class
 named in `tokenizer_config.json` is never run).
+A GGUF model (a `.gguf` file, or a directory holding one and no tokenizer files) uses the
+tokenizer the file carries (`vllm_mamba.gguf.tokenizer`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ def load_tokenizer(path: str) -> Any:
 
     from vllm_mamba.rwkv_world_tokenizer import RwkvWorldTokenizer, find_vocab_file
 
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        from vllm_mamba.gguf.format import gguf_file_of, open_gguf
+
+        gguf_file = gguf_file_of(path)
+        if gguf_file is not None:
+            from vllm_mamba.gguf.tokenizer import gguf_tokenizer
+
+            return gguf_tokenizer(open_gguf(gguf_file).metadata)
     if not os.path.isfile(os.path.join(path, "tokenizer.json")) and find_vocab_file(path):
         return RwkvWorldTokenizer.from_directory(path)
     try:

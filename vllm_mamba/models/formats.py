@@ -15,7 +15,7 @@ A `CheckpointFormat` declares:
 - `default_tokenizer`: the hub id of the tokenizer to use when the directory ships none.
 
 The registry tries the registered formats in order (the built-in ones: the original mamba-ssm
-format, BlinkDL's RWKV-7 `.pth`; plugins' after them, or first with `first=True`) and falls
+format, BlinkDL's RWKV-7 `.pth`, GGUF; plugins' after them, or first with `first=True`) and falls
 back to the Hugging Face format (`HF_FORMAT`) when a `config.json` is there. A built-in format
 is named by a `"module:ATTRIBUTE"` reference and imported on first use.
 """
@@ -161,6 +161,7 @@ HF_FORMAT = HuggingFaceFormat()
 _BUILTIN_FORMATS: list[str] = [
     "vllm_mamba.models.mamba_ssm_format:FORMAT",
     "vllm_mamba.models.rwkv_pth_format:FORMAT",
+    "vllm_mamba.gguf.format:FORMAT",
 ]
 _formats: list[CheckpointFormat | str] = list(_BUILTIN_FORMATS)
 _imported: dict[str, CheckpointFormat] = {}  # reference -> the format it named
