@@ -1,0 +1,136 @@
+"""GGUF test helpers: llama.cpp's converter (fetched by `make install-dev` into
+`.cache/llama-cpp-convert/`), tiny Hugging Face models written as GGUF with it, GGUF files
+rewritten with other block types through gguf-py's writer and quantiser, and the float
+reference checkpoint of a quantised GGUF (each weight replaced by gguf-py's dequantisation of
+its blocks, named back through gguf-py's own tensor-name table).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONVERTER = os.path.join(ROOT, ".cache", "llama-cpp-convert", "convert_hf_to_gguf.py")
+
+
+def converter() -> str:
+    """The path of llama.cpp's `convert_hf_to_gguf.py`; fails the test when it is missing."""
+    if not os.path.isfile(CONVERTER):
+        pytest.fail(
+            f"llama.cpp's GGUF converter is missing ({CONVERTER}): run `make install-dev` (it "
+            "fetches it from the llama-cpp-python source package)"
+        )
+    return CONVERTER
+
+
+def convert(hf_dir: str, outtype: str, out_file: str) -> str:
+    """`hf_dir` written as GGUF `out_file` by llama.cpp's converter with `--outtype`."""
+    proc = subprocess.run(
+        [sys.executable, converter(), hf_dir, "--outtype", outtype, "--outfile", out_file],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out_file
+
+
+def _value_type(value: Any) -> Any:
+    from gguf import GGUFValueType
+
+    if isinstance(value, bool):
+        return GGUFValueType.BOOL
+    if isinstance(value, int):
+        return GGUFValueType.INT32 if -(2**31) <= value < 2**31 else GGUFValueType.UINT64
+    if isinstance(value, float):
+        return GGUFValueType.FLOAT32
+    if isinstance(value, str):
+        return GGUFValueType.STRING
+    raise TypeError(value)
+
+
+def rewrite(src: str, dst: str, quantize: dict[str, str], split_max_tensors: int = 0) -> str:
+    """GGUF `src` written again as `dst` by gguf-py's writer, the tensors named in `quantize`
+    (GGUF name -> type) quantised from their float values by gguf-py's quantiser; with
+    `split_max_tensors`, as a split set (`dst` minus `.gguf` plus `-0000i-of-0000n.gguf`)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    from vllm_mamba.gguf.reader import GGUFFile
+
+    source = GGUFFile(src)
+    arch = source.metadata["general.architecture"]
+    writer = GGUFWriter(dst, arch, split_max_tensors=split_max_tensors)
+    for key, value in source.metadata.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, list):
+            from gguf import GGUFValueType
+
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, _value_type(value[0]))
+        else:
+            writer.add_key_value(key, value, _value_type(value))
+    for t in source.tensors:
+        qtype = GGMLQuantizationType[t.type_name]
+        data = np.asarray(t.data)
+        if t.name in quantize:
+            values = dequantize(data, qtype).reshape(t.shape)
+            new = GGMLQuantizationType[quantize[t.name]]
+            writer.add_tensor(t.name, gguf_quantize(values, new), raw_dtype=new)
+        elif t.type_name in ("F32", "F16"):
+            writer.add_tensor(t.name, data.reshape(t.shape))
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def dequantized_checkpoint(hf_dir: str, gguf_file: str, arch: str, out_dir: str) -> str:
+    """`hf_dir` saved again into `out_dir` with each weight the GGUF file stores quantised or
+    as float16 replaced by gguf-py's dequantisation of it (the name mapped by gguf-py's
+    `TensorNameMap`); float32 tensors keep the checkpoint's values."""
+    import gguf
+    from gguf.quants import dequantize
+    from safetensors.torch import load_file, save_file
+
+    from vllm_mamba.gguf.reader import GGUFFile
+
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
+    tensors = {t.name: t for t in GGUFFile(gguf_file).tensors}
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    replaced = 0
+    for hf_name, value in state.items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        t = tensors.get(name) if name is not None else None
+        if t is None and hf_name == "lm_head.weight":
+            t = tensors.get("output.weight")
+        if t is None or t.type_name == "F32":
+            continue
+        values = dequantize(np.asarray(t.data), gguf.GGMLQuantizationType[t.type_name])
+        state[hf_name] = torch.from_numpy(np.ascontiguousarray(values, np.float32)).reshape(
+            value.shape
+        )
+        replaced += 1
+    assert replaced > 0
+    os.makedirs(out_dir, exist_ok=True)
+    for f in os.listdir(hf_dir):
+        if f != "model.safetensors":
+            shutil.copy(os.path.join(hf_dir, f), out_dir)
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors")
+    )
+    return out_dir
