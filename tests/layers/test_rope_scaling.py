@@ -1,10 +1,18 @@
-"""Scaled RoPE (`layers/rope_scaling.py`) against transformers: the frequencies and attention
-factor of each static type (`linear`, `llama3`, `yarn` with its variants) equal transformers'
-own, a tiny LFM2 with YaRN generates transformers' greedy tokens past its original context, and
-the types whose frequencies follow the batch are refused naming the field."""
+"""Scaled RoPE (`layers/rope_scaling.py`, `layers/rotary_embedding.py`) against transformers:
+
+- the frequencies and attention factor of each type (`linear`, `llama3`, `yarn` with its
+  variants, `dynamic`, `longrope`) equal `ROPE_INIT_FUNCTIONS`' own, at the initial length and,
+  for the two that follow the sequence's length, at lengths past the threshold;
+- tiny LFM2s with each of `linear`, `yarn`, `dynamic` and `longrope` generate transformers'
+  greedy tokens and logprobs (`generate` on each prompt alone, a fresh model each) for prompts
+  before, across and past the original context, batched together in the engine;
+- a tiny Qwen3.5 with M-RoPE sections (`mrope_section`, `mrope_interleaved`) and partial RoPE
+  combined with `yarn` or `linear` does the same for text;
+- an unknown type, or longrope factor lists of the wrong length, are refused naming the field."""
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 
@@ -14,9 +22,10 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tests.helpers.runners import HfRunner, VllmRunner
-from tests.helpers.tiny_configs import LFM2
+from tests.helpers.tiny_configs import LFM2, QWEN3_5
 from tests.helpers.tmp_dirs import make_tmp_dir
-from tests.tiny_models import copy_tokenizer
+from tests.tiny_models import MODEL_FAMILY, copy_tokenizer
+from vllm_mamba import SamplingParams
 from vllm_mamba.layers.rope_scaling import rope_frequencies
 
 HEAD_DIM = 64
@@ -46,11 +55,30 @@ SCALED = {
         "truncate": False,
         "attention_factor": 1.25,
     },
+    "dynamic": {"rope_type": "dynamic", "factor": 3.0},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 64},
+    "longrope-factors": {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": 512,
+        "factor": 6.0,
+        "attention_factor": 1.1,
+    },
 }
+LENGTH_TYPES = ("dynamic", "longrope", "longrope-factors")
+
+
+def _longrope_lists(pairs: int) -> dict:
+    """Distinct short and long factors per rotated pair (as Phi-3's rising lists)."""
+    return {
+        "short_factor": [1.0 + 0.05 * i for i in range(pairs)],
+        "long_factor": [1.0 + 0.9 * i for i in range(pairs)],
+    }
 
 
 def _llama_config(params: dict, partial: float = 1.0) -> transformers.LlamaConfig:
     rope = {"rope_theta": 10000.0, **params}
+    if rope["rope_type"] == "longrope":
+        rope.update(_longrope_lists(int(HEAD_DIM * partial) // 2))
     if partial != 1.0:
         rope["partial_rotary_factor"] = partial
     return transformers.LlamaConfig(
@@ -71,50 +99,142 @@ def test_frequencies_equal_transformers(name: str, partial: float) -> None:
     torch.testing.assert_close(got.inv_freq, want_freq.float(), rtol=0, atol=0)
     assert got.attention_factor == pytest.approx(want_factor, rel=1e-12)
     plain = rope_frequencies(_llama_config({"rope_type": "default"}), int(HEAD_DIM * partial))
-    assert not torch.equal(got.inv_freq, plain.inv_freq)  # the scaling did something
+    if name != "dynamic":  # dynamic starts from the plain frequencies (checked past it below)
+        assert not torch.equal(got.inv_freq, plain.inv_freq)  # the scaling did something
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "made-up"])
-def test_batch_dependent_and_unknown_types_are_refused(rope_type: str) -> None:
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+@pytest.mark.parametrize("name", LENGTH_TYPES)
+def test_frequencies_past_the_threshold_equal_transformers(name: str, partial: float) -> None:
+    """`dynamic` at sequence lengths past `max_position_embeddings` (8192), `longrope` past
+    `original_max_position_embeddings`: transformers' frequencies at `seq_len`, row by row."""
+    config = _llama_config(SCALED[name], partial)
+    init = ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]]
+    rule = rope_frequencies(config, int(HEAD_DIM * partial)).by_length
+    assert rule is not None
+    lengths = [rule.threshold + 1, rule.threshold + 77, 3 * rule.threshold, 40000]
+    got = rule.frequencies(torch.tensor(lengths))  # (N, R/2)
+    for row, length in zip(got, lengths):
+        want, _ = init(config, "cpu", seq_len=torch.tensor(length))
+        torch.testing.assert_close(row, want.float(), rtol=0, atol=0)
+    assert not torch.equal(got[0], rope_frequencies(config, int(HEAD_DIM * partial)).inv_freq)
+
+
+def test_unknown_type_and_misshaped_longrope_are_refused() -> None:
     config = _llama_config({"rope_type": "default"})
-    config.rope_parameters = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}
-    with pytest.raises(ValueError, match=f"rope_type '{rope_type}'"):
+    config.rope_parameters = {"rope_type": "made-up", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ValueError, match="rope_type 'made-up'"):
+        rope_frequencies(config, HEAD_DIM)
+    config = _llama_config(SCALED["longrope"])
+    config.rope_parameters["long_factor"] = [1.0, 2.0]
+    with pytest.raises(ValueError, match="long_factor must list 32 numbers"):
         rope_frequencies(config, HEAD_DIM)
 
 
-def test_yarn_model_generates_transformers_tokens_past_the_original_context() -> None:
-    """LFM2 with YaRN over an original context of 16 positions: prompts of 40-70 tokens, so
-    most positions are beyond it and the attention factor scales every attention layer."""
-    config = dict(LFM2["lfm2-mqa"], max_position_embeddings=256)
-    config["rope_parameters"] = {
-        "rope_type": "yarn",
-        "rope_theta": 1000.0,
-        "factor": 8.0,
-        "original_max_position_embeddings": 16,
-    }
+# LFM2 "lfm2-mqa" (heads of 16: 8 rotated pairs). The threshold of dynamic is
+# `max_position_embeddings` (32 here), of the others `original_max_position_embeddings` (16).
+LFM2_ROPE = {
+    "linear": ({"rope_type": "linear", "factor": 4.0}, 256),
+    "yarn": ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16}, 256),
+    "dynamic": ({"rope_type": "dynamic", "factor": 4.0}, 32),
+    "longrope": (
+        {"rope_type": "longrope", "original_max_position_embeddings": 16, **_longrope_lists(8)},
+        256,
+    ),
+}
+# Prompts of 10 and 24 tokens cross the thresholds (16, 32) while decoding; 40 and 70 start past.
+PROMPT_LENS = (10, 24, 40, 70)
+MAX_TOKENS = 16
+
+
+def _save_tiny(variant: str, cls_name: str, config: dict, std: float, prefix: str) -> str:
+    """A transformers model of `config` (tiny `variant` with its RoPE changed) with weights
+    drawn at `std` (norms kept or, when zero-centred, drawn small), saved with the tokenizer."""
     torch.manual_seed(0)
-    hf_config = transformers.Lfm2Config(**config, bos_token_id=0, eos_token_id=0, pad_token_id=1)
-    model = transformers.Lfm2ForCausalLM(hf_config).eval()
+    model_cls = getattr(transformers, cls_name)
+    hf_config = model_cls.config_class(**config, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    model = model_cls(hf_config).eval()
+    norm_names = MODEL_FAMILY[variant].norm_names
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    path = make_tmp_dir("tiny-lfm2-yarn-")
+        for name, p in model.named_parameters():
+            is_norm = any(part in name for part in norm_names)
+            if is_norm and not p.any():
+                p.normal_(0, 0.1)
+            elif not is_norm and not name.endswith(("A_log", ".D")) and p.dim() > 1:
+                p.normal_(0, std)
+    path = make_tmp_dir(prefix)
     model.save_pretrained(path)
     copy_tokenizer(path)
     assert os.path.exists(os.path.join(path, "config.json"))
+    return path
 
+
+def _assert_engine_matches_transformers(path: str, cls_name: str) -> list[list[int]]:
+    """Greedy tokens equal, logprobs of them within 1e-4: every prompt batched in the engine,
+    prefilled in chunks of at most 24 tokens, against transformers' `generate` on each prompt
+    alone in a freshly loaded model (dynamic RoPE keeps its longest length in the rotary module
+    across calls)."""
     rng = random.Random(0)
-    prompts = [[rng.randrange(2, 50000) for _ in range(n)] for n in (40, 70)]
-    want = HfRunner(path, "Lfm2ForCausalLM").generate_greedy_logprobs(prompts, 12)
-    with VllmRunner(path, max_model_len=256, max_num_seqs=4) as runner:
-        got = runner.generate_greedy([{"prompt_token_ids": p} for p in prompts], 12)
-    assert got == [tokens for tokens, _ in want]
-    # Plain RoPE at the same weights computes other logits there: the test sees the scaling.
-    hf_config.rope_parameters = {"rope_type": "default", "rope_theta": 1000.0}
-    plain = transformers.Lfm2ForCausalLM(hf_config).eval()
-    plain.load_state_dict(model.state_dict())
+    prompts = [[rng.randrange(2, 50000) for _ in range(n)] for n in PROMPT_LENS]
+    want = [HfRunner(path, cls_name).generate_greedy_logprobs([p], MAX_TOKENS)[0] for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
+    engine = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24)
+    with VllmRunner(path, **engine) as runner:
+        outs = runner.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for out, (tokens, ref_lp) in zip(outs, want):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        lp = torch.tensor([got.logprobs[i][t].logprob for i, t in enumerate(tokens)])
+        torch.testing.assert_close(lp, ref_lp[torch.arange(len(tokens)), tokens], rtol=0, atol=1e-4)
+    return prompts
+
+
+def _assert_scaling_changes_logits(path: str, cls_name: str, prompt: list[int]) -> None:
+    """Plain RoPE at the same weights computes other logits on `prompt`: the test sees the
+    scaling (the engine would fail it by ignoring `rope_parameters`)."""
+    scaled = HfRunner(path, cls_name).model
+    config = copy.deepcopy(scaled.config)
+    config.rope_parameters = {
+        k: v
+        for k, v in config.rope_parameters.items()
+        if k in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+    }
+    config.rope_parameters["rope_type"] = "default"
+    plain = type(scaled)(config).eval()
+    plain.load_state_dict(scaled.state_dict())
     with torch.no_grad():
-        ids = torch.tensor([prompts[1]])
-        gap = (plain(ids).logits[0, -1] - model(ids).logits[0, -1]).abs().max().item()
+        ids = torch.tensor([prompt])
+        gap = (plain(ids).logits[0, -1] - scaled(ids).logits[0, -1]).abs().max().item()
     assert gap > 0.1
+
+
+@pytest.mark.parametrize("rope_type", sorted(LFM2_ROPE))
+def test_lfm2_generates_transformers_tokens_past_the_original_context(rope_type: str) -> None:
+    """LFM2 (transformers applies every type through `dynamic_rope_update`)."""
+    rope, max_positions = LFM2_ROPE[rope_type]
+    config = dict(LFM2["lfm2-mqa"], max_position_embeddings=max_positions)
+    config["rope_parameters"] = {"rope_theta": 1000.0, **rope}
+    path = _save_tiny("lfm2-mqa", "Lfm2ForCausalLM", config, 0.3, f"tiny-lfm2-{rope_type}-")
+    prompts = _assert_engine_matches_transformers(path, "Lfm2ForCausalLM")
+    _assert_scaling_changes_logits(path, "Lfm2ForCausalLM", prompts[-1])
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "linear"])
+def test_qwen3_5_mrope_sections_with_scaling(rope_type: str) -> None:
+    """Qwen3.5 "qwen3_5-mqa" (heads of 32, RoPE on 8 dims: 4 pairs in sections [2, 1, 1],
+    interleaved): for text all three position rows are equal, so transformers' M-RoPE is the
+    plain partial RoPE, here scaled."""
+    scaling = {"rope_type": "linear", "factor": 4.0}
+    if rope_type == "yarn":
+        scaling = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16}
+    config = dict(QWEN3_5["qwen3_5-mqa"], max_position_embeddings=256)
+    config["rope_parameters"] = {
+        **config["rope_parameters"],
+        **scaling,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    }
+    std = MODEL_FAMILY["qwen3_5-mqa"].weight_std
+    path = _save_tiny("qwen3_5-mqa", "Qwen3_5ForCausalLM", config, std, f"tiny-qwen35-{rope_type}-")
+    prompts = _assert_engine_matches_transformers(path, "Qwen3_5ForCausalLM")
+    _assert_scaling_changes_logits(path, "Qwen3_5ForCausalLM", prompts[-1])

@@ -29,6 +29,9 @@ class StepLayout:
         block_size: tokens per KV block (paged backend only; 0 without a KV cache).
         decode_block_tables: the KV blocks of each decoding sequence (paged backend only).
         prefill_block_tables: the KV blocks of each prefilling sequence (paged backend only).
+        prefill_prompt_lens: the prompt length of each prefilling sequence (paged backend
+            only; a RoPE whose frequencies follow the length rotates prompt tokens at it);
+            empty: at each chunk's end.
         decode_waves: with speculative decoding, the decode rows per wave (see
             `mamba_metadata.MambaMetadata`); empty otherwise.
         decode_chain_src / decode_chain_dst: with waves, per decode row the slot its state
@@ -44,6 +47,7 @@ class StepLayout:
     block_size: int = 0
     decode_block_tables: list[list[int]] = field(default_factory=list)
     prefill_block_tables: list[list[int]] = field(default_factory=list)
+    prefill_prompt_lens: list[int] = field(default_factory=list)
     decode_waves: list[int] = field(default_factory=list)
     decode_chain_src: list[int] = field(default_factory=list)
     decode_chain_dst: list[int] = field(default_factory=list)

@@ -9,7 +9,8 @@ Per token, with transformers' names (so checkpoints load as an identity mapping)
     out = o_proj(causal softmax(scale q . k) v),  scale = (Dn + Dr) ** -0.5
 
 Kimi applies no rotary embedding; DeepSeek rotates `q_rot` and `k_rot` (the `rotary` module,
-called as `rotary(positions, q_rot (T, Hq * Dr), k_rot (T, Dr))`) before the latent is cached.
+called as `rotary(positions, q_rot (T, Hq * Dr), k_rot (T, Dr), meta)`) before the latent is
+cached.
 
 What the engine caches per token is the latent `[c | k_rot]` only (`MLASpec(R + Dr)`, one
 row shared by the heads), not per-head keys and values. Decode runs in the ABSORBED form
@@ -184,7 +185,7 @@ class MLAAttention(KVCacheLayer):
         q_nope, q_rot = q[..., :dn], q[..., dn:]  # (T, Hq, Dn), (T, Hq, Dr)
         if self.rotary is not None and dr:
             q_rot, k_rot = self.rotary(
-                meta.positions, q_rot.reshape(num_tokens, heads * dr), k_rot.contiguous()
+                meta.positions, q_rot.reshape(num_tokens, heads * dr), k_rot.contiguous(), meta
             )
             q_rot = q_rot.view(num_tokens, heads, dr)
         latent = torch.cat([c, k_rot.to(c.dtype)], dim=-1)  # (T, L)

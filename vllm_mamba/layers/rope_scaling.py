@@ -12,8 +12,18 @@ has `f_i = base ** (-2i / R)` and `a = 1`; the scaled variants change them, as t
   (kept), bounded by `beta_fast` / `beta_slow` rotations within the original context, and
   `a = 0.1 * ln(factor) + 1` (or `mscale` / `mscale_all_dim`'s ratio, or `attention_factor`).
 
-Types whose frequencies depend on the batch's current length in transformers (`dynamic`,
-`longrope`) are refused: a continuously batched engine cannot reproduce them per sequence.
+Two types change their frequencies with the sequence's length (transformers'
+`dynamic_rope_update`, applied once per forward call at `max(position_ids) + 1`); each is a
+`LengthScaling` beside the frequencies the table holds:
+
+- `dynamic` (NTK): up to `max_position_embeddings` tokens the plain frequencies; a sequence of
+  `S` tokens beyond it uses the base `b * (factor * S / M - (factor - 1)) ** (R / (R - 2))`.
+- `longrope` (Phi-3): `1 / (short_factor_i * b ** (2i / R))` up to
+  `original_max_position_embeddings` tokens, `long_factor` beyond; both with the attention factor
+  `sqrt(1 + ln(factor) / ln(original))` (`factor` defaults to `max_position_embeddings /
+  original`) unless `attention_factor` is given.
+
+Which length a token's rotation uses is the rotary layer's business (`rotary_embedding.py`).
 """
 
 from __future__ import annotations
@@ -25,14 +35,41 @@ from typing import Any
 import torch
 
 STATIC_TYPES = ("default", "linear", "llama3", "yarn")
+LENGTH_TYPES = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True)
+class LengthScaling:
+    """Frequencies for sequences longer than `threshold` tokens: `dynamic`'s NTK base per
+    length (`ntk_factor`, `base`) or `longrope`'s one long set (`long_inv_freq`)."""
+
+    threshold: int
+    rot_dim: int
+    base: float = 0.0
+    ntk_factor: float = 0.0
+    long_inv_freq: torch.Tensor | None = None
+
+    def frequencies(self, lengths: torch.Tensor) -> torch.Tensor:
+        """`(N, R/2)` float32 inverse frequencies of sequences of `lengths (N,)` tokens (each
+        longer than `threshold`), in transformers' float32 order of operations."""
+        if self.long_inv_freq is not None:
+            long = self.long_inv_freq.to(lengths.device)
+            return long.expand(lengths.shape[0], -1)
+        dim, factor = self.rot_dim, self.ntk_factor
+        scaled = factor * lengths.long() / self.threshold - (factor - 1)  # (N,) float32
+        base = self.base * scaled ** (dim / (dim - 2))  # (N,)
+        exponents = _exponents(dim).to(lengths.device)  # (R/2,)
+        return 1.0 / base[:, None] ** exponents
 
 
 @dataclass(frozen=True)
 class RopeFrequencies:
-    """A RoPE's inverse frequencies `(R/2,)` float32 and the factor on its cos / sin."""
+    """A RoPE's inverse frequencies `(R/2,)` float32 and the factor on its cos / sin; with
+    `by_length`, those are the frequencies up to its threshold only."""
 
     inv_freq: torch.Tensor
     attention_factor: float = 1.0
+    by_length: LengthScaling | None = None
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -130,22 +167,63 @@ def _yarn(params: dict[str, Any], base: float, rot_dim: int, config: Any) -> Rop
     return RopeFrequencies(inv_freq, float(attention_factor))
 
 
+def _dynamic(params: dict[str, Any], base: float, rot_dim: int, config: Any) -> RopeFrequencies:
+    factor = float(_required(params, "factor"))
+    length = int(config.max_position_embeddings)
+    # At `max_position_embeddings` tokens the NTK base is `base` itself (as transformers'
+    # initial frequencies compute it, in Python floats).
+    start = base * ((factor * length / length) - (factor - 1)) ** (rot_dim / (rot_dim - 2))
+    rule = LengthScaling(length, rot_dim, base=base, ntk_factor=factor)
+    return RopeFrequencies(_plain(start, rot_dim), by_length=rule)
+
+
+def _factor_list(params: dict[str, Any], key: str, rot_dim: int) -> torch.Tensor:
+    values = _required(params, key)
+    if not isinstance(values, (list, tuple)) or len(values) != rot_dim // 2:
+        raise ValueError(
+            f"rope_parameters.{key} must list {rot_dim // 2} numbers (one per rotated pair), "
+            f"got {values!r}"
+        )
+    return torch.tensor([float(v) for v in values], dtype=torch.float32, device="cpu")
+
+
+def _longrope(params: dict[str, Any], base: float, rot_dim: int, config: Any) -> RopeFrequencies:
+    old_len = _original_length(params, config)
+    factor = params.get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / old_len
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None and factor <= 1:
+        attention_factor = 1.0
+    elif attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(old_len))
+    powers = base ** _exponents(rot_dim)  # (R/2,)
+    short = 1.0 / (_factor_list(params, "short_factor", rot_dim) * powers)
+    long = 1.0 / (_factor_list(params, "long_factor", rot_dim) * powers)
+    rule = LengthScaling(old_len, rot_dim, long_inv_freq=long)
+    return RopeFrequencies(short, float(attention_factor), by_length=rule)
+
+
 def rope_frequencies(config: Any, rot_dim: int) -> RopeFrequencies:
     """The inverse frequencies and attention factor of `config`'s RoPE over `rot_dim` dims.
 
     Raises:
-        ValueError: a `rope_type` whose frequencies follow the batch (`dynamic`, `longrope`) or
-            that is unknown, or a scaled type missing a parameter; each names the field.
+        ValueError: an unknown `rope_type`, or a scaled type missing a parameter (or with
+            factor lists of the wrong length); each names the field.
     """
     params = rope_parameters(config)
     rope_type, base = params["rope_type"], float(params["rope_theta"])
-    if rope_type not in STATIC_TYPES:
+    if rope_type not in STATIC_TYPES + LENGTH_TYPES:
         raise ValueError(
             f"rope_parameters.rope_type {rope_type!r} is not supported (supported: "
-            f"{', '.join(STATIC_TYPES)})"
+            f"{', '.join(STATIC_TYPES + LENGTH_TYPES)})"
         )
     if rope_type == "yarn":
         return _yarn(params, base, rot_dim, config)
+    if rope_type == "dynamic":
+        return _dynamic(params, base, rot_dim, config)
+    if rope_type == "longrope":
+        return _longrope(params, base, rot_dim, config)
     inv_freq = _plain(base, rot_dim)
     if rope_type == "linear":
         inv_freq = inv_freq / float(_required(params, "factor"))

@@ -7,18 +7,47 @@ the first `rot_dim` dimensions of each head rotate, the rest pass through). The 
 built on first use on the tensors' device (not a parameter, so nothing to load) from the
 config's frequencies, plain or scaled (`rope_scaling.py`).
 
+`dynamic` and `longrope` change the frequencies with the sequence's length. transformers
+recomputes them once per forward call from `max(position_ids) + 1` and keeps the keys it has
+cached as they were rotated: `generate` on one sequence rotates the prompt at the prompt's
+length and each later token at its position plus one. Here every token is rotated at
+`max(position + 1, prompt length)` (`step_lengths`, from the paged metadata) and its key enters
+the cache so rotated: that behaviour per sequence, whatever shares the batch, however the prompt
+is chunked, and after a preemption's recompute. Where it differs, transformers itself depends on
+more than the sequence: a padded batch of several sequences (it takes the longest), a rotary
+module reused after a longer sequence (`dynamic` keeps its longest length until a call shorter
+than `max_position_embeddings`), assisted generation (a chain of drafts at its last length); and
+with `enable_prefix_caching`, a hit reuses the cached keys as they were rotated, at the prompt
+length of the request that computed them.
+
 Glossary: T tokens in the step, H heads, D head dim, R rotated dims per head.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from vllm_mamba.layers.rope_scaling import RopeFrequencies, rope_frequencies, rope_parameters
 from vllm_mamba.ops.rotary_embedding import rotary_cos_sin_cache, rotary_embedding_ref
+
+if TYPE_CHECKING:
+    from vllm_mamba.attention.backends.paged import PagedMetadata
+
+
+def step_lengths(meta: PagedMetadata) -> torch.Tensor:
+    """`(T,)` int64: the sequence length each token rotates at, `max(position + 1, L)`: a decode
+    row's position plus one, a prefill token's `prefill_rope_lens` (its prompt's length) or,
+    past the prompt (a recompute), its position plus one."""
+    nd = meta.num_decodes
+    after = meta.positions.long() + 1  # (T,)
+    chunk_sizes = meta.prefill_query_start_loc.diff()  # (num_prefills,)
+    prompts = meta.prefill_rope_lens.long().repeat_interleave(
+        chunk_sizes, output_size=meta.positions.shape[0] - nd
+    )  # (T - num_decodes,)
+    return torch.cat([after[:nd], torch.maximum(after[nd:], prompts)])
 
 
 class RotaryEmbedding(nn.Module):
@@ -64,13 +93,37 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = table.to(device)
         return self._cos_sin
 
+    def _token_table(
+        self, device: torch.device, positions: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """`(T, R)`: each token's cos / sin at its sequence's `lengths (T,)` (`by_length`)."""
+        rule = self.freqs.by_length
+        assert rule is not None
+        within = self._table(device, positions)[positions.long()]  # (T, R)
+        past = lengths > rule.threshold  # (T,)
+        inv_freq = rule.frequencies(lengths.clamp(min=rule.threshold))  # (T, R/2)
+        angles = positions.float()[:, None] * inv_freq  # (T, R/2)
+        beyond = torch.cat([angles.cos(), angles.sin()], dim=-1) * self.freqs.attention_factor
+        return torch.where(past[:, None], beyond, within)
+
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        meta: PagedMetadata | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the rotated `(q, k)` in their shapes and dtypes."""
+        """Returns the rotated `(q, k)` in their shapes and dtypes. A RoPE whose frequencies
+        follow the sequence's length (`dynamic`, `longrope`) needs the step's `meta`."""
         num_tokens = q.shape[0]
         q3 = q.view(num_tokens, -1, self.head_dim)  # (T, Hq, D)
         k3 = k.view(num_tokens, -1, self.head_dim)  # (T, Hkv, D)
-        table = self._table(q.device, positions)
+        if self.freqs.by_length is None:
+            table = self._table(q.device, positions)
+        else:
+            if meta is None:
+                raise ValueError("a dynamic or longrope RoPE needs the step's metadata")
+            table = self._token_table(q.device, positions, step_lengths(meta))
+            positions = torch.arange(num_tokens, device=q.device)
         q3, k3 = rotary_embedding_ref(positions, q3, k3, table, is_neox=True)
         return q3.reshape(q.shape), k3.reshape(k.shape)

@@ -91,7 +91,7 @@ class SelfAttention(nn.Module):
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         if self.rotary is not None:
-            q, k = self.rotary(meta.positions, q, k)
+            q, k = self.rotary(meta.positions, q, k, meta)
         out = self.attn(q, k, v, meta)  # (T, Hq D)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -316,6 +316,7 @@ class ModelRunner:
             layout.decode_context_lens = contexts
             layout.decode_block_tables = tables
             layout.prefill_block_tables = [s.block_table for s in prefills]
+            layout.prefill_prompt_lens = [s.num_prompt_tokens for s in prefills]
         return layout, tokens, rows
 
     def _sample(

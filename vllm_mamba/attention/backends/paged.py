@@ -29,6 +29,9 @@ class PagedMetadata(MambaMetadata):
             token included); 0 marks a padding row.
         prefill_block_tables: `(num_prefills, max_blocks)` int32, zero-padded.
         prefill_seq_lens: `(num_prefills,)` int32, context plus this chunk.
+        prefill_rope_lens: `(num_prefills,)` int32, the sequence length a RoPE that follows
+            it (`dynamic`, `longrope`) rotates the chunk's prompt tokens at: the prompt's
+            length (the layout's `prefill_prompt_lens`), else the chunk's end.
     """
 
     slot_mapping: torch.Tensor
@@ -37,6 +40,7 @@ class PagedMetadata(MambaMetadata):
     decode_seq_lens: torch.Tensor
     prefill_block_tables: torch.Tensor
     prefill_seq_lens: torch.Tensor
+    prefill_rope_lens: torch.Tensor
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -74,13 +78,14 @@ def build_paged_metadata(layout: StepLayout, device: torch.device) -> PagedMetad
         positions += range(ctx, ctx + n)
     decode_lens = [c + 1 for c in layout.decode_context_lens]
     prefill_lens = [c + n for c, n in zip(layout.prefill_context_lens, layout.prefill_lens)]
+    rope_lens = layout.prefill_prompt_lens or prefill_lens
     dec_flat, dec_width = _padded(layout.decode_block_tables)
     pre_flat, pre_width = _padded(layout.prefill_block_tables)
-    values = slot_mapping + positions + dec_flat + decode_lens + pre_flat + prefill_lens
+    values = slot_mapping + positions + dec_flat + decode_lens + pre_flat + prefill_lens + rope_lens
     packed = torch.tensor(values, dtype=torch.int32).to(device)
     nd, np_ = len(decode_lens), len(prefill_lens)
-    slots, pos, dec_t, dec_l, pre_t, pre_l = packed.split(
-        [len(slot_mapping), len(positions), nd * dec_width, nd, np_ * pre_width, np_]
+    slots, pos, dec_t, dec_l, pre_t, pre_l, rope_l = packed.split(
+        [len(slot_mapping), len(positions), nd * dec_width, nd, np_ * pre_width, np_, np_]
     )
     return PagedMetadata(
         **vars(base),
@@ -90,6 +95,7 @@ def build_paged_metadata(layout: StepLayout, device: torch.device) -> PagedMetad
         decode_seq_lens=dec_l,
         prefill_block_tables=pre_t.view(np_, pre_width),
         prefill_seq_lens=pre_l,
+        prefill_rope_lens=rope_l,
     )
 
 
