@@ -181,3 +181,20 @@ def test_unreadable_quantised_checkpoints_are_one_clear_error(quant, match) -> N
         json.dump(config, f)
     with pytest.raises(ValueError, match=match):
         LLM(path)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dropped"),
+    [("gptq-4bit-g32-asym-v1", "qzeros"), ("ct-w4a16-g32-asym", "weight_zero_point")],
+)
+def test_a_layer_without_one_of_its_tensors_is_one_clear_error(fmt: str, dropped: str) -> None:
+    path = make_tmp_dir("prequantized-missing-")
+    shutil.rmtree(path)
+    shutil.copytree(checkpoints(fmt)[0], path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    name = f"model.layers.0.mlp.up_proj.{dropped}"
+    del tensors[name]
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=f"no {name.replace('.', '[.]')}"):
+        build_model(path, load_hf_config(path), torch.float32, torch.device("cpu"))
