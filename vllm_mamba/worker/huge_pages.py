@@ -61,15 +61,25 @@ def _arena(nbytes: int) -> torch.Tensor | None:
 
 
 def huge_page_zeros(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    prefault: bool = True,
 ) -> torch.Tensor:
-    """`torch.zeros(shape, dtype=dtype, device=device)`, on huge pages when on the CPU."""
+    """`torch.zeros(shape, dtype=dtype, device=device)`, on huge pages when on the CPU.
+
+    With `prefault`, every page is faulted in now rather than by the first step that writes
+    it; without, the pages stay unmapped (reading as zero) until first written, so memory
+    that is sized to a budget but mostly unused (the KV pool) costs neither start-up time
+    nor resident memory.
+    """
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
     arena = _arena(nbytes) if device.type == "cpu" and nbytes >= HUGE_PAGE and enabled() else None
     if arena is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    arena.zero_()  # fault every page in now, not in the first decode step
+    if prefault:
+        arena.zero_()  # fault every page in now, not in the first decode step
     return arena.view(dtype).view(shape)
 
 
