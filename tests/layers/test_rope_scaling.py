@@ -5,9 +5,10 @@
   for the two that follow the sequence's length, at lengths past the threshold;
 - tiny LFM2s with each of `linear`, `yarn`, `dynamic` and `longrope` generate transformers'
   greedy tokens and logprobs (`generate` on each prompt alone, a fresh model each) for prompts
-  before, across and past the original context, batched together in the engine;
+  before, across and past the original context, batched together and prefilled in chunks in
+  the engine (`dynamic` and `longrope` also preempted and recomputed under KV pressure);
 - a tiny Qwen3.5 with M-RoPE sections (`mrope_section`, `mrope_interleaved`) and partial RoPE
-  combined with `yarn` or `linear` does the same for text;
+  combined with `yarn` does the same for text;
 - an unknown type, or longrope factor lists of the wrong length, are refused naming the field."""
 
 from __future__ import annotations
@@ -169,23 +170,31 @@ def _save_tiny(variant: str, cls_name: str, config: dict, std: float, prefix: st
     return path
 
 
-def _assert_engine_matches_transformers(path: str, cls_name: str) -> list[list[int]]:
+def _assert_engine_matches_transformers(
+    path: str, cls_name: str, pressure: bool = False
+) -> list[list[int]]:
     """Greedy tokens equal, logprobs of them within 1e-4: every prompt batched in the engine,
     prefilled in chunks of at most 24 tokens, against transformers' `generate` on each prompt
     alone in a freshly loaded model (dynamic RoPE keeps its longest length in the rotary module
-    across calls)."""
+    across calls). With `pressure`, once more in 8 KV blocks of 16 (the four sequences need 15):
+    preempted sequences are recomputed from their prompt and generated tokens."""
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 50000) for _ in range(n)] for n in PROMPT_LENS]
     want = [HfRunner(path, cls_name).generate_greedy_logprobs([p], MAX_TOKENS)[0] for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
-    engine = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24)
-    with VllmRunner(path, **engine) as runner:
-        outs = runner.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for out, (tokens, ref_lp) in zip(outs, want):
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        lp = torch.tensor([got.logprobs[i][t].logprob for i, t in enumerate(tokens)])
-        torch.testing.assert_close(lp, ref_lp[torch.arange(len(tokens)), tokens], rtol=0, atol=1e-4)
+    engines = [dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24)]
+    if pressure:
+        engines.append(dict(engines[0], block_size=16, num_gpu_blocks_override=8))
+    for engine in engines:
+        with VllmRunner(path, **engine) as runner:
+            outs = runner.generate([{"prompt_token_ids": p} for p in prompts], params)
+            assert (runner.engine.stats.preemptions > 0) == ("num_gpu_blocks_override" in engine)
+        for out, (tokens, ref_lp) in zip(outs, want):
+            got = out.outputs[0]
+            assert got.token_ids == tokens
+            lp = torch.tensor([got.logprobs[i][t].logprob for i, t in enumerate(tokens)])
+            want_lp = ref_lp[torch.arange(len(tokens)), tokens]
+            torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-4)
     return prompts
 
 
@@ -210,23 +219,22 @@ def _assert_scaling_changes_logits(path: str, cls_name: str, prompt: list[int]) 
 
 @pytest.mark.parametrize("rope_type", sorted(LFM2_ROPE))
 def test_lfm2_generates_transformers_tokens_past_the_original_context(rope_type: str) -> None:
-    """LFM2 (transformers applies every type through `dynamic_rope_update`)."""
+    """LFM2 (transformers applies every type through `dynamic_rope_update`); the types that
+    follow the sequence's length also under KV pressure (preemption by recompute)."""
     rope, max_positions = LFM2_ROPE[rope_type]
     config = dict(LFM2["lfm2-mqa"], max_position_embeddings=max_positions)
     config["rope_parameters"] = {"rope_theta": 1000.0, **rope}
     path = _save_tiny("lfm2-mqa", "Lfm2ForCausalLM", config, 0.3, f"tiny-lfm2-{rope_type}-")
-    prompts = _assert_engine_matches_transformers(path, "Lfm2ForCausalLM")
+    by_length = rope_type in ("dynamic", "longrope")
+    prompts = _assert_engine_matches_transformers(path, "Lfm2ForCausalLM", pressure=by_length)
     _assert_scaling_changes_logits(path, "Lfm2ForCausalLM", prompts[-1])
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "linear"])
-def test_qwen3_5_mrope_sections_with_scaling(rope_type: str) -> None:
+def test_qwen3_5_mrope_sections_with_yarn() -> None:
     """Qwen3.5 "qwen3_5-mqa" (heads of 32, RoPE on 8 dims: 4 pairs in sections [2, 1, 1],
     interleaved): for text all three position rows are equal, so transformers' M-RoPE is the
-    plain partial RoPE, here scaled."""
-    scaling = {"rope_type": "linear", "factor": 4.0}
-    if rope_type == "yarn":
-        scaling = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16}
+    plain partial RoPE, here scaled by YaRN (its ramp and attention factor over the 4 pairs)."""
+    scaling = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16}
     config = dict(QWEN3_5["qwen3_5-mqa"], max_position_embeddings=256)
     config["rope_parameters"] = {
         **config["rope_parameters"],
@@ -235,6 +243,6 @@ def test_qwen3_5_mrope_sections_with_scaling(rope_type: str) -> None:
         "mrope_interleaved": True,
     }
     std = MODEL_FAMILY["qwen3_5-mqa"].weight_std
-    path = _save_tiny("qwen3_5-mqa", "Qwen3_5ForCausalLM", config, std, f"tiny-qwen35-{rope_type}-")
+    path = _save_tiny("qwen3_5-mqa", "Qwen3_5ForCausalLM", config, std, "tiny-qwen35-yarn-")
     prompts = _assert_engine_matches_transformers(path, "Qwen3_5ForCausalLM")
     _assert_scaling_changes_logits(path, "Qwen3_5ForCausalLM", prompts[-1])
