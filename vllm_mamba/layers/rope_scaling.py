@@ -16,8 +16,10 @@ Two types change their frequencies with the sequence's length (transformers'
 `dynamic_rope_update`, applied once per forward call at `max(position_ids) + 1`); each is a
 `LengthScaling` beside the frequencies the table holds:
 
-- `dynamic` (NTK): up to `max_position_embeddings` tokens the plain frequencies; a sequence of
-  `S` tokens beyond it uses the base `b * (factor * S / M - (factor - 1)) ** (R / (R - 2))`.
+- `dynamic` (NTK): up to `M = max_position_embeddings` tokens the plain frequencies; a sequence
+  of `S` tokens beyond it uses the base `b * (factor * S / M - (factor - 1)) ** (R / (R - 2))`.
+  (transformers 5.24 measures from `max_position_embeddings`, not from an
+  `original_max_position_embeddings` the config may also carry.)
 - `longrope` (Phi-3): `1 / (short_factor_i * b ** (2i / R))` up to
   `original_max_position_embeddings` tokens, `long_factor` beyond; both with the attention factor
   `sqrt(1 + ln(factor) / ln(original))` (`factor` defaults to `max_position_embeddings /
