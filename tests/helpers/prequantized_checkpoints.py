@@ -300,6 +300,9 @@ FORMATS: dict[str, Format] = {
     "gptq-8bit-channel-asym-v2": Format(
         _gptq_config(8, -1, False, False), gptq(8, -1, False, False), torch.int8, True
     ),
+    "gptq-4bit-g32-desc-act-in-order": Format(  # desc_act whose g_idx is contiguous
+        _gptq_config(4, 32, False, True, True), gptq(4, 32, False, True), torch.uint8, True
+    ),
     "gptq-4bit-g32-act-order": Format(
         _gptq_config(4, 32, False, True, True), gptq(4, 32, False, True, True), None, True
     ),
