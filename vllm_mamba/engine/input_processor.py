@@ -16,6 +16,7 @@ otherwise generate from the text alone.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from vllm_mamba.sampling_params import SamplingParams
@@ -27,6 +28,24 @@ PromptInput = str | list[int] | dict[str, Any]
 MAX_CACHE_POINTS = 64
 # The fields of a prompt dict the engine uses.
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "cache_points")
+
+
+_longest: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def longest_token(tokenizer: Any) -> int:
+    """Characters of the tokenizer's longest vocabulary entry (at least 1), computed once per
+    tokenizer object (engines of one process share a tokenizer: `tokenizer.cached_tokenizer`)."""
+    try:
+        return _longest[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    longest = max(max((len(t) for t in tokenizer.get_vocab()), default=1), 1)
+    try:
+        _longest[tokenizer] = longest
+    except TypeError:  # not weakly referenceable
+        pass
+    return longest
 
 
 class InputProcessor:
@@ -44,8 +63,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         # No token spans more characters than the longest vocabulary entry, so a text longer
         # than this cannot fit in max_model_len tokens: it is refused before tokenising it.
-        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-        self.max_prompt_chars = max_model_len * max(longest, 1)
+        self.max_prompt_chars = max_model_len * longest_token(tokenizer)
 
     def process_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """Returns `(text or None, token ids)` of a prompt, validated.

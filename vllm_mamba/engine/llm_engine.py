@@ -44,7 +44,7 @@ from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.outputs import RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
 from vllm_mamba.state_cache import SlotLayout
-from vllm_mamba.tokenizer import load_tokenizer
+from vllm_mamba.tokenizer import cached_tokenizer
 from vllm_mamba.worker.model_runner import RunnerConfig
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class LLMEngine:
             EngineStartupError: the model loaded but cannot run as configured.
         """
         config = args.create_engine_config()
-        return cls(config, load_tokenizer(config.model_config.tokenizer))
+        return cls(config, cached_tokenizer(config.model_config.tokenizer))
 
     def _num_snapshot_slots(self, slot_bytes: int) -> int:
         """Prefix-cache snapshot slots that fit its memory budget (0 when it is off)."""
