@@ -50,6 +50,18 @@ def step_lengths(meta: PagedMetadata) -> torch.Tensor:
     return torch.cat([after[:nd], torch.maximum(after[nd:], prompts)])
 
 
+def _frequency_key(freqs: RopeFrequencies) -> tuple[Any, ...]:
+    """What a length-following RoPE's per-token table depends on besides the step, by value
+    (layers built from one config share their tables)."""
+    rule = freqs.by_length
+    assert rule is not None
+    long = None if rule.long_inv_freq is None else tuple(rule.long_inv_freq.tolist())
+    return (
+        tuple(freqs.inv_freq.tolist()), freqs.attention_factor, rule.threshold, rule.rot_dim,
+        rule.base, rule.ntk_factor, long,
+    )  # fmt: skip
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates `q (T, Hq * D)` and `k (T, Hkv * D)` at `positions (T,)` (NeoX pairing)."""
 
@@ -66,6 +78,7 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         self.freqs = freqs
         self._cos_sin: torch.Tensor | None = None  # (max_position, R) float32
+        self._step_key = _frequency_key(freqs) if freqs.by_length is not None else None
 
     @classmethod
     def from_config(cls, config: Any, head_dim: int, rot_dim: int | None = None) -> RotaryEmbedding:
@@ -123,7 +136,12 @@ class RotaryEmbedding(nn.Module):
         else:
             if meta is None:
                 raise ValueError("a dynamic or longrope RoPE needs the step's metadata")
-            table = self._token_table(q.device, positions, step_lengths(meta))
+            # One table per step for all layers of the same frequencies (at the step's positions).
+            memo = meta.rope_tables if positions is meta.positions else {}
+            table = memo.get(self._step_key)
+            if table is None or table.device != q.device:
+                table = self._token_table(q.device, positions, step_lengths(meta))
+                memo[self._step_key] = table
             positions = torch.arange(num_tokens, device=q.device)
         q3, k3 = rotary_embedding_ref(positions, q3, k3, table, is_neox=True)
         return q3.reshape(q.shape), k3.reshape(k.shape)

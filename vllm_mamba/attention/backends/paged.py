@@ -9,7 +9,8 @@ length in the cache after this step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +33,8 @@ class PagedMetadata(MambaMetadata):
         prefill_rope_lens: `(num_prefills,)` int32, the sequence length a RoPE that follows
             it (`dynamic`, `longrope`) rotates the chunk's prompt tokens at: the prompt's
             length (the layout's `prefill_prompt_lens`), else the chunk's end.
+        rope_tables: the step's per-token cos / sin of such RoPEs, filled by the first rotary
+            layer that needs one and reused by the others (keyed by the frequencies).
     """
 
     slot_mapping: torch.Tensor
@@ -41,6 +44,7 @@ class PagedMetadata(MambaMetadata):
     prefill_block_tables: torch.Tensor
     prefill_seq_lens: torch.Tensor
     prefill_rope_lens: torch.Tensor
+    rope_tables: dict[Any, torch.Tensor] = field(default_factory=dict)
 
 
 def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
