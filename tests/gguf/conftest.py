@@ -32,16 +32,30 @@ def converter() -> str:
     return CONVERTER
 
 
-def convert(hf_dir: str, outtype: str, out_file: str) -> str:
-    """`hf_dir` written as GGUF `out_file` by llama.cpp's converter with `--outtype`."""
+_MANY = """
+import os, runpy, sys
+converter, jobs = sys.argv[1], sys.argv[2:]
+sys.path.insert(0, os.path.dirname(converter))
+main = runpy.run_path(converter, run_name="llama_cpp_convert")["main"]
+for i in range(0, len(jobs), 3):
+    sys.argv = [converter, jobs[i], "--outtype", jobs[i + 1], "--outfile", jobs[i + 2]]
+    main()
+"""
+
+
+def convert(*jobs: tuple[str, str, str]) -> None:
+    """Each `(hf_dir, outtype, out_file)` written as GGUF by llama.cpp's converter (one
+    process for all: its imports take seconds)."""
+    args = [part for job in jobs for part in job]
     proc = subprocess.run(
-        [sys.executable, converter(), hf_dir, "--outtype", outtype, "--outfile", out_file],
+        [sys.executable, "-c", _MANY, converter(), *args],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out_file
+    for _, _, out_file in jobs:
+        assert os.path.isfile(out_file), out_file
 
 
 def _value_type(value: Any) -> Any:
