@@ -212,3 +212,15 @@ def test_unsupported_block_type_and_tensor_parallel_are_clear_errors(
         load_hf_config(path)
     with pytest.raises(ValueError, match="one rank only"):
         list(FORMAT.read_file(files["q8_0"], "gguf", lazy=True))
+
+
+def test_served_by_the_openai_server(files: dict[str, str]) -> None:
+    """`vllm-mamba serve file.gguf` answers the official client with `LLM`'s greedy text,
+    detokenised by the file's own tokenizer."""
+    from tests.entrypoints.conftest import greedy_completions, launch_server
+    from vllm_mamba.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(files["q8_0"])
+    want = [tokenizer.decode(t) for t, _ in _run(files["q8_0"], PROMPTS, dtype="float32")]
+    with launch_server("--dtype", "float32", model_dir=files["q8_0"]) as server:
+        assert greedy_completions(server.url, PROMPTS, 6) == want
