@@ -9,6 +9,7 @@
   the engine (`dynamic` and `longrope` also preempted and recomputed under KV pressure);
 - a tiny Qwen3.5 with M-RoPE sections (`mrope_section`, `mrope_interleaved`) and partial RoPE
   combined with `yarn` does the same for text;
+- Qwen2-VL's `mrope` type is plain RoPE, as transformers reads it;
 - an unknown type, or longrope factor lists of the wrong length, are refused naming the field."""
 
 from __future__ import annotations
@@ -119,6 +120,22 @@ def test_frequencies_past_the_threshold_equal_transformers(name: str, partial: f
         want, _ = init(config, "cpu", seq_len=torch.tensor(length))
         torch.testing.assert_close(row, want.float(), rtol=0, atol=0)
     assert not torch.equal(got[0], rope_frequencies(config, int(HEAD_DIM * partial)).inv_freq)
+
+
+def test_mrope_type_is_plain_rope() -> None:
+    """Qwen2-VL's older `{"type": "mrope", "mrope_section": ...}`: transformers' config reads
+    it as `default`; here the same plain frequencies (`base ** (-2i / R)`, no factor)."""
+    rope = {"type": "mrope", "mrope_section": [16, 8, 8], "rope_theta": 1e4}
+    hf = transformers.Qwen2VLTextConfig(
+        hidden_size=4 * HEAD_DIM, num_attention_heads=4, rope_parameters=dict(rope)
+    )
+    assert hf.rope_parameters["rope_type"] == "default"
+    config = _llama_config({"rope_type": "default"})
+    config.rope_parameters = dict(rope)
+    got = rope_frequencies(config, HEAD_DIM)
+    want = 1.0 / 1e4 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+    torch.testing.assert_close(got.inv_freq, want.float())
+    assert got.attention_factor == 1.0 and got.by_length is None
 
 
 def test_unknown_type_and_misshaped_longrope_are_refused() -> None:

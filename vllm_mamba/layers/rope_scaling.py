@@ -76,14 +76,17 @@ class RopeFrequencies:
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """The config's RoPE parameters as one dict (transformers 5's `rope_parameters`, or the
-    older `rope_theta` + `rope_scaling`), with `rope_type` set."""
+    older `rope_theta` + `rope_scaling`), with `rope_type` set (`mrope` read as `default`)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     legacy = getattr(config, "rope_scaling", None)
     if isinstance(legacy, dict):
         params = {**legacy, **params}
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
-    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    # Qwen2-VL's older configs name M-RoPE a type; transformers reads it as plain RoPE (the
+    # sections only split the frequencies between position rows, equal for text).
+    params["rope_type"] = "default" if rope_type == "mrope" else rope_type
     return params
 
 
