@@ -6,7 +6,8 @@
 - tiny LFM2s with each of `linear`, `yarn`, `dynamic` and `longrope` generate transformers'
   greedy tokens and logprobs (`generate` on each prompt alone, a fresh model each) for prompts
   before, across and past the original context, batched together and prefilled in chunks in
-  the engine (`dynamic` and `longrope` also preempted and recomputed under KV pressure);
+  the engine (`dynamic` and `longrope` also preempted and recomputed under KV pressure, and
+  with speculative decoding);
 - a tiny Qwen3.5 with M-RoPE sections (`mrope_section`, `mrope_interleaved`) and partial RoPE
   combined with `yarn` does the same for text;
 - Qwen2-VL's `mrope` type is plain RoPE, as transformers reads it;
@@ -24,6 +25,7 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tests.helpers.runners import HfRunner, VllmRunner
+from tests.helpers.spec_oracle import OracleProposer
 from tests.helpers.tiny_configs import LFM2, QWEN3_5
 from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import MODEL_FAMILY, copy_tokenizer
@@ -193,8 +195,9 @@ def _assert_engine_matches_transformers(
     """Greedy tokens equal, logprobs of them within 1e-4: every prompt batched in the engine,
     prefilled in chunks of at most 24 tokens, against transformers' `generate` on each prompt
     alone in a freshly loaded model (dynamic RoPE keeps its longest length in the rotary module
-    across calls). With `pressure`, once more in 8 KV blocks of 16 (the four sequences need 15):
-    preempted sequences are recomputed from their prompt and generated tokens."""
+    across calls). With `pressure`, once more in 8 KV blocks of 16 (the four sequences need 15:
+    preempted sequences are recomputed from their prompt and generated tokens) and once with
+    speculative decoding (chains of 3 drafts, partly right, verified in one step)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 50000) for _ in range(n)] for n in PROMPT_LENS]
     want = [HfRunner(path, cls_name).generate_greedy_logprobs([p], MAX_TOKENS)[0] for p in prompts]
@@ -202,10 +205,18 @@ def _assert_engine_matches_transformers(
     engines = [dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24)]
     if pressure:
         engines.append(dict(engines[0], block_size=16, num_gpu_blocks_override=8))
+        spec = {"method": "ngram", "num_speculative_tokens": 3}
+        engines.append(dict(engines[0], speculative_config=spec))
     for engine in engines:
         with VllmRunner(path, **engine) as runner:
+            if "speculative_config" in engine:  # drafts from the reference, every third wrong
+                refs = {tuple(p): tokens for p, (tokens, _) in zip(prompts, want)}
+                runner.engine.spec_steps.proposer = OracleProposer(refs)
             outs = runner.generate([{"prompt_token_ids": p} for p in prompts], params)
             assert (runner.engine.stats.preemptions > 0) == ("num_gpu_blocks_override" in engine)
+            if "speculative_config" in engine:
+                counters = runner.engine.spec_steps.counters
+                assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
         for out, (tokens, ref_lp) in zip(outs, want):
             got = out.outputs[0]
             assert got.token_ids == tokens
@@ -237,7 +248,8 @@ def _assert_scaling_changes_logits(path: str, cls_name: str, prompt: list[int]) 
 @pytest.mark.parametrize("rope_type", sorted(LFM2_ROPE))
 def test_lfm2_generates_transformers_tokens_past_the_original_context(rope_type: str) -> None:
     """LFM2 (transformers applies every type through `dynamic_rope_update`); the types that
-    follow the sequence's length also under KV pressure (preemption by recompute)."""
+    follow the sequence's length also under KV pressure (preemption by recompute) and with
+    speculative decoding."""
     rope, max_positions = LFM2_ROPE[rope_type]
     config = dict(LFM2["lfm2-mqa"], max_position_embeddings=max_positions)
     config["rope_parameters"] = {"rope_theta": 1000.0, **rope}
