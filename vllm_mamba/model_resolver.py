@@ -57,7 +57,8 @@ def resolve_model_path(
         )
         raise FileNotFoundError(f"model {model!r} is a file; expected a model directory{hint}")
     if looks_like_path(model):
-        raise FileNotFoundError(f"model directory {model!r} does not exist")
+        what = "GGUF file" if model.endswith(".gguf") else "model directory"
+        raise FileNotFoundError(f"{what} {model!r} does not exist")
     from huggingface_hub import constants, snapshot_download
 
     try:

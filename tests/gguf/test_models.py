@@ -1,12 +1,12 @@
 """Tiny models written as GGUF by llama.cpp's converter, run through `LLM`.
 
-- F32 GGUF (mamba2, mamba, rwkv7): greedy tokens equal the safetensors model's, logprobs
-  within 1e-5 (float32 rounding: `A_log` comes back through `log(-A)`, Mamba2's chunk length
-  is not in the file).
-- Q8_0 (the converter's) and Q4_0 (gguf-py's quantiser over the F32 file's weights): the
+- F32 GGUF (mamba2, mamba, falcon-mamba, rwkv7): greedy tokens equal the safetensors
+  model's, logprobs within 1e-5 (float32 rounding: `A_log` comes back through `log(-A)`,
+  Mamba2's chunk length is not in the file).
+- Q8_0 (the converter's), Q4_0 and Q4_1 (gguf-py's quantiser over the F32 file's weights): the
   tokens of the same checkpoint with every quantised weight replaced by gguf-py's
   dequantisation, logprobs within 1e-3; the model's integer layers hold exactly those values
-  (Q4_0 in the engine's int4 kernel).
+  (Q4_0 in the engine's int4 kernel, Q4_1 in the grouped 4-bit one with offsets, as Q4_K).
 - A directory holding a split set, and a directory holding one file.
 - The file's tokenizer encodes a corpus as the Hugging Face tokenizer does; its chat template
   renders as the checkpoint's; RWKV's World vocabulary as the engine's World tokenizer.
@@ -26,6 +26,7 @@ from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 
+QUANTISED = ["q8_0", "q4_0", "q4_1"]
 PROMPTS = ["Hello world, this is", "The quick brown fox", "def fibonacci(n):"]
 CORPUS = [
     "Hello world",
@@ -43,8 +44,19 @@ TEMPLATE = (
 )
 
 
+_RUNS: dict[str, list] = {}
+
+
 def _run(model: str, prompts: list, max_tokens: int = 6, **kwargs: object) -> list:
-    """Greedy tokens and their logprobs for each prompt."""
+    """Greedy tokens and their logprobs for each prompt (one engine per model, prompts and
+    options in this module)."""
+    key = repr((model, prompts, max_tokens, sorted(kwargs.items())))
+    if key not in _RUNS:
+        _RUNS[key] = _generate(model, prompts, max_tokens, **kwargs)
+    return _RUNS[key]
+
+
+def _generate(model: str, prompts: list, max_tokens: int, **kwargs: object) -> list:
     llm = LLM(model=model, max_num_seqs=4, **kwargs)
     try:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0)
@@ -62,8 +74,8 @@ def _run(model: str, prompts: list, max_tokens: int = 6, **kwargs: object) -> li
 
 @pytest.fixture(scope="module")
 def files() -> dict[str, str]:
-    """The tiny checkpoints and their GGUFs: mamba2 (with a chat template) as F32, Q8_0 and
-    Q4_0; mamba as F32; rwkv7 (with the World vocabulary) as F32."""
+    """The tiny checkpoints and their GGUFs: mamba2 (with a chat template) as F32, Q8_0, Q4_0
+    and Q4_1; mamba, falcon-mamba and rwkv7 (with the World vocabulary) as F32."""
     import rwkv
 
     from tests.helpers.rwkv_checkpoints import save_rwkv7
@@ -84,16 +96,20 @@ def files() -> dict[str, str]:
         "hf": hf, "mamba_hf": tiny_model_dir("tied"), "rwkv7_hf": rwkv_hf,
         "f32": os.path.join(out, "m-f32.gguf"), "q8_0": os.path.join(out, "m-q8_0.gguf"),
         "mamba": os.path.join(out, "mamba-f32.gguf"), "rwkv7": os.path.join(out, "rwkv7.gguf"),
+        "falcon_hf": tiny_model_dir("falcon-tied"), "falcon": os.path.join(out, "falcon.gguf"),
     }  # fmt: skip
     convert(
         (hf, "f32", f["f32"]),
         (hf, "q8_0", f["q8_0"]),
         (f["mamba_hf"], "f32", f["mamba"]),
         (rwkv_hf, "f32", f["rwkv7"]),
+        (f["falcon_hf"], "f32", f["falcon"]),
     )
-    quantised = {t.name: "Q4_0" for t in GGUFFile(f["q8_0"]).tensors if t.type_name == "Q8_0"}
-    f["q4_0"] = rewrite(f["f32"], os.path.join(out, "m-q4_0.gguf"), quantised)
-    for kind in ("q8_0", "q4_0"):
+    quantised = [t.name for t in GGUFFile(f["q8_0"]).tensors if t.type_name == "Q8_0"]
+    for kind in ("q4_0", "q4_1"):
+        to = dict.fromkeys(quantised, kind.upper())
+        f[kind] = rewrite(f["f32"], os.path.join(out, f"m-{kind}.gguf"), to)
+    for kind in QUANTISED:
         f[f"{kind}_ref"] = dequantized_checkpoint(hf, f[kind], "mamba2", make_tmp_dir("deq-"))
     return f
 
@@ -111,14 +127,14 @@ def test_f32_gguf_equals_safetensors(files: dict[str, str]) -> None:
     _assert_same(_run(files["f32"], PROMPTS), _run(files["hf"], PROMPTS), atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", QUANTISED)
 def test_quantised_gguf_equals_its_dequantised_weights(files: dict[str, str], kind: str) -> None:
     ref_dir = files[f"{kind}_ref"]
     got = _run(files[kind], PROMPTS, dtype="float32")
     _assert_same(got, _run(ref_dir, PROMPTS, dtype="float32"), atol=1e-3)
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", QUANTISED)
 def test_integer_layers_hold_the_gguf_values(files: dict[str, str], kind: str) -> None:
     from safetensors.torch import load_file
 
@@ -139,7 +155,7 @@ def test_integer_layers_hold_the_gguf_values(files: dict[str, str], kind: str) -
             scales = module.weight_scale.float()
             layout = GroupedWeight(module.weight, scales, -8 * scales, 4, 32)
         else:
-            assert module.weight.dtype == torch.int8, name
+            assert module.weight.dtype == (torch.int8 if kind == "q8_0" else torch.uint8), name
             layout = GroupedWeight(
                 module.weight, module.weight_scale, module.weight_offset, module.bits, module.group
             )
@@ -176,6 +192,14 @@ def test_mamba_split_set_and_single_file_directories(files: dict[str, str]) -> N
     _assert_same(_run(split_dir, PROMPTS[:2]), _run(hf_dir, PROMPTS[:2]), atol=1e-5)
     assert detect_format(one_dir) is FORMAT
     assert FORMAT.weight_files(one_dir) == ([os.path.join(one_dir, "mamba-f32.gguf")], "gguf")
+
+
+def test_falcon_mamba_f32_gguf_equals_safetensors(files: dict[str, str]) -> None:
+    """llama.cpp writes FalconMamba as `mamba` with `ssm.dt_b_c_rms`."""
+    from vllm_mamba.model_loader import load_hf_config
+
+    assert load_hf_config(files["falcon"]).architectures == ["FalconMambaForCausalLM"]
+    _assert_same(_run(files["falcon"], PROMPTS[:2]), _run(files["falcon_hf"], PROMPTS[:2]), 1e-5)
 
 
 def test_rwkv7_f32_gguf_and_world_vocabulary(files: dict[str, str]) -> None:
