@@ -1,0 +1,122 @@
+"""The tiny hybrid checkpoints of the GGUF mapping tests and their F32 GGUFs (llama.cpp's
+converter), built once per test session.
+
+Each case is a variant of `tests.tiny_models` (the same configs and weight draws), with a few
+config keys changed where llama.cpp's converter cannot write the registry's variant as it is
+(said at each case). All of them are converted by one converter process
+(`convert_checkpoints.py`) on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+from unittest import mock
+
+from tests import tiny_models
+from tests.helpers.tmp_dirs import make_tmp_dir
+
+LLAMA_CPP_DIR = os.path.join(os.path.dirname(__file__), "..", "..", ".cache", "llama-cpp-convert")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One GGUF architecture's checkpoint: a registry variant with config keys changed."""
+
+    arch: str  # the GGUF general.architecture the converter writes
+    variant: str  # the `tests.tiny_models` variant
+    overrides: dict = dataclasses.field(default_factory=dict)  # config keys changed
+    # config.json as the releases spell it (transformers 5 saves some keys in a newer form the
+    # converter does not read): keys set, and keys removed.
+    hub_keys: dict = dataclasses.field(default_factory=dict)
+    drop_keys: tuple[str, ...] = ()
+
+
+CASES: dict[str, Case] = {
+    "qwen35": Case("qwen35", "qwen3_5-gqa"),
+    "qwen35moe": Case("qwen35moe", "qwen3_5-moe-top2"),
+    "qwen3next": Case("qwen3next", "qwen3-next-moe"),
+    "lfm2": Case("lfm2", "lfm2-gqa"),
+    # The converter writes LFM2-MoE with a tied head only (as the releases; an `lm_head` is
+    # "Can not map"), no conv biases (it squeezes every conv tensor to 2-D) and no routing
+    # scale (llama.cpp runs it with 1.0, as the releases set).
+    "lfm2moe": Case(
+        "lfm2moe", "lfm2-moe-top2", {"tie_word_embeddings": True, "routed_scaling_factor": 1.0}
+    ),
+    # Granite 4.0-H as released: NoPE (llama.cpp runs Granite hybrids without rotary
+    # embeddings) and `layer_types` spelt `mamba` / `attention`, which the converter reads.
+    "granitehybrid": Case(
+        "granitehybrid",
+        "granite-moe-rope",
+        {"position_embedding_type": "nope"},
+        hub_keys={"layer_types": ["mamba", "attention", "mamba", "attention"]},
+    ),
+    # Bamba's rotary width as Bamba-9B's config.json gives it (`attn_rotary_emb`: half the
+    # head, which transformers hardcodes; without it the converter writes the whole head).
+    "bamba": Case("granitehybrid", "bamba-gqa", hub_keys={"attn_rotary_emb": 8}),
+    # The converter asserts a Mamba2 width that is a multiple of 64: 4 heads of 32 here; and
+    # in a MoE model it writes no width for dense MLP layers, so none here (as Nemotron 3
+    # Nano's pattern, Mamba2, MoE and attention only).
+    "nemotron_h_moe": Case(
+        "nemotron_h_moe",
+        "nemotron-h-moe",
+        {"mamba_num_heads": 4, "mamba_head_dim": 32, "hybrid_override_pattern": "ME*MEE"},
+    ),
+    # llama.cpp's Mamba2 layer gates before its norm (as the releases): the norm after the gate.
+    "falcon-h1": Case("falcon-h1", "falcon-h1-norm", {"mamba_norm_before_gate": False}),
+}
+
+
+def llama_cpp_dir() -> str:
+    """The converter's tree that `make install-dev` fetches (`.cache/llama-cpp-convert`)."""
+    if not os.path.isfile(os.path.join(LLAMA_CPP_DIR, "convert_hf_to_gguf.py")):
+        raise FileNotFoundError(
+            f"llama.cpp's converter is missing ({LLAMA_CPP_DIR}): run `make install-dev`"
+        )
+    return os.path.abspath(LLAMA_CPP_DIR)
+
+
+def build_model(case: Case):  # noqa: ANN201 - a transformers model
+    """The transformers model of `case`: its variant's weights drawn as the registry draws them."""
+    family = tiny_models.MODEL_FAMILY[case.variant]
+    config = {**family.configs[case.variant], **case.overrides}
+    patched = dataclasses.replace(family, configs={case.variant: config})
+    with mock.patch.dict(tiny_models.MODEL_FAMILY, {case.variant: patched}):
+        return tiny_models.build_hf_model(case.variant)
+
+
+@functools.cache
+def checkpoints() -> dict[str, tuple[str, str]]:
+    """Case name -> (Hugging Face checkpoint directory, its F32 GGUF file), for every case."""
+    root = make_tmp_dir("gguf-hybrids-")
+    paths, jobs = {}, []
+    for name, case in CASES.items():
+        src = os.path.join(root, name)
+        build_model(case).save_pretrained(src)
+        tiny_models.copy_tokenizer(src)
+        _as_released(case, os.path.join(src, "config.json"))
+        out = os.path.join(root, f"{name}.gguf")
+        paths[name] = (src, out)
+        jobs.append(f"{src}={out}")
+    script = os.path.join(os.path.dirname(__file__), "convert_checkpoints.py")
+    done = subprocess.run(
+        [sys.executable, script, llama_cpp_dir(), *jobs], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-4000:]}")
+    return paths
+
+
+def _as_released(case: Case, path: str) -> None:
+    """Rewrites the saved config.json with `case.hub_keys` / `drop_keys`."""
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config.update(case.hub_keys)
+    for key in case.drop_keys:
+        config.pop(key, None)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
