@@ -21,6 +21,7 @@ add them when encoding; the chat template is the file's (none when it has none).
 from __future__ import annotations
 
 import codecs
+import hashlib
 import os
 import tempfile
 from typing import Any
@@ -107,14 +108,23 @@ def _rwkv_world(meta: dict[str, Any], template: str | None) -> Any:
 
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    folder = tempfile.mkdtemp(prefix="vllm-mamba-gguf-rwkv-")
+    lines = []
+    for i, (token, ty) in enumerate(zip(tokens, types)):
+        if i == 0 or ty != 1:  # <s> and the [PAD] fillers are not vocabulary entries
+            continue
+        data = codecs.escape_decode(token.encode("utf-8"))[0]
+        lines.append(f"{i} {data!r} {len(data)}\n")
+    text = "".join(lines)
+    # The World tokenizer reads a vocabulary file: one per vocabulary, kept under the temp dir.
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    folder = os.path.join(tempfile.gettempdir(), f"vllm-mamba-gguf-rwkv-{digest}")
     path = os.path.join(folder, DEFAULT_VOCAB_FILE)
-    with open(path, "w", encoding="utf-8") as f:
-        for i, (token, ty) in enumerate(zip(tokens, types)):
-            if i == 0 or ty != 1:  # <s> and the [PAD] fillers are not vocabulary entries
-                continue
-            data = codecs.escape_decode(token.encode("utf-8"))[0]
-            f.write(f"{i} {data!r} {len(data)}\n")
+    if not os.path.isfile(path):
+        os.makedirs(folder, exist_ok=True)
+        partial = f"{path}.{os.getpid()}"
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(partial, path)
     if template == "rwkv-world":  # llama.cpp's name for its built-in template, not Jinja
         template = None
     return RwkvWorldTokenizer(path, chat_template=template)
