@@ -72,10 +72,33 @@ def _value_type(value: Any) -> Any:
     raise TypeError(value)
 
 
-def rewrite(src: str, dst: str, quantize: dict[str, str], split_max_tensors: int = 0) -> str:
+K_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per block of 256
+_K_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # float16 fields of a block
+
+
+def random_k_blocks(type_name: str, rows: int, cols: int, seed: int, scale: float) -> np.ndarray:
+    """`(rows, bytes per row)` random blocks of K-quant `type_name` (which gguf-py cannot
+    write) for a `(rows, cols)` weight: random bytes, the float16 scales N(0, scale^2)."""
+    rng = np.random.default_rng(seed)
+    nb, nbytes = cols // 256, K_BYTES[type_name]
+    raw = rng.integers(0, 256, (rows, nb, nbytes), dtype=np.uint8)
+    for at in _K_HALVES[type_name]:
+        halves = (rng.standard_normal((rows, nb)) * scale).astype(np.float16)
+        raw[..., at : at + 2] = halves.view(np.uint8).reshape(rows, nb, 2)
+    return raw.reshape(rows, nb * nbytes)
+
+
+def rewrite(
+    src: str,
+    dst: str,
+    quantize: dict[str, str],
+    split_max_tensors: int = 0,
+    raw: dict[str, tuple[str, np.ndarray]] | None = None,
+) -> str:
     """GGUF `src` written again as `dst` by gguf-py's writer, the tensors named in `quantize`
-    (GGUF name -> type) quantised from their float values by gguf-py's quantiser; with
-    `split_max_tensors`, as a split set (`dst` minus `.gguf` plus `-0000i-of-0000n.gguf`)."""
+    (GGUF name -> type) quantised from their float values by gguf-py's quantiser, those in
+    `raw` replaced by the given `(type, blocks)`; with `split_max_tensors`, as a split set
+    (`dst` minus `.gguf` plus `-0000i-of-0000n.gguf`)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize
     from gguf.quants import quantize as gguf_quantize
@@ -97,7 +120,10 @@ def rewrite(src: str, dst: str, quantize: dict[str, str], split_max_tensors: int
     for t in source.tensors:
         qtype = GGMLQuantizationType[t.type_name]
         data = np.asarray(t.data)
-        if t.name in quantize:
+        if raw and t.name in raw:
+            kind, blocks = raw[t.name]
+            writer.add_tensor(t.name, blocks, raw_dtype=GGMLQuantizationType[kind])
+        elif t.name in quantize:
             values = dequantize(data, qtype).reshape(t.shape)
             new = GGMLQuantizationType[quantize[t.name]]
             writer.add_tensor(t.name, gguf_quantize(values, new), raw_dtype=new)

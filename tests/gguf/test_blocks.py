@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from tests.gguf.conftest import K_BYTES, random_k_blocks
 from vllm_mamba.gguf.blocks import decode_tensor
 from vllm_mamba.gguf.reader import GGUFFile
 from vllm_mamba.layers.packed_weights import packed_of
@@ -24,21 +25,14 @@ LAYOUTS = {  # type -> (bits, group, has offsets)
     "Q5_1": (8, 32, True), "Q8_0": (8, 32, False), "Q4_K": (4, 32, True),
     "Q5_K": (8, 32, True), "Q6_K": (8, 16, False),
 }  # fmt: skip
-K_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-HALF_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # float16 fields of a block
 
 
 def _blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """`(rows, bytes per row)` uint8 blocks of `type_name` for a `(rows, cols)` weight."""
+    if type_name in K_BYTES:
+        return random_k_blocks(type_name, rows, cols, seed, scale=0.05)
     rng = np.random.default_rng(seed)
-    if type_name not in K_BYTES:
-        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), T[type_name])
-    nb = cols // 256
-    raw = rng.integers(0, 256, (rows, nb, K_BYTES[type_name]), dtype=np.uint8)
-    for at in HALF_AT[type_name]:
-        halves = (rng.standard_normal((rows, nb)) * 0.05).astype(np.float16)
-        raw[..., at : at + 2] = halves.view(np.uint8).reshape(rows, nb, 2)
-    return raw.reshape(rows, nb * K_BYTES[type_name])
+    return quantize(rng.standard_normal((rows, cols)).astype(np.float32), T[type_name])
 
 
 @pytest.mark.parametrize("type_name", sorted(LAYOUTS))

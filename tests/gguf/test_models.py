@@ -7,6 +7,8 @@
   tokens of the same checkpoint with every quantised weight replaced by gguf-py's
   dequantisation, logprobs within 1e-3; the model's integer layers hold exactly those values
   (Q4_0 in the engine's int4 kernel, Q4_1 in the grouped 4-bit one with offsets, as Q4_K).
+- K-quants (Q4_K, Q6_K, Q5_K random blocks, which gguf-py cannot write, in a Mamba2 wide
+  enough for blocks of 256) likewise, in the grouped 4-bit and 8-bit kernels (groups of 16).
 - A directory holding a split set, and a directory holding one file.
 - The file's tokenizer encodes a corpus as the Hugging Face tokenizer does; its chat template
   renders as the checkpoint's; RWKV's World vocabulary as the engine's World tokenizer.
@@ -26,7 +28,12 @@ from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 
-QUANTISED = ["q8_0", "q4_0", "q4_1"]
+QUANTISED = ["q8_0", "q4_0", "q4_1", "k_quants"]
+K_QUANTS = {  # the wide Mamba2's layers as K-quants: (GGUF name, type, rows, columns)
+    "backbone.layers.0.mixer.in_proj.weight": ("blk.0.ssm_in.weight", "Q4_K", 1072, 256),
+    "backbone.layers.0.mixer.out_proj.weight": ("blk.0.ssm_out.weight", "Q6_K", 256, 512),
+    "lm_head.weight": ("output.weight", "Q5_K", 50280, 256),
+}
 PROMPTS = ["Hello world, this is", "The quick brown fox", "def fibonacci(n):"]
 CORPUS = [
     "Hello world",
@@ -72,6 +79,34 @@ def _generate(model: str, prompts: list, max_tokens: int, **kwargs: object) -> l
     return result
 
 
+def _wide_mamba2() -> str:
+    """A one-layer Mamba2 whose projections' inputs (256, 512) fit K-quant blocks of 256."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    from tests.tiny_models import copy_tokenizer
+
+    torch.manual_seed(0)
+    config = Mamba2Config(
+        hidden_size=256, num_hidden_layers=1, expand=2, num_heads=16, head_dim=32, n_groups=1,
+        state_size=16, conv_kernel=4, chunk_size=16, vocab_size=50280, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=1,
+    )  # fmt: skip
+    path = make_tmp_dir("gguf-wide-mamba2-")
+    Mamba2ForCausalLM(config).save_pretrained(path)
+    copy_tokenizer(path)
+    return path
+
+
+def _k_quant_blocks(hf_dir: str) -> dict:
+    """Random Q4_K / Q6_K / Q5_K blocks for the wide Mamba2's in_proj, out_proj and head."""
+    from tests.gguf.conftest import random_k_blocks
+
+    return {
+        name: (kind, random_k_blocks(kind, rows, cols, seed=i, scale=2e-4))
+        for i, (name, kind, rows, cols) in enumerate(K_QUANTS.values())
+    }
+
+
 @pytest.fixture(scope="module")
 def files() -> dict[str, str]:
     """The tiny checkpoints and their GGUFs: mamba2 (with a chat template) as F32, Q8_0, Q4_0
@@ -92,6 +127,7 @@ def files() -> dict[str, str]:
     save_rwkv7(dict(RWKV7["rwkv7-h32"], vocab_size=65536), rwkv_hf, "hf")
     shutil.copy(os.path.join(os.path.dirname(rwkv.__file__), DEFAULT_VOCAB_FILE), rwkv_hf)
     out = make_tmp_dir("gguf-files-")
+    wide = _wide_mamba2()
     f = {
         "hf": hf, "mamba_hf": tiny_model_dir("tied"), "rwkv7_hf": rwkv_hf,
         "f32": os.path.join(out, "m-f32.gguf"), "q8_0": os.path.join(out, "m-q8_0.gguf"),
@@ -104,19 +140,25 @@ def files() -> dict[str, str]:
         (f["mamba_hf"], "f32", f["mamba"]),
         (rwkv_hf, "f32", f["rwkv7"]),
         (f["falcon_hf"], "f32", f["falcon"]),
+        (wide, "f32", os.path.join(out, "wide-f32.gguf")),
     )
+    f["k_quants"] = rewrite(os.path.join(out, "wide-f32.gguf"), os.path.join(out, "k.gguf"), {},
+                            raw=_k_quant_blocks(wide))  # fmt: skip
     quantised = [t.name for t in GGUFFile(f["q8_0"]).tensors if t.type_name == "Q8_0"]
     for kind in ("q4_0", "q4_1"):
         to = dict.fromkeys(quantised, kind.upper())
         f[kind] = rewrite(f["f32"], os.path.join(out, f"m-{kind}.gguf"), to)
     for kind in QUANTISED:
-        f[f"{kind}_ref"] = dequantized_checkpoint(hf, f[kind], "mamba2", make_tmp_dir("deq-"))
+        source = wide if kind == "k_quants" else hf
+        f[f"{kind}_ref"] = dequantized_checkpoint(source, f[kind], "mamba2", make_tmp_dir("deq-"))
     return f
 
 
 def _assert_same(got: list, want: list, atol: float) -> None:
-    """The same greedy tokens; their logprobs within `atol`."""
+    """The same greedy tokens (not all the same); their logprobs finite and within `atol`."""
     assert [t for t, _ in got] == [t for t, _ in want]
+    assert len({tuple(t) for t, _ in got}) == len(got)
+    assert all(torch.isfinite(torch.tensor(lp)).all() for _, lp in got)
     for (_, a), (_, b) in zip(got, want):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=atol, rtol=0)
 
@@ -155,12 +197,22 @@ def test_integer_layers_hold_the_gguf_values(files: dict[str, str], kind: str) -
             scales = module.weight_scale.float()
             layout = GroupedWeight(module.weight, scales, -8 * scales, 4, 32)
         else:
-            assert module.weight.dtype == (torch.int8 if kind == "q8_0" else torch.uint8), name
+            if kind == "k_quants":
+                bits, group = {"Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}[
+                    K_QUANTS[f"{name}.weight"][1]
+                ]
+            else:
+                bits, group = (8 if kind == "q8_0" else 4), 32
+            assert (module.bits, module.group) == (bits, group), name
+            assert module.weight.dtype == (torch.int8 if bits == 8 else torch.uint8), name
             layout = GroupedWeight(
                 module.weight, module.weight_scale, module.weight_offset, module.bits, module.group
             )
         assert torch.equal(layout.dequantize(), want[f"{name}.weight"]), name
-    assert integer == 2 * 2 + 1  # in_proj and out_proj of 2 layers, and the head
+    if kind == "k_quants":
+        assert integer == len(K_QUANTS)
+    else:
+        assert integer == 2 * 2 + 1  # in_proj and out_proj of 2 layers, and the head
 
 
 def test_tokenizer_and_chat_template_from_the_gguf(files: dict[str, str]) -> None:
