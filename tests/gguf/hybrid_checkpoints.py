@@ -34,6 +34,8 @@ class Case:
     # converter does not read): keys set, and keys removed.
     hub_keys: dict = dataclasses.field(default_factory=dict)
     drop_keys: tuple[str, ...] = ()
+    # `neox`: the registry's GPT-NeoX tokenizer; `llama-bytes`: `llama_byte_tokenizer`.
+    tokenizer: str = "neox"
 
 
 CASES: dict[str, Case] = {
@@ -68,6 +70,10 @@ CASES: dict[str, Case] = {
     ),
     # llama.cpp's Mamba2 layer gates before its norm (as the releases): the norm after the gate.
     "falcon-h1": Case("falcon-h1", "falcon-h1-norm", {"mamba_norm_before_gate": False}),
+    # The converter writes Jamba's vocabulary as SentencePiece-style (`llama`) only, from a
+    # `tokenizer.model` or a byte-fallback BPE `tokenizer.json`: a byte-level one here, with
+    # the model's vocabulary cut to its 320 tokens.
+    "jamba": Case("jamba", "jamba-gqa", {"vocab_size": 320}, tokenizer="llama-bytes"),
 }
 
 
@@ -96,8 +102,12 @@ def checkpoints() -> dict[str, tuple[str, str]]:
     paths, jobs = {}, []
     for name, case in CASES.items():
         src = os.path.join(root, name)
-        build_model(case).save_pretrained(src)
-        tiny_models.copy_tokenizer(src)
+        model = build_model(case)
+        model.save_pretrained(src)
+        if case.tokenizer == "llama-bytes":
+            llama_byte_tokenizer(src, model.config.vocab_size)
+        else:
+            tiny_models.copy_tokenizer(src)
         _as_released(case, os.path.join(src, "config.json"))
         out = os.path.join(root, f"{name}.gguf")
         paths[name] = (src, out)
@@ -120,3 +130,31 @@ def _as_released(case: Case, path: str) -> None:
         config.pop(key, None)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
+
+
+def llama_byte_tokenizer(path: str, size: int) -> None:
+    """Writes a Llama-style tokenizer of `size` tokens into `path`: BPE with byte fallback
+    (`<unk>`, `<s>`, `</s>`, the 256 byte tokens `<0xNN>`, then `▁` and letters, no merges),
+    SentencePiece's `▁` for spaces, no BOS added."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", *"abcdefghijklmnopqrstuvwxyz"]:
+        vocab[piece] = len(vocab)
+    while len(vocab) < size:
+        vocab[f"▁{len(vocab)}"] = len(vocab)
+    bpe = models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+    )
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    config = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False}  # fmt: skip
+    with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)

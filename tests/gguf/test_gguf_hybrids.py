@@ -68,6 +68,7 @@ _DIFFERENCES = {
         "time_step_floor",
         "max_position_embeddings",
         "tie_word_embeddings",
+        "intermediate_size",  # no layer is a dense MLP: its width is neither written nor used
     },  # fmt: skip
 }
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vllm_mamba.gguf.metadata import TENSOR_NAMES, decimal
+from vllm_mamba.gguf.metadata import TENSOR_NAMES, TENSOR_SHAPES, decimal
 from vllm_mamba.layers.packed_weights import rows_of
 
 __all__ = [
@@ -121,11 +121,13 @@ def common_config(
     partial: float | None = None,
 ) -> dict[str, Any]:
     """The fields every llama.cpp text model writes alike (see the module docstring)."""
+    embedding = metadata.get(TENSOR_SHAPES, {}).get("token_embd.weight")
     tokens = metadata.get("tokenizer.ggml.tokens")
-    if tokens is None:
+    if embedding is None and tokens is None:
         raise ValueError("GGUF metadata tokenizer.ggml.tokens is missing (the vocabulary size)")
     config: dict[str, Any] = {
-        "vocab_size": len(tokens),
+        # the embedding's rows (the tokenizer may hold fewer: llama.cpp does not pad it)
+        "vocab_size": int(embedding[0]) if embedding is not None else len(tokens),
         "hidden_size": m.int("embedding_length"),
         "num_hidden_layers": m.int("block_count") - m.int("nextn_predict_layers", 0),
         eps_name: m.float(eps_key),
