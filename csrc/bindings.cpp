@@ -26,6 +26,9 @@ TORCH_LIBRARY(vllm_mamba, m) {
       "Tensor state_indices) -> Tensor");
   m.def("linear_small_batch(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
+      "grouped_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, Tensor? bias, "
+      "int bits, int group) -> Tensor");
+  m.def(
       "ssd_chunk_scan_varlen(Tensor x, Tensor dt, Tensor A, Tensor B_, Tensor C, Tensor? D_skip, "
       "Tensor? dt_bias, bool dt_softplus, float dt_min, float dt_max, Tensor(a!) ssm_states, "
       "Tensor query_start_loc, Tensor state_indices, Tensor has_initial_state, "

@@ -37,6 +37,7 @@ KERNEL_TESTS = [
     "tests/ops/test_cpu_ssd.py",
     "tests/ops/test_gated_delta.py",
     "tests/ops/test_gated_rms_norm.py",
+    "tests/ops/test_grouped_linear.py",
     "tests/ops/test_int4_linear.py",
     "tests/ops/test_int8_linear.py",
     "tests/ops/test_kda.py",

@@ -17,7 +17,9 @@ consecutive weights of a row. `GroupedWeight` holds that layout without rounding
 - `G` a multiple of 16 (8-bit) or of 32 (4-bit) that divides K.
 
 `grouped_linear_ref` dequantises and calls `F.linear`; backends register faster kernels under
-the `linear` family's `grouped_linear`.
+the `linear` family's `grouped_linear`: the C++ kernel (`csrc/grouped_linear.cpp`, wrapped by
+`grouped_linear_cpp`) streams the codes once for a few rows of x and dequantises blocks of the
+weight for a dense GEMM above.
 
 Glossary: M rows of x, K input features, N output features, G weights per group.
 """
@@ -30,7 +32,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GroupedWeight", "grouped_linear_ref", "pack_nibbles", "unpack_nibbles"]
+from vllm_mamba.ops import cpu_isa
+from vllm_mamba.ops.int8_linear import kernel_rows
+
+__all__ = [
+    "GroupedWeight",
+    "grouped_linear_cpp",
+    "grouped_linear_ref",
+    "has_grouped_kernel",
+    "pack_nibbles",
+    "unpack_nibbles",
+]
 
 NIBBLE_BLOCK = 32  # columns of one packing unit of 4-bit codes (the engine's int4 layout)
 
@@ -156,3 +168,52 @@ def grouped_linear_ref(
     arguments dequantised in float32 (then cast to x's dtype)."""
     weight = GroupedWeight(codes, scales, offsets, bits, group).dequantize(x.dtype)  # (N, K)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def _kernel_takes(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+) -> bool:
+    """Whether `csrc/grouped_linear.cpp` takes these inputs: `(M, K)` float32 or bfloat16 x,
+    the codes' dtype of `bits`, float32 scales and offsets, all on the CPU."""
+    code_dtype = {4: torch.uint8, 8: torch.int8}.get(bits)
+    groups = [scales] if offsets is None else [scales, offsets]
+    return (
+        kernel_rows(x)
+        and codes.dtype == code_dtype
+        and codes.device.type == "cpu"
+        and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in groups)
+    )
+
+
+def grouped_linear_cpp(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    group: int,
+) -> torch.Tensor:
+    """The C++ kernel for the inputs it takes (`(M, K)` CPU x in float32 or bfloat16, int8 /
+    uint8 codes, float32 scales and offsets); the reference otherwise. Same signature as
+    `grouped_linear_ref`.
+
+    Up to a few dozen rows it streams the codes once, widening them in registers, and adds
+    `scale * dot + offset * sum(x's group)` per group; more rows dequantise blocks of the weight
+    for a dense GEMM.
+
+    Raises:
+        ValueError: shapes that do not fit the layout (from the kernel, naming the tensor).
+    """
+    if _kernel_takes(x, codes, scales, offsets, bits):
+        return torch.ops.vllm_mamba.grouped_linear(x, codes, scales, offsets, bias, bits, group)
+    return grouped_linear_ref(x, codes, scales, offsets, bias, bits, group)
+
+
+def has_grouped_kernel() -> bool:
+    """Whether the C++ extension is loaded and registers `grouped_linear`."""
+    return cpu_isa.has_op("grouped_linear")
