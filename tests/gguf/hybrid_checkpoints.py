@@ -36,6 +36,8 @@ class Case:
     drop_keys: tuple[str, ...] = ()
     # `neox`: the registry's GPT-NeoX tokenizer; `llama-bytes`: `llama_byte_tokenizer`.
     tokenizer: str = "neox"
+    # tensor name parts renamed in the saved checkpoint (the releases' layout)
+    tensor_names: dict = dataclasses.field(default_factory=dict)
 
 
 CASES: dict[str, Case] = {
@@ -74,6 +76,28 @@ CASES: dict[str, Case] = {
     # `tokenizer.model` or a byte-fallback BPE `tokenizer.json`: a byte-level one here, with
     # the model's vocabulary cut to its 320 tokens.
     "jamba": Case("jamba", "jamba-gqa", {"vocab_size": 320}, tokenizer="llama-bytes"),
+    # The converter reads Moonshot's layout (`linear_attn_config`, `first_k_dense_replace`,
+    # `num_shared_experts`, dense layers as `mlp.*`), as Kimi-Linear-48B ships it; it writes
+    # no expert group count, so one group (as the release).
+    "kimi-linear": Case(
+        "kimi-linear",
+        "kimi-linear-moe",
+        {"n_group": 1},
+        hub_keys={
+            "linear_attn_config": {
+                "full_attn_layers": [2],
+                "kda_layers": [1, 3, 4],
+                "short_conv_kernel_size": 4,
+                "head_dim": 16,
+                "num_heads": 4,
+            },
+            "first_k_dense_replace": 1,
+            "num_shared_experts": 1,
+        },
+        tensor_names={
+            f"block_sparse_moe.{p}_proj": f"mlp.{p}_proj" for p in ("gate", "up", "down")
+        },
+    ),
 }
 
 
@@ -108,7 +132,7 @@ def checkpoints() -> dict[str, tuple[str, str]]:
             llama_byte_tokenizer(src, model.config.vocab_size)
         else:
             tiny_models.copy_tokenizer(src)
-        _as_released(case, os.path.join(src, "config.json"))
+        _as_released(case, src)
         out = os.path.join(root, f"{name}.gguf")
         paths[name] = (src, out)
         jobs.append(f"{src}={out}")
@@ -121,8 +145,18 @@ def checkpoints() -> dict[str, tuple[str, str]]:
     return paths
 
 
-def _as_released(case: Case, path: str) -> None:
-    """Rewrites the saved config.json with `case.hub_keys` / `drop_keys`."""
+def _as_released(case: Case, src: str) -> None:
+    """Rewrites the saved config.json with `case.hub_keys` / `drop_keys`, and the tensor names
+    with `case.tensor_names`."""
+    if case.tensor_names:
+        from safetensors.torch import load_file, save_file
+
+        file = os.path.join(src, "model.safetensors")
+        tensors = load_file(file)
+        for old, new in case.tensor_names.items():
+            tensors = {k.replace(old, new): v for k, v in tensors.items()}
+        save_file(tensors, file, metadata={"format": "pt"})
+    path = os.path.join(src, "config.json")
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
     config.update(case.hub_keys)
