@@ -122,7 +122,7 @@ class GGUFFormat(CheckpointFormat):
         from vllm_mamba.gguf.arch import gguf_architecture
         from vllm_mamba.gguf.blocks import FLOAT_TYPES, decode_tensor
 
-        gguf = open_gguf(file)
+        gguf = GGUFFile(file)  # not the cached one: its mapping goes once the weights are read
         config = _config_dict(gguf)
         arch = gguf_architecture(gguf.architecture)
         for t in gguf.tensors:
