@@ -29,7 +29,7 @@ class LLM:
     """A model loaded into an engine, for batch generation.
 
     Args:
-        model: a local Hugging Face model directory, a shipped name or a hub id.
+        model: a local Hugging Face model directory, a GGUF file, a shipped name or a hub id.
         **kwargs: any `EngineArgs` option, with vLLM's names: `tokenizer`, `revision`,
             `download_dir`, `dtype` (`auto`, `float32`, `bfloat16`, `float16`),
             `max_num_seqs` (sequences in flight = state slots), `max_num_batched_tokens`

@@ -87,7 +87,7 @@ class EngineArgs:
     """The options of one engine; see `--help` of `vllm-mamba serve` for each."""
 
     model: str = _opt(
-        "a local Hugging Face model directory, a shipped name or a hub id", default=""
+        "a local Hugging Face model directory, a GGUF file, a shipped name or a hub id", default=""
     )
     tokenizer: str | None = _opt(
         "tokenizer directory or hub id (default: the model's)", default=None

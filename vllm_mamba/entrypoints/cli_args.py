@@ -80,7 +80,7 @@ class _ModelAction(argparse.Action):
 def add_model_args(parser: argparse.ArgumentParser, default: str, positional: bool = True) -> None:
     """`MODEL` (optional positional, when `positional`) and `--model MODEL`, both into
     `args.model`; `default` when neither is given."""
-    text = "a local Hugging Face model directory, a shipped name or a hub id"
+    text = "a local Hugging Face model directory, a GGUF file, a shipped name or a hub id"
     if positional:
         parser.add_argument(
             "model", nargs="?", default=argparse.SUPPRESS, action=_ModelAction, metavar="MODEL",
