@@ -114,3 +114,20 @@ def test_reader_matches_gguf_reader(tmp_path) -> None:  # noqa: ANN001 - pytest'
         assert a.type_name == b.tensor_type.name
         assert a.shape == tuple(reversed(b.shape.tolist()))
         assert np.array_equal(np.asarray(a.data).view(np.uint8), np.asarray(b.data).view(np.uint8))
+
+
+def test_model_files_of_a_directory(tmp_path) -> None:  # noqa: ANN001 - pytest's tmp_path
+    """One model (or one split set) per directory; image projectors left aside."""
+    from vllm_mamba.gguf.reader import find_gguf_files
+
+    for name in ("m-00001-of-00002.gguf", "m-00002-of-00002.gguf", "mmproj-m-f16.gguf"):
+        (tmp_path / name).write_bytes(b"")
+    parts = [str(tmp_path / f"m-0000{i}-of-00002.gguf") for i in (1, 2)]
+    assert find_gguf_files(str(tmp_path)) == parts
+    assert find_gguf_files(parts[1]) == parts
+    (tmp_path / "m-00002-of-00002.gguf").unlink()
+    with pytest.raises(FileNotFoundError, match="missing m-00002-of-00002.gguf"):
+        find_gguf_files(str(tmp_path))
+    (tmp_path / "other.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match="several GGUF models"):
+        find_gguf_files(str(tmp_path))

@@ -34,6 +34,7 @@ __all__ = ["GGUFFile", "GGUFTensor", "find_gguf_files", "read_gguf", "split_part
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+_PROJECTOR_PREFIX = "mmproj"  # llama.cpp's image projectors, shipped beside the model
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ def split_parts(path: str) -> list[str]:
 
 def find_gguf_files(path: str) -> list[str]:
     """The model's GGUF files: `path` itself (with its split parts) when it is a `.gguf` file,
-    else the one GGUF (or the one split set) in directory `path`; [] when there is none.
+    else the one GGUF (or the one split set) in directory `path` (image projectors,
+    `mmproj*.gguf`, left aside); [] when there is none.
 
     Raises:
         ValueError: the directory holds several models' GGUF files (named).
@@ -80,7 +82,11 @@ def find_gguf_files(path: str) -> list[str]:
         return split_parts(path) if path.endswith(".gguf") else []
     if not os.path.isdir(path):
         return []
-    files = sorted(glob.glob(os.path.join(glob.escape(path), "*.gguf")))
+    files = sorted(
+        f
+        for f in glob.glob(os.path.join(glob.escape(path), "*.gguf"))
+        if not os.path.basename(f).startswith(_PROJECTOR_PREFIX)
+    )
     models = sorted({_SPLIT.sub(r"\g<stem>", os.path.basename(f)) for f in files})
     if len(models) > 1:
         raise ValueError(
@@ -146,6 +152,8 @@ def read_gguf(file: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
         raise ValueError(f"{file}: not a GGUF file (magic {bytes(mm[:4])!r})")
     cur.pos = 4
     version = cur.scalar("<I")
+    if version not in (2, 3) and (version >> 24) in (2, 3):
+        raise ValueError(f"{file}: a big-endian GGUF file; only little-endian files are read")
     if version not in (2, 3):
         raise ValueError(f"{file}: GGUF version {version} is not supported (2 or 3)")
     n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
