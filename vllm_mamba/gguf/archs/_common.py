@@ -23,6 +23,9 @@ from vllm_mamba.gguf.metadata import TENSOR_NAMES, TENSOR_SHAPES, decimal
 from vllm_mamba.layers.packed_weights import rows_of
 
 __all__ = [
+    "LLAMA_GLOBALS",
+    "conv_filter",
+    "stacked_experts",
     "Metadata",
     "Pairs",
     "Renamer",
@@ -304,3 +307,27 @@ def register_family(archs: tuple[str, ...], config_fn: Any, tensors_fn: Any) -> 
                 lambda name, tensor, config, arch=arch: tensors_fn(arch, name, tensor, config),
             )
         )
+
+
+# The global tensors every llama.cpp text model names alike (the final norm differs).
+LLAMA_GLOBALS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def stacked_experts(
+    name: str, tensor: torch.Tensor, table: dict[str, str], moe: str, count: int
+) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """`blk.N.<stacked>` -> `model.layers.N.<moe>.experts.E.<table[stacked]>.weight` for each
+    expert (float values), if the tensor's suffix is in `table`; else None."""
+    bid, suffix = split_block(name)
+    if suffix not in table:
+        return None
+    template = f"model.layers.{bid}.{moe}.experts.{{}}.{table[suffix]}.weight"
+    return unstack_experts(tensor, template, name, count)
+
+
+def conv_filter(tensor: torch.Tensor) -> torch.Tensor:
+    """A depthwise conv filter the converter squeezed to `(C, K)`, back as `(C, 1, K)`."""
+    return tensor.reshape(tensor.shape[0], 1, tensor.shape[-1])

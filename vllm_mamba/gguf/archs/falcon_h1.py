@@ -20,6 +20,7 @@ import torch
 
 from vllm_mamba.gguf.arch import GGUFArchitecture, register_gguf_architecture
 from vllm_mamba.gguf.archs._common import (
+    LLAMA_GLOBALS,
     Metadata,
     Renamer,
     common_config,
@@ -29,11 +30,7 @@ from vllm_mamba.gguf.archs._common import (
 )
 
 ARCH = "falcon-h1"
-_GLOBALS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.final_layernorm.weight",
-    "output.weight": "lm_head.weight",
-}
+_GLOBALS = {**LLAMA_GLOBALS, "output_norm.weight": "model.final_layernorm.weight"}
 _BLOCK = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm": "pre_ff_layernorm.weight",  # the converter's name has no `.weight`

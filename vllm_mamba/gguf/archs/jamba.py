@@ -17,22 +17,20 @@ from typing import Any
 import torch
 
 from vllm_mamba.gguf.archs._common import (
+    LLAMA_GLOBALS,
     Metadata,
     Renamer,
     a_log_from_a,
     common_config,
+    conv_filter,
     per_layer,
     register_family,
     split_block,
+    stacked_experts,
     tensor_names,
-    unstack_experts,
 )
 
-_GLOBALS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.final_layernorm.weight",
-    "output.weight": "lm_head.weight",
-}
+_GLOBALS = {**LLAMA_GLOBALS, "output_norm.weight": "model.final_layernorm.weight"}
 _BLOCK = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "pre_ff_layernorm.weight",
@@ -119,15 +117,15 @@ def _config(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
 def _tensors(
     arch: str, name: str, tensor: torch.Tensor, config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    bid, suffix = split_block(name)
-    if suffix in _EXPERTS:
-        template = f"model.layers.{bid}.feed_forward.experts.{{}}.{_EXPERTS[suffix]}.weight"
-        yield from unstack_experts(tensor, template, name, config["num_experts"])
+    experts = stacked_experts(name, tensor, _EXPERTS, "feed_forward", config["num_experts"])
+    if experts is not None:
+        yield from experts
         return
+    _, suffix = split_block(name)
     if suffix == "ssm_a":
         tensor = a_log_from_a(tensor)
     elif suffix == "ssm_conv1d.weight":
-        tensor = tensor.reshape(tensor.shape[0], 1, tensor.shape[1])  # (D, 1, K)
+        tensor = conv_filter(tensor)
     yield _RENAME(name), tensor
 
 

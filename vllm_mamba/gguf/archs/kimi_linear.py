@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from vllm_mamba.gguf.archs._common import (
+    LLAMA_GLOBALS,
     Metadata,
     Pairs,
     Renamer,
@@ -28,15 +29,11 @@ from vllm_mamba.gguf.archs._common import (
     per_layer,
     register_family,
     split_block,
-    unstack_experts,
+    stacked_experts,
 )
 from vllm_mamba.gguf.metadata import TENSOR_SHAPES
 
-_GLOBALS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_GLOBALS = {**LLAMA_GLOBALS, "output_norm.weight": "model.norm.weight"}
 _BLOCK = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -118,12 +115,13 @@ def _config(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
 def _tensors(
     arch: str, name: str, tensor: torch.Tensor, config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    count = config["num_local_experts"]
+    experts = stacked_experts(name, tensor, _EXPERTS, "block_sparse_moe", count)
+    if experts is not None:
+        yield from experts
+        return
     bid, suffix = split_block(name)
     prefix = f"model.layers.{bid}."
-    if suffix in _EXPERTS:
-        template = prefix + "block_sparse_moe.experts.{}." + _EXPERTS[suffix] + ".weight"
-        yield from unstack_experts(tensor, template, name, config["num_local_experts"])
-        return
     if suffix in ("attn_k_b.weight", "attn_v_b.weight"):
         parts = ("attn_k_b.weight", "attn_v_b.weight")
         held = _PAIRS.add(config, bid, "kv_b", suffix, tensor, parts)

@@ -19,21 +19,19 @@ from typing import Any
 import torch
 
 from vllm_mamba.gguf.archs._common import (
+    LLAMA_GLOBALS,
     Metadata,
     Renamer,
     common_config,
+    conv_filter,
     per_layer,
     register_family,
     split_block,
+    stacked_experts,
     tensor_names,
-    unstack_experts,
 )
 
-_GLOBALS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "token_embd_norm.weight": "model.embedding_norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_GLOBALS = {**LLAMA_GLOBALS, "token_embd_norm.weight": "model.embedding_norm.weight"}
 _BLOCK = {
     "attn_norm.weight": "operator_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
@@ -91,13 +89,13 @@ def _config(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
 def _tensors(
     arch: str, name: str, tensor: torch.Tensor, config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    bid, suffix = split_block(name)
-    if suffix in _EXPERTS:
-        template = f"model.layers.{bid}.feed_forward.experts.{{}}.{_EXPERTS[suffix]}.weight"
-        yield from unstack_experts(tensor, template, name, config["num_experts"])
-        return
-    if suffix == "shortconv.conv.weight":
-        tensor = tensor.reshape(tensor.shape[0], 1, tensor.shape[1])  # (D, 1, L)
+    if arch == "lfm2moe":
+        experts = stacked_experts(name, tensor, _EXPERTS, "feed_forward", config["num_experts"])
+        if experts is not None:
+            yield from experts
+            return
+    if split_block(name)[1] == "shortconv.conv.weight":
+        tensor = conv_filter(tensor)  # (D, 1, L)
     yield _RENAME[arch](name), tensor
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from vllm_mamba.gguf.archs._common import (
+    LLAMA_GLOBALS,
     Metadata,
     Pairs,
     Renamer,
@@ -46,11 +47,7 @@ from vllm_mamba.gguf.archs._common import (
 )
 from vllm_mamba.layers.packed_weights import cat_rows
 
-_GLOBALS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_GLOBALS = {**LLAMA_GLOBALS, "output_norm.weight": "model.norm.weight"}
 _BLOCK = {
     "attn_norm.weight": "input_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
