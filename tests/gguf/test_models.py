@@ -29,6 +29,14 @@ from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 
 QUANTISED = ["q8_0", "q4_0", "q4_1", "k_quants"]
+MAPPED = {  # variants whose config and tensors are compared -> the config keys compared
+    "untied": ("hidden_size", "num_hidden_layers", "state_size", "conv_kernel", "expand",
+               "intermediate_size", "time_step_rank", "use_bias", "use_conv_bias",
+               "layer_norm_epsilon", "vocab_size", "tie_word_embeddings"),
+    "mamba2-tied": ("hidden_size", "num_hidden_layers", "state_size", "conv_kernel", "expand",
+                    "num_heads", "head_dim", "n_groups", "use_bias", "use_conv_bias",
+                    "layer_norm_epsilon", "vocab_size", "tie_word_embeddings"),
+}  # fmt: skip
 K_QUANTS = {  # the wide Mamba2's layers as K-quants: (GGUF name, type, rows, columns)
     "backbone.layers.0.mixer.in_proj.weight": ("blk.0.ssm_in.weight", "Q4_K", 1072, 256),
     "backbone.layers.0.mixer.out_proj.weight": ("blk.0.ssm_out.weight", "Q6_K", 256, 512),
@@ -141,7 +149,10 @@ def files() -> dict[str, str]:
         (rwkv_hf, "f32", f["rwkv7"]),
         (f["falcon_hf"], "f32", f["falcon"]),
         (wide, "f32", os.path.join(out, "wide-f32.gguf")),
+        *((tiny_model_dir(v), "f32", os.path.join(out, f"{v}.gguf")) for v in MAPPED),
     )
+    for v in MAPPED:
+        f[v] = os.path.join(out, f"{v}.gguf")
     f["k_quants"] = rewrite(os.path.join(out, "wide-f32.gguf"), os.path.join(out, "k.gguf"), {},
                             raw=_k_quant_blocks(wide))  # fmt: skip
     quantised = [t.name for t in GGUFFile(f["q8_0"]).tensors if t.type_name == "Q8_0"]
@@ -244,6 +255,31 @@ def test_mamba_split_set_and_single_file_directories(files: dict[str, str]) -> N
     _assert_same(_run(split_dir, PROMPTS[:2]), _run(hf_dir, PROMPTS[:2]), atol=1e-5)
     assert detect_format(one_dir) is FORMAT
     assert FORMAT.weight_files(one_dir) == ([os.path.join(one_dir, "mamba-f32.gguf")], "gguf")
+
+
+@pytest.mark.parametrize("variant", sorted(MAPPED))
+def test_config_and_tensors_map_back_to_the_checkpoint(files: dict[str, str], variant: str) -> None:
+    """Biases, no conv bias, an explicit time-step rank, a tied head, a padded vocabulary:
+    the config the engine reads and every tensor (A_log within float32 rounding) as saved."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from vllm_mamba.model_loader import iterate_weights, load_hf_config
+
+    hf_dir = tiny_model_dir(variant)
+    want, got = AutoConfig.from_pretrained(hf_dir), load_hf_config(files[variant])
+    for key in MAPPED[variant]:
+        assert getattr(got, key) == getattr(want, key), key
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    if want.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tensors = dict(iterate_weights(files[variant]))
+    assert sorted(tensors) == sorted(state)
+    for name, value in state.items():
+        if name.endswith("A_log"):
+            torch.testing.assert_close(tensors[name], value, atol=1e-6, rtol=0)
+        else:
+            assert torch.equal(tensors[name], value), name
 
 
 def test_falcon_mamba_f32_gguf_equals_safetensors(files: dict[str, str]) -> None:
