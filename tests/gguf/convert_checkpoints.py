@@ -7,10 +7,12 @@ one process converts every checkpoint given, which saves the converter's start-u
 Two things are set as llama.cpp's own command line would for these tiny checkpoints:
 - `--no-mtp` for the models whose converter class exports multi-token prediction layers (the
   tiny checkpoints have none, and the converter asserts otherwise);
-- the tokenizer's pre-tokenizer name when the converter does not recognise its hash: the tiny
-  checkpoints carry GPT-NeoX's vocabulary, which transformers loads for Qwen3.5-MoE as
-  `Qwen3_5Tokenizer` (Qwen's pre-tokenizer over that vocabulary); its name in llama.cpp,
-  `qwen35`, is written then (the tensors and the model metadata are untouched).
+- the tokenizer's pre-tokenizer name when the converter does not recognise its hash (which
+  it computes from the tokens of a test text): the tiny checkpoints carry GPT-NeoX's
+  vocabulary cut to a few thousand tokens, whose pre-tokenizer is NeoX's, `olmo` in
+  llama.cpp's names (as it names the whole NeoX vocabulary); transformers loads it for
+  Qwen3.5-MoE as `Qwen3_5Tokenizer` (Qwen's pre-tokenizer over that vocabulary), `qwen35`.
+  The tensors and the model metadata are untouched.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import importlib.util
 import os
 import sys
 
-PRE_TOKENIZER_FALLBACK = {"Qwen3_5Tokenizer": "qwen35"}
+PRE_TOKENIZER_FALLBACK = {"Qwen3_5Tokenizer": "qwen35", "TokenizersBackend": "olmo"}
 
 
 def main(argv: list[str]) -> None:

@@ -3,8 +3,10 @@ converter), built once per test session.
 
 Each case is a variant of `tests.tiny_models` (the same configs and weight draws), with a few
 config keys changed where llama.cpp's converter cannot write the registry's variant as it is
-(said at each case). All of them are converted by one converter process
-(`convert_checkpoints.py`) on first use.
+(said at each case), and a vocabulary of `VOCAB` tokens: the GPT-NeoX tokenizer's first
+`VOCAB` tokens and the merges among them (`neox_tokenizer_cut`; reading a GGUF's 50k
+tokens and merges with gguf-py takes seconds per file). All of them are converted by one
+converter process (`convert_checkpoints.py`) on first use.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from tests import tiny_models
 from tests.helpers.tmp_dirs import make_tmp_dir
 
 LLAMA_CPP_DIR = os.path.join(os.path.dirname(__file__), "..", "..", ".cache", "llama-cpp-convert")
+
+
+VOCAB = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +118,7 @@ def llama_cpp_dir() -> str:
 def build_model(case: Case):  # noqa: ANN201 - a transformers model
     """The transformers model of `case`: its variant's weights drawn as the registry draws them."""
     family = tiny_models.MODEL_FAMILY[case.variant]
-    config = {**family.configs[case.variant], **case.overrides}
+    config = {**family.configs[case.variant], "vocab_size": VOCAB, **case.overrides}
     patched = dataclasses.replace(family, configs={case.variant: config})
     with mock.patch.dict(tiny_models.MODEL_FAMILY, {case.variant: patched}):
         return tiny_models.build_hf_model(case.variant)
@@ -131,7 +136,7 @@ def checkpoints() -> dict[str, tuple[str, str]]:
         if case.tokenizer == "llama-bytes":
             llama_byte_tokenizer(src, model.config.vocab_size)
         else:
-            tiny_models.copy_tokenizer(src)
+            neox_tokenizer_cut(src, model.config.vocab_size)
         _as_released(case, src)
         out = os.path.join(root, f"{name}.gguf")
         paths[name] = (src, out)
@@ -192,3 +197,21 @@ def llama_byte_tokenizer(path: str, size: int) -> None:
               "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False}  # fmt: skip
     with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f)
+
+
+def neox_tokenizer_cut(path: str, size: int) -> None:
+    """Writes the registry's GPT-NeoX tokenizer cut to its first `size` tokens into `path`:
+    the merges whose parts and result are all kept, the added tokens below `size`."""
+    tiny_models.copy_tokenizer(path)
+    file = os.path.join(path, "tokenizer.json")
+    with open(file, encoding="utf-8") as f:
+        tokenizer = json.load(f)
+    model = tokenizer["model"]
+    model["vocab"] = {t: i for t, i in model["vocab"].items() if i < size}
+    model["merges"] = [
+        m for m in model["merges"]
+        if all(p in model["vocab"] for p in (*m, "".join(m)))
+    ]  # fmt: skip
+    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["id"] < size]
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(tokenizer, f, ensure_ascii=False)
