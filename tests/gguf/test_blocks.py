@@ -131,3 +131,32 @@ def test_model_files_of_a_directory(tmp_path) -> None:  # noqa: ANN001 - pytest'
     (tmp_path / "other.gguf").write_bytes(b"")
     with pytest.raises(ValueError, match="several GGUF models"):
         find_gguf_files(str(tmp_path))
+
+
+def test_sentencepiece_vocabulary_splits_as_sentencepiece() -> None:
+    """A `llama` vocabulary (scores best first, byte tokens): the pieces SentencePiece's BPE
+    gives on this toy vocabulary, worked out by hand (spaces to `▁`, one `▁` put before the
+    text, highest-scored merge first, unknown characters as their UTF-8 bytes)."""
+    from vllm_mamba.gguf.tokenizer import gguf_tokenizer
+
+    pieces = ["▁", "a", "b", "h", "i", "▁a", "ab", "▁ab", "hi", "▁hi"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces]
+    meta = {
+        "general.architecture": "mamba2", "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * 259 + [-float(i) for i in range(len(pieces))],
+        "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * len(pieces),
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": True,
+    }  # fmt: skip
+    tok = gguf_tokenizer(meta)
+    cases = {
+        "hi ab": ["<s>", "▁hi", "▁ab"],
+        " hi": ["<s>", "▁", "▁hi"],
+        "a€b": ["<s>", "▁a", "<0xE2>", "<0x82>", "<0xAC>", "b"],
+        "hi\nab": ["<s>", "▁hi", "<0x0A>", "ab"],
+    }
+    for text, want in cases.items():
+        ids = tok.encode(text)
+        assert tok.convert_ids_to_tokens(ids) == want, text
+        assert tok.decode(ids, skip_special_tokens=True) == text, text

@@ -10,7 +10,9 @@ as a transformers tokenizer.
   own GGUF converter drops the USER_DEFINED tokens that are not in the byte alphabet and the
   NFC step, so this one is built here.
 - `llama` (SentencePiece BPE with scores and byte fallback): transformers' converter
-  (`convert_gguf_tokenizer`), whose `LlamaTokenizer` rebuilds it from the scores.
+  (`convert_gguf_tokenizer`), whose `LlamaTokenizer` rebuilds the merges from the scores,
+  with SentencePiece's own space handling (`tokenizer.ggml.add_space_prefix`: " hi" is
+  `▁▁hi`, as sentencepiece and llama.cpp split it).
 - `rwkv` (the RWKV World vocabulary: token bytes written as Python escapes): the engine's
   `RwkvWorldTokenizer` over those bytes.
 
@@ -101,6 +103,24 @@ def _with_bos_eos(tok: Any, meta: dict[str, Any], tokens: list[str]) -> None:
     )
 
 
+def _spm_spaces(tok: Any, add_space_prefix: bool) -> None:
+    """SentencePiece's spaces, as sentencepiece and llama.cpp apply them: every space becomes
+    `▁` and, with `add_space_prefix`, one more `▁` is put before the text (so " hi" is
+    `▁▁hi`; transformers' `Metaspace` skips the prefix when the text starts with a space);
+    decoding drops that one leading space."""
+    from tokenizers import decoders, normalizers
+
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if add_space_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.pre_tokenizer = None
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+
+
 def _rwkv_world(meta: dict[str, Any], template: str | None) -> Any:
     """The RWKV World tokenizer of a `rwkv` vocabulary (token 0 `<s>`, then the vocabulary
     file's tokens as the text of their Python bytes literal)."""
@@ -159,6 +179,7 @@ def gguf_tokenizer(meta: dict[str, Any]) -> Any:
         if meta.get("tokenizer.ggml.merges"):
             fields["merges"] = meta["tokenizer.ggml.merges"]
         backend, _ = convert_gguf_tokenizer(meta.get("general.architecture", ""), fields)
+        _spm_spaces(backend, bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
     else:
         raise ValueError(
             f"GGUF tokenizer.ggml.model {kind!r} is not supported (gpt2, llama, rwkv); pass "
