@@ -1,6 +1,7 @@
 """Converts Hugging Face checkpoint directories to F32 GGUF files with llama.cpp's converter.
 
-Run as a script (`python convert_checkpoints.py LLAMA_CPP_DIR SRC=OUT ...`) so that the
+Run as a script (`python convert_checkpoints.py LLAMA_CPP_DIR SRC=OUT[=OUTTYPE] ...`, F32
+when no type is given) so that the
 converter imports its own `gguf-py` (newer than the pip `gguf` package the tests read with):
 one process converts every checkpoint given, which saves the converter's start-up per file.
 
@@ -48,8 +49,8 @@ def main(argv: list[str]) -> None:
 
     TextModel.get_vocab_base_pre = get_vocab_base_pre
     for job in jobs:
-        src, out = job.split("=", 1)
-        args = ["convert_hf_to_gguf.py", src, "--outtype", "f32", "--outfile", out]
+        src, out, *outtype = job.split("=")
+        args = ["convert_hf_to_gguf.py", src, "--outtype", *(outtype or ["f32"]), "--outfile", out]
         if converter.get_model_class(_architecture(src)).supports_mtp_export:
             args.append("--no-mtp")
         sys.argv = args

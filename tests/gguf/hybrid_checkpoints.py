@@ -124,9 +124,15 @@ def build_model(case: Case):  # noqa: ANN201 - a transformers model
         return tiny_models.build_hf_model(case.variant)
 
 
+# The cases also written at Q8_0 (row permutations, concatenations and the rotary unpermute
+# over integer layouts).
+Q8_0_CASES = ("qwen35", "qwen3next", "granitehybrid")
+
+
 @functools.cache
 def checkpoints() -> dict[str, tuple[str, str]]:
-    """Case name -> (Hugging Face checkpoint directory, its F32 GGUF file), for every case."""
+    """Case name -> (Hugging Face checkpoint directory, its F32 GGUF file), for every case;
+    `<case>-q8_0` -> (the same directory, its Q8_0 GGUF file) for `Q8_0_CASES`."""
     root = make_tmp_dir("gguf-hybrids-")
     paths, jobs = {}, []
     for name, case in CASES.items():
@@ -141,6 +147,10 @@ def checkpoints() -> dict[str, tuple[str, str]]:
         out = os.path.join(root, f"{name}.gguf")
         paths[name] = (src, out)
         jobs.append(f"{src}={out}")
+        if name in Q8_0_CASES:
+            q8 = os.path.join(root, f"{name}-q8_0.gguf")
+            paths[f"{name}-q8_0"] = (src, q8)
+            jobs.append(f"{src}={q8}=q8_0")
     script = os.path.join(os.path.dirname(__file__), "convert_checkpoints.py")
     done = subprocess.run(
         [sys.executable, script, llama_cpp_dir(), *jobs], capture_output=True, text=True
@@ -174,7 +184,7 @@ def _as_released(case: Case, src: str) -> None:
 def llama_byte_tokenizer(path: str, size: int) -> None:
     """Writes a Llama-style tokenizer of `size` tokens into `path`: BPE with byte fallback
     (`<unk>`, `<s>`, `</s>`, the 256 byte tokens `<0xNN>`, then `▁` and letters, no merges),
-    SentencePiece's `▁` for spaces, no BOS added."""
+    SentencePiece's `▁` for spaces (none prepended), no BOS added."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
@@ -185,12 +195,10 @@ def llama_byte_tokenizer(path: str, size: int) -> None:
         vocab[f"▁{len(vocab)}"] = len(vocab)
     bpe = models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True)
     tokenizer = Tokenizer(bpe)
-    tokenizer.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
+    # no `▁` prepended: the converter writes Jamba's vocabulary with add_space_prefix false
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
     tokenizer.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-         decoders.Strip(" ", 1, 0)]
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     )  # fmt: skip
     tokenizer.save(os.path.join(path, "tokenizer.json"))
     config = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",

@@ -12,6 +12,10 @@ model of the registry, converted at F32), read with gguf-py's own `GGUFReader`:
 - config: the transformers config built from `config(metadata)` equals the checkpoint's,
   key by key, apart from training-only keys and the differences each case states (values the
   file does not hold, and their class defaults);
+- Q8_0 files (`Q8_0_CASES`): the mapping gives the same values from the engine's decoded
+  blocks as from gguf-py's dequantisation, and every 2-D Q8_0 tensor it only renames,
+  permutes by rows or concatenates keeps its integer layout (which dequantises to those
+  values); the stated exceptions come back in float;
 - end to end: `LLM(model=file.gguf)` gives the safetensors model's greedy tokens.
 """
 
@@ -27,10 +31,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.gguf.hybrid_checkpoints import CASES, checkpoints
+from tests.gguf.hybrid_checkpoints import CASES, Q8_0_CASES, checkpoints
 from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.gguf.arch import gguf_architecture
+from vllm_mamba.gguf.blocks import decode_tensor
 from vllm_mamba.gguf.metadata import TENSOR_NAMES, TENSOR_SHAPES
+from vllm_mamba.layers.packed_weights import packed_of
 
 pytestmark = pytest.mark.xdist_group("gguf_hybrids")
 
@@ -89,8 +95,10 @@ def _metadata(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         else field.contents()
         for key, field in reader.fields.items()
     }
-    tensors = {
-        t.name: torch.from_numpy(np.array(t.data)).reshape([int(s) for s in reversed(t.shape)])
+    tensors = {  # F32 as stored; quantised blocks dequantised by gguf-py
+        t.name: torch.from_numpy(
+            np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type))
+        ).reshape([int(s) for s in reversed(t.shape)])
         for t in reader.tensors
     }
     metadata[TENSOR_SHAPES] = {name: tuple(t.shape) for name, t in tensors.items()}
@@ -184,6 +192,38 @@ def _same(a: object, b: object) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return a == b or (math.isinf(a) and math.isinf(b))
     return a == b
+
+
+# Q8_0 tensors the mapping transforms beyond rows (float results): Qwen3.5's GDN out_proj has
+# its columns permuted back. (Stacked 3-D experts carry no layout: they come as float.)
+_WIDENED = {"qwen35": ("linear_attn.out_proj.weight",)}
+
+
+@pytest.mark.parametrize("case", Q8_0_CASES)
+def test_q8_0_layouts_survive_the_mapping(case: str) -> None:
+    _, path = checkpoints()[f"{case}-q8_0"]
+    metadata, _ = _metadata(path)
+    arch = gguf_architecture(CASES[case].arch)
+    config = arch.config(metadata)
+    reference_config = dict(config)  # a second model's state (tensors split in two are held)
+    kept = 0
+    for t in gguf.GGUFReader(path).tensors:
+        shape = tuple(int(s) for s in reversed(t.shape))
+        values = np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type))
+        reference = arch.tensors(t.name, torch.from_numpy(values).reshape(shape), reference_config)
+        decoded = arch.tensors(t.name, decode_tensor(t.name, t.tensor_type.name, shape, t.data),
+                               config)  # fmt: skip
+        for (name, want), (got_name, got) in zip(reference, decoded, strict=True):
+            assert got_name == name and torch.equal(got.float(), want.float()), name
+            layout = packed_of(got)
+            widened = name.endswith(_WIDENED.get(case, ()))
+            if t.tensor_type.name == "Q8_0" and len(shape) == 2 and not widened:
+                assert layout is not None, f"{name} lost its integer layout"
+                assert torch.equal(layout.dequantize(), want), name
+                kept += 1
+            elif widened:
+                assert layout is None, name
+    assert kept > 0
 
 
 @pytest.fixture(scope="module")
