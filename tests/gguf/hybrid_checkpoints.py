@@ -67,6 +67,9 @@ CASES: dict[str, Case] = {
     # Bamba's rotary width as Bamba-9B's config.json gives it (`attn_rotary_emb`: half the
     # head, which transformers hardcodes; without it the converter writes the whole head).
     "bamba": Case("granitehybrid", "bamba-gqa", hub_keys={"attn_rotary_emb": 8}),
+    # Dense Nemotron-H: transformers 5 writes MoE defaults into its config, and the converter
+    # then writes it as `nemotron_h_moe` (with no MLP width in the metadata).
+    "nemotron_h": Case("nemotron_h_moe", "nemotron-h-dense"),
     # The converter asserts a Mamba2 width that is a multiple of 64: 4 heads of 32 here; and
     # in a MoE model it writes no width for dense MLP layers, so none here (as Nemotron 3
     # Nano's pattern, Mamba2, MoE and attention only).

@@ -78,7 +78,15 @@ _DIFFERENCES = {
         "max_position_embeddings",
         "tie_word_embeddings",
         "intermediate_size",  # no layer is a dense MLP: its width is neither written nor used
-    },  # fmt: skip
+    },
+    "nemotron_h": {
+        "chunk_size",
+        "time_step_min",
+        "time_step_max",
+        "time_step_floor",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    },  # fmt: skip  # fmt: skip
 }
 
 

@@ -8,10 +8,12 @@ model has no position embedding), a squared-ReLU MLP (`ffn_up`, `ffn_down`) or t
 `e_score_correction_bias` as `exp_probs_b.bias`; the shared expert as `ffn_*_shexp`).
 
 Each layer's kind comes from its tensors (`ssm_in`, `attn_q`, `ffn_gate_inp`, `ffn_up`), the
-MLP width from `feed_forward_length` of an MLP layer (the file's own value), the MoE's from the
-`expert_*` keys. Not in the file, so the class defaults: `chunk_size` (float rounding only)
-and `time_step_min` / `time_step_floor` / `time_step_max` (llama.cpp does not clamp the time
-step; transformers' default bound, 1e-3, binds only below it).
+MLP width from `feed_forward_length` of an MLP layer, else from its `ffn_up` rows (the
+converter writes 0 for MLP layers when it takes the model for a MoE: transformers 5 puts MoE
+defaults into every Nemotron-H config, so a dense one is written as `nemotron_h_moe`), the
+MoE's from the `expert_*` keys. Not in the file, so the class defaults: `chunk_size` (float
+rounding only) and `time_step_min` / `time_step_floor` / `time_step_max` (llama.cpp does not
+clamp the time step; transformers' default bound, 1e-3, binds only below it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from vllm_mamba.gguf.archs._common import (
     tensor_names,
     unstack_experts,
 )
+from vllm_mamba.gguf.metadata import TENSOR_SHAPES
 
 _GLOBALS = {
     "token_embd.weight": "backbone.embeddings.weight",
@@ -104,10 +107,15 @@ def _config(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
         attention_bias=has("attn_q.bias"),
         mlp_bias=has("ffn_up.bias") or has("ffn_up_shexp.bias"),
     )
-    mlp = [ff[i] for i, kind in enumerate(pattern) if kind == "-" and ff[i]]
-    if mlp:
-        config["intermediate_size"] = mlp[0]
-    elif "-" in pattern:
+    shapes = metadata.get(TENSOR_SHAPES, {})
+    mlp = [
+        ff[i] or shapes.get(f"blk.{i}.ffn_up.weight", (0,))[0]
+        for i, kind in enumerate(pattern)
+        if kind == "-"
+    ]
+    if mlp and mlp[0]:
+        config["intermediate_size"] = int(mlp[0])
+    elif mlp:
         raise ValueError(f"GGUF metadata {arch}.feed_forward_length: no width for the MLP layers")
     if "E" in pattern:
         config.update(
