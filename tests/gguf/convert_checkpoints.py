@@ -6,8 +6,8 @@ converter imports its own `gguf-py` (newer than the pip `gguf` package the tests
 one process converts every checkpoint given, which saves the converter's start-up per file.
 
 Two things are set as llama.cpp's own command line would for these tiny checkpoints:
-- `--no-mtp` for the models whose converter class exports multi-token prediction layers (the
-  tiny checkpoints have none, and the converter asserts otherwise);
+- `--no-mtp` for the models whose converter class exports multi-token prediction layers when
+  the checkpoint has none (`mtp_num_hidden_layers`; the converter asserts otherwise);
 - the tokenizer's pre-tokenizer name when the converter does not recognise its hash (which
   it computes from the tokens of a test text): the tiny checkpoints carry GPT-NeoX's
   vocabulary cut to a few thousand tokens, whose pre-tokenizer is NeoX's, `olmo` in
@@ -51,17 +51,20 @@ def main(argv: list[str]) -> None:
     for job in jobs:
         src, out, *outtype = job.split("=")
         args = ["convert_hf_to_gguf.py", src, "--outtype", *(outtype or ["f32"]), "--outfile", out]
-        if converter.get_model_class(_architecture(src)).supports_mtp_export:
+        config = _config(src)
+        model_class = converter.get_model_class(config["architectures"][0])
+        model_class.no_mtp = False  # `--no-mtp` sets it on the class: not for the next file
+        if model_class.supports_mtp_export and not config.get("mtp_num_hidden_layers"):
             args.append("--no-mtp")
         sys.argv = args
         converter.main()
 
 
-def _architecture(src: str) -> str:
+def _config(src: str) -> dict:
     import json
 
     with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
-        return json.load(f)["architectures"][0]
+        return json.load(f)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from unittest import mock
 
+import torch
+
 from tests import tiny_models
 from tests.helpers.tmp_dirs import make_tmp_dir
 
@@ -43,10 +45,14 @@ class Case:
     tokenizer: str = "neox"
     # tensor name parts renamed in the saved checkpoint (the releases' layout)
     tensor_names: dict = dataclasses.field(default_factory=dict)
+    mtp: bool = False  # a Qwen3.5 multi-token-prediction head added (`add_mtp_head`)
 
 
 CASES: dict[str, Case] = {
     "qwen35": Case("qwen35", "qwen3_5-gqa"),
+    # Qwen3.5 as released, with its multi-token-prediction head (which the converter writes as
+    # one more block): another shape (tied, one value head per key head, partial rotary).
+    "qwen35-mtp": Case("qwen35", "qwen3_5-mqa", hub_keys={"mtp_num_hidden_layers": 1}, mtp=True),
     "qwen35moe": Case("qwen35moe", "qwen3_5-moe-top2"),
     "qwen3next": Case("qwen3next", "qwen3-next-moe"),
     "lfm2": Case("lfm2", "lfm2-gqa"),
@@ -147,6 +153,8 @@ def checkpoints() -> dict[str, tuple[str, str]]:
         else:
             neox_tokenizer_cut(src, model.config.vocab_size)
         _as_released(case, src)
+        if case.mtp:
+            add_mtp_head(src, model.config)
         out = os.path.join(root, f"{name}.gguf")
         paths[name] = (src, out)
         jobs.append(f"{src}={out}")
@@ -226,3 +234,24 @@ def neox_tokenizer_cut(path: str, size: int) -> None:
     tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["id"] < size]
     with open(file, "w", encoding="utf-8") as f:
         json.dump(tokenizer, f, ensure_ascii=False)
+
+
+def add_mtp_head(path: str, config) -> None:  # noqa: ANN001 - a transformers config
+    """Adds a Qwen3.5 MTP head (`mtp.*`, as the releases ship it) to the checkpoint at `path`:
+    one decoder layer (the model's first attention layer's tensors, perturbed), `fc (H, 2H)`
+    and the three zero-centred norms, drawn from a fixed seed."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(7)
+    attention = config.layer_types.index("full_attention")
+    for name, w in list(tensors.items()):
+        if name.startswith(f"model.layers.{attention}."):
+            noise = torch.randn(w.shape, generator=g) * 0.01
+            tensors["mtp.layers.0." + name.split(".", 3)[3]] = w + noise
+    hidden = config.hidden_size
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=g) * 0.1
+    save_file(tensors, file, metadata={"format": "pt"})

@@ -166,8 +166,9 @@ def test_tensors_map_back_to_the_checkpoint(case: str) -> None:
         if name.endswith("A_log"):  # -exp(A_log) back through log: float32 rounding
             torch.testing.assert_close(value, w, rtol=1e-6, atol=1e-7, msg=name)
             continue
-        if plus_one and name.endswith("norm.weight") and "linear_attn" not in name:
-            w = (w + 1.0) - 1.0  # written as 1 + w (Qwen's zero-centred norms)
+        zero_centred = name.endswith("norm.weight") or ".pre_fc_norm_" in name
+        if plus_one and zero_centred and "linear_attn" not in name:
+            w = (w + 1.0) - 1.0  # written as 1 + w (Qwen's zero-centred norms, MTP's too)
         if case == "falcon-h1":
             w = _falcon_folded(name, w.clone(), original)
         assert torch.equal(value.float(), w), name
@@ -239,17 +240,31 @@ def end_to_end() -> dict[str, tuple[str, str]]:
     return checkpoints()
 
 
-def _greedy(model: str) -> list[list[int]]:
-    llm = LLM(model=model, max_num_seqs=2, dtype="float32")
+def _greedy(model: str, **kwargs: object) -> list[list[int]]:
+    llm = LLM(model=model, max_num_seqs=2, dtype="float32", **kwargs)
     try:
         params = SamplingParams(temperature=0, max_tokens=6)
         outs = llm.generate(["Hello world, this is", "def f(x):"], params, use_tqdm=False)
+        spec = llm.llm_engine.spec_steps
+        counters = None if spec is None else spec.counters
+        drafts = None if counters is None else (counters.num_draft_tokens,
+                                                counters.num_accepted_tokens)  # fmt: skip
     finally:
         llm.llm_engine.executor.shutdown()
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return [list(o.outputs[0].token_ids) for o in outs], drafts
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_gguf_greedy_tokens_equal_safetensors(end_to_end: dict, case: str) -> None:
     hf_dir, path = end_to_end[case]
     assert _greedy(path) == _greedy(hf_dir)
+
+
+def test_gguf_mtp_head_drafts_as_the_safetensors_one(end_to_end: dict) -> None:
+    """The Qwen3.5 MTP head mapped back from the GGUF's extra block loads for MTP speculation
+    (a missing or misnamed tensor fails the load) and drafts as the checkpoint's does."""
+    hf_dir, path = end_to_end["qwen35-mtp"]
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    got = _greedy(path, speculative_config=spec)
+    assert got == _greedy(hf_dir, speculative_config=spec)
+    assert got[0] == _greedy(hf_dir)[0] and got[1][0] > 0

@@ -6,9 +6,12 @@ does, undone here:
 - metadata: `ssm.state_size` is the GDN key head dim, `ssm.group_count` the key heads,
   `ssm.time_step_rank` the value heads, `ssm.inner_size` value heads x value dim,
   `attention.recurrent_layers` the layer types, `rope.dimension_count` the rotary width
-  (the partial rotary factor times the head dim); blocks past `block_count -
-  nextn_predict_layers` are multi-token-prediction layers (dropped: the model runs without its
-  MTP head from a GGUF).
+  (the partial rotary factor times the head dim); the `nextn_predict_layers` blocks past
+  the model's are its multi-token-prediction head, mapped back to `mtp.*`
+  (`mtp_num_hidden_layers`; the engine loads it when MTP speculation is asked for):
+  `nextn.eh_proj` -> `mtp.fc`, `nextn.enorm` / `hnorm` / `shared_head_norm` ->
+  `mtp.pre_fc_norm_embedding` / `pre_fc_norm_hidden` / `norm`, block tensors under
+  `mtp.layers.i`.
 - every `*norm.weight` but the GDN's gated norm is written as `1 + w` (the models' norms are
   zero-centred); `A_log` as `A = -exp(A_log)`; the conv filter `(C, 1, K)` squeezed to `(C, K)`;
   `dt_bias` renamed `ssm_dt.bias`; experts stacked as `ffn_{gate,up,down}_exps (E, ...)`
@@ -76,6 +79,13 @@ _BLOCK = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# The multi-token-prediction head's own tensors (the converter's `_QwenMtpMixin` renames).
+_NEXTN = {
+    "nextn.eh_proj.weight": "mtp.fc.weight",
+    "nextn.enorm.weight": "mtp.pre_fc_norm_embedding.weight",  # 1 + w, as every norm
+    "nextn.hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "nextn.shared_head_norm.weight": "mtp.norm.weight",
+}
 _EXPERTS = {
     "ffn_gate_exps.weight": "gate_proj",
     "ffn_up_exps.weight": "up_proj",
@@ -98,6 +108,11 @@ def _config(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
         num_key_value_heads=m.int("attention.head_count_kv"),
         head_dim=head_dim,
         layer_types=["linear_attention" if r else "full_attention" for r in recurrent],
+        **(
+            {"mtp_num_hidden_layers": m.int("nextn_predict_layers")}
+            if m.has("nextn_predict_layers")
+            else {}
+        ),
         linear_conv_kernel_dim=m.int("ssm.conv_kernel"),
         linear_key_head_dim=m.int("ssm.state_size"),
         linear_num_key_heads=m.int("ssm.group_count"),
@@ -189,9 +204,11 @@ def _tensors(
     arch: str, name: str, tensor: torch.Tensor, config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     bid, suffix = split_block(name)
-    if bid is not None and bid >= config["num_hidden_layers"]:
-        return  # a multi-token-prediction block (see the module docstring)
-    prefix = f"model.layers.{bid}."
+    mtp = bid is not None and bid >= config["num_hidden_layers"]
+    if mtp and suffix in _NEXTN:
+        yield _NEXTN[suffix], tensor if suffix == "nextn.eh_proj.weight" else minus_one(tensor)
+        return
+    prefix = f"mtp.layers.{bid - config['num_hidden_layers']}." if mtp else f"model.layers.{bid}."
     if suffix in _EXPERTS:
         template = prefix + "mlp.experts.{}." + _EXPERTS[suffix] + ".weight"
         yield from unstack_experts(tensor, template, name, config["num_experts"])
@@ -214,6 +231,8 @@ def _tensors(
             yield prefix + "linear_attn.in_proj_qkvz.weight", qkvz
         return
     hf = _RENAME[arch](name)
+    if mtp:
+        hf = prefix + hf.split(".", 3)[3]
     if arch != "qwen3next" and _reordered(config):
         tensor = _qwen35_gdn(suffix, tensor, config)
     if suffix in _PLUS_ONE or name == "output_norm.weight":
