@@ -268,3 +268,15 @@ def test_gguf_mtp_head_drafts_as_the_safetensors_one(end_to_end: dict) -> None:
     got = _greedy(path, speculative_config=spec)
     assert got == _greedy(hf_dir, speculative_config=spec)
     assert got[0] == _greedy(hf_dir)[0] and got[1][0] > 0
+
+
+def test_unknown_tensor_and_missing_metadata_are_named() -> None:
+    _, path = checkpoints()["qwen3next"]
+    metadata, _ = _metadata(path)
+    arch = gguf_architecture("qwen3next")
+    config = arch.config(metadata)
+    with pytest.raises(ValueError, match=r"blk\.0\.ssm_bogus\.weight"):
+        list(arch.tensors("blk.0.ssm_bogus.weight", torch.zeros(2, 2), config))
+    missing = {k: v for k, v in metadata.items() if k != "qwen3next.ssm.group_count"}
+    with pytest.raises(ValueError, match=r"qwen3next\.ssm\.group_count"):
+        arch.config(missing)
