@@ -134,18 +134,16 @@ class KVCache:
         self.num_blocks = sizing.num_blocks
         # Per layer: (K, V) for an AttentionSpec, (latent,) for an MLASpec. Zeroed so that no
         # kernel ever reads uninitialised memory (NaN) in a masked lane; on the CPU the zero
-        # pages are mapped as blocks are first written (the pool is sized to a budget that
-        # most runs never fill: faulting it all in cost start-up time and resident memory).
+        # pages are mapped as blocks are first written (`huge_page_zeros`).
         self.layer_tensors = [self._allocate(s, device) for s in specs]
 
     def _allocate(self, spec: KVSpec, device: torch.device) -> tuple[torch.Tensor, ...]:
         shape = (self.sizing.num_blocks, self.sizing.block_size)
         if isinstance(spec, MLASpec):
-            return (huge_page_zeros((*shape, spec.latent_dim), spec.dtype, device, False),)
+            return (huge_page_zeros((*shape, spec.latent_dim), spec.dtype, device),)
         assert isinstance(spec, AttentionSpec), spec
-        k_shape = (*shape, spec.num_kv_heads, spec.head_dim)
-        k = huge_page_zeros(k_shape, spec.dtype, device, prefault=False)
-        return k, huge_page_zeros(k_shape, spec.dtype, device, prefault=False)
+        k = huge_page_zeros((*shape, spec.num_kv_heads, spec.head_dim), spec.dtype, device)
+        return k, huge_page_zeros(k.shape, k.dtype, device)
 
     def _all_tensors(self) -> list[torch.Tensor]:
         return [t for tensors in self.layer_tensors for t in tensors]

@@ -61,25 +61,22 @@ def _arena(nbytes: int) -> torch.Tensor | None:
 
 
 def huge_page_zeros(
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    prefault: bool = True,
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """`torch.zeros(shape, dtype=dtype, device=device)`, on huge pages when on the CPU.
 
-    With `prefault`, every page is faulted in now rather than by the first step that writes
-    it; without, the pages stay unmapped (reading as zero) until first written, so memory
-    that is sized to a budget but mostly unused (the KV pool) costs neither start-up time
-    nor resident memory.
+    The pages are not faulted in here: a fresh anonymous mapping reads as zero, and each huge
+    page is mapped when first written. The caches that use it (state slots, the KV pool) are
+    sized to budgets that most runs never fill; faulting them all in at start-up cost seconds
+    (with transparent huge pages on `madvise`, the kernel compacts memory for each one: 4.7 to
+    11.9 s for the state and snapshot slots of a tiny hybrid with prefix caching, under load)
+    and their whole size in resident memory.
     """
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
     arena = _arena(nbytes) if device.type == "cpu" and nbytes >= HUGE_PAGE and enabled() else None
     if arena is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    if prefault:
-        arena.zero_()  # fault every page in now, not in the first decode step
     return arena.view(dtype).view(shape)
 
 
