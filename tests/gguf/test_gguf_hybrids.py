@@ -24,14 +24,17 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import shutil
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.gguf.hybrid_checkpoints import CASES, Q8_0_CASES, checkpoints
+from tests.helpers.tmp_dirs import make_tmp_dir
 from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.gguf.arch import gguf_architecture
 from vllm_mamba.gguf.blocks import decode_tensor
@@ -258,6 +261,36 @@ def _greedy(model: str, **kwargs: object) -> list[list[int]]:
 def test_gguf_greedy_tokens_equal_safetensors(end_to_end: dict, case: str) -> None:
     hf_dir, path = end_to_end[case]
     assert _greedy(path) == _greedy(hf_dir)
+
+
+@pytest.mark.parametrize("case", Q8_0_CASES)
+def test_q8_0_gguf_equals_its_dequantised_checkpoint(end_to_end: dict, case: str) -> None:
+    """LLM on the Q8_0 file (integer layers) gives the greedy tokens of the checkpoint holding
+    gguf-py's dequantisation of the same blocks (named back by the mapping, whose names the
+    F32 test checks)."""
+    hf_dir, path = end_to_end[f"{case}-q8_0"]
+    metadata, tensors = _metadata(path)
+    arch = gguf_architecture(CASES[case].arch)
+    config = arch.config(metadata)
+    weights = {
+        hf_name: value.float().contiguous()
+        for name, tensor in tensors.items()
+        for hf_name, value in arch.tensors(name, tensor, config)
+    }
+    ref_dir = make_tmp_dir(f"gguf-{case}-q8_0-dequantised-")
+    shutil.copytree(hf_dir, ref_dir, dirs_exist_ok=True)
+    save_file(weights, os.path.join(ref_dir, "model.safetensors"), metadata={"format": "pt"})
+    assert _greedy(path) == _greedy(ref_dir)
+    llm = LLM(model=path, max_num_seqs=2, dtype="float32")
+    try:  # the projections run on their Q8_0 blocks (integer weights), not widened to float
+        integer = [
+            m for m in llm.llm_engine.model.modules()
+            if isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dtype in (torch.int8, torch.uint8)
+        ]  # fmt: skip
+    finally:
+        llm.llm_engine.executor.shutdown()
+    assert len(integer) >= config["num_hidden_layers"]
 
 
 def test_gguf_mtp_head_drafts_as_the_safetensors_one(end_to_end: dict) -> None:
