@@ -49,7 +49,9 @@ class Case:
 
 
 CASES: dict[str, Case] = {
-    "qwen35": Case("qwen35", "qwen3_5-gqa"),
+    # GDN value heads of 32 (16 in the registry): a head spans whole Q8_0 groups, as the
+    # releases' 128, so out_proj's head-by-head column reorder keeps its blocks.
+    "qwen35": Case("qwen35", "qwen3_5-gqa", {"linear_value_head_dim": 32}),
     # Qwen3.5 as released, with its multi-token-prediction head (which the converter writes as
     # one more block): another shape (tied, one value head per key head, partial rotary).
     "qwen35-mtp": Case("qwen35", "qwen3_5-mqa", hub_keys={"mtp_num_hidden_layers": 1}, mtp=True),

@@ -13,9 +13,9 @@ model of the registry, converted at F32), read with gguf-py's own `GGUFReader`:
   key by key, apart from training-only keys and the differences each case states (values the
   file does not hold, and their class defaults);
 - Q8_0 files (`Q8_0_CASES`): the mapping gives the same values from the engine's decoded
-  blocks as from gguf-py's dequantisation, and every 2-D Q8_0 tensor it only renames,
-  permutes by rows or concatenates keeps its integer layout (which dequantises to those
-  values); the stated exceptions come back in float;
+  blocks as from gguf-py's dequantisation, and every 2-D Q8_0 tensor keeps its integer
+  layout (which dequantises to those values) through its renames, row permutations,
+  concatenations and Qwen3.5's head-by-head column permutation;
 - end to end: `LLM(model=file.gguf)` gives the safetensors model's greedy tokens.
 """
 
@@ -206,11 +206,6 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-# Q8_0 tensors the mapping transforms beyond rows (float results): Qwen3.5's GDN out_proj has
-# its columns permuted back. (Stacked 3-D experts carry no layout: they come as float.)
-_WIDENED = {"qwen35": ("linear_attn.out_proj.weight",)}
-
-
 @pytest.mark.parametrize("case", Q8_0_CASES)
 def test_q8_0_layouts_survive_the_mapping(case: str) -> None:
     _, path = checkpoints()[f"{case}-q8_0"]
@@ -228,13 +223,10 @@ def test_q8_0_layouts_survive_the_mapping(case: str) -> None:
         for (name, want), (got_name, got) in zip(reference, decoded, strict=True):
             assert got_name == name and torch.equal(got.float(), want.float()), name
             layout = packed_of(got)
-            widened = name.endswith(_WIDENED.get(case, ()))
-            if t.tensor_type.name == "Q8_0" and len(shape) == 2 and not widened:
+            if t.tensor_type.name == "Q8_0" and len(shape) == 2:  # (3-D experts come as float)
                 assert layout is not None, f"{name} lost its integer layout"
                 assert torch.equal(layout.dequantize(), want), name
                 kept += 1
-            elif widened:
-                assert layout is None, name
     assert kept > 0
 
 

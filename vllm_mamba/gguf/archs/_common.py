@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from vllm_mamba.gguf.metadata import TENSOR_NAMES, TENSOR_SHAPES, decimal
-from vllm_mamba.layers.packed_weights import rows_of
+from vllm_mamba.layers.packed_weights import attach_packed, packed_of, rows_of
+from vllm_mamba.ops.grouped_linear import GroupedWeight, pack_nibbles
 
 __all__ = [
     "LLAMA_GLOBALS",
@@ -34,6 +35,7 @@ __all__ = [
     "mamba2_tensor",
     "minus_one",
     "per_layer",
+    "permute_columns",
     "register_family",
     "rope_qk_tensor",
     "split_block",
@@ -331,3 +333,28 @@ def stacked_experts(
 def conv_filter(tensor: torch.Tensor) -> torch.Tensor:
     """A depthwise conv filter the converter squeezed to `(C, K)`, back as `(C, 1, K)`."""
     return tensor.reshape(tensor.shape[0], 1, tensor.shape[-1])
+
+
+def permute_columns(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`tensor[:, index]` (a column permutation, `index (K,)`), keeping an attached integer
+    layout when the permutation moves whole groups of columns (as head-by-head reorders do
+    for heads a multiple of the group wide); else a plain float tensor."""
+    out = tensor[:, index].contiguous()
+    layout = packed_of(tensor)
+    if layout is None:
+        return out
+    k, g = layout.shape[1], layout.group
+    blocks = index.reshape(k // g, g)
+    starts = blocks[:, 0]
+    if not (
+        torch.equal(blocks, starts[:, None] + torch.arange(g)) and bool((starts % g == 0).all())
+    ):
+        return out
+    groups = starts // g
+    codes = layout.code_values()[:, index]
+    codes = pack_nibbles(codes) if layout.bits == 4 else codes.to(layout.codes.dtype)
+    offsets = None if layout.offsets is None else layout.offsets[:, groups].contiguous()
+    permuted = GroupedWeight(
+        codes.contiguous(), layout.scales[:, groups].contiguous(), offsets, layout.bits, g
+    )
+    return attach_packed(out, permuted)

@@ -20,7 +20,7 @@ does, undone here:
   by key head (`[k0: v0 v1, k1: v0 v1]`) to tiled (`[v0 of k0, v0 of k1, v1 of k0, ...]`)
   in `in_proj_qkv`'s value rows, `in_proj_z`, `in_proj_a` / `in_proj_b`, `A_log`, `dt_bias`, the
   conv's value channels (row permutations: an integer layout is kept) and `out_proj`'s
-  columns (a float result).
+  columns (whole heads: the layout is kept when a head spans whole groups).
 - Qwen3-Next: `in_proj_qkvz` (per key head `[q, k, v, z]`) is split into `attn_qkv` (all q,
   all k, all v) and `attn_gate` (all z); they are interleaved back (rows, layout kept).
   `norm_topk_prob` is not written: llama.cpp always renormalises the top-k (as the releases
@@ -43,6 +43,7 @@ from vllm_mamba.gguf.archs._common import (
     common_config,
     minus_one,
     per_layer,
+    permute_columns,
     permute_rows,
     register_family,
     split_block,
@@ -175,8 +176,8 @@ def _qwen35_gdn(suffix: str, tensor: torch.Tensor, config: dict[str, Any]) -> to
         return permute_rows(tensor, _untile(v_rows, config, dv))
     if suffix in ("ssm_alpha.weight", "ssm_beta.weight", "ssm_a", "ssm_dt.bias"):
         return permute_rows(tensor, _untile(tensor.shape[0], config, 1))
-    if suffix == "ssm_out.weight":  # columns: float
-        return tensor[:, _untile(v_rows, config, dv)].contiguous()
+    if suffix == "ssm_out.weight":  # columns: whole heads, so whole groups of a layout
+        return permute_columns(tensor, _untile(v_rows, config, dv))
     return tensor
 
 
