@@ -24,7 +24,9 @@ does, undone here:
 - Qwen3-Next: `in_proj_qkvz` (per key head `[q, k, v, z]`) is split into `attn_qkv` (all q,
   all k, all v) and `attn_gate` (all z); they are interleaved back (rows, layout kept).
   `norm_topk_prob` is not written: llama.cpp always renormalises the top-k (as the releases
-  set it), `mlp_only_layers` empty and `decoder_sparse_step` 1 likewise.
+  set it); `mlp_only_layers` are the blocks with a dense `ffn_up` (llama.cpp runs a block
+  without a router as an MLP; this converter cannot write one: "Can not map tensor
+  mlp.down_proj"), `decoder_sparse_step` 1.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from vllm_mamba.gguf.archs._common import (
     permute_rows,
     register_family,
     split_block,
+    tensor_names,
     unstack_experts,
 )
 from vllm_mamba.layers.packed_weights import cat_rows
@@ -142,7 +145,11 @@ def _config(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
             intermediate_size=m.int("feed_forward_length"),
             norm_topk_prob=True,
             decoder_sparse_step=1,
-            mlp_only_layers=[],
+            mlp_only_layers=sorted(
+                bid
+                for bid, suffix in map(split_block, tensor_names(metadata))
+                if suffix == "ffn_up.weight" and bid is not None and bid < n
+            ),
         )
     return config
 
