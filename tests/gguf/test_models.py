@@ -192,6 +192,7 @@ def test_integer_layers_hold_the_gguf_values(files: dict[str, str], kind: str) -
     from safetensors.torch import load_file
 
     from vllm_mamba.layers.linear import Linear
+    from vllm_mamba.layers.packed_weights import GroupedEmbedding
     from vllm_mamba.model_loader import build_model, load_hf_config
     from vllm_mamba.ops.grouped_linear import GroupedWeight
 
@@ -224,6 +225,12 @@ def test_integer_layers_hold_the_gguf_values(files: dict[str, str], kind: str) -
         assert integer == len(K_QUANTS)
     else:
         assert integer == 2 * 2 + 1  # in_proj and out_proj of 2 layers, and the head
+        # The quantised token_embd is looked up from its codes, not widened to a float table.
+        tables = [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedEmbedding)]
+        assert len(tables) == 1
+        name, table = tables[0]
+        every = torch.arange(table.codes.shape[0])
+        assert torch.equal(table(every), want[f"{name}.weight"])
 
 
 def test_tokenizer_and_chat_template_from_the_gguf(files: dict[str, str]) -> None:

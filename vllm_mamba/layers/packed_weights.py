@@ -11,10 +11,12 @@ puts each recorded layout on its `Linear`, where the float weight was:
   float16 holds exactly: GGUF's Q4_0) runs through `int4_linear` with float16 scales;
 - any other layout runs through `grouped_linear` (`vllm_mamba.ops.grouped_linear`).
 
-A parameter that the model transformed after loading (its float weight no longer equals the
-layout's dequantisation on sampled rows), or that is not a `Linear`'s weight (stacked MoE
-experts, embeddings, convolution filters), keeps the float values; `install_packed_weights`
-reports how many tensors kept their integer layout and how many were widened, and why.
+A token embedding whose table has a layout is replaced by a `GroupedEmbedding` reading it (a
+tied LM head and embedding then hold the codes once). A parameter that the model transformed
+after loading (its float weight no longer equals the layout's dequantisation on sampled rows),
+or that is neither a `Linear`'s nor an embedding's weight (stacked MoE experts, convolution
+filters), keeps the float values; `install_packed_weights` reports how many tensors kept their
+integer layout and how many were widened, and why.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 
 from vllm_mamba.layers.decode_plan import drop_decode_plans
 from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.parallel_linear import VocabParallelEmbedding
 from vllm_mamba.ops.grouped_linear import NIBBLE_BLOCK, GroupedWeight
 from vllm_mamba.ops.table import MambaOps
 
@@ -128,10 +131,42 @@ def _matches(weight: torch.Tensor, packed: GroupedWeight) -> bool:
     return torch.equal(weight.detach()[rows], expected)
 
 
+class GroupedEmbedding(nn.Module):
+    """A token embedding read from an integer layout (only the looked-up rows widened); it
+    shares the codes, scales and offsets with the LM head when the two are tied."""
+
+    def __init__(self, layout: GroupedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("codes", layout.codes)  # (V, H) int8 or (V, H/2) uint8
+        self.register_buffer("scales", layout.scales)  # (V, H/G) float32
+        self.register_buffer("offsets", layout.offsets)  # (V, H/G) float32 or None
+        self.bits, self.group, self.dtype = layout.bits, layout.group, dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids (T,)` -> `(T, H)` in the model dtype."""
+        offsets = None if self.offsets is None else self.offsets[input_ids]
+        rows = GroupedWeight(
+            self.codes[input_ids], self.scales[input_ids], offsets, self.bits, self.group
+        )
+        return rows.dequantize(self.dtype)
+
+
+def _embeddings(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """`(parent, attribute, embedding)` for every single-rank token embedding of `model`."""
+    return [
+        (parent, child, module)
+        for parent in model.modules()
+        for child, module in parent.named_children()
+        if type(module) is nn.Embedding
+        or (isinstance(module, VocabParallelEmbedding) and module.tp.size == 1)
+    ]
+
+
 def install_packed_weights(
     model: nn.Module, packed: dict[str, GroupedWeight], ops: MambaOps
 ) -> PackedReport:
-    """Puts the recorded integer layouts on the model's `Linear`s (see the module docstring).
+    """Puts the recorded integer layouts on the model's `Linear`s and token embeddings (see
+    the module docstring); an LM head tied to the embedding gets the embedding's layout.
 
     Args:
         model: the model after `process_weights_after_loading`.
@@ -144,6 +179,42 @@ def install_packed_weights(
     report = PackedReport()
     if not packed:
         return report
+    drop_decode_plans(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    layouts = {id(params[n]): (n, lay) for n, lay in packed.items() if n in params}  # by object
+    done: set[str] = set()
+    for module in model.modules():
+        entry = layouts.get(id(module.weight)) if isinstance(module, Linear) else None
+        if entry is None:
+            continue
+        name, layout = entry
+        if not _matches(module.weight, layout):
+            report.widened[name] = "the model transformed it after loading"
+            continue
+        install_packed(module, layout, ops)  # a tied head: the embedding's layout
+        done.add(name)
+        report.installed += 1
+        report.bytes_packed += layout.nbytes
+    for parent, child, embedding in _embeddings(model):
+        entry = layouts.get(id(embedding.weight))
+        if entry is None or not _matches(embedding.weight, entry[1]):
+            continue
+        setattr(parent, child, GroupedEmbedding(entry[1], embedding.weight.dtype))
+        done.add(entry[0])
+    for name in packed:
+        if name not in done and name not in report.widened:
+            report.widened[name] = "not a Linear's or an embedding's weight"
+    if report.widened:
+        reasons: dict[str, int] = {}
+        for why in report.widened.values():
+            reasons[why] = reasons.get(why, 0) + 1
+        logger.info(
+            "Pre-quantised weights: %d layers keep their integer layout; %d tensors run in "
+            "float (%s)",
+            report.installed, len(report.widened),
+            "; ".join(f"{count} {why}" for why, count in reasons.items()),
+        )  # fmt: skip
+    return report
     drop_decode_plans(model)
     owners = {
         f"{name}.weight" if name else "weight": module
