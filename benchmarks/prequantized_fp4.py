@@ -1,12 +1,13 @@
-"""What loading an FP4 checkpoint (MXFP4, NVFP4) each way costs in accuracy, on the shipped
-`tiny-stdlib` model (trained weights).
+"""What loading an FP4 checkpoint (MXFP4, NVFP4) or an FP8 one each way costs in accuracy, on
+the shipped `tiny-stdlib` model (trained weights).
 
 The model's projections (`in_proj`, `x_proj`, `out_proj`) are written as a compressed-tensors
 MXFP4 / NVFP4 checkpoint by the tests' spec writers (`tests/helpers/prequantized_checkpoints.py`);
 the format's values V are then held four ways, all with float32 activations:
 
-- as the engine loads it by default: twice the E2M1 value as int8 codes, scales per block
-  (exact: V itself);
+- as the engine loads it by default (exact: V itself): FP4 as twice the E2M1 value in int8
+  codes with scales per block; FP8 (`--formats fp8-blocks`, Qwen's / DeepSeek's block-scaled
+  layout) widened to the float32 model;
 - dequantised to bfloat16 (V rounded to bfloat16, written as a float checkpoint);
 - with `quantization="int8"` / `"int4"`: V requantised by the load-time quantiser.
 
@@ -14,7 +15,7 @@ For each: the largest absolute weight error against V, the relative Frobenius er
 (||W - V|| / ||V||), and the held-out loss, top-1 and greedy agreement against the exact load
 (`heldout_loss.evaluate`, teacher-forced over held-out windows).
 
-    python benchmarks/prequantized_fp4.py --windows 100
+    python benchmarks/prequantized_fp4.py --windows 100 [--formats ct-mxfp4,ct-nvfp4,fp8-blocks]
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def weight_errors(values: dict) -> dict[str, tuple[float, float]]:
     from vllm_mamba.ops.int8_linear import quantize_int8
 
     ways = {
-        "exact (int8 codes, block scales)": lambda v: v,
+        "exact (as loaded by default)": lambda v: v,
         "bfloat16": lambda v: v.bfloat16().float(),
         "quantization=int8": lambda v: (lambda q, s: q.float() * s[:, None])(*quantize_int8(v)),
         "quantization=int4": lambda v: dequantize_int4(*quantize_int4(v), torch.float32),
@@ -88,6 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--windows", type=int, default=100)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--formats", default="ct-mxfp4,ct-nvfp4", help="comma-separated")
     args = p.parse_args()
     for path in (REPO_ROOT, os.path.join(REPO_ROOT, "benchmarks")):
         if path not in sys.path:
@@ -104,19 +106,19 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="fp4-error-")
     base = evaluate(src, wins, dtype="float32")
     print(f"{len(wins)} windows; float32 original: loss {base['loss']:.4f}")
-    for fmt in ("ct-mxfp4", "ct-nvfp4"):
+    for fmt in args.formats.split(","):
         spec = FORMATS[fmt]
         quant, bf16 = os.path.join(tmp, fmt), os.path.join(tmp, fmt + "-bf16")
         values = write_checkpoint(src, quant, spec.write, spec.config)
         write_checkpoint(src, bf16, spec.write, None, cast=lambda v: v.bfloat16())
         errors = weight_errors(values)
         runs = {
-            "exact (int8 codes, block scales)": evaluate(quant, wins, dtype="float32"),
+            "exact (as loaded by default)": evaluate(quant, wins, dtype="float32"),
             "bfloat16": evaluate(bf16, wins, dtype="float32"),
             "quantization=int8": evaluate(quant, wins, dtype="float32", quantization="int8"),
             "quantization=int4": evaluate(quant, wins, dtype="float32", quantization="int4"),
         }
-        exact = runs["exact (int8 codes, block scales)"]
+        exact = runs["exact (as loaded by default)"]
         print(f"\n{fmt} (exact vs float32 original: loss {exact['loss']:.4f})")
         print("| held as | max abs weight error | relative error | held-out loss | vs exact "
               "| top-1 agreement | greedy agreement |")  # fmt: skip
