@@ -24,7 +24,9 @@ _OTHER_TOOLS_FLAGS = {
     "--index-url", "--extra-index-url", "--skip-transformers", "--skip-llama-cpp", "--model",
     "--isa", "--arch", "--dtype", "--quantization", "--rwkv-pth", "--engine-threads",
     "--match", "--num-iters", "--threads", "--user", "--now", "--cpuset-cpus",
-    "--no-create-home", "--health-cmd", "--shell", "--format", "--inplace", "--rounds", "--calls",
+    "--no-create-home", "--health-cmd", "--shell", "--format", "--inplace",
+    # benchmark scripts
+    "--rounds", "--calls", "--formats",
     # lm-evaluation-harness
     "--include", "--log", "--output", "--tasks", "--batch",
 }  # fmt: skip
