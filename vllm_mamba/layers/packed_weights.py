@@ -215,35 +215,6 @@ def install_packed_weights(
             "; ".join(f"{count} {why}" for why, count in reasons.items()),
         )  # fmt: skip
     return report
-    drop_decode_plans(model)
-    owners = {
-        f"{name}.weight" if name else "weight": module
-        for name, module in model.named_modules()
-        if isinstance(module, Linear)
-    }
-    for name, layout in packed.items():
-        linear = owners.get(name)
-        if linear is None:
-            report.widened[name] = "not a Linear's weight"
-        elif linear.weight.dtype in (torch.int8, torch.uint8):
-            continue  # a shared module already installed
-        elif not _matches(linear.weight, layout):
-            report.widened[name] = "the model transformed it after loading"
-        else:
-            install_packed(linear, layout, ops)
-            report.installed += 1
-            report.bytes_packed += layout.nbytes
-    if report.widened:
-        reasons: dict[str, int] = {}
-        for why in report.widened.values():
-            reasons[why] = reasons.get(why, 0) + 1
-        logger.info(
-            "Pre-quantised weights: %d layers keep their integer layout; %d tensors run in "
-            "float (%s)",
-            report.installed, len(report.widened),
-            "; ".join(f"{count} {why}" for why, count in reasons.items()),
-        )  # fmt: skip
-    return report
 
 
 def rows_of(tensor: torch.Tensor, index: slice | torch.Tensor) -> torch.Tensor:
