@@ -31,6 +31,7 @@ from torch import nn
 from vllm_mamba.layers.decode_plan import drop_decode_plans
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import VocabParallelEmbedding
+from vllm_mamba.layers.quantization import use_int4_weight
 from vllm_mamba.ops.grouped_linear import NIBBLE_BLOCK, GroupedWeight
 from vllm_mamba.ops.table import MambaOps
 
@@ -93,26 +94,15 @@ def _grouped_product(
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _int4_product(
-    self: Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The `linear_op` of a Q4_0 `Linear` (the engine's int4): `x (..., K)` -> `(..., N)`."""
-    flat = x.reshape(-1, x.shape[-1])  # (M, K)
-    out = self.int4_op(flat, weight, self.weight_scale, bias)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
 def install_packed(linear: Linear, packed: GroupedWeight, ops: MambaOps) -> None:
     """Replaces `linear`'s float weight by `packed` (see the module docstring)."""
+    scales16 = _as_int4(packed)
+    if scales16 is not None:  # the engine's own int4 (Q4_0): its kernel and fused decode
+        use_int4_weight(linear, packed.codes, scales16, ops)
+        return
     device = linear.weight.device
     linear.activation_dtype = linear.weight.dtype
     linear.weight = nn.Parameter(packed.codes.to(device), requires_grad=False)
-    scales16 = _as_int4(packed)
-    if scales16 is not None:
-        linear.register_buffer("weight_scale", scales16.to(device))
-        linear.int4_op = ops.int4_linear
-        linear.linear_op = types.MethodType(_int4_product, linear)
-        return
     linear.register_buffer("weight_scale", packed.scales.to(device))
     offsets = None if packed.offsets is None else packed.offsets.to(device)
     linear.register_buffer("weight_offset", offsets)

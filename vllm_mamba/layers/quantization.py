@@ -165,7 +165,16 @@ def quantize_linear_int8(linear: Linear, ops: MambaOps) -> None:
 
 def quantize_linear_int4(linear: Linear, ops: MambaOps) -> None:
     """Makes `linear`'s weight 4-bit in place (K a multiple of 32; see the module docstring)."""
-    _replace_weight(linear, *quantize_int4(linear.weight))  # (N, K/2) uint8, (N, K/32) float16
+    use_int4_weight(linear, *quantize_int4(linear.weight), ops)
+
+
+def use_int4_weight(
+    linear: Linear, qweight: torch.Tensor, scales: torch.Tensor, ops: MambaOps
+) -> None:
+    """Puts the 4-bit `qweight (N, K/2)` uint8 with its `scales (N, K/32)` float16 on `linear`
+    in place of its float weight (`quantize_int4`'s layout; also a checkpoint's Q4_0 blocks),
+    so that it runs `int4_linear` and the fused decode layers take it (`is_int4_linear`)."""
+    _replace_weight(linear, qweight, scales)
     linear.int4_op = ops.int4_linear
     linear.linear_op = types.MethodType(_int4_product, linear)
 
