@@ -343,3 +343,23 @@ def test_served_by_the_openai_server(files: dict[str, str]) -> None:
     want = [tokenizer.decode(t) for t, _ in _run(files["q8_0"], PROMPTS, dtype="float32")]
     with launch_server("--dtype", "float32", model_dir=files["q8_0"]) as server:
         assert greedy_completions(server.url, PROMPTS, 6) == want
+
+
+def test_q4_0_layers_run_in_the_fused_decode_layer(files: dict[str, str]) -> None:
+    """Q4_0 blocks are the engine's own int4 `Linear`s, so the fused decode layers take them
+    (as they take `quantization="int4"`), with the same tokens as the dequantised weights."""
+    from vllm_mamba.layers.decode_plan import planned_layers
+    from vllm_mamba.layers.quantization import is_int4_linear
+
+    llm = LLM(model=files["q4_0"], max_num_seqs=4, dtype="float32")
+    try:
+        model = llm.llm_engine.executor.model
+        layers = planned_layers(model)
+        assert layers and all(layer.decode_plan is not None for layer in layers)
+        assert all(is_int4_linear(layer.mixer.in_proj) for layer in model.backbone.layers)
+        params = SamplingParams(temperature=0, max_tokens=6)
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.executor.shutdown()
+    want = _run(files["q4_0_ref"], PROMPTS, dtype="float32")
+    assert [list(o.outputs[0].token_ids) for o in got] == [t for t, _ in want]
