@@ -91,8 +91,8 @@ def _signature(path: str) -> tuple:
 
 def cached_tokenizer(path: str) -> Any:
     """`load_tokenizer(path)`, shared by the engines of one process while the files are
-    unchanged (the engine never modifies its tokenizer; parsing a 50k-token vocabulary takes
-    most of a small model's start-up: about 0.6 s on a Zen 4 core). The last few are kept."""
+    unchanged (the engine never modifies its tokenizer; parsing a 50k-token vocabulary was
+    most of a tiny model's start-up, about 2 s of 2.6 under load). The last few are kept."""
     key = _signature(path)
     with _cache_lock:
         if key in _cache:

@@ -18,11 +18,15 @@ import httpx
 import pytest
 
 from tests.entrypoints.chromium import INSTALL_HINT, browser_path, headless_chromium
-from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME, launch_server
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, launch_server
 from vllm_mamba.entrypoints.openai.streaming import SSE_DONE, sse_error
 
 # Markup in a message must show as text: nothing here may become an element.
 USER_TEXT = 'Hi <b>there</b> & <img src="x" onerror="window.pwned = 1"> "quoted"'
+# The page's server runs the attention-free tiny Mamba with a long context, so that the
+# generation that Stop aborts (max_tokens near it) cannot finish before the click lands, even
+# with the browser starved of CPU beside a busy test run (4,096 tokens once did).
+MAX_MODEL_LEN = 32768
 LAST_ASSISTANT = "[...document.querySelectorAll('.msg.assistant')].at(-1)"
 
 
@@ -53,7 +57,8 @@ def _set_settings(page, **values: str) -> None:
 def test_web_ui_chats_streams_and_stops(tmp_path: Path) -> None:
     if browser_path() is None:
         pytest.fail(INSTALL_HINT)
-    with launch_server() as server, headless_chromium() as page:
+    max_len = ("--max-model-len", str(MAX_MODEL_LEN))
+    with launch_server(*max_len) as server, headless_chromium() as page:
         # The page itself needs no key; the API does.
         assert httpx.get(f"{server.url}/").status_code == 200
         page.navigate(f"{server.url}/")
