@@ -43,6 +43,13 @@ from vllm_mamba.layers.packed_weights import packed_of
 
 pytestmark = pytest.mark.xdist_group("gguf_hybrids")
 
+# Nemotron-H: chunk size and the time-step bounds are not written (llama.cpp does not clamp);
+# the converter writes 2**20 as the context; transformers ignores Nemotron-H's tying.
+_NEMOTRON_UNWRITTEN = {
+    "chunk_size", "time_step_min", "time_step_max", "time_step_floor",
+    "max_position_embeddings", "tie_word_embeddings",
+}  # fmt: skip
+
 # Config keys no GGUF holds and no model here reads (training and bookkeeping).
 _TRAINING = {
     "transformers_version", "dtype", "initializer_range", "use_cache", "attention_dropout",
@@ -71,25 +78,9 @@ _DIFFERENCES = {
         "ssm_out_multiplier",
         "ssm_multipliers",
     },  # fmt: skip
-    # chunk size and the time-step bounds are not written (llama.cpp does not clamp); the
-    # converter writes 2**20 as the context; transformers ignores Nemotron-H's tying.
-    "nemotron_h_moe": {
-        "chunk_size",
-        "time_step_min",
-        "time_step_max",
-        "time_step_floor",
-        "max_position_embeddings",
-        "tie_word_embeddings",
-        "intermediate_size",  # no layer is a dense MLP: its width is neither written nor used
-    },
-    "nemotron_h": {
-        "chunk_size",
-        "time_step_min",
-        "time_step_max",
-        "time_step_floor",
-        "max_position_embeddings",
-        "tie_word_embeddings",
-    },  # fmt: skip  # fmt: skip
+    "nemotron_h": _NEMOTRON_UNWRITTEN,
+    # no layer is a dense MLP: its width is neither written nor used
+    "nemotron_h_moe": _NEMOTRON_UNWRITTEN | {"intermediate_size"},
 }
 
 
