@@ -109,6 +109,11 @@ struct Weight {
   const uint16_t* q4_scales = nullptr;  // 4-bit: the float16 scales' bits
   at::ScalarType dtype = at::kFloat;
   int64_t k = 0;
+  // Integer dot products (`quantization="w8a8"` / `"w4a8"`): an int8 or 4-bit weight whose
+  // products quantise each row of x to int8 in blocks of 32 (one float32 scale per block, as
+  // llama.cpp's Q8_0 activations) and multiply in integers; false: x stays float32 (exact
+  // weight-only). Set by `weight_of` from the layer call's `int_dot` argument.
+  bool int_dot = false;
 };
 
 // out[b, r - lo] (row stride ldo) = w[r] . x[b] for rows r in [lo, hi), whatever w's dtype.
@@ -318,9 +323,11 @@ inline const float* param_f32(const c10::List<std::optional<at::Tensor>>& params
 // A required projection weight of a params list, contiguous and shaped (rows, cols): float32,
 // bfloat16, int8 with its (rows,) float32 scale at `scale_i`, or 4-bit (uint8 (rows, cols / 2),
 // cols a multiple of 32) with its (rows, cols / 32) float16 scales at `scale_i` (absent
-// otherwise). Each weight of a layer may have its own dtype.
+// otherwise). Each weight of a layer may have its own dtype. `int_dot`: the layer's integer
+// weights multiply int8-quantised activations (`Weight::int_dot`); float weights ignore it.
 inline Weight weight_of(const c10::List<std::optional<at::Tensor>>& params, size_t i,
-                        size_t scale_i, int64_t rows, int64_t cols, const char* what) {
+                        size_t scale_i, int64_t rows, int64_t cols, const char* what,
+                        bool int_dot = false) {
   const std::optional<at::Tensor> t = params.get(i);
   TORCH_CHECK(t.has_value(), what, " is required");
   Weight w;
@@ -341,6 +348,8 @@ inline Weight weight_of(const c10::List<std::optional<at::Tensor>>& params, size
     w.scale = *scale;
     w.q4_scales = reinterpret_cast<const uint16_t*>(w.scale.data_ptr<at::Half>());
     w.data = w.tensor.data_ptr();
+    w.int_dot = int_dot;
+    TORCH_CHECK(!w.int_dot, what, ": integer dot products are not built yet");
     return w;
   }
   TORCH_CHECK(w.tensor.dim() == 2 && w.tensor.size(0) == rows && w.tensor.size(1) == cols, what,
@@ -359,6 +368,8 @@ inline Weight weight_of(const c10::List<std::optional<at::Tensor>>& params, size
     TORCH_CHECK(!scale.has_value(), what, " is not int8 but has a scale");
   }
   w.data = w.tensor.data_ptr();
+  w.int_dot = int_dot && w.dtype == at::kChar;
+  TORCH_CHECK(!w.int_dot, what, ": integer dot products are not built yet");
   return w;
 }
 

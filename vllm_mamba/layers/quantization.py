@@ -146,6 +146,12 @@ def is_int4_linear(linear: nn.Module) -> bool:
     return _is_quantised(linear, torch.uint8, _int4_product)
 
 
+def uses_int_dot(linear: nn.Module) -> bool:
+    """Whether an int8 / 4-bit `Linear` multiplies int8-quantised activations (integer dot
+    products: `quantization="w8a8"` / `"w4a8"`) rather than float32 ones (weight-only)."""
+    return bool(getattr(linear, "int_dot", False))
+
+
 def _replace_weight(linear: Linear, qweight: torch.Tensor, scale: torch.Tensor) -> None:
     """Puts the quantised weight and its scales on `linear`, where the float weight was."""
     linear.activation_dtype = linear.weight.dtype

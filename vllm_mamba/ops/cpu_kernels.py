@@ -90,6 +90,11 @@ CPP_OPS: tuple[CppOp, ...] = (
     # `csrc/fused_decode_mamba*.cpp`; the layers run unfused without them.
     CppOp("fused_decode", "mamba", "fused_mamba_decode", required=False),
     CppOp("fused_decode", "mamba2", "fused_mamba2_decode", required=False),
+    # `csrc/fused_decode_gdn.cpp` (a Gated DeltaNet block), `fused_decode_ffn.cpp` (a
+    # feed-forward stage: dense MLP, MoE); the layers run unfused without them.
+    CppOp("gated_delta", "decode_layer", "fused_gdn_decode", required=False),
+    CppOp("ffn", "mlp_decode", "fused_mlp_decode", required=False),
+    CppOp("ffn", "moe_decode", "fused_moe_decode", required=False),
 )  # fmt: skip
 # The kernels Python calls by name outside the families: `linear`'s, the int8 / 4-bit / grouped
 # linear wrappers' (`vllm_mamba.ops.int8_linear`, `int4_linear`, `grouped_linear`) and the
