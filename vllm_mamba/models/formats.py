@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,7 +117,11 @@ class CheckpointFormat:
         """The `(name, tensor)` pairs of one weight file. With `lazy`, safetensors tensors
         come as slices (read on indexing), so a rank reads only its part of a sharded
         parameter."""
-        if kind == "safetensors":
+        if kind == "safetensors" and not lazy and sys.byteorder == "little":
+            from vllm_mamba.models.safetensors_reader import read_safetensors
+
+            yield from read_safetensors(file)  # no memory map: see that module
+        elif kind == "safetensors":
             from safetensors import safe_open
 
             with safe_open(file, framework="pt") as f:

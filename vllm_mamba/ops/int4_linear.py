@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_mamba.ops import cpu_isa
-from vllm_mamba.ops.int8_linear import kernel_rows
+from vllm_mamba.ops.int8_linear import QUANTIZE_BLOCK, kernel_rows
 
 INT4_GROUP = 32  # weights sharing one scale (gemv.h's kQ4Group)
 INT4_MIN, INT4_MAX = -8, 7
@@ -63,15 +63,26 @@ def quantize_int4(
             f"got {tuple(weight.shape)}"
         )
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // group, group)  # (N, G, 32)
-    peak = w.gather(2, w.abs().argmax(dim=2, keepdim=True)).squeeze(2)  # (N, G) signed max
-    scale16 = (peak / INT4_MIN).to(torch.float16)  # (N, G); peak is level -8
+    packed = torch.empty(n, k // 2, dtype=torch.uint8)
+    scales = torch.empty(n, k // group, dtype=torch.float16)
+    step = max(1, QUANTIZE_BLOCK // k)  # rows at a time: small float32 temporaries
+    for r in range(0, n, step):
+        packed[r : r + step], scales[r : r + step] = _quantize_rows(weight[r : r + step], group)
+    return packed, scales
+
+
+def _quantize_rows(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_int4` of a block of rows `(n, K)`: packed `(n, K/2)`, scales `(n, K/32)`."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group, group)  # (n, G, 32)
+    peak = w.gather(2, w.abs().argmax(dim=2, keepdim=True)).squeeze(2)  # (n, G) signed max
+    scale16 = (peak / INT4_MIN).to(torch.float16)  # (n, G); peak is level -8
     # All-zero groups, and groups so small that the float16 scale underflows: scale 1, q = 0.
     scale16 = torch.where(scale16 != 0, scale16, torch.ones_like(scale16))
-    q = torch.round(w / scale16.float()[..., None]).clamp_(INT4_MIN, INT4_MAX)  # (N, G, 32)
-    u = (q + 8).to(torch.uint8)  # (N, G, 32), nibbles in [0, 15]
-    packed = u[..., :16] | (u[..., 16:] << 4)  # (N, G, 16): byte j = w_j | w_{j+16} << 4
-    return packed.reshape(n, k // 2).contiguous(), scale16.contiguous()
+    q = torch.round(w / scale16.float()[..., None]).clamp_(INT4_MIN, INT4_MAX)  # (n, G, 32)
+    u = (q + 8).to(torch.uint8)  # (n, G, 32), nibbles in [0, 15]
+    packed = u[..., :16] | (u[..., 16:] << 4)  # (n, G, 16): byte j = w_j | w_{j+16} << 4
+    return packed.reshape(n, k // 2), scale16
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,17 @@ import torch.nn.functional as F
 from vllm_mamba.ops import cpu_isa
 
 INT8_MAX = 127
+QUANTIZE_BLOCK = 1 << 22  # float values a quantiser widens at once (16 MiB)
 
 
 def quantize_int8(
     weight: torch.Tensor, absmax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 quantisation of a float weight.
+
+    Rows are independent, so a large weight goes in blocks of rows (`QUANTIZE_BLOCK` values):
+    the float32 temporaries stay small (quantising a 1 GiB LM head used to hold three float32
+    copies of it at once).
 
     Args:
         weight: `(N, K)` float32 or bfloat16.
@@ -37,12 +42,17 @@ def quantize_int8(
         `qweight (N, K)` int8 (contiguous) and `scale (N,)` float32; an all-zero row gets
         scale 1 and zeros.
     """
-    w = weight.detach().float()  # (N, K)
-    if absmax is None:
-        absmax = w.abs().amax(dim=1)  # (N,)
-    scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))  # (N,)
-    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX)  # (N, K)
-    return q.to(torch.int8).contiguous(), scale.contiguous()
+    n, k = weight.shape
+    qweight = torch.empty(n, k, dtype=torch.int8)
+    scale = torch.empty(n, dtype=torch.float32)
+    step = max(1, QUANTIZE_BLOCK // max(k, 1))
+    for r in range(0, n, step):
+        w = weight[r : r + step].detach().float()  # (n', K)
+        peak = w.abs().amax(dim=1) if absmax is None else absmax[r : r + step].float()
+        s = torch.where(peak > 0, peak / INT8_MAX, torch.ones_like(peak))  # (n',)
+        qweight[r : r + step] = torch.round(w / s[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+        scale[r : r + step] = s
+    return qweight, scale
 
 
 def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
