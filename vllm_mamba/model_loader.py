@@ -20,7 +20,7 @@ A load-time quantisation recorded in the config (`quantization="int8"` or `"int4
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,11 +31,12 @@ from vllm_mamba.config import recorded_quantization
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.packed_weights import install_packed_weights, packed_of
 from vllm_mamba.layers.parallel_linear import named_shards
-from vllm_mamba.layers.quantization import quantize_model
+from vllm_mamba.layers.quantization import QuantizationReport, quantize_model
 from vllm_mamba.model_resolver import resolve_model_path  # noqa: F401 - the loaders' import
 from vllm_mamba.models.causal_lm import CausalLM
 from vllm_mamba.models.formats import detect_format, read_config_json
-from vllm_mamba.models.prequantized import dequantized_weights
+from vllm_mamba.models.layer_stream import LayerStream
+from vllm_mamba.models.prequantized import checkpoint_method, dequantized_weights
 from vllm_mamba.models.registry import ModelRegistry
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.ops.grouped_linear import GroupedWeight
@@ -77,6 +78,7 @@ def load_weights(
     model: CausalLM,
     weights: Iterator[tuple[str, Any]],
     packed: dict[str, GroupedWeight] | None = None,
+    stream: LayerStream | None = None,
 ) -> None:
     """Copies checkpoint tensors into `model`'s parameters, checking names and shapes.
 
@@ -88,10 +90,15 @@ def load_weights(
     under the model's `skipped_weights` prefixes are not loaded (one log line per prefix); a
     tensor that packs several parameters is split by the model's `expand_weight`.
 
+    With a `stream`, the decoder layers are materialised, processed and quantised one at a
+    time as their tensors arrive (`vllm_mamba.models.layer_stream`).
+
     Raises:
         ValueError: naming the missing, unexpected and misshaped tensors.
     """
     params = dict(model.named_parameters())
+    if stream is not None:
+        stream.expect(params)
     shards = named_shards(model)
     remap = model.remap_weight_name
     tied = {
@@ -111,7 +118,7 @@ def load_weights(
         name = remap(raw_name)
         if name in tied:
             continue
-        param = params.get(name)
+        param = params.get(name) if stream is None else stream.param(name, params)
         if param is None:
             unexpected.append(raw_name)
             continue
@@ -140,6 +147,8 @@ def load_weights(
         with torch.no_grad():
             param.copy_(tensor)
         seen.add(name)
+        if stream is not None:
+            stream.loaded(name)
     for prefix, count in skipped.items():
         if count:
             what = model.skipped_weights[prefix]
@@ -181,6 +190,60 @@ def check_tensor_parallel(hf_config: Any, tp_size: int) -> tuple[type[nn.Module]
     return model_cls, arch
 
 
+def _layer_stream(
+    path: str,
+    hf_config: Any,
+    model: nn.Module,
+    tp: TensorParallel,
+    method: str | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LayerStream | None:
+    """A `LayerStream` for a model quantised at load time where one applies (one rank, a float
+    checkpoint that is not GGUF, layers that can be loaded one at a time), else None."""
+    if method is None or tp.size > 1 or checkpoint_method(hf_config) is not None:
+        return None
+    if detect_format(path, read_config_json(path)).name == "gguf":
+        return None
+    layers = LayerStream.of(model)
+    if layers is None:
+        return None
+    ops = get_mamba_ops(device)
+    return LayerStream(
+        model, layers, device, dtype, lambda layer: _quietly(quantize_model, layer, ops, method)
+    )
+
+
+def _quietly(fn: Callable[..., QuantizationReport], *args: Any) -> QuantizationReport:
+    """`fn(*args)` without its info log lines (the loader logs one summary)."""
+    log = logging.getLogger(quantize_model.__module__)
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        return fn(*args)
+    finally:
+        log.setLevel(level)
+
+
+def _log_quantization(
+    method: str, rest: QuantizationReport, layers: list[QuantizationReport]
+) -> None:
+    """One line for the whole model: layers quantised, weight bytes before and after (the
+    decoder layers' own reports, `layers`, and the last one over the whole model, `rest`)."""
+    count = rest.num_linears + sum(r.num_linears for r in layers)
+    before = rest.bytes_before + sum(r.bytes_before - r.bytes_after for r in layers)
+    fallbacks = [*rest.int8_fallbacks, *(n for r in layers for n in r.int8_fallbacks)]
+    if fallbacks:
+        logger.info(
+            "%s: %d layers have K not a multiple of 32 and are int8 instead", method, len(fallbacks)
+        )
+    logger.info(
+        "%s: %d linear layers quantised%s; weights %.1f MiB -> %.1f MiB",
+        method, count, " one decoder layer at a time" if layers else "", before / 2**20,
+        rest.bytes_after / 2**20,
+    )  # fmt: skip
+
+
 def build_model(
     path: str,
     hf_config: Any,
@@ -216,16 +279,6 @@ def build_model(
         model = model_cls(hf_config, ops, tp) if tp.size > 1 else model_cls(hf_config, ops)
         if mtp:
             model.enable_mtp(ops, tp)
-    model = model.to_empty(device=device).to(dtype)
-    model.tie_weights()  # materialising from meta unties shared parameters
-    # A pre-quantised checkpoint reaches the model as float weights (FP8 blocks widened;
-    # integer layouts recorded in `packed` and put back on the `Linear`s once processed).
-    packed: dict[str, GroupedWeight] | None = {} if tp.size == 1 else None
-    weights = dequantized_weights(hf_config, iterate_weights(path, lazy=tp.size > 1))
-    load_weights(model, weights, packed)
-    model.process_weights_after_loading()
-    if packed:
-        install_packed_weights(model, packed, get_mamba_ops(device))
     method = recorded_quantization(hf_config)
     if method is not None:
         if not model_cls.supports_quantization:
@@ -234,6 +287,25 @@ def build_model(
             raise ValueError(
                 f"tensor_parallel_size {tp.size}: quantization 'int4' runs on one rank only"
             )
-        quantize_model(model, get_mamba_ops(device), method)
+    stream = _layer_stream(path, hf_config, model, tp, method, device, dtype)
+    if stream is None:
+        model = model.to_empty(device=device).to(dtype)
+    else:
+        stream.materialize_rest()
+    model.tie_weights()  # materialising from meta unties shared parameters
+    # A pre-quantised checkpoint reaches the model as float weights (FP8 blocks widened;
+    # integer layouts recorded in `packed` and put back on the `Linear`s once processed).
+    packed: dict[str, GroupedWeight] | None = {} if tp.size == 1 else None
+    weights = dequantized_weights(hf_config, iterate_weights(path, lazy=tp.size > 1))
+    load_weights(model, weights, packed, stream)
+    if stream is None:
+        model.process_weights_after_loading()
+    else:
+        stream.finish()
+    if packed:
+        install_packed_weights(model, packed, get_mamba_ops(device))
+    if method is not None:
+        report = _quietly(quantize_model, model, get_mamba_ops(device), method)
+        _log_quantization(method, report, stream.reports if stream is not None else [])
     move_to_huge_pages(model)  # on the CPU: decode streams every weight each step
     return model.eval().requires_grad_(False), arch

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import resource
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -218,7 +219,7 @@ class LLMEngine:
         logger.info(
             "Loaded %s (%s) in %.1f s: dtype %s, state dtype %s, device %s%s, kernels %s, "
             "max_model_len %d, %d state slots x %.3f MiB = %.2f MiB of state, "
-            "max_num_batched_tokens %d",
+            "max_num_batched_tokens %d; weights %.1f MiB, peak resident memory %.1f MiB",
             mc.model,
             mc.architecture,
             self.load_seconds,
@@ -232,6 +233,8 @@ class LLMEngine:
             per_seq / 2**20,
             per_seq * self.config.num_state_slots / 2**20,
             self.config.scheduler_config.max_num_batched_tokens,
+            self.model.weight_bytes() / 2**20,
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
         )
         if self.prefix_cache is not None:
             logger.info(

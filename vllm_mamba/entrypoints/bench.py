@@ -116,21 +116,17 @@ def memory_report(llm: Any, budget_gb: float | None) -> dict[str, Any]:
         budget_gb: memory budget in GiB, or None.
 
     Returns:
-        `state_bytes_per_seq`, `weight_bytes`, `peak_rss_bytes` and, with a budget,
+        `state_bytes_per_seq`, `weight_bytes`, `kv_cache_bytes` (0 without attention
+        layers), `peak_rss_bytes` and, with a budget,
         `budget_bytes` and `max_concurrent_seqs` (budget minus weights, over the state bytes).
     """
     engine = llm.llm_engine
     state = engine.cache.bytes_per_slot()
-    seen: set[int] = set()
-    weights = 0
-    for t in [*engine.model.parameters(), *engine.model.buffers()]:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
-            weights += t.untyped_storage().nbytes()
+    weights = engine.model.weight_bytes()
     report: dict[str, Any] = {
         "state_bytes_per_seq": state,
         "weight_bytes": weights,
+        "kv_cache_bytes": engine.kv_cache.nbytes() if engine.kv_cache is not None else 0,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     if budget_gb is not None:
@@ -235,6 +231,8 @@ def _print_memory(report: dict[str, Any]) -> None:
     mib = 2**20
     print(f"State per sequence: {report['state_bytes_per_seq'] / mib:.3f} MiB")
     print(f"Weights: {report['weight_bytes'] / mib:.1f} MiB")
+    if report["kv_cache_bytes"]:
+        print(f"KV cache: {report['kv_cache_bytes'] / mib:.1f} MiB")
     print(f"Peak resident memory: {report['peak_rss_bytes'] / mib:.1f} MiB")
     if "max_concurrent_seqs" in report:
         print(

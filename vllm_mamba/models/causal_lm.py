@@ -140,6 +140,15 @@ class CausalLM(nn.Module):
         """The decoder layers."""
         return self.stack.layers
 
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters' and buffers' storages, each storage counted once (a tied
+        head and its embedding once; int8 / 4-bit weights at their own size)."""
+        sizes = {}
+        for t in [*self.parameters(), *self.buffers()]:
+            storage = t.untyped_storage()
+            sizes[storage.data_ptr()] = storage.nbytes()
+        return sum(sizes.values())
+
     def tie_weights(self) -> None:
         """Shares the embedding with the LM head when the class and the config tie them."""
         if self.ties_word_embeddings and getattr(self.config, "tie_word_embeddings", False):
