@@ -25,16 +25,27 @@ tensor parallelism), K conv width (`conv_L_cache`), S state slots, N ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.cache_layers import StatefulLayer
+from vllm_mamba.layers.decode_plan import CHAIN_MAX_ROWS, FusedStep, decode_only, decode_slots
+from vllm_mamba.layers.fused_decode_layer import _f32 as f32
+from vllm_mamba.layers.fused_decode_layer import _out_dtype as fused_out_dtype
+from vllm_mamba.layers.fused_decode_layer import _weights as fused_weights
+from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mixer_base import Conv1dWeights
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
+from vllm_mamba.layers.quantization import uses_int_dot
 from vllm_mamba.layers.recurrent_step import recurrent_step
 from vllm_mamba.ops import short_conv as short_conv_ops
+from vllm_mamba.ops.families import own_op
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -77,6 +88,32 @@ class ShortConv(StatefulLayer):
         """One tensor: the conv history `(D, K - 1)` (the model dtype)."""
         return StateSpec((StateTensor("conv", (self.channels, self.kernel - 1), "conv"),))
 
+    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+        """The decode-only steps as one call of the family's `decode_layer` (with the block's
+        plain `RMSNorm` and residual when given), planned once; None where it does not apply:
+        no kernel, projections that are not plain `Linear`s of one model dtype (float32,
+        bfloat16, int8, 4-bit; tensor-parallel layers are not), another norm, states other
+        than float32 / bfloat16."""
+        op = own_op(short_conv_ops.FAMILY, self.ops.name, "decode_layer")
+        conv = self.state["conv"] if self.state else None
+        if op is None or conv is None or conv.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if norm is not None and type(norm) is not RMSNorm:
+            return None
+        found = fused_weights(self, ("in_proj", "out_proj"))
+        if found is None:
+            return None
+        weights, dtype = found
+        params = short_conv_ops.ShortConvParams(
+            norm_w=f32(norm.weight) if norm is not None else None, in_proj_b=f32(self.in_proj.bias),
+            conv_w=f32(self.conv_weight), conv_b=f32(self.conv.bias),
+            out_proj_b=f32(self.out_proj.bias), **weights,
+        )  # fmt: skip
+        eps = norm.variance_epsilon if norm is not None else 0.0
+        return FusedShortConvStep(
+            op, self, list(params), eps, dtype, fused_out_dtype(dtype, norm, residual_in_fp32)
+        )
+
     def forward(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's `self.state["conv"]`
         (`(S, D, K - 1)`) in place.
@@ -98,3 +135,37 @@ class ShortConv(StatefulLayer):
             ),
         )  # fmt: skip
         return self.out_proj(gated)  # (T, H)
+
+
+@dataclass(frozen=True, eq=False)
+class FusedShortConvStep:
+    """A `ShortConv`'s decode-only step in one call of `op` (`decode_layer`), with the block's
+    norm and residual when planned with one; the result dtype as `FusedMambaStep`'s."""
+
+    op: Callable[..., torch.Tensor]
+    mixer: ShortConv
+    params: list[torch.Tensor | None]
+    norm_eps: float
+    dtype: torch.dtype
+    out_dtype: torch.dtype | None
+
+    def takes(self, hidden: torch.Tensor, meta: MambaMetadata) -> bool:
+        """A decode-only step (see `decode_plan.decode_only`)."""
+        return decode_only(hidden, meta, None, CHAIN_MAX_ROWS)
+
+    def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """`hidden (T, H)` -> `(T, H)`; the bound history advanced in place."""
+        out_dtype = self.out_dtype
+        if out_dtype is None:
+            out_dtype = torch.float32 if hidden.dtype == torch.float32 else self.dtype
+        dst, src = decode_slots(meta)
+        return self.op(
+            hidden,
+            self.params,
+            self.mixer.state["conv"],
+            dst,
+            self.norm_eps,
+            out_dtype,
+            src,
+            uses_int_dot(self.mixer.in_proj),
+        )

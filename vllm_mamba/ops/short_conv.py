@@ -1,6 +1,8 @@
 """LFM2's gated short conv as one op family, `short_conv`: `C * conv(B * x)` straight from the
 in_proj output, over a flat varlen batch (`varlen`) and one token per row (`update`).
-Pure-PyTorch references (`*_ref`), registered as the op family `short_conv`
+`decode_layer` is a whole block's decode step in one call (norm, in_proj, the gated conv,
+out_proj, residual: `csrc/fused_decode_short_conv.cpp`). Pure-PyTorch references (`*_ref`),
+registered as the op family `short_conv`
 (`vllm_mamba.ops.families`); a backend registers faster versions under the same names and
 signatures (`cpp`: `csrc/short_conv.cpp`, `triton`: `vllm_mamba.ops.triton_short_conv`).
 
@@ -26,17 +28,26 @@ Glossary:
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops.causal_conv1d import causal_conv1d_varlen_ref
 from vllm_mamba.ops.families import OpFamily, OpSpec
+from vllm_mamba.ops.fused_decode import _chained, _finish, _linear, _rms_norm
 
 Tensor = torch.Tensor
 
-__all__ = ["FAMILY", "short_conv_update_ref", "short_conv_varlen_ref", "split_bcx"]
+__all__ = [
+    "FAMILY",
+    "SHORT_CONV_PARAMS",
+    "ShortConvParams",
+    "decode_layer_ref",
+    "short_conv_update_ref",
+    "short_conv_varlen_ref",
+    "split_bcx",
+]
 
 FAMILY = "short_conv"
 
@@ -119,6 +130,70 @@ class UpdateOp(Protocol):
     ) -> Tensor: ...  # fmt: skip
 
 
+# The tensors of one short-conv block for `decode_layer`, in order (the `Param` of
+# `csrc/fused_decode_short_conv.cpp`); `list(ShortConvParams(**tensors))`.
+SHORT_CONV_PARAMS = (
+    "norm_w", "in_proj_w", "in_proj_b", "conv_w", "conv_b", "out_proj_w", "out_proj_b",
+    "in_proj_scale", "out_proj_scale",
+)  # fmt: skip
+ShortConvParams = NamedTuple("ShortConvParams", [(n, "Tensor | None") for n in SHORT_CONV_PARAMS])
+
+
+def decode_layer_ref(
+    hidden: torch.Tensor,
+    params: list[torch.Tensor | None],
+    conv_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    norm_eps: float,
+    out_dtype: torch.dtype,
+    src_state_indices: torch.Tensor | None = None,
+    int_dot: bool = False,
+) -> torch.Tensor:
+    """One short-conv block's decode step (`hidden + out_proj(C * conv(B * x))` with
+    `B, C, x = in_proj(norm(hidden))`, or the mixer alone without a norm) from the reference
+    ops; the histories advanced in place.
+
+    Args:
+        hidden: `(B, H)` the block input (norm_w given) or the mixer input.
+        params: the tensors named by `SHORT_CONV_PARAMS`: norm_w `(H,)` float32 or None,
+            in_proj_w `(3D, H)`, in_proj_b `(3D,)`, conv_w `(D, K)`, conv_b `(D,)`, out_proj_w
+            `(H, D)`, out_proj_b `(H,)` and the two weights' scales (None for float weights,
+            `(rows,)` float32 for int8, `(rows, cols/32)` float16 for 4-bit).
+        conv_states: `(S, D, K - 1)`, updated in place.
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped.
+        norm_eps: the block norm's epsilon (unused without norm_w).
+        out_dtype: the result's dtype.
+        src_state_indices: `(B,)` the slot each row reads its history from (speculative
+            chains: rows run in order).
+        int_dot: the integer weights multiply int8-quantised activations.
+
+    Returns:
+        `(B, H)` in `out_dtype`.
+    """
+    if int_dot:
+        raise NotImplementedError("integer dot products: see vllm_mamba.ops.int_dot_linear")
+    if src_state_indices is not None:
+        return _chained(
+            decode_layer_ref, hidden, (conv_states,), state_indices, src_state_indices, params,
+            conv_states, norm_eps=norm_eps, out_dtype=out_dtype,
+        )  # fmt: skip
+    p = dict(zip(SHORT_CONV_PARAMS, params, strict=True))
+    x = hidden.float()
+    xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
+    bcx = _linear(xn, p["in_proj_w"], p["in_proj_b"], p["in_proj_scale"])  # (B, 3D)
+    gated = short_conv_update_ref(bcx, conv_states, p["conv_w"], p["conv_b"], state_indices)
+    mixed = _linear(gated, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"])
+    return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
+
+
+class DecodeLayerOp(Protocol):
+    def __call__(
+        self, hidden: Tensor, params: list[Tensor | None], conv_states: Tensor,
+        state_indices: Tensor, norm_eps: float, out_dtype: torch.dtype,
+        src_state_indices: Tensor | None = None, int_dot: bool = False,
+    ) -> Tensor: ...  # fmt: skip
+
+
 class VarlenOp(Protocol):
     def __call__(
         self, bcx: Tensor, conv_states: Tensor, weight: Tensor, bias: Tensor | None,
@@ -133,5 +208,6 @@ OPS = OpFamily(
     {
         "update": OpSpec(UpdateOp, short_conv_update_ref),
         "varlen": OpSpec(VarlenOp, short_conv_varlen_ref),
+        "decode_layer": OpSpec(DecodeLayerOp, decode_layer_ref),
     },
 )
