@@ -3,7 +3,7 @@
 The rest of the suite runs the level `cpu_isa` picks (the highest). Here each lower level runs
 the C++ kernel tests against their `_ref` twins in a subprocess of its own (a process imports
 one kernel build), and the engine's float32 generations (greedy tokens and their logprobs)
-on tiny Mamba, Mamba2 and Gated DeltaNet hybrid checkpoints are compared across all levels.
+on tiny Mamba, Mamba2, Gated DeltaNet and short-conv hybrid checkpoints are compared across all levels.
 The levels differ in vector width and FMA contraction, so logprobs agree to float32
 rounding, not bit for bit.
 """
@@ -46,6 +46,7 @@ KERNEL_TESTS = [
     "tests/ops/test_rwkv_kernels.py",
     "tests/ops/test_rwkv7_decode_layer.py",
     "tests/ops/test_fused_decode.py",
+    "tests/ops/test_fused_short_conv_decode.py",
 ]
 
 GENERATE = """
@@ -126,7 +127,7 @@ def test_kernels_match_their_references_at_a_forced_level(level: str) -> None:
 
 
 def test_engine_generations_agree_across_levels() -> None:
-    paths = [tiny_model_dir(name) for name in ("tied", "mamba2-groups", "qwen3_5-gqa")]
+    paths = [tiny_model_dir(n) for n in ("tied", "mamba2-groups", "qwen3_5-gqa", "lfm2-gqa")]
     results = {}
     for level in cpu_isa.supported_levels():
         proc = subprocess.run(
@@ -139,7 +140,7 @@ def test_engine_generations_agree_across_levels() -> None:
         assert results[level]["level"] == level
     ref = results[DEFAULT]["runs"]
     for level, res in results.items():
-        assert len(res["runs"]) == len(ref) == 9
+        assert len(res["runs"]) == len(ref) == 3 * len(paths)
         for got, want in zip(res["runs"], ref):
             assert got["tokens"] == want["tokens"], (level, got["model"])
             diffs = [abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])]
