@@ -1,5 +1,5 @@
-"""The systems `compare.py` measures: this engine, `transformers`, llama.cpp's tools and the
-`rwkv` package (RWKV-7 `.pth` files).
+"""The systems `compare.py` measures: this engine, `transformers`, llama.cpp's tools (and
+ik_llama.cpp's, `IkLlamaCppSystem`) and the `rwkv` package (RWKV-7 `.pth` files).
 
 Each system has a `name`, `warm_up(prompt_len)`, `prefill(prompt) -> tokens/s`,
 `decode(prompts, num_tokens) -> aggregate decode tokens/s` (None when it does not run that
@@ -152,13 +152,17 @@ class TransformersSystem:
 class LlamaCppSystem:
     """llama.cpp's `llama-bench` (prefill, decode b1) and `llama-batched-bench` (b > 1)."""
 
+    project = "llama.cpp"
+
     def __init__(self, bin_dir: str, gguf: str, label: str, threads: int) -> None:
-        self.name = f"llama.cpp {label}"
+        self.name = f"{self.project} {label}"
         self.gguf = gguf
         self.threads = threads
         self.bench = os.path.join(bin_dir, "llama-bench")
         self.batched = os.path.join(bin_dir, "llama-batched-bench")
         self.build = ""
+        self.bench_args: list[str] = []  # extra llama-bench arguments
+        self.batched_args: list[str] = ["--output-format", "jsonl"]  # extra batched-bench ones
 
     def _run(self, cmd: list[str]) -> str:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -168,6 +172,7 @@ class LlamaCppSystem:
 
     def _llama_bench(self, n_prompt: int, n_gen: int) -> float:
         cmd = [self.bench, "-m", self.gguf, "-t", str(self.threads), "-r", "1", "-o", "json"]
+        cmd += self.bench_args
         out = json.loads(self._run([*cmd, "-p", str(n_prompt), "-n", str(n_gen)]))
         self.build = f"build {out[0].get('build_commit')} ({out[0].get('cpu_info')})"
         return float(out[0]["avg_ts"])
@@ -185,15 +190,50 @@ class LlamaCppSystem:
         cmd = [self.batched, "-m", self.gguf, "-t", str(self.threads), "-b", "2048"]
         cmd += ["-ub", "512", "-c", str(batch * (prompt_len + num_tokens))]
         cmd += ["-npp", str(prompt_len), "-ntg", str(num_tokens), "-npl", str(batch)]
-        out = self._run([*cmd, "--output-format", "jsonl"])
+        return self._speed_tg(self._run([*cmd, *self.batched_args]))
+
+    def _speed_tg(self, out: str) -> float:
+        """S_TG of the last row of `llama-batched-bench --output-format jsonl`."""
         rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         return float(rows[-1]["speed_tg"])
 
     def notes(self) -> list[str]:
+        extra = " ".join(self.bench_args)
         return [
-            f"{os.path.basename(self.gguf)}, {self.threads} threads, {self.build}; prefill "
-            "and b1: llama-bench -p/-n; b>1: llama-batched-bench S_TG"
+            f"{self.project}: {os.path.basename(self.gguf)}, {self.threads} threads, "
+            f"{self.build}{'; ' + extra if extra else ''}; prefill and b1: llama-bench "
+            "-p/-n; b>1: llama-batched-bench S_TG"
         ]
+
+
+class IkLlamaCppSystem(LlamaCppSystem):
+    """ik_llama.cpp (the CPU-tuned fork, built by `setup_llama_cpp.sh` from the
+    `ik-llama-cpp-python` source package) through the same tools. Its `llama-batched-bench`
+    prints only a markdown table; `repack` turns on its run-time repacking of quantised
+    weights into its interleaved-row layouts (`-rtr`), off by default as in its tools."""
+
+    project = "ik_llama.cpp"
+
+    def __init__(
+        self, bin_dir: str, gguf: str, label: str, threads: int, repack: bool = False
+    ) -> None:
+        super().__init__(bin_dir, gguf, label, threads)
+        self.bench_args = ["-rtr", "1"] if repack else []
+        self.batched_args = ["-rtr"] if repack else []
+
+    def _speed_tg(self, out: str) -> float:
+        """S_TG of the last row of the table `|PP|TG|B|N_KV|T_PP s|S_PP t/s|T_TG s|S_TG t/s|...`."""
+        rows = [
+            [c.strip() for c in line.strip().strip("|").split("|")]
+            for line in out.splitlines()
+            if line.lstrip().startswith("|")
+        ]
+        numeric = [r for r in rows if len(r) >= 8 and r[0].isdigit()]
+        if not numeric:
+            raise RuntimeError(
+                f"no result row in ik_llama.cpp's batched-bench output:\n{out[-2000:]}"
+            )
+        return float(numeric[-1][7])
 
 
 class RwkvPackageSystem:

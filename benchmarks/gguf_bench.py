@@ -6,13 +6,19 @@ load time and resident memory are its own):
   the first decode, decode b1 (one sequence, `--tokens` greedy tokens after the prompt) and b32
   (32 sequences) through `compare_systems.EngineSystem`;
 - llama.cpp: `llama-bench` (b1 decode, its load time not reported) and `llama-batched-bench`
-  (b32 S_TG) through `compare_systems.LlamaCppSystem`.
+  (b32 S_TG) through `compare_systems.LlamaCppSystem`;
+- ik_llama.cpp, with `--ik-llama-cpp-home` / `$IK_LLAMA_CPP_HOME` (`setup_llama_cpp.sh`
+  builds it): the same through `compare_systems.IkLlamaCppSystem` (`--ik-repack`: its
+  run-time repacking, `-rtr`).
 
     python benchmarks/gguf_bench.py /tmp/llamacpp/gguf/mamba2-130m-random-{q8_0,q4_k_m}.gguf \
-        --llama-bin /tmp/llamacpp/bin --reps 3
+        --llama-bin /tmp/llamacpp/bin --ik-llama-cpp-home /tmp/ikllamacpp --reps 3
 
-Medians of `--reps` runs are printed as a markdown table; the machine's CPU and ISA level head
-it. Documentation and automation only: never run in CI.
+Medians of `--reps` runs are printed as a markdown table, the engine's ratios against each
+other system, and the bandwidth bound of b1 (`bandwidth_bound.py`: the file's tensor bytes one
+token reads over the read rate of a large `x.sum()` at `--threads` threads, measured before
+and after the runs) with each system's b1 as a share of it; the machine's CPU and ISA level
+head it. Documentation and automation only: never run in CI.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from compare_systems import LlamaCppSystem, random_prompts  # noqa: E402
+from bandwidth_bound import gguf_bytes_per_token, read_rate  # noqa: E402
+from compare_systems import IkLlamaCppSystem, LlamaCppSystem, random_prompts  # noqa: E402
 
 PROMPT_LEN = 32
 
@@ -60,6 +67,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--llama-bin", default="/tmp/llamacpp/bin")
+    parser.add_argument(
+        "--ik-llama-cpp-home",
+        default=os.environ.get("IK_LLAMA_CPP_HOME"),
+        help="ik_llama.cpp's bin/ lives here: adds it as a system",
+    )
+    parser.add_argument("--ik-repack", action="store_true", help="ik_llama.cpp with -rtr")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -72,27 +85,55 @@ def main() -> None:
     from vllm_mamba.ops import cpu_isa
 
     print(f"CPU: {_cpu_name()}; engine ISA level {cpu_isa.active_level()}; {args.threads} threads")
-    print("| file | engine load s | engine peak RSS MiB | engine b1 | llama.cpp b1 | b1 ratio "
-          "| engine b32 | llama.cpp b32 | b32 ratio |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"load average {os.getloadavg()[0]:.2f} at the start")
+    rates = read_rate(args.threads)
+    names = ["llama.cpp"] + (["ik_llama.cpp"] if args.ik_llama_cpp_home else [])
+    rows: list[tuple[str, dict[str, float]]] = []
     for gguf in args.files:
-        llama = LlamaCppSystem(args.llama_bin, gguf, os.path.basename(gguf), args.threads)
+        label = os.path.basename(gguf)
+        others: dict[str, LlamaCppSystem] = {
+            "llama.cpp": LlamaCppSystem(args.llama_bin, gguf, label, args.threads)
+        }
+        if args.ik_llama_cpp_home:
+            others["ik_llama.cpp"] = IkLlamaCppSystem(
+                os.path.join(args.ik_llama_cpp_home, "bin"), gguf, label, args.threads,
+                repack=args.ik_repack,
+            )  # fmt: skip
         runs: dict[str, list[float]] = {}
         for _ in range(args.reps):
             for key, value in _engine_in_subprocess(gguf, args.tokens, args.threads).items():
                 runs.setdefault(key, []).append(value)
-            prompts1 = random_prompts(1, PROMPT_LEN, seed=1)
-            runs.setdefault("llama_b1", []).append(llama.decode(prompts1, args.tokens))
-            prompts32 = random_prompts(32, PROMPT_LEN, seed=2)
-            runs.setdefault("llama_b32", []).append(llama.decode(prompts32, args.tokens))
-        med = {key: statistics.median(values) for key, values in runs.items()}
-        print(
-            f"| {os.path.basename(gguf)} | {med['load_s']:.1f} | {med['peak_mib']:.0f} "
-            f"| {med['b1']:.1f} | {med['llama_b1']:.1f} | {med['b1'] / med['llama_b1']:.2f}x "
-            f"| {med['b32']:.1f} | {med['llama_b32']:.1f} | {med['b32'] / med['llama_b32']:.2f}x |"
-        )
+            for name, system in others.items():
+                prompts1 = random_prompts(1, PROMPT_LEN, seed=1)
+                runs.setdefault(f"{name} b1", []).append(system.decode(prompts1, args.tokens))
+                prompts32 = random_prompts(32, PROMPT_LEN, seed=2)
+                runs.setdefault(f"{name} b32", []).append(system.decode(prompts32, args.tokens))
+        rows.append((gguf, {key: statistics.median(values) for key, values in runs.items()}))
+    rates += read_rate(args.threads)
+    rate = statistics.median(rates)
+
+    cols = ["engine load s", "engine peak RSS MiB", "bound b1", "engine b1"]
+    cols += [f"{n} b1" for n in names] + [f"b1 vs {n}" for n in names]
+    cols += ["engine b32"] + [f"{n} b32" for n in names] + [f"b32 vs {n}" for n in names]
+    print(f"| file | {' | '.join(cols)} |\n|---|" + "---|" * len(cols))
+    for gguf, med in rows:
+        bound = rate / gguf_bytes_per_token(gguf)
+        cells = [f"{med['load_s']:.1f}", f"{med['peak_mib']:.0f}", f"{bound:.1f}"]
+        for b in ("b1", "b32"):
+            values = [med[b]] + [med[f"{n} {b}"] for n in names]
+            # b1 with its share of the bound in brackets
+            cells += [
+                f"{v:.1f}" + (f" ({100 * v / bound:.0f}%)" if b == "b1" else "") for v in values
+            ]
+            cells += [f"{values[0] / v:.2f}x" for v in values[1:]]
+        print(f"| {os.path.basename(gguf)} | {' | '.join(cells)} |")
     print(f"medians of {args.reps} interleaved runs; decode tok/s after a {PROMPT_LEN}-token "
-          f"prompt, {args.tokens} tokens; {llama.notes()[0]}")  # fmt: skip
+          f"prompt, {args.tokens} tokens; bound b1: the file's tensor bytes per token "
+          f"(embedding out unless tied) at {rate / 1e9:.1f} GB/s (x.sum(), median of "
+          f"{len(rates)}), each b1's share of it in brackets; load average "
+          f"{os.getloadavg()[0]:.2f} at the end")  # fmt: skip
+    for system in others.values():
+        print(system.notes()[0])
 
 
 def _cpu_name() -> str:

@@ -8,8 +8,8 @@ Four models (random weights, saved once to `--model`; shapes in `hybrid_configs.
 about 1B, `/tmp/qwen3-next-1b-random`), `lfm2` (LFM2-1.2B, short convolutions and GQA,
 `/tmp/lfm2-1.2b-random`) and `kimi_linear` (Kimi Linear's KDA, MLA and 64-expert layout scaled
 to about 1B, `/tmp/kimi-linear-1b-random`). `--dtype bfloat16` runs the engine and transformers in
-bfloat16; `--quantization int8` the engine with int8 weights. The run starts by printing the
-recurrent state bytes one sequence holds and how many sequences fit a GiB.
+bfloat16; `--quantization int8` / `int4` the engine with int8 / int4 weights. The run starts
+by printing the recurrent state bytes one sequence holds and how many sequences fit a GiB.
 
 Workloads, medians of `--reps` interleaved repetitions, `--threads` threads:
 
@@ -25,12 +25,24 @@ With `--gguf` (the model converted by llama.cpp's `convert_hf_to_gguf.py`, see
 `setup_llama_cpp.sh`) llama.cpp runs in the same repetitions through `compare_systems`'
 `LlamaCppSystem` (`llama-bench` for prefill and b1, `llama-batched-bench` S_TG for larger
 batches; no `step @ C` rows); its tools come from `--llama-cpp-home` / `$LLAMA_CPP_HOME`.
+`--ik-llama-cpp-home` / `$IK_LLAMA_CPP_HOME` adds ik_llama.cpp on the same GGUF, through the
+same tools (`IkLlamaCppSystem`; `--ik-repack` turns on its run-time repacking, `-rtr`); the
+engine's ratios are printed against every other system.
+
+Beside each `decode b1` row the bandwidth bound is printed (`bandwidth_bound.py`): the weight
+bytes one decode step reads (the engine's and transformers' from their modules, llama.cpp's
+from the GGUF's tensors; the embedding left out unless tied to the head) over the read rate
+of a 512 MiB `x.sum()` at `--threads` threads (median of 7 passes at the start and 7 at the
+end of the run), as tokens/s and as the row's share of it.
 
     python benchmarks/hybrid_bench.py --model /tmp/jamba-300m-random
     python benchmarks/hybrid_bench.py --arch granitemoehybrid --no-steps \
         --gguf /tmp/llamacpp/gguf/granite-4.0-h-300m-random-f32.gguf
     python benchmarks/hybrid_bench.py --arch qwen3_5 --no-steps --batches 1,32,128 \
         --dtype bfloat16 --gguf /tmp/llamacpp/gguf/qwen3.5-0.8b-random-bf16.gguf --gguf-label BF16
+    python benchmarks/hybrid_bench.py --arch qwen3_5 --no-steps --skip-transformers \
+        --quantization int8 --gguf /tmp/llamacpp/gguf/qwen3.5-0.8b-random-q8_0.gguf \
+        --gguf-label Q8_0 --ik-llama-cpp-home /tmp/ikllamacpp
 """
 
 from __future__ import annotations
@@ -44,6 +56,13 @@ import statistics
 import time
 
 import torch
+from bandwidth_bound import (
+    BOUND_HEAD,
+    bound_line,
+    gguf_bytes_per_token,
+    module_bytes_per_token,
+    read_rate,
+)
 from hybrid_configs import (
     GRANITE_CONFIG,
     JAMBA_CONFIG,
@@ -143,6 +162,10 @@ class Engine:
         """Recurrent state bytes one sequence holds (every layer's conv and recurrent state)."""
         return self.llm.llm_engine.cache.bytes_per_slot()
 
+    def bytes_per_token(self, config: dict) -> int:
+        """Weight bytes one decode step reads (`bandwidth_bound.module_bytes_per_token`)."""
+        return module_bytes_per_token(self.llm.llm_engine.model, argparse.Namespace(**config))
+
     def prefill(self, length: int) -> float:
         from vllm_mamba import SamplingParams
 
@@ -176,14 +199,25 @@ class Engine:
 
 
 class LlamaCpp:
-    """llama.cpp on the model's GGUF, through `compare_systems.LlamaCppSystem`."""
+    """llama.cpp (or, with `ik`, ik_llama.cpp) on the model's GGUF, through
+    `compare_systems.LlamaCppSystem` / `IkLlamaCppSystem`."""
 
-    name = "llama.cpp"
+    def __init__(
+        self, home: str, gguf: str, label: str, threads: int, ik: bool = False, repack: bool = False
+    ) -> None:
+        from compare_systems import IkLlamaCppSystem, LlamaCppSystem
 
-    def __init__(self, home: str, gguf: str, label: str, threads: int) -> None:
-        from compare_systems import LlamaCppSystem
+        bin_dir = os.path.join(home, "bin")
+        if ik:
+            self.system = IkLlamaCppSystem(bin_dir, gguf, label, threads, repack=repack)
+        else:
+            self.system = LlamaCppSystem(bin_dir, gguf, label, threads)
+        self.name = self.system.project
+        self.gguf = gguf
 
-        self.system = LlamaCppSystem(os.path.join(home, "bin"), gguf, label, threads)
+    def bytes_per_token(self, config: dict) -> int:
+        """Weight bytes one decode step reads: the GGUF's tensors (`gguf_bytes_per_token`)."""
+        return gguf_bytes_per_token(self.gguf)
 
     def prefill(self, length: int) -> float:
         return self.system.prefill([0] * length)
@@ -193,7 +227,7 @@ class LlamaCpp:
         context of more sequences: `n_seq_max must be <= 256`) its rate at that many, the
         most it can run at once."""
         if batch > LLAMA_MAX_SEQS:
-            print(f"llama.cpp: {batch} streams exceed its {LLAMA_MAX_SEQS}; run at that many")
+            print(f"{self.name}: {batch} streams exceed its {LLAMA_MAX_SEQS}; run at that many")
         streams = min(batch, LLAMA_MAX_SEQS)
         return self.system.decode([[0] * PROMPT_LEN] * streams, DECODE_TOKENS)
 
@@ -212,6 +246,10 @@ class Transformers:
         self.vocab = vocab
         model_cls = getattr(transformers, cls_name)
         self.model = model_cls.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+
+    def bytes_per_token(self, config: dict) -> int:
+        """Weight bytes one decode step reads (`bandwidth_bound.module_bytes_per_token`)."""
+        return module_bytes_per_token(self.model)
 
     @torch.inference_mode()
     def prefill(self, length: int) -> float:
@@ -245,7 +283,9 @@ def main() -> None:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument(
-        "--quantization", choices=["int8"], help="the engine's weights (not transformers')"
+        "--quantization",
+        choices=["int8", "int4"],
+        help="the engine's weights (not transformers')",
     )
     p.add_argument(
         "--batches",
@@ -263,6 +303,15 @@ def main() -> None:
         default=os.environ.get("LLAMA_CPP_HOME", "/tmp/llamacpp"),
         help="bin/llama-bench and bin/llama-batched-bench live here",
     )
+    p.add_argument(
+        "--ik-llama-cpp-home",
+        default=os.environ.get("IK_LLAMA_CPP_HOME"),
+        help="ik_llama.cpp's bin/ lives here (setup_llama_cpp.sh ik): adds it on --gguf",
+    )
+    p.add_argument(
+        "--ik-repack", action="store_true", help="ik_llama.cpp with run-time repacking (-rtr)"
+    )
+    p.add_argument("--skip-llama-cpp", action="store_true", help="with --gguf: ik_llama.cpp only")
     args = p.parse_args()
     if args.gguf and not args.no_steps:
         p.error("--gguf needs --no-steps (llama.cpp has no step @ C rows)")
@@ -273,6 +322,7 @@ def main() -> None:
     # denormals (as llama.cpp does), and transformers gets the same setting.
     torch.set_flush_denormal(True)
     print(f"load average {os.getloadavg()[0]:.2f} at the start")
+    rates = read_rate(args.threads)
     print(f"model: {make_model(args.arch, path) / 1e6:.0f}M parameters in {path}")
     engine = Engine(path, config["vocab_size"], args)
     state = engine.state_bytes()
@@ -280,8 +330,15 @@ def main() -> None:
     systems: list = [engine]
     if not args.skip_transformers:
         systems.append(Transformers(path, cls_name, config["vocab_size"], args.dtype))
-    if args.gguf:
+    if args.gguf and not args.skip_llama_cpp:
         systems.append(LlamaCpp(args.llama_cpp_home, args.gguf, args.gguf_label, args.threads))
+    if args.gguf and args.ik_llama_cpp_home:
+        systems.append(
+            LlamaCpp(
+                args.ik_llama_cpp_home, args.gguf, args.gguf_label, args.threads,
+                ik=True, repack=args.ik_repack,
+            )
+        )  # fmt: skip
     rows = {"prefill 512 (tok/s)": lambda s: s.prefill(512)}
     for b in args.batches:
         rows[f"decode b{b} (tok/s)"] = lambda s, b=b: s.decode(b)
@@ -307,6 +364,16 @@ def main() -> None:
         ratios = [(m / med[0] if "ms" in row else med[0] / m) for m in med[1:]]
         cells = [f"{m:,.1f}" for m in med] + [f"{r:.2f}x" for r in ratios]
         print(f"| {row} | " + " | ".join(cells) + " |")
+    rates += read_rate(args.threads)
+    rate = statistics.median(rates)
+    b1 = "decode b1 (tok/s)"
+    if b1 in rows:
+        print(f"\nBandwidth bound of the b1 row ({args.threads} threads; read rate: median of "
+              f"{len(rates)} passes of a 512 MiB x.sum(), {min(rates) / 1e9:.1f}-"
+              f"{max(rates) / 1e9:.1f} GB/s)\n{BOUND_HEAD}")  # fmt: skip
+        for s in systems:
+            measured = statistics.median(results[b1][s.name])
+            print(bound_line(s.name, s.bytes_per_token(config), rate, measured))
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

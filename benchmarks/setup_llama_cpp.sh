@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's benchmark tools from the llama-cpp-python source package and converts the
-# benchmark model to GGUF, for benchmarks/compare.py. Documentation and automation: never run
-# in CI, and nothing it makes belongs in the repository.
+# Builds llama.cpp's benchmark tools from the llama-cpp-python source package (and
+# ik_llama.cpp's, the CPU-tuned fork, from the ik-llama-cpp-python one) and converts the
+# benchmark model to GGUF, for benchmarks/compare.py, hybrid_bench.py and gguf_bench.py.
+# Documentation and automation: never run in CI, and nothing it makes belongs in the repository.
 #
 #   [LEVEL=native|avx2|avx512] benchmarks/setup_llama_cpp.sh [MODEL_DIR]
 #                                                   (default /tmp/mamba-130m-random)
@@ -29,6 +30,17 @@
 # `make_model.py`: `--arch mamba2` or `--arch rwkv7` when its name contains "mamba2" or
 # "rwkv7", else `--arch mamba` (ARCH overrides). RWKV-7 (fla-hub's layout) converts with the
 # World vocabulary file `rwkv_vocab_v20230424.txt` that make_model.py puts beside it.
+#
+# ik_llama.cpp (IK_LLAMA_CPP=1, the default; 0 skips it) is built the same way, at the same
+# level, from the ik-llama-cpp-python source package into $IK_LLAMA_CPP_BASE (default
+# /tmp/ikllamacpp), with its tools linked under $IK_LLAMA_CPP_HOME/bin (default
+# /tmp/ikllamacpp for native, /tmp/ikllamacpp-<LEVEL> otherwise) and gguf/ a link to the
+# same GGUF files (its llama-quantize also writes its own types, Q4_0_R8, IQ4_KS, ...). Its
+# source package lacks common/cmake/build-info-gen-cpp.cmake, which common/CMakeLists.txt
+# runs to write common/build-info.cpp; a four-line one is written in its place. Its tools
+# are examples (LLAMA_BUILD_EXAMPLES=ON, only the three targets are built); its flash
+# attention kernels for every quantised KV cache type are left out (GGML_IQK_FA_ALL_QUANTS=OFF:
+# a third of the build time, unused with the default F16 cache).
 #
 # Set INSTALL_PYTHON_PACKAGE=1 to also `pip install llama-cpp-python` (builds llama.cpp once
 # more, about 5+ minutes on 2 cores). Steps already done are skipped.
@@ -137,7 +149,55 @@ for TYPE in q4_0 q4_k_m; do
     fi
 done
 
-# 5. Optionally the Python package (its own copy of llama.cpp, built by pip).
+# 5. ik_llama.cpp's tools, from the ik-llama-cpp-python source package, at the same level.
+if [ "${IK_LLAMA_CPP:-1}" = 1 ]; then
+    IK_LLAMA_CPP_BASE="${IK_LLAMA_CPP_BASE:-/tmp/ikllamacpp}"
+    IK_DEFAULT_HOME="$IK_LLAMA_CPP_BASE"
+    [ "$LEVEL" = native ] || IK_DEFAULT_HOME="$IK_LLAMA_CPP_BASE-$LEVEL"
+    IK_LLAMA_CPP_HOME="${IK_LLAMA_CPP_HOME:-$IK_DEFAULT_HOME}"
+    mkdir -p "$IK_LLAMA_CPP_BASE" "$IK_LLAMA_CPP_HOME/bin"
+    [ -e "$IK_LLAMA_CPP_HOME/gguf" ] || ln -s "$LLAMA_CPP_BASE/gguf" "$IK_LLAMA_CPP_HOME/gguf"
+    cd "$IK_LLAMA_CPP_BASE"
+    if ! ls ik_llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
+        "$PYTHON" -m pip download --no-deps --no-binary :all: ik-llama-cpp-python -d .
+    fi
+    IK_SDIST="$(ls ik_llama_cpp_python-*.tar.gz | sort -V | tail -1)"
+    IK_SRC_DIR="${IK_SDIST%.tar.gz}"
+    [ -d "$IK_SRC_DIR" ] || tar xzf "$IK_SDIST"
+    IK_DIR="$IK_LLAMA_CPP_BASE/$IK_SRC_DIR/vendor/ik_llama.cpp"
+    IK_BUILD_DIR="$IK_DIR/$BUILD_NAME"
+    # Run by common/CMakeLists.txt as `cmake -P` from the source root; the source package
+    # leaves it out. cmake/build-info.cmake sets BUILD_NUMBER, BUILD_COMMIT ("unknown"
+    # outside git), BUILD_COMPILER and BUILD_TARGET, which build-info.cpp.in names.
+    GEN="$IK_DIR/common/cmake/build-info-gen-cpp.cmake"
+    if [ ! -f "$GEN" ]; then
+        mkdir -p "$(dirname "$GEN")"
+        cat >"$GEN" <<'CMAKE'
+# Writes common/build-info.cpp from common/build-info.cpp.in (run by common/CMakeLists.txt).
+get_filename_component(LLAMA_ROOT "${CMAKE_CURRENT_LIST_DIR}/../.." ABSOLUTE)
+include("${LLAMA_ROOT}/cmake/build-info.cmake")
+configure_file("${LLAMA_ROOT}/common/build-info.cpp.in" "${LLAMA_ROOT}/common/build-info.cpp" @ONLY)
+CMAKE
+    fi
+    NEED_BUILD=0
+    for TOOL in "${TOOLS[@]}"; do
+        [ -x "$IK_BUILD_DIR/bin/$TOOL" ] || NEED_BUILD=1
+    done
+    if [ "$NEED_BUILD" = 1 ]; then
+        GENERATOR=()
+        command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+        cmake -S "$IK_DIR" -B "$IK_BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
+            "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+            -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF -DGGML_IQK_FA_ALL_QUANTS=OFF
+        cmake --build "$IK_BUILD_DIR" -j "$JOBS" --target "${TOOLS[@]}"
+    fi
+    for TOOL in "${TOOLS[@]}"; do
+        ln -sf "$IK_BUILD_DIR/bin/$TOOL" "$IK_LLAMA_CPP_HOME/bin/"
+    done
+    echo "ik_llama.cpp ($LEVEL) tools in $IK_LLAMA_CPP_HOME/bin"
+fi
+
+# 6. Optionally the Python package (its own copy of llama.cpp, built by pip).
 if [ "${INSTALL_PYTHON_PACKAGE:-0}" = 1 ]; then
     CMAKE_ARGS="-DGGML_NATIVE=ON" "$PYTHON" -m pip install llama-cpp-python
 fi
