@@ -28,6 +28,10 @@ key-head groups, which are contiguous rows of the interleaved layout), their con
 `A_log`, `dt_bias` and state; the norm is per head (replicated) and the output projection
 row-parallel.
 
+A layer's decode-only steps may run as one fused call (`fused_mixer_step`, planned once:
+`layers.fused_delta_decode`), with the block's norm and residual: each layout names its input
+projections in the order of their outputs `[q | k | v | z | b | a]` (`FUSED_INPUTS`).
+
 Glossary: T tokens in the step, H hidden size, Hk / Hv key / value heads and Dk / Dv their head
 dims (this rank's counts), r = Hv / Hk, K conv width, CD conv channels `2 Hk Dk + Hv Dv`.
 """
@@ -43,6 +47,8 @@ from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.cache_specs import StateSpec, StateTensor
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.cache_layers import StatefulLayer
+from vllm_mamba.layers.decode_plan import FusedStep
+from vllm_mamba.layers.fused_delta_decode import plan_gdn
 from vllm_mamba.layers.mixer_base import Conv1dWeights, causal_conv
 from vllm_mamba.layers.mixer_sharding import GatedDeltaShard, gated_delta_shard
 from vllm_mamba.layers.parallel_linear import Ranges, column_linear, row_linear, shard_param
@@ -69,11 +75,16 @@ class HeadGatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(StatefulLayer):
     """The mixer; a subclass builds its projections (`_build_projections`) and splits their
-    outputs (`_project`). `NORM` and `OUT` are its names of the norm and output projection."""
+    outputs (`_project`). `NORM` and `OUT` are its names of the norm and output projection;
+    `FUSED_INPUTS` its input projections whose outputs concatenated are `[q | k | v | z | b |
+    a]` (empty: no fused decode). `fused_decode` says whether the decode-only steps may run as
+    one fused call (read when the layer's decode plan is made)."""
 
     NORM = "norm"
     OUT = "out_proj"
     FAMILY = FAMILY  # the op family of the delta rule (`kda` for Kimi's per-channel decay)
+    FUSED_INPUTS: tuple[str, ...] = ()
+    fused_decode: bool = True
 
     def __init__(
         self,
@@ -154,6 +165,14 @@ class GatedDeltaNet(StatefulLayer):
             StateTensor("recurrent", (self.num_v_heads, self.head_k_dim, self.head_v_dim)),
         ))  # fmt: skip
 
+    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+        """The decode-only steps in one fused kernel call (with the block's `norm` and residual
+        when given), planned once; None where that does not apply (`fused_delta_decode`): a
+        mixer of another delta rule (`FAMILY`) or output norm."""
+        if self.FAMILY != FAMILY or type(getattr(self, self.NORM)) is not HeadGatedRMSNorm:
+            return None
+        return plan_gdn(self, norm, residual_in_fp32)
+
     def forward(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's state in place.
 
@@ -192,6 +211,8 @@ class GatedDeltaNet(StatefulLayer):
 class Qwen3_5GatedDeltaNet(GatedDeltaNet):
     """Qwen3.5's layout: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`."""
 
+    FUSED_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
     def _build_projections(
         self, hidden_size: int, shard: GatedDeltaShard, ops: MambaOps, tp: TensorParallel
     ) -> None:
@@ -212,7 +233,10 @@ class Qwen3_5GatedDeltaNet(GatedDeltaNet):
 
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNet):
-    """Qwen3-Next's layout: `in_proj_qkvz` and `in_proj_ba`, interleaved per key-head group."""
+    """Qwen3-Next's layout: `in_proj_qkvz` and `in_proj_ba`, interleaved per key-head group
+    (`[q | k | v | z]` and `[b | a]` after `process_weights_after_loading`)."""
+
+    FUSED_INPUTS = ("in_proj_qkvz", "in_proj_ba")
 
     def _build_projections(
         self, hidden_size: int, shard: GatedDeltaShard, ops: MambaOps, tp: TensorParallel
@@ -251,6 +275,7 @@ class OlmoHybridGatedDeltaNet(GatedDeltaNet):
 
     NORM = "o_norm"
     OUT = "o_proj"
+    FUSED_INPUTS = ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj")
 
     def _build_projections(
         self, hidden_size: int, shard: GatedDeltaShard, ops: MambaOps, tp: TensorParallel

@@ -1,7 +1,9 @@
 """The Gated DeltaNet (GDN) ops: the gated delta rule over a flat varlen batch, its one-token
-update, and the per-head gated RMSNorm of its output. Pure-PyTorch references (`*_ref`),
-registered as the op family `gated_delta` (`vllm_mamba.ops.families`); a backend registers
-faster versions under the same names and signatures.
+update, the per-head gated RMSNorm of its output, and a whole layer's decode step
+(`decode_layer`: norm, input projections, conv, the rule, gated norm, out_proj, residual in one
+call; its reference composes the others). Pure-PyTorch references (`*_ref`), registered as the
+op family `gated_delta` (`vllm_mamba.ops.families`); a backend registers faster versions under
+the same names and signatures.
 
 Glossary (token-major layout):
     T: tokens; B: sequences (or decode rows); S: state slots; Hk: key heads; Hv: value heads
@@ -27,13 +29,16 @@ u_j^T`.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
+from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref
 from vllm_mamba.ops.families import OpFamily, OpSpec
+from vllm_mamba.ops.fused_decode import _chained, _finish, _linear, _rms_norm
 
 Tensor = torch.Tensor
 
@@ -222,6 +227,98 @@ def rms_norm_gated_ref(
     return ((weight * normed) * F.silu(z.float())).to(x.dtype)
 
 
+GDN_DECODE_PARAMS = (
+    "norm_w", "conv_w", "A_log", "dt_bias", "gate_norm_w", "out_proj_w", "out_proj_scale",
+)  # fmt: skip
+# The fixed head of the `decode_layer` op's `params` by name, in the order of the C++ index
+# constants (`csrc/fused_decode_gdn.cpp`: `Param`); `gdn_decode_params` appends the input
+# projections.
+GdnDecodeParams = NamedTuple("GdnDecodeParams", [(n, "Tensor | None") for n in GDN_DECODE_PARAMS])
+MAX_INPUT_PROJECTIONS = 8  # input projections the kernel takes at most
+
+
+def gdn_decode_params(
+    fixed: GdnDecodeParams, in_proj: Sequence[tuple[Tensor, Tensor | None]]
+) -> list[Tensor | None]:
+    """The `decode_layer` op's `params`: `fixed`, then each input projection's weight and scale
+    (None for a float weight), in the order of their outputs `[q | k | v | z | b | a]`."""
+    if not 1 <= len(in_proj) <= MAX_INPUT_PROJECTIONS:
+        raise ValueError(
+            f"in_proj must hold 1 to {MAX_INPUT_PROJECTIONS} projections, got {len(in_proj)}"
+        )
+    return [*fixed, *(t for pair in in_proj for t in pair)]
+
+
+def fused_gdn_decode_ref(
+    hidden: torch.Tensor,
+    params: list[torch.Tensor | None],
+    conv_states: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    norm_eps: float,
+    gate_eps: float,
+    beta_scale: float,
+    out_dtype: torch.dtype,
+    src_state_indices: torch.Tensor | None = None,
+    int_dot: bool = False,
+) -> torch.Tensor:
+    """One GDN layer's decode step from the reference ops (the unfused mixer's ops in float32);
+    states advanced in place.
+
+    Args:
+        hidden: `(B, H)` the block input (norm given) or the mixer input (norm_w None).
+        params: `gdn_decode_params(...)`: norm_w `(H,)` float32 or None (the block norm's
+            effective weight: `1 + w` for a zero-centred norm), conv_w `(CD, K)`, A_log and
+            dt_bias `(Hv,)`, gate_norm_w `(Dv,)` (all float32), out_proj_w `(H, VD)` and its
+            scale, then the input projections' weights `(rows, H)` and scales, whose outputs
+            concatenated are `[q (KD) | k (KD) | v (VD) | z (VD) | b (Hv) | a (Hv)]`. A scale is
+            None for a float32 / bfloat16 weight, `(rows,)` float32 for int8, `(rows, cols/32)`
+            float16 for 4-bit.
+        conv_states: `(S, CD, K - 1)` (CD = 2 Hk Dk + Hv Dv); ssm_states: `(S, Hv, Dk, Dv)`;
+            updated in place.
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped (delta rule output
+            zero).
+        norm_eps: the block norm's epsilon; gate_eps: the gated norm's.
+        beta_scale: `beta = beta_scale * sigmoid(b)`.
+        out_dtype: the result's dtype (float32 or the model dtype, as the unfused path).
+        src_state_indices: `(B,)` the slot each row reads its state from (speculative chains,
+            the rows in order: `ops.fused_decode._chained`).
+        int_dot: the kernel's integer weights multiply int8-quantised activations; the
+            reference computes the exact weight-only products either way.
+
+    Returns:
+        `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
+    """
+    if src_state_indices is not None:
+        return _chained(
+            fused_gdn_decode_ref, hidden, (conv_states, ssm_states), state_indices,
+            src_state_indices, params, conv_states, ssm_states, norm_eps=norm_eps,
+            gate_eps=gate_eps, beta_scale=beta_scale, out_dtype=out_dtype, int_dot=int_dot,
+        )  # fmt: skip
+    fixed = len(GDN_DECODE_PARAMS)
+    if len(params) <= fixed or (len(params) - fixed) % 2:
+        raise ValueError(f"params must hold {fixed} entries and (weight, scale) pairs")
+    p = dict(zip(GDN_DECODE_PARAMS, params[:fixed], strict=True))
+    batch = hidden.shape[0]
+    _, v_heads, dk, dv = ssm_states.shape
+    conv_dim, value_dim = conv_states.shape[1], v_heads * dv
+    key_dim = (conv_dim - value_dim) // 2
+    x = hidden.float()
+    xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
+    pairs = zip(params[fixed::2], params[fixed + 1 :: 2], strict=True)
+    proj = torch.cat([_linear(xn, w, None, scale) for w, scale in pairs], dim=-1)
+    qkv, z, b, a = proj.split([conv_dim, value_dim, v_heads, v_heads], dim=-1)
+    qkv = causal_conv1d_update_ref(qkv, conv_states, p["conv_w"], None, state_indices)
+    q, k, v = qkv.split([key_dim, key_dim, value_dim], dim=-1)
+    o = gated_delta_update_ref(
+        q.reshape(batch, -1, dk), k.reshape(batch, -1, dk), v.reshape(batch, v_heads, dv), a, b,
+        p["A_log"], p["dt_bias"], beta_scale, ssm_states, state_indices,
+    )  # fmt: skip
+    y = rms_norm_gated_ref(o, z.reshape(o.shape), p["gate_norm_w"], gate_eps)
+    mixed = _linear(y.reshape(batch, value_dim), p["out_proj_w"], None, p["out_proj_scale"])
+    return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
+
+
 class VarlenOp(Protocol):
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
@@ -241,6 +338,15 @@ class NormGateOp(Protocol):
     def __call__(self, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor: ...
 
 
+class DecodeLayerOp(Protocol):
+    def __call__(
+        self, hidden: Tensor, params: list[Tensor | None], conv_states: Tensor,
+        ssm_states: Tensor, state_indices: Tensor, norm_eps: float, gate_eps: float,
+        beta_scale: float, out_dtype: torch.dtype, src_state_indices: Tensor | None = None,
+        int_dot: bool = False,
+    ) -> Tensor: ...  # fmt: skip
+
+
 # The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
 # docstring says what the arguments are.
 OPS = OpFamily(
@@ -249,5 +355,8 @@ OPS = OpFamily(
         "varlen": OpSpec(VarlenOp, gated_delta_varlen_ref),
         "update": OpSpec(UpdateOp, gated_delta_update_ref),
         "norm_gate": OpSpec(NormGateOp, rms_norm_gated_ref),
+        # one GDN layer's decode step (C++: `csrc/fused_decode_gdn.cpp`); a backend without it
+        # runs the layer unfused (the mixers ask `own_op`, never this reference)
+        "decode_layer": OpSpec(DecodeLayerOp, fused_gdn_decode_ref),
     },
 )

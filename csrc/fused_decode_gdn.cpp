@@ -1,0 +1,405 @@
+// One Gated DeltaNet (GDN) layer's decode step for a few sequences in one call
+// (`fused_gdn_decode`): block RMSNorm (optional) -> the input projections, whose concatenated
+// outputs are [q | k | v | z | b | a] -> causal conv + SiLU over q, k and v -> the gated delta
+// rule per value head (L2 norms, gates, the state update and read-out) -> the per-head gated
+// RMSNorm with silu(z) -> out_proj (+ the residual when the block norm is given).
+//
+// Semantics are those of the unfused path (`vllm_mamba/layers/gated_deltanet.py`) with the ops
+// `causal_conv1d_update`, `gated_delta_update` and `rms_norm_gated`
+// (`vllm_mamba/ops/gated_delta.py` has the math): per value head h, reading key head
+// h / (Hv / Hk), with q and k L2-normalised (eps 1e-6) and q scaled by Dk^-1/2,
+//   g = -exp(A_log) softplus(a + dt_bias), beta = beta_scale sigmoid(b),
+//   S = exp(g) S + k (beta (v - exp(g) S^T k))^T, o = S^T q,
+// computed as the `gated_delta_update` kernel does: one read pass over the state for S^T k and
+// S^T q, o = exp(g) S^T q + (k . q) delta, one read-write pass for the update. A slot index of
+// -1 marks a padding row: its history and state are neither read nor written and its delta
+// rule output is zero (as the reference's). All intermediates stay float32 (the unfused path
+// rounds them to the model dtype between ops; in float32 the two agree to rounding).
+//
+// Speculative chains (`src_state_indices`): row b reads the state of slot src[b] and writes
+// slot dst[b], the rows in order, so a chain's positions run in one call, each streaming the
+// weights once for all rows (each row's products summed exactly as a one-row call sums them).
+// The recurrent state is read from src and written to dst in the same pass; the conv history
+// (K - 1 values per channel) is copied first and shifted in place.
+//
+// Up to `kGemvMaxBatch` rows, or a chain of any length, one OpenMP region per call: the rows of
+// all input projections (one range over their concatenated outputs, with the conv fused per
+// channel), then the value heads (with the gated norm), then the out_proj rows are split over
+// the threads, with a barrier between the stages. More rows without chains run the projections
+// as GEMMs (`fused::project`) between parallel stages.
+//
+// Glossary: B batch rows, H hidden, Hk / Hv key / value heads of Dk / Dv, KD = Hk Dk,
+// VD = Hv Dv, CD = 2 KD + VD conv channels, K conv width, NIN = CD + VD + 2 Hv projected
+// values per row, S state slots.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "fused_decode.h"
+#include "kernel_math.h"
+#include "vec.h"
+
+namespace vllm_mamba {
+namespace {
+
+using fused::gemv;
+using fused::split;
+using fused::Weight;
+
+// Index of each entry of the `params` list (`vllm_mamba/ops/gated_delta.py`:
+// GDN_DECODE_PARAMS), then one (weight, scale) pair per input projection, in the order of
+// their outputs ([q | k | v | z | b | a] concatenated).
+enum Param : size_t { kNormW, kConvW, kALog, kDtBias, kGateW, kOutW, kOutScale, kFirstIn };
+constexpr int64_t kMaxIn = 8;  // input projections at most
+constexpr float kL2Eps = 1e-6f;
+
+struct Dims {
+  int64_t batch, hidden, k_heads, v_heads, dk, dv, key_dim, value_dim, conv_dim, kernel, nin;
+};
+
+struct Small {  // float32 parameters; nullptr when absent
+  const float *norm_w, *conv_w, *A_log, *dt_bias, *gate_w;
+  float norm_eps, gate_eps, beta_scale;
+};
+
+// C: the conv states' dtype; S: the recurrent states' (each float32 or bfloat16).
+template <typename C, typename S>
+struct Io {
+  const Weight* in_w;     // n_in input projections
+  const int64_t* in_off;  // (n_in + 1,) first output of each in the concatenation
+  int64_t n_in;
+  const Weight* out_w;
+  C* conv_states;            // (S, CD, K - 1)
+  S* ssm_states;             // (S, Hv, Dk, Dv)
+  const int64_t* slots;      // (B,) where row b writes its state
+  const int64_t* src_slots;  // where row b's state is read from (nullptr: `slots`)
+  const float* hidden;       // (B, H)
+  float *xn, *proj, *y, *mixed;  // (B, H), (B, NIN), (B, VD), (B, H) scratch
+};
+
+// Outputs [lo, hi) of the concatenated input projections for every row (into io.proj).
+template <typename C, typename S>
+void project_rows(const Dims& d, const Io<C, S>& io, int64_t lo, int64_t hi) {
+  for (int64_t i = 0; i < io.n_in; ++i) {
+    const int64_t w0 = io.in_off[i];
+    const int64_t r0 = std::max(lo, w0), r1 = std::min(hi, io.in_off[i + 1]);
+    if (r0 < r1) {
+      gemv(io.in_w[i], io.xn, d.hidden, d.batch, r0 - w0, r1 - w0, io.proj + r0, d.nin,
+           io.src_slots != nullptr);
+    }
+  }
+}
+
+// Conv + SiLU of channels [c0, c1) of batch row b (values in place in proj), shifting their
+// histories (a chain's row first copies them from its source slot).
+template <typename C, typename S>
+void conv_rows(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t c0,
+               int64_t c1) {
+  float* v = io.proj + b * d.nin;
+  const int64_t slot = io.slots[b], width = d.kernel - 1;
+  C* hist = slot >= 0 ? io.conv_states + slot * d.conv_dim * width : nullptr;
+  if (hist && io.src_slots && io.src_slots[b] != slot) {
+    const C* from = io.conv_states + io.src_slots[b] * d.conv_dim * width;
+    std::copy(from + c0 * width, from + c1 * width, hist + c0 * width);
+  }
+  fused::conv_update(v, hist, s.conv_w, nullptr, d.kernel, c0, c1);
+}
+
+// dst (n,) = x * scale / sqrt(|x|^2 + eps).
+inline void l2norm(const float* x, int64_t n, float scale, float* dst) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = scale / std::sqrt(ss + kL2Eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = x[i] * r;
+}
+
+// A state row as float32 for reading: the row itself, or a bfloat16 row widened into `buf`.
+inline const float* read_row(const float* row, float*, int64_t) { return row; }
+inline const float* read_row(const c10::BFloat16* row, float* buf, int64_t n) {
+  const vec::bf16_t* p = fused::raw(row);
+  int64_t i = 0;
+  for (; i + vec::kLanes <= n; i += vec::kLanes) vec::store(buf + i, vec::load(p + i));
+  for (; i < n; ++i) buf[i] = vec::bf16_to_f32(p[i].bits);
+  return buf;
+}
+
+// Where a new state row is computed: the float32 row itself, or `buf` for a bfloat16 row
+// (then rounded into it by `fused::store_state`).
+inline float* write_row(float* row, float*) { return row; }
+inline float* write_row(c10::BFloat16*, float* buf) { return buf; }
+
+// Scratch of one thread for `delta_head`.
+struct HeadScratch {
+  std::vector<float> buf;
+  float *kn, *qn, *kv, *qs, *in_row, *out_row;
+  HeadScratch(int64_t dk, int64_t dv) : buf(2 * dk + 4 * dv) {
+    kn = buf.data();
+    qn = kn + dk;
+    kv = qn + dk;
+    qs = kv + dv;
+    in_row = qs + dv;
+    out_row = in_row + dv;
+  }
+};
+
+// The gated delta rule of value head h of batch row b, then its gated RMSNorm:
+// y[b, h] = gate_w * rmsnorm(o) * silu(z) with o the rule's read-out (zeros for a padding row).
+template <typename C, typename S>
+void delta_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t h,
+                HeadScratch& w) {
+  const int64_t dk = d.dk, dv = d.dv;
+  const float* row = io.proj + b * d.nin;
+  float* o = io.y + b * d.value_dim + h * dv;
+  const int64_t slot = io.slots[b];
+  if (slot < 0) {
+    std::fill(o, o + dv, 0.0f);
+  } else {
+    const int64_t kh = h / (d.v_heads / d.k_heads);
+    l2norm(row + d.key_dim + kh * dk, dk, 1.0f, w.kn);
+    l2norm(row + kh * dk, dk, 1.0f / std::sqrt(static_cast<float>(dk)), w.qn);
+    const float* v = row + 2 * d.key_dim + h * dv;
+    const float bv = row[d.conv_dim + d.value_dim + h];
+    const float av = row[d.conv_dim + d.value_dim + d.v_heads + h];
+    const float g = -std::exp(s.A_log[h]) * softplus_f32(av + s.dt_bias[h]);
+    const float beta = s.beta_scale / (1.0f + std::exp(-bv));
+    const float decay = std::exp(g);
+    const int64_t src_slot = io.src_slots ? io.src_slots[b] : slot;
+    const S* src = io.ssm_states + (src_slot * d.v_heads + h) * dk * dv;
+    S* dst = io.ssm_states + (slot * d.v_heads + h) * dk * dv;
+    float* kv = w.kv;  // S^T k, then delta
+    float* qs = w.qs;  // S^T q
+    std::fill(kv, kv + dv, 0.0f);
+    std::fill(qs, qs + dv, 0.0f);
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* sr = read_row(src + i * dv, w.in_row, dv);
+      const float ki = w.kn[i], qi = w.qn[i];
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) {
+        kv[j] += sr[j] * ki;
+        qs[j] += sr[j] * qi;
+      }
+    }
+    float kq = 0.0f;
+#pragma omp simd reduction(+ : kq)
+    for (int64_t i = 0; i < dk; ++i) kq += w.kn[i] * w.qn[i];
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) {
+      const float delta = beta * (v[j] - decay * kv[j]);
+      kv[j] = delta;
+      o[j] = decay * qs[j] + kq * delta;
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* sr = read_row(src + i * dv, w.in_row, dv);
+      float* nr = write_row(dst + i * dv, w.out_row);
+      const float ki = w.kn[i];
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) nr[j] = decay * sr[j] + ki * kv[j];
+      fused::store_state(nr, dst + i * dv, dv);
+    }
+  }
+  const float* z = row + d.conv_dim + h * dv;
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < dv; ++j) ss += o[j] * o[j];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(dv) + s.gate_eps);
+#pragma omp simd
+  for (int64_t j = 0; j < dv; ++j) o[j] = s.gate_w[j] * (o[j] * r) * silu_f32(z[j]);
+}
+
+template <typename C, typename S>
+void norm_row(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b) {
+  fused::rms_norm_row(io.hidden + b * d.hidden, s.norm_w, d.hidden, s.norm_eps,
+                      io.xn + b * d.hidden);
+}
+
+template <typename C, typename S>
+void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int tid = fused::thread_id(), nth = fused::num_threads();
+    HeadScratch scratch(d.dk, d.dv);
+    if (s.norm_w) {
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < d.batch; ++b) norm_row(d, s, io, b);
+    }
+    int64_t lo, hi;
+    split(d.nin, fused::kRowBlock, tid, nth, lo, hi);
+    project_rows(d, io, lo, hi);
+    const int64_t c1 = std::min(hi, d.conv_dim);
+    for (int64_t b = 0; lo < c1 && b < d.batch; ++b) conv_rows(d, s, io, b, lo, c1);
+#pragma omp barrier
+    if (io.src_slots) {  // chains: each head's rows in order on one thread
+      split(d.v_heads, 1, tid, nth, lo, hi);
+      for (int64_t h = lo; h < hi; ++h) {
+        for (int64_t b = 0; b < d.batch; ++b) delta_head(d, s, io, b, h, scratch);
+      }
+    } else {
+      split(d.batch * d.v_heads, 1, tid, nth, lo, hi);
+      for (int64_t t = lo; t < hi; ++t) delta_head(d, s, io, t / d.v_heads, t % d.v_heads, scratch);
+    }
+#pragma omp barrier
+    split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
+    gemv(*io.out_w, io.y, d.value_dim, d.batch, lo, hi, io.mixed + lo, d.hidden,
+         io.src_slots != nullptr);
+    for (int64_t b = 0; b < d.batch && s.norm_w; ++b) {
+      float* m = io.mixed + b * d.hidden;
+      const float* res = io.hidden + b * d.hidden;
+      for (int64_t r = lo; r < hi; ++r) m[r] += res[r];
+    }
+  }
+}
+
+// The same layer for more rows than `kGemvMaxBatch` (no chains): the projections run as GEMMs
+// (torch's, between the parallel stages) instead of weight-streaming products.
+template <typename C, typename S>
+void run_layer_gemm(const Dims& d, const Small& s, const Io<C, S>& io, const at::Tensor& xn,
+                    at::Tensor& proj, const at::Tensor& y, at::Tensor& mixed) {
+  if (s.norm_w) {
+    at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t b = lo; b < hi; ++b) norm_row(d, s, io, b);
+    });
+  }
+  for (int64_t i = 0; i < io.n_in; ++i) {
+    const int64_t rows = io.in_off[i + 1] - io.in_off[i];
+    at::Tensor part = at::empty({d.batch, rows}, proj.options());
+    fused::project(xn, io.in_w[i], part);
+    proj.narrow(1, io.in_off[i], rows).copy_(part);
+  }
+  at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) conv_rows(d, s, io, b, 0, d.conv_dim);
+  });
+  at::parallel_for(0, d.batch * d.v_heads, 1, [&](int64_t lo, int64_t hi) {
+    HeadScratch scratch(d.dk, d.dv);
+    for (int64_t t = lo; t < hi; ++t) delta_head(d, s, io, t / d.v_heads, t % d.v_heads, scratch);
+  });
+  fused::project(y, *io.out_w, mixed);
+  if (s.norm_w) {
+    at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t b = lo; b < hi; ++b) {
+        fused::finish_row(io.mixed + b * d.hidden, nullptr, io.hidden + b * d.hidden, d.hidden);
+      }
+    });
+  }
+}
+
+Dims check_dims(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& params,
+                const at::Tensor& conv_states, const at::Tensor& ssm_states,
+                const at::Tensor& slots) {
+  TORCH_CHECK(params.size() > kFirstIn && (params.size() - kFirstIn) % 2 == 0 &&
+                  static_cast<int64_t>(params.size() - kFirstIn) / 2 <= kMaxIn,
+              "params must hold ", static_cast<int64_t>(kFirstIn),
+              " entries and a (weight, scale) pair for each of 1 to ", kMaxIn,
+              " input projections, got ", params.size(), " entries");
+  TORCH_CHECK(hidden.dim() == 2, "hidden must be (B, H)");
+  TORCH_CHECK(ssm_states.dim() == 4 && ssm_states.is_contiguous(),
+              "ssm_states must be contiguous (S, Hv, Dk, Dv)");
+  TORCH_CHECK(conv_states.dim() == 3 && conv_states.is_contiguous(),
+              "conv_states must be contiguous (S, CD, K - 1)");
+  Dims d{};
+  d.batch = hidden.size(0);
+  d.hidden = hidden.size(1);
+  d.v_heads = ssm_states.size(1);
+  d.dk = ssm_states.size(2);
+  d.dv = ssm_states.size(3);
+  d.value_dim = d.v_heads * d.dv;
+  d.conv_dim = conv_states.size(1);
+  d.kernel = conv_states.size(2) + 1;
+  const int64_t keys2 = d.conv_dim - d.value_dim;  // 2 Hk Dk
+  TORCH_CHECK(d.dk > 0 && d.dv > 0 && d.v_heads > 0 && keys2 > 0 && keys2 % (2 * d.dk) == 0,
+              "conv_states must have 2 Hk Dk + Hv Dv channels (Dk, Dv from ssm_states)");
+  d.k_heads = keys2 / (2 * d.dk);
+  TORCH_CHECK(d.v_heads % d.k_heads == 0, "the value heads (", d.v_heads,
+              ") must be a multiple of the key heads (", d.k_heads, ")");
+  d.key_dim = d.k_heads * d.dk;
+  d.nin = d.conv_dim + d.value_dim + 2 * d.v_heads;
+  TORCH_CHECK(conv_states.size(0) == ssm_states.size(0),
+              "conv_states and ssm_states must have the same slots");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == d.batch, "state_indices must be (B,)");
+  return d;
+}
+
+at::Tensor fused_gdn_decode(const at::Tensor& hidden_in,
+                            const c10::List<std::optional<at::Tensor>>& params,
+                            at::Tensor& conv_states, at::Tensor& ssm_states,
+                            const at::Tensor& state_indices, double norm_eps, double gate_eps,
+                            double beta_scale, at::ScalarType out_dtype,
+                            const std::optional<at::Tensor>& src_state_indices, bool int_dot) {
+  const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices);
+  const at::Tensor src = fused::src_slots(src_state_indices, d.batch);
+  const int64_t n_in = static_cast<int64_t>(params.size() - kFirstIn) / 2;
+  std::vector<Weight> in_w;
+  std::vector<int64_t> in_off(1, 0);
+  for (int64_t i = 0; i < n_in; ++i) {
+    const size_t at = kFirstIn + 2 * static_cast<size_t>(i);
+    const std::optional<at::Tensor> t = params.get(at);
+    TORCH_CHECK(t.has_value() && t->dim() == 2, "input projection ", i,
+                " must be a (rows, H) weight");
+    const int64_t rows = t->size(0);
+    in_w.push_back(fused::weight_of(params, at, at + 1, rows, d.hidden, "input projection weight",
+                                    int_dot));
+    in_off.push_back(in_off.back() + rows);
+  }
+  TORCH_CHECK(in_off.back() == d.nin, "the input projections must have 2 Hk Dk + 2 Hv Dv + 2 Hv = ",
+              d.nin, " rows together ([q | k | v | z | b | a]), got ", in_off.back());
+  const Weight out_w =
+      fused::weight_of(params, kOutW, kOutScale, d.hidden, d.value_dim, "out_proj weight", int_dot);
+  Small s{};
+  s.norm_w = fused::param_f32(params, kNormW, d.hidden, "norm weight");
+  s.conv_w = fused::param_f32(params, kConvW, d.conv_dim * d.kernel, "conv weight");
+  s.A_log = fused::param_f32(params, kALog, d.v_heads, "A_log");
+  s.dt_bias = fused::param_f32(params, kDtBias, d.v_heads, "dt_bias");
+  s.gate_w = fused::param_f32(params, kGateW, d.dv, "gated norm weight");
+  TORCH_CHECK(s.conv_w && s.A_log && s.dt_bias && s.gate_w,
+              "conv weight, A_log, dt_bias and the gated norm weight are required");
+  s.norm_eps = static_cast<float>(norm_eps);
+  s.gate_eps = static_cast<float>(gate_eps);
+  s.beta_scale = static_cast<float>(beta_scale);
+
+  const at::Tensor hidden = hidden_in.to(at::kFloat).contiguous();
+  const at::Tensor slots = as_index(state_indices);
+  const auto f32 = hidden.options();
+  at::Tensor xn = s.norm_w ? at::empty({d.batch, d.hidden}, f32) : hidden;
+  at::Tensor proj = at::empty({d.batch, d.nin}, f32);
+  at::Tensor y = at::empty({d.batch, d.value_dim}, f32);
+  at::Tensor mixed = at::empty({d.batch, d.hidden}, f32);
+  if (d.batch == 0) return mixed.to(out_dtype);
+  auto run = [&](auto* c_tag, auto* s_tag) {
+    using C = std::remove_pointer_t<decltype(c_tag)>;
+    using S = std::remove_pointer_t<decltype(s_tag)>;
+    Io<C, S> io{in_w.data(), in_off.data(), n_in, &out_w, conv_states.data_ptr<C>(),
+                ssm_states.data_ptr<S>(), slots.data_ptr<int64_t>(),
+                src.defined() ? src.data_ptr<int64_t>() : nullptr, hidden.data_ptr<float>(),
+                xn.data_ptr<float>(), proj.data_ptr<float>(), y.data_ptr<float>(),
+                mixed.data_ptr<float>()};
+    if (d.batch <= fused::kGemvMaxBatch || io.src_slots != nullptr) {  // chains: rows in order
+      run_layer(d, s, io);
+    } else {
+      run_layer_gemm(d, s, io, xn, proj, y, mixed);
+    }
+  };
+  dispatch_float_bf16(conv_states, "conv_states", [&](auto* c_tag) {
+    dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* s_tag) { run(c_tag, s_tag); });
+  });
+  return mixed.to(out_dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
+  m.def(
+      "fused_gdn_decode(Tensor hidden, Tensor?[] params, Tensor(a!) conv_states, "
+      "Tensor(b!) ssm_states, Tensor state_indices, float norm_eps, float gate_eps, "
+      "float beta_scale, ScalarType out_dtype, Tensor? src_state_indices=None, "
+      "bool int_dot=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_gdn_decode", &fused_gdn_decode); }
+
+}  // namespace vllm_mamba

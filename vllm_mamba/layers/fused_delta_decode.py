@@ -1,0 +1,122 @@
+"""The fused decode step of the Gated DeltaNet mixers (Qwen3.5 / 3.6, Qwen3-Next, OLMo Hybrid),
+planned once per layer.
+
+`plan_gdn` decides at plan time (`layers.decode_plan`) whether a GDN mixer's decode-only steps
+run in one call of its backend's `gated_delta.decode_layer` op (C++: `fused_gdn_decode`,
+`csrc/fused_decode_gdn.cpp`; the reference `ops.gated_delta.fused_gdn_decode_ref`), with the
+block's norm and residual when given one, and builds the call's parameter list once
+(`ops.gated_delta.gdn_decode_params`). The mixer names its input projections in the order of
+their outputs `[q | k | v | z | b | a]` (`GatedDeltaNet.FUSED_INPUTS`): Qwen3.5's four,
+Qwen3-Next's two (after their reorder at load), OLMo Hybrid's six; the kernel streams them all
+in one parallel region.
+
+It returns None, and the layer runs unfused (which is the definition), where the kernel does
+not apply: no `decode_layer` op of the backend, a mixer that declares `fused_decode = False` or
+names no projections, a block norm that is neither `RMSNorm` nor `ZeroCenteredRMSNorm` (the
+kernel takes the norm's effective float32 weight: `w`, or `1 + w` for the zero-centred norm),
+projections that are not plain `Linear`s without bias (float32 / bfloat16 weights of one model
+dtype, int8 or 4-bit: `fused_decode_layer.plain_weight`; tensor-parallel layers are
+`Column/RowParallelLinear`s, so they run unfused, as Mamba2's: the row-parallel output needs
+its all-reduce), projections that disagree on integer dot products, or states other than
+float32 / bfloat16. Per step the plan asks only whether the step is decode-only, at any row
+count, speculative chains of up to `CHAIN_MAX_ROWS` rows included (`decode_plan.decode_only`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.layers.decode_plan import decode_slots
+from vllm_mamba.layers.fused_decode_layer import FusedMambaStep, _f32, _out_dtype, _weights
+from vllm_mamba.layers.layernorm import RMSNorm, ZeroCenteredRMSNorm
+from vllm_mamba.layers.quantization import uses_int_dot
+from vllm_mamba.ops.families import own_op
+from vllm_mamba.ops.gated_delta import FAMILY, GdnDecodeParams, gdn_decode_params
+
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True, eq=False)
+class FusedDeltaStep(FusedMambaStep):
+    """A delta-rule mixer's decode-only step in one call of `op` (see `FusedMambaStep`), over
+    the mixer's `conv` and `recurrent` states; `args` are the block norm's and the gated norm's
+    epsilons and `beta_scale`; `int_dot`: the integer weights multiply int8-quantised
+    activations."""
+
+    int_dot: bool = False
+
+    def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """`hidden (T, H)` -> `(T, H)` as the unfused block (or mixer) returns it; the mixer's
+        bound states advanced in place."""
+        out_dtype = self.out_dtype
+        if out_dtype is None:
+            out_dtype = torch.float32 if hidden.dtype == torch.float32 else self.dtype
+        state = self.mixer.state
+        dst, src = decode_slots(meta)
+        return self.op(
+            hidden, self.params, state["conv"], state["recurrent"], dst, *self.args, out_dtype,
+            src, self.int_dot,
+        )  # fmt: skip
+
+
+def block_norm_weight(norm: nn.Module) -> torch.Tensor | None:
+    """The effective float32 weight `(H,)` of a block norm the kernel computes as
+    `w * x / rms(x)`: `RMSNorm`'s weight, `ZeroCenteredRMSNorm`'s `1 + weight`; None for any
+    other norm."""
+    if type(norm) is RMSNorm:
+        return _f32(norm.weight)
+    if type(norm) is ZeroCenteredRMSNorm:
+        return (1.0 + norm.weight.detach().float()).contiguous()
+    return None
+
+
+def _states_apply(mixer: nn.Module) -> bool:
+    """Bound `conv` and `recurrent` states, float32 or bfloat16 each."""
+    state = mixer.state
+    return bool(state) and all(state[n].dtype in _STATE_DTYPES for n in ("conv", "recurrent"))
+
+
+def plan_gdn(
+    mixer: nn.Module, norm: nn.Module | None, residual_in_fp32: bool
+) -> FusedDeltaStep | None:
+    """A `GatedDeltaNet`'s fused decode step, or None where the kernel does not apply.
+
+    Args:
+        mixer: the mixer (its gated norm a `HeadGatedRMSNorm`, checked by the mixer), its
+            weights final and its state bound.
+        norm: the block's pre-norm; given, the step computes `residual + mixer(norm(hidden))`,
+            else `mixer(hidden)`.
+        residual_in_fp32: the block keeps its residual stream in float32.
+    """
+    op = own_op(FAMILY, mixer.ops.name, "decode_layer")
+    inputs = tuple(mixer.FUSED_INPUTS)
+    if op is None or not mixer.fused_decode or not inputs or not _states_apply(mixer):
+        return None
+    norm_w = None
+    if norm is not None:
+        norm_w = block_norm_weight(norm)
+        if norm_w is None:
+            return None
+    names = (*inputs, mixer.OUT)
+    if any(getattr(mixer, n).bias is not None for n in names) or mixer.conv_weight.numel() == 0:
+        return None
+    found = _weights(mixer, names)
+    int_dot = {uses_int_dot(getattr(mixer, n)) for n in names}
+    if found is None or len(int_dot) != 1:
+        return None
+    weights, dtype = found
+    gate = getattr(mixer, mixer.NORM)
+    fixed = GdnDecodeParams(
+        norm_w=norm_w, conv_w=_f32(mixer.conv_weight), A_log=_f32(mixer.A_log),
+        dt_bias=_f32(mixer.dt_bias), gate_norm_w=_f32(gate.weight),
+        out_proj_w=weights[f"{mixer.OUT}_w"], out_proj_scale=weights[f"{mixer.OUT}_scale"],
+    )  # fmt: skip
+    params = gdn_decode_params(fixed, [(weights[f"{n}_w"], weights[f"{n}_scale"]) for n in inputs])
+    norm_eps = norm.variance_epsilon if norm is not None else 0.0
+    args = (norm_eps, gate.variance_epsilon, mixer.beta_scale)
+    out_dtype = _out_dtype(dtype, norm, residual_in_fp32)
+    return FusedDeltaStep(op, mixer, params, args, dtype, out_dtype, None, int_dot.pop())
