@@ -7,11 +7,20 @@ the block kernel does not cover: multipliers, another norm, several mixers; Zamb
 Each `PlannedLayer` holds a `DecodePlan` (which scope, which part, the `FusedStep` with its
 kernel and parameter list built once) or None (unfused), made by `plan_decode(model)`.
 
+A second, independent plan covers the feed-forward stage `h + rm * ffn(ffn_norm(h))`
+(`PlannedLayer.ffn_plan`, scope `FFN`): a dense gated MLP (`layers.mlp.plan_mlp`) or an MoE
+with its router, top-k, chosen experts and shared expert (`layers.moe.plan_moe`) in one call of
+the `ffn` family's kernels (`vllm_mamba.ops.ffn`), up to 8 rows, whatever the mixer's plan.
+
 Decided at plan time, once per layer:
 - `VLLM_MAMBA_FUSED_DECODE` (read then; `0`: no layer is fused) and whether the ops table has
   the kernel (the backend's own `fused_decode` / `rwkv7.decode_layer` op);
 - the layer's structure (one mixer, which norms, multipliers, a stateful feed-forward) and
   whether the mixer declares its math fusable (`StateSpaceMixer.fused_decode`);
+- for the feed-forward stage, its parts (one gated MLP, an MoE with or without a shared
+  expert, an MoE plus an ungated shared MLP), a plain or zero-centred `RMSNorm`, no post-norm,
+  no per-sequence state, the router kind and the experts' layout (a list of expert `Linear`s is
+  stacked once, `ExpertList.stacked`);
 - the weights as loaded, quantised (`quantization`) and sharded (tensor parallelism): plain
   CPU `Linear`s with float32 / bfloat16, int8 or 4-bit weights of one model dtype, else
   unfused; the norms' types; the parameter list, by name (`ops.fused_decode.MambaParams`,
@@ -23,8 +32,10 @@ Decided per step (`FusedStep.takes`, `decode_only`), the one question a step ask
 row a decode the kernel takes? No prefill rows, no autograd, at least one row; speculative
 chains only where the kernel runs them (Mamba, Mamba2: up to `CHAIN_MAX_ROWS` rows with their
 source slots; RWKV-7: none); Mamba at most `MAMBA_MAX_ROWS` rows outside chains; RWKV-7 an input
-in the model dtype. The step's slots and, for the Mamba block without a float32 residual, its
-input's dtype are read per step; the states through the mixer's binding, per call.
+in the model dtype; the feed-forward stage at most 8 rows (chains included, each row computed
+as alone) with an input in the model dtype. The step's slots and, for the Mamba block without
+a float32 residual, its input's dtype are read per step; the states through the mixer's
+binding, per call.
 
 Re-planning: a plan holds the weights it was made from and the decisions on the states bound
 then. `StateCache.bind` binds every layer and then calls `plan_decode(model)`, so a (re)binding
@@ -72,6 +83,7 @@ class DecodeScope(enum.Enum):
     LAYER = "layer"  # the whole layer (its first norm to its last residual)
     BLOCK = "block"  # the mixer stage: `h + mixer(norm(h))`
     MIXER = "mixer"  # one mixer's call: `mixer(x)`
+    FFN = "ffn"  # the feed-forward stage: `h + rm * ffn(ffn_norm(h))` (`PlannedLayer.ffn_plan`)
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,16 +127,22 @@ def decode_slots(meta: MambaMetadata) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 class PlannedLayer(nn.Module):
-    """A layer whose decode-only steps may run fused: it holds its `decode_plan`, made by
-    `make_decode_plan` when `plan_decode(model)` runs (None until then, and when unfused)."""
+    """A layer whose decode-only steps may run fused: it holds its `decode_plan` and its
+    feed-forward stage's `ffn_plan`, made by `make_decode_plan` / `make_ffn_plan` when
+    `plan_decode(model)` runs (None until then, and when unfused)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.decode_plan: DecodePlan | None = None
+        self.ffn_plan: DecodePlan | None = None
 
     def make_decode_plan(self) -> DecodePlan | None:
         """This layer's plan from its weights and bound states now, or None (unfused)."""
         raise NotImplementedError
+
+    def make_ffn_plan(self) -> DecodePlan | None:
+        """This layer's feed-forward plan from its weights now, or None (unfused, the default)."""
+        return None
 
 
 def planned_layers(model: nn.Module) -> list[PlannedLayer]:
@@ -133,19 +151,22 @@ def planned_layers(model: nn.Module) -> list[PlannedLayer]:
 
 
 def plan_decode(model: nn.Module) -> list[DecodePlan | None]:
-    """Makes every layer's plan (none with `VLLM_MAMBA_FUSED_DECODE=0`); after the weights are
-    final and the states bound (`StateCache.bind` calls it). Returns the plans, in order."""
+    """Makes every layer's plans (none with `VLLM_MAMBA_FUSED_DECODE=0`); after the weights are
+    final and the states bound (`StateCache.bind` calls it). Returns the mixer plans
+    (`decode_plan`), in order; the feed-forward plans are each layer's `ffn_plan`."""
     fused = envs.VLLM_MAMBA_FUSED_DECODE
     layers = planned_layers(model)
     for layer in layers:
         layer.decode_plan = layer.make_decode_plan() if fused else None
+        layer.ffn_plan = layer.make_ffn_plan() if fused else None
     return [layer.decode_plan for layer in layers]
 
 
 def drop_decode_plans(model: nn.Module) -> None:
-    """Drops every layer's plan (its weights are about to change): unfused until re-planned."""
+    """Drops every layer's plans (its weights are about to change): unfused until re-planned."""
     for layer in planned_layers(model):
         layer.decode_plan = None
+        layer.ffn_plan = None
 
 
 __all__ = [

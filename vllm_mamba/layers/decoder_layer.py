@@ -32,6 +32,13 @@ residual and the mixer offers it (`fused_layer_step`: RWKV-7); the mixer stage `
 the mixer offers it with that norm (`fused_mixer_step`: Mamba, Mamba2); one mixer's call alone
 (`fused_mixer_step` without a norm). A step asks the plan only whether it is decode-only.
 
+The feed-forward stage has a plan of its own (`make_ffn_plan`, scope `FFN`), independent of the
+mixer's: `h + rm * ffn(ffn_norm(h))` in one kernel call when the stage is one dense gated MLP
+(`layers.mlp.plan_mlp`), one MoE with or without its shared expert, or an MoE followed by an
+ungated shared MLP (`layers.moe.plan_moe`), after a plain or zero-centred `RMSNorm`, without a
+post-norm, per-sequence state or a float32 residual (the residual multiplier and the MLP's
+multipliers are in the kernel). Its step takes decode-only steps of up to 8 rows.
+
 Glossary: T tokens in the step, H hidden size.
 """
 
@@ -45,6 +52,8 @@ from torch import nn
 
 from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.decode_plan import DecodePlan, DecodeScope, PlannedLayer
+from vllm_mamba.layers.mlp import plan_mlp
+from vllm_mamba.layers.moe import SparseMoE, plan_moe
 
 Named = tuple[str, nn.Module]
 
@@ -139,6 +148,23 @@ class DecoderLayer(PlannedLayer):
                 return DecodePlan(DecodeScope.MIXER, step, name)
         return None
 
+    def make_ffn_plan(self) -> DecodePlan | None:
+        """The feed-forward stage's fused step where its shape allows and its parts offer it
+        (see the module docstring), from the weights now; None: unfused."""
+        if not self._ffn_names or self._ffn_with_state or self._ffn_norm_name is None:
+            return None
+        if self._ffn_post_norm_name is not None or self.residual_in_fp32:
+            return None
+        norm = getattr(self, self._ffn_norm_name)
+        parts = [getattr(self, n) for n in self._ffn_names]
+        rm = self.residual_multiplier
+        step = None
+        if len(parts) == 1 and not isinstance(parts[0], SparseMoE):
+            step = plan_mlp(parts[0], norm, rm)
+        elif len(parts) <= 2 and isinstance(parts[0], SparseMoE):
+            step = plan_moe(parts[0], norm, rm, parts[1] if len(parts) == 2 else None)
+        return DecodePlan(DecodeScope.FFN, step, self._ffn_names[0]) if step else None
+
     def part_names(self) -> dict[str, str | None]:
         """The registered names of the layer's norms (None where absent)."""
         return {
@@ -161,6 +187,9 @@ class DecoderLayer(PlannedLayer):
         hidden = self._normed(self._pre_norm_name, hidden)
         if self._mixers:
             hidden = self._mix(hidden, meta, plan)
+        ffn_plan = self.ffn_plan
+        if ffn_plan is not None and ffn_plan.step.takes(hidden, meta):
+            return ffn_plan.step(hidden, meta)
         if self._ffn_names:
             x = self._normed(self._ffn_norm_name, hidden)
             ff = None

@@ -10,20 +10,36 @@ With tensor parallelism the input projections are column-parallel and the output
 row-parallel; `reduce=False` leaves the all-reduce to the caller (the experts of an MoE, summed
 once per layer).
 
+Fused decode (`layers.decode_plan`): `plan_mlp` plans a layer's feed-forward stage
+`h + rm * GatedMLP(norm(h))` as one call of the `ffn` family's `mlp_decode` op
+(`vllm_mamba.ops.ffn`: norm, gate and up products, activation, multipliers, down product and
+residual) where the MLP's projections are plain one-rank `Linear`s without biases, float32 /
+bfloat16, int8 or 4-bit of one model dtype, its activation one the kernel has, and the norm a
+plain or zero-centred `RMSNorm` (`ffn_norm_vector`); `FusedFfnStep` is the planned call (the
+MoE's too, `layers.moe.plan_moe`).
+
 Glossary: T tokens, H hidden size, F feed-forward size (this rank's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.decode_plan import decode_only
+from vllm_mamba.layers.fused_decode_layer import _f32, plain_weight
+from vllm_mamba.layers.layernorm import RMSNorm, ZeroCenteredRMSNorm
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
+from vllm_mamba.layers.quantization import uses_int_dot
+from vllm_mamba.ops import ffn as ffn_ops
+from vllm_mamba.ops.families import own_op
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -71,6 +87,7 @@ class GatedMLP(nn.Module):
         down_multiplier: float = 1.0,
     ) -> None:
         super().__init__()
+        self.ops = ops
         self.act = activation(act)
         self.gate_multiplier = float(gate_multiplier)
         self.down_multiplier = float(down_multiplier)
@@ -112,6 +129,7 @@ class MLP(nn.Module):
         reduce: bool = True,
     ) -> None:
         super().__init__()
+        self.ops = ops
         self.act = activation(act)
         self.up_proj = column_linear(hidden_size, [ffn_size], bias, ops, tp)
         self.down_proj = row_linear(ffn_size, hidden_size, bias, ops, tp, reduce)
@@ -119,3 +137,118 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x (T, H)` -> `(T, H)`."""
         return self.down_proj(self.act(self.up_proj(x)))
+
+
+# ---- fused decode of the feed-forward stage ------------------------------------------------
+
+_ACT_CODES = {id(ACTIVATIONS[name]): code for name, code in ffn_ops.ACT_CODES.items()}
+Params = list[torch.Tensor | None]
+Projection = tuple[torch.Tensor, torch.Tensor | None]  # a weight and its scale (None: float)
+
+
+def act_code(fn: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
+    """The `ffn` kernels' code of activation `fn` (one of `ACTIVATIONS`), or None."""
+    return _ACT_CODES.get(id(fn))
+
+
+def ffn_norm_vector(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """The float32 vector a plain (`w`) or zero-centred (`1 + w`, as it computes in float32)
+    `RMSNorm` multiplies by, and its epsilon; None for another norm."""
+    if type(norm) is RMSNorm:
+        return _f32(norm.weight), float(norm.variance_epsilon)
+    if type(norm) is ZeroCenteredRMSNorm:
+        return (1.0 + norm.weight.detach().float()).contiguous(), float(norm.variance_epsilon)
+    return None
+
+
+class Projections:
+    """Collects a layer's plain projections (`plain_weight`), checking that they share one model
+    dtype and one `int_dot` setting; `ok` turns False at the first that does not qualify."""
+
+    def __init__(self, linear_op: object) -> None:
+        self.linear_op = linear_op
+        self.ok = True
+        self.dtypes: set[torch.dtype] = set()
+        self.int_dots: set[bool] = set()
+
+    def take(self, linear: nn.Module) -> Projection:
+        """`(weight, scale)` of a bias-free plain `Linear` (`(None, None)` after a failure)."""
+        found = plain_weight(linear, self.linear_op) if self.ok else None
+        if found is None or getattr(linear, "bias", None) is not None:
+            self.ok = False
+            return None, None  # type: ignore[return-value]
+        self.dtypes.add(found[2])
+        if found[1] is not None:
+            self.int_dots.add(uses_int_dot(linear))
+        return found[0], found[1]
+
+    def dtype(self) -> torch.dtype | None:
+        """The one model dtype, or None (a failure, or several dtypes / int_dot settings)."""
+        if not self.ok or len(self.dtypes) != 1 or len(self.int_dots) > 1:
+            return None
+        return next(iter(self.dtypes))
+
+    @property
+    def int_dot(self) -> bool:
+        return True in self.int_dots
+
+
+def gated_projections(mlp: nn.Module, got: Projections) -> tuple[Projection, ...] | None:
+    """A `GatedMLP`'s gate, up (None for a merged `[gate | up]`) and down projections through
+    `got`, or None when it has multipliers (see `plan_mlp`, which takes them)."""
+    if type(mlp) is not GatedMLP:
+        return None
+    if mlp._merged is None:
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        return got.take(gate), got.take(up), got.take(down)
+    merged, down = (getattr(mlp, n) for n in mlp._merged)
+    return got.take(merged), (None, None), got.take(down)
+
+
+@dataclass(frozen=True, eq=False)
+class FusedFfnStep:
+    """A layer's feed-forward stage `h + rm * ffn(norm(h))` in one call of `op` (the `ffn`
+    family's `mlp_decode` or `moe_decode`) for decode-only steps of up to `ffn.MAX_ROWS` rows
+    with an input in the model dtype `dtype`; `params` and the constant `args` built once;
+    `keep` what the plan keeps alive with it (an MoE's stacked experts)."""
+
+    op: Callable[..., torch.Tensor]
+    params: Params
+    args: tuple[float | int | bool, ...]
+    dtype: torch.dtype
+    int_dot: bool
+    keep: object = None
+
+    def takes(self, hidden: torch.Tensor, meta: object) -> bool:
+        """A decode-only step (`decode_plan.decode_only`) of at most `MAX_ROWS` rows, chains
+        included, in the model dtype."""
+        return (
+            isinstance(meta, MambaMetadata)
+            and hidden.dtype == self.dtype
+            and decode_only(hidden, meta, ffn_ops.MAX_ROWS, ffn_ops.MAX_ROWS)
+        )
+
+    def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
+        """`hidden (T, H)` -> `(T, H)`; a chain's rows each computed as alone (`each`)."""
+        each = bool(meta.decode_waves)
+        return self.op(hidden, self.params, *self.args, hidden.dtype, each, self.int_dot)
+
+
+def plan_mlp(mlp: nn.Module, norm: nn.Module, residual_multiplier: float) -> FusedFfnStep | None:
+    """`h + rm * mlp(norm(h))` as one `mlp_decode` call, or None where the kernel does not
+    apply (see the module docstring)."""
+    if type(mlp) is not GatedMLP:
+        return None
+    op = own_op("ffn", mlp.ops.name, "mlp_decode")
+    normed, code = ffn_norm_vector(norm), act_code(mlp.act)
+    if op is None or normed is None or code is None:
+        return None
+    got = Projections(mlp.ops.linear)
+    found = gated_projections(mlp, got)
+    dtype = got.dtype()
+    if found is None or dtype is None:
+        return None
+    (gate_w, gate_s), (up_w, up_s), (down_w, down_s) = found
+    params = ffn_ops.MlpParams(normed[0], gate_w, up_w, down_w, gate_s, up_s, down_s)
+    args = (normed[1], code, mlp.gate_multiplier, mlp.down_multiplier, float(residual_multiplier))
+    return FusedFfnStep(op, list(params), args, dtype, got.int_dot)

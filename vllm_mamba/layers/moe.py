@@ -26,11 +26,26 @@ The experts' outputs are accumulated in float32 (`accumulate_fp32`) or in the mo
 with the weights cast to it first, as each reference does. Expert `e` is run on the tokens
 that chose it, in ascending `e` (the order transformers adds them in).
 
+Fused decode (`layers.decode_plan`): `plan_moe` plans a layer's feed-forward stage
+`h + rm * moe(norm(h))` (plus a second, ungated shared-expert part such as Granite's
+`shared_mlp`) as one call of the `ffn` family's `moe_decode` op (`vllm_mamba.ops.ffn`: norm,
+router, top-k, the chosen experts, the weighted sum in ascending expert id, the shared expert
+and its sigmoid gate, residual; no Python loop, no gather or scatter). It applies to every
+router kind, one rank, no latent projections, experts that are `GatedMLP`s of plain bias-free
+`Linear`s (or `StackedGatedExperts`) with one activation, and a plain or zero-centred
+`RMSNorm`. The kernel reads the experts stacked, `(E * 2F, H)` gate and up rows and
+`(E * H, F)` down rows: `ExpertList.stacked` copies a list's weights (float, int8 or 4-bit, with
+their scales) into two stacked tensors once and points each expert's `Linear` at its rows of
+them, so the unfused path reads the same memory and the model holds the experts once. Top-k
+ties go to the lower expert id (torch.topk leaves them unspecified), so a fused and an unfused
+step may choose differently only between experts of equal scores.
+
 Glossary: T tokens, H hidden size, E experts, k experts per token, F expert size.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +55,17 @@ from torch import nn
 
 from vllm_mamba.distributed.communication import all_reduce
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.mlp import (
+    FusedFfnStep,
+    GatedMLP,
+    Projections,
+    act_code,
+    ffn_norm_vector,
+    gated_projections,
+)
 from vllm_mamba.layers.parallel_linear import even_ranges, shard_param
+from vllm_mamba.ops import ffn as ffn_ops
+from vllm_mamba.ops.families import own_op
 from vllm_mamba.ops.table import MambaOps
 
 ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "sigmoid_topk")
@@ -82,6 +107,7 @@ class ExpertRouter(nn.Module):
     def __init__(self, hidden_size: int, config: RouterConfig, ops: MambaOps | None = None) -> None:
         super().__init__()
         self.config = config
+        self.ops = ops
         self._linear = ops.linear if ops is not None else F.linear
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
         if config.score_bias:
@@ -178,9 +204,109 @@ def dispatch_experts(
 class ExpertList(nn.ModuleList):
     """Experts as separate MLP modules (`experts.E.*` in the checkpoints)."""
 
+    # Weak references to the `Linear`s' weights when last stacked and to the stacked experts
+    # (held by the plan that uses them): a stacking that no plan holds is not kept alive.
+    _stacked: tuple[tuple[weakref.ref, ...], weakref.ref] | None = None
+
     def run(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert` on rows `x (M, D)`."""
         return self[expert](x)
+
+    def stacked(self) -> StackedExperts | None:
+        """The experts' weights stacked for the fused kernel, or None (experts that are not
+        bias-free `GatedMLP`s of separate plain `Linear`s of one dtype, quantisation and
+        activation, without multipliers).
+
+        The first call copies the weights (and int8 / 4-bit scales) into `(E, 2F, ...)` gate/up
+        and `(E, H, ...)` down tensors and points each `Linear`'s weight (and scale) at its rows
+        of them; later calls return the same tensors while a plan holds them and the `Linear`s
+        keep those weights (else they stack again, from the views: the memory is freed once the
+        old stacking has no views left).
+        """
+        experts = list(self)
+        if not experts or any(type(m) is not GatedMLP or m._merged is not None for m in experts):
+            return None
+        if len({act_code(m.act) for m in experts}) != 1 or act_code(experts[0].act) is None:
+            return None
+        if any(m.gate_multiplier != 1.0 or m.down_multiplier != 1.0 for m in experts):
+            return None
+        linears = [lin for m in experts for lin in (m.gate_proj, m.up_proj, m.down_proj)]
+        current = tuple(lin.weight for lin in linears)
+        if self._stacked is not None:
+            refs, ref = self._stacked
+            cached = ref()
+            if cached is not None and all(r() is w for r, w in zip(refs, current, strict=True)):
+                return cached
+        got = Projections(experts[0].ops.linear)
+        found = [gated_projections(m, got) for m in experts]
+        dtype = got.dtype()
+        if dtype is None or any(f is None for f in found):
+            return None
+        kinds = {(gate[0].dtype, gate[1] is None) for f in found for gate in f}  # type: ignore[union-attr]
+        if len(kinds) != 1:
+            return None
+        stacked = _stack(self, found, dtype, got.int_dot)  # type: ignore[arg-type]
+        self._stacked = (tuple(weakref.ref(lin.weight) for lin in linears), weakref.ref(stacked))
+        return stacked
+
+
+@dataclass(frozen=True, eq=False)
+class StackedExperts:
+    """Experts as the fused kernel reads them: `gate_up (E * 2F, H)` (expert e's gate rows, then
+    its up rows), `down (E * H, F)` (int8: `(rows,)` float32 scales; 4-bit: packed uint8 weights
+    with `(rows, cols / 32)` float16 scales; float: scales None), the model dtype, the
+    activation's kernel code and whether the products use integer dots."""
+
+    gate_up: torch.Tensor
+    gate_up_scale: torch.Tensor | None
+    down: torch.Tensor
+    down_scale: torch.Tensor | None
+    dtype: torch.dtype
+    act: int
+    int_dot: bool
+
+
+def _stack(
+    experts: ExpertList,
+    found: list[tuple[tuple[torch.Tensor, torch.Tensor | None], ...]],
+    dtype: torch.dtype,
+    int_dot: bool,
+) -> StackedExperts:
+    """Copies the experts' `found` weights into stacked tensors and points their `Linear`s at
+    them (see `ExpertList.stacked`)."""
+    num = len(found)
+
+    def stack(parts: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.empty((num, *parts[0].shape), dtype=parts[0].dtype)
+        for e, part in enumerate(parts):
+            out[e].copy_(part)
+        return out
+
+    gate_up = stack([torch.cat([f[0][0], f[1][0]]) for f in found])  # (E, 2F, ...)
+    down = stack([f[2][0] for f in found])  # (E, H, ...)
+    quantised = found[0][0][1] is not None
+    gu_scale = stack([torch.cat([f[0][1], f[1][1]]) for f in found]) if quantised else None
+    dn_scale = stack([f[2][1] for f in found]) if quantised else None
+    inter = gate_up.shape[1] // 2
+    for e, mlp in enumerate(experts):
+        views = (
+            (mlp.gate_proj, gate_up[e, :inter], gu_scale[e, :inter] if quantised else None),
+            (mlp.up_proj, gate_up[e, inter:], gu_scale[e, inter:] if quantised else None),
+            (mlp.down_proj, down[e], dn_scale[e] if quantised else None),
+        )
+        for linear, weight, scale in views:
+            linear.weight.data = weight
+            if scale is not None:
+                linear.weight_scale = scale
+    return StackedExperts(
+        gate_up.flatten(0, 1),
+        gu_scale.flatten(0, 1) if quantised else None,
+        down.flatten(0, 1),
+        dn_scale.flatten(0, 1) if quantised else None,
+        dtype,
+        act_code(experts[0].act),
+        int_dot,
+    )  # type: ignore[arg-type]
 
 
 class StackedGatedExperts(nn.Module):
@@ -275,3 +401,94 @@ class SparseMoE(nn.Module):
                 shared = torch.sigmoid(getattr(self, self._names[3])(x)) * shared
             out = out + shared
         return out
+
+
+def _stacked_gated(experts: StackedGatedExperts, dtype: torch.dtype) -> StackedExperts | None:
+    """`StackedGatedExperts`' float parameters as the kernel reads them, or None."""
+    gate_up, down = experts.input_linear.weight, experts.output_linear.weight
+    code = act_code(experts.act)
+    if code is None or {gate_up.dtype, down.dtype} != {dtype} or gate_up.device.type != "cpu":
+        return None
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        return None
+    return StackedExperts(
+        gate_up.detach().flatten(0, 1), None, down.detach().flatten(0, 1), None, dtype, code, False
+    )
+
+
+def plan_moe(
+    moe: nn.Module, norm: nn.Module, residual_multiplier: float, shared: nn.Module | None = None
+) -> FusedFfnStep | None:
+    """`h + rm * (moe(norm(h)) + shared(norm(h)))` as one `moe_decode` call, or None where the
+    kernel does not apply (see the module docstring).
+
+    Args:
+        moe: the layer's `SparseMoE`.
+        norm: the feed-forward stage's norm.
+        residual_multiplier: the layer's `rm`.
+        shared: a second feed-forward part summed after the MoE (an ungated `GatedMLP`; the MoE
+            then has no shared expert of its own), or None.
+    """
+    if type(moe) is not SparseMoE or moe.tp.size != 1 or moe._latent_names is not None:
+        return None
+    router, experts = getattr(moe, moe._names[0]), getattr(moe, moe._names[1])
+    if type(router) is not ExpertRouter or router.ops is None:
+        return None
+    op = own_op("ffn", router.ops.name, "moe_decode")
+    normed = ffn_norm_vector(norm)
+    if op is None or normed is None or (shared is not None and moe._has_shared):
+        return None
+    gate = None
+    if moe._has_shared:
+        shared = getattr(moe, moe._names[2])
+        gate = getattr(moe, moe._names[3]) if moe._has_gate else None
+    got = Projections(router.ops.linear)
+    shared_found = ((None, None),) * 3
+    if shared is not None:
+        found = gated_projections(shared, got)
+        if found is None or shared.gate_multiplier != 1.0 or shared.down_multiplier != 1.0:
+            return None
+        shared_found = found
+    gate_w, gate_s = got.take(gate) if gate is not None else (None, None)
+    dtype = got.dtype()
+    if not got.ok or (got.dtypes and dtype is None):
+        return None
+    if isinstance(experts, ExpertList):
+        stacked = experts.stacked()
+    elif type(experts) is StackedGatedExperts:
+        stacked = _stacked_gated(experts, dtype or experts.input_linear.weight.dtype)
+    else:
+        stacked = None
+    if stacked is None or (dtype is not None and dtype != stacked.dtype):
+        return None
+    if got.int_dots and got.int_dot != stacked.int_dot:
+        return None
+    if shared is not None and act_code(shared.act) != stacked.act:
+        return None
+    weight = router.weight.detach()
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous():
+        return None
+    c = router.config
+    bias = _f32_or_none(getattr(router, "e_score_correction_bias", None)) if c.score_bias else None
+    (sh_gate, sh_gate_s), (sh_up, sh_up_s), (sh_down, sh_down_s) = shared_found
+    params = ffn_ops.MoeParams(
+        norm_w=normed[0], router_w=weight, router_bias=bias, experts_gate_up_w=stacked.gate_up,
+        experts_down_w=stacked.down, shared_gate_w=sh_gate, shared_up_w=sh_up,
+        shared_down_w=sh_down, shared_expert_gate_w=gate_w, router_scale=None,
+        experts_gate_up_scale=stacked.gate_up_scale, experts_down_scale=stacked.down_scale,
+        shared_gate_scale=sh_gate_s, shared_up_scale=sh_up_s, shared_down_scale=sh_down_s,
+        shared_expert_gate_scale=gate_s,
+    )  # fmt: skip
+    softmax = c.kind in ("softmax_topk", "topk_softmax")
+    kind = ffn_ops.ROUTER_SOFTMAX if softmax else ffn_ops.ROUTER_SIGMOID
+    renormalize = c.renormalize or c.kind == "topk_softmax"
+    grouped = c.kind == "sigmoid_grouped"
+    args = (
+        c.top_k, kind, renormalize, c.n_group if grouped else 1, c.topk_group if grouped else 1,
+        float(c.scaling), float(c.renorm_eps), normed[1], stacked.act, float(residual_multiplier),
+    )  # fmt: skip
+    return FusedFfnStep(op, list(params), args, stacked.dtype, stacked.int_dot, stacked)
+
+
+def _f32_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()

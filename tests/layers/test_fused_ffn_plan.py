@@ -1,0 +1,124 @@
+"""The fused feed-forward stage in the engine (`DecoderLayer.ffn_plan`): planned where the stage is
+a dense gated MLP or an MoE (softmax or sigmoid router, with or without its shared expert, or an
+MoE plus a shared MLP), the kernel runs on decode steps, and the tokens and logprobs equal those
+of the same model with `VLLM_MAMBA_FUSED_DECODE=0` (greedy equal, logprobs within 1e-4 in
+float32), also with int8 weights (the experts stacked as int8) and with the plans dropped again
+(the unfused layers then read the stacked experts).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.tiny_models import tiny_model_dir
+from vllm_mamba import LLM, SamplingParams
+from vllm_mamba.layers.decode_plan import DecodeScope, drop_decode_plans, planned_layers
+from vllm_mamba.layers.mlp import FusedFfnStep
+from vllm_mamba.layers.moe import ExpertList
+from vllm_mamba.ops import cpu_kernels, ffn
+
+pytestmark = pytest.mark.skipif(
+    "fused_moe_decode" not in cpu_kernels.library_ops(), reason="C++ extension not built"
+)
+
+PROMPTS = [[11, 42, 7, 300, 5], [9, 8], [1234, 77, 31]]
+
+# (model, quantization, the ops of its planned feed-forward stages)
+CASES = [
+    ("qwen3_5-gqa", None, {"mlp": 4}),  # dense SwiGLU after zero-centred norms
+    ("qwen3-next-moe", None, {"moe": 3}),  # softmax top-2 renormalised, gated shared expert
+    ("qwen3-next-moe", "int8", {"moe": 3}),
+    ("lfm2-moe-top2", None, {"mlp": 1, "moe": 3}),  # a dense layer, then sigmoid-routed MoEs
+    ("kimi-linear-moe", None, {"mlp": 1, "moe": 3}),  # sigmoid in groups, shared experts
+    ("granite-moe-rope", None, {"moe": 4}),  # top-k softmax, stacked experts, shared MLP, rm
+]
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Counts the fused feed-forward steps run."""
+    seen: Counter = Counter()
+    real = FusedFfnStep.__call__
+
+    def counted(self, hidden, meta):  # noqa: ANN001, ANN202
+        seen[len(hidden)] += 1
+        return real(self, hidden, meta)
+
+    monkeypatch.setattr(FusedFfnStep, "__call__", counted)
+    return seen
+
+
+def _llm(name: str, quantization: str | None) -> LLM:
+    return LLM(
+        tiny_model_dir(name), threads=1, max_num_seqs=4, max_model_len=128,
+        quantization=quantization,
+    )  # fmt: skip
+
+
+def _generate(llm: LLM) -> list:
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def _assert_same(fused: list, unfused: list) -> None:
+    for a, b in zip(fused, unfused, strict=True):
+        assert a.token_ids == b.token_ids
+        lp_a = torch.tensor([a.logprobs[i][t].logprob for i, t in enumerate(a.token_ids)])
+        lp_b = torch.tensor([b.logprobs[i][t].logprob for i, t in enumerate(b.token_ids)])
+        torch.testing.assert_close(lp_a, lp_b, rtol=0, atol=1e-4)
+
+
+def _op_kinds(llm: LLM) -> Counter:
+    kinds: Counter = Counter()
+    for layer in planned_layers(llm.llm_engine.model):
+        plan = layer.ffn_plan
+        if plan is not None:
+            assert plan.scope is DecodeScope.FFN
+            kinds["moe" if plan.step.op.__name__.endswith("moe_decode") else "mlp"] += 1
+    return kinds
+
+
+@pytest.mark.parametrize("name,quantization,kinds", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_fused_feed_forward_equals_unfused(
+    name: str, quantization: str | None, kinds: dict, fused_calls: Counter,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    llm = _llm(name, quantization)
+    assert _op_kinds(llm) == kinds, "the feed-forward plans made"
+    fused = _generate(llm)
+    assert fused_calls[len(PROMPTS)] > 0, "the fused feed-forward steps did not run"
+    monkeypatch.setenv("VLLM_MAMBA_FUSED_DECODE", "0")
+    unfused_llm = _llm(name, quantization)
+    assert not _op_kinds(unfused_llm)
+    calls = sum(fused_calls.values())
+    _assert_same(fused, _generate(unfused_llm))
+    assert sum(fused_calls.values()) == calls
+    drop_decode_plans(llm.llm_engine.model)  # the same engine unfused (stacked experts' views)
+    _assert_same(fused, _generate(llm))
+    assert sum(fused_calls.values()) == calls
+
+
+def test_stacked_experts_are_the_layers_weights() -> None:
+    """The experts' `Linear`s read their rows of the stacked tensors (held once), and a binding
+    that re-plans reuses the stacking."""
+    llm = _llm("qwen3-next-moe", None)
+    model = llm.llm_engine.model
+    lists = [m for m in model.modules() if isinstance(m, ExpertList)]
+    assert lists
+    steps = [layer.ffn_plan.step for layer in planned_layers(model) if layer.ffn_plan]
+    gate_up_i = ffn.MOE_PARAMS.index("experts_gate_up_w")
+    for experts, step in zip(lists, steps, strict=True):
+        stacked = step.params[gate_up_i]
+        inter = experts[0].gate_proj.weight.shape[0]
+        for e, mlp in enumerate(experts):
+            assert mlp.gate_proj.weight.data_ptr() == stacked[2 * inter * e].data_ptr()
+            assert mlp.up_proj.weight.data_ptr() == stacked[2 * inter * e + inter].data_ptr()
+    engine = llm.llm_engine
+    engine.executor.cache.bind(model)
+    again = [layer.ffn_plan.step for layer in planned_layers(model) if layer.ffn_plan]
+    for a, b in zip(again, steps, strict=True):
+        assert a is not b and a.params[gate_up_i] is b.params[gate_up_i]

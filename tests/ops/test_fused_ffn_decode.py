@@ -1,0 +1,246 @@
+"""The fused feed-forward kernels (`ffn` family: `mlp_decode`, `moe_decode`) against their
+references, and the references against the unfused layers.
+
+Kernel cases: 1, 3 and 8 rows; float32 and bfloat16 weights, int8 and 4-bit weights
+(`quantize_int8` / `quantize_int4`, the reference on the same quantised weights); separate or
+merged gate and up weights; activations and multipliers; the MoE with softmax (renormalised or
+not) and sigmoid routers (bias, groups), with and without a shared expert and its gate, and
+top-k ties (the lower expert id wins, in kernel and reference alike). The references are checked
+against `GatedMLP`, `ExpertRouter` and `SparseMoE` themselves (tie-free routing).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_mamba.layers.layernorm import RMSNorm
+from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.mlp import GatedMLP
+from vllm_mamba.layers.moe import ROUTER_KINDS, ExpertList, ExpertRouter, RouterConfig, SparseMoE
+from vllm_mamba.ops import cpu_kernels, ffn
+from vllm_mamba.ops.int4_linear import quantize_int4
+from vllm_mamba.ops.int8_linear import quantize_int8
+from vllm_mamba.ops.table import bind_ops
+
+pytestmark = pytest.mark.skipif(
+    "fused_moe_decode" not in cpu_kernels.library_ops(), reason="C++ extension not built"
+)
+
+H, I, S, E = 64, 96, 64, 8  # hidden, expert / MLP width, shared width, experts (I: 3 groups)
+
+
+def _w(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+
+
+def _weight(w: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`w` as float32, bfloat16, int8 or 4-bit, with its scales."""
+    if dtype == "int8":
+        return quantize_int8(w)
+    if dtype == "int4":
+        return quantize_int4(w)
+    return w.to(getattr(torch, dtype)).contiguous(), None
+
+
+def _hidden(g: torch.Generator, rows: int) -> torch.Tensor:
+    return torch.randn(rows, H, generator=g)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("merged", [False, True])
+def test_mlp_kernel_matches_reference(rows: int, dtype: str, merged: bool) -> None:
+    g = torch.Generator().manual_seed(rows * 7 + len(dtype) + merged)
+    gate, up, down = _w(g, I, H), _w(g, I, H), _w(g, H, I)
+    if merged:
+        gate_w, gate_s = _weight(torch.cat([gate, up]), dtype)
+        up_w = up_s = None
+    else:
+        (gate_w, gate_s), (up_w, up_s) = _weight(gate, dtype), _weight(up, dtype)
+    down_w, down_s = _weight(down, dtype)
+    norm = 1.0 + 0.1 * torch.randn(H, generator=g)
+    params = list(ffn.MlpParams(norm, gate_w, up_w, down_w, gate_s, up_s, down_s))
+    hidden = _hidden(g, rows)
+    for act, gm, dm, rm in ((0, 1.0, 1.0, 1.0), (1, 0.5, 2.0, 0.25), (4, 1.0, 1.0, 1.0)):
+        args = (1e-6, act, gm, dm, rm, torch.float32)
+        want = ffn.fused_mlp_decode_ref(hidden, params, *args)
+        for each in (False, True):
+            _close(cpu_kernels.fused_mlp_decode(hidden, params, *args, each), want)
+
+
+def test_mlp_bfloat16_activations() -> None:
+    """A bfloat16 model's rows: float32 inside, the result rounded once."""
+    g = torch.Generator().manual_seed(5)
+    params = [torch.ones(H), _w(g, I, H).bfloat16(), _w(g, I, H).bfloat16(),
+              _w(g, H, I).bfloat16(), None, None, None]  # fmt: skip
+    hidden = _hidden(g, 3).bfloat16()
+    args = (1e-6, 0, 1.0, 1.0, 1.0, torch.bfloat16)
+    got = cpu_kernels.fused_mlp_decode(hidden, params, *args)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, ffn.fused_mlp_decode_ref(hidden, params, *args))
+
+
+def test_mlp_reference_is_the_layer() -> None:
+    """The reference equals `h + GatedMLP(RMSNorm(h))` run by the unfused layers."""
+    g = torch.Generator().manual_seed(1)
+    ops = bind_ops("ref")
+    mlp, norm = GatedMLP(H, I, False, ops, gate_multiplier=0.5, down_multiplier=3.0), RMSNorm(H)
+    with torch.no_grad():
+        for p in (*mlp.parameters(), norm.weight):
+            p.copy_(_w(g, *p.shape) if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape))
+        hidden = _hidden(g, 3)
+        want = hidden + mlp(norm(hidden))
+    params = [norm.weight.detach(), mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(),
+              mlp.down_proj.weight.detach(), None, None, None]  # fmt: skip
+    got = ffn.fused_mlp_decode_ref(hidden, params, 1e-6, 0, 0.5, 3.0, 1.0, torch.float32)
+    _close(got, want)
+
+
+def _moe_params(
+    g: torch.Generator, dtype: str, shared: str, bias: bool, tie: bool = False
+) -> list[torch.Tensor | None]:
+    """MoE params; `shared`: "none", "plain", "gated" or "merged" (a merged, ungated one)."""
+    router = _w(g, E, H)
+    if tie:  # experts 2 and 5 score alike, as do 3 and 6
+        router[5], router[6] = router[2], router[3]
+    gate_up, gu_s = _weight(_w(g, E * 2 * I, H), dtype)
+    down, dn_s = _weight(_w(g, E * H, I), dtype)
+    p = dict.fromkeys(ffn.MOE_PARAMS)
+    p.update(norm_w=1.0 + 0.1 * torch.randn(H, generator=g), router_w=router,
+             experts_gate_up_w=gate_up, experts_down_w=down, experts_gate_up_scale=gu_s,
+             experts_down_scale=dn_s)  # fmt: skip
+    if bias:
+        p["router_bias"] = 0.1 * torch.randn(E, generator=g)
+    if shared == "merged":
+        p["shared_gate_w"], p["shared_gate_scale"] = _weight(_w(g, 2 * S, H), dtype)
+    elif shared != "none":
+        p["shared_gate_w"], p["shared_gate_scale"] = _weight(_w(g, S, H), dtype)
+        p["shared_up_w"], p["shared_up_scale"] = _weight(_w(g, S, H), dtype)
+    if shared != "none":
+        p["shared_down_w"], p["shared_down_scale"] = _weight(_w(g, H, S), dtype)
+    if shared == "gated":
+        p["shared_expert_gate_w"], p["shared_expert_gate_scale"] = _weight(_w(g, 1, H), dtype)
+    return list(ffn.MoeParams(**p))
+
+
+# Router args: top_k, kind, renormalize, n_group, topk_group, scaling, renorm_eps.
+ROUTERS = {
+    "softmax-renorm": (3, ffn.ROUTER_SOFTMAX, True, 1, 1, 1.0, 0.0),
+    "softmax": (2, ffn.ROUTER_SOFTMAX, False, 1, 1, 1.0, 0.0),
+    "sigmoid": (3, ffn.ROUTER_SIGMOID, True, 1, 1, 2.5, 1e-6),
+    "sigmoid-grouped": (2, ffn.ROUTER_SIGMOID, True, 4, 2, 1.5, 1e-20),
+}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize(
+    ("router", "shared"),
+    [("softmax-renorm", "gated"), ("softmax", "none"), ("sigmoid", "plain"),
+     ("sigmoid-grouped", "merged")],
+)  # fmt: skip
+def test_moe_kernel_matches_reference(rows: int, dtype: str, router: str, shared: str) -> None:
+    g = torch.Generator().manual_seed(rows * 13 + len(dtype) + len(router))
+    params = _moe_params(g, dtype, shared, bias=router.startswith("sigmoid"))
+    hidden = _hidden(g, rows)
+    args = (*ROUTERS[router], 1e-6, 0, 0.5, torch.float32)
+    want = ffn.fused_moe_decode_ref(hidden, params, *args)
+    for each in (False, True):
+        _close(cpu_kernels.fused_moe_decode(hidden, params, *args, each), want)
+
+
+@pytest.mark.parametrize("router", ["softmax-renorm", "sigmoid"])
+def test_moe_ties_choose_the_lower_expert(router: str) -> None:
+    """Experts 2 and 5 (and 3 and 6) have equal logits: top-k breaks ties by ascending id."""
+    g = torch.Generator().manual_seed(3)
+    params = _moe_params(g, "float32", "none", bias=False, tie=True)
+    hidden = _hidden(g, 8)
+    args = list(ROUTERS[router])
+    logits = ffn._linear(ffn._rms_norm(hidden, params[0], 1e-6), params[1], None)
+    order = torch.sort(logits, dim=-1, descending=True, stable=True)[1]
+    weights, chosen = ffn.route_ref(logits, *args, None)
+    for b in range(hidden.shape[0]):  # a tie that straddles the k-th place keeps the lower id
+        ids = set(chosen[b].tolist())
+        assert chosen[b].tolist() == order[b, : args[0]].tolist()
+        assert all(high not in ids or low in ids for low, high in ((2, 5), (3, 6)))
+    for k in range(1, E):  # some k splits a tied pair
+        args[0] = k
+        call = (*args, 1e-6, 0, 1.0, torch.float32)
+        want = ffn.fused_moe_decode_ref(hidden, params, *call)
+        _close(cpu_kernels.fused_moe_decode(hidden, params, *call), want)
+
+
+@pytest.mark.parametrize("kind", ROUTER_KINDS)
+def test_route_reference_is_the_router(kind: str) -> None:
+    """`route_ref` chooses and weights as `ExpertRouter` (tie-free logits)."""
+    g = torch.Generator().manual_seed(11)
+    grouped = kind == "sigmoid_grouped"
+    config = RouterConfig(kind, E, 3, renormalize=True, n_group=4 if grouped else 1,
+                          topk_group=2 if grouped else 1, scaling=1.7,
+                          score_bias=kind.startswith("sigmoid"), renorm_eps=1e-6)  # fmt: skip
+    router = ExpertRouter(H, config)
+    with torch.no_grad():
+        router.weight.copy_(_w(g, E, H))
+        if config.score_bias:
+            router.e_score_correction_bias.copy_(0.1 * torch.randn(E, generator=g))
+        x = _hidden(g, 5)
+        weights, chosen = router(x)
+    logits = x @ router.weight.detach().T
+    bias = router.e_score_correction_bias.detach() if config.score_bias else None
+    kind_code = 0 if kind in ("softmax_topk", "topk_softmax") else ffn.ROUTER_SIGMOID
+    got_w, got_c = ffn.route_ref(logits, 3, kind_code, True, config.n_group, config.topk_group,
+                                 config.scaling if kind_code else 1.0, 1e-6, bias)  # fmt: skip
+    order, got_order = chosen.sort(dim=-1), got_c.sort(dim=-1)
+    assert torch.equal(order.values, got_order.values)
+    _close(got_w.gather(1, got_order.indices), weights.gather(1, order.indices))
+
+
+def test_moe_reference_is_the_layer() -> None:
+    """The reference equals `h + SparseMoE(RMSNorm(h))` (experts of `GatedMLP`s, a gated shared
+    expert), the unfused layers."""
+    g = torch.Generator().manual_seed(2)
+    ops = bind_ops("ref")
+    config = RouterConfig("softmax_topk", E, 3, renormalize=True)
+    experts = ExpertList(GatedMLP(H, I, False, ops, reduce=False) for _ in range(E))
+    shared = GatedMLP(H, S, False, ops)
+    moe = SparseMoE(ExpertRouter(H, config, ops), experts, shared=shared,
+                    shared_gate=Linear(H, 1, False, ops))  # fmt: skip
+    norm = RMSNorm(H)
+    with torch.no_grad():
+        for p in (*moe.parameters(), norm.weight):
+            p.copy_(_w(g, *p.shape) if p.dim() > 1 else 1 + 0.1 * torch.randn(p.shape))
+        hidden = _hidden(g, 4)
+        want = hidden + moe(norm(hidden))
+    p = dict.fromkeys(ffn.MOE_PARAMS)
+    p.update(
+        norm_w=norm.weight.detach(), router_w=moe.router.weight.detach(),
+        experts_gate_up_w=torch.cat([torch.cat([m.gate_proj.weight, m.up_proj.weight])
+                                     for m in experts]).detach(),
+        experts_down_w=torch.cat([m.down_proj.weight for m in experts]).detach(),
+        shared_gate_w=shared.gate_proj.weight.detach(), shared_up_w=shared.up_proj.weight.detach(),
+        shared_down_w=shared.down_proj.weight.detach(),
+        shared_expert_gate_w=moe.shared_expert_gate.weight.detach(),
+    )  # fmt: skip
+    got = ffn.fused_moe_decode_ref(hidden, list(ffn.MoeParams(**p)), *ROUTERS["softmax-renorm"],
+                                   1e-6, 0, 1.0, torch.float32)  # fmt: skip
+    _close(got, want)
+
+
+def test_bad_input_is_refused() -> None:
+    g = torch.Generator().manual_seed(4)
+    params = _moe_params(g, "float32", "none", bias=False)
+    hidden = _hidden(g, 9)
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        cpu_kernels.fused_moe_decode(hidden, params, *ROUTERS["softmax"], 1e-6, 0, 1.0,
+                                     torch.float32)  # fmt: skip
+    with pytest.raises(RuntimeError, match="top_k"):
+        cpu_kernels.fused_moe_decode(hidden[:1], params, 0, 0, True, 1, 1, 1.0, 0.0, 1e-6, 0,
+                                     1.0, torch.float32)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="int_dot"):
+        ffn.fused_mlp_decode_ref(hidden, [None] * 7, 1e-6, 0, 1.0, 1.0, 1.0, torch.float32,
+                                 int_dot=True)  # fmt: skip

@@ -1,0 +1,259 @@
+"""The `ffn` op family: a decoder layer's feed-forward stage for a few rows in one kernel call.
+
+`mlp_decode` is `h + rm * GatedMLP(rms_norm(h))` and `moe_decode` is `h + rm * (routed
+experts + shared expert)(rms_norm(h))` (C++: `torch.ops.vllm_mamba.fused_mlp_decode` /
+`fused_moe_decode`, `csrc/fused_decode_ffn.cpp`, bound in `vllm_mamba.ops.cpu_kernels`): up to
+`MAX_ROWS` rows, weight-streaming products inside one parallel region, the MoE's router, top-k,
+chosen experts and shared expert without a Python loop. Their references below compose the
+unfused math (`F.linear` in float32 on the weights as stored, int8 and 4-bit dequantised), so the
+two paths have one definition; the layers plan them in `layers.mlp.plan_mlp` /
+`layers.moe.plan_moe`.
+
+`params` is a list of tensors in a fixed order (`MLP_PARAMS`, `MOE_PARAMS`; absent optional
+entries None). The norm weight is the float32 vector the norm multiplies by (`w` for `RMSNorm`,
+`1 + w` for `ZeroCenteredRMSNorm`). Each projection weight (`*_w`) is float32, bfloat16, int8
+with its per-row float32 scale in the matching `*_scale` entry, or 4-bit (uint8 `(rows, cols/2)`
+with `(rows, cols/32)` float16 group scales); a gate weight with no up weight is the merged
+`[gate | up]` one. The MoE's experts are stacked: `experts_gate_up_w (E * 2I, H)` (expert e's
+gate rows then its up rows) and `experts_down_w (E * H, I)`.
+
+Routers (`router_kind`): 0, softmax over the E logits, top-k by logit, weights renormalised over
+the k when `renormalize` (Qwen3-Next, Qwen3.5-MoE; top-k-then-softmax, Granite, is the same with
+`renormalize`); 1, sigmoid scores, chosen by score plus `router_bias` among the best `topk_group`
+of `n_group` groups (a group scored by its two best), weighted by the scores, divided by their
+sum plus `renorm_eps` when `renormalize`, times `scaling`. Ties of the top-k: the larger value
+first, equal values in ascending expert (group) id, where torch.topk leaves their order open.
+The chosen experts are summed in ascending expert id (`layers.moe.dispatch_experts`' order).
+
+`act` is a code of `ACT_CODES`; `each` makes every row's products independent of the other rows
+(speculative chains); `int_dot` asks for integer dot products of int8 / 4-bit weights
+(`fused::Weight::int_dot`; the references compute weight-only products and refuse it).
+
+Glossary: B rows, H hidden, I expert (or MLP) width, S shared-expert width, E experts, k experts
+per token.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from vllm_mamba.ops.families import OpFamily, OpSpec
+from vllm_mamba.ops.fused_decode import _linear, _rms_norm
+
+Tensor = torch.Tensor
+Params = list[torch.Tensor | None]
+
+MAX_ROWS = 8  # rows one call takes (`fused::kGemvMaxBatch`)
+ACT_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu": 2, "relu": 3, "relu2": 4}
+ROUTER_SOFTMAX, ROUTER_SIGMOID = 0, 1
+
+MLP_PARAMS = ("norm_w", "gate_w", "up_w", "down_w", "gate_scale", "up_scale", "down_scale")
+MOE_PARAMS = (
+    "norm_w", "router_w", "router_bias", "experts_gate_up_w", "experts_down_w", "shared_gate_w",
+    "shared_up_w", "shared_down_w", "shared_expert_gate_w", "router_scale",
+    "experts_gate_up_scale", "experts_down_scale", "shared_gate_scale", "shared_up_scale",
+    "shared_down_scale", "shared_expert_gate_scale",
+)  # fmt: skip
+# `params` by name, in the order of the C++ index constants (`MlpParam`, `MoeParam`).
+MlpParams = NamedTuple("MlpParams", [(n, "Tensor | None") for n in MLP_PARAMS])
+MoeParams = NamedTuple("MoeParams", [(n, "Tensor | None") for n in MOE_PARAMS])
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+_ACTS = (F.silu, partial(F.gelu, approximate="tanh"), F.gelu, F.relu, _relu2)
+
+
+def _no_int_dot(int_dot: bool) -> None:
+    if int_dot:
+        raise NotImplementedError("int_dot: the references compute weight-only products")
+
+
+def _gated(
+    x: torch.Tensor,
+    gate_w: torch.Tensor,
+    up_w: torch.Tensor | None,
+    down_w: torch.Tensor,
+    scales: tuple[torch.Tensor | None, ...],
+    act: int,
+    gate_multiplier: float = 1.0,
+) -> torch.Tensor:
+    """`down(act(gate(x) * gm) * up(x))` in float32; `up_w` None: `gate_w` is `[gate | up]`."""
+    gate_scale, up_scale, down_scale = scales
+    if up_w is None:
+        gate, up = _linear(x, gate_w, None, gate_scale).chunk(2, dim=-1)
+    else:
+        gate, up = _linear(x, gate_w, None, gate_scale), _linear(x, up_w, None, up_scale)
+    if gate_multiplier != 1.0:
+        gate = gate * gate_multiplier
+    return _linear(_ACTS[act](gate) * up, down_w, None, down_scale)
+
+
+def fused_mlp_decode_ref(
+    hidden: torch.Tensor,
+    params: Params,
+    norm_eps: float,
+    act: int,
+    gate_multiplier: float,
+    down_multiplier: float,
+    residual_multiplier: float,
+    out_dtype: torch.dtype,
+    each: bool = False,
+    int_dot: bool = False,
+) -> torch.Tensor:
+    """`hidden + rm * GatedMLP(rms_norm(hidden))` for `hidden (B, H)`, math in float32.
+
+    Args:
+        params: `MLP_PARAMS`: norm_w `(H,)`, gate_w `(I, H)` (or `(2I, H)` `[gate | up]` with
+            up_w None), up_w `(I, H)`, down_w `(H, I)`, and their scales.
+        norm_eps: the norm's epsilon; act: a code of `ACT_CODES`.
+        gate_multiplier, down_multiplier: the MLP's muP multipliers; residual_multiplier: the
+            layer's (`rm`).
+        out_dtype: the result's dtype; each: rows independent (the reference's always are).
+    """
+    _no_int_dot(int_dot)
+    p = MlpParams(*params)
+    x = hidden.float()
+    scales = (p.gate_scale, p.up_scale, p.down_scale)
+    y = _gated(_rms_norm(x, p.norm_w, norm_eps), p.gate_w, p.up_w, p.down_w, scales, act,
+               gate_multiplier)  # fmt: skip
+    if down_multiplier != 1.0:
+        y = y * down_multiplier
+    return (x + (y if residual_multiplier == 1.0 else y * residual_multiplier)).to(out_dtype)
+
+
+def route_ref(
+    logits: torch.Tensor,
+    top_k: int,
+    router_kind: int,
+    renormalize: bool,
+    n_group: int,
+    topk_group: int,
+    scaling: float,
+    renorm_eps: float,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits (B, E)` float32 -> weights `(B, k)` float32 and expert ids `(B, k)` (see the
+    module docstring; ties by stable sorts: ascending id)."""
+
+    def best(v: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.sort(v, dim=-1, descending=True, stable=True)[1][..., :k]
+
+    if router_kind == ROUTER_SOFTMAX:
+        probs = logits.softmax(dim=-1)
+        chosen = best(logits, top_k)
+        weights = probs.gather(1, chosen)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+    scores = logits.sigmoid()
+    choice = scores + bias if bias is not None else scores
+    if n_group > 1:
+        rows, experts = choice.shape
+        grouped = choice.view(rows, n_group, experts // n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (B, n_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, best(group_scores, topk_group), True)
+        choice = choice.masked_fill(~keep.repeat_interleave(experts // n_group, 1), -torch.inf)
+    chosen = best(choice, top_k)
+    weights = scores.gather(1, chosen)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + renorm_eps)
+    return weights * scaling, chosen
+
+
+def fused_moe_decode_ref(
+    hidden: torch.Tensor,
+    params: Params,
+    top_k: int,
+    router_kind: int,
+    renormalize: bool,
+    n_group: int,
+    topk_group: int,
+    scaling: float,
+    renorm_eps: float,
+    norm_eps: float,
+    act: int,
+    residual_multiplier: float,
+    out_dtype: torch.dtype,
+    each: bool = False,
+    int_dot: bool = False,
+) -> torch.Tensor:
+    """`hidden + rm * (sum_k w_k expert_k(x) + g * shared(x))`, `x = rms_norm(hidden)`, for
+    `hidden (B, H)`, math in float32.
+
+    Args:
+        params: `MOE_PARAMS`: norm_w `(H,)`, router_w `(E, H)`, router_bias `(E,)` or None,
+            experts_gate_up_w `(E * 2I, H)`, experts_down_w `(E * H, I)`, the shared expert's
+            shared_gate_w / shared_up_w / shared_down_w (None: no shared expert; shared_up_w
+            None: merged), shared_expert_gate_w `(1, H)` (None: `g = 1`, else
+            `g = sigmoid(x @ w^T)`), and the scales.
+        top_k ... renorm_eps: the router (see the module docstring).
+        norm_eps, act, residual_multiplier, out_dtype, each: as `fused_mlp_decode_ref`.
+    """
+    _no_int_dot(int_dot)
+    p = MoeParams(*params)
+    x = hidden.float()
+    xn = _rms_norm(x, p.norm_w, norm_eps)
+    logits = _linear(xn, p.router_w, None, p.router_scale)  # (B, E)
+    weights, chosen = route_ref(
+        logits, top_k, router_kind, renormalize, n_group, topk_group, scaling, renorm_eps,
+        p.router_bias,
+    )  # fmt: skip
+    num_experts, hidden_size = logits.shape[1], x.shape[1]
+    inter = p.experts_gate_up_w.shape[0] // (2 * num_experts)
+    out = torch.zeros_like(x)
+    for b in range(x.shape[0]):
+        for k in torch.argsort(chosen[b], stable=True).tolist():  # ascending expert id
+            e = int(chosen[b, k])
+            gu = slice(e * 2 * inter, (e + 1) * 2 * inter)
+            dn = slice(e * hidden_size, (e + 1) * hidden_size)
+            gu_scale, dn_scale = p.experts_gate_up_scale, p.experts_down_scale
+            y = _gated(
+                xn[b : b + 1], p.experts_gate_up_w[gu], None, p.experts_down_w[dn],
+                (gu_scale[gu] if gu_scale is not None else None, None,
+                 dn_scale[dn] if dn_scale is not None else None), act,
+            )  # fmt: skip
+            out[b] += y[0] * weights[b, k]
+    if p.shared_gate_w is not None:
+        scales = (p.shared_gate_scale, p.shared_up_scale, p.shared_down_scale)
+        shared = _gated(xn, p.shared_gate_w, p.shared_up_w, p.shared_down_w, scales, act)
+        if p.shared_expert_gate_w is not None:
+            gate = _linear(xn, p.shared_expert_gate_w, None, p.shared_expert_gate_scale)
+            shared = torch.sigmoid(gate) * shared
+        out = out + shared
+    return (x + (out if residual_multiplier == 1.0 else out * residual_multiplier)).to(out_dtype)
+
+
+class FusedMlpDecodeOp(Protocol):
+    def __call__(
+        self, hidden: Tensor, params: Params, norm_eps: float, act: int, gate_multiplier: float,
+        down_multiplier: float, residual_multiplier: float, out_dtype: torch.dtype,
+        each: bool = False, int_dot: bool = False,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class FusedMoeDecodeOp(Protocol):
+    def __call__(
+        self, hidden: Tensor, params: Params, top_k: int, router_kind: int, renormalize: bool,
+        n_group: int, topk_group: int, scaling: float, renorm_eps: float, norm_eps: float,
+        act: int, residual_multiplier: float, out_dtype: torch.dtype, each: bool = False,
+        int_dot: bool = False,
+    ) -> Tensor: ...  # fmt: skip
+
+
+# The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
+# docstring says what the arguments are.
+OPS = OpFamily(
+    "ffn",
+    {
+        "mlp_decode": OpSpec(FusedMlpDecodeOp, fused_mlp_decode_ref),
+        "moe_decode": OpSpec(FusedMoeDecodeOp, fused_moe_decode_ref),
+    },
+)
