@@ -3,7 +3,8 @@
 The rest of the suite runs the level `cpu_isa` picks (the highest). Here each lower level runs
 the C++ kernel tests against their `_ref` twins in a subprocess of its own (a process imports
 one kernel build), and the engine's float32 generations (greedy tokens and their logprobs)
-on tiny Mamba, Mamba2, Gated DeltaNet and short-conv hybrid checkpoints are compared across all levels.
+on tiny Mamba, Mamba2, Gated DeltaNet and short-conv hybrid checkpoints are compared across
+all levels.
 The levels differ in vector width and FMA contraction, so logprobs agree to float32
 rounding, not bit for bit.
 """
