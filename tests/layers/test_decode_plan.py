@@ -88,10 +88,12 @@ def _generate(llm: LLM) -> list:
 CASES = [
     ("tied", {DecodeScope.BLOCK: 2}, "mamba step"),  # Mamba: norm, mixer, residual
     ("mamba2-groups", {DecodeScope.BLOCK: 2}, "mamba step"),
-    ("granite-moe-rope", {DecodeScope.MIXER: 2, None: 2}, "mamba step"),  # residual multiplier
+    # a residual multiplier: the Mamba2 and the attention mixers fused alone
+    ("granite-moe-rope", {DecodeScope.MIXER: 4}, "mamba step"),
     ("zamba2-lora-rope", {DecodeScope.MIXER: 6}, "mamba step"),  # Zamba2's own layers
     ("rwkv7-h64", {DecodeScope.LAYER: 3}, "rwkv7 step"),  # the whole layer
-    ("jamba-gqa", {None: 4}, None),  # a mixer whose math the kernel does not compute
+    # Jamba's Mamba mixer's math is not the kernel's; its attention blocks are fused
+    ("jamba-gqa", {None: 2, DecodeScope.BLOCK: 2}, None),
 ]
 
 

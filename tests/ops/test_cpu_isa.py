@@ -48,6 +48,7 @@ KERNEL_TESTS = [
     "tests/ops/test_rwkv7_decode_layer.py",
     "tests/ops/test_fused_decode.py",
     "tests/ops/test_fused_short_conv_decode.py",
+    "tests/ops/test_fused_attention_decode.py",
 ]
 
 GENERATE = """

@@ -129,11 +129,11 @@ class DecoderLayer(PlannedLayer):
     def make_decode_plan(self) -> DecodePlan | None:
         """The first fused step the layer's shape allows and its mixer offers (see the module
         docstring), from the weights and bound states now; None: unfused."""
-        stateful = [(n, getattr(self, n)) for n, _, _ in self._mixers]
-        stateful = [(n, m) for n, m in stateful if isinstance(m, StatefulLayer)]
-        if len(stateful) == len(self._mixers) == 1:
-            name, mixer = stateful[0]
-            if self._whole_layer_fusable():
+        offering = [(n, getattr(self, n)) for n, _, _ in self._mixers]
+        offering = [(n, m) for n, m in offering if hasattr(m, "fused_mixer_step")]
+        if len(offering) == len(self._mixers) == 1:
+            name, mixer = offering[0]
+            if self._whole_layer_fusable() and isinstance(mixer, StatefulLayer):
                 step = mixer.fused_layer_step(self)
                 if step is not None:
                     return DecodePlan(DecodeScope.LAYER, step, name)
@@ -142,7 +142,7 @@ class DecoderLayer(PlannedLayer):
                 step = mixer.fused_mixer_step(norm, self.residual_in_fp32)
                 if step is not None:
                     return DecodePlan(DecodeScope.BLOCK, step, name)
-        for name, mixer in stateful:
+        for name, mixer in offering:
             step = mixer.fused_mixer_step(None, False)
             if step is not None:
                 return DecodePlan(DecodeScope.MIXER, step, name)

@@ -106,6 +106,12 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = table.to(device)
         return self._cos_sin
 
+    def table(self, positions: torch.Tensor) -> torch.Tensor:
+        """The `(P, R)` float32 cos / sin table covering `positions` (a RoPE whose frequencies
+        do not follow the sequence's length: `freqs.by_length` None), grown as needed."""
+        assert self.freqs.by_length is None, "a dynamic or longrope RoPE has per-token tables"
+        return self._table(positions.device, positions)
+
     def _token_table(
         self, device: torch.device, positions: torch.Tensor, lengths: torch.Tensor
     ) -> torch.Tensor:

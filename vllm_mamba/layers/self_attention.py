@@ -23,15 +23,26 @@ Glossary: T tokens in the step, H hidden size, Hq query heads, Hkv key/value hea
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.attention import PagedAttention
+from vllm_mamba.layers.decode_plan import CHAIN_MAX_ROWS, FusedStep, decode_only
+from vllm_mamba.layers.fused_decode_layer import _f32 as f32
+from vllm_mamba.layers.fused_decode_layer import _out_dtype as fused_out_dtype
+from vllm_mamba.layers.fused_decode_layer import _weights as fused_weights
+from vllm_mamba.layers.layernorm import RMSNorm, ZeroCenteredRMSNorm
 from vllm_mamba.layers.mixer_sharding import kv_head_ranges
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
+from vllm_mamba.layers.quantization import uses_int_dot
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
+from vllm_mamba.ops.families import own_op
+from vllm_mamba.ops.paged_attention import AttentionParams
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -76,6 +87,48 @@ class SelfAttention(nn.Module):
             raise ValueError("q_norm and k_norm come together")
         self.q_norm, self.k_norm = q_norm, k_norm
         self.attn = PagedAttention(heads, kv_heads, head_dim, scale, ops)
+        self.ops = ops
+
+    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+        """The decode-only steps as one call of `paged_attention.decode_layer` (with the
+        block's norm and residual when given), planned once; None where it does not apply: no
+        kernel, a norm or q/k norm that is not a plain or zero-centred `RMSNorm` per head, a
+        RoPE that follows the sequence's length (`dynamic`, `longrope`), projections that are
+        not plain `Linear`s of one model dtype (tensor-parallel layers are not), a float32
+        residual."""
+        op = own_op("paged_attention", self.ops.name, "decode_layer")
+        if op is None or residual_in_fp32 or (norm is not None and norm_weight(norm) is None):
+            return None
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            return None
+        qk_norms = [norm_weight(n) for n in (self.q_norm, self.k_norm) if n is not None]
+        if (
+            any(w is None for w in qk_norms)
+            or len({n.variance_epsilon for n in (self.q_norm, self.k_norm) if n}) > 1
+        ):
+            return None  # fmt: skip
+        if self.rotary is not None and self.rotary.freqs.by_length is not None:
+            return None
+        found = fused_weights(self, ("q_proj", "k_proj", "v_proj", "o_proj"))
+        if found is None:
+            return None
+        weights, dtype = found
+        params = AttentionParams(
+            norm_w=norm_weight(norm) if norm is not None else None,
+            q_proj_b=f32(self.q_proj.bias), k_proj_b=f32(self.k_proj.bias),
+            v_proj_b=f32(self.v_proj.bias), o_proj_b=f32(self.o_proj.bias),
+            q_norm_w=qk_norms[0] if qk_norms else None,
+            k_norm_w=qk_norms[1] if qk_norms else None, **weights,
+        )  # fmt: skip
+        args = (
+            self.attn.num_heads, self.attn.num_kv_heads, self.head_dim, self.output_gate,
+            self.attn.scale, self.key_multiplier,
+            norm.variance_epsilon if norm is not None else 0.0,
+            self.q_norm.variance_epsilon if self.q_norm is not None else 0.0,
+        )  # fmt: skip
+        return FusedAttentionStep(
+            op, self, list(params), args, dtype, fused_out_dtype(dtype, norm, False)
+        )
 
     def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`."""
@@ -102,3 +155,49 @@ class SelfAttention(nn.Module):
         if not self.qk_norm_per_head:
             return norm(x)
         return norm(x.view(x.shape[0], -1, self.head_dim)).reshape(x.shape)
+
+
+def norm_weight(norm: nn.Module) -> torch.Tensor | None:
+    """The float32 weight a fused kernel multiplies by after normalising, for a plain
+    `RMSNorm` (its weight) or a `ZeroCenteredRMSNorm` (`1 + weight`); None for another norm."""
+    if type(norm) is RMSNorm:
+        return f32(norm.weight)
+    if type(norm) is ZeroCenteredRMSNorm:
+        return (1.0 + norm.weight.detach().float()).contiguous()
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class FusedAttentionStep:
+    """A `SelfAttention`'s decode-only step in one call of `op` (`decode_layer`), with the
+    block's norm and residual when planned with one. `args`: heads, kv heads, head dim, output
+    gate, scale, key multiplier, norm and q/k norm epsilons. The KV views and the RoPE table
+    are read per call (bound and grown after planning)."""
+
+    op: Callable[..., torch.Tensor]
+    attention: SelfAttention
+    params: list[torch.Tensor | None]
+    args: tuple[int | float | bool, ...]
+    dtype: torch.dtype
+    out_dtype: torch.dtype | None
+
+    def takes(self, hidden: torch.Tensor, meta: PagedMetadata) -> bool:
+        """A decode-only step (see `decode_plan.decode_only`; the chains' rows attend as the
+        unfused layer's do: every key written first)."""
+        return decode_only(hidden, meta, None, CHAIN_MAX_ROWS)
+
+    def __call__(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+        """`hidden (T, H)` -> `(T, H)`; the rows' keys and values written into the cache."""
+        out_dtype = self.out_dtype
+        if out_dtype is None:
+            out_dtype = torch.float32 if hidden.dtype == torch.float32 else self.dtype
+        attn = self.attention
+        kv = attn.attn.kv
+        assert kv is not None, "the KV cache is not bound to this layer"
+        rotary = attn.rotary
+        table = rotary.table(meta.positions) if rotary is not None else None
+        rows = meta.positions if rotary is not None else None
+        return self.op(
+            hidden, self.params, kv.k, kv.v, meta.slot_mapping, meta.decode_block_tables,
+            meta.decode_seq_lens, table, rows, *self.args, out_dtype, uses_int_dot(attn.q_proj),
+        )  # fmt: skip

@@ -91,10 +91,11 @@ CPP_OPS: tuple[CppOp, ...] = (
     CppOp("fused_decode", "mamba", "fused_mamba_decode", required=False),
     CppOp("fused_decode", "mamba2", "fused_mamba2_decode", required=False),
     # `csrc/fused_decode_gdn.cpp` (a Gated DeltaNet block), `fused_decode_short_conv.cpp`
-    # (LFM2's), `fused_decode_ffn.cpp` (a feed-forward stage: dense MLP, MoE); the layers run
-    # unfused without them.
+    # (LFM2's), `fused_decode_attention.cpp` (an attention block), `fused_decode_ffn.cpp` (a
+    # feed-forward stage: dense MLP, MoE); the layers run unfused without them.
     CppOp("gated_delta", "decode_layer", "fused_gdn_decode", required=False),
     CppOp("short_conv", "decode_layer", "fused_short_conv_decode", required=False),
+    CppOp("paged_attention", "decode_layer", "fused_attention_decode", required=False),
     CppOp("ffn", "mlp_decode", "fused_mlp_decode", required=False),
     CppOp("ffn", "moe_decode", "fused_moe_decode", required=False),
 )  # fmt: skip

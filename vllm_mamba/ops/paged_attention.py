@@ -4,6 +4,9 @@ Pure-PyTorch references (`*_ref`) of the attention ops of hybrid models. The fas
 (C++ on the CPU, `csrc/paged_attention.cpp`; Triton on CUDA,
 `vllm_mamba.ops.triton_attention`) share these signatures and are chosen in
 `vllm_mamba.ops.dispatch`; layers call them through the ops table with keyword arguments.
+`decode_layer` is a whole attention block's decode step in one call (norm, q/k/v projections,
+q/k norms, RoPE, the cache write, decode attention, output gate, o_proj, residual: C++ in
+`csrc/fused_decode_attention.cpp`), planned by `SelfAttention.fused_mixer_step`.
 
 Glossary:
     T: tokens in the flat batch; B: decode rows; P: prefill sequences; Hq: query heads;
@@ -21,12 +24,14 @@ Glossary:
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.ops.families import OpFamily, OpSpec
+from vllm_mamba.ops.fused_decode import _finish, _linear, _rms_norm
+from vllm_mamba.ops.rotary_embedding import rotary_embedding_ref
 
 Tensor = torch.Tensor
 
@@ -186,6 +191,95 @@ def paged_prefill_attention_ref(
     return out.to(query.dtype)
 
 
+# The tensors of one attention block for `decode_layer`, in order (the `Param` of
+# `csrc/fused_decode_attention.cpp`); `list(AttentionParams(**tensors))`.
+ATTENTION_PARAMS = (
+    "norm_w", "q_proj_w", "q_proj_b", "k_proj_w", "k_proj_b", "v_proj_w", "v_proj_b",
+    "o_proj_w", "o_proj_b", "q_norm_w", "k_norm_w", "q_proj_scale", "k_proj_scale",
+    "v_proj_scale", "o_proj_scale",
+)  # fmt: skip
+AttentionParams = NamedTuple("AttentionParams", [(n, "Tensor | None") for n in ATTENTION_PARAMS])
+
+
+def decode_layer_ref(
+    hidden: torch.Tensor,
+    params: list[torch.Tensor | None],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rope_table: torch.Tensor | None,
+    rope_rows: torch.Tensor | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    output_gate: bool,
+    scale: float,
+    key_multiplier: float,
+    norm_eps: float,
+    qk_eps: float,
+    out_dtype: torch.dtype,
+    int_dot: bool = False,
+) -> torch.Tensor:
+    """One attention block's decode step from the reference ops (`SelfAttention` over
+    `PagedAttention`): `hidden + o_proj(attention(...))` with the block norm, else the mixer
+    alone; the rows' keys and values written into the cache.
+
+    Args:
+        hidden: `(B, H)` decode rows.
+        params: the tensors named by `ATTENTION_PARAMS`: norm_w `(H,)` float32 or None, the
+            q (`(Hq D, H)`, `(2 Hq D, H)` with the output gate: `[query D | gate D]` per head),
+            k, v `(Hkv D, H)` and o `(H, Hq D)` weights with their biases (or None) and
+            scales (None for float weights, `(rows,)` float32 for int8, `(rows, cols/32)`
+            float16 for 4-bit), the per-head q / k norm weights `(D,)` float32 (the effective
+            weight: `1 + w` for a zero-centred norm) or None.
+        k_cache, v_cache: `(NB, BS, Hkv, D)`; the rows' keys and values are written.
+        slot_mapping: `(B,)` each row's cache slot; block_tables `(B, max_blocks)`;
+            seq_lens `(B,)` the cached tokens after this step.
+        rope_table: `(P, R)` float32 `[cos | sin]` (NeoX pairing over the first R dims) or
+            None (no RoPE); rope_rows: `(B,)` each row's table row.
+        scale: the softmax scale; key_multiplier: scales the keys after their norm.
+        norm_eps, qk_eps: the block norm's and the q / k norms' epsilons.
+        out_dtype: the result's dtype.
+        int_dot: the integer weights multiply int8-quantised activations.
+
+    Returns:
+        `(B, H)` in `out_dtype`.
+    """
+    if int_dot:
+        raise NotImplementedError("integer dot products: see vllm_mamba.ops.int_dot_linear")
+    p = dict(zip(ATTENTION_PARAMS, params, strict=True))
+    rows = hidden.shape[0]
+    x = hidden.float()
+    xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
+    q = _linear(xn, p["q_proj_w"], p["q_proj_b"], p["q_proj_scale"])  # (B, NQ)
+    k = _linear(xn, p["k_proj_w"], p["k_proj_b"], p["k_proj_scale"])  # (B, Hkv D)
+    v = _linear(xn, p["v_proj_w"], p["v_proj_b"], p["v_proj_scale"])  # (B, Hkv D)
+    gate = None
+    if output_gate:
+        qg = q.view(rows, num_heads, 2 * head_dim)
+        q, gate = qg[..., :head_dim], qg[..., head_dim:].reshape(rows, -1)
+    q = q.reshape(rows, num_heads, head_dim)
+    k = k.view(rows, num_kv_heads, head_dim)
+    if p["q_norm_w"] is not None:
+        q, k = _rms_norm(q, p["q_norm_w"], qk_eps), _rms_norm(k, p["k_norm_w"], qk_eps)
+    k = k * key_multiplier
+    if rope_table is not None:
+        rot = rope_table.shape[1]
+        qr, kr = rotary_embedding_ref(rope_rows, q[..., :rot], k[..., :rot], rope_table, True)
+        q, k = torch.cat([qr, q[..., rot:]], -1), torch.cat([kr, k[..., rot:]], -1)
+    cache = k_cache.dtype
+    v = v.view(rows, num_kv_heads, head_dim)
+    reshape_and_cache_ref(k.to(cache), v.to(cache), k_cache, v_cache, slot_mapping)
+    attn = paged_decode_attention_ref(q.to(cache), k_cache, v_cache, block_tables, seq_lens, scale)
+    attn = attn.float().reshape(rows, -1)  # (B, Hq D)
+    if gate is not None:
+        attn = attn * torch.sigmoid(gate)
+    mixed = _linear(attn, p["o_proj_w"], p["o_proj_b"], p["o_proj_scale"])
+    return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
+
+
 class ReshapeAndCacheOp(Protocol):
     def __call__(
         self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
@@ -196,6 +290,16 @@ class PagedDecodeOp(Protocol):
     def __call__(
         self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
         seq_lens: Tensor, scale: float,
+    ) -> Tensor: ...  # fmt: skip
+
+
+class DecodeLayerOp(Protocol):
+    def __call__(
+        self, hidden: Tensor, params: list[Tensor | None], k_cache: Tensor, v_cache: Tensor,
+        slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor, rope_table: Tensor | None,
+        rope_rows: Tensor | None, num_heads: int, num_kv_heads: int, head_dim: int,
+        output_gate: bool, scale: float, key_multiplier: float, norm_eps: float, qk_eps: float,
+        out_dtype: torch.dtype, int_dot: bool = False,
     ) -> Tensor: ...  # fmt: skip
 
 
@@ -214,5 +318,6 @@ OPS = OpFamily(
         "reshape_and_cache": OpSpec(ReshapeAndCacheOp, reshape_and_cache_ref),
         "decode": OpSpec(PagedDecodeOp, paged_decode_attention_ref),
         "prefill": OpSpec(PagedPrefillOp, paged_prefill_attention_ref),
+        "decode_layer": OpSpec(DecodeLayerOp, decode_layer_ref),
     },
 )
