@@ -30,10 +30,16 @@ from vllm_mamba.layers.quantization import quantize_model, uses_int_dot
 from vllm_mamba.model_loader import build_model, load_hf_config
 from vllm_mamba.ops.dispatch import get_mamba_ops
 
-# Engine and transformers round the same float32 values in different orders, and an input at a
-# rounding boundary of its int8 block may then take the next code (one step, d = max|x| / 127,
-# of one activation); measured differences below (`test_engine_matches_..._transformers`).
-LOGPROB_ATOL = 2e-3
+# Two paths round the same float32 values in different orders (log-probabilities within 4e-6
+# here), and an input at a rounding boundary of its int8 block may then take the next code: one
+# step (d = max|x| / 127) of one activation, times weights of N(0, 0.3^2) in these random tiny
+# models. Measured: one position in 57 moved by 2.5e-3 (engine vs transformers, w4a8,
+# mamba-tied, generic build) and one in 54 by 0.029 (fused vs unfused, w4a8, tied, avx512);
+# every other position within 4e-6. So: every position within FLIP_ATOL, all but FLIPS of them
+# within LOGPROB_ATOL.
+LOGPROB_ATOL = 1e-4
+FLIP_ATOL = 0.1
+FLIPS = 2
 
 
 def _q8(x: torch.Tensor) -> torch.Tensor:
@@ -78,9 +84,9 @@ def test_engine_matches_fake_quantised_transformers(name: str, method: str) -> N
             top_r.append(int(logprobs[pos - 1].argmax()))
             lp_r.append(float(logprobs[pos - 1, seq[pos]]))
     diff = (lp_e - torch.tensor(lp_r, dtype=torch.float64)).abs()
-    print(f"{name} {method}: max |dlogprob| {float(diff.max()):.2e}")
+    print(f"{name} {method}: |dlogprob| top {diff.sort(descending=True).values[:6].tolist()}")
     assert top_e == top_r
-    assert float(diff.max()) <= LOGPROB_ATOL
+    assert float(diff.max()) <= FLIP_ATOL and int((diff > LOGPROB_ATOL).sum()) <= FLIPS
 
 
 @pytest.mark.parametrize("method", ["w8a8", "w4a8"])
@@ -100,9 +106,9 @@ def test_fused_decode_equals_unfused(
     got, got_lp, planned = _generate(model, method, "auto")
     assert planned is not None and fused_calls["fused"] > 0, "the fused kernels did not run"
     assert got == want
-    worst = max(max(abs(a - b) for a, b in zip(x, y)) for x, y in zip(got_lp, want_lp))
-    print(f"{name} {method}: fused vs unfused max |dlogprob| {worst:.2e}")
-    assert worst <= LOGPROB_ATOL
+    diff = torch.tensor([abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)])
+    print(f"{name} {method}: fused vs unfused |dlogprob| top {diff.sort().values[-4:].tolist()}")
+    assert float(diff.max()) <= FLIP_ATOL and int((diff > LOGPROB_ATOL).sum()) <= FLIPS
 
 
 def test_layers_and_the_weight_only_fallback() -> None:
@@ -121,8 +127,8 @@ def test_layers_and_the_weight_only_fallback() -> None:
     mixer = model.backbone.layers[0].mixer
     assert mixer.in_proj.weight.dtype == torch.int8 and not uses_int_dot(mixer.in_proj)
     assert uses_int_dot(mixer.out_proj)
-    assert "backbone.layers.0.mixer.in_proj" in report.weight_only
-    assert len(report.weight_only) == 3 and not report.int8_fallbacks
+    layers = [f"backbone.layers.{i}.mixer.in_proj" for i in range(3)]
+    assert set(report.weight_only) == {*layers, "lm_head"} and not report.int8_fallbacks
 
 
 def test_w4a8_with_tensor_parallelism_is_a_value_error() -> None:
@@ -153,4 +159,5 @@ def test_reference_ops_run_the_same_function(monkeypatch: pytest.MonkeyPatch) ->
     own = [
         out.prompt_logprobs[p][s[p]].logprob for s, out in zip(seqs, outs) for p in range(1, len(s))
     ]
-    assert torch.allclose(torch.tensor(own, dtype=torch.float64), lp_cpp, atol=LOGPROB_ATOL)
+    diff = (torch.tensor(own, dtype=torch.float64) - lp_cpp).abs()
+    assert float(diff.max()) <= FLIP_ATOL and int((diff > LOGPROB_ATOL).sum()) <= FLIPS
