@@ -14,7 +14,9 @@ rounds. The references compute the same values in float32 from the dequantised a
 
 The C++ kernels (`csrc/int_dot.h`, `csrc/int_dot_linear.cpp`: `torch.ops.vllm_mamba.w8a8_linear`
 / `w4a8_linear`) run one path for every number of rows, so a row's result does not depend on the
-batch; K must be a multiple of 32 (`int_dot_supported`).
+batch; K must be a multiple of 32 (`int_dot_supported`). They multiply with AVX512-VNNI /
+AVX-VNNI where the CPU has it, unless `VLLM_MAMBA_INT_DOT_VNNI=0` (read once per process by the
+kernels), which runs the AVX-512BW / AVX2 kernels instead (`int_dot_instruction`).
 
 Glossary: M rows of x, K input features, N output features, NB = K / 32 blocks.
 """
@@ -73,6 +75,13 @@ def fake_quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
     return dequantize_activations_q8(*quantize_activations_q8(x))
 
 
+def _q8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`Q8(x) (..., K) @ weight (N, K) float32 ^T + bias` in float32, rounded to x's dtype."""
+    xq = fake_quantize_activations_q8(x)  # (..., K) float32
+    out = F.linear(xq, weight, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
 def w8a8_linear_ref(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -87,10 +96,7 @@ def w8a8_linear_ref(
     Returns:
         `(..., N)` in the dtype of `x`, computed in float32 and rounded once.
     """
-    xq = fake_quantize_activations_q8(x)  # (..., K) float32
-    weight = dequantize_int8(qweight, scale, torch.float32)  # (N, K)
-    out = F.linear(xq, weight, None if bias is None else bias.float())
-    return out.to(x.dtype)
+    return _q8_linear(x, dequantize_int8(qweight, scale, torch.float32), bias)
 
 
 def w4a8_linear_ref(
@@ -107,10 +113,7 @@ def w4a8_linear_ref(
     Returns:
         `(..., N)` in the dtype of `x`, computed in float32 and rounded once.
     """
-    xq = fake_quantize_activations_q8(x)  # (..., K) float32
-    weight = dequantize_int4(qweight, scales, torch.float32)  # (N, K)
-    out = F.linear(xq, weight, None if bias is None else bias.float())
-    return out.to(x.dtype)
+    return _q8_linear(x, dequantize_int4(qweight, scales, torch.float32), bias)
 
 
 def w8a8_linear_cpp(
