@@ -213,7 +213,7 @@ def test_the_kernels_without_vnni() -> None:
     if int_dot_instruction() != "vpdpbusd":
         pytest.skip("this CPU runs the maddubs kernels already (the tests above)")
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "(exact_products and 1024) or quantise_x or batch"]
+    cmd += ["-k", "(exact_products and 1024 and dtype0 and not 70) or quantise_x or batch"]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
