@@ -9,7 +9,7 @@ top-1 token at each of those positions is compared with the float32 engine's (te
 agreement). Free-running greedy agreement: the tokens of 64-token greedy continuations of the
 model card's prompts that equal the float32 ones (up to the first difference).
 
-    python benchmarks/heldout_loss.py                  # float32, int8, int4, bfloat16, bf16 + int8
+    python benchmarks/heldout_loss.py                  # every config below (float32 first)
     python benchmarks/heldout_loss.py --windows 200    # a quicker subset
 """
 
@@ -25,6 +25,8 @@ CONFIGS = {
     "float32": dict(dtype="float32"),
     "int8": dict(dtype="float32", quantization="int8"),
     "int4": dict(dtype="float32", quantization="int4"),
+    "w8a8": dict(dtype="float32", quantization="w8a8"),
+    "w4a8": dict(dtype="float32", quantization="w4a8"),
     "bfloat16": dict(dtype="bfloat16"),
     "bfloat16 + int8": dict(dtype="bfloat16", quantization="int8"),
 }

@@ -9,7 +9,9 @@
 // single batch row they read the weight row by row, strictly in order. Weights are
 // float32, bfloat16, int8 with one float32 scale per row (`quantization="int8"`) or 4-bit
 // groups of 32 with a float16 scale each (`quantization="int4"`), widened on the fly;
-// activations and accumulation are float32.
+// activations and accumulation are float32. With integer dot products (`Weight::int_dot`:
+// `quantization="w8a8"` / `"w4a8"`) the int8 and 4-bit products quantise x to int8 blocks of
+// 32 and multiply in integers instead (`int_dot.h`).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,6 +24,7 @@
 #include <type_traits>
 
 #include "gemv.h"
+#include "int_dot.h"
 #include "kernel_math.h"
 #include "onednn_linear.h"
 #include "vec.h"
@@ -116,10 +119,33 @@ struct Weight {
   bool int_dot = false;
 };
 
+// The rows of x of a `gemv` call with integer dot products, quantised by the calling thread
+// into its own buffer (reused from call to call: each OpenMP thread keeps one).
+inline const int_dot::QActs& quantized_rows(const float* x, int64_t ldx, int64_t batch,
+                                            int64_t k) {
+  static thread_local int_dot::QActs buf;
+  int_dot::quantize(x, ldx, batch, k, buf);
+  return buf;
+}
+
 // out[b, r - lo] (row stride ldo) = w[r] . x[b] for rows r in [lo, hi), whatever w's dtype.
-// `each`: every row of x exactly as alone (`gemv::gemv_rows_each`; 4-bit rows always are).
+// `each`: every row of x exactly as alone (`gemv::gemv_rows_each`; 4-bit rows always are, and
+// so are integer dot products, `int_dot.h`). With `w.int_dot` the calling thread quantises the
+// rows of x once per call (all of them: each thread of a parallel region reads every row).
 inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, int64_t lo,
                  int64_t hi, float* out, int64_t ldo, bool each = false) {
+  if (w.int_dot) {
+    if (lo >= hi) return;
+    const int_dot::QActs& q = quantized_rows(x, ldx, batch, w.k);
+    if (w.dtype == at::kByte) {
+      const gemv::Q4Rows q4{static_cast<const uint8_t*>(w.data), w.q4_scales, w.k};
+      int_dot::rows_q4(q4, q, lo, hi, out, ldo);
+    } else {
+      const int_dot::I8Rows i8{static_cast<const int8_t*>(w.data), w.scales, w.k};
+      int_dot::rows_i8(i8, q, lo, hi, out, ldo);
+    }
+    return;
+  }
   auto rows = [&](const auto* data) {
     if (each) {
       gemv::gemv_rows_each(data, w.k, x, ldx, batch, lo, hi, out, ldo);
@@ -148,8 +174,23 @@ inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, in
 // float32 weights through oneDNN where it is available (else MKL's `mm`);
 // bfloat16 weights multiply bfloat16 activations where the CPU has bfloat16 instructions, as
 // the unfused layer does, and go through the `bf16_linear` op (widened to float32) where it
-// has not; int8 and 4-bit weights go through the `int8_linear` and `int4_linear` ops.
+// has not; int8 and 4-bit weights go through the `int8_linear` and `int4_linear` ops, or with
+// integer dot products (`w.int_dot`) the `w8a8_linear` and `w4a8_linear` ops (`int_dot.h`:
+// the same per-row numerics as `gemv`).
 inline void project(const at::Tensor& x, const Weight& w, at::Tensor& out) {
+  using LinearOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&);
+  if (w.int_dot) {
+    static const auto w8a8_op = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("vllm_mamba::w8a8_linear", "")
+                                    .typed<LinearOp>();
+    static const auto w4a8_op = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("vllm_mamba::w4a8_linear", "")
+                                    .typed<LinearOp>();
+    const auto& op = w.dtype == at::kByte ? w4a8_op : w8a8_op;
+    out.copy_(op.call(x, w.tensor, w.scale, std::nullopt));
+    return;
+  }
   if (w.dtype == at::kFloat) {
     if (!onednn_linear(x, w.tensor, at::Tensor(), out)) at::mm_out(out, x, w.tensor.t());
   } else if (w.dtype == at::kBFloat16 && vec::native_bf16()) {
@@ -162,16 +203,12 @@ inline void project(const at::Tensor& x, const Weight& w, at::Tensor& out) {
                               const std::optional<at::Tensor>&)>();
     out.copy_(op.call(x, w.tensor, std::nullopt));
   } else {
-    static const auto int8_op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("vllm_mamba::int8_linear", "")
-            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const std::optional<at::Tensor>&)>();
-    static const auto int4_op =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("vllm_mamba::int4_linear", "")
-            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const std::optional<at::Tensor>&)>();
+    static const auto int8_op = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("vllm_mamba::int8_linear", "")
+                                    .typed<LinearOp>();
+    static const auto int4_op = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("vllm_mamba::int4_linear", "")
+                                    .typed<LinearOp>();
     const auto& op = w.dtype == at::kByte ? int4_op : int8_op;
     out.copy_(op.call(x, w.tensor, w.scale, std::nullopt));
   }
@@ -349,7 +386,6 @@ inline Weight weight_of(const c10::List<std::optional<at::Tensor>>& params, size
     w.q4_scales = reinterpret_cast<const uint16_t*>(w.scale.data_ptr<at::Half>());
     w.data = w.tensor.data_ptr();
     w.int_dot = int_dot;
-    TORCH_CHECK(!w.int_dot, what, ": integer dot products are not built yet");
     return w;
   }
   TORCH_CHECK(w.tensor.dim() == 2 && w.tensor.size(0) == rows && w.tensor.size(1) == cols, what,
@@ -369,7 +405,8 @@ inline Weight weight_of(const c10::List<std::optional<at::Tensor>>& params, size
   }
   w.data = w.tensor.data_ptr();
   w.int_dot = int_dot && w.dtype == at::kChar;
-  TORCH_CHECK(!w.int_dot, what, ": integer dot products are not built yet");
+  TORCH_CHECK(!w.int_dot || cols % int_dot::kBlock == 0, what,
+              ": integer dot products need K a multiple of 32, got ", cols);
   return w;
 }
 

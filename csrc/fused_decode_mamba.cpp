@@ -18,6 +18,9 @@
 // split over the threads, with a barrier between the stages. More rows run the projections as
 // GEMMs between parallel stages.
 //
+// `int_dot` (`quantization="w8a8"` / `"w4a8"`): the int8 / 4-bit projections quantise their
+// inputs to int8 blocks of 32 and multiply in integers (`fused::gemv`, `fused::project`).
+//
 // Glossary: B batch rows, H hidden, I inner channels, N state size, R time-step rank,
 // K conv width, XP = R + 2 N x_proj rows.
 #include <ATen/ATen.h>
@@ -284,16 +287,19 @@ at::Tensor fused_mamba_decode(const at::Tensor& hidden_in,
                               at::Tensor& conv_states, at::Tensor& ssm_states,
                               const at::Tensor& state_indices, double norm_eps,
                               double mixer_eps, at::ScalarType out_dtype,
-                              const std::optional<at::Tensor>& src_state_indices) {
+                              const std::optional<at::Tensor>& src_state_indices,
+                              bool int_dot) {
   const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices);
   const at::Tensor src = fused::src_slots(src_state_indices, d.batch);
-  const Weight in_w =
-      fused::weight_of(params, kInW, kInScale, 2 * d.inter, d.hidden, "in_proj weight");
-  const Weight x_w = fused::weight_of(params, kXW, kXScale, d.xp, d.inter, "x_proj weight");
+  // int_dot: the int8 / 4-bit projections multiply int8-quantised rows (`int_dot.h`)
+  const Weight in_w = fused::weight_of(params, kInW, kInScale, 2 * d.inter, d.hidden,
+                                       "in_proj weight", int_dot);
+  const Weight x_w =
+      fused::weight_of(params, kXW, kXScale, d.xp, d.inter, "x_proj weight", int_dot);
   const Weight dt_w =
-      fused::weight_of(params, kDtW, kDtScale, d.inter, d.rank, "dt_proj weight");
-  const Weight out_w =
-      fused::weight_of(params, kOutW, kOutScale, d.hidden, d.inter, "out_proj weight");
+      fused::weight_of(params, kDtW, kDtScale, d.inter, d.rank, "dt_proj weight", int_dot);
+  const Weight out_w = fused::weight_of(params, kOutW, kOutScale, d.hidden, d.inter,
+                                        "out_proj weight", int_dot);
   Small s{};
   s.norm_w = fused::param_f32(params, kNormW, d.hidden, "norm weight");
   s.in_b = fused::param_f32(params, kInB, 2 * d.inter, "in_proj bias");
@@ -341,7 +347,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
   m.def(
       "fused_mamba_decode(Tensor hidden, Tensor?[] params, Tensor(a!) conv_states, "
       "Tensor(b!) ssm_states, Tensor state_indices, float norm_eps, float mixer_eps, "
-      "ScalarType out_dtype, Tensor? src_state_indices=None) -> Tensor");
+      "ScalarType out_dtype, Tensor? src_state_indices=None, "
+      "bool int_dot=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_mamba_decode", &fused_mamba_decode); }

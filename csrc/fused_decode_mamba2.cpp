@@ -14,6 +14,9 @@
 // group) pairs of the norm, then the out_proj rows are split over the threads, with a barrier
 // between the stages. More rows run the projections as GEMMs between parallel stages.
 //
+// `int_dot` (`quantization="w8a8"` / `"w4a8"`): the int8 / 4-bit projections quantise their
+// inputs to int8 blocks of 32 and multiply in integers (`fused::gemv`, `fused::project`).
+//
 // Glossary: B batch rows, H hidden, I = NH * P inner channels, NH heads of P, G groups,
 // N state size, CD = I + 2 G N conv channels, K conv width, NIN = I + CD + NH in_proj rows.
 #include <ATen/ATen.h>
@@ -266,14 +269,16 @@ at::Tensor fused_mamba2_decode(const at::Tensor& hidden_in,
                                const at::Tensor& state_indices, int64_t n_groups,
                                int64_t group_size, double norm_eps, double gate_eps,
                                at::ScalarType out_dtype,
-                               const std::optional<at::Tensor>& src_state_indices) {
+                               const std::optional<at::Tensor>& src_state_indices,
+                               bool int_dot) {
   const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices, n_groups,
                             group_size);
   const at::Tensor src = fused::src_slots(src_state_indices, d.batch);
+  // int_dot: the int8 / 4-bit projections multiply int8-quantised rows (`int_dot.h`)
   const Weight in_w =
-      fused::weight_of(params, kInW, kInScale, d.nin, d.hidden, "in_proj weight");
-  const Weight out_w =
-      fused::weight_of(params, kOutW, kOutScale, d.hidden, d.inter, "out_proj weight");
+      fused::weight_of(params, kInW, kInScale, d.nin, d.hidden, "in_proj weight", int_dot);
+  const Weight out_w = fused::weight_of(params, kOutW, kOutScale, d.hidden, d.inter,
+                                        "out_proj weight", int_dot);
   Small s{};
   s.norm_w = fused::param_f32(params, kNormW, d.hidden, "norm weight");
   s.in_b = fused::param_f32(params, kInB, d.nin, "in_proj bias");
@@ -321,8 +326,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
   m.def(
       "fused_mamba2_decode(Tensor hidden, Tensor?[] params, Tensor(a!) conv_states, "
       "Tensor(b!) ssm_states, Tensor state_indices, int n_groups, int group_size, "
-      "float norm_eps, float gate_eps, ScalarType out_dtype, Tensor? src_state_indices=None) "
-      "-> Tensor");
+      "float norm_eps, float gate_eps, ScalarType out_dtype, Tensor? src_state_indices=None, "
+      "bool int_dot=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_mamba2_decode", &fused_mamba2_decode); }

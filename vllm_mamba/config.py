@@ -24,7 +24,10 @@ _DTYPE_NAMES = {  # name -> the torch dtype's attribute
 }
 DTYPE_CHOICES = ("auto", *_DTYPE_NAMES)
 STATE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_CHOICES = ("int8", "int4")
+# Load-time quantisation: int8 / int4 weight-only; w8a8 / w4a8 the same weights multiplied with
+# activations quantised to int8 blocks (integer dot products, `vllm_mamba.ops.int_dot_linear`).
+QUANTIZATION_CHOICES = ("int8", "int4", "w8a8", "w4a8")
+ONE_RANK_QUANTIZATION = ("int4", "w4a8")  # 4-bit weights: tensor_parallel_size 1 only
 DEFAULT_MAX_MODEL_LEN = 2048
 
 

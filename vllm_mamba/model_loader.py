@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from vllm_mamba.config import recorded_quantization
+from vllm_mamba.config import ONE_RANK_QUANTIZATION, recorded_quantization
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.packed_weights import install_packed_weights, packed_of
 from vllm_mamba.layers.parallel_linear import named_shards
@@ -283,9 +283,9 @@ def build_model(
     if method is not None:
         if not model_cls.supports_quantization:
             raise ValueError(f"quantization {method}: {arch} does not support quantization")
-        if method == "int4" and tp.size > 1:
+        if method in ONE_RANK_QUANTIZATION and tp.size > 1:
             raise ValueError(
-                f"tensor_parallel_size {tp.size}: quantization 'int4' runs on one rank only"
+                f"tensor_parallel_size {tp.size}: quantization '{method}' runs on one rank only"
             )
     stream = _layer_stream(path, hf_config, model, tp, method, device, dtype)
     if stream is None:

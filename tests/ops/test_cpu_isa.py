@@ -41,6 +41,7 @@ KERNEL_TESTS = [
     "tests/ops/test_grouped_linear.py",
     "tests/ops/test_int4_linear.py",
     "tests/ops/test_int8_linear.py",
+    "tests/ops/test_int_dot_linear.py",
     "tests/ops/test_kda.py",
     "tests/ops/test_linear.py",
     "tests/ops/test_paged_attention.py",

@@ -25,6 +25,7 @@ from vllm_mamba.config import (
     DEFAULT_SNAPSHOT_INTERVAL,
     DTYPE_CHOICES,
     EXECUTOR_BACKENDS,
+    ONE_RANK_QUANTIZATION,
     QUANTIZATION_CHOICES,
     STATE_DTYPE_CHOICES,
     CacheConfig,
@@ -111,7 +112,10 @@ class EngineArgs:
     quantization: str | None = _opt(
         "quantise the weights while loading: int8 (weight-only, one scale per output channel; "
         "about a quarter of the float32 weight memory), int4 (weight-only, 4-bit groups of 32 "
-        "with a float16 scale each; about a seventh; one rank only); unset: float weights",
+        "with a float16 scale each; about a seventh; one rank only); w8a8 / w4a8: the int8 / "
+        "int4 weights multiplied in integers with activations quantised to int8 blocks of 32 "
+        "(llama.cpp's Q8_0; faster on CPUs with VNNI, slightly less accurate: "
+        "docs/quantization.md); unset: float weights",
         default=None,
         choices=QUANTIZATION_CHOICES,
     )
@@ -266,10 +270,11 @@ class EngineArgs:
                 f"tensor_parallel_size {self.tensor_parallel_size}: speculative method 'mtp' "
                 "runs on one rank only (ngram and draft_model run with tensor parallelism)"
             )
-        if self.quantization == "int4" and (self.tensor_parallel_size or 1) > 1:
+        if self.quantization in ONE_RANK_QUANTIZATION and (self.tensor_parallel_size or 1) > 1:
             raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size}: quantization 'int4' runs on "
-                "one rank only (tensor_parallel_size 1); use int8 with tensor parallelism"
+                f"tensor_parallel_size {self.tensor_parallel_size}: quantization "
+                f"'{self.quantization}' runs on one rank only (tensor_parallel_size 1); use int8 "
+                "or w8a8 with tensor parallelism"
             )
 
     def warn_no_effect(self, device: torch.device) -> None:

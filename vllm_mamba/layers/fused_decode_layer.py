@@ -10,7 +10,10 @@ subclass that changes the math: Jamba's normed dt/B/C, Falcon-H1's multipliers),
 that is not a plain `RMSNorm`, projections that are not plain `Linear`s with float32 /
 bfloat16 weights of the model dtype, int8 weights with per-row scales (`quantization="int8"`)
 or 4-bit weights with group scales (`quantization="int4"`; tensor-parallel layers are not), or
-states other than float32 / bfloat16. Per step the plan's `FusedMambaStep.takes` asks only
+states other than float32 / bfloat16. Integer weights that take integer dot products
+(`quantization="w8a8"` / `"w4a8"`, `quantization.uses_int_dot`) run the kernel's `int_dot` mode
+when all of the layer's integer projections do (`layer_int_dot`); a layer that mixes both kinds
+runs unfused. Per step the plan's `FusedMambaStep.takes` asks only
 whether the step is decode-only (`decode_plan.decode_only`).
 """
 
@@ -32,7 +35,7 @@ from vllm_mamba.layers.decode_plan import (
 )
 from vllm_mamba.layers.layernorm import GatedRMSNorm, RMSNorm
 from vllm_mamba.layers.linear import Linear
-from vllm_mamba.layers.quantization import is_int4_linear, is_int8_linear
+from vllm_mamba.layers.quantization import is_int4_linear, is_int8_linear, uses_int_dot
 from vllm_mamba.ops.fused_decode import Mamba2Params, MambaParams
 
 Params = list[torch.Tensor | None]
@@ -81,6 +84,17 @@ def _weights(
     return named, found[names[0]][2]
 
 
+def layer_int_dot(linears: list[nn.Module]) -> bool | None:
+    """The `int_dot` argument of a fused layer call over these projections: True when every int8
+    / 4-bit one takes integer dot products (`uses_int_dot`), False when none does (float
+    projections count for neither), None when they differ (the kernel takes one mode per call:
+    the layer then runs unfused)."""
+    modes = {uses_int_dot(lin) for lin in linears if is_int8_linear(lin) or is_int4_linear(lin)}
+    if len(modes) > 1:
+        return None
+    return modes.pop() if modes else False
+
+
 def _states_apply(state: LayerState) -> bool:
     """Bound states the kernels read: float32 or bfloat16 each (any `ssm_state_dtype` but
     float16)."""
@@ -105,7 +119,8 @@ class FusedMambaStep:
 
     `params` is the kernel's list (built once); `args` its constant arguments between the
     slots and the result dtype (Mamba: norm and mixer epsilons; Mamba2: groups, group size,
-    norm and gate epsilons). The result dtype is `out_dtype`, or, for a block in a model dtype
+    norm and gate epsilons); `int_dot` the kernel's integer-dot mode (`layer_int_dot`). The
+    result dtype is `out_dtype`, or, for a block in a model dtype
     `dtype` other than float32 without a float32 residual, float32 for a float32 input (as
     `residual + mixed` promotes) and `dtype` otherwise.
     """
@@ -117,6 +132,7 @@ class FusedMambaStep:
     dtype: torch.dtype
     out_dtype: torch.dtype | None
     max_rows: int | None
+    int_dot: bool = False
 
     def takes(self, hidden: torch.Tensor, meta: MambaMetadata) -> bool:
         """A decode-only step (see `decode_plan.decode_only`)."""
@@ -131,7 +147,8 @@ class FusedMambaStep:
         state = self.mixer.state
         dst, src = decode_slots(meta)
         return self.op(
-            hidden, self.params, state["conv"], state["ssm"], dst, *self.args, out_dtype, src
+            hidden, self.params, state["conv"], state["ssm"], dst, *self.args, out_dtype, src,
+            self.int_dot,
         )  # fmt: skip
 
 
@@ -159,8 +176,10 @@ def plan_mamba(
     op = mixer.ops.fused_mamba_decode
     if not _planned(mixer, op, norm):
         return None
-    found = _weights(mixer, ("in_proj", "x_proj", "dt_proj", "out_proj"))
-    if found is None:
+    names = ("in_proj", "x_proj", "dt_proj", "out_proj")
+    found = _weights(mixer, names)
+    int_dot = layer_int_dot([getattr(mixer, n) for n in names])
+    if found is None or int_dot is None:
         return None
     weights, dtype = found
     params = MambaParams(
@@ -173,7 +192,7 @@ def plan_mamba(
     mixer_eps = -1.0 if mixer.mixer_rms_eps is None else float(mixer.mixer_rms_eps)
     return FusedMambaStep(
         op, mixer, list(params), (norm_eps, mixer_eps), dtype,
-        _out_dtype(dtype, norm, residual_in_fp32), MAMBA_MAX_ROWS,
+        _out_dtype(dtype, norm, residual_in_fp32), MAMBA_MAX_ROWS, int_dot,
     )  # fmt: skip
 
 
@@ -188,7 +207,8 @@ def plan_mamba2(
     if not _planned(mixer, op, norm) or type(mixer.norm) is not GatedRMSNorm:
         return None
     found = _weights(mixer, ("in_proj", "out_proj"))
-    if found is None:
+    int_dot = layer_int_dot([mixer.in_proj, mixer.out_proj])
+    if found is None or int_dot is None:
         return None
     weights, dtype = found
     params = Mamba2Params(
@@ -201,5 +221,6 @@ def plan_mamba2(
     norm_eps = norm.variance_epsilon if norm is not None else 0.0
     args = (mixer.n_groups, mixer.norm.group_size, norm_eps, mixer.norm.variance_epsilon)
     return FusedMambaStep(
-        op, mixer, list(params), args, dtype, _out_dtype(dtype, norm, residual_in_fp32), None
-    )
+        op, mixer, list(params), args, dtype, _out_dtype(dtype, norm, residual_in_fp32), None,
+        int_dot,
+    )  # fmt: skip

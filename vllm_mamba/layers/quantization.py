@@ -1,4 +1,5 @@
-"""Weight-only quantisation of a loaded float model (`quantization="int8"` or `"int4"`).
+"""Load-time quantisation of a float model: weight-only (`quantization="int8"` or `"int4"`) or
+with integer dot products (`"w8a8"`, `"w4a8"`).
 
 `quantize_model(model, ops, method)` turns every `Linear` of the model (mixer projections,
 attention and MLP projections of hybrids, the LM head, and their tensor-parallel subclasses)
@@ -15,6 +16,13 @@ add communication (row-parallel all-reduce) still work.
   held-out windows) an int4 head raises the held-out loss by 0.46% over float32 and an int8
   head by 0.16% (top-1 agreement 88.3% against 92.2%). int4 runs on one rank only (the
   loader refuses `tensor_parallel_size > 1`).
+- w8a8 / w4a8: the weights of int8 / int4 (the same fallbacks, the LM head int8 under w4a8),
+  and each `Linear` sets `int_dot = True` (`uses_int_dot`) and runs `w8a8_linear` /
+  `w4a8_linear` at every number of rows (decode and prefill alike, so a sequence's numerics do
+  not depend on the batch): its input rows are quantised to int8 blocks of 32 with a float32
+  scale each (llama.cpp's Q8_0) and multiplied in integers (`vllm_mamba.ops.int_dot_linear`).
+  A layer whose K is not a multiple of 32 stays int8 weight-only (logged and counted in the
+  report's `weight_only`).
 
 What stays float, and why:
 - `dt_proj` of the Mamba mixers: the mixers multiply by `dt_proj.weight` directly (its bias
@@ -46,6 +54,7 @@ from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import VocabParallelEmbedding
 from vllm_mamba.ops.int4_linear import dequantize_int4, int4_supported, quantize_int4
 from vllm_mamba.ops.int8_linear import quantize_int8
+from vllm_mamba.ops.int_dot_linear import int_dot_supported
 from vllm_mamba.ops.table import MambaOps
 
 logger = logging.getLogger(__name__)
@@ -54,19 +63,24 @@ FLOAT_LINEARS = ("dt_proj", "kv_b_proj")  # `Linear`s whose weight the layers re
 # (MLA keeps float32 `W_UK` / `W_UV` copies of `kv_b_proj` for decode: an int8 `kv_b_proj` would
 # save no memory and make the prefill's expansion disagree with decode)
 INT8_UNDER_INT4 = ("lm_head",)  # `Linear`s that int4 quantises to int8 (see the docstring)
+# Each method: the weight format ("int8" or "int4") and whether products use integer dots.
+METHODS = {"int8": ("int8", False), "int4": ("int4", False), "w8a8": ("int8", True),
+           "w4a8": ("int4", True)}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class QuantizationReport:
     """What `quantize_model` changed: layers and weight bytes before and after.
 
-    `int8_fallbacks` names the layers that int4 left in int8 (K not a multiple of 32).
+    `int8_fallbacks` names the layers that int4 / w4a8 left in int8 (K not a multiple of 32);
+    `weight_only` the layers that w8a8 / w4a8 left weight-only (the same reason).
     """
 
     num_linears: int
     bytes_before: int
     bytes_after: int
     int8_fallbacks: tuple[str, ...] = ()
+    weight_only: tuple[str, ...] = ()
 
 
 class Int8Embedding(nn.Module):
@@ -159,29 +173,38 @@ def _replace_weight(linear: Linear, qweight: torch.Tensor, scale: torch.Tensor) 
     linear.register_buffer("weight_scale", scale.to(linear.weight.device))
 
 
-def quantize_linear_int8(linear: Linear, ops: MambaOps) -> None:
-    """Makes `linear`'s weight int8 in place (see the module docstring)."""
+def quantize_linear_int8(linear: Linear, ops: MambaOps, int_dot: bool = False) -> None:
+    """Makes `linear`'s weight int8 in place (see the module docstring); `int_dot`: its products
+    run `w8a8_linear` (K must be a multiple of 32)."""
     # A row-parallel shard holds some columns of each row: its scales are the whole row's.
     row_absmax = getattr(linear, "row_absmax", None)
     absmax = row_absmax() if row_absmax is not None else None
     _replace_weight(linear, *quantize_int8(linear.weight, absmax))  # (N, K) int8, (N,) float32
-    linear.int8_op = ops.int8_linear
+    linear.int8_op = ops.w8a8_linear if int_dot else ops.int8_linear
+    linear.int_dot = int_dot
     linear.linear_op = types.MethodType(_int8_product, linear)
 
 
-def quantize_linear_int4(linear: Linear, ops: MambaOps) -> None:
-    """Makes `linear`'s weight 4-bit in place (K a multiple of 32; see the module docstring)."""
-    use_int4_weight(linear, *quantize_int4(linear.weight), ops)
+def quantize_linear_int4(linear: Linear, ops: MambaOps, int_dot: bool = False) -> None:
+    """Makes `linear`'s weight 4-bit in place (K a multiple of 32; see the module docstring);
+    `int_dot`: its products run `w4a8_linear`."""
+    use_int4_weight(linear, *quantize_int4(linear.weight), ops, int_dot)
 
 
 def use_int4_weight(
-    linear: Linear, qweight: torch.Tensor, scales: torch.Tensor, ops: MambaOps
+    linear: Linear,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    ops: MambaOps,
+    int_dot: bool = False,
 ) -> None:
     """Puts the 4-bit `qweight (N, K/2)` uint8 with its `scales (N, K/32)` float16 on `linear`
     in place of its float weight (`quantize_int4`'s layout; also a checkpoint's Q4_0 blocks),
-    so that it runs `int4_linear` and the fused decode layers take it (`is_int4_linear`)."""
+    so that it runs `int4_linear` (`w4a8_linear` with `int_dot`) and the fused decode layers
+    take it (`is_int4_linear`)."""
     _replace_weight(linear, qweight, scales)
-    linear.int4_op = ops.int4_linear
+    linear.int4_op = ops.w4a8_linear if int_dot else ops.int4_linear
+    linear.int_dot = int_dot
     linear.linear_op = types.MethodType(_int4_product, linear)
 
 
@@ -195,18 +218,20 @@ def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> Quantization
     Args:
         model: the model after its weights are loaded and processed.
         ops: the ops table whose `int8_linear` / `int4_linear` the layers call.
-        method: "int8" or "int4" (the LM head and layers whose K is not a multiple of 32
-            then get int8).
+        method: "int8", "int4", "w8a8" or "w4a8" (`METHODS`; under int4 / w4a8 the LM head and
+            layers whose K is not a multiple of 32 get int8; under w8a8 / w4a8 the layers whose
+            K is not a multiple of 32 stay weight-only).
 
     Returns:
-        How many layers were quantised, the weight bytes before and after, and int4's
-        fallbacks to int8.
+        How many layers were quantised, the weight bytes before and after, the fallbacks to
+        int8 and to weight-only products.
 
     Raises:
-        ValueError: `method` is not "int8" or "int4".
+        ValueError: `method` is not one of `METHODS`.
     """
-    if method not in ("int8", "int4"):
-        raise ValueError(f"quantization {method!r}: use 'int8' or 'int4'")
+    if method not in METHODS:
+        raise ValueError(f"quantization {method!r}: use one of {', '.join(METHODS)}")
+    fmt, int_dot = METHODS[method]
     drop_decode_plans(model)
     before = _weight_bytes(model)
     embeddings = {
@@ -215,7 +240,7 @@ def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> Quantization
         for name, module in parent.named_children()
         if type(module) is nn.Embedding or isinstance(module, VocabParallelEmbedding)
     }
-    quantised, fallbacks = 0, []
+    quantised, fallbacks, weight_only = 0, [], []
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear) or name.rsplit(".", 1)[-1] in FLOAT_LINEARS:
             continue
@@ -223,12 +248,15 @@ def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> Quantization
             continue
         tied = embeddings.get(id(module.weight))
         leaf = name.rsplit(".", 1)[-1]
-        if method == "int4" and int4_supported(module.weight) and leaf not in INT8_UNDER_INT4:
-            quantize_linear_int4(module, ops)
+        dots = int_dot and int_dot_supported(module.weight.shape[1])
+        if int_dot and not dots:
+            weight_only.append(name)
+        if fmt == "int4" and int4_supported(module.weight) and leaf not in INT8_UNDER_INT4:
+            quantize_linear_int4(module, ops, dots)
         else:
-            if method == "int4" and leaf not in INT8_UNDER_INT4:
+            if fmt == "int4" and leaf not in INT8_UNDER_INT4:
                 fallbacks.append(name)
-            quantize_linear_int8(module, ops)
+            quantize_linear_int8(module, ops, dots)
         quantised += 1
         if tied is not None:
             parent, child = tied
@@ -242,14 +270,19 @@ def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> Quantization
     after = _weight_bytes(model)
     if fallbacks:
         logger.info(
-            "int4: %d layers have K not a multiple of 32 and are int8 instead: %s",
-            len(fallbacks), ", ".join(fallbacks),
+            "%s: %d layers have K not a multiple of 32 and are int8 instead: %s",
+            method, len(fallbacks), ", ".join(fallbacks),
+        )  # fmt: skip
+    if weight_only:
+        logger.info(
+            "%s: %d layers have K not a multiple of 32 and multiply float activations "
+            "(weight-only int8): %s", method, len(weight_only), ", ".join(weight_only),
         )  # fmt: skip
     logger.info(
         "%s: %d linear layers quantised; weights %.1f MiB -> %.1f MiB",
         method, quantised, before / 2**20, after / 2**20,
     )  # fmt: skip
-    return QuantizationReport(quantised, before, after, tuple(fallbacks))
+    return QuantizationReport(quantised, before, after, tuple(fallbacks), tuple(weight_only))
 
 
 def quantize_model_int8(model: nn.Module, ops: MambaOps) -> QuantizationReport:

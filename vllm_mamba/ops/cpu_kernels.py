@@ -10,8 +10,9 @@ in the schema's order (float and int scalars converted; `CppOp.args` where the s
 parameter), so a schema that drifts from the reference fails at registration. The wrappers are
 attributes of this module under the kernel's name (`cpu_kernels.gated_delta_varlen`), and
 `register()` registers them as the `cpp` backend's ops (with `linear`, `int8_linear`,
-`int4_linear`, `grouped_linear`). The kernels copy non-contiguous activations to contiguous
-ones themselves; the states are updated in place and must be contiguous.
+`int4_linear`, `grouped_linear`, `w8a8_linear`, `w4a8_linear`). The kernels copy
+non-contiguous activations to contiguous ones themselves; the states are updated in place and
+must be contiguous.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from vllm_mamba.ops.families import register_op_impl, registered_families
 from vllm_mamba.ops.grouped_linear import grouped_linear_cpp, has_grouped_kernel
 from vllm_mamba.ops.int4_linear import has_int4_kernel, int4_linear_cpp
 from vllm_mamba.ops.int8_linear import has_int8_kernel, int8_linear_cpp
+from vllm_mamba.ops.int_dot_linear import has_int_dot_kernels, w4a8_linear_cpp, w8a8_linear_cpp
 from vllm_mamba.ops.table import MambaOps, bind_ops
 
 try:
@@ -100,13 +102,16 @@ CPP_OPS: tuple[CppOp, ...] = (
     CppOp("ffn", "moe_decode", "fused_moe_decode", required=False),
 )  # fmt: skip
 # The kernels Python calls by name outside the families: `linear`'s, the int8 / 4-bit / grouped
-# linear wrappers' (`vllm_mamba.ops.int8_linear`, `int4_linear`, `grouped_linear`) and the
-# build's switches.
+# linear wrappers' (`vllm_mamba.ops.int8_linear`, `int4_linear`, `grouped_linear`,
+# `int_dot_linear`) and the build's switches.
 LINEAR_OPS = ("linear_small_batch", "bf16_linear")
 OTHER_OPS = (
     "int8_linear",
     "int4_linear",
     "grouped_linear",
+    "w8a8_linear",
+    "w4a8_linear",
+    "int_dot_instruction",
     "native_bf16",
     "amx_int8",
     "set_flush_denormal_all_threads",
@@ -204,7 +209,7 @@ globals().update(_wrappers())
 
 def register() -> None:
     """Registers the kernels of `CPP_OPS` the build has, `linear`, and the int8 / 4-bit /
-    grouped kernels where built, as the `cpp` backend's ops."""
+    grouped / integer-dot kernels where built, as the `cpp` backend's ops."""
     for op in CPP_OPS:
         if hasattr(torch.ops.vllm_mamba, op.name):
             register_op_impl(op.family, "cpp", **{op.op: globals()[op.name]})
@@ -215,6 +220,8 @@ def register() -> None:
         register_op_impl("linear", "cpp", int4_linear=int4_linear_cpp)
     if has_grouped_kernel():
         register_op_impl("linear", "cpp", grouped_linear=grouped_linear_cpp)
+    if has_int_dot_kernels():
+        register_op_impl("linear", "cpp", w8a8_linear=w8a8_linear_cpp, w4a8_linear=w4a8_linear_cpp)
 
 
 @functools.cache

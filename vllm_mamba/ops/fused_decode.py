@@ -16,7 +16,9 @@ absent optional entries are None. Each projection weight (`*_proj_w`) is float32
 int8 (`quantization="int8"`) with its per-row float32 scale in the matching `*_proj_scale`
 entry, or 4-bit (`quantization="int4"`: uint8 `(rows, cols/2)` with its `(rows, cols/32)`
 float16 group scales there; None for a float weight); every other entry is a contiguous
-float32 tensor. The conv and SSM states are float32 or bfloat16 each (`ssm_state_dtype`),
+float32 tensor. `int_dot` (`quantization="w8a8"` / `"w4a8"`): the int8 and 4-bit weights
+multiply activations quantised to int8 blocks of 32 (`vllm_mamba.ops.int_dot_linear`); float
+weights ignore it. The conv and SSM states are float32 or bfloat16 each (`ssm_state_dtype`),
 whatever the weights.
 
 Glossary: B decode rows, H hidden, I inner channels, N state size, S state slots; Mamba2: NH
@@ -36,6 +38,7 @@ from vllm_mamba.ops.families import OpFamily, OpSpec
 from vllm_mamba.ops.gated_rms_norm import gated_rms_norm_ref
 from vllm_mamba.ops.int4_linear import dequantize_int4
 from vllm_mamba.ops.int8_linear import dequantize_int8
+from vllm_mamba.ops.int_dot_linear import w4a8_linear_ref, w8a8_linear_ref
 from vllm_mamba.ops.selective_scan import selective_state_update_ref
 from vllm_mamba.ops.ssd import ssd_state_update_ref
 
@@ -68,8 +71,14 @@ def _linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     scale: torch.Tensor | None = None,
+    int_dot: bool = False,
 ) -> torch.Tensor:
-    """`F.linear` in float32 whatever the weight dtype (int8 and 4-bit weights dequantised)."""
+    """`F.linear` in float32 whatever the weight dtype (int8 and 4-bit weights dequantised);
+    with `int_dot` an int8 / 4-bit weight multiplies x quantised to int8 blocks
+    (`w8a8_linear_ref` / `w4a8_linear_ref`)."""
+    if int_dot and scale is not None:
+        op = w4a8_linear_ref if weight.dtype == torch.uint8 else w8a8_linear_ref
+        return op(x.float(), weight, scale, bias)
     if scale is None:
         w = weight.float()
     elif weight.dtype == torch.uint8:  # 4-bit, float16 group scales
@@ -97,6 +106,7 @@ def fused_mamba_decode_ref(
     mixer_eps: float,
     out_dtype: torch.dtype,
     src_state_indices: torch.Tensor | None = None,
+    int_dot: bool = False,
 ) -> torch.Tensor:
     """One Mamba layer's decode step from the reference ops; states advanced in place.
 
@@ -113,6 +123,7 @@ def fused_mamba_decode_ref(
         mixer_eps: FalconMamba's epsilon of the weightless norms of dt, B and C; < 0: none.
         out_dtype: the result's dtype (float32 or the model dtype, as the unfused path).
         src_state_indices: `(B,)` the slot each row reads its state from (`_chained`).
+        int_dot: the int8 / 4-bit weights take integer dot products (see the module).
 
     Returns:
         `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
@@ -121,27 +132,27 @@ def fused_mamba_decode_ref(
         return _chained(
             fused_mamba_decode_ref, hidden, (conv_states, ssm_states), state_indices,
             src_state_indices, params, conv_states, ssm_states, norm_eps=norm_eps,
-            mixer_eps=mixer_eps, out_dtype=out_dtype,
+            mixer_eps=mixer_eps, out_dtype=out_dtype, int_dot=int_dot,
         )  # fmt: skip
     p = dict(zip(MAMBA_PARAMS, params, strict=True))
     x = hidden.float()
     xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
-    u, z = _linear(xn, p["in_proj_w"], p["in_proj_b"], p["in_proj_scale"]).chunk(2, dim=-1)
+    u, z = _linear(xn, p["in_proj_w"], p["in_proj_b"], p["in_proj_scale"], int_dot).chunk(2, -1)
     xc = causal_conv1d_update_ref(u, conv_states, p["conv_w"], p["conv_b"], state_indices)
     rank = p["dt_proj_w"].shape[1]
     nstate = p["A"].shape[1]
-    ts, B, C = _linear(xc, p["x_proj_w"], None, p["x_proj_scale"]).split(
+    ts, B, C = _linear(xc, p["x_proj_w"], None, p["x_proj_scale"], int_dot).split(
         [rank, nstate, nstate], dim=-1
     )
     if mixer_eps >= 0:
         ts, B, C = (
             t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + mixer_eps) for t in (ts, B, C)
         )
-    dt = _linear(ts, p["dt_proj_w"], None, p["dt_proj_scale"])  # (B, I)
+    dt = _linear(ts, p["dt_proj_w"], None, p["dt_proj_scale"], int_dot)  # (B, I)
     y = selective_state_update_ref(
         ssm_states, xc, dt, p["A"], B, C, p["D"], z, p["dt_proj_b"], True, state_indices
     )
-    mixed = _linear(y, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"])
+    mixed = _linear(y, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"], int_dot)
     return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
 
 
@@ -157,6 +168,7 @@ def fused_mamba2_decode_ref(
     gate_eps: float,
     out_dtype: torch.dtype,
     src_state_indices: torch.Tensor | None = None,
+    int_dot: bool = False,
 ) -> torch.Tensor:
     """One Mamba2 layer's decode step from the reference ops; states advanced in place.
 
@@ -173,6 +185,7 @@ def fused_mamba2_decode_ref(
         norm_eps: the block norm's epsilon; gate_eps: the gated norm's.
         out_dtype: the result's dtype (float32 or the model dtype, as the unfused path).
         src_state_indices: `(B,)` the slot each row reads its state from (`_chained`).
+        int_dot: the int8 / 4-bit weights take integer dot products (see the module).
 
     Returns:
         `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
@@ -182,6 +195,7 @@ def fused_mamba2_decode_ref(
             fused_mamba2_decode_ref, hidden, (conv_states, ssm_states), state_indices,
             src_state_indices, params, conv_states, ssm_states, n_groups=n_groups,
             group_size=group_size, norm_eps=norm_eps, gate_eps=gate_eps, out_dtype=out_dtype,
+            int_dot=int_dot,
         )  # fmt: skip
     p = dict(zip(MAMBA2_PARAMS, params, strict=True))
     batch = hidden.shape[0]
@@ -189,7 +203,7 @@ def fused_mamba2_decode_ref(
     inter, gn = heads * head_dim, n_groups * nstate
     x = hidden.float()
     xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
-    zxbcdt = _linear(xn, p["in_proj_w"], p["in_proj_b"], p["in_proj_scale"])
+    zxbcdt = _linear(xn, p["in_proj_w"], p["in_proj_b"], p["in_proj_scale"], int_dot)
     z, xbc, dt = zxbcdt.split([inter, inter + 2 * gn, heads], dim=-1)
     xbc = causal_conv1d_update_ref(xbc, conv_states, p["conv_w"], p["conv_b"], state_indices)
     xs, B, C = xbc.split([inter, gn, gn], dim=-1)
@@ -199,7 +213,7 @@ def fused_mamba2_decode_ref(
         p["dt_bias"], True, state_indices,
     )  # fmt: skip
     g = gated_rms_norm_ref(y.reshape(batch, inter), z, p["gate_norm_w"], group_size, gate_eps)
-    mixed = _linear(g, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"])
+    mixed = _linear(g, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"], int_dot)
     return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
 
 
@@ -230,7 +244,7 @@ class FusedMambaDecodeOp(Protocol):
     def __call__(
         self, hidden: Tensor, params: Params, conv_states: Tensor, ssm_states: Tensor,
         state_indices: Tensor, norm_eps: float, mixer_eps: float, out_dtype: torch.dtype,
-        src_state_indices: Tensor | None = None,
+        src_state_indices: Tensor | None = None, int_dot: bool = False,
     ) -> Tensor: ...  # fmt: skip
 
 
@@ -238,7 +252,7 @@ class FusedMamba2DecodeOp(Protocol):
     def __call__(
         self, hidden: Tensor, params: Params, conv_states: Tensor, ssm_states: Tensor,
         state_indices: Tensor, n_groups: int, group_size: int, norm_eps: float, gate_eps: float,
-        out_dtype: torch.dtype, src_state_indices: Tensor | None = None,
+        out_dtype: torch.dtype, src_state_indices: Tensor | None = None, int_dot: bool = False,
     ) -> Tensor: ...  # fmt: skip
 
 

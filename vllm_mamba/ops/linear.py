@@ -4,7 +4,9 @@
 `vllm_mamba.ops.cpu_kernels.linear`); `int8_linear` and `int4_linear` run once a weight is
 quantised (`vllm_mamba.ops.int8_linear`, `vllm_mamba.ops.int4_linear`: the quantisers, the
 references and the C++ kernels' wrappers); `grouped_linear` runs the integer weights that a
-pre-quantised checkpoint ships (`vllm_mamba.ops.grouped_linear`).
+pre-quantised checkpoint ships (`vllm_mamba.ops.grouped_linear`); `w8a8_linear` and
+`w4a8_linear` multiply the int8 / 4-bit weights with activations quantised to int8 blocks
+(`quantization="w8a8"` / `"w4a8"`: `vllm_mamba.ops.int_dot_linear`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from vllm_mamba.ops.families import OpFamily, OpSpec
 from vllm_mamba.ops.grouped_linear import grouped_linear_ref
 from vllm_mamba.ops.int4_linear import int4_linear_ref
 from vllm_mamba.ops.int8_linear import int8_linear_ref
+from vllm_mamba.ops.int_dot_linear import w4a8_linear_ref, w8a8_linear_ref
 
 Tensor = torch.Tensor
 
@@ -68,5 +71,7 @@ OPS = OpFamily(
         "int8_linear": OpSpec(Int8LinearOp, int8_linear_ref),
         "int4_linear": OpSpec(Int4LinearOp, int4_linear_ref),
         "grouped_linear": OpSpec(GroupedLinearOp, grouped_linear_ref),
+        "w8a8_linear": OpSpec(Int8LinearOp, w8a8_linear_ref),
+        "w4a8_linear": OpSpec(Int4LinearOp, w4a8_linear_ref),
     },
 )

@@ -34,8 +34,9 @@ class MambaOps:
 
     Mamba uses the conv and selective-scan ops; Mamba2 the conv, SSD and gated-norm ops; every
     projection goes through `linear` (`int8_linear` / `int4_linear` once its weight is
-    quantised); the attention layers of hybrids write their KV cache with `reshape_and_cache`
-    and read it with the paged attention ops. `fused_mamba_decode` / `fused_mamba2_decode` are
+    quantised, `w8a8_linear` / `w4a8_linear` with integer dot products); the attention layers
+    of hybrids write their KV cache with `reshape_and_cache` and read it with the paged
+    attention ops. `fused_mamba_decode` / `fused_mamba2_decode` are
     None where the backend has no fused layer.
     """
 
@@ -54,6 +55,8 @@ class MambaOps:
     int8_linear: Int8LinearOp
     int4_linear: Int4LinearOp
     grouped_linear: GroupedLinearOp
+    w8a8_linear: Int8LinearOp
+    w4a8_linear: Int4LinearOp
     fused_mamba_decode: FusedMambaDecodeOp | None = None
     fused_mamba2_decode: FusedMamba2DecodeOp | None = None
 
@@ -78,6 +81,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "int8_linear": ("linear", "int8_linear"),
     "int4_linear": ("linear", "int4_linear"),
     "grouped_linear": ("linear", "grouped_linear"),
+    "w8a8_linear": ("linear", "w8a8_linear"),
+    "w4a8_linear": ("linear", "w4a8_linear"),
     "fused_mamba_decode": ("fused_decode", "mamba"),
     "fused_mamba2_decode": ("fused_decode", "mamba2"),
 }

@@ -121,9 +121,12 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.model applies to method draft_model, not {self.method}"
             )
-        if self.quantization not in (None, "int8", "int4"):
+        from vllm_mamba.config import QUANTIZATION_CHOICES  # that module imports this one
+
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
-                f"speculative_config.quantization {self.quantization!r} is not int8 or int4"
+                f"speculative_config.quantization {self.quantization!r} is not one of "
+                f"{', '.join(QUANTIZATION_CHOICES)}"
             )
 
 

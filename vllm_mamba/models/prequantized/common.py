@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from vllm_mamba.config import recorded_quantization
+from vllm_mamba.config import QUANTIZATION_CHOICES, recorded_quantization
 
 __all__ = [
     "LayerDecoder",
@@ -51,7 +51,7 @@ def quant_config(hf_config: Any) -> dict[str, Any] | None:
     if existing is None:
         return None
     config = existing if isinstance(existing, dict) else existing.to_dict()
-    if config.get("quant_method") in ("int8", "int4") and set(config) <= {
+    if config.get("quant_method") in QUANTIZATION_CHOICES and set(config) <= {
         "quant_method",
         "checkpoint_quantization",
     }:
@@ -60,8 +60,9 @@ def quant_config(hf_config: Any) -> dict[str, Any] | None:
 
 
 def requantized_at_load(hf_config: Any) -> bool:
-    """Whether `quantization="int8"` / `"int4"` was asked: float formats then load as float
-    weights for the load-time quantiser instead of keeping their own layout."""
+    """Whether a load-time `quantization` (`"int8"`, `"int4"`, `"w8a8"`, `"w4a8"`) was asked:
+    float formats then load as float weights for the load-time quantiser instead of keeping
+    their own layout."""
     return recorded_quantization(hf_config) is not None
 
 

@@ -1,0 +1,275 @@
+"""`w8a8_linear` / `w4a8_linear` (integer dot products) against independent formulas.
+
+- The activation quantiser (`quantize_activations_q8`) equals a per-block loop written here.
+- The kernels quantise x exactly as it does: with one-hot weight rows each output is one
+  activation's `d * q`, compared for equality.
+- The kernels' results against the exact value (float64) of the same integer products: the
+  block sums are exact integers, so the only error is float32's rounding of the K / 32 scaled
+  block terms and their sum. Bound per output: `(NB + 8) * 2^-24 * sum_j |d_j D_j|` (times
+  the row scale; NB block terms summed, the scale products, the final scale), plus the output
+  rounding (2^-24 float32, 2^-8 bfloat16) of `|out|`. An activation code off by one would be
+  `d * |w|`, far above it. The references (`w8a8_linear_ref`, float32 `F.linear` over K
+  products) are held to `(K + 8) * 2^-24 * sum_i |x_i w_i|` (dequantised values).
+- A row's result does not depend on the other rows of the batch (bit for bit).
+- Bad inputs; the same tests without VNNI (`VLLM_MAMBA_INT_DOT_VNNI=0`, a subprocess).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_mamba.ops.int4_linear import quantize_int4, unpack_int4
+from vllm_mamba.ops.int8_linear import quantize_int8
+from vllm_mamba.ops.int_dot_linear import (
+    dequantize_activations_q8,
+    has_int_dot_kernels,
+    int_dot_instruction,
+    quantize_activations_q8,
+    w4a8_linear_ref,
+    w8a8_linear_ref,
+)
+
+needs_kernel = pytest.mark.skipif(not has_int_dot_kernels(), reason="C++ extension not built")
+U = 2.0**-24
+
+
+def _q8_loop(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 of each row of x, one block at a time in float32 numpy: codes and scales."""
+    rows = x.float().numpy().reshape(x.shape[0], -1, 32)
+    q = np.zeros(rows.shape, dtype=np.int8)
+    d = np.zeros(rows.shape[:2], dtype=np.float32)
+    for i in range(rows.shape[0]):
+        for j in range(rows.shape[1]):
+            block = rows[i, j]
+            scale = np.float32(np.abs(block).max()) / np.float32(127)
+            d[i, j] = scale
+            if scale > 0:
+                q[i, j] = np.clip(np.rint(block / scale), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), d
+
+
+def _x(m: int, k: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k // 32, 1, generator=g).repeat_interleave(
+        32, 1
+    ).reshape(m, k).mul(3)
+    if m > 1 and k >= 64:
+        x[1, 32:64] = 0  # a block of zeros: scale 0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quantiser_matches_a_per_block_loop(dtype: torch.dtype) -> None:
+    x = _x(5, 128, 1, dtype)
+    x[0, :32] = torch.arange(32) - 16.5  # amax 16.5: a scale that is not a power of two
+    x[2, :32] = 0.0
+    x[2, 0], x[2, 1], x[2, 2], x[2, 3] = 127.0, 2.5, -3.5, 0.5  # scale 1: ties to even
+    q, d = quantize_activations_q8(x)
+    want_q, want_d = _q8_loop(x)
+    assert q.dtype == torch.int8 and d.dtype == torch.float32
+    assert np.array_equal(q.numpy(), want_q) and np.array_equal(d.numpy(), want_d)
+    assert q[2, :4].tolist() == [127, 2, -4, 0]
+    assert float(d[1, 1]) == 0.0 and not q[1, 32:64].any()
+
+
+def test_activation_quantiser_rejects_k_not_a_multiple_of_32() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_activations_q8(torch.zeros(2, 48))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        w8a8_linear_ref(
+            torch.zeros(2, 48), torch.zeros(3, 48, dtype=torch.int8), torch.ones(3), None
+        )
+
+
+def _one_hot_int8(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.eye(k, dtype=torch.int8), torch.ones(k)
+
+
+def _one_hot_int4(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit rows e_i: code 0 (-8) at i, code 8 (0) elsewhere, scales -1/8: weight 1 at i."""
+    codes = torch.full((k, k), 8, dtype=torch.uint8)
+    codes.fill_diagonal_(0)
+    c = codes.reshape(k, k // 32, 32)
+    packed = (c[..., :16] | (c[..., 16:] << 4)).reshape(k, k // 2).contiguous()
+    return packed, torch.full((k, k // 32), -0.125, dtype=torch.float16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_kernels_quantise_x_as_the_reference(m: int) -> None:
+    """One-hot weights read back each activation's `d * q` (one exact term per output)."""
+    x = _x(m, 96, 2 + m)
+    x[0, :32] = torch.arange(32) - 16.5
+    want = dequantize_activations_q8(*quantize_activations_q8(x))
+    assert torch.equal(torch.ops.vllm_mamba.w8a8_linear(x, *_one_hot_int8(96), None), want)
+    assert torch.equal(torch.ops.vllm_mamba.w4a8_linear(x, *_one_hot_int4(96), None), want)
+
+
+def _exact(x: torch.Tensor, w_int: torch.Tensor, w_scale: torch.Tensor, four_bit: bool):  # noqa: ANN202
+    """The exact result (float64) of the integer products, the magnitude of its block terms
+    (`sum_j |d_j D_j [* s_j]|`, times the row scale for int8) and of its K products."""
+    q, d = _q8_loop(x)
+    m, k = q.shape
+    nb = k // 32
+    qb = torch.from_numpy(q).double().reshape(m, 1, nb, 32)
+    wb = w_int.double().reshape(1, -1, nb, 32)
+    dots = (qb * wb).sum(-1)  # (M, N, NB) exact integers
+    products = (qb * wb).abs().sum(-1)  # (M, N, NB)
+    scales = torch.from_numpy(d).double()[:, None, :]  # (M, 1, NB)
+    scales = scales * (w_scale.double()[None] if four_bit else w_scale.double()[None, :, None])
+    terms = dots * scales  # (M, N, NB)
+    return terms.sum(-1), terms.abs().sum(-1), (products * scales.abs()).sum(-1)
+
+
+def _weights(n: int, k: int, four_bit: bool, seed: int):  # noqa: ANN202
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    if four_bit:
+        qweight, scales = quantize_int4(w)
+        return qweight, scales, unpack_int4(qweight), scales.float()
+    qweight, scale = quantize_int8(w)
+    return qweight, scale, qweight, scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("four_bit", [False, True], ids=["w8a8", "w4a8"])
+@pytest.mark.parametrize("m", [1, 3, 9, 70])
+@pytest.mark.parametrize("k,n", [(32, 13), (64, 40), (1024, 21)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernels_and_references_against_the_exact_products(
+    four_bit: bool, m: int, k: int, n: int, dtype: torch.dtype, bias: bool
+) -> None:
+    seed = m * 1000 + k + n
+    qweight, scale, w_int, w_scale = _weights(n, k, four_bit, seed)
+    x = _x(m, k, seed + 1, dtype)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)) if bias else None
+    exact, mag_blocks, mag_products = _exact(x, w_int, w_scale, four_bit)
+    if b is not None:
+        exact = exact + b.double()
+    out_round = U if dtype == torch.float32 else 2.0**-8
+    kernel = torch.ops.vllm_mamba.w4a8_linear if four_bit else torch.ops.vllm_mamba.w8a8_linear
+    ref = w4a8_linear_ref if four_bit else w8a8_linear_ref
+    for fn, terms, mag in ((kernel, k // 32 + 8, mag_blocks), (ref, k + 8, mag_products)):
+        got = fn(x, qweight, scale, b)
+        assert got.dtype == dtype and got.shape == (m, n)
+        bound = terms * U * mag + out_round * exact.abs() * 1.01 + 1e-30
+        err = (got.double() - exact).abs()
+        assert bool((err <= bound).all()), (fn, float((err / bound).max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("four_bit", [False, True], ids=["w8a8", "w4a8"])
+def test_a_rows_result_does_not_depend_on_the_batch(four_bit: bool) -> None:
+    qweight, scale, _, _ = _weights(37, 544, four_bit, 9)  # 17 blocks: a partial group
+    x = _x(70, 544, 10)
+    kernel = torch.ops.vllm_mamba.w4a8_linear if four_bit else torch.ops.vllm_mamba.w8a8_linear
+    batched = kernel(x, qweight, scale, None)
+    for i in (0, 5, 33, 69):
+        assert torch.equal(kernel(x[i : i + 1], qweight, scale, None), batched[i : i + 1])
+    assert torch.equal(kernel(x[4:7], qweight, scale, None), batched[4:7])
+
+
+@needs_kernel
+def test_empty_inputs_and_bad_inputs() -> None:
+    qweight, scale = quantize_int8(torch.randn(8, 64))
+    q4, s4 = quantize_int4(torch.randn(8, 64))
+    w8a8, w4a8 = torch.ops.vllm_mamba.w8a8_linear, torch.ops.vllm_mamba.w4a8_linear
+    assert w8a8(torch.zeros(0, 64), qweight, scale, None).shape == (0, 8)
+    assert w4a8(torch.zeros(0, 64), q4, s4, None).shape == (0, 8)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        w8a8(torch.randn(2, 48), torch.zeros(8, 48, dtype=torch.int8), torch.ones(8), None)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        w8a8(x.half(), qweight, scale, None)
+    with pytest.raises(RuntimeError, match="qweight must be \\(N, K\\)"):
+        w8a8(torch.randn(2, 96), qweight, scale, None)
+    with pytest.raises(RuntimeError, match="qweight must be contiguous int8"):
+        w8a8(x, qweight.float(), scale, None)
+    with pytest.raises(RuntimeError, match="scale must be contiguous float32"):
+        w8a8(x, qweight, scale[:4], None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        w8a8(x, qweight, scale, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="qweight must be \\(N, K / 2\\)"):
+        w4a8(x, qweight, s4, None)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
+        w4a8(x, q4, s4.float(), None)
+
+
+@needs_kernel
+def test_the_kernels_without_vnni() -> None:
+    """With VLLM_MAMBA_INT_DOT_VNNI=0 the same tests run the maddubs kernels (a process reads
+    it once)."""
+    env = dict(os.environ, VLLM_MAMBA_INT_DOT_VNNI="0")
+    code = "from vllm_mamba.ops.int_dot_linear import int_dot_instruction as f; print(f())"
+    probe = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert probe.stdout.strip() in ("maddubs", "scalar"), probe.stderr[-2000:]
+    if int_dot_instruction() != "vpdpbusd":
+        pytest.skip("this CPU runs the maddubs kernels already (the tests above)")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
+    cmd += ["-k", "(exact_products and 1024 and dtype0 and not 70) or quantise_x or batch"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
+
+
+# The fused layers against their references with integer dots: the same kernels quantise the
+# same inputs, but the layer's intermediates (norms, conv, state update) round differently in
+# the two paths, and an input at a rounding boundary of its block may take the next code: one
+# step `d = max|x| / 127` of one activation, times its weights (measured: at most 2.3e-6 apart
+# on these cases, no step taken).
+FUSED_TOL = dict(rtol=1e-3, atol=1e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("four_bit", [False, True], ids=["w8a8", "w4a8"])
+@pytest.mark.parametrize("batch", [1, 3, 12])
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_fused_decode_layers_with_integer_dots(kind: str, batch: int, four_bit: bool) -> None:
+    from tests.ops import test_fused_decode as tfd
+    from vllm_mamba.ops import cpu_kernels
+    from vllm_mamba.ops import fused_decode as fd
+
+    g = torch.Generator().manual_seed(batch * 10 + four_bit)
+    dtype = tfd.INT4_F32 if four_bit else tfd.INT8_F32
+    if kind == "mamba":
+        params, conv, ssm = tfd._mamba_case(g, 64, 128, 16, 6, 4, True, True, dtype)
+        args = (1e-5, -1.0, torch.float32)
+        kernel, ref = cpu_kernels.fused_mamba_decode, fd.fused_mamba_decode_ref
+    else:
+        params, conv, ssm = tfd._mamba2_case(g, 64, 4, 32, 1, 128, 4, True, True, dtype)
+        args = (1, 128, 1e-5, 1e-6, torch.float32)
+        kernel, ref = cpu_kernels.fused_mamba2_decode, fd.fused_mamba2_decode_ref
+    x = torch.randn(batch, 64, generator=g)
+
+    def run(h, c, s, i):  # noqa: ANN001, ANN202
+        return kernel(h, params, c, s, i, *args, None, True)
+
+    def want(h, c, s, i):  # noqa: ANN001, ANN202
+        return ref(h, params, c, s, i, *args, None, True)
+
+    tfd._check(run, want, x, conv, ssm, tfd._indices(batch, True), FUSED_TOL)
+    # integer dots change the result: the weight-only reference is farther away
+    plain = ref(x, params, conv.clone(), ssm.clone(), tfd._indices(batch, True), *args)
+    assert not torch.allclose(plain, run(x, conv.clone(), ssm.clone(), tfd._indices(batch, True)))
+
+
+@needs_kernel
+def test_fused_decode_refuses_integer_dots_for_k_not_a_multiple_of_32() -> None:
+    from tests.ops import test_fused_decode as tfd
+    from vllm_mamba.ops import cpu_kernels
+
+    g = torch.Generator().manual_seed(0)
+    params, conv, ssm = tfd._mamba2_case(g, 48, 3, 32, 1, 8, 3, True, True, tfd.INT8_F32)
+    x, idx = torch.randn(1, 48, generator=g), tfd._indices(1, False)
+    with pytest.raises(RuntimeError, match="in_proj weight: integer dot products need K"):
+        cpu_kernels.fused_mamba2_decode(
+            x, params, conv, ssm, idx, 1, 96, 1e-5, 1e-6, torch.float32, None, True
+        )

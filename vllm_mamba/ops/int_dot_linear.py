@@ -1,0 +1,150 @@
+"""Linear layers with integer dot products: Q8_0 activations, int8 or 4-bit weights.
+
+`quantization="w8a8"` / `"w4a8"` keep the weights of `"int8"` / `"int4"` (the int8 rows with
+their float32 scales, `vllm_mamba.ops.int8_linear`; the 4-bit groups of 32 with float16 scales,
+`vllm_mamba.ops.int4_linear`) and quantise each row of the activations too, as llama.cpp's Q8_0:
+
+    per block of 32 values of a row:  d = max|x| / 127,  q = round_half_even(x / d)  (int8)
+
+(a block of zeros: d = 0, q = 0). A block's products are then exact integers
+(`sum q_i w_i`, int32) scaled by `d` (int8 weights: times the row's scale at the end) or by
+`d * s` (4-bit weights, `s` the group's scale); only the float sum over the K / 32 blocks
+rounds. The references compute the same values in float32 from the dequantised activations
+(`dequantize_activations_q8`) and weights, and differ from the kernels only by that rounding.
+
+The C++ kernels (`csrc/int_dot.h`, `csrc/int_dot_linear.cpp`: `torch.ops.vllm_mamba.w8a8_linear`
+/ `w4a8_linear`) run one path for every number of rows, so a row's result does not depend on the
+batch; K must be a multiple of 32 (`int_dot_supported`). They multiply with AVX512-VNNI /
+AVX-VNNI where the CPU has it, unless `VLLM_MAMBA_INT_DOT_VNNI=0` (read once per process by the
+kernels), which runs the AVX-512BW / AVX2 kernels instead (`int_dot_instruction`).
+
+Glossary: M rows of x, K input features, N output features, NB = K / 32 blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_mamba.ops import cpu_isa
+from vllm_mamba.ops.int4_linear import dequantize_int4
+from vllm_mamba.ops.int8_linear import dequantize_int8, kernel_rows
+
+Q8_BLOCK = 32  # activations sharing one scale
+Q8_MAX = 127
+
+
+def int_dot_supported(k: int) -> bool:
+    """Whether a layer with `k` input features can take integer dot products (K % 32 == 0)."""
+    return k > 0 and k % Q8_BLOCK == 0
+
+
+def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 quantisation of activations, per block of 32 values of the last dimension.
+
+    Args:
+        x: `(..., K)` float32 or bfloat16, K a multiple of 32.
+
+    Returns:
+        `q (..., K)` int8 codes in [-127, 127] and `d (..., K/32)` float32 block scales
+        (`d = max|x| / 127` in float32, `q = round_half_even(x / d)`; 0 for a block of zeros).
+
+    Raises:
+        ValueError: K is not a multiple of 32.
+    """
+    k = x.shape[-1]
+    if not int_dot_supported(k):
+        raise ValueError(f"quantize_activations_q8: K must be a multiple of 32, got {k}")
+    blocks = x.float().reshape(*x.shape[:-1], k // Q8_BLOCK, Q8_BLOCK)  # (..., NB, 32)
+    d = blocks.abs().amax(dim=-1) / Q8_MAX  # (..., NB)
+    safe = torch.where(d > 0, d, torch.ones_like(d))[..., None]
+    q = torch.where(d[..., None] > 0, torch.round(blocks / safe), torch.zeros_like(blocks))
+    q = q.clamp_(-Q8_MAX, Q8_MAX).to(torch.int8)  # (..., NB, 32)
+    return q.reshape(x.shape), torch.where(d > 0, d, torch.zeros_like(d))
+
+
+def dequantize_activations_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """`q (..., K)` int8 with `d (..., K/32)` -> the float32 values `q * d` they stand for."""
+    k = q.shape[-1]
+    blocks = q.float().reshape(*q.shape[:-1], k // Q8_BLOCK, Q8_BLOCK) * d[..., None]
+    return blocks.reshape(q.shape)
+
+
+def fake_quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
+    """`x (..., K)` -> float32 `(..., K)`: x quantised to Q8_0 and back."""
+    return dequantize_activations_q8(*quantize_activations_q8(x))
+
+
+def _q8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`Q8(x) (..., K) @ weight (N, K) float32 ^T + bias` in float32, rounded to x's dtype."""
+    xq = fake_quantize_activations_q8(x)  # (..., K) float32
+    out = F.linear(xq, weight, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def w8a8_linear_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`Q8(x) (..., K) @ (qweight * scale)^T + bias` -> `(..., N)` in x's dtype.
+
+    Args:
+        x: `(..., K)` float32 or bfloat16 activations, K a multiple of 32.
+        qweight: `(N, K)` int8.
+        scale: `(N,)` float32 per-output-channel scales.
+        bias: `(N,)` or None.
+
+    Returns:
+        `(..., N)` in the dtype of `x`, computed in float32 and rounded once.
+    """
+    return _q8_linear(x, dequantize_int8(qweight, scale, torch.float32), bias)
+
+
+def w4a8_linear_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`Q8(x) (..., K) @ dequantised 4-bit weight^T + bias` -> `(..., N)` in x's dtype.
+
+    Args:
+        x: `(..., K)` float32 or bfloat16 activations, K a multiple of 32.
+        qweight: `(N, K/2)` uint8, packed 4-bit weights (`int4_linear`'s layout).
+        scales: `(N, K/32)` float16 group scales.
+        bias: `(N,)` or None.
+
+    Returns:
+        `(..., N)` in the dtype of `x`, computed in float32 and rounded once.
+    """
+    return _q8_linear(x, dequantize_int4(qweight, scales, torch.float32), bias)
+
+
+def w8a8_linear_cpp(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The C++ kernel for `(M, K)` CPU inputs in float32 or bfloat16; the reference otherwise.
+    Same signature as `w8a8_linear_ref`."""
+    if kernel_rows(x):
+        return torch.ops.vllm_mamba.w8a8_linear(x, qweight, scale, bias)
+    return w8a8_linear_ref(x, qweight, scale, bias)
+
+
+def w4a8_linear_cpp(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The C++ kernel for `(M, K)` CPU inputs in float32 or bfloat16; the reference otherwise.
+    Same signature as `w4a8_linear_ref`."""
+    if kernel_rows(x):
+        return torch.ops.vllm_mamba.w4a8_linear(x, qweight, scales, bias)
+    return w4a8_linear_ref(x, qweight, scales, bias)
+
+
+def has_int_dot_kernels() -> bool:
+    """Whether the C++ extension is loaded and registers `w8a8_linear` and `w4a8_linear`."""
+    return cpu_isa.has_op("w8a8_linear") and cpu_isa.has_op("w4a8_linear")
+
+
+def int_dot_instruction() -> str:
+    """The multiply instruction of the loaded kernels on this CPU: "vpdpbusd" (AVX512-VNNI /
+    AVX-VNNI), "maddubs" (AVX-512BW / AVX2 without VNNI), "scalar" (generic build), or "none"
+    without the extension."""
+    if not cpu_isa.has_op("int_dot_instruction"):
+        return "none"
+    return str(torch.ops.vllm_mamba.int_dot_instruction())
