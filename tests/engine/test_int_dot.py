@@ -161,3 +161,13 @@ def test_reference_ops_run_the_same_function(monkeypatch: pytest.MonkeyPatch) ->
     ]
     diff = (torch.tensor(own, dtype=torch.float64) - lp_cpp).abs()
     assert float(diff.max()) <= FLIP_ATOL and int((diff > LOGPROB_ATOL).sum()) <= FLIPS
+
+
+def test_rwkv7_layers_with_integer_dots_run_unfused() -> None:
+    """The fused RWKV-7 layer's products are weight-only: under w8a8 its layers are unplanned,
+    so the engine's integer-dot products are the unfused layers'."""
+    with VllmRunner(tiny_model_dir("rwkv7-h64"), quantization="w8a8", max_num_seqs=1) as runner:
+        layers = runner.engine.model.layers
+        assert all(layer.decode_plan is None for layer in layers)
+    with VllmRunner(tiny_model_dir("rwkv7-h64"), quantization="int8", max_num_seqs=1) as runner:
+        assert all(layer.decode_plan is not None for layer in runner.engine.model.layers)

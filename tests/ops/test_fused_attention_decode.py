@@ -158,3 +158,28 @@ def test_engine_outputs_equal_with_and_without_the_fused_attention(
     assert got == want
     for a, b in zip(got_lp, want_lp, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["int8-float32", "int4-float32"])
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_fused_attention_with_integer_dots(dtype: str, batch: int) -> None:
+    """`int_dot`: the int8 / 4-bit products on int8-quantised activations, as the reference's
+    (`w8a8_linear_ref` / `w4a8_linear_ref`); FUSED_TOL as `test_int_dot_linear`'s."""
+    from tests.ops.test_int_dot_linear import FUSED_TOL
+
+    g = torch.Generator().manual_seed(batch)
+    shape = SHAPES[0]
+    params, k_cache, v_cache = _case(g, shape, True, dtype)
+    hidden, heads, kv, dim, rot, gate, _, _, key_mult = shape
+    tables, lens, slots, pos = _rows(batch, True, pad=False)
+    table = rotary_cos_sin_cache(1e4 ** -(torch.arange(0, rot, 2) / rot), 32, 1.0)
+    x = torch.randn(batch, hidden, generator=g)
+    args = (tables, lens, table, pos, heads, kv, dim, gate, dim**-0.5, key_mult, 1e-6, 1e-6)
+    run = (x, params, k_cache.clone(), v_cache.clone(), slots, *args, torch.float32)
+    got = cpu_kernels.fused_attention_decode(*run, True)
+    want = pa.decode_layer_ref(x, params, k_cache.clone(), v_cache.clone(), slots, *args,
+                               torch.float32, True)  # fmt: skip
+    torch.testing.assert_close(got, want, **FUSED_TOL)
+    plain = pa.decode_layer_ref(x, params, k_cache.clone(), v_cache.clone(), slots, *args,
+                                torch.float32)  # fmt: skip
+    assert not torch.allclose(got, plain), "integer dots change the result"

@@ -151,3 +151,25 @@ def test_engine_outputs_equal_with_and_without_the_fused_block(
     assert got == want
     for a, b in zip(got_lp, want_lp, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["int8-float32", "int4-float32"])
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_fused_short_conv_with_integer_dots(dtype: str, batch: int) -> None:
+    """`int_dot`: the int8 / 4-bit products on int8-quantised activations, as the reference's
+    (`w8a8_linear_ref` / `w4a8_linear_ref`); FUSED_TOL as `test_int_dot_linear`'s."""
+    from tests.ops.test_int_dot_linear import FUSED_TOL
+
+    g = torch.Generator().manual_seed(batch)
+    params, conv = _case(g, 64, 64, 3, True, True, dtype)
+    x = torch.randn(batch, 64, generator=g)
+    idx = _indices(batch, True)
+    conv_k, conv_r = conv.clone(), conv.clone()
+    got = cpu_kernels.fused_short_conv_decode(
+        x, params, conv_k, idx, EPS, torch.float32, None, True
+    )
+    want = sc.decode_layer_ref(x, params, conv_r, idx, EPS, torch.float32, None, True)
+    live = idx != PAD_SLOT_ID
+    torch.testing.assert_close(got[live], want[live], **FUSED_TOL)
+    plain = sc.decode_layer_ref(x, params, conv.clone(), idx, EPS, torch.float32)
+    assert not torch.allclose(got[live], plain[live]), "integer dots change the result"

@@ -6,8 +6,9 @@ of the `rwkv7` family's `decode_layer` (`csrc/fused_decode_rwkv7.cpp` on the `cp
 `ops.rwkv7.decode_layer_ref` defines it), and builds its parameter list once
 (`DecodeLayerParams`, by name). It returns None, and the layer runs unfused (which is the
 definition), where the op does not apply: a backend without its own op, tensor-parallel or
-otherwise modified projections, norms that are not plain `nn.LayerNorm`s of one epsilon,
-float16 states. Per step `FusedRwkv7Step.takes` asks only whether the step is decode-only
+otherwise modified projections, integer-dot projections (`quantization="w8a8"` / `"w4a8"`:
+the kernel's products are weight-only), norms that are not plain `nn.LayerNorm`s of one
+epsilon, float16 states. Per step `FusedRwkv7Step.takes` asks only whether the step is decode-only
 (no prefill, no speculative chains, no autograd) with an input in the model dtype.
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.layers.decode_plan import decode_only
 from vllm_mamba.layers.fused_decode_layer import _f32, plain_weight
+from vllm_mamba.layers.quantization import uses_int_dot
 from vllm_mamba.ops.rwkv7 import DecodeLayerParams
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -67,8 +69,8 @@ def _build(mix: nn.Module, layer: nn.Module, ffn: nn.Module) -> tuple[list, floa
         root, _, rest = path.partition(".") if path.startswith("ffn.") else ("", "", path)
         linear = (modules[root] if root else mix).get_submodule(rest)
         found = plain_weight(linear, mix.ops.linear)
-        if found is None or found[2] != mix.mixes.dtype:
-            return None
+        if found is None or found[2] != mix.mixes.dtype or uses_int_dot(linear):
+            return None  # (the kernel's products are weight-only: integer dots run unfused)
         p[f"{short}_w"], p[f"{short}_s"] = found[0], found[1]
     for short in ("w2", "a2", "v2"):
         bias = None if p[f"{short}_w"] is None else mix.get_submodule(_PROJECTIONS[short]).bias

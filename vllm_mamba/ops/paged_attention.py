@@ -242,20 +242,18 @@ def decode_layer_ref(
         scale: the softmax scale; key_multiplier: scales the keys after their norm.
         norm_eps, qk_eps: the block norm's and the q / k norms' epsilons.
         out_dtype: the result's dtype.
-        int_dot: the integer weights multiply int8-quantised activations.
+        int_dot: the integer weights multiply int8-quantised activations (`_linear`).
 
     Returns:
         `(B, H)` in `out_dtype`.
     """
-    if int_dot:
-        raise NotImplementedError("integer dot products: see vllm_mamba.ops.int_dot_linear")
     p = dict(zip(ATTENTION_PARAMS, params, strict=True))
     rows = hidden.shape[0]
     x = hidden.float()
     xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
-    q = _linear(xn, p["q_proj_w"], p["q_proj_b"], p["q_proj_scale"])  # (B, NQ)
-    k = _linear(xn, p["k_proj_w"], p["k_proj_b"], p["k_proj_scale"])  # (B, Hkv D)
-    v = _linear(xn, p["v_proj_w"], p["v_proj_b"], p["v_proj_scale"])  # (B, Hkv D)
+    q = _linear(xn, p["q_proj_w"], p["q_proj_b"], p["q_proj_scale"], int_dot)  # (B, NQ)
+    k = _linear(xn, p["k_proj_w"], p["k_proj_b"], p["k_proj_scale"], int_dot)  # (B, Hkv D)
+    v = _linear(xn, p["v_proj_w"], p["v_proj_b"], p["v_proj_scale"], int_dot)  # (B, Hkv D)
     gate = None
     if output_gate:
         qg = q.view(rows, num_heads, 2 * head_dim)
@@ -276,7 +274,7 @@ def decode_layer_ref(
     attn = attn.float().reshape(rows, -1)  # (B, Hq D)
     if gate is not None:
         attn = attn * torch.sigmoid(gate)
-    mixed = _linear(attn, p["o_proj_w"], p["o_proj_b"], p["o_proj_scale"])
+    mixed = _linear(attn, p["o_proj_w"], p["o_proj_b"], p["o_proj_scale"], int_dot)
     return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
 
 

@@ -165,13 +165,11 @@ def decode_layer_ref(
         out_dtype: the result's dtype.
         src_state_indices: `(B,)` the slot each row reads its history from (speculative
             chains: rows run in order).
-        int_dot: the integer weights multiply int8-quantised activations.
+        int_dot: the integer weights multiply int8-quantised activations (`_linear`).
 
     Returns:
         `(B, H)` in `out_dtype`.
     """
-    if int_dot:
-        raise NotImplementedError("integer dot products: see vllm_mamba.ops.int_dot_linear")
     if src_state_indices is not None:
         return _chained(
             decode_layer_ref, hidden, (conv_states,), state_indices, src_state_indices, params,
@@ -180,9 +178,9 @@ def decode_layer_ref(
     p = dict(zip(SHORT_CONV_PARAMS, params, strict=True))
     x = hidden.float()
     xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
-    bcx = _linear(xn, p["in_proj_w"], p["in_proj_b"], p["in_proj_scale"])  # (B, 3D)
+    bcx = _linear(xn, p["in_proj_w"], p["in_proj_b"], p["in_proj_scale"], int_dot)  # (B, 3D)
     gated = short_conv_update_ref(bcx, conv_states, p["conv_w"], p["conv_b"], state_indices)
-    mixed = _linear(gated, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"])
+    mixed = _linear(gated, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"], int_dot)
     return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
 
 
