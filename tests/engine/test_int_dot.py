@@ -171,3 +171,27 @@ def test_rwkv7_layers_with_integer_dots_run_unfused() -> None:
         assert all(layer.decode_plan is None for layer in layers)
     with VllmRunner(tiny_model_dir("rwkv7-h64"), quantization="int8", max_num_seqs=1) as runner:
         assert all(layer.decode_plan is not None for layer in runner.engine.model.layers)
+
+
+@pytest.mark.parametrize(("name", "method"), [("qwen3_5-gqa", "w8a8"), ("lfm2-gqa", "w4a8")])
+def test_fused_hybrid_blocks_equal_unfused(
+    name: str, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hybrids' fused blocks (Gated DeltaNet, short conv, attention, feed-forward) with
+    integer dots against their unfused layers: greedy tokens equal, log-probabilities within
+    the contract above; every layer of the model planned."""
+    from tests.ops.test_fused_attention_decode import _generate as generate
+
+    monkeypatch.delenv("VLLM_MAMBA_OPS", raising=False)
+    model = tiny_model_dir(name)
+    monkeypatch.setenv("VLLM_MAMBA_FUSED_DECODE", "0")
+    want, want_lp = generate(model, method)
+    monkeypatch.delenv("VLLM_MAMBA_FUSED_DECODE")
+    with VllmRunner(model, quantization=method, max_num_seqs=1) as runner:
+        layers = runner.engine.model.layers
+        assert all(layer.decode_plan is not None for layer in layers)
+        assert all(layer.ffn_plan is not None for layer in layers)
+    got, got_lp = generate(model, method)
+    assert got == want
+    diff = torch.tensor([abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)])
+    assert float(diff.max()) <= FLIP_ATOL and int((diff > LOGPROB_ATOL).sum()) <= FLIPS
