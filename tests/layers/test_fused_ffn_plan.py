@@ -2,8 +2,8 @@
 a dense gated MLP or an MoE (softmax or sigmoid router, with or without its shared expert, or an
 MoE plus a shared MLP), the kernel runs on decode steps, and the tokens and logprobs equal those
 of the same model with `VLLM_MAMBA_FUSED_DECODE=0` (greedy equal, logprobs within 1e-4 in
-float32), also with int8 weights (the experts stacked as int8) and with the plans dropped again
-(the unfused layers then read the stacked experts).
+float32), also with int8 and 4-bit weights (the experts stacked quantised) and with the plans
+dropped again (the unfused layers then read the stacked experts).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ CASES = [
     ("qwen3_5-gqa", None, {"mlp": 4}),  # dense SwiGLU after zero-centred norms
     ("qwen3-next-moe", None, {"moe": 3}),  # softmax top-2 renormalised, gated shared expert
     ("qwen3-next-moe", "int8", {"moe": 3}),
+    ("qwen3-next-moe", "int4", {"moe": 3}),  # 4-bit experts; the shared down (K 48) int8
     ("lfm2-moe-top2", None, {"mlp": 1, "moe": 3}),  # a dense layer, then sigmoid-routed MoEs
     ("kimi-linear-moe", None, {"mlp": 1, "moe": 3}),  # sigmoid in groups, shared experts
     ("granite-moe-rope", None, {"moe": 4}),  # top-k softmax, stacked experts, shared MLP, rm

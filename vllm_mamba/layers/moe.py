@@ -245,7 +245,8 @@ class ExpertList(nn.ModuleList):
         kinds = {(gate[0].dtype, gate[1] is None) for f in found for gate in f}  # type: ignore[union-attr]
         if len(kinds) != 1:
             return None
-        stacked = _stack(self, found, dtype, got.int_dot)  # type: ignore[arg-type]
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, as loaded weights
+            stacked = _stack(self, found, dtype, got.int_dot)  # type: ignore[arg-type]
         self._stacked = (tuple(weakref.ref(lin.weight) for lin in linears), weakref.ref(stacked))
         return stacked
 
