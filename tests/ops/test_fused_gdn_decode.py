@@ -162,7 +162,7 @@ CHAINS = {
 
 
 @pytest.mark.parametrize("chain", list(CHAINS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, INT4_F32, STATE_BF16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, INT8_F32, INT4_F32, STATE_BF16])
 def test_fused_gdn_chains_equal_one_row_at_a_time(chain: str, dtype: torch.dtype | str) -> None:
     """A chain in one call: each position's state in its own slot, bit for bit what the kernel
     gives running the rows one by one (after copying the source slot in), and close to the
@@ -222,6 +222,10 @@ def test_fused_gdn_decode_rejects_bad_inputs() -> None:
     int8, _ = quantize_int8(params[fixed])
     with pytest.raises(RuntimeError, match="input projection weight is int8"):
         call(p=[*params[:fixed], int8, None, *params[fixed + 2 :]])
+    with pytest.raises(RuntimeError, match=r"state_indices\[1\] = 13 is neither"):
+        cpu_kernels.fused_gdn_decode(x, params, conv, rec, torch.tensor([0, SLOTS]), *args)
+    with pytest.raises(RuntimeError, match=r"src_state_indices\[0\] = -2"):
+        cpu_kernels.fused_gdn_decode(x, params, conv, rec, idx, *args, torch.tensor([-2, 0]))
     with pytest.raises(RuntimeError, match="A_log"):
         call(p=[*params[:2], None, *params[3:]])
     with pytest.raises(ValueError, match="1 to 8 projections"):
