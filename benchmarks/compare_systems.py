@@ -149,6 +149,14 @@ class TransformersSystem:
         ]
 
 
+def failure_reason(error: Exception) -> str:
+    """The line of a failed llama.cpp tool's output (`LlamaCppSystem` raises it) that says
+    why: its last assertion or error, without the source path."""
+    text = str(error)
+    lines = [x for x in text.splitlines() if "ASSERT" in x or "error" in x]
+    return (lines or text.splitlines()[-1:] or [""])[-1].split("/")[-1]
+
+
 class LlamaCppSystem:
     """llama.cpp's `llama-bench` (prefill, decode b1) and `llama-batched-bench` (b > 1)."""
 
