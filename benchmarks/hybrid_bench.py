@@ -307,7 +307,7 @@ def main() -> None:
     p.add_argument(
         "--ik-llama-cpp-home",
         default=os.environ.get("IK_LLAMA_CPP_HOME"),
-        help="ik_llama.cpp's bin/ lives here (setup_llama_cpp.sh ik): adds it on --gguf",
+        help="ik_llama.cpp's bin/ (built by setup_llama_cpp.sh): adds it on --gguf",
     )
     p.add_argument(
         "--ik-repack", action="store_true", help="ik_llama.cpp with run-time repacking (-rtr)"
