@@ -45,7 +45,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32, help="decode tokens of the b1 row")
     p.add_argument("--batch-tokens", type=int, help="decode tokens of bN > 1 (default --tokens)")
-    p.add_argument("--prefill", type=int, default=512, help="prefill row's prompt length")
+    p.add_argument(
+        "--prefill", type=int, default=512, help="prefill row's prompt length (0: no prefill row)"
+    )
     p.add_argument(
         "--batches",
         type=lambda v: [int(b) for b in v.split(",")],
@@ -56,6 +58,8 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f} at the start; {args.threads} threads")
     rates = read_rate(args.threads)
     rows = {f"prefill {args.prefill}": lambda s: s.prefill([0] * args.prefill)}
+    if args.prefill == 0:
+        rows = {}
     for b in args.batches:
         tokens = args.tokens if b == 1 else args.batch_tokens or args.tokens
         rows[f"decode b{b}"] = lambda s, b=b, n=tokens: s.decode([[0] * PROMPT_LEN] * b, n)
@@ -101,8 +105,8 @@ def main() -> None:
                 f"fails ({failed[(gguf, row, n)]})" if (gguf, row, n) in failed else f"{m:,.1f}"
                 for n, m in zip(LLAMA_NAMES, med)
             ]
-            ratio = med[1] / med[0] if med[0] == med[0] and med[1] == med[1] else float("nan")
-            print(f"| {os.path.basename(gguf)} | {row} | {' | '.join(cells)} | {ratio:.2f}x |")
+            ratio = f"{med[1] / med[0]:.2f}x" if med[0] == med[0] and med[1] == med[1] else "-"
+            print(f"| {os.path.basename(gguf)} | {row} | {' | '.join(cells)} | {ratio} |")
     if "decode b1" in rows:
         print(f"\nBandwidth bound of decode b1 (read rate: median of {len(rates)} passes of a "
               f"512 MiB x.sum(), {min(rates) / 1e9:.1f}-{max(rates) / 1e9:.1f} GB/s)")  # fmt: skip
