@@ -149,6 +149,14 @@ class TransformersSystem:
         ]
 
 
+def failure_reason(error: Exception) -> str:
+    """The line of a failed llama.cpp tool's output (`LlamaCppSystem` raises it) that says
+    why: its last assertion or error, without the source path."""
+    text = str(error)
+    lines = [x for x in text.splitlines() if "ASSERT" in x or "error" in x]
+    return (lines or text.splitlines()[-1:] or [""])[-1].split("/")[-1]
+
+
 class LlamaCppSystem:
     """llama.cpp's `llama-bench` (prefill, decode b1) and `llama-batched-bench` (b > 1)."""
 
@@ -161,6 +169,7 @@ class LlamaCppSystem:
         self.bench = os.path.join(bin_dir, "llama-bench")
         self.batched = os.path.join(bin_dir, "llama-batched-bench")
         self.build = ""
+        self.stderr = ""
         self.bench_args: list[str] = []  # extra llama-bench arguments
         self.batched_args: list[str] = ["--output-format", "jsonl"]  # extra batched-bench ones
 
@@ -168,6 +177,7 @@ class LlamaCppSystem:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        self.stderr = done.stderr  # the last command's
         return done.stdout
 
     def _llama_bench(self, n_prompt: int, n_gen: int) -> float:
@@ -209,8 +219,12 @@ class LlamaCppSystem:
 class IkLlamaCppSystem(LlamaCppSystem):
     """ik_llama.cpp (the CPU-tuned fork, built by `setup_llama_cpp.sh` from the
     `ik-llama-cpp-python` source package) through the same tools. Its `llama-batched-bench`
-    prints only a markdown table; `repack` turns on its run-time repacking of quantised
-    weights into its interleaved-row layouts (`-rtr`), off by default as in its tools."""
+    prints only a markdown table, and runs with one prompt shared by every stream (`-pps`):
+    on Qwen3.5 / Qwen3-Next (`qwen35`, `qwen3next`) its batches of several sequences with
+    several tokens each fall back to one token per call, and its flash attention then fails
+    (`iqk_fa_templates.h: GGML_ASSERT(S > 0)`); S_TG, the decode steps alone, is measured the
+    same way. `repack` turns on its run-time repacking of quantised weights into its
+    interleaved-row layouts (`-rtr`), off by default as in its tools."""
 
     project = "ik_llama.cpp"
 
@@ -219,13 +233,14 @@ class IkLlamaCppSystem(LlamaCppSystem):
     ) -> None:
         super().__init__(bin_dir, gguf, label, threads)
         self.bench_args = ["-rtr", "1"] if repack else []
-        self.batched_args = ["-rtr"] if repack else []
+        self.batched_args = ["-pps", *(["-rtr"] if repack else [])]
 
     def _speed_tg(self, out: str) -> float:
-        """S_TG of the last row of the table `|PP|TG|B|N_KV|T_PP s|S_PP t/s|T_TG s|S_TG t/s|...`."""
+        """S_TG of the last row of the table `|PP|TG|B|N_KV|T_PP s|S_PP t/s|T_TG s|S_TG t/s|...`
+        (on stdout or, as this build prints it, stderr)."""
         rows = [
             [c.strip() for c in line.strip().strip("|").split("|")]
-            for line in out.splitlines()
+            for line in (out + "\n" + self.stderr).splitlines()
             if line.lstrip().startswith("|")
         ]
         numeric = [r for r in rows if len(r) >= 8 and r[0].isdigit()]

@@ -35,7 +35,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bandwidth_bound import gguf_bytes_per_token, read_rate  # noqa: E402
-from compare_systems import IkLlamaCppSystem, LlamaCppSystem, random_prompts  # noqa: E402
+from compare_systems import (  # noqa: E402
+    IkLlamaCppSystem,
+    LlamaCppSystem,
+    failure_reason,
+    random_prompts,
+)
 
 PROMPT_LEN = 32
 
@@ -104,10 +109,13 @@ def main() -> None:
             for key, value in _engine_in_subprocess(gguf, args.tokens, args.threads).items():
                 runs.setdefault(key, []).append(value)
             for name, system in others.items():
-                prompts1 = random_prompts(1, PROMPT_LEN, seed=1)
-                runs.setdefault(f"{name} b1", []).append(system.decode(prompts1, args.tokens))
-                prompts32 = random_prompts(32, PROMPT_LEN, seed=2)
-                runs.setdefault(f"{name} b32", []).append(system.decode(prompts32, args.tokens))
+                for b, seed in ((1, 1), (32, 2)):
+                    try:
+                        value = system.decode(random_prompts(b, PROMPT_LEN, seed), args.tokens)
+                    except RuntimeError as e:  # a tool that fails: NaN, its reason printed
+                        print(f"{name} b{b} on {label} fails: {failure_reason(e)}")
+                        value = float("nan")
+                    runs.setdefault(f"{name} b{b}", []).append(value)
         rows.append((gguf, {key: statistics.median(values) for key, values in runs.items()}))
     rates += read_rate(args.threads)
     rate = statistics.median(rates)

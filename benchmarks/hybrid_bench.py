@@ -63,6 +63,7 @@ from bandwidth_bound import (
     module_bytes_per_token,
     read_rate,
 )
+from compare_systems import failure_reason
 from hybrid_configs import (
     GRANITE_CONFIG,
     JAMBA_CONFIG,
@@ -306,7 +307,7 @@ def main() -> None:
     p.add_argument(
         "--ik-llama-cpp-home",
         default=os.environ.get("IK_LLAMA_CPP_HOME"),
-        help="ik_llama.cpp's bin/ lives here (setup_llama_cpp.sh ik): adds it on --gguf",
+        help="ik_llama.cpp's bin/ (built by setup_llama_cpp.sh): adds it on --gguf",
     )
     p.add_argument(
         "--ik-repack", action="store_true", help="ik_llama.cpp with run-time repacking (-rtr)"
@@ -346,10 +347,19 @@ def main() -> None:
         rows["step @ 128 (ms)"] = lambda s: s.step_ms(128)
         rows["step @ 4096 (ms)"] = lambda s: s.step_ms(4096)
     results: dict[str, dict[str, list[float]]] = {r: {s.name: [] for s in systems} for r in rows}
+    failed: dict[tuple[str, str], str] = {}  # (row, system) -> a llama.cpp tool's failure
     for rep in range(args.reps):
         for row, fn in rows.items():
             for system in systems:
-                results[row][system.name].append(fn(system))
+                if (row, system.name) in failed:
+                    continue
+                try:
+                    results[row][system.name].append(fn(system))
+                except RuntimeError as e:  # a llama.cpp tool failed: the row is NaN
+                    failed[row, system.name] = failure_reason(e)
+                    results[row][system.name].append(float("nan"))
+                    print(f"rep {rep} {row} {system.name} fails: {failed[row, system.name]}")
+                    continue
                 print(
                     f"rep {rep} {row} {system.name}: {results[row][system.name][-1]:.2f}",
                     flush=True,
@@ -364,6 +374,8 @@ def main() -> None:
         ratios = [(m / med[0] if "ms" in row else med[0] / m) for m in med[1:]]
         cells = [f"{m:,.1f}" for m in med] + [f"{r:.2f}x" for r in ratios]
         print(f"| {row} | " + " | ".join(cells) + " |")
+    for (row, name), why in failed.items():
+        print(f"{name} fails {row}: {why}")
     rates += read_rate(args.threads)
     rate = statistics.median(rates)
     b1 = "decode b1 (tok/s)"
