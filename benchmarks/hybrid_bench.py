@@ -372,7 +372,8 @@ def main() -> None:
         med = [statistics.median(results[row][s.name]) for s in systems]
         # the engine's speed-up: a rate over the other's, or the other's time over the engine's
         ratios = [(m / med[0] if "ms" in row else med[0] / m) for m in med[1:]]
-        cells = [f"{m:,.1f}" for m in med] + [f"{r:.2f}x" for r in ratios]
+        cells = [f"{m:,.1f}" if m == m else "fails" for m in med]  # NaN: a failed tool
+        cells += [f"{r:.2f}x" if r == r else "-" for r in ratios]
         print(f"| {row} | " + " | ".join(cells) + " |")
     for (row, name), why in failed.items():
         print(f"{name} fails {row}: {why}")
