@@ -285,7 +285,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument(
         "--quantization",
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "w8a8", "w4a8"],
         help="the engine's weights (not transformers')",
     )
     p.add_argument(
