@@ -13,7 +13,9 @@
 // unfused path's activations are in the model dtype, which the cache shares).
 //
 // Up to `kGemvMaxBatch` rows the projections stream their weights inside OpenMP regions (q, k
-// and v rows split over the threads together); more rows run them as GEMMs.
+// and v rows split over the threads together); more rows run them as GEMMs. `rows_alone`
+// (a step with speculative chains) computes every row's products exactly as a one-row call
+// does, at any number of rows, so a chain's states are bit for bit those of one-by-one decoding.
 //
 // Glossary: B rows, H hidden, Hq / Hkv query / key-value heads of D, R rotated dims per head,
 // NQ = Hq D (2 Hq D with the output gate: [query D | gate D] per head), NK = Hkv D.
@@ -51,13 +53,13 @@ struct Small {  // float32 parameters; nullptr when absent
 // The rows [lo, hi) of the concatenated [q | k | v] products of `batch` rows of xn (H), into
 // qkv (B, NIN): each projection's part of the range.
 void qkv_rows(const Dims& d, const Weight* w[3], const float* bias[3], const float* xn,
-              float* qkv, int64_t lo, int64_t hi) {
+              float* qkv, int64_t lo, int64_t hi, bool alone) {
   const int64_t starts[4] = {0, d.nq, d.nq + d.nk, d.nin};
   for (int p = 0; p < 3; ++p) {
     const int64_t a = std::max(lo, starts[p]), b = std::min(hi, starts[p + 1]);
     if (a >= b) continue;
     const int64_t off = starts[p];
-    gemv(*w[p], xn, d.hidden, d.batch, a - off, b - off, qkv + a, d.nin);
+    gemv(*w[p], xn, d.hidden, d.batch, a - off, b - off, qkv + a, d.nin, alone);
     if (bias[p]) {
       for (int64_t r = 0; r < d.batch; ++r) {
         for (int64_t i = a; i < b; ++i) qkv[r * d.nin + i] += bias[p][i - off];
@@ -90,7 +92,7 @@ at::Tensor fused_attention_decode(
     const std::optional<at::Tensor>& rope_table, const std::optional<at::Tensor>& rope_rows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool output_gate, double scale,
     double key_multiplier, double norm_eps, double qk_eps, at::ScalarType out_dtype,
-    bool int_dot) {
+    bool int_dot, bool rows_alone) {
   TORCH_CHECK(params.size() == kNumParams, "params must hold ", kNumParams, " entries");
   TORCH_CHECK(hidden_in.dim() == 2, "hidden must be (B, H)");
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
@@ -157,12 +159,12 @@ at::Tensor fused_attention_decode(
       }
     });
   }
-  if (d.batch <= fused::kGemvMaxBatch) {
+  if (d.batch <= fused::kGemvMaxBatch || rows_alone) {
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       int64_t lo, hi;
       split(d.nin, fused::kRowBlock, fused::thread_id(), fused::num_threads(), lo, hi);
-      qkv_rows(d, ws, bs, xp, qp, lo, hi);
+      qkv_rows(d, ws, bs, xp, qp, lo, hi, rows_alone);
     }
   } else {
     const int64_t starts[4] = {0, d.nq, d.nq + d.nk, d.nin};
@@ -224,12 +226,12 @@ at::Tensor fused_attention_decode(
   at::Tensor mixed = at::empty({d.batch, d.hidden}, f32);
   float* mp = mixed.data_ptr<float>();
   const float* resid = s.norm_w ? hp : nullptr;
-  if (d.batch <= fused::kGemvMaxBatch) {
+  if (d.batch <= fused::kGemvMaxBatch || rows_alone) {
 #pragma omp parallel num_threads(at::get_num_threads())
     {
       int64_t lo, hi;
       split(d.hidden, fused::kRowBlock, fused::thread_id(), fused::num_threads(), lo, hi);
-      gemv(o_w, ap, d.heads * d.dim, d.batch, lo, hi, mp + lo, d.hidden);
+      gemv(o_w, ap, d.heads * d.dim, d.batch, lo, hi, mp + lo, d.hidden, rows_alone);
       for (int64_t b = 0; b < d.batch; ++b) {
         fused::finish_row(mp + b * d.hidden + lo, s.o_b ? s.o_b + lo : nullptr,
                           resid ? resid + b * d.hidden + lo : nullptr, hi - lo);
@@ -255,7 +257,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
       "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor? rope_table, Tensor? rope_rows, int num_heads, int num_kv_heads, int head_dim, "
       "bool output_gate, float scale, float key_multiplier, float norm_eps, float qk_eps, "
-      "ScalarType out_dtype, bool int_dot=False) -> Tensor");
+      "ScalarType out_dtype, bool int_dot=False, bool rows_alone=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {

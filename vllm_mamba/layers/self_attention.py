@@ -200,4 +200,5 @@ class FusedAttentionStep:
         return self.op(
             hidden, self.params, kv.k, kv.v, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_seq_lens, table, rows, *self.args, out_dtype, uses_int_dot(attn.q_proj),
+            bool(meta.decode_waves),
         )  # fmt: skip

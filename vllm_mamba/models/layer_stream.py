@@ -28,10 +28,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from vllm_mamba.engine.native_memory import trim
 from vllm_mamba.layers.cache_layers import kv_cache_layers, stateful_layers
 from vllm_mamba.layers.decode_plan import drop_decode_plans
 from vllm_mamba.layers.quantization import QuantizationReport
+from vllm_mamba.worker.huge_pages import release_freed_heap
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class LayerStream:
             drop_decode_plans(layer)
             process_layers(layer)
             self.reports.append(self.quantize(layer))
-            trim(force=True)  # the float layer's pages back to the system, not kept by malloc
+            release_freed_heap()  # the float layer's pages back to the system
 
     def finish(self) -> None:
         """After loading: processes the layers outside the decoder layers (those inside were

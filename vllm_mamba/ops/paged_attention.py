@@ -221,6 +221,7 @@ def decode_layer_ref(
     qk_eps: float,
     out_dtype: torch.dtype,
     int_dot: bool = False,
+    rows_alone: bool = False,
 ) -> torch.Tensor:
     """One attention block's decode step from the reference ops (`SelfAttention` over
     `PagedAttention`): `hidden + o_proj(attention(...))` with the block norm, else the mixer
@@ -243,6 +244,8 @@ def decode_layer_ref(
         norm_eps, qk_eps: the block norm's and the q / k norms' epsilons.
         out_dtype: the result's dtype.
         int_dot: the integer weights multiply int8-quantised activations (`_linear`).
+        rows_alone: every row's products exactly as a one-row call's (the kernel's
+            speculative chains; the reference's rows always are).
 
     Returns:
         `(B, H)` in `out_dtype`.
@@ -297,7 +300,7 @@ class DecodeLayerOp(Protocol):
         slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor, rope_table: Tensor | None,
         rope_rows: Tensor | None, num_heads: int, num_kv_heads: int, head_dim: int,
         output_gate: bool, scale: float, key_multiplier: float, norm_eps: float, qk_eps: float,
-        out_dtype: torch.dtype, int_dot: bool = False,
+        out_dtype: torch.dtype, int_dot: bool = False, rows_alone: bool = False,
     ) -> Tensor: ...  # fmt: skip
 
 

@@ -126,13 +126,13 @@ def move_to_huge_pages(model: nn.Module) -> int:
                 first = (offset + t.storage_offset() * size) // size
                 t.data = torch.empty(0, dtype=t.dtype).set_(new_storage, first, t.shape, t.stride())
             start += -(-sizes[key] // _ALIGN) * _ALIGN
-    _release_freed_heap()
+    release_freed_heap()
     return total
 
 
-def _release_freed_heap() -> None:
-    """Returns the freed copies' memory to the system (glibc keeps freed blocks under its
-    mmap threshold, 32 MiB at most, in the heap: ~120 MiB of `mamba-130m`'s layers)."""
+def release_freed_heap() -> None:
+    """Returns freed heap memory to the system (glibc keeps freed blocks under its mmap
+    threshold, 32 MiB at most, in the heap: ~120 MiB of `mamba-130m`'s layers' copies)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
