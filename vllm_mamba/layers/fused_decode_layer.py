@@ -33,7 +33,7 @@ from vllm_mamba.layers.decode_plan import (
     decode_only,
     decode_slots,
 )
-from vllm_mamba.layers.layernorm import GatedRMSNorm, RMSNorm
+from vllm_mamba.layers.layernorm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.quantization import is_int4_linear, is_int8_linear, uses_int_dot
 from vllm_mamba.ops.fused_decode import Mamba2Params, MambaParams
@@ -68,6 +68,17 @@ def plain_weight(
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     """A small parameter as contiguous float32 (None stays None)."""
     return None if t is None else t.detach().float().contiguous()
+
+
+def norm_weight(norm: nn.Module) -> torch.Tensor | None:
+    """The float32 weight a fused kernel multiplies by after normalising (`w * x / rms(x)`):
+    a plain `RMSNorm`'s weight, a `ZeroCenteredRMSNorm`'s `1 + weight` (as it computes in
+    float32); None for any other norm."""
+    if type(norm) is RMSNorm:
+        return _f32(norm.weight)
+    if type(norm) is ZeroCenteredRMSNorm:
+        return (1.0 + norm.weight.detach().float()).contiguous()
+    return None
 
 
 def _weights(

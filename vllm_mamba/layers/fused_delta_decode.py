@@ -31,8 +31,13 @@ from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.layers.decode_plan import decode_slots
-from vllm_mamba.layers.fused_decode_layer import FusedMambaStep, _f32, _out_dtype, _weights
-from vllm_mamba.layers.layernorm import RMSNorm, ZeroCenteredRMSNorm
+from vllm_mamba.layers.fused_decode_layer import (
+    FusedMambaStep,
+    _f32,
+    _out_dtype,
+    _weights,
+    norm_weight,
+)
 from vllm_mamba.layers.quantization import uses_int_dot
 from vllm_mamba.ops.families import own_op
 from vllm_mamba.ops.gated_delta import FAMILY, GdnDecodeParams, gdn_decode_params
@@ -63,17 +68,6 @@ class FusedDeltaStep(FusedMambaStep):
         )  # fmt: skip
 
 
-def block_norm_weight(norm: nn.Module) -> torch.Tensor | None:
-    """The effective float32 weight `(H,)` of a block norm the kernel computes as
-    `w * x / rms(x)`: `RMSNorm`'s weight, `ZeroCenteredRMSNorm`'s `1 + weight`; None for any
-    other norm."""
-    if type(norm) is RMSNorm:
-        return _f32(norm.weight)
-    if type(norm) is ZeroCenteredRMSNorm:
-        return (1.0 + norm.weight.detach().float()).contiguous()
-    return None
-
-
 def _states_apply(mixer: nn.Module) -> bool:
     """Bound `conv` and `recurrent` states, float32 or bfloat16 each."""
     state = mixer.state
@@ -98,7 +92,7 @@ def plan_gdn(
         return None
     norm_w = None
     if norm is not None:
-        norm_w = block_norm_weight(norm)
+        norm_w = norm_weight(norm)
         if norm_w is None:
             return None
     names = (*inputs, mixer.OUT)

@@ -34,8 +34,7 @@ from torch import nn
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.decode_plan import decode_only
-from vllm_mamba.layers.fused_decode_layer import _f32, plain_weight
-from vllm_mamba.layers.layernorm import RMSNorm, ZeroCenteredRMSNorm
+from vllm_mamba.layers.fused_decode_layer import norm_weight, plain_weight
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
 from vllm_mamba.layers.quantization import uses_int_dot
 from vllm_mamba.ops import ffn as ffn_ops
@@ -152,13 +151,9 @@ def act_code(fn: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
 
 
 def ffn_norm_vector(norm: nn.Module) -> tuple[torch.Tensor, float] | None:
-    """The float32 vector a plain (`w`) or zero-centred (`1 + w`, as it computes in float32)
-    `RMSNorm` multiplies by, and its epsilon; None for another norm."""
-    if type(norm) is RMSNorm:
-        return _f32(norm.weight), float(norm.variance_epsilon)
-    if type(norm) is ZeroCenteredRMSNorm:
-        return (1.0 + norm.weight.detach().float()).contiguous(), float(norm.variance_epsilon)
-    return None
+    """`norm_weight(norm)` and the norm's epsilon; None for a norm the kernels do not compute."""
+    weight = norm_weight(norm)
+    return None if weight is None else (weight, float(norm.variance_epsilon))
 
 
 class Projections:

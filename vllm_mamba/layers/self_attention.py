@@ -36,7 +36,7 @@ from vllm_mamba.layers.decode_plan import CHAIN_MAX_ROWS, FusedStep, decode_only
 from vllm_mamba.layers.fused_decode_layer import _f32 as f32
 from vllm_mamba.layers.fused_decode_layer import _out_dtype as fused_out_dtype
 from vllm_mamba.layers.fused_decode_layer import _weights as fused_weights
-from vllm_mamba.layers.layernorm import RMSNorm, ZeroCenteredRMSNorm
+from vllm_mamba.layers.fused_decode_layer import norm_weight
 from vllm_mamba.layers.mixer_sharding import kv_head_ranges
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
 from vllm_mamba.layers.quantization import uses_int_dot
@@ -155,16 +155,6 @@ class SelfAttention(nn.Module):
         if not self.qk_norm_per_head:
             return norm(x)
         return norm(x.view(x.shape[0], -1, self.head_dim)).reshape(x.shape)
-
-
-def norm_weight(norm: nn.Module) -> torch.Tensor | None:
-    """The float32 weight a fused kernel multiplies by after normalising, for a plain
-    `RMSNorm` (its weight) or a `ZeroCenteredRMSNorm` (`1 + weight`); None for another norm."""
-    if type(norm) is RMSNorm:
-        return f32(norm.weight)
-    if type(norm) is ZeroCenteredRMSNorm:
-        return (1.0 + norm.weight.detach().float()).contiguous()
-    return None
 
 
 @dataclass(frozen=True, eq=False)

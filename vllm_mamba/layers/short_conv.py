@@ -39,7 +39,7 @@ from vllm_mamba.layers.decode_plan import CHAIN_MAX_ROWS, FusedStep, decode_only
 from vllm_mamba.layers.fused_decode_layer import _f32 as f32
 from vllm_mamba.layers.fused_decode_layer import _out_dtype as fused_out_dtype
 from vllm_mamba.layers.fused_decode_layer import _weights as fused_weights
-from vllm_mamba.layers.layernorm import RMSNorm
+from vllm_mamba.layers.fused_decode_layer import norm_weight
 from vllm_mamba.layers.mixer_base import Conv1dWeights
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
 from vllm_mamba.layers.quantization import uses_int_dot
@@ -90,22 +90,23 @@ class ShortConv(StatefulLayer):
 
     def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
         """The decode-only steps as one call of the family's `decode_layer` (with the block's
-        plain `RMSNorm` and residual when given), planned once; None where it does not apply:
-        no kernel, projections that are not plain `Linear`s of one model dtype (float32,
-        bfloat16, int8, 4-bit; tensor-parallel layers are not), another norm, states other
-        than float32 / bfloat16."""
+        plain or zero-centred `RMSNorm` and residual when given), planned once; None where it
+        does not apply: no kernel, projections that are not plain `Linear`s of one model dtype
+        (float32, bfloat16, int8, 4-bit; tensor-parallel layers are not), another norm, states
+        other than float32 / bfloat16."""
         op = own_op(short_conv_ops.FAMILY, self.ops.name, "decode_layer")
         conv = self.state["conv"] if self.state else None
         if op is None or conv is None or conv.dtype not in (torch.float32, torch.bfloat16):
             return None
-        if norm is not None and type(norm) is not RMSNorm:
+        norm_w = norm_weight(norm) if norm is not None else None
+        if norm is not None and norm_w is None:
             return None
         found = fused_weights(self, ("in_proj", "out_proj"))
         if found is None:
             return None
         weights, dtype = found
         params = short_conv_ops.ShortConvParams(
-            norm_w=f32(norm.weight) if norm is not None else None, in_proj_b=f32(self.in_proj.bias),
+            norm_w=norm_w, in_proj_b=f32(self.in_proj.bias),
             conv_w=f32(self.conv_weight), conv_b=f32(self.conv.bias),
             out_proj_b=f32(self.out_proj.bias), **weights,
         )  # fmt: skip
