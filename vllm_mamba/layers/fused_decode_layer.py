@@ -152,15 +152,23 @@ class FusedMambaStep:
     def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)` as the unfused block (or mixer) returns it; the mixer's
         bound states advanced in place."""
-        out_dtype = self.out_dtype
-        if out_dtype is None:
-            out_dtype = torch.float32 if hidden.dtype == torch.float32 else self.dtype
+        out_dtype = step_out_dtype(self.out_dtype, self.dtype, hidden)
         state = self.mixer.state
         dst, src = decode_slots(meta)
         return self.op(
             hidden, self.params, state["conv"], state["ssm"], dst, *self.args, out_dtype, src,
             self.int_dot,
         )  # fmt: skip
+
+
+def step_out_dtype(
+    fixed: torch.dtype | None, dtype: torch.dtype, hidden: torch.Tensor
+) -> torch.dtype:
+    """A fused step's result dtype: `fixed` where the plan fixed it (`_out_dtype`), else float32
+    for a float32 input (as `residual + mixed` promotes) and the model dtype `dtype` otherwise."""
+    if fixed is not None:
+        return fixed
+    return torch.float32 if hidden.dtype == torch.float32 else dtype
 
 
 def _out_dtype(dtype: torch.dtype, norm: nn.Module | None, fp32: bool) -> torch.dtype | None:

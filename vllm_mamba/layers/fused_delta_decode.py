@@ -37,6 +37,7 @@ from vllm_mamba.layers.fused_decode_layer import (
     _out_dtype,
     _weights,
     norm_weight,
+    step_out_dtype,
 )
 from vllm_mamba.layers.quantization import uses_int_dot
 from vllm_mamba.ops.families import own_op
@@ -57,9 +58,7 @@ class FusedDeltaStep(FusedMambaStep):
     def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)` as the unfused block (or mixer) returns it; the mixer's
         bound states advanced in place."""
-        out_dtype = self.out_dtype
-        if out_dtype is None:
-            out_dtype = torch.float32 if hidden.dtype == torch.float32 else self.dtype
+        out_dtype = step_out_dtype(self.out_dtype, self.dtype, hidden)
         state = self.mixer.state
         dst, src = decode_slots(meta)
         return self.op(

@@ -36,7 +36,7 @@ from vllm_mamba.layers.decode_plan import CHAIN_MAX_ROWS, FusedStep, decode_only
 from vllm_mamba.layers.fused_decode_layer import _f32 as f32
 from vllm_mamba.layers.fused_decode_layer import _out_dtype as fused_out_dtype
 from vllm_mamba.layers.fused_decode_layer import _weights as fused_weights
-from vllm_mamba.layers.fused_decode_layer import norm_weight
+from vllm_mamba.layers.fused_decode_layer import norm_weight, step_out_dtype
 from vllm_mamba.layers.mixer_sharding import kv_head_ranges
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
 from vllm_mamba.layers.quantization import uses_int_dot
@@ -178,9 +178,7 @@ class FusedAttentionStep:
 
     def __call__(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`; the rows' keys and values written into the cache."""
-        out_dtype = self.out_dtype
-        if out_dtype is None:
-            out_dtype = torch.float32 if hidden.dtype == torch.float32 else self.dtype
+        out_dtype = step_out_dtype(self.out_dtype, self.dtype, hidden)
         attn = self.attention
         kv = attn.attn.kv
         assert kv is not None, "the KV cache is not bound to this layer"

@@ -39,7 +39,7 @@ from vllm_mamba.layers.decode_plan import CHAIN_MAX_ROWS, FusedStep, decode_only
 from vllm_mamba.layers.fused_decode_layer import _f32 as f32
 from vllm_mamba.layers.fused_decode_layer import _out_dtype as fused_out_dtype
 from vllm_mamba.layers.fused_decode_layer import _weights as fused_weights
-from vllm_mamba.layers.fused_decode_layer import norm_weight
+from vllm_mamba.layers.fused_decode_layer import norm_weight, step_out_dtype
 from vllm_mamba.layers.mixer_base import Conv1dWeights
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
 from vllm_mamba.layers.quantization import uses_int_dot
@@ -156,9 +156,7 @@ class FusedShortConvStep:
 
     def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`; the bound history advanced in place."""
-        out_dtype = self.out_dtype
-        if out_dtype is None:
-            out_dtype = torch.float32 if hidden.dtype == torch.float32 else self.dtype
+        out_dtype = step_out_dtype(self.out_dtype, self.dtype, hidden)
         dst, src = decode_slots(meta)
         return self.op(
             hidden,
