@@ -4,11 +4,11 @@
 // region.
 //
 // Decode with a few sequences is bound by reading the weights from memory, so the products
-// go through the weight in blocks of 8 rows (8 independent vector accumulators, one row's
-// bytes each: `gemv.h`) and dot each block with every batch row while it is still in L1/L2; with a
-// single batch row they read the weight row by row, strictly in order. Weights are
-// float32, bfloat16, int8 with one float32 scale per row (`quantization="int8"`) or 4-bit
-// groups of 32 with a float16 scale each (`quantization="int4"`), widened on the fly;
+// go through the weight in tiles of 4 rows, each read from memory once for every batch row
+// (`gemv.h`: `dot_tile`, every row of x summed exactly as alone, so speculative chains equal
+// one-by-one decoding). Weights are float32, bfloat16, int8 with one float32 scale per row
+// (`quantization="int8"`) or 4-bit groups of 32 with a float16 scale each
+// (`quantization="int4"`), widened on the fly;
 // activations and accumulation are float32. With integer dot products (`Weight::int_dot`:
 // `quantization="w8a8"` / `"w4a8"`) the int8 and 4-bit products quantise x to int8 blocks of
 // 32 and multiply in integers instead (`int_dot.h`).
@@ -128,12 +128,13 @@ inline const int_dot::QActs& quantized_rows(const float* x, int64_t ldx, int64_t
   return buf;
 }
 
-// out[b, r - lo] (row stride ldo) = w[r] . x[b] for rows r in [lo, hi), whatever w's dtype.
-// `each`: every row of x exactly as alone (`gemv::gemv_rows_each`; 4-bit rows always are, and
-// so are integer dot products, `int_dot.h`). With `w.int_dot` the calling thread quantises the
-// rows of x once per call (all of them: each thread of a parallel region reads every row).
+// out[b, r - lo] (row stride ldo) = w[r] . x[b] for rows r in [lo, hi), whatever w's dtype,
+// every row of x summed exactly as alone (`gemv::gemv_rows`; the 4-bit tiles and integer dot
+// products, `int_dot.h`, too): a speculative chain's rows equal its tokens decoded one by one.
+// With `w.int_dot` the calling thread quantises the rows of x once per call (all of them: each
+// thread of a parallel region reads every row).
 inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, int64_t lo,
-                 int64_t hi, float* out, int64_t ldo, bool each = false) {
+                 int64_t hi, float* out, int64_t ldo) {
   if (w.int_dot) {
     if (lo >= hi) return;
     const int_dot::QActs& q = quantized_rows(x, ldx, batch, w.k);
@@ -146,13 +147,7 @@ inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, in
     }
     return;
   }
-  auto rows = [&](const auto* data) {
-    if (each) {
-      gemv::gemv_rows_each(data, w.k, x, ldx, batch, lo, hi, out, ldo);
-    } else {
-      gemv::gemv_rows(data, w.k, x, ldx, batch, lo, hi, out, ldo);
-    }
-  };
+  auto rows = [&](const auto* data) { gemv::gemv_rows(data, w.k, x, ldx, batch, lo, hi, out, ldo); };
   if (w.dtype == at::kFloat) {
     rows(static_cast<const float*>(w.data));
   } else if (w.dtype == at::kBFloat16) {

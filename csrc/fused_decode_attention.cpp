@@ -53,13 +53,13 @@ struct Small {  // float32 parameters; nullptr when absent
 // The rows [lo, hi) of the concatenated [q | k | v] products of `batch` rows of xn (H), into
 // qkv (B, NIN): each projection's part of the range.
 void qkv_rows(const Dims& d, const Weight* w[3], const float* bias[3], const float* xn,
-              float* qkv, int64_t lo, int64_t hi, bool alone) {
+              float* qkv, int64_t lo, int64_t hi) {
   const int64_t starts[4] = {0, d.nq, d.nq + d.nk, d.nin};
   for (int p = 0; p < 3; ++p) {
     const int64_t a = std::max(lo, starts[p]), b = std::min(hi, starts[p + 1]);
     if (a >= b) continue;
     const int64_t off = starts[p];
-    gemv(*w[p], xn, d.hidden, d.batch, a - off, b - off, qkv + a, d.nin, alone);
+    gemv(*w[p], xn, d.hidden, d.batch, a - off, b - off, qkv + a, d.nin);
     if (bias[p]) {
       for (int64_t r = 0; r < d.batch; ++r) {
         for (int64_t i = a; i < b; ++i) qkv[r * d.nin + i] += bias[p][i - off];
@@ -164,7 +164,7 @@ at::Tensor fused_attention_decode(
     {
       int64_t lo, hi;
       split(d.nin, fused::kRowBlock, fused::thread_id(), fused::num_threads(), lo, hi);
-      qkv_rows(d, ws, bs, xp, qp, lo, hi, rows_alone);
+      qkv_rows(d, ws, bs, xp, qp, lo, hi);
     }
   } else {
     const int64_t starts[4] = {0, d.nq, d.nq + d.nk, d.nin};
@@ -231,7 +231,7 @@ at::Tensor fused_attention_decode(
     {
       int64_t lo, hi;
       split(d.hidden, fused::kRowBlock, fused::thread_id(), fused::num_threads(), lo, hi);
-      gemv(o_w, ap, d.heads * d.dim, d.batch, lo, hi, mp + lo, d.hidden, rows_alone);
+      gemv(o_w, ap, d.heads * d.dim, d.batch, lo, hi, mp + lo, d.hidden);
       for (int64_t b = 0; b < d.batch; ++b) {
         fused::finish_row(mp + b * d.hidden + lo, s.o_b ? s.o_b + lo : nullptr,
                           resid ? resid + b * d.hidden + lo : nullptr, hi - lo);

@@ -88,10 +88,10 @@ struct Gated {
 inline void gate_up_rows(const Weight& gw, int64_t gate_row0, const Weight& uw,
                          int64_t up_row0, const float* x, int64_t ldx, int64_t m, int64_t i0,
                          int64_t i1, float* g, float* u, float* z, int64_t ldz, int64_t act,
-                         float gm, bool each) {
+                         float gm) {
   if (i0 >= i1) return;
-  gemv(gw, x, ldx, m, gate_row0 + i0, gate_row0 + i1, g + i0, ldz, each);
-  gemv(uw, x, ldx, m, up_row0 + i0, up_row0 + i1, u + i0, ldz, each);
+  gemv(gw, x, ldx, m, gate_row0 + i0, gate_row0 + i1, g + i0, ldz);
+  gemv(uw, x, ldx, m, up_row0 + i0, up_row0 + i1, u + i0, ldz);
   for (int64_t b = 0; b < m; ++b) {
     const float* gb = g + b * ldz;
     const float* ub = u + b * ldz;
@@ -114,7 +114,6 @@ enum MlpParam : size_t { kMNormW, kMGateW, kMUpW, kMDownW, kMGateScale, kMUpScal
 struct MlpArgs {
   int64_t batch, hidden, inter, act;
   float eps, gm, dm, rm;
-  bool each;
   const float* norm_w;
 };
 
@@ -131,10 +130,10 @@ void run_mlp(const MlpArgs& a, const Gated& w, const float* h, float* xn, float*
     const int64_t up0 = w.up == w.gate ? a.inter : 0;
     split(a.inter, fused::kRowBlock, tid, nth, lo, hi);
     gate_up_rows(*w.gate, 0, *w.up, up0, xn, a.hidden, a.batch, lo, hi, g, u, z, a.inter, a.act,
-                 a.gm, a.each);
+                 a.gm);
 #pragma omp barrier
     split(a.hidden, fused::kRowBlock, tid, nth, lo, hi);
-    if (lo < hi) gemv(*w.down, z, a.inter, a.batch, lo, hi, d + lo, a.hidden, a.each);
+    if (lo < hi) gemv(*w.down, z, a.inter, a.batch, lo, hi, d + lo, a.hidden);
     for (int64_t b = 0; b < a.batch; ++b) {
       const float* hb = h + b * a.hidden;
       const float* db = d + b * a.hidden;
@@ -150,8 +149,7 @@ void run_mlp(const MlpArgs& a, const Gated& w, const float* h, float* xn, float*
 at::Tensor fused_mlp_decode(const at::Tensor& hidden_in,
                             const c10::List<std::optional<at::Tensor>>& params, double norm_eps,
                             int64_t act, double gate_multiplier, double down_multiplier,
-                            double residual_multiplier, at::ScalarType out_dtype, bool each,
-                            bool int_dot) {
+                            double residual_multiplier, at::ScalarType out_dtype, bool int_dot) {
   TORCH_CHECK(params.size() == kMNumParams, "params must hold ", kMNumParams, " entries");
   TORCH_CHECK(hidden_in.dim() == 2, "hidden must be (B, H)");
   TORCH_CHECK(hidden_in.size(0) <= fused::kGemvMaxBatch, "fused_mlp_decode takes at most ",
@@ -172,7 +170,6 @@ at::Tensor fused_mlp_decode(const at::Tensor& hidden_in,
   a.gm = static_cast<float>(gate_multiplier);
   a.dm = static_cast<float>(down_multiplier);
   a.rm = static_cast<float>(residual_multiplier);
-  a.each = each;
   a.norm_w = fused::param_f32(params, kMNormW, a.hidden, "norm weight");
   TORCH_CHECK(a.norm_w, "norm weight is required");
   const Weight gate = fused::weight_of(params, kMGateW, kMGateScale,
@@ -292,7 +289,6 @@ struct MoeDims {
   int64_t batch, hidden, inter, experts, shared;  // shared: S, 0 without a shared expert
   int64_t act;
   float eps, rm;
-  bool each;
   const float* norm_w;
 };
 
@@ -360,14 +356,14 @@ void run_moe(const MoeDims& d, const Router& r, const MoeIo& io) {
     // The router's rows, the shared expert's gate/up channels and its gate's row.
     int64_t lo, hi;
     split(d.experts, fused::kRowBlock, tid, nth, lo, hi);
-    if (lo < hi) gemv(*io.router, io.xn, H, d.batch, lo, hi, io.logits + lo, d.experts, true);
+    if (lo < hi) gemv(*io.router, io.xn, H, d.batch, lo, hi, io.logits + lo, d.experts);
     if (d.shared) {
       const Gated& s = io.shared;
       split(d.shared, fused::kRowBlock, tid, nth, lo, hi);
       gate_up_rows(*s.gate, 0, *s.up, s.up == s.gate ? d.shared : 0, io.xn, H, d.batch, lo, hi,
-                   io.sg, io.su, io.sz, d.shared, d.act, 1.0f, d.each);
+                   io.sg, io.su, io.sz, d.shared, d.act, 1.0f);
       if (io.shared_gate && tid == nth - 1) {
-        gemv(*io.shared_gate, io.xn, H, d.batch, 0, 1, io.sgate, 1, true);
+        gemv(*io.shared_gate, io.xn, H, d.batch, 0, 1, io.sgate, 1);
       }
     }
 #pragma omp barrier
@@ -394,7 +390,7 @@ void run_moe(const MoeDims& d, const Router& r, const MoeIo& io) {
       const int64_t s0 = c.first[u], m = c.first[u + 1] - s0, e = c.expert[u];
       const float* x = d.batch > 1 ? io.xg + s0 * H : io.xn;
       gate_up_rows(*io.gate_up, e * 2 * I, *io.gate_up, e * 2 * I + I, x, H, m, i0, i1,
-                   io.g + s0 * I, io.u + s0 * I, io.z + s0 * I, I, d.act, 1.0f, d.each);
+                   io.g + s0 * I, io.u + s0 * I, io.z + s0 * I, I, d.act, 1.0f);
     }
 #pragma omp barrier
     // Down rows [lo, hi) of every chosen expert and of the shared expert, then the sums.
@@ -402,11 +398,10 @@ void run_moe(const MoeDims& d, const Router& r, const MoeIo& io) {
     if (lo < hi) {
       for (int64_t u = 0; u < c.count; ++u) {
         const int64_t s0 = c.first[u], m = c.first[u + 1] - s0, e = c.expert[u];
-        gemv(*io.down, io.z + s0 * I, I, m, e * H + lo, e * H + hi, io.d + s0 * H + lo, H,
-             d.each);
+        gemv(*io.down, io.z + s0 * I, I, m, e * H + lo, e * H + hi, io.d + s0 * H + lo, H);
       }
       if (d.shared) {
-        gemv(*io.shared.down, io.sz, d.shared, d.batch, lo, hi, io.sd + lo, H, d.each);
+        gemv(*io.shared.down, io.sz, d.shared, d.batch, lo, hi, io.sd + lo, H);
       }
       std::vector<float> acc(hi - lo);
       for (int64_t b = 0; b < d.batch; ++b) {
@@ -442,7 +437,7 @@ at::Tensor fused_moe_decode(
     const at::Tensor& hidden_in, const c10::List<std::optional<at::Tensor>>& params,
     int64_t top_k, int64_t router_kind, bool renormalize, int64_t n_group, int64_t topk_group,
     double scaling, double renorm_eps, double norm_eps, int64_t act, double residual_multiplier,
-    at::ScalarType out_dtype, bool each, bool int_dot) {
+    at::ScalarType out_dtype, bool int_dot) {
   TORCH_CHECK(params.size() == kNumMoeParams, "params must hold ", kNumMoeParams, " entries");
   TORCH_CHECK(hidden_in.dim() == 2, "hidden must be (B, H)");
   TORCH_CHECK(hidden_in.size(0) <= fused::kGemvMaxBatch, "fused_moe_decode takes at most ",
@@ -472,7 +467,6 @@ at::Tensor fused_moe_decode(
   d.act = act;
   d.eps = static_cast<float>(norm_eps);
   d.rm = static_cast<float>(residual_multiplier);
-  d.each = each;
   d.norm_w = fused::param_f32(params, kNormW, d.hidden, "norm weight");
   TORCH_CHECK(d.norm_w, "norm weight is required");
   Router r{};
@@ -549,12 +543,12 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
   m.def(
       "fused_mlp_decode(Tensor hidden, Tensor?[] params, float norm_eps, int act, "
       "float gate_multiplier, float down_multiplier, float residual_multiplier, "
-      "ScalarType out_dtype, bool each=False, bool int_dot=False) -> Tensor");
+      "ScalarType out_dtype, bool int_dot=False) -> Tensor");
   m.def(
       "fused_moe_decode(Tensor hidden, Tensor?[] params, int top_k, int router_kind, "
       "bool renormalize, int n_group, int topk_group, float scaling, float renorm_eps, "
       "float norm_eps, int act, float residual_multiplier, ScalarType out_dtype, "
-      "bool each=False, bool int_dot=False) -> Tensor");
+      "bool int_dot=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {

@@ -18,8 +18,8 @@
 //
 // Speculative chains (`src_state_indices`): row b reads the state of slot src[b] and writes
 // slot dst[b], the rows in order, so a chain's positions run in one call, each streaming the
-// weights once for all rows (each row's products summed exactly as a one-row call sums them,
-// `rows_each`: a weight vector loaded and widened once for four rows of x).
+// weights once for all rows (each row's products summed exactly as a one-row call sums them:
+// `gemv::dot_tile`).
 // The recurrent state is read from src and written to dst in the same pass; the conv history
 // (K - 1 values per channel) is copied first and shifted in place.
 //
@@ -83,85 +83,6 @@ struct Io {
   float *xn, *proj, *y, *mixed;  // (B, H), (B, NIN), (B, VD), (B, H) scratch
 };
 
-// out[b * ldo] = w[:k] . x[b][:k] for NB rows of x (row stride ldx), each summed exactly as
-// `gemv::dot_row` sums one row alone (the same four accumulators, the same order), with each
-// vector of the weight row loaded (and widened) once for all NB rows.
-template <int NB, typename W>
-inline void dot_row_each(const W* w, int64_t k, const float* x, int64_t ldx, float* out,
-                         int64_t ldo) {
-  using vec::Vf;
-  constexpr int L = vec::kLanes;
-  Vf a0[NB], a1[NB], a2[NB], a3[NB];
-  for (int b = 0; b < NB; ++b) a0[b] = a1[b] = a2[b] = a3[b] = vec::zero();
-  int64_t i = 0;
-  for (; i + 4 * L <= k; i += 4 * L) {
-    const Vf w0 = vec::load(w + i), w1 = vec::load(w + i + L);
-    const Vf w2 = vec::load(w + i + 2 * L), w3 = vec::load(w + i + 3 * L);
-    for (int b = 0; b < NB; ++b) {
-      const float* xb = x + b * ldx + i;
-      a0[b] = vec::fma(w0, vec::load(xb), a0[b]);
-      a1[b] = vec::fma(w1, vec::load(xb + L), a1[b]);
-      a2[b] = vec::fma(w2, vec::load(xb + 2 * L), a2[b]);
-      a3[b] = vec::fma(w3, vec::load(xb + 3 * L), a3[b]);
-    }
-  }
-  for (; i + L <= k; i += L) {
-    const Vf wv = vec::load(w + i);
-    for (int b = 0; b < NB; ++b) a0[b] = vec::fma(wv, vec::load(x + b * ldx + i), a0[b]);
-  }
-  if (i < k) {
-    const int n = static_cast<int>(k - i);
-    const Vf wv = vec::load_n(w + i, n);
-    for (int b = 0; b < NB; ++b) a1[b] = vec::fma(wv, vec::load_n(x + b * ldx + i, n), a1[b]);
-  }
-  for (int b = 0; b < NB; ++b) {
-    out[b * ldo] = vec::sum(vec::add(vec::add(a0[b], a1[b]), vec::add(a2[b], a3[b])));
-  }
-}
-
-// out[b, r - lo] (row stride ldo) = w[r] . x[b] for rows r in [lo, hi): `gemv::gemv_rows_each`
-// (each row of x as alone), the rows of x four at a time.
-template <typename W>
-void rows_each(const W* w, int64_t k, const float* x, int64_t ldx, int64_t batch, int64_t lo,
-               int64_t hi, float* out, int64_t ldo) {
-  for (int64_t r = lo; r < hi; ++r) {
-    if (r + gemv::kPrefetchRows < hi) gemv::prefetch_row(w + (r + gemv::kPrefetchRows) * k, k);
-    const W* wr = w + r * k;
-    float* o = out + (r - lo);
-    int64_t b = 0;
-    for (; b + 4 <= batch; b += 4) dot_row_each<4>(wr, k, x + b * ldx, ldx, o + b * ldo, ldo);
-    const float* xb = x + b * ldx;
-    switch (batch - b) {
-      case 3: dot_row_each<3>(wr, k, xb, ldx, o + b * ldo, ldo); break;
-      case 2: dot_row_each<2>(wr, k, xb, ldx, o + b * ldo, ldo); break;
-      case 1: dot_row_each<1>(wr, k, xb, ldx, o + b * ldo, ldo); break;
-      default: break;
-    }
-  }
-}
-
-// `fused::gemv` for the rows of a call: with chains (`each`) every row of x summed exactly as a
-// one-row call sums it; float32, bfloat16 and weight-only int8 weights through `rows_each`
-// (same bits as `fused::gemv`, fewer loads), 4-bit and integer-dot weights through
-// `fused::gemv` itself.
-inline void project_range(const Weight& w, const float* x, int64_t ldx, int64_t batch,
-                          int64_t lo, int64_t hi, float* out, int64_t ldo, bool each) {
-  if (!each || batch == 1 || w.dtype == at::kByte || w.int_dot) {
-    gemv(w, x, ldx, batch, lo, hi, out, ldo, each);
-  } else if (w.dtype == at::kFloat) {
-    rows_each(static_cast<const float*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
-  } else if (w.dtype == at::kBFloat16) {
-    rows_each(static_cast<const vec::bf16_t*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
-  } else {  // int8 with its per-row scale, applied after the sums as `fused::gemv` does
-    rows_each(static_cast<const int8_t*>(w.data), w.k, x, ldx, batch, lo, hi, out, ldo);
-    for (int64_t b = 0; b < batch; ++b) {
-      float* o = out + b * ldo - lo;
-#pragma omp simd
-      for (int64_t r = lo; r < hi; ++r) o[r] *= w.scales[r];
-    }
-  }
-}
-
 // Outputs [lo, hi) of the concatenated input projections for every row (into io.proj).
 template <typename C, typename S>
 void project_rows(const Dims& d, const Io<C, S>& io, int64_t lo, int64_t hi) {
@@ -169,8 +90,7 @@ void project_rows(const Dims& d, const Io<C, S>& io, int64_t lo, int64_t hi) {
     const int64_t w0 = io.in_off[i];
     const int64_t r0 = std::max(lo, w0), r1 = std::min(hi, io.in_off[i + 1]);
     if (r0 < r1) {
-      project_range(io.in_w[i], io.xn, d.hidden, d.batch, r0 - w0, r1 - w0, io.proj + r0, d.nin,
-                    io.src_slots != nullptr);
+      gemv(io.in_w[i], io.xn, d.hidden, d.batch, r0 - w0, r1 - w0, io.proj + r0, d.nin);
     }
   }
 }
@@ -326,8 +246,7 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     }
 #pragma omp barrier
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
-    project_range(*io.out_w, io.y, d.value_dim, d.batch, lo, hi, io.mixed + lo, d.hidden,
-                  io.src_slots != nullptr);
+    gemv(*io.out_w, io.y, d.value_dim, d.batch, lo, hi, io.mixed + lo, d.hidden);
     for (int64_t b = 0; b < d.batch && s.norm_w; ++b) {
       float* m = io.mixed + b * d.hidden;
       const float* res = io.hidden + b * d.hidden;

@@ -88,8 +88,7 @@ void in_proj_and_conv(const Dims& d, const Small& s, const Io<C, S>& io, int tid
   int64_t lo, hi;
   split(d.inter, fused::kRowBlock, tid, nth, lo, hi);
   for (const int64_t base : {int64_t{0}, d.inter}) {  // x rows, then z rows
-    gemv(*io.in_w, io.xn, d.hidden, d.batch, base + lo, base + hi, io.xz + base + lo, n,
-         io.src_slots != nullptr);
+    gemv(*io.in_w, io.xn, d.hidden, d.batch, base + lo, base + hi, io.xz + base + lo, n);
     if (s.in_b) {
       for (int64_t b = 0; b < d.batch; ++b) {
         for (int64_t r = base + lo; r < base + hi; ++r) io.xz[b * n + r] += s.in_b[r];
@@ -192,7 +191,7 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
 #pragma omp barrier
     int64_t lo, hi;
     split(d.xp, fused::kRowBlock, tid, nth, lo, hi);
-    gemv(*io.x_w, io.xz, 2 * d.inter, d.batch, lo, hi, io.dbc + lo, d.xp, io.src_slots != nullptr);
+    gemv(*io.x_w, io.xz, 2 * d.inter, d.batch, lo, hi, io.dbc + lo, d.xp);
 #pragma omp barrier
     std::vector<float> row(d.xp);
     split(d.inter, fused::kRowBlock, tid, nth, lo, hi);
@@ -203,8 +202,7 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     }
 #pragma omp barrier
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
-    gemv(*io.out_w, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden,
-         io.src_slots != nullptr);
+    gemv(*io.out_w, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden);
     for (int64_t b = 0; b < d.batch; ++b) {
       float* m = io.mixed + b * d.hidden;
       for (int64_t r = lo; r < hi; ++r) {

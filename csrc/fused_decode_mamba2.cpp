@@ -82,7 +82,7 @@ template <typename C, typename S>
 void in_proj_and_conv(const Dims& d, const Small& s, const Io<C, S>& io, int tid, int nth) {
   int64_t lo, hi;
   split(d.nin, fused::kRowBlock, tid, nth, lo, hi);
-  gemv(*io.in_w, io.xn, d.hidden, d.batch, lo, hi, io.zx + lo, d.nin, io.src_slots != nullptr);
+  gemv(*io.in_w, io.xn, d.hidden, d.batch, lo, hi, io.zx + lo, d.nin);
   for (int64_t b = 0; b < d.batch; ++b) {
     if (s.in_b) {
       for (int64_t r = lo; r < hi; ++r) io.zx[b * d.nin + r] += s.in_b[r];
@@ -185,8 +185,7 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     for (int64_t t = lo; t < hi; ++t) gate_group(d, s, io, t / ngroups, t % ngroups);
 #pragma omp barrier
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
-    gemv(*io.out_w, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden,
-         io.src_slots != nullptr);
+    gemv(*io.out_w, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden);
     for (int64_t b = 0; b < d.batch; ++b) {
       float* m = io.mixed + b * d.hidden;
       for (int64_t r = lo; r < hi; ++r) {

@@ -82,7 +82,6 @@ void norm_rows(const Dims& d, const Small& s, const float* hidden, float* xn, in
 
 template <typename C>
 void run_layer(const Dims& d, const Small& s, const Io<C>& io) {
-  const bool each = io.src_slots != nullptr;  // chains: every row exactly as alone
   const int64_t nin = 3 * d.channels;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -94,7 +93,7 @@ void run_layer(const Dims& d, const Small& s, const Io<C>& io) {
 #pragma omp barrier
     }
     split(nin, fused::kRowBlock, tid, nth, lo, hi);
-    gemv(*io.in_w, io.xn, d.hidden, d.batch, lo, hi, io.bcx + lo, nin, each);
+    gemv(*io.in_w, io.xn, d.hidden, d.batch, lo, hi, io.bcx + lo, nin);
     if (s.in_b) {
       for (int64_t b = 0; b < d.batch; ++b) {
         for (int64_t r = lo; r < hi; ++r) io.bcx[b * nin + r] += s.in_b[r];
@@ -105,7 +104,7 @@ void run_layer(const Dims& d, const Small& s, const Io<C>& io) {
     for (int64_t b = 0; b < d.batch; ++b) conv_rows(d, s, io, b, lo, hi);  // rows in order
 #pragma omp barrier
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
-    gemv(*io.out_w, io.gated, d.channels, d.batch, lo, hi, io.mixed + lo, d.hidden, each);
+    gemv(*io.out_w, io.gated, d.channels, d.batch, lo, hi, io.mixed + lo, d.hidden);
     for (int64_t b = 0; b < d.batch; ++b) {
       fused::finish_row(io.mixed + b * d.hidden + lo, s.out_b ? s.out_b + lo : nullptr,
                         s.norm_w ? io.hidden + b * d.hidden + lo : nullptr, hi - lo);

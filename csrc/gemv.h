@@ -16,128 +16,133 @@
 namespace vllm_mamba {
 namespace gemv {
 
-constexpr int64_t kRowBlock = 8;  // weight rows per pass; ranges split on this unit
+constexpr int64_t kRowBlock = 8;  // weight rows per unit of a range split over threads
 constexpr int64_t kQ4Group = 32;  // 4-bit weights sharing one scale
 
-// out[r] = w[r, :k] . x[:k] for R consecutive rows of `w` (row stride k).
+// A tile is kTileRows weight rows by up to kTileX rows of x, its R * B accumulators, R weight
+// vectors and one x vector held in registers: 4 x 5 of AVX-512's and NEON's 32, 4 x 2 of AVX2's
+// 16 (and of the generic level's, whose 8-lane vectors take two SSE registers each).
+constexpr int kTileRows = 4;
+#if defined(VLLM_MAMBA_VEC_AVX512) || defined(VLLM_MAMBA_VEC_NEON)
+constexpr int kTileX = 5;
+#else
+constexpr int kTileX = 2;
+#endif
+
+// out[b * ldo + r] = w[r, :k] . x[b, :k] for R consecutive weight rows (row stride k) and B rows
+// of x (row stride ldx).
 //
-// For bfloat16 and int8 weights it prefetches (into L2) the rows two blocks of R ahead while
-// it reads these, spread evenly over its steps: a block of 8 narrow rows is 8 short
-// interleaved streams (768 bytes each for an int8 row of 768), which the hardware prefetchers
-// follow poorly. Measured on 24 `mamba-130m` layers at 2, 4 and 8 rows of x (AVX-512),
-// prefetching on and off interleaved in one process: +8-30% for int8, +1-15% for bfloat16,
-// and -7 to -17% for float32, which therefore streams without it. (One row of x goes through
-// `dot_row`.)
-template <int R, typename W>
-inline void dot_rows(const W* w, int64_t k, const float* x, float* out) {
+// Every product (r, b) is summed the same way whatever R and B are: one vector accumulator
+// over the vectors of the row in order (the tail of k masked into the same accumulator), then
+// `vec::sum`. So a row of x gets the same bits alone, in a batch, or as one position of a
+// speculative chain, and the kernel may tile freely. The tile loads each weight vector (widened
+// once) for B rows of x and each x vector for R weight rows: a 5-row chain costs 1.1-1.2x one
+// row on float32 / bfloat16 weights where one row at a time cost 2-3x (mb4 below).
+//
+// `ahead`: the weight bytes to prefetch (into L2) while this tile is read, spread evenly over
+// its steps (nullptr: none, for a tile whose weight rows another pass already fetched). The
+// callers prefetch two tiles ahead, for every weight dtype: R interleaved rows are R short
+// streams which the hardware prefetchers follow poorly. Measured on a 235 MB float32, 117 MB
+// bfloat16 and 59 MB int8 weight (k = 1,024, 2 threads, AVX-512, Zen 4), against the previous
+// kernels (one row in order with four accumulators at batch 1, one row of x at a time in
+// chains): batch 1 float32 8.0 against 9.6 ms, bfloat16 3.4 against 3.3, int8 1.5 against
+// 1.8; 5 rows float32 9.1 against 13.3 (each-row exact: 15+), bfloat16 4.0 against 6.8, int8
+// 3.4 against 5.5 (int8 at 5 rows is bound by the float multiply-adds: 1 per cycle).
+template <int R, int B, typename W>
+inline void dot_tile(const W* w, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo,
+                     const char* ahead) {
   using vec::Vf;
   constexpr int L = vec::kLanes;
-  Vf acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = vec::zero();
-  const char* ahead = reinterpret_cast<const char*>(w + 2 * R * k);
-  const int64_t ahead_lines = (R * k * static_cast<int64_t>(sizeof(W)) + 63) / 64;
+  Vf acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = vec::zero();
+  const int64_t ahead_lines =
+      ahead ? (R * k * static_cast<int64_t>(sizeof(W)) + 63) / 64 : 0;
   const int64_t steps = std::max<int64_t>(k / L, 1);
   const int64_t lines_per_step = (ahead_lines + steps - 1) / steps;
   int64_t line = 0;
   int64_t i = 0;
-  constexpr bool kPrefetch = sizeof(W) < sizeof(float);
   for (; i + L <= k; i += L) {
-    for (int64_t l = 0; kPrefetch && l < lines_per_step && line < ahead_lines; ++l, ++line) {
+    for (int64_t l = 0; l < lines_per_step && line < ahead_lines; ++l, ++line) {
       vec::prefetch_l2(ahead + line * 64);
     }
-    const Vf xv = vec::load(x + i);
-    for (int r = 0; r < R; ++r) acc[r] = vec::fma(vec::load(w + r * k + i), xv, acc[r]);
+    Vf wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = vec::load(w + r * k + i);
+    for (int b = 0; b < B; ++b) {
+      const Vf xv = vec::load(x + b * ldx + i);
+      for (int r = 0; r < R; ++r) acc[r][b] = vec::fma(wv[r], xv, acc[r][b]);
+    }
   }
   if (i < k) {
     const int n = static_cast<int>(k - i);
-    const Vf xv = vec::load_n(x + i, n);
-    for (int r = 0; r < R; ++r) acc[r] = vec::fma(vec::load_n(w + r * k + i, n), xv, acc[r]);
+    Vf wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = vec::load_n(w + r * k + i, n);
+    for (int b = 0; b < B; ++b) {
+      const Vf xv = vec::load_n(x + b * ldx + i, n);
+      for (int r = 0; r < R; ++r) acc[r][b] = vec::fma(wv[r], xv, acc[r][b]);
+    }
   }
-  for (int r = 0; r < R; ++r) out[r] = vec::sum(acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) out[b * ldo + r] = vec::sum(acc[r][b]);
 }
 
-// w[:k] . x[:k] for one weight row, four independent accumulators. With one row of x the
-// products read the weight strictly in order, which the hardware prefetchers follow better
-// than blocks of 8 interleaved rows: 24 `mamba-130m` layers at batch 1 (AVX-512), interleaved
-// in one process, streamed 50 against 40-41 GB/s (float32) and 40-41 against 34-35
-// (bfloat16); int8 was equal. At 4 rows of x the blocks stay faster (26 against 23 GB/s).
+// `dot_tile<R, nb>` for a run-time nb in [1, B].
+template <int R, int B = kTileX, typename W>
+inline void dot_tile_n(int nb, const W* w, int64_t k, const float* x, int64_t ldx, float* out,
+                       int64_t ldo, const char* ahead) {
+  if constexpr (B > 1) {
+    if (nb < B) return dot_tile_n<R, B - 1>(nb, w, k, x, ldx, out, ldo, ahead);
+  }
+  dot_tile<R, B>(w, k, x, ldx, out, ldo, ahead);
+}
+
+// w[:k] . x[:k] for one weight row: `dot_tile`'s sum (the reference of its tests).
 template <typename W>
 inline float dot_row(const W* w, int64_t k, const float* x) {
-  using vec::Vf;
-  constexpr int L = vec::kLanes;
-  Vf a0 = vec::zero(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t i = 0;
-  for (; i + 4 * L <= k; i += 4 * L) {
-    a0 = vec::fma(vec::load(w + i), vec::load(x + i), a0);
-    a1 = vec::fma(vec::load(w + i + L), vec::load(x + i + L), a1);
-    a2 = vec::fma(vec::load(w + i + 2 * L), vec::load(x + i + 2 * L), a2);
-    a3 = vec::fma(vec::load(w + i + 3 * L), vec::load(x + i + 3 * L), a3);
-  }
-  for (; i + L <= k; i += L) a0 = vec::fma(vec::load(w + i), vec::load(x + i), a0);
-  if (i < k) {
-    const int n = static_cast<int>(k - i);
-    a1 = vec::fma(vec::load_n(w + i, n), vec::load_n(x + i, n), a1);
-  }
-  return vec::sum(vec::add(vec::add(a0, a1), vec::add(a2, a3)));
+  float out;
+  dot_tile<1, 1>(w, k, x, 0, &out, 0, nullptr);
+  return out;
 }
 
-// Rows ahead whose narrow (bfloat16, int8) weights a single-row product prefetches: rows of
-// 768-1,536 bytes are streams too short for the hardware prefetchers to ramp up.
-constexpr int64_t kPrefetchRows = 4;
-
-// Narrow rows of at least this many bytes are long enough for the hardware prefetchers, and
-// stream faster without software prefetches: RWKV-7 0.4B's 2 KiB bfloat16 rows (1,024 columns)
-// decoded one stream at 34-36 against 30-32 tok/s (three interleaved runs each, AVX-512, Zen 5);
-// its 1 KiB int8 rows still want them (39 against 47-54 tok/s without).
+// Narrow rows of at least this many bytes are long enough streams for the hardware prefetchers
+// when read one row at a time: RWKV-7 0.4B's 2 KiB bfloat16 rows (1,024 columns) decoded one
+// stream at 34-36 against 30-32 tok/s without software prefetches (AVX-512, Zen 5).
 constexpr int64_t kPrefetchMaxRowBytes = 2048;
 
 // Prefetches (into L2) the cache lines of one weight row of k narrow elements; nothing for
-// float32 rows, which stream faster without (see `dot_rows`), nor for rows of
-// `kPrefetchMaxRowBytes` or more.
+// float32 rows, nor for rows of `kPrefetchMaxRowBytes` or more. For the row-by-row kernels
+// (`grouped_linear.cpp`, `widening_linear.cpp`, the 4-bit tiles below).
 template <typename W>
 inline void prefetch_row(const W* row, int64_t k) {
   if constexpr (sizeof(W) < sizeof(float)) {
-    if (k * static_cast<int64_t>(sizeof(W)) >= kPrefetchMaxRowBytes) return;
-    const char* p = reinterpret_cast<const char*>(row);
     const int64_t bytes = k * static_cast<int64_t>(sizeof(W));
+    if (bytes >= kPrefetchMaxRowBytes) return;
+    const char* p = reinterpret_cast<const char*>(row);
     for (int64_t off = 0; off < bytes; off += 64) vec::prefetch_l2(p + off);
   }
 }
 
 // out[b, r - lo] (row stride ldo) = w[r] . x[b] (row stride ldx) for rows r in [lo, hi) and
-// batch rows b < batch; each block of kRowBlock weight rows is read from memory once.
+// batch rows b < batch, each summed exactly as alone (`dot_tile`): tiles of kTileRows weight
+// rows, each read from memory once for every row of x (kTileX rows of x per pass over the
+// tile, the later passes reading it from L1), the rows two tiles ahead prefetched.
 template <typename W>
 inline void gemv_rows(const W* w, int64_t k, const float* x, int64_t ldx, int64_t batch,
                       int64_t lo, int64_t hi, float* out, int64_t ldo) {
-  if (batch == 1) {  // one row of x: stream the weight row by row (see `dot_row`)
-    for (int64_t r = lo; r < hi; ++r) {
-      if (r + kPrefetchRows < hi) prefetch_row(w + (r + kPrefetchRows) * k, k);
-      out[r - lo] = dot_row(w + r * k, k, x);
-    }
-    return;
-  }
   int64_t r = lo;
-  for (; r + kRowBlock <= hi; r += kRowBlock) {
-    for (int64_t b = 0; b < batch; ++b) {
-      dot_rows<kRowBlock>(w + r * k, k, x + b * ldx, out + b * ldo + (r - lo));
+  for (; r + kTileRows <= hi; r += kTileRows) {
+    const char* ahead = reinterpret_cast<const char*>(w + (r + 2 * kTileRows) * k);
+    for (int64_t b = 0; b < batch; b += kTileX) {
+      const int nb = static_cast<int>(std::min<int64_t>(kTileX, batch - b));
+      dot_tile_n<kTileRows>(nb, w + r * k, k, x + b * ldx, ldx, out + b * ldo + (r - lo), ldo,
+                            b == 0 ? ahead : nullptr);
     }
   }
   for (; r < hi; ++r) {
-    for (int64_t b = 0; b < batch; ++b) {
-      dot_rows<1>(w + r * k, k, x + b * ldx, out + b * ldo + (r - lo));
+    for (int64_t b = 0; b < batch; b += kTileX) {
+      const int nb = static_cast<int>(std::min<int64_t>(kTileX, batch - b));
+      dot_tile_n<1>(nb, w + r * k, k, x + b * ldx, ldx, out + b * ldo + (r - lo), ldo, nullptr);
     }
-  }
-}
-
-// `gemv_rows`, but each row of x summed exactly as one row alone is (`dot_row`): a row's bits
-// do not depend on the batch (the rows of a speculative chain equal the tokens decoded one by
-// one). Each weight row is read from memory once, the other rows of x reading it from L1.
-template <typename W>
-inline void gemv_rows_each(const W* w, int64_t k, const float* x, int64_t ldx, int64_t batch,
-                           int64_t lo, int64_t hi, float* out, int64_t ldo) {
-  for (int64_t r = lo; r < hi; ++r) {
-    if (r + kPrefetchRows < hi) prefetch_row(w + (r + kPrefetchRows) * k, k);
-    for (int64_t b = 0; b < batch; ++b) out[b * ldo + (r - lo)] = dot_row(w + r * k, k, x + b * ldx);
   }
 }
 

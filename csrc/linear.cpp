@@ -2,8 +2,9 @@
 //
 // At batch 1 a linear layer only streams its weight from memory once; the generic GEMM path
 // reaches well under the memory bandwidth there. This kernel splits the output rows over the
-// threads and, per weight row, keeps four independent vector accumulators per input row so
-// the loop runs at load speed. Weights may be float32 or bfloat16 (converted on the fly);
+// threads and runs `gemv::gemv_rows` on each part: tiles of 4 weight rows read once for all
+// rows of x, each row of x summed exactly as alone (a speculative chain's logits equal its
+// tokens decoded one by one). Weights may be float32 or bfloat16 (widened on the fly);
 // accumulation is float32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,45 +14,32 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "gemv.h"
+
 namespace vllm_mamba {
 namespace {
 
-constexpr int64_t kLanes = 64;       // floats summed in parallel: four AVX-512 registers
-constexpr int64_t kMaxBatch = 8;     // rows of x handled in one pass over a weight row
+constexpr int64_t kMaxBatch = 8;             // rows of x this op takes
 constexpr int64_t kMinTaskFloats = 1 << 16;  // weight elements per parallel task, at least
 
-inline float to_f32(float v) { return v; }
-inline float to_f32(c10::BFloat16 v) { return static_cast<float>(v); }
-
+// out (B, N) float32 = x (B, K) @ w^T, plus bias.
 template <typename W>
-inline float dot(const W* w, const float* x, int64_t k) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= k; i += kLanes) {
-#pragma omp simd
-    for (int64_t j = 0; j < kLanes; ++j) acc[j] += to_f32(w[i + j]) * x[i + j];
-  }
-  float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t j = 0; j < kLanes; ++j) total += acc[j];
-  for (; i < k; ++i) total += to_f32(w[i]) * x[i];
-  return total;
-}
-
-template <typename W, typename T>
-void run(const W* w, const float* x, const float* bias, T* out, int64_t batch, int64_t n,
+void run(const W* w, const float* x, const float* bias, float* out, int64_t batch, int64_t n,
          int64_t k) {
-  // Small weights run on one thread: waking the others costs more than it saves.
+  // Small weights run on one thread: waking the others costs more than it saves. Tasks are
+  // whole tiles of rows (the split never cuts a tile).
   const int64_t grain = std::max<int64_t>(16, kMinTaskFloats / std::max<int64_t>(k, 1));
-  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t row = lo; row < hi; ++row) {
-      const W* wr = w + row * k;
-      const float b = bias ? bias[row] : 0.0f;
-      for (int64_t r = 0; r < batch; ++r) {
-        out[r * n + row] = static_cast<T>(dot(wr, x + r * k, k) + b);
-      }
-    }
-  });
+  const int64_t tiles = (n + gemv::kTileRows - 1) / gemv::kTileRows;
+  at::parallel_for(0, tiles, (grain + gemv::kTileRows - 1) / gemv::kTileRows,
+                   [&](int64_t t0, int64_t t1) {
+                     const int64_t lo = t0 * gemv::kTileRows;
+                     const int64_t hi = std::min(n, t1 * gemv::kTileRows);
+                     gemv::gemv_rows(w, k, x, k, batch, lo, hi, out + lo, n);
+                     if (bias) {
+                       for (int64_t b = 0; b < batch; ++b)
+                         for (int64_t r = lo; r < hi; ++r) out[b * n + r] += bias[r];
+                     }
+                   });
 }
 
 at::Tensor linear_small_batch(const at::Tensor& x_in, const at::Tensor& weight,
@@ -64,23 +52,18 @@ at::Tensor linear_small_batch(const at::Tensor& x_in, const at::Tensor& weight,
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor bias;
   if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({batch, n}, x_in.options());
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  at::Tensor out = at::empty({batch, n}, x_in.options().dtype(at::kFloat));
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  auto with_out = [&](auto* wp) {
-    if (out.scalar_type() == at::kFloat) {
-      run(wp, x.data_ptr<float>(), b, out.data_ptr<float>(), batch, n, k);
-    } else {
-      TORCH_CHECK(out.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-      run(wp, x.data_ptr<float>(), b, out.data_ptr<c10::BFloat16>(), batch, n, k);
-    }
-  };
   if (weight.scalar_type() == at::kFloat) {
-    with_out(weight.data_ptr<float>());
+    run(weight.data_ptr<float>(), x.data_ptr<float>(), b, out.data_ptr<float>(), batch, n, k);
   } else {
     TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "weight must be float32 or bfloat16");
-    with_out(weight.data_ptr<c10::BFloat16>());
+    const auto* wp = reinterpret_cast<const vec::bf16_t*>(weight.data_ptr<c10::BFloat16>());
+    run(wp, x.data_ptr<float>(), b, out.data_ptr<float>(), batch, n, k);
   }
-  return out;
+  return out.to(x_in.scalar_type());
 }
 
 }  // namespace

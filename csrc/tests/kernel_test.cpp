@@ -681,27 +681,34 @@ static void test_gemv_type(const char* tname) {
               want[b * M + r]);
       }
     }
-    // dot_rows<R> for R in {1, 2, 3, 4, 8} (rows r0 .. r0 + R, r0 = 2 so the prefetch runs
-    // ahead of a block that does not start the weight).
-    auto run_dot_rows = [&](auto r_const) {
-      constexpr int R = decltype(r_const)::value;
-      for (int64_t b = 0; b < 2; ++b) {
-        const int64_t r0 = 2;
-        float out[R];
-        gemv::dot_rows<R>(wt.w.data() + r0 * k, k, x.data() + b * ldx, out);
+    // dot_tile<R, B> for R in {1, 4} and B in {1 .. kTileX} (rows r0 .. r0 + R, r0 = 2 so the
+    // prefetch runs ahead of a tile that does not start the weight): every product bit for bit
+    // dot_row's, whatever the tile.
+    auto run_tile = [&](auto r_const, auto b_const) {
+      constexpr int R = decltype(r_const)::value, B = decltype(b_const)::value;
+      if constexpr (B > gemv::kTileX) return;
+      const int64_t r0 = 2, ldo = R + 1;
+      float out[B * (R + 1)];
+      const char* ahead = reinterpret_cast<const char*>(wt.w.data() + (r0 + R) * k);
+      gemv::dot_tile<R, B>(wt.w.data() + r0 * k, k, x.data(), ldx, out, ldo, ahead);
+      for (int b = 0; b < B; ++b) {
         for (int r = 0; r < R; ++r) {
-          worst = std::max(worst, err_ratio(out[r], b, r0 + r));
-          CHECK(close_dot(out[r], want[b * M + r0 + r], abs_sum[b * M + r0 + r]),
-                "dot_rows<%d> k=%" PRId64 " row %" PRId64 ": %.9g, want %.12g", R, k, r0 + r,
-                out[r], want[b * M + r0 + r]);
+          const float alone = gemv::dot_row(wt.w.data() + (r0 + r) * k, k, x.data() + b * ldx);
+          CHECK(std::memcmp(&out[b * ldo + r], &alone, sizeof(float)) == 0,
+                "dot_tile<%d, %d> k=%" PRId64 " row %" PRId64 " x row %d: %.9g, alone %.9g", R,
+                B, k, r0 + r, b, out[b * ldo + r], alone);
         }
       }
     };
-    run_dot_rows(std::integral_constant<int, 1>{});
-    run_dot_rows(std::integral_constant<int, 2>{});
-    run_dot_rows(std::integral_constant<int, 3>{});
-    run_dot_rows(std::integral_constant<int, 4>{});
-    run_dot_rows(std::integral_constant<int, 8>{});
+    auto run_tiles = [&](auto r_const) {
+      run_tile(r_const, std::integral_constant<int, 1>{});
+      run_tile(r_const, std::integral_constant<int, 2>{});
+      run_tile(r_const, std::integral_constant<int, 3>{});
+      run_tile(r_const, std::integral_constant<int, 4>{});
+      run_tile(r_const, std::integral_constant<int, 5>{});
+    };
+    run_tiles(std::integral_constant<int, 1>{});
+    run_tiles(std::integral_constant<int, 4>{});
     // gemv_rows over row ranges, batch 1..9, output row stride > hi - lo with sentinels.
     const int64_t ranges[][2] = {{0, M}, {3, M}, {5, 18}, {8, 16}, {1, 2}, {0, 7}, {9, 9}};
     for (auto& rg : ranges) {

@@ -51,6 +51,13 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _rows_alone(got: torch.Tensor, hidden: torch.Tensor, op, *args) -> None:  # noqa: ANN001
+    """Every row of `got = op(hidden, *args)` has the bits of that row called alone (a
+    speculative chain's rows equal its tokens decoded one by one)."""
+    for i in range(hidden.shape[0]):
+        assert torch.equal(got[i : i + 1], op(hidden[i : i + 1], *args)), f"row {i}"
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("merged", [False, True])
@@ -69,8 +76,9 @@ def test_mlp_kernel_matches_reference(rows: int, dtype: str, merged: bool) -> No
     for act, gm, dm, rm in ((0, 1.0, 1.0, 1.0), (1, 0.5, 2.0, 0.25), (4, 1.0, 1.0, 1.0)):
         args = (1e-6, act, gm, dm, rm, torch.float32)
         want = ffn.fused_mlp_decode_ref(hidden, params, *args)
-        for each in (False, True):
-            _close(cpu_kernels.fused_mlp_decode(hidden, params, *args, each), want)
+        got = cpu_kernels.fused_mlp_decode(hidden, params, *args)
+        _close(got, want)
+        _rows_alone(got, hidden, cpu_kernels.fused_mlp_decode, params, *args)
 
 
 def test_mlp_bfloat16_activations() -> None:
@@ -150,8 +158,9 @@ def test_moe_kernel_matches_reference(rows: int, dtype: str, router: str, shared
     hidden = _hidden(g, rows)
     args = (*ROUTERS[router], 1e-6, 0, 0.5, torch.float32)
     want = ffn.fused_moe_decode_ref(hidden, params, *args)
-    for each in (False, True):
-        _close(cpu_kernels.fused_moe_decode(hidden, params, *args, each), want)
+    got = cpu_kernels.fused_moe_decode(hidden, params, *args)
+    _close(got, want)
+    _rows_alone(got, hidden, cpu_kernels.fused_moe_decode, params, *args)
 
 
 @pytest.mark.parametrize("router", ["softmax-renorm", "sigmoid"])

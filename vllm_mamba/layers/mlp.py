@@ -224,9 +224,9 @@ class FusedFfnStep:
         )
 
     def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
-        """`hidden (T, H)` -> `(T, H)`; a chain's rows each computed as alone (`each`)."""
-        each = bool(meta.decode_waves)
-        return self.op(hidden, self.params, *self.args, hidden.dtype, each, self.int_dot)
+        """`hidden (T, H)` -> `(T, H)`; a chain's rows each computed as alone (the kernels'
+        rows never depend on the batch)."""
+        return self.op(hidden, self.params, *self.args, hidden.dtype, self.int_dot)
 
 
 def plan_mlp(mlp: nn.Module, norm: nn.Module, residual_multiplier: float) -> FusedFfnStep | None:

@@ -25,9 +25,10 @@ sum plus `renorm_eps` when `renormalize`, times `scaling`. Ties of the top-k: th
 first, equal values in ascending expert (group) id, where torch.topk leaves their order open.
 The chosen experts are summed in ascending expert id (`layers.moe.dispatch_experts`' order).
 
-`act` is a code of `ACT_CODES`; `each` makes every row's products independent of the other rows
-(speculative chains); `int_dot` asks for integer dot products of int8 / 4-bit weights
-(`fused::Weight::int_dot`; the references compute weight-only products and refuse it).
+`act` is a code of `ACT_CODES`. Every row's products are independent of the other rows (a
+speculative chain's rows equal its tokens decoded one by one); `int_dot` asks for integer dot
+products of int8 / 4-bit weights (`fused::Weight::int_dot`; the references compute weight-only
+products and refuse it).
 
 Glossary: B rows, H hidden, I expert (or MLP) width, S shared-expert width, E experts, k experts
 per token.
@@ -104,7 +105,6 @@ def fused_mlp_decode_ref(
     down_multiplier: float,
     residual_multiplier: float,
     out_dtype: torch.dtype,
-    each: bool = False,
     int_dot: bool = False,
 ) -> torch.Tensor:
     """`hidden + rm * GatedMLP(rms_norm(hidden))` for `hidden (B, H)`, math in float32.
@@ -115,7 +115,7 @@ def fused_mlp_decode_ref(
         norm_eps: the norm's epsilon; act: a code of `ACT_CODES`.
         gate_multiplier, down_multiplier: the MLP's muP multipliers; residual_multiplier: the
             layer's (`rm`).
-        out_dtype: the result's dtype; each: rows independent (the reference's always are).
+        out_dtype: the result's dtype.
     """
     _no_int_dot(int_dot)
     p = MlpParams(*params)
@@ -182,7 +182,6 @@ def fused_moe_decode_ref(
     act: int,
     residual_multiplier: float,
     out_dtype: torch.dtype,
-    each: bool = False,
     int_dot: bool = False,
 ) -> torch.Tensor:
     """`hidden + rm * (sum_k w_k expert_k(x) + g * shared(x))`, `x = rms_norm(hidden)`, for
@@ -195,7 +194,7 @@ def fused_moe_decode_ref(
             None: merged), shared_expert_gate_w `(1, H)` (None: `g = 1`, else
             `g = sigmoid(x @ w^T)`), and the scales.
         top_k ... renorm_eps: the router (see the module docstring).
-        norm_eps, act, residual_multiplier, out_dtype, each: as `fused_mlp_decode_ref`.
+        norm_eps, act, residual_multiplier, out_dtype: as `fused_mlp_decode_ref`.
     """
     _no_int_dot(int_dot)
     p = MoeParams(*params)
@@ -235,7 +234,7 @@ class FusedMlpDecodeOp(Protocol):
     def __call__(
         self, hidden: Tensor, params: Params, norm_eps: float, act: int, gate_multiplier: float,
         down_multiplier: float, residual_multiplier: float, out_dtype: torch.dtype,
-        each: bool = False, int_dot: bool = False,
+        int_dot: bool = False,
     ) -> Tensor: ...  # fmt: skip
 
 
@@ -243,8 +242,7 @@ class FusedMoeDecodeOp(Protocol):
     def __call__(
         self, hidden: Tensor, params: Params, top_k: int, router_kind: int, renormalize: bool,
         n_group: int, topk_group: int, scaling: float, renorm_eps: float, norm_eps: float,
-        act: int, residual_multiplier: float, out_dtype: torch.dtype, each: bool = False,
-        int_dot: bool = False,
+        act: int, residual_multiplier: float, out_dtype: torch.dtype, int_dot: bool = False,
     ) -> Tensor: ...  # fmt: skip
 
 
