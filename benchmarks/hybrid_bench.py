@@ -1,13 +1,15 @@
 """CPU speed of this engine against `transformers` and llama.cpp on a hybrid model, in one run.
 
-Four models (random weights, saved once to `--model`; shapes in `hybrid_configs.py`), chosen by
+Seven models (random weights, saved once to `--model`; shapes in `hybrid_configs.py`), chosen by
 `--arch`: `jamba` (about 310M parameters, default model `/tmp/jamba-300m-random`),
 `granitemoehybrid` (the dense Granite 4.0-H shape, about 306M, `/tmp/granite-4.0-h-300m-random`),
 `qwen3_5` (Qwen3.5-0.8B's text model, Gated DeltaNet and gated attention,
 `/tmp/qwen3.5-0.8b-random`), `qwen3_next` (Qwen3-Next's layout with 64 experts scaled to
 about 1B, `/tmp/qwen3-next-1b-random`), `lfm2` (LFM2-1.2B, short convolutions and GQA,
-`/tmp/lfm2-1.2b-random`) and `kimi_linear` (Kimi Linear's KDA, MLA and 64-expert layout scaled
-to about 1B, `/tmp/kimi-linear-1b-random`). `--dtype bfloat16` runs the engine and transformers in
+`/tmp/lfm2-1.2b-random`), `kimi_linear` (Kimi Linear's KDA, MLA and 64-expert layout scaled
+to about 1B, `/tmp/kimi-linear-1b-random`) and `qwen3_6_moe` (Qwen3.6-35B-A3B's real layer
+shapes, 256 experts, four of its layers, saved in bfloat16: run it with `--dtype bfloat16`,
+`/tmp/qwen3.6-35b-a3b-4layers-random`). `--dtype bfloat16` runs the engine and transformers in
 bfloat16; `--quantization int8` / `int4` the engine with int8 / int4 weights. The run starts
 by printing the recurrent state bytes one sequence holds and how many sequences fit a GiB.
 
@@ -71,6 +73,7 @@ from hybrid_configs import (
     KIMI_SHIPPED_KEYS,
     LFM2_CONFIG,
     QWEN3_5_CONFIG,
+    QWEN3_6_MOE_CONFIG,
     QWEN3_NEXT_CONFIG,
 )
 
@@ -83,10 +86,16 @@ ARCHS = {  # --arch: (transformers class, config, default model directory)
     ),
     "qwen3_5": ("Qwen3_5ForCausalLM", QWEN3_5_CONFIG, "/tmp/qwen3.5-0.8b-random"),
     "qwen3_next": ("Qwen3NextForCausalLM", QWEN3_NEXT_CONFIG, "/tmp/qwen3-next-1b-random"),
+    "qwen3_6_moe": (
+        "Qwen3_5MoeForCausalLM",
+        QWEN3_6_MOE_CONFIG,
+        "/tmp/qwen3.6-35b-a3b-4layers-random",
+    ),
     "lfm2": ("Lfm2ForCausalLM", LFM2_CONFIG, "/tmp/lfm2-1.2b-random"),
     "kimi_linear": ("KimiLinearForCausalLM", KIMI_LINEAR_CONFIG, "/tmp/kimi-linear-1b-random"),
 }
 SHIPPED_KEYS = {"kimi_linear": KIMI_SHIPPED_KEYS}  # config.json keys the releases carry
+SAVED_BF16 = {"qwen3_6_moe"}  # made and saved in bfloat16 (float32 would not fit 24 GiB twice)
 TOKENIZER_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests/data/gpt-neox-20b-tokenizer"
 )
@@ -102,7 +111,13 @@ def make_model(arch: str, path: str) -> int:
     cls_name, config, _ = ARCHS[arch]
     model_cls = getattr(transformers, cls_name)
     torch.manual_seed(0)
-    model = model_cls(model_cls.config_class(**config))
+    default = torch.get_default_dtype()
+    if arch in SAVED_BF16:
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = model_cls(model_cls.config_class(**config))
+    finally:
+        torch.set_default_dtype(default)
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         model.save_pretrained(path)

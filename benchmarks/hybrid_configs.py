@@ -125,6 +125,37 @@ QWEN3_NEXT_CONFIG = dict(
     max_position_embeddings=8192,
 )
 
+# Qwen3.6-35B-A3B's (and Qwen3.5-35B-A3B's) layer shapes: hidden 2048, 256 experts of 512 (top 8)
+# plus a 512-wide shared expert, Gated DeltaNet with 16 key / 32 value heads of 128, attention
+# with 16 query / 2 key-value heads of 256; four of its 40 layers (three linear, one attention,
+# its 3:1 pattern), saved in bfloat16 (about 4.3B parameters, 8.5 GB).
+QWEN3_6_MOE_CONFIG = dict(
+    vocab_size=248320,
+    hidden_size=2048,
+    num_hidden_layers=4,
+    layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(4)],
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_position_embeddings=8192,
+)
+
 LFM2_CONFIG = dict(
     vocab_size=65536,
     hidden_size=2048,
