@@ -1,5 +1,6 @@
-"""The fused Gated DeltaNet decode layer in the engine (`layers.fused_delta_decode`): planned on
-the GDN layers of Qwen3.5, Qwen3-Next and OLMo Hybrid with the block's norm, the same greedy
+"""The fused delta-rule decode layers in the engine (`layers.fused_delta_decode`): planned on
+the GDN layers of Qwen3.5, Qwen3-Next and OLMo Hybrid and the KDA layers of Kimi Linear
+(`fused_kda_decode`) with the block's norm, the same greedy
 tokens and float32 logprobs (1e-4) as the unfused layers (`VLLM_MAMBA_FUSED_DECODE=0`, read
 at plan time) at float32, int8 and 4-bit weights and bfloat16 states, decode batches of 9 rows
 (GEMMs) down to 1 (weight-streaming products); and speculative decoding whose chains run
@@ -23,7 +24,8 @@ from vllm_mamba.layers.gated_deltanet import GatedDeltaNet
 from vllm_mamba.ops import cpu_kernels
 
 pytestmark = pytest.mark.skipif(
-    "fused_gdn_decode" not in cpu_kernels.library_ops(), reason="C++ extension not built"
+    not {"fused_gdn_decode", "fused_kda_decode"} <= cpu_kernels.library_ops(),
+    reason="C++ extension not built",
 )
 
 
@@ -81,6 +83,11 @@ def _generate(
         ("qwen3-next-moe", "int4", "auto"),
         ("qwen3_5-mqa", "int4", "auto"),
         ("qwen3_5-gqa", None, "bfloat16"),
+        ("kimi-linear-moe", None, "auto"),
+        ("kimi-linear-qlora", None, "auto"),
+        ("kimi-linear-moe", "int8", "auto"),
+        ("kimi-linear-qlora", "int4", "auto"),
+        ("kimi-linear-moe", None, "bfloat16"),
     ],
 )
 def test_engine_outputs_equal_with_and_without_fused_gdn(
@@ -112,7 +119,7 @@ def test_engine_outputs_equal_with_and_without_fused_gdn(
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("name", ["qwen3_5-gqa", "qwen3-next-mlp-only"])
+@pytest.mark.parametrize("name", ["qwen3_5-gqa", "qwen3-next-mlp-only", "kimi-linear-moe"])
 def test_speculative_chains_run_fused_and_equal_no_speculation(
     name: str, fused_calls: dict[str, int]
 ) -> None:
