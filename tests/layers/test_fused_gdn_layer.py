@@ -1,10 +1,10 @@
 """The fused delta-rule decode layers in the engine (`layers.fused_delta_decode`): planned on
 the GDN layers of Qwen3.5, Qwen3-Next and OLMo Hybrid and the KDA layers of Kimi Linear
-(`fused_kda_decode`) with the block's norm, the same greedy
-tokens and float32 logprobs (1e-4) as the unfused layers (`VLLM_MAMBA_FUSED_DECODE=0`, read
-at plan time) at float32, int8 and 4-bit weights and bfloat16 states, decode batches of 9 rows
-(GEMMs) down to 1 (weight-streaming products); and speculative decoding whose chains run
-through the fused layer in one call (rows with source slots) with the tokens and states of
+(`fused_kda_decode`) with the block's norm, the same greedy tokens and float32 logprobs (1e-4)
+as the unfused layers (`VLLM_MAMBA_FUSED_DECODE=0`, read at plan time) at float32, int8 and
+4-bit weights (KDA also integer dot products, w8a8) and bfloat16 states, decode batches
+of 9 rows (GEMMs) down to 1 (weight-streaming products); and speculative decoding whose chains
+run through the fused layer in one call (rows with source slots) with the tokens and states of
 decoding without speculation.
 """
 
@@ -87,6 +87,7 @@ def _generate(
         ("kimi-linear-qlora", None, "auto"),
         ("kimi-linear-moe", "int8", "auto"),
         ("kimi-linear-qlora", "int4", "auto"),
+        ("kimi-linear-qlora", "w8a8", "auto"),
         ("kimi-linear-moe", None, "bfloat16"),
     ],
 )
@@ -112,6 +113,8 @@ def test_engine_outputs_equal_with_and_without_fused_gdn(
         assert all(p.step.params[-2].dtype == torch.int8 for p in plans)
     if quantization == "int4":  # on 4-bit weights (int8 where K % 32 != 0)
         assert any(t is not None and t.dtype == torch.uint8 for t in plans[0].step.params)
+    # integer dot products (int8-quantised activations) in the fused layer as in the unfused
+    assert all(p.step.int_dot == (quantization == "w8a8") for p in plans)
     assert got == want
     # bfloat16 states round the same values at slightly different points in the two paths
     atol = 1e-4 if state_dtype == "auto" else 1e-3
