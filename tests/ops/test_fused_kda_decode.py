@@ -114,6 +114,20 @@ def test_int_dot_matches_reference(dtype: str, batch: int) -> None:
     _check(run, ref, x, conv, rec, _indices(batch, True), INT_DOT_TOL)
 
 
+def test_strong_gates_past_the_softplus_threshold() -> None:
+    """Forget-gate inputs above softplus's threshold (20: softplus(x) = x) on every other channel
+    and near-total decays there (A_log 1.5), weak ones on the other head: as the reference."""
+    g = torch.Generator().manual_seed(11)
+    params, conv, rec = _case(g, SHAPES[0], "kimi", torch.float32, True)
+    fields = list(kda.KDA_DECODE_PARAMS)
+    dt_bias = params[fields.index("dt_bias")]
+    dt_bias[::2] += 25.0
+    params[fields.index("A_log")][:] = torch.tensor([1.5, -3.0])
+    x = torch.randn(3, SHAPES[0][0], generator=g)
+    run, ref = _fns(params, (1e-5, 1e-5, torch.float32))
+    _check(run, ref, x, conv, rec, _indices(3, False), _tol(torch.float32, 3))
+
+
 @pytest.mark.parametrize("chain", list(CHAINS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, INT8_F32, INT4_F32, STATE_BF16])
 def test_fused_kda_chains_equal_one_row_at_a_time(chain: str, dtype: torch.dtype | str) -> None:
