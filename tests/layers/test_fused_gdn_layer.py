@@ -1,9 +1,10 @@
-"""The fused Gated DeltaNet decode layer in the engine (`layers.fused_delta_decode`): planned on
-the GDN layers of Qwen3.5, Qwen3-Next and OLMo Hybrid with the block's norm, the same greedy
-tokens and float32 logprobs (1e-4) as the unfused layers (`VLLM_MAMBA_FUSED_DECODE=0`, read
-at plan time) at float32, int8 and 4-bit weights and bfloat16 states, decode batches of 9 rows
-(GEMMs) down to 1 (weight-streaming products); and speculative decoding whose chains run
-through the fused layer in one call (rows with source slots) with the tokens and states of
+"""The fused delta-rule decode layers in the engine (`layers.fused_delta_decode`): planned on
+the GDN layers of Qwen3.5, Qwen3-Next and OLMo Hybrid and the KDA layers of Kimi Linear
+(`fused_kda_decode`) with the block's norm, the same greedy tokens and float32 logprobs (1e-4)
+as the unfused layers (`VLLM_MAMBA_FUSED_DECODE=0`, read at plan time) at float32, int8 and
+4-bit weights (KDA also integer dot products, w8a8) and bfloat16 states, decode batches
+of 9 rows (GEMMs) down to 1 (weight-streaming products); and speculative decoding whose chains
+run through the fused layer in one call (rows with source slots) with the tokens and states of
 decoding without speculation.
 """
 
@@ -23,7 +24,8 @@ from vllm_mamba.layers.gated_deltanet import GatedDeltaNet
 from vllm_mamba.ops import cpu_kernels
 
 pytestmark = pytest.mark.skipif(
-    "fused_gdn_decode" not in cpu_kernels.library_ops(), reason="C++ extension not built"
+    not {"fused_gdn_decode", "fused_kda_decode"} <= cpu_kernels.library_ops(),
+    reason="C++ extension not built",
 )
 
 
@@ -81,6 +83,12 @@ def _generate(
         ("qwen3-next-moe", "int4", "auto"),
         ("qwen3_5-mqa", "int4", "auto"),
         ("qwen3_5-gqa", None, "bfloat16"),
+        ("kimi-linear-moe", None, "auto"),
+        ("kimi-linear-qlora", None, "auto"),
+        ("kimi-linear-moe", "int8", "auto"),
+        ("kimi-linear-qlora", "int4", "auto"),
+        ("kimi-linear-qlora", "w8a8", "auto"),
+        ("kimi-linear-moe", None, "bfloat16"),
     ],
 )
 def test_engine_outputs_equal_with_and_without_fused_gdn(
@@ -105,6 +113,8 @@ def test_engine_outputs_equal_with_and_without_fused_gdn(
         assert all(p.step.params[-2].dtype == torch.int8 for p in plans)
     if quantization == "int4":  # on 4-bit weights (int8 where K % 32 != 0)
         assert any(t is not None and t.dtype == torch.uint8 for t in plans[0].step.params)
+    # integer dot products (int8-quantised activations) in the fused layer as in the unfused
+    assert all(p.step.int_dot == (quantization == "w8a8") for p in plans)
     assert got == want
     # bfloat16 states round the same values at slightly different points in the two paths
     atol = 1e-4 if state_dtype == "auto" else 1e-3
@@ -112,7 +122,7 @@ def test_engine_outputs_equal_with_and_without_fused_gdn(
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("name", ["qwen3_5-gqa", "qwen3-next-mlp-only"])
+@pytest.mark.parametrize("name", ["qwen3_5-gqa", "qwen3-next-mlp-only", "kimi-linear-moe"])
 def test_speculative_chains_run_fused_and_equal_no_speculation(
     name: str, fused_calls: dict[str, int]
 ) -> None:

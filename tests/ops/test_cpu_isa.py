@@ -51,6 +51,7 @@ KERNEL_TESTS = [
     "tests/ops/test_fused_short_conv_decode.py",
     "tests/ops/test_fused_attention_decode.py",
     "tests/ops/test_fused_gdn_decode.py",
+    "tests/ops/test_fused_kda_decode.py",
     "tests/ops/test_fused_ffn_decode.py",
 ]
 

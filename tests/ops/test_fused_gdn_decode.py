@@ -171,9 +171,16 @@ def test_fused_gdn_chains_equal_one_row_at_a_time(chain: str, dtype: torch.dtype
     shape = SHAPES[0]
     params, conv, rec = _case(g, shape, "qwen3_5", dtype, True)
     run, ref = _fns(params, (1e-6, 1e-5, 1.0, torch.float32))
+    x = torch.randn(len(CHAINS[chain][0]), shape[0], generator=g)
+    check_chain(run, ref, x, conv, rec, chain, _tol(dtype, 1))
+
+
+def check_chain(run, ref, x, conv, rec, chain: str, tol: dict) -> None:  # noqa: ANN001
+    """Rows `x` as chain `chain` (`CHAINS`) in one call of `run`: close to `ref`'s chained rows,
+    and bit for bit (outputs and states) `run` on one row at a time after copying the source
+    slot in."""
     dst, src = (torch.tensor(t) for t in CHAINS[chain])
-    x = torch.randn(len(dst), shape[0], generator=g)
-    got = _check(run, ref, x, conv, rec, dst, _tol(dtype, 1), src)
+    got = _check(run, ref, x, conv, rec, dst, tol, src)
     conv_k, rec_k = conv.clone(), rec.clone()
     run(x, conv_k, rec_k, dst, src)
     conv_o, rec_o = conv.clone(), rec.clone()

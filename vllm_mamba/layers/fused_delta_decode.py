@@ -1,5 +1,6 @@
-"""The fused decode step of the Gated DeltaNet mixers (Qwen3.5 / 3.6, Qwen3-Next, OLMo Hybrid),
-planned once per layer.
+"""The fused decode step of the delta-rule mixers, planned once per layer: the Gated DeltaNet
+(Qwen3.5 / 3.6, Qwen3-Next, OLMo Hybrid; `plan_gdn`) and Kimi Delta Attention (Kimi Linear;
+`plan_kda`).
 
 `plan_gdn` decides at plan time (`layers.decode_plan`) whether a GDN mixer's decode-only steps
 run in one call of its backend's `gated_delta.decode_layer` op (C++: `fused_gdn_decode`,
@@ -20,6 +21,12 @@ dtype, int8 or 4-bit: `fused_decode_layer.plain_weight`; tensor-parallel layers 
 its all-reduce), projections that disagree on integer dot products, or states other than
 float32 / bfloat16. Per step the plan asks only whether the step is decode-only, at any row
 count, speculative chains of up to `CHAIN_MAX_ROWS` rows included (`decode_plan.decode_only`).
+
+`plan_kda` does the same for a `KimiDeltaAttention` with its backend's `kda.decode_layer` op
+(C++: `fused_kda_decode`, `csrc/fused_decode_kda.cpp`; the reference
+`ops.kda.fused_kda_decode_ref`): its first-stage projections in the order of their outputs
+`[q | k | v | f_a | g_a | b]` (`FUSED_INPUTS`), the gates' second stages `f_b_proj` and
+`g_b_proj` (`FUSED_GATES`), under the same conditions.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from vllm_mamba.layers.fused_decode_layer import (
     step_out_dtype,
 )
 from vllm_mamba.layers.quantization import uses_int_dot
+from vllm_mamba.ops import kda
 from vllm_mamba.ops.families import own_op
 from vllm_mamba.ops.gated_delta import FAMILY, GdnDecodeParams, gdn_decode_params
 
@@ -50,7 +58,7 @@ _STATE_DTYPES = (torch.float32, torch.bfloat16)
 class FusedDeltaStep(FusedMambaStep):
     """A delta-rule mixer's decode-only step in one call of `op` (see `FusedMambaStep`), over
     the mixer's `conv` and `recurrent` states; `args` are the block norm's and the gated norm's
-    epsilons and `beta_scale`; `int_dot`: the integer weights multiply int8-quantised
+    epsilons (then GDN's `beta_scale`); `int_dot`: the integer weights multiply int8-quantised
     activations."""
 
     int_dot: bool = False
@@ -73,6 +81,61 @@ def _states_apply(mixer: nn.Module) -> bool:
     return bool(state) and all(state[n].dtype in _STATE_DTYPES for n in ("conv", "recurrent"))
 
 
+@dataclass(frozen=True)
+class _Planned:
+    """What every delta-rule plan needs: the op, the block norm's float32 weight (None without
+    a norm), the named projections' `{name}_w` / `{name}_scale` tensors and model dtype, the
+    integer-dot mode."""
+
+    op: object
+    norm_w: torch.Tensor | None
+    weights: dict[str, torch.Tensor | None]
+    dtype: torch.dtype
+    int_dot: bool
+
+
+def _plan_parts(
+    mixer: nn.Module, family: str, names: tuple[str, ...], norm: nn.Module | None
+) -> _Planned | None:
+    """The family's `decode_layer` op and the mixer's parts for it, or None where the kernel
+    does not apply (see the module)."""
+    op = own_op(family, mixer.ops.name, "decode_layer")
+    if op is None or not mixer.fused_decode or not _states_apply(mixer):
+        return None
+    norm_w = None
+    if norm is not None:
+        norm_w = norm_weight(norm)
+        if norm_w is None:
+            return None
+    if any(getattr(mixer, n).bias is not None for n in names) or mixer.conv_weight.numel() == 0:
+        return None
+    found = _weights(mixer, names)
+    int_dot = {uses_int_dot(getattr(mixer, n)) for n in names}
+    if found is None or len(int_dot) != 1:
+        return None
+    return _Planned(op, norm_w, found[0], found[1], int_dot.pop())
+
+
+def _step(
+    mixer: nn.Module,
+    parts: _Planned,
+    fixed: tuple,
+    inputs: tuple[str, ...],
+    args: tuple[float, ...],
+    norm: nn.Module | None,
+    residual_in_fp32: bool,
+) -> FusedDeltaStep:
+    """The step calling `parts.op` with `fixed` then the input projections' (weight, scale)
+    pairs; `args` the op's constants after the block norm's epsilon."""
+    w = parts.weights
+    params = gdn_decode_params(fixed, [(w[f"{n}_w"], w[f"{n}_scale"]) for n in inputs])
+    norm_eps = norm.variance_epsilon if norm is not None else 0.0
+    out_dtype = _out_dtype(parts.dtype, norm, residual_in_fp32)
+    return FusedDeltaStep(
+        parts.op, mixer, params, (norm_eps, *args), parts.dtype, out_dtype, None, parts.int_dot
+    )
+
+
 def plan_gdn(
     mixer: nn.Module, norm: nn.Module | None, residual_in_fp32: bool
 ) -> FusedDeltaStep | None:
@@ -85,31 +148,37 @@ def plan_gdn(
             else `mixer(hidden)`.
         residual_in_fp32: the block keeps its residual stream in float32.
     """
-    op = own_op(FAMILY, mixer.ops.name, "decode_layer")
     inputs = tuple(mixer.FUSED_INPUTS)
-    if op is None or not mixer.fused_decode or not inputs or not _states_apply(mixer):
+    parts = _plan_parts(mixer, FAMILY, (*inputs, mixer.OUT), norm) if inputs else None
+    if parts is None:
         return None
-    norm_w = None
-    if norm is not None:
-        norm_w = norm_weight(norm)
-        if norm_w is None:
-            return None
-    names = (*inputs, mixer.OUT)
-    if any(getattr(mixer, n).bias is not None for n in names) or mixer.conv_weight.numel() == 0:
-        return None
-    found = _weights(mixer, names)
-    int_dot = {uses_int_dot(getattr(mixer, n)) for n in names}
-    if found is None or len(int_dot) != 1:
-        return None
-    weights, dtype = found
-    gate = getattr(mixer, mixer.NORM)
+    w, gate = parts.weights, getattr(mixer, mixer.NORM)
     fixed = GdnDecodeParams(
-        norm_w=norm_w, conv_w=_f32(mixer.conv_weight), A_log=_f32(mixer.A_log),
+        norm_w=parts.norm_w, conv_w=_f32(mixer.conv_weight), A_log=_f32(mixer.A_log),
         dt_bias=_f32(mixer.dt_bias), gate_norm_w=_f32(gate.weight),
-        out_proj_w=weights[f"{mixer.OUT}_w"], out_proj_scale=weights[f"{mixer.OUT}_scale"],
+        out_proj_w=w[f"{mixer.OUT}_w"], out_proj_scale=w[f"{mixer.OUT}_scale"],
     )  # fmt: skip
-    params = gdn_decode_params(fixed, [(weights[f"{n}_w"], weights[f"{n}_scale"]) for n in inputs])
-    norm_eps = norm.variance_epsilon if norm is not None else 0.0
-    args = (norm_eps, gate.variance_epsilon, mixer.beta_scale)
-    out_dtype = _out_dtype(dtype, norm, residual_in_fp32)
-    return FusedDeltaStep(op, mixer, params, args, dtype, out_dtype, None, int_dot.pop())
+    args = (gate.variance_epsilon, mixer.beta_scale)
+    return _step(mixer, parts, fixed, inputs, args, norm, residual_in_fp32)
+
+
+def plan_kda(
+    mixer: nn.Module, norm: nn.Module | None, residual_in_fp32: bool
+) -> FusedDeltaStep | None:
+    """A `KimiDeltaAttention`'s fused decode step, or None where the kernel does not apply.
+
+    Args: as `plan_gdn` (the mixer's output norm the sigmoid-gated `kda.norm_gate`).
+    """
+    inputs, (f_b, g_b) = tuple(mixer.FUSED_INPUTS), mixer.FUSED_GATES
+    parts = _plan_parts(mixer, kda.FAMILY, (*inputs, f_b, g_b, mixer.OUT), norm)
+    if parts is None:
+        return None
+    w, gate = parts.weights, getattr(mixer, mixer.NORM)
+    fixed = kda.KdaDecodeParams(
+        norm_w=parts.norm_w, conv_w=_f32(mixer.conv_weight), A_log=_f32(mixer.A_log.reshape(-1)),
+        dt_bias=_f32(mixer.dt_bias), gate_norm_w=_f32(gate.weight),
+        out_proj_w=w[f"{mixer.OUT}_w"], out_proj_scale=w[f"{mixer.OUT}_scale"],
+        f_b_w=w[f"{f_b}_w"], f_b_scale=w[f"{f_b}_scale"], g_b_w=w[f"{g_b}_w"],
+        g_b_scale=w[f"{g_b}_scale"],
+    )  # fmt: skip
+    return _step(mixer, parts, fixed, inputs, (gate.variance_epsilon,), norm, residual_in_fp32)

@@ -18,6 +18,11 @@ DeltaNet's) does not require it.
 Per-sequence state: `conv (CD, K - 1)` in the model dtype and `recurrent (Hv, Dk, Dv)`,
 float32 unless `ssm_state_dtype` says otherwise.
 
+A layer's decode-only steps may run as one fused call (`fused_mixer_step`, planned once:
+`layers.fused_delta_decode.plan_kda`), with the block's norm and residual: the first-stage
+projections in the order of their outputs `[q | k | v | f_a | g_a | b]` (`FUSED_INPUTS`), the
+gates' second stages `f_b_proj`, `g_b_proj` (`FUSED_GATES`).
+
 With tensor parallelism each rank holds its heads: their rows of q, k, v, `f_b_proj`,
 `g_b_proj` and `b_proj`, their conv channels, `dt_bias` and `A_log`; the low-rank `f_a_proj`
 and `g_a_proj` are replicated, `o_proj` row-parallel.
@@ -32,7 +37,14 @@ import torch
 from torch import nn
 
 from vllm_mamba.distributed.parallel_state import TensorParallel
-from vllm_mamba.layers.gated_deltanet import GatedDeltaShard, OlmoHybridGatedDeltaNet, Projected
+from vllm_mamba.layers.decode_plan import FusedStep
+from vllm_mamba.layers.fused_delta_decode import plan_kda
+from vllm_mamba.layers.gated_deltanet import (
+    GatedDeltaShard,
+    HeadGatedRMSNorm,
+    OlmoHybridGatedDeltaNet,
+    Projected,
+)
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import column_linear, shard_param
 from vllm_mamba.ops import kda
@@ -45,6 +57,8 @@ class KimiDeltaAttention(OlmoHybridGatedDeltaNet):
     OUT = "o_proj"
     NORM = "o_norm"
     FAMILY = kda.FAMILY
+    FUSED_INPUTS = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")
+    FUSED_GATES = ("f_b_proj", "g_b_proj")
 
     def _build_projections(
         self, hidden_size: int, shard: GatedDeltaShard, ops: MambaOps, tp: TensorParallel
@@ -82,3 +96,10 @@ class KimiDeltaAttention(OlmoHybridGatedDeltaNet):
         gate = self.g_b_proj(self.g_a_proj(hidden))  # (T, Hv Dv): the output norm's gate
         a = self.f_b_proj(self.f_a_proj(hidden))  # (T, Hv Dk): the forget gate
         return qkv, gate, self.b_proj(hidden), a
+
+    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+        """The decode-only steps in one fused kernel call (`plan_kda`), planned once; None where
+        that does not apply."""
+        if type(getattr(self, self.NORM)) is not HeadGatedRMSNorm:
+            return None
+        return plan_kda(self, norm, residual_in_fp32)

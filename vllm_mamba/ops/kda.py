@@ -1,5 +1,7 @@
 """The Kimi Delta Attention (KDA) ops: the gated delta rule with a decay per key channel, over a
-flat varlen batch, its one-token update, and the sigmoid-gated RMSNorm of its output.
+flat varlen batch, its one-token update, the sigmoid-gated RMSNorm of its output, and a whole
+layer's decode step (`decode_layer`: norm, projections, convs, gates, the rule, gated norm,
+o_proj, residual in one call; its reference composes the others).
 Pure-PyTorch references (`*_ref`), registered as the op family `kda`
 (`vllm_mamba.ops.families`); a backend registers faster versions under the same names and
 signatures (`cpp`: `csrc/kda.cpp`, `triton`: `vllm_mamba.ops.triton_kda`).
@@ -47,13 +49,15 @@ sigmoid(gate)` per head of Dv, in float32 (the weight in float32 too), cast back
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
+from vllm_mamba.ops.causal_conv1d import causal_conv1d_update_ref
 from vllm_mamba.ops.families import OpFamily, OpSpec
+from vllm_mamba.ops.fused_decode import _chained, _finish, _linear, _rms_norm
 from vllm_mamba.ops.gated_delta import L2_EPS, _heads_qk
 
 Tensor = torch.Tensor
@@ -66,6 +70,9 @@ __all__ = [
     "kda_varlen_recurrent_ref",
     "kda_update_ref",
     "kda_norm_gate_ref",
+    "KDA_DECODE_PARAMS",
+    "KdaDecodeParams",
+    "fused_kda_decode_ref",
 ]
 
 FAMILY = "kda"
@@ -340,6 +347,88 @@ def kda_norm_gate_ref(
     return (weight.float() * normed * torch.sigmoid(gate.float())).to(o.dtype)
 
 
+KDA_DECODE_PARAMS = (
+    "norm_w", "conv_w", "A_log", "dt_bias", "gate_norm_w", "out_proj_w", "out_proj_scale",
+    "f_b_w", "f_b_scale", "g_b_w", "g_b_scale",
+)  # fmt: skip
+# The fixed head of the `decode_layer` op's `params` by name, in the order of the C++ index
+# constants (`csrc/fused_decode_kda.cpp`: `Param`); `gated_delta.gdn_decode_params` appends the
+# input projections (`[q | k | v | f_a | g_a | b]`).
+KdaDecodeParams = NamedTuple("KdaDecodeParams", [(n, "Tensor | None") for n in KDA_DECODE_PARAMS])
+
+
+def fused_kda_decode_ref(
+    hidden: torch.Tensor,
+    params: list[torch.Tensor | None],
+    conv_states: torch.Tensor,
+    ssm_states: torch.Tensor,
+    state_indices: torch.Tensor,
+    norm_eps: float,
+    gate_eps: float,
+    out_dtype: torch.dtype,
+    src_state_indices: torch.Tensor | None = None,
+    int_dot: bool = False,
+) -> torch.Tensor:
+    """One KDA layer's decode step from the reference ops (the unfused mixer's ops in float32);
+    states advanced in place.
+
+    Args:
+        hidden: `(B, H)` the block input (norm given) or the mixer input (norm_w None).
+        params: `KdaDecodeParams` then each input projection's (weight, scale)
+            (`gated_delta.gdn_decode_params`): norm_w `(H,)` float32 or None (the block norm's
+            effective weight), conv_w `(CD, K)`, A_log `(Hv,)`, dt_bias `(Hv Dk,)`,
+            gate_norm_w `(Dv,)` (all float32), out_proj_w `(H, VD)`, f_b_w `(Hv Dk, R)`,
+            g_b_w `(VD, R)` with their scales, then the input projections' weights `(rows, H)`
+            and scales, whose outputs concatenated are
+            `[q (KD) | k (KD) | v (VD) | f_a (R) | g_a (R) | b (Hv)]`. A scale is None for a
+            float32 / bfloat16 weight, `(rows,)` float32 for int8, `(rows, cols/32)` float16
+            for 4-bit.
+        conv_states: `(S, CD, K - 1)` (CD = 2 Hk Dk + Hv Dv); ssm_states: `(S, Hv, Dk, Dv)`;
+            updated in place.
+        state_indices: `(B,)` slot per row, `PAD_SLOT_ID` rows are skipped (rule output zero).
+        norm_eps: the block norm's epsilon; gate_eps: the output norm's.
+        out_dtype: the result's dtype (float32 or the model dtype, as the unfused path).
+        src_state_indices: `(B,)` the slot each row reads its state from (speculative chains,
+            the rows in order: `ops.fused_decode._chained`).
+        int_dot: the integer weights multiply int8-quantised activations (as the unfused
+            layer's `w8a8_linear` / `w4a8_linear` do); float weights ignore it.
+
+    Returns:
+        `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
+    """
+    if src_state_indices is not None:
+        return _chained(
+            fused_kda_decode_ref, hidden, (conv_states, ssm_states), state_indices,
+            src_state_indices, params, conv_states, ssm_states, norm_eps=norm_eps,
+            gate_eps=gate_eps, out_dtype=out_dtype, int_dot=int_dot,
+        )  # fmt: skip
+    fixed = len(KDA_DECODE_PARAMS)
+    if len(params) <= fixed or (len(params) - fixed) % 2:
+        raise ValueError(f"params must hold {fixed} entries and (weight, scale) pairs")
+    p = KdaDecodeParams(*params[:fixed])
+    batch = hidden.shape[0]
+    _, v_heads, dk, dv = ssm_states.shape
+    conv_dim, value_dim = conv_states.shape[1], v_heads * dv
+    key_dim = (conv_dim - value_dim) // 2
+    x = hidden.float()
+    xn = _rms_norm(x, p.norm_w, norm_eps) if p.norm_w is not None else x
+    pairs = zip(params[fixed::2], params[fixed + 1 :: 2], strict=True)
+    proj = torch.cat([_linear(xn, w, None, scale, int_dot) for w, scale in pairs], dim=-1)
+    rank = (proj.shape[-1] - conv_dim - v_heads) // 2
+    qkv, f_a, g_a, b = proj.split([conv_dim, rank, rank, v_heads], dim=-1)
+    qkv = causal_conv1d_update_ref(qkv, conv_states, p.conv_w, None, state_indices)
+    q, k, v = qkv.split([key_dim, key_dim, value_dim], dim=-1)
+    a = _linear(f_a, p.f_b_w, None, p.f_b_scale, int_dot)  # (B, Hv Dk)
+    gate = _linear(g_a, p.g_b_w, None, p.g_b_scale, int_dot)  # (B, VD)
+    o = kda_update_ref(
+        q.reshape(batch, -1, dk), k.reshape(batch, -1, dk), v.reshape(batch, v_heads, dv), a, b,
+        p.A_log, p.dt_bias, ssm_states, state_indices,
+    )  # fmt: skip
+    y = kda_norm_gate_ref(o, gate.reshape(o.shape), p.gate_norm_w, gate_eps)
+    mixed = _linear(y.reshape(batch, value_dim), p.out_proj_w, None, p.out_proj_scale, int_dot)
+    return _finish(hidden, mixed, p.norm_w is not None, out_dtype)
+
+
 class VarlenOp(Protocol):
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
@@ -359,6 +448,14 @@ class NormGateOp(Protocol):
     def __call__(self, o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor: ...
 
 
+class DecodeLayerOp(Protocol):
+    def __call__(
+        self, hidden: Tensor, params: list[Tensor | None], conv_states: Tensor,
+        ssm_states: Tensor, state_indices: Tensor, norm_eps: float, gate_eps: float,
+        out_dtype: torch.dtype, src_state_indices: Tensor | None = None, int_dot: bool = False,
+    ) -> Tensor: ...  # fmt: skip
+
+
 # The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
 # docstring says what the arguments are.
 OPS = OpFamily(
@@ -367,5 +464,8 @@ OPS = OpFamily(
         "varlen": OpSpec(VarlenOp, kda_varlen_ref),
         "update": OpSpec(UpdateOp, kda_update_ref),
         "norm_gate": OpSpec(NormGateOp, kda_norm_gate_ref),
+        # one KDA layer's decode step (C++: `csrc/fused_decode_kda.cpp`); a backend without it
+        # runs the layer unfused (the mixer asks `own_op`, never this reference)
+        "decode_layer": OpSpec(DecodeLayerOp, fused_kda_decode_ref),
     },
 )
