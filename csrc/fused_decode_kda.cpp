@@ -23,7 +23,7 @@
 // Speculative chains (`src_state_indices`): row b reads the state of slot src[b] and writes
 // slot dst[b], the rows in order, so a chain's positions run in one call, each streaming the
 // weights once for all rows, each row's products summed exactly as a one-row call sums them
-// (`fused::gemv`'s `each`): a chain's states are bit for bit those of decoding one by one.
+// (`gemv::dot_tile`): a chain's states are bit for bit those of decoding one by one.
 // The recurrent state is read from src and written to dst in the same pass; the conv history
 // (K - 1 values per channel) is copied first and shifted in place.
 //
@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "fused_decode.h"
+#include "fused_decode_delta.h"
 #include "kernel_math.h"
 #include "vec.h"
 
@@ -74,13 +75,12 @@ enum Param : size_t {
   kGbScale,
   kFirstIn
 };
-constexpr int64_t kMaxIn = 8;  // input projections at most
-constexpr float kL2Eps = 1e-6f;
 constexpr float kSoftplusThreshold = 20.0f;
 
-struct Dims {
-  int64_t batch, hidden, k_heads, v_heads, dk, dv, key_dim, value_dim, conv_dim, kernel, rank,
-      nin, a_dim, ngate;
+// `delta::Dims`, plus R the gates' low rank, AD = Hv Dk the decay gate's width and
+// NG = AD + VD the second-stage gate outputs.
+struct Dims : delta::Dims {
+  int64_t rank, a_dim, ngate;
 };
 
 struct Small {  // float32 parameters; nullptr when absent
@@ -103,60 +103,15 @@ struct Io {
   float *xn, *proj, *gates, *y, *mixed;  // (B, H), (B, NIN), (B, NG), (B, VD), (B, H) scratch
 };
 
-// out[b, r - lo] (row stride ldo) = w[r] . x[b] for rows r in [lo, hi); with chains (`each`)
-// every row of x summed exactly as a one-row call sums it.
-inline void project_range(const Weight& w, const float* x, int64_t ldx, int64_t batch,
-                          int64_t lo, int64_t hi, float* out, int64_t ldo, bool each) {
-  if (lo < hi) fused::gemv(w, x, ldx, batch, lo, hi, out, ldo, each);
-}
-
-// Outputs [lo, hi) of the concatenated input projections for every row (into io.proj).
-template <typename C, typename S>
-void project_rows(const Dims& d, const Io<C, S>& io, int64_t lo, int64_t hi) {
-  for (int64_t i = 0; i < io.n_in; ++i) {
-    const int64_t w0 = io.in_off[i];
-    const int64_t r0 = std::max(lo, w0), r1 = std::min(hi, io.in_off[i + 1]);
-    project_range(io.in_w[i], io.xn, d.hidden, d.batch, r0 - w0, r1 - w0, io.proj + r0, d.nin,
-                  io.src_slots != nullptr);
-  }
-}
-
 // Outputs [lo, hi) of the second stage [f_b(f_a) (AD) | g_b(g_a) (VD)] for every row (into
 // io.gates), reading the first stage's f_a and g_a outputs from io.proj.
 template <typename C, typename S>
 void gate_rows(const Dims& d, const Io<C, S>& io, int64_t lo, int64_t hi) {
-  const bool each = io.src_slots != nullptr;
   const float* fa = io.proj + d.conv_dim;
-  project_range(*io.fb_w, fa, d.nin, d.batch, lo, std::min(hi, d.a_dim), io.gates + lo, d.ngate,
-                each);
+  fused::gemv(*io.fb_w, fa, d.nin, d.batch, lo, std::min(hi, d.a_dim), io.gates + lo, d.ngate);
   const int64_t g0 = std::max(lo, d.a_dim);
-  project_range(*io.gb_w, fa + d.rank, d.nin, d.batch, g0 - d.a_dim, hi - d.a_dim,
-                io.gates + g0, d.ngate, each);
-}
-
-// Conv + SiLU of channels [c0, c1) of batch row b (values in place in proj), shifting their
-// histories (a chain's row first copies them from its source slot).
-template <typename C, typename S>
-void conv_rows(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t c0,
-               int64_t c1) {
-  float* v = io.proj + b * d.nin;
-  const int64_t slot = io.slots[b], width = d.kernel - 1;
-  C* hist = slot >= 0 ? io.conv_states + slot * d.conv_dim * width : nullptr;
-  if (hist && io.src_slots && io.src_slots[b] != slot) {
-    const C* from = io.conv_states + io.src_slots[b] * d.conv_dim * width;
-    std::copy(from + c0 * width, from + c1 * width, hist + c0 * width);
-  }
-  fused::conv_update(v, hist, s.conv_w, nullptr, d.kernel, c0, c1);
-}
-
-// dst (n,) = x * scale / sqrt(|x|^2 + eps).
-inline void l2norm(const float* x, int64_t n, float scale, float* dst) {
-  float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-  const float r = scale / std::sqrt(ss + kL2Eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = x[i] * r;
+  fused::gemv(*io.gb_w, fa + d.rank, d.nin, d.batch, g0 - d.a_dim, hi - d.a_dim, io.gates + g0,
+              d.ngate);
 }
 
 // Scratch of one thread for `kda_head`.
@@ -188,8 +143,8 @@ void kda_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int6
     std::fill(o, o + dv, 0.0f);
   } else {
     const int64_t kh = h / (d.v_heads / d.k_heads);
-    l2norm(row + d.key_dim + kh * dk, dk, 1.0f, w.kn);
-    l2norm(row + kh * dk, dk, 1.0f / std::sqrt(static_cast<float>(dk)), w.qn);
+    delta::l2norm(row + d.key_dim + kh * dk, dk, 1.0f, w.kn);
+    delta::l2norm(row + kh * dk, dk, 1.0f / std::sqrt(static_cast<float>(dk)), w.qn);
     const float* v = row + 2 * d.key_dim + h * dv;
     const float bv = row[d.conv_dim + 2 * d.rank + h];
     const float beta = 1.0f / (1.0f + std::exp(-bv));
@@ -245,12 +200,6 @@ void kda_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int6
 }
 
 template <typename C, typename S>
-void norm_row(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b) {
-  fused::rms_norm_row(io.hidden + b * d.hidden, s.norm_w, d.hidden, s.norm_eps,
-                      io.xn + b * d.hidden);
-}
-
-template <typename C, typename S>
 void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -258,13 +207,13 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     HeadScratch scratch(d.dk, d.dv);
     if (s.norm_w) {
 #pragma omp for schedule(static)
-      for (int64_t b = 0; b < d.batch; ++b) norm_row(d, s, io, b);
+      for (int64_t b = 0; b < d.batch; ++b) delta::norm_row(d, s.norm_w, s.norm_eps, io, b);
     }
     int64_t lo, hi;
     split(d.nin, fused::kRowBlock, tid, nth, lo, hi);
-    project_rows(d, io, lo, hi);
+    delta::project_rows(d, io, lo, hi);
     const int64_t c1 = std::min(hi, d.conv_dim);
-    for (int64_t b = 0; lo < c1 && b < d.batch; ++b) conv_rows(d, s, io, b, lo, c1);
+    for (int64_t b = 0; lo < c1 && b < d.batch; ++b) delta::conv_rows(d, s.conv_w, io, b, lo, c1);
 #pragma omp barrier
     split(d.ngate, fused::kRowBlock, tid, nth, lo, hi);
     gate_rows(d, io, lo, hi);
@@ -280,8 +229,7 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     }
 #pragma omp barrier
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
-    project_range(*io.out_w, io.y, d.value_dim, d.batch, lo, hi, io.mixed + lo, d.hidden,
-                  io.src_slots != nullptr);
+    fused::gemv(*io.out_w, io.y, d.value_dim, d.batch, lo, hi, io.mixed + lo, d.hidden);
     for (int64_t b = 0; b < d.batch && s.norm_w; ++b) {
       float* m = io.mixed + b * d.hidden;
       const float* res = io.hidden + b * d.hidden;
@@ -297,7 +245,7 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<C, S>& io, const at:
                     at::Tensor& proj, at::Tensor& gates, const at::Tensor& y, at::Tensor& mixed) {
   if (s.norm_w) {
     at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t b = lo; b < hi; ++b) norm_row(d, s, io, b);
+      for (int64_t b = lo; b < hi; ++b) delta::norm_row(d, s.norm_w, s.norm_eps, io, b);
     });
   }
   // out[:, first : first + w's rows] = x @ w^T
@@ -309,7 +257,7 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<C, S>& io, const at:
   };
   for (int64_t i = 0; i < io.n_in; ++i) project_into(xn, io.in_w[i], proj, io.in_off[i]);
   at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) conv_rows(d, s, io, b, 0, d.conv_dim);
+    for (int64_t b = lo; b < hi; ++b) delta::conv_rows(d, s.conv_w, io, b, 0, d.conv_dim);
   });
   project_into(proj.narrow(1, d.conv_dim, d.rank).contiguous(), *io.fb_w, gates, 0);
   project_into(proj.narrow(1, d.conv_dim + d.rank, d.rank).contiguous(), *io.gb_w, gates, d.a_dim);
@@ -330,47 +278,12 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<C, S>& io, const at:
 Dims check_dims(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& params,
                 const at::Tensor& conv_states, const at::Tensor& ssm_states,
                 const at::Tensor& slots) {
-  TORCH_CHECK(params.size() > kFirstIn && (params.size() - kFirstIn) % 2 == 0 &&
-                  static_cast<int64_t>(params.size() - kFirstIn) / 2 <= kMaxIn,
-              "params must hold ", static_cast<int64_t>(kFirstIn),
-              " entries and a (weight, scale) pair for each of 1 to ", kMaxIn,
-              " input projections, got ", params.size(), " entries");
-  TORCH_CHECK(hidden.dim() == 2, "hidden must be (B, H)");
-  TORCH_CHECK(ssm_states.dim() == 4 && ssm_states.is_contiguous(),
-              "ssm_states must be contiguous (S, Hv, Dk, Dv)");
-  TORCH_CHECK(conv_states.dim() == 3 && conv_states.is_contiguous(),
-              "conv_states must be contiguous (S, CD, K - 1)");
   Dims d{};
-  d.batch = hidden.size(0);
-  d.hidden = hidden.size(1);
-  d.v_heads = ssm_states.size(1);
-  d.dk = ssm_states.size(2);
-  d.dv = ssm_states.size(3);
-  d.value_dim = d.v_heads * d.dv;
-  d.conv_dim = conv_states.size(1);
-  d.kernel = conv_states.size(2) + 1;
-  const int64_t keys2 = d.conv_dim - d.value_dim;  // 2 Hk Dk
-  TORCH_CHECK(d.dk > 0 && d.dv > 0 && d.v_heads > 0 && keys2 > 0 && keys2 % (2 * d.dk) == 0,
-              "conv_states must have 2 Hk Dk + Hv Dv channels (Dk, Dv from ssm_states)");
-  d.k_heads = keys2 / (2 * d.dk);
-  TORCH_CHECK(d.v_heads % d.k_heads == 0, "the value heads (", d.v_heads,
-              ") must be a multiple of the key heads (", d.k_heads, ")");
-  d.key_dim = d.k_heads * d.dk;
+  static_cast<delta::Dims&>(d) = delta::check_dims(hidden, params.size(), kFirstIn, conv_states,
+                                                   ssm_states, slots);
   d.a_dim = d.v_heads * d.dk;
   d.ngate = d.a_dim + d.value_dim;
-  TORCH_CHECK(conv_states.size(0) == ssm_states.size(0),
-              "conv_states and ssm_states must have the same slots");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == d.batch, "state_indices must be (B,)");
   return d;
-}
-
-// Every entry of `slots` (int64) a slot of the states or PAD_SLOT_ID (-1).
-void check_slots(const at::Tensor& slots, int64_t num_slots, const char* what) {
-  const int64_t* p = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slots.numel(); ++i) {
-    TORCH_CHECK(p[i] >= -1 && p[i] < num_slots, what, "[", i, "] = ", p[i],
-                " is neither a state slot (0 to ", num_slots - 1, ") nor -1 (padding)");
-  }
 }
 
 at::Tensor fused_kda_decode(const at::Tensor& hidden_in,
@@ -420,8 +333,8 @@ at::Tensor fused_kda_decode(const at::Tensor& hidden_in,
 
   const at::Tensor hidden = hidden_in.to(at::kFloat).contiguous();
   const at::Tensor slots = as_index(state_indices);
-  check_slots(slots, conv_states.size(0), "state_indices");
-  if (src.defined()) check_slots(src, conv_states.size(0), "src_state_indices");
+  delta::check_slots(slots, conv_states.size(0), "state_indices");
+  if (src.defined()) delta::check_slots(src, conv_states.size(0), "src_state_indices");
   const auto f32 = hidden.options();
   at::Tensor xn = s.norm_w ? at::empty({d.batch, d.hidden}, f32) : hidden;
   at::Tensor proj = at::empty({d.batch, d.nin}, f32);
