@@ -6,10 +6,12 @@
 //
 // Q8(x): each row of x quantised to int8 in blocks of 32 with a float32 scale per block
 // (llama.cpp's Q8_0). K must be a multiple of 32. x is float32 or bfloat16; the result has x's
-// dtype. One path for every number of rows (decode and prefill alike, so a row's result never
-// depends on the batch): x is quantised once (rows split over the threads), then the threads
+// dtype. x is quantised once (rows split over the threads). Up to 15 rows (decode) the threads
 // split the output channels, each streaming its weight rows once per group of 4 rows of x
-// (`int_dot::rows_i8` / `rows_q4`). `vllm_mamba/ops/int_dot_linear.py` holds the references.
+// (`int_dot::rows_i8` / `rows_q4`); from 16 rows (prefill, on AVX2 / AVX-512) they split the
+// strips of the cache-blocked GEMM (`int_dot_gemm.h`), and the rows of x too where the strips
+// are few. Both give the same bits for a row (a row's result never depends on the batch).
+// `vllm_mamba/ops/int_dot_linear.py` holds the references.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,6 +21,7 @@
 
 #include "gemv.h"
 #include "int_dot.h"
+#include "int_dot_gemm.h"
 
 namespace vllm_mamba {
 namespace {
@@ -52,11 +55,34 @@ at::Tensor bias_of(const std::optional<at::Tensor>& bias, int64_t n, const char*
   return bias->to(at::kFloat).contiguous();
 }
 
-// out (M, N) in x's dtype from `rows(q, lo, hi, out, ldo)`, which writes the products of
-// weight rows [lo, hi) with every quantised row of x; `row_bytes` sizes the parallel tasks.
-template <typename Rows>
+// Adds bias b (N,) to rows [m0, m1), columns [lo, hi) of out (M, N).
+void add_bias(float* o, const float* b, int64_t n, int64_t m0, int64_t m1, int64_t lo,
+              int64_t hi) {
+  for (int64_t r = m0; r < m1; ++r)
+    for (int64_t c = lo; c < hi; ++c) o[r * n + c] += b[c];
+}
+
+// The GEMM's parallel split (`int_dot_gemm.h`): strips by chunks of rows of x, the chunks
+// many enough for 4 tasks per thread where the strips are few (at least 32 rows each).
+struct GemmSplit {
+  int64_t strips, chunks, chunk;
+};
+
+GemmSplit gemm_split(int64_t m, int64_t n) {
+  const int64_t strips = int_dot::gemm::strips(n);
+  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t chunks =
+      std::clamp<int64_t>((want + strips - 1) / strips, 1, std::max<int64_t>(1, m / 32));
+  return {strips, chunks, (m + chunks - 1) / chunks};
+}
+
+// out (M, N) in x's dtype. Below `gemm::kMinRows` rows (or without the GEMM) from
+// `rows(q, lo, hi, out, ldo)`, which writes the products of weight rows [lo, hi) with every
+// quantised row of x (`row_bytes` sizes the parallel tasks); else from `strip(q, index, m0, m1,
+// out, ldo, scratch)`, which writes strip `index` for rows [m0, m1) of x.
+template <typename Rows, typename StripFn>
 at::Tensor run(const at::Tensor& x_in, int64_t n, int64_t row_bytes, const at::Tensor& bias,
-               Rows&& rows) {
+               Rows&& rows, StripFn&& strip) {
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t m = x.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
@@ -65,16 +91,30 @@ at::Tensor run(const at::Tensor& x_in, int64_t n, int64_t row_bytes, const at::T
   quantize_x(x, q);
   float* o = out.data_ptr<float>();
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  if (int_dot::gemm::kAvailable && m >= int_dot::gemm::kMinRows) {
+    const GemmSplit sp = gemm_split(m, n);
+    at::parallel_for(0, sp.strips * sp.chunks, 1, [&](int64_t t0, int64_t t1) {
+      int_dot::gemm::Strip scratch;  // consecutive tasks of a strip pack it once
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t index = t / sp.chunks;
+        const int64_t m0 = t % sp.chunks * sp.chunk, m1 = std::min(m, m0 + sp.chunk);
+        if (m0 >= m1) continue;
+        strip(q, index, m0, m1, o, n, scratch);
+        if (b) {
+          const int64_t lo = index * int_dot::gemm::kStripRows;
+          add_bias(o, b, n, m0, m1, lo, std::min(n, lo + int_dot::gemm::kStripRows));
+        }
+      }
+    });
+    return out.to(x_in.scalar_type());
+  }
   const int64_t units = (n + kRowUnit - 1) / kRowUnit;
   const int64_t grain =
       std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(kRowUnit * row_bytes, 1));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     const int64_t lo = u0 * kRowUnit, hi = std::min(n, u1 * kRowUnit);
     rows(q, lo, hi, o + lo, n);
-    if (b) {
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t c = lo; c < hi; ++c) o[r * n + c] += b[c];
-    }
+    if (b) add_bias(o, b, n, 0, m, lo, hi);
   });
   return out.to(x_in.scalar_type());
 }
@@ -94,6 +134,10 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return run(x, n, k, bias_of(bias, n, "w8a8_linear"),
              [&](const int_dot::QActs& q, int64_t lo, int64_t hi, float* out, int64_t ldo) {
                int_dot::rows_i8(w, q, lo, hi, out, ldo);
+             },
+             [&](const int_dot::QActs& q, int64_t index, int64_t m0, int64_t m1, float* out,
+                 int64_t ldo, int_dot::gemm::Strip& s) {
+               int_dot::gemm::strip_i8(w, n, q, index, m0, m1, out, ldo, s);
              });
 }
 
@@ -114,6 +158,10 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return run(x, n, k / 2, bias_of(bias, n, "w4a8_linear"),
              [&](const int_dot::QActs& q, int64_t lo, int64_t hi, float* out, int64_t ldo) {
                int_dot::rows_q4(w, q, lo, hi, out, ldo);
+             },
+             [&](const int_dot::QActs& q, int64_t index, int64_t m0, int64_t m1, float* out,
+                 int64_t ldo, int_dot::gemm::Strip& s) {
+               int_dot::gemm::strip_q4(w, n, q, index, m0, m1, out, ldo, s);
              });
 }
 
