@@ -2,20 +2,21 @@
 // `int_dot.h` (every output bit for bit what `int_dot::rows_i8` / `rows_q4` give, so a row's
 // result still never depends on the batch).
 //
-// The weight goes in strips of kStripRows output channels (2 panels of L = 16 rows on AVX-512,
-// 8 on AVX2). A strip is repacked once per call into a scratch buffer (L2-resident: 32 rows x K
-// bytes) with its rows interleaved by 4-byte groups: for block j and group i (bytes 4i..4i+3 of
-// the block), one vector holds that group of each of the L rows. One vpdpbusd of it with the
-// broadcast group i of an x row adds the 4 products of all L rows at once, so after the 8 groups
-// of a block each lane holds its row's exact block sum: no horizontal reduction. All rows of x
-// then stream through the strip, C at a time (the micro-kernel: 2 panels x C rows of x, 2C
-// vectors of int32 block sums in registers).
+// The weight goes in strips of L output channels (16 on AVX-512, 8 on AVX2). A strip is
+// repacked once per call into a scratch buffer (L1 / L2-resident: L rows x K bytes) with its
+// rows interleaved by 4-byte groups: for block j and group i (bytes 4i..4i+3 of the block), one
+// vector holds that group of each of the L rows. One vpdpbusd of it with the broadcast group i
+// of an x row adds the 4 products of all L rows at once, so after the 8 groups of a block each
+// lane holds its row's exact block sum: no horizontal reduction. All rows of x then stream
+// through the strip, C at a time (the micro-kernel: C vectors of int32 block sums).
 //
 // The float side is the contract of `int_dot.h`, lane by lane: block j's sum (converted to
 // float) times d_j (w4a8: times d_j * s_j) is added by a fused multiply-add into partial sum
-// j % 16 (kept in memory, one vector per partial, x row and panel), the padding blocks of the
-// last group of 16 add +0, and the 16 partials are added as the same tree (p_i + p_(i+8), then
-// + 4, + 2, + 1), then times the row scale (w8a8).
+// p = j % 16, the padding blocks of the last group of 16 add +0, and the 16 partials are added
+// as the same tree (p_i + p_(i+8), then + 4, + 2, + 1), then times the row scale (w8a8). The
+// micro-kernel computes the partials in registers two at a time (p and p + 8, whose sum is the
+// tree's first level), the pairs in the order 0 4 2 6 1 5 3 7, so that the tree's other levels
+// complete as soon as their operands do (a stack of 3 vectors per x row in memory).
 //
 // vpdpbusd multiplies unsigned bytes (the register operand) by signed bytes (the broadcast x):
 // the packed int8 weight is w + 128 (w ^ 0x80) and 128 * sum(q) of the x block is subtracted,
@@ -41,12 +42,11 @@ namespace int_dot {
 namespace gemm {
 
 constexpr int64_t kMinRows = 16;  // rows of x from which the ops take the GEMM
-constexpr int kPanels = 2;        // panels of L weight rows per strip
 
-// A packed strip of kPanels * L weight rows: `w` holds, for block j, panel t, group i, lane l,
-// the 4 bytes w[((j * kPanels + t) * 8 + i) * L + l]; `ws` (4-bit) the group scales as float32
-// at [(j * kPanels + t) * L + l]; `scale` (int8) the row scales at [t * L + l]. Rows past the
-// weight's N are zero weights with scale 0 (their outputs are not stored).
+// A packed strip of L weight rows: `w` holds, for the block in position `slot` (`for_each_slot`),
+// group i and lane l, the 4 bytes w[(slot * 8 + i) * L + l]; `ws` (4-bit) the group scales as
+// float32 at [slot * L + l]; `scale` (int8) the row scales at [l]. Rows past the weight's N are
+// zero weights with scale 0 (their outputs are not stored).
 struct Strip {
   std::vector<uint32_t> w;
   std::vector<float> ws, scale;
@@ -66,8 +66,8 @@ constexpr bool kAvailable = true;
 #pragma GCC target("avx512vnni")
 // The vector operations of the micro-kernel on AVX-512: 16 lanes.
 struct Isa {
-  static constexpr int L = 16;     // weight rows per panel
-  static constexpr int kMaxC = 8;  // rows of x per micro-kernel call
+  static constexpr int L = 16;  // weight rows per strip
+  static constexpr int C = 8;   // rows of x per micro-kernel: 3C + 4 of the 32 registers
   using I = __m512i;
   using F = __m512;
   struct W {  // a loaded weight vector, ready for `dot`
@@ -121,7 +121,7 @@ struct Isa {
 // The vector operations of the micro-kernel on AVX2: 8 lanes.
 struct Isa {
   static constexpr int L = 8;
-  static constexpr int kMaxC = 4;
+  static constexpr int C = 3;  // 3C + 4 of the 16 registers
   using I = __m256i;
   using F = __m256;
   struct W {
@@ -170,132 +170,168 @@ struct Isa {
 #endif
 
 constexpr int L = Isa::L;
-constexpr int64_t kStripRows = kPanels * L;  // output channels per strip
+constexpr int C = Isa::C;
+constexpr int64_t kStripRows = L;  // output channels per strip
 
-// The micro-kernel: rows [m0, m0 + C) of x times one packed strip (nb blocks); writes
-// out[(m0 + c) * ldo + col] for the strip's first `cols` (1..kStripRows) output channels.
+// The pairs of partial sums (p, p + 8) in the order the micro-kernel computes them.
+constexpr int kPairOrder[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+
+// The order of a strip's blocks (`slot`), the micro-kernel's: by pair (`kPairOrder`), then
+// partial sum p (the pair's first, then + 8), then block (p, p + 16, ...). `f(j, slot)` for
+// each block j < nb.
+template <typename Fn>
+inline void for_each_slot(int64_t nb, Fn&& f) {
+  int64_t slot = 0;
+  for (int a : kPairOrder)
+    for (int64_t p = a; p < kGroup; p += kGroup / 2)
+      for (int64_t j = p; j < nb; j += kGroup) f(j, slot++);
+}
+
+// The rows of x in groups of C (the last padded with zero rows), each group interleaved by
+// block in the micro-kernel's order (`for_each_slot`), so that it reads them in order: for
+// group g, the block in position `slot`, row c: codes q[((g * nb + slot) * C + c) * 32 + ...],
+// scale d[(g * nb + slot) * C + c] and the block's correction corr[...] = -shift * sum(q) (the
+// weights' offset times the x codes, `Strip`).
+struct XPanels {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> corr;
+  int64_t rows = 0, groups = 0, nb = 0;
+
+  // Rows [0, x.rows) of `x` (nb blocks each) for weights offset by `shift`.
+  void build(const QActs& x, int64_t nblocks, int shift) {
+    rows = x.rows;
+    nb = nblocks;
+    groups = (rows + C - 1) / C;
+    q.assign(groups * nb * C * kBlock, 0);
+    d.assign(groups * nb * C, 0.0f);
+    corr.assign(groups * nb * C, 0);
+    for (int64_t b = 0; b < rows; ++b) {
+      const QRow r = x.row(b);
+      const int64_t g = b / C, c = b % C;
+      for_each_slot(nb, [&](int64_t j, int64_t slot) {
+        const int64_t at = (g * nb + slot) * C + c;
+        std::memcpy(q.data() + at * kBlock, r.q + j * kBlock, kBlock);
+        d[at] = r.d[j];
+        corr[at] = -shift * r.s[j];
+      });
+    }
+  }
+};
+
+// The micro-kernel: x group g (its first `rows` rows real) times one packed strip; writes
+// out[(g * C + c) * ldo + l] for c < rows and the strip's first `cols` (1..L) channels l.
 // kQ4: the strip holds 4-bit codes + 8 and group scales, else int8 weights and row scales.
-// kShift: what the packed weights add per product (128 for w + 128, 8 for c + 8, or 0).
-template <Mul kMul, bool kQ4, int kShift, int C>
-void micro(const Strip& s, int64_t nb, const QActs& x, int64_t m0, float* out, int64_t ldo,
+// kCorr: the weights are offset (the x panels hold the corrections), else not (kMaddubsSigned).
+template <Mul kMul, bool kQ4, bool kCorr>
+void micro(const Strip& s, const XPanels& x, int64_t g, int rows, float* out, int64_t ldo,
            int cols) {
   using I = Isa::I;
   using F = Isa::F;
-  constexpr int T = kPanels;
-  alignas(64) float part[C][T][kGroup][L];  // the partial sums, x row by panel by j % 16
-  for (int c = 0; c < C; ++c)
-    for (int t = 0; t < T; ++t)
-      for (int p = 0; p < kGroup; ++p) Isa::store(part[c][t][p], Isa::zerof());
-  QRow xs[C];
-  for (int c = 0; c < C; ++c) xs[c] = x.row(m0 + c);
-  for (int64_t j = 0; j < nb; ++j) {
-    I acc[T][C];
+  const int64_t nb = x.nb;
+  const int64_t tail = nb % kGroup == 0 ? kGroup : nb % kGroup;  // partials p >= tail: + 0
+  // the strip's and the x group's blocks, in order (`for_each_slot`)
+  const uint32_t* wj = s.w.data();
+  const float* wsj = s.ws.data();
+  const int8_t* xj = x.q.data() + g * nb * C * kBlock;
+  const float* xd = x.d.data() + g * nb * C;
+  const int32_t* xc = x.corr.data() + g * nb * C;
+  // f (C vectors) = partial sum p: blocks p, p + 16, ... (the next in order)
+  auto chain = [&](int64_t p, F* f) __attribute__((always_inline)) {
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      const I init = kShift ? Isa::set1i(-kShift * xs[c].s[j]) : Isa::zero();
-#pragma GCC unroll 2
-      for (int t = 0; t < T; ++t) acc[t][c] = init;
-    }
-    const uint32_t* wj = s.w.data() + j * T * 8 * L;
+    for (int c = 0; c < C; ++c) f[c] = Isa::zerof();
+    for (int64_t j = p; j < nb;
+         j += kGroup, wj += 8 * L, wsj += L, xj += C * kBlock, xd += C, xc += C) {
+      I acc[C];
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      typename Isa::W w[T];
-#pragma GCC unroll 2
-      for (int t = 0; t < T; ++t) w[t] = Isa::load_w<kMul>(wj + (t * 8 + i) * L);
+      for (int c = 0; c < C; ++c) acc[c] = kCorr ? Isa::set1i(xc[c]) : Isa::zero();
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const typename Isa::W w = Isa::load_w<kMul>(wj + i * L);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c)
+          acc[c] = Isa::dot<kMul>(acc[c], w, Isa::bcast4(xj + c * kBlock + 4 * i));
+      }
+      F ws;
+      if constexpr (kQ4) ws = Isa::load(wsj);
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
-        const I xb = Isa::bcast4(xs[c].q + j * kBlock + 4 * i);
-#pragma GCC unroll 2
-        for (int t = 0; t < T; ++t) acc[t][c] = Isa::dot<kMul>(acc[t][c], w[t], xb);
+        const F d = Isa::set1(xd[c]);
+        const F sc = kQ4 ? Isa::mul(d, ws) : d;
+        f[c] = Isa::fmadd(Isa::cvt(acc[c]), sc, f[c]);
       }
     }
-    F ws[T];
-    if constexpr (kQ4) {
-      for (int t = 0; t < T; ++t) ws[t] = Isa::load(s.ws.data() + (j * T + t) * L);
+    if (p >= tail) {
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) f[c] = Isa::add(f[c], Isa::zerof());
     }
-    const int64_t p = j % kGroup;
+  };
+  alignas(64) float stack[3][C][L];  // the tree's pending sums of levels 2, 3, 4
+  for (int k = 0; k < kGroup / 2; ++k) {
+    F lo[C], hi[C];
+    chain(kPairOrder[k], lo);
+    chain(kPairOrder[k] + kGroup / 2, hi);
+    // the tree: level 1 (p + (p + 8)) here, levels 2, 3, 4 with the pending sums
+    int level = 0;
+    while (level < 3 && (k >> level & 1)) ++level;
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const F d = Isa::set1(xs[c].d[j]);
-#pragma GCC unroll 2
-      for (int t = 0; t < T; ++t) {
-        const F sc = kQ4 ? Isa::mul(d, ws[t]) : d;
-        float* pp = part[c][t][p];
-        Isa::store(pp, Isa::fmadd(Isa::cvt(acc[t][c]), sc, Isa::load(pp)));
-      }
-    }
-  }
-  // the padding blocks of the last group of 16: block term +0 (as `rows_i8` / `rows_q4` add)
-  const int64_t tail = nb % kGroup == 0 ? kGroup : nb % kGroup;
-  for (int c = 0; c < C; ++c) {
-    for (int t = 0; t < T; ++t) {
-      F v[kGroup];
-      for (int p = 0; p < kGroup; ++p) {
-        v[p] = Isa::load(part[c][t][p]);
-        if (p >= tail) v[p] = Isa::add(v[p], Isa::zerof());
-      }
-      for (int h = kGroup / 2; h >= 1; h /= 2)  // the fixed tree
-        for (int p = 0; p < h; ++p) v[p] = Isa::add(v[p], v[p + h]);
-      F r = v[0];
-      if constexpr (!kQ4) r = Isa::mul(r, Isa::load(s.scale.data() + t * L));
-      const int n = std::clamp(cols - t * L, 0, L);
-      float* o = out + (m0 + c) * ldo + t * L;
-      if (n == L) {
-        Isa::store(o, r);
-      } else if (n > 0) {
-        Isa::store_n(o, r, n);
+      F v = Isa::add(lo[c], hi[c]);
+      for (int e = 0; e < level; ++e) v = Isa::add(Isa::load(stack[e][c]), v);
+      if (level < 3) {
+        Isa::store(stack[level][c], v);
+      } else if (c < rows) {
+        if constexpr (!kQ4) v = Isa::mul(v, Isa::load(s.scale.data()));
+        float* o = out + (g * C + c) * ldo;
+        if (cols == L) {
+          Isa::store(o, v);
+        } else {
+          Isa::store_n(o, v, cols);
+        }
       }
     }
   }
 }
 
-// Rows [m0, m1) of x times the packed strip: the micro-kernel kMaxC rows at a time, then the
-// remaining rows in one call.
-template <Mul kMul, bool kQ4, int kShift>
-void strip_rows(const Strip& s, int64_t nb, const QActs& x, int64_t m0, int64_t m1, float* out,
-                int64_t ldo, int cols) {
-  constexpr int CM = Isa::kMaxC;
-  int64_t m = m0;
-  for (; m + CM <= m1; m += CM) micro<kMul, kQ4, kShift, CM>(s, nb, x, m, out, ldo, cols);
-  switch (m1 - m) {
-#define VLLM_MAMBA_INT_DOT_TAIL(n)                                         \
-  case n:                                                                   \
-    if constexpr (n < CM) micro<kMul, kQ4, kShift, n>(s, nb, x, m, out, ldo, cols); \
-    break;
-    VLLM_MAMBA_INT_DOT_TAIL(1)
-    VLLM_MAMBA_INT_DOT_TAIL(2)
-    VLLM_MAMBA_INT_DOT_TAIL(3)
-    VLLM_MAMBA_INT_DOT_TAIL(4)
-    VLLM_MAMBA_INT_DOT_TAIL(5)
-    VLLM_MAMBA_INT_DOT_TAIL(6)
-    VLLM_MAMBA_INT_DOT_TAIL(7)
-#undef VLLM_MAMBA_INT_DOT_TAIL
-    default: break;
+// x groups [g0, g1) times the packed strip (out: the strip's first column).
+template <Mul kMul, bool kQ4, bool kCorr>
+void strip_groups(const Strip& s, const XPanels& x, int64_t g0, int64_t g1, float* out,
+                  int64_t ldo, int cols) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const int rows = static_cast<int>(std::min<int64_t>(C, x.rows - g * C));
+    micro<kMul, kQ4, kCorr>(s, x, g, rows, out, ldo, cols);
   }
 }
 #pragma GCC pop_options
 
-// Packs strip `index` (weight rows [index * kStripRows, +kStripRows) of n) of an int8 weight:
+// The weight rows of strip `index` (of n): row index * L + l, or the last row for the lanes
+// past n (computed, never stored).
+inline void strip_row_ids(int64_t n, int64_t index, int64_t (&rows)[L]) {
+  for (int l = 0; l < L; ++l) rows[l] = std::min(index * L + l, n - 1);
+}
+
+// Packs strip `index` (weight rows [index * L, index * L + L) of n) of an int8 weight:
 // bytes w ^ 0x80 (= w + 128 unsigned) when `offset`, else w as they are.
 inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, bool offset, Strip& s) {
   const int64_t nb = w.k / kBlock;
   const uint32_t flip = offset ? 0x80808080u : 0u;
-  s.w.resize(nb * kStripRows * 8);
-  s.scale.resize(kStripRows);
-  for (int64_t r = 0; r < kStripRows; ++r) {
-    const int64_t row = index * kStripRows + r, t = r / L, l = r % L;
-    const bool real = row < n;
-    s.scale[r] = real ? w.scale[row] : 0.0f;
-    const int8_t* src = w.q + (real ? row : 0) * w.k;
-    for (int64_t j = 0; j < nb; ++j) {
-      uint32_t* dst = s.w.data() + (j * kPanels + t) * 8 * L + l;
-      for (int i = 0; i < 8; ++i) {
-        uint32_t v = 0;
-        if (real) std::memcpy(&v, src + j * kBlock + 4 * i, 4);
-        dst[i * L] = v ^ flip;
-      }
-    }
+  s.w.resize(nb * L * 8);
+  s.scale.resize(L);
+  int64_t rows[L];
+  strip_row_ids(n, index, rows);
+  const int8_t* src[L];
+  for (int l = 0; l < L; ++l) {
+    src[l] = w.q + rows[l] * w.k;
+    s.scale[l] = w.scale[rows[l]];
   }
+  for_each_slot(nb, [&](int64_t j, int64_t slot) {
+    uint32_t* dst = s.w.data() + slot * 8 * L;
+    for (int l = 0; l < L; ++l) {
+      uint32_t v[8];
+      std::memcpy(v, src[l] + j * kBlock, kBlock);
+      for (int i = 0; i < 8; ++i) dst[i * L + l] = v[i] ^ flip;
+    }
+  });
   s.index = index;
 }
 
@@ -303,66 +339,78 @@ inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, bool offset, Stri
 // block's 32 activations) and the group scales as float32.
 inline void pack_q4(const gemv::Q4Rows& w, int64_t n, int64_t index, Strip& s) {
   const int64_t nb = w.k / kBlock;
-  s.w.resize(nb * kStripRows * 8);
-  s.ws.resize(nb * kStripRows);
-  for (int64_t r = 0; r < kStripRows; ++r) {
-    const int64_t row = index * kStripRows + r, t = r / L, l = r % L;
-    const bool real = row < n;
-    const uint8_t* src = w.q + (real ? row : 0) * (w.k / 2);
-    for (int64_t j = 0; j < nb; ++j) {
-      s.ws[(j * kPanels + t) * L + l] = real ? vec::f16_to_f32(w.scales[row * nb + j]) : 0.0f;
-      uint8_t codes[kBlock];  // byte b: low nibble activation b, high nibble b + 16
-      for (int b = 0; b < kBlock / 2; ++b) {
-        const uint8_t v = real ? src[j * (kBlock / 2) + b] : 0x88;
-        codes[b] = v & 0x0F;
-        codes[b + kBlock / 2] = v >> 4;
+  s.w.resize(nb * L * 8);
+  s.ws.resize(nb * L);
+  int64_t rows[L];
+  strip_row_ids(n, index, rows);
+  for_each_slot(nb, [&](int64_t j, int64_t slot) {
+    uint32_t* dst = s.w.data() + slot * 8 * L;
+    for (int l = 0; l < L; ++l) {
+      s.ws[slot * L + l] = vec::f16_to_f32(w.scales[rows[l] * nb + j]);
+      // byte i of the block: low nibble activation i, high nibble i + 16
+      const uint8_t* b = w.q + rows[l] * (w.k / 2) + j * (kBlock / 2);
+      for (int i = 0; i < 4; ++i) {
+        uint32_t v;
+        std::memcpy(&v, b + 4 * i, 4);
+        dst[i * L + l] = v & 0x0F0F0F0Fu;
+        dst[(i + 4) * L + l] = (v >> 4) & 0x0F0F0F0Fu;
       }
-      uint32_t* dst = s.w.data() + (j * kPanels + t) * 8 * L + l;
-      for (int i = 0; i < 8; ++i) std::memcpy(dst + i * L, codes + 4 * i, 4);
     }
-  }
+  });
   s.index = index;
 }
 
 inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }
 
+// What the packed weights add per product: 128 (int8 with VNNI: w + 128), 0 (int8 without),
+// 8 (4-bit codes c + 8); the x panels' corrections are -shift * sum(q).
+inline int i8_shift() { return has_vnni() ? 128 : 0; }
+constexpr int kQ4Shift = 8;
+
 // out[b * ldo + r] = the w8a8 product of int8 weight row r and quantised x row b, for the rows
-// r of strip `index` (of n) and b in [m0, m1); `s` is the caller's scratch (repacked unless it
-// holds this strip already).
-inline void strip_i8(const I8Rows& w, int64_t n, const QActs& x, int64_t index, int64_t m0,
-                     int64_t m1, float* out, int64_t ldo, Strip& s) {
+// r of strip `index` (of n) and the rows b of x groups [g0, g1) (`XPanels` built with
+// `i8_shift()`); `s` is the caller's scratch (repacked unless it holds this strip already).
+inline void strip_i8(const I8Rows& w, int64_t n, const XPanels& x, int64_t index, int64_t g0,
+                     int64_t g1, float* out, int64_t ldo, Strip& s) {
   const bool vnni = has_vnni();
   if (s.index != index) pack_i8(w, n, index, vnni, s);
-  const int64_t nb = w.k / kBlock, col = index * kStripRows;
+  const int64_t col = index * kStripRows;
   const int cols = static_cast<int>(std::min(kStripRows, n - col));
   if (vnni) {
-    strip_rows<Mul::kVnni, false, 128>(s, nb, x, m0, m1, out + col, ldo, cols);
+    strip_groups<Mul::kVnni, false, true>(s, x, g0, g1, out + col, ldo, cols);
   } else {
-    strip_rows<Mul::kMaddubsSigned, false, 0>(s, nb, x, m0, m1, out + col, ldo, cols);
+    strip_groups<Mul::kMaddubsSigned, false, false>(s, x, g0, g1, out + col, ldo, cols);
   }
 }
 
-// The same for a 4-bit weight (`gemv::Q4Rows`): the w4a8 product.
-inline void strip_q4(const gemv::Q4Rows& w, int64_t n, const QActs& x, int64_t index,
-                     int64_t m0, int64_t m1, float* out, int64_t ldo, Strip& s) {
+// The same for a 4-bit weight (`gemv::Q4Rows`, `XPanels` built with kQ4Shift): the w4a8 product.
+inline void strip_q4(const gemv::Q4Rows& w, int64_t n, const XPanels& x, int64_t index,
+                     int64_t g0, int64_t g1, float* out, int64_t ldo, Strip& s) {
   if (s.index != index) pack_q4(w, n, index, s);
-  const int64_t nb = w.k / kBlock, col = index * kStripRows;
+  const int64_t col = index * kStripRows;
   const int cols = static_cast<int>(std::min(kStripRows, n - col));
   if (has_vnni()) {
-    strip_rows<Mul::kVnni, true, 8>(s, nb, x, m0, m1, out + col, ldo, cols);
+    strip_groups<Mul::kVnni, true, true>(s, x, g0, g1, out + col, ldo, cols);
   } else {
-    strip_rows<Mul::kMaddubs, true, 8>(s, nb, x, m0, m1, out + col, ldo, cols);
+    strip_groups<Mul::kMaddubs, true, true>(s, x, g0, g1, out + col, ldo, cols);
   }
 }
 
 #else  // generic (and NEON): no GEMM, the ops keep rows_i8 / rows_q4
 
 constexpr bool kAvailable = false;
+constexpr int C = 1;
 constexpr int64_t kStripRows = 16;
+struct XPanels {
+  int64_t groups = 0;
+  void build(const QActs&, int64_t, int) {}
+};
 inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }
-inline void strip_i8(const I8Rows&, int64_t, const QActs&, int64_t, int64_t, int64_t, float*,
+inline int i8_shift() { return 0; }
+constexpr int kQ4Shift = 8;
+inline void strip_i8(const I8Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t, float*,
                      int64_t, Strip&) {}
-inline void strip_q4(const gemv::Q4Rows&, int64_t, const QActs&, int64_t, int64_t, int64_t,
+inline void strip_q4(const gemv::Q4Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t,
                      float*, int64_t, Strip&) {}
 
 #endif

@@ -62,29 +62,31 @@ void add_bias(float* o, const float* b, int64_t n, int64_t m0, int64_t m1, int64
     for (int64_t c = lo; c < hi; ++c) o[r * n + c] += b[c];
 }
 
-// The GEMM's parallel split (`int_dot_gemm.h`): strips by chunks of rows of x, the chunks
-// many enough for 4 tasks per thread where the strips are few (at least 32 rows each).
+// The GEMM's parallel split (`int_dot_gemm.h`): strips by chunks of x groups (of
+// `gemm::C` rows), the chunks many enough for 4 tasks per thread where the strips are few
+// (at least 4 groups each).
 struct GemmSplit {
   int64_t strips, chunks, chunk;
 };
 
-GemmSplit gemm_split(int64_t m, int64_t n) {
+GemmSplit gemm_split(int64_t groups, int64_t n) {
   const int64_t strips = int_dot::gemm::strips(n);
   const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
   const int64_t chunks =
-      std::clamp<int64_t>((want + strips - 1) / strips, 1, std::max<int64_t>(1, m / 32));
-  return {strips, chunks, (m + chunks - 1) / chunks};
+      std::clamp<int64_t>((want + strips - 1) / strips, 1, std::max<int64_t>(1, groups / 4));
+  return {strips, chunks, (groups + chunks - 1) / chunks};
 }
 
 // out (M, N) in x's dtype. Below `gemm::kMinRows` rows (or without the GEMM) from
 // `rows(q, lo, hi, out, ldo)`, which writes the products of weight rows [lo, hi) with every
-// quantised row of x (`row_bytes` sizes the parallel tasks); else from `strip(q, index, m0, m1,
-// out, ldo, scratch)`, which writes strip `index` for rows [m0, m1) of x.
+// quantised row of x (`row_bytes` sizes the parallel tasks); else from `strip(xp, index, g0,
+// g1, out, ldo, scratch)`, which writes strip `index` for x groups [g0, g1) of the x panels
+// (built with `shift`, `gemm::XPanels`).
 template <typename Rows, typename StripFn>
 at::Tensor run(const at::Tensor& x_in, int64_t n, int64_t row_bytes, const at::Tensor& bias,
-               Rows&& rows, StripFn&& strip) {
+               int shift, Rows&& rows, StripFn&& strip) {
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t m = x.size(0);
+  const int64_t m = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out.to(x_in.scalar_type());
   int_dot::QActs q;
@@ -92,17 +94,20 @@ at::Tensor run(const at::Tensor& x_in, int64_t n, int64_t row_bytes, const at::T
   float* o = out.data_ptr<float>();
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   if (int_dot::gemm::kAvailable && m >= int_dot::gemm::kMinRows) {
-    const GemmSplit sp = gemm_split(m, n);
+    int_dot::gemm::XPanels xp;
+    xp.build(q, k / int_dot::kBlock, shift);
+    const GemmSplit sp = gemm_split(xp.groups, n);
     at::parallel_for(0, sp.strips * sp.chunks, 1, [&](int64_t t0, int64_t t1) {
       int_dot::gemm::Strip scratch;  // consecutive tasks of a strip pack it once
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t index = t / sp.chunks;
-        const int64_t m0 = t % sp.chunks * sp.chunk, m1 = std::min(m, m0 + sp.chunk);
-        if (m0 >= m1) continue;
-        strip(q, index, m0, m1, o, n, scratch);
+        const int64_t g0 = t % sp.chunks * sp.chunk, g1 = std::min(xp.groups, g0 + sp.chunk);
+        if (g0 >= g1) continue;
+        strip(xp, index, g0, g1, o, n, scratch);
         if (b) {
           const int64_t lo = index * int_dot::gemm::kStripRows;
-          add_bias(o, b, n, m0, m1, lo, std::min(n, lo + int_dot::gemm::kStripRows));
+          add_bias(o, b, n, g0 * int_dot::gemm::C, std::min(m, g1 * int_dot::gemm::C), lo,
+                   std::min(n, lo + int_dot::gemm::kStripRows));
         }
       }
     });
@@ -131,13 +136,13 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
               "w8a8_linear: scale must be contiguous float32 (N,)");
   const int_dot::I8Rows w{qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), k};
-  return run(x, n, k, bias_of(bias, n, "w8a8_linear"),
+  return run(x, n, k, bias_of(bias, n, "w8a8_linear"), int_dot::gemm::i8_shift(),
              [&](const int_dot::QActs& q, int64_t lo, int64_t hi, float* out, int64_t ldo) {
                int_dot::rows_i8(w, q, lo, hi, out, ldo);
              },
-             [&](const int_dot::QActs& q, int64_t index, int64_t m0, int64_t m1, float* out,
-                 int64_t ldo, int_dot::gemm::Strip& s) {
-               int_dot::gemm::strip_i8(w, n, q, index, m0, m1, out, ldo, s);
+             [&](const int_dot::gemm::XPanels& xp, int64_t index, int64_t g0, int64_t g1,
+                 float* out, int64_t ldo, int_dot::gemm::Strip& s) {
+               int_dot::gemm::strip_i8(w, n, xp, index, g0, g1, out, ldo, s);
              });
 }
 
@@ -155,13 +160,13 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
               "w4a8_linear: scales must be contiguous float16 (N, K / 32)");
   const gemv::Q4Rows w{qweight.data_ptr<uint8_t>(),
                        reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), k};
-  return run(x, n, k / 2, bias_of(bias, n, "w4a8_linear"),
+  return run(x, n, k / 2, bias_of(bias, n, "w4a8_linear"), int_dot::gemm::kQ4Shift,
              [&](const int_dot::QActs& q, int64_t lo, int64_t hi, float* out, int64_t ldo) {
                int_dot::rows_q4(w, q, lo, hi, out, ldo);
              },
-             [&](const int_dot::QActs& q, int64_t index, int64_t m0, int64_t m1, float* out,
-                 int64_t ldo, int_dot::gemm::Strip& s) {
-               int_dot::gemm::strip_q4(w, n, q, index, m0, m1, out, ldo, s);
+             [&](const int_dot::gemm::XPanels& xp, int64_t index, int64_t g0, int64_t g1,
+                 float* out, int64_t ldo, int_dot::gemm::Strip& s) {
+               int_dot::gemm::strip_q4(w, n, xp, index, g0, g1, out, ldo, s);
              });
 }
 
