@@ -112,6 +112,10 @@ struct Isa {
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  // packing: L float16 values (raw bits) widened as `row_q4` does
+  static void halves(const uint16_t* h, float* out) {
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))));
+  }
 };
 
 #else  // AVX2
@@ -165,6 +169,9 @@ struct Isa {
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void halves(const uint16_t* h, float* out) {
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+  }
 };
 
 #endif
@@ -306,7 +313,7 @@ void strip_groups(const Strip& s, const XPanels& x, int64_t g0, int64_t g1, floa
 
 // The weight rows of strip `index` (of n): row index * L + l, or the last row for the lanes
 // past n (computed, never stored).
-inline void strip_row_ids(int64_t n, int64_t index, int64_t (&rows)[L]) {
+inline void strip_rows_of(int64_t n, int64_t index, int64_t (&rows)[L]) {
   for (int l = 0; l < L; ++l) rows[l] = std::min(index * L + l, n - 1);
 }
 
@@ -314,21 +321,17 @@ inline void strip_row_ids(int64_t n, int64_t index, int64_t (&rows)[L]) {
 // bytes w ^ 0x80 (= w + 128 unsigned) when `offset`, else w as they are.
 inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, bool offset, Strip& s) {
   const int64_t nb = w.k / kBlock;
-  const uint32_t flip = offset ? 0x80808080u : 0u;
   s.w.resize(nb * L * 8);
   s.scale.resize(L);
   int64_t rows[L];
-  strip_row_ids(n, index, rows);
-  const int8_t* src[L];
-  for (int l = 0; l < L; ++l) {
-    src[l] = w.q + rows[l] * w.k;
-    s.scale[l] = w.scale[rows[l]];
-  }
+  strip_rows_of(n, index, rows);
+  for (int l = 0; l < L; ++l) s.scale[l] = w.scale[rows[l]];
+  const uint32_t flip = offset ? 0x80808080u : 0u;
   for_each_slot(nb, [&](int64_t j, int64_t slot) {
     uint32_t* dst = s.w.data() + slot * 8 * L;
     for (int l = 0; l < L; ++l) {
       uint32_t v[8];
-      std::memcpy(v, src[l] + j * kBlock, kBlock);
+      std::memcpy(v, w.q + rows[l] * w.k + j * kBlock, kBlock);
       for (int i = 0; i < 8; ++i) dst[i * L + l] = v[i] ^ flip;
     }
   });
@@ -336,26 +339,27 @@ inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, bool offset, Stri
 }
 
 // Packs strip `index` of a 4-bit weight: the codes c + 8 (one byte each, in the order of the
-// block's 32 activations) and the group scales as float32.
+// block's 32 activations: byte i of a block holds activation i in its low nibble, i + 16 in
+// its high one) and the group scales as float32.
 inline void pack_q4(const gemv::Q4Rows& w, int64_t n, int64_t index, Strip& s) {
   const int64_t nb = w.k / kBlock;
   s.w.resize(nb * L * 8);
   s.ws.resize(nb * L);
   int64_t rows[L];
-  strip_row_ids(n, index, rows);
+  strip_rows_of(n, index, rows);
   for_each_slot(nb, [&](int64_t j, int64_t slot) {
     uint32_t* dst = s.w.data() + slot * 8 * L;
     for (int l = 0; l < L; ++l) {
-      s.ws[slot * L + l] = vec::f16_to_f32(w.scales[rows[l] * nb + j]);
-      // byte i of the block: low nibble activation i, high nibble i + 16
-      const uint8_t* b = w.q + rows[l] * (w.k / 2) + j * (kBlock / 2);
+      uint32_t v[4];
+      std::memcpy(v, w.q + rows[l] * (w.k / 2) + j * (kBlock / 2), kBlock / 2);
       for (int i = 0; i < 4; ++i) {
-        uint32_t v;
-        std::memcpy(&v, b + 4 * i, 4);
-        dst[i * L + l] = v & 0x0F0F0F0Fu;
-        dst[(i + 4) * L + l] = (v >> 4) & 0x0F0F0F0Fu;
+        dst[i * L + l] = v[i] & 0x0F0F0F0Fu;
+        dst[(i + 4) * L + l] = (v[i] >> 4) & 0x0F0F0F0Fu;
       }
     }
+    alignas(32) uint16_t h[L];
+    for (int l = 0; l < L; ++l) h[l] = w.scales[rows[l] * nb + j];
+    Isa::halves(h, s.ws.data() + slot * L);
   });
   s.index = index;
 }
