@@ -205,17 +205,29 @@ struct XPanels {
   std::vector<int32_t> corr;
   int64_t rows = 0, groups = 0, nb = 0;
 
-  // Rows [0, x.rows) of `x` (nb blocks each) for weights offset by `shift`.
-  void build(const QActs& x, int64_t nblocks, int shift) {
+  // Sizes the panels for rows [0, x.rows) of `x` (nb blocks each).
+  void resize(const QActs& x, int64_t nblocks) {
     rows = x.rows;
     nb = nblocks;
     groups = (rows + C - 1) / C;
-    q.assign(groups * nb * C * kBlock, 0);
-    d.assign(groups * nb * C, 0.0f);
-    corr.assign(groups * nb * C, 0);
-    for (int64_t b = 0; b < rows; ++b) {
-      const QRow r = x.row(b);
+    q.resize(groups * nb * C * kBlock);
+    d.resize(groups * nb * C);
+    corr.resize(groups * nb * C);
+  }
+  // Fills groups [g0, g1) from `x`, for weights offset by `shift` (padding rows zero).
+  void fill(const QActs& x, int shift, int64_t g0, int64_t g1) {
+    for (int64_t b = g0 * C; b < g1 * C; ++b) {
       const int64_t g = b / C, c = b % C;
+      if (b >= rows) {
+        for (int64_t slot = 0; slot < nb; ++slot) {
+          const int64_t at = (g * nb + slot) * C + c;
+          std::memset(q.data() + at * kBlock, 0, kBlock);
+          d[at] = 0.0f;
+          corr[at] = 0;
+        }
+        continue;
+      }
+      const QRow r = x.row(b);
       for_each_slot(nb, [&](int64_t j, int64_t slot) {
         const int64_t at = (g * nb + slot) * C + c;
         std::memcpy(q.data() + at * kBlock, r.q + j * kBlock, kBlock);
@@ -223,6 +235,10 @@ struct XPanels {
         corr[at] = -shift * r.s[j];
       });
     }
+  }
+  void build(const QActs& x, int64_t nblocks, int shift) {
+    resize(x, nblocks);
+    fill(x, shift, 0, groups);
   }
 };
 
@@ -407,6 +423,8 @@ constexpr int C = 1;
 constexpr int64_t kStripRows = 16;
 struct XPanels {
   int64_t groups = 0;
+  void resize(const QActs&, int64_t) {}
+  void fill(const QActs&, int, int64_t, int64_t) {}
   void build(const QActs&, int64_t, int) {}
 };
 inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }

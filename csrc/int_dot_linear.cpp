@@ -95,7 +95,8 @@ at::Tensor run(const at::Tensor& x_in, int64_t n, int64_t row_bytes, const at::T
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   if (int_dot::gemm::kAvailable && m >= int_dot::gemm::kMinRows) {
     int_dot::gemm::XPanels xp;
-    xp.build(q, k / int_dot::kBlock, shift);
+    xp.resize(q, k / int_dot::kBlock);
+    at::parallel_for(0, xp.groups, 1, [&](int64_t g0, int64_t g1) { xp.fill(q, shift, g0, g1); });
     const GemmSplit sp = gemm_split(xp.groups, n);
     at::parallel_for(0, sp.strips * sp.chunks, 1, [&](int64_t t0, int64_t t1) {
       int_dot::gemm::Strip scratch;  // consecutive tasks of a strip pack it once
