@@ -45,8 +45,8 @@ constexpr int64_t kMinRows = 16;  // rows of x from which the ops take the GEMM
 
 // A packed strip of L weight rows: `w` holds, for the block in position `slot` (`for_each_slot`),
 // group i and lane l, the 4 bytes w[(slot * 8 + i) * L + l]; `ws` (4-bit) the group scales as
-// float32 at [slot * L + l]; `scale` (int8) the row scales at [l]. Rows past the weight's N are
-// zero weights with scale 0 (their outputs are not stored).
+// float32 at [slot * L + l]; `scale` (int8) the row scales at [l]. The lanes past the weight's
+// N repeat its last row (computed, never stored).
 struct Strip {
   std::vector<uint32_t> w;
   std::vector<float> ws, scale;
