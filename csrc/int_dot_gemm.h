@@ -316,13 +316,17 @@ void micro(const Strip& s, const XPanels& x, int64_t g, int rows, float* out, in
   }
 }
 
-// x groups [g0, g1) times the packed strip (out: the strip's first column).
+// x groups [g0, g1) times the packed strips [s0, s1) of n output channels (`s[i]`: strip
+// s0 + i), a group at a time against every strip of the block.
 template <Mul kMul, bool kQ4, bool kCorr>
-void strip_groups(const Strip& s, const XPanels& x, int64_t g0, int64_t g1, float* out,
-                  int64_t ldo, int cols) {
+void block_groups(const std::vector<Strip>& s, int64_t s0, int64_t s1, int64_t n,
+                  const XPanels& x, int64_t g0, int64_t g1, float* out, int64_t ldo) {
   for (int64_t g = g0; g < g1; ++g) {
     const int rows = static_cast<int>(std::min<int64_t>(C, x.rows - g * C));
-    micro<kMul, kQ4, kCorr>(s, x, g, rows, out, ldo, cols);
+    for (int64_t i = s0; i < s1; ++i) {
+      const int cols = static_cast<int>(std::min<int64_t>(L, n - i * L));
+      micro<kMul, kQ4, kCorr>(s[i - s0], x, g, rows, out + i * L, ldo, cols);
+    }
   }
 }
 #pragma GCC pop_options
@@ -387,32 +391,41 @@ inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }
 inline int i8_shift() { return has_vnni() ? 128 : 0; }
 constexpr int kQ4Shift = 8;
 
+// Strips per block (`block_i8` / `block_q4`) for K input features: 1 while a strip (L * K
+// bytes) stays in L1 beside a group of x, else as many as about 256 KiB of L2 hold (up to 8),
+// so that a group of x is read from memory once per block instead of once per strip.
+inline int64_t block_strips(int64_t k) {
+  const int64_t bytes = L * k;
+  return bytes <= (24 << 10) ? 1 : std::clamp<int64_t>((256 << 10) / bytes, 1, 8);
+}
+
 // out[b * ldo + r] = the w8a8 product of int8 weight row r and quantised x row b, for the rows
-// r of strip `index` (of n) and the rows b of x groups [g0, g1) (`XPanels` built with
-// `i8_shift()`); `s` is the caller's scratch (repacked unless it holds this strip already).
-inline void strip_i8(const I8Rows& w, int64_t n, const XPanels& x, int64_t index, int64_t g0,
-                     int64_t g1, float* out, int64_t ldo, Strip& s) {
+// r of strips [s0, s1) (of n rows) and the rows b of x groups [g0, g1) (`XPanels` built with
+// `i8_shift()`); `s` is the caller's scratch, strip s0 + i in s[i] (repacked unless it holds
+// that strip already).
+inline void block_i8(const I8Rows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
+                     int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s) {
   const bool vnni = has_vnni();
-  if (s.index != index) pack_i8(w, n, index, vnni, s);
-  const int64_t col = index * kStripRows;
-  const int cols = static_cast<int>(std::min(kStripRows, n - col));
+  if (static_cast<int64_t>(s.size()) < s1 - s0) s.resize(s1 - s0);
+  for (int64_t i = s0; i < s1; ++i)
+    if (s[i - s0].index != i) pack_i8(w, n, i, vnni, s[i - s0]);
   if (vnni) {
-    strip_groups<Mul::kVnni, false, true>(s, x, g0, g1, out + col, ldo, cols);
+    block_groups<Mul::kVnni, false, true>(s, s0, s1, n, x, g0, g1, out, ldo);
   } else {
-    strip_groups<Mul::kMaddubsSigned, false, false>(s, x, g0, g1, out + col, ldo, cols);
+    block_groups<Mul::kMaddubsSigned, false, false>(s, s0, s1, n, x, g0, g1, out, ldo);
   }
 }
 
 // The same for a 4-bit weight (`gemv::Q4Rows`, `XPanels` built with kQ4Shift): the w4a8 product.
-inline void strip_q4(const gemv::Q4Rows& w, int64_t n, const XPanels& x, int64_t index,
-                     int64_t g0, int64_t g1, float* out, int64_t ldo, Strip& s) {
-  if (s.index != index) pack_q4(w, n, index, s);
-  const int64_t col = index * kStripRows;
-  const int cols = static_cast<int>(std::min(kStripRows, n - col));
+inline void block_q4(const gemv::Q4Rows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
+                     int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s) {
+  if (static_cast<int64_t>(s.size()) < s1 - s0) s.resize(s1 - s0);
+  for (int64_t i = s0; i < s1; ++i)
+    if (s[i - s0].index != i) pack_q4(w, n, i, s[i - s0]);
   if (has_vnni()) {
-    strip_groups<Mul::kVnni, true, true>(s, x, g0, g1, out + col, ldo, cols);
+    block_groups<Mul::kVnni, true, true>(s, s0, s1, n, x, g0, g1, out, ldo);
   } else {
-    strip_groups<Mul::kMaddubs, true, true>(s, x, g0, g1, out + col, ldo, cols);
+    block_groups<Mul::kMaddubs, true, true>(s, s0, s1, n, x, g0, g1, out, ldo);
   }
 }
 
@@ -428,12 +441,13 @@ struct XPanels {
   void build(const QActs&, int64_t, int) {}
 };
 inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }
+inline int64_t block_strips(int64_t) { return 1; }
 inline int i8_shift() { return 0; }
 constexpr int kQ4Shift = 8;
-inline void strip_i8(const I8Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t, float*,
-                     int64_t, Strip&) {}
-inline void strip_q4(const gemv::Q4Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t,
-                     float*, int64_t, Strip&) {}
+inline void block_i8(const I8Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t, int64_t,
+                     float*, int64_t, std::vector<Strip>&) {}
+inline void block_q4(const gemv::Q4Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t,
+                     int64_t, float*, int64_t, std::vector<Strip>&) {}
 
 #endif
 

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "gemv.h"
 #include "int_dot.h"
@@ -62,53 +63,62 @@ void add_bias(float* o, const float* b, int64_t n, int64_t m0, int64_t m1, int64
     for (int64_t c = lo; c < hi; ++c) o[r * n + c] += b[c];
 }
 
-// The GEMM's parallel split (`int_dot_gemm.h`): strips by chunks of x groups (of
-// `gemm::C` rows), the chunks many enough for 4 tasks per thread where the strips are few
-// (at least 4 groups each).
+// The GEMM's parallel split (`int_dot_gemm.h`): blocks of strips (`gemm::block_strips`) by
+// chunks of x groups (of `gemm::C` rows), the chunks many enough for 4 tasks per thread where
+// the blocks are few (at least 4 groups each).
 struct GemmSplit {
-  int64_t strips, chunks, chunk;
+  int64_t strips, per_block, blocks, chunks, chunk;
 };
 
-GemmSplit gemm_split(int64_t groups, int64_t n) {
+GemmSplit gemm_split(int64_t groups, int64_t n, int64_t k) {
   const int64_t strips = int_dot::gemm::strips(n);
+  const int64_t per_block = int_dot::gemm::block_strips(k);
+  const int64_t blocks = (strips + per_block - 1) / per_block;
   const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
   const int64_t chunks =
-      std::clamp<int64_t>((want + strips - 1) / strips, 1, std::max<int64_t>(1, groups / 4));
-  return {strips, chunks, (groups + chunks - 1) / chunks};
+      std::clamp<int64_t>((want + blocks - 1) / blocks, 1, std::max<int64_t>(1, groups / 4));
+  return {strips, per_block, blocks, chunks, (groups + chunks - 1) / chunks};
 }
 
 // out (M, N) in x's dtype. Below `gemm::kMinRows` rows (or without the GEMM) from
 // `rows(q, lo, hi, out, ldo)`, which writes the products of weight rows [lo, hi) with every
-// quantised row of x (`row_bytes` sizes the parallel tasks); else from `strip(xp, index, g0,
-// g1, out, ldo, scratch)`, which writes strip `index` for x groups [g0, g1) of the x panels
-// (built with `shift`, `gemm::XPanels`).
-template <typename Rows, typename StripFn>
+// quantised row of x (`row_bytes` sizes the parallel tasks); else from `block(xp, s0, s1, g0,
+// g1, out, ldo, scratch)`, which writes strips [s0, s1) for x groups [g0, g1) of the x panels
+// (built with `shift`, `gemm::XPanels`). The quantised rows, the x panels and the packed
+// strips live in buffers of the calling and worker threads, kept between calls (fresh pages
+// cost more than the copies).
+template <typename Rows, typename BlockFn>
 at::Tensor run(const at::Tensor& x_in, int64_t n, int64_t row_bytes, const at::Tensor& bias,
-               int shift, Rows&& rows, StripFn&& strip) {
+               int shift, Rows&& rows, BlockFn&& block) {
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out.to(x_in.scalar_type());
-  int_dot::QActs q;
+  static thread_local int_dot::QActs q_buf;
+  int_dot::QActs& q = q_buf;  // the calling thread's (a name in a worker is the worker's own)
   quantize_x(x, q);
   float* o = out.data_ptr<float>();
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   if (int_dot::gemm::kAvailable && m >= int_dot::gemm::kMinRows) {
-    int_dot::gemm::XPanels xp;
+    static thread_local int_dot::gemm::XPanels xp_buf;
+    int_dot::gemm::XPanels& xp = xp_buf;
     xp.resize(q, k / int_dot::kBlock);
     at::parallel_for(0, xp.groups, 1, [&](int64_t g0, int64_t g1) { xp.fill(q, shift, g0, g1); });
-    const GemmSplit sp = gemm_split(xp.groups, n);
-    at::parallel_for(0, sp.strips * sp.chunks, 1, [&](int64_t t0, int64_t t1) {
-      int_dot::gemm::Strip scratch;  // consecutive tasks of a strip pack it once
+    const GemmSplit sp = gemm_split(xp.groups, n, k);
+    at::parallel_for(0, sp.blocks * sp.chunks, 1, [&](int64_t t0, int64_t t1) {
+      // consecutive tasks of a block pack its strips once
+      static thread_local std::vector<int_dot::gemm::Strip> scratch;
+      for (auto& s : scratch) s.index = -1;
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t index = t / sp.chunks;
+        const int64_t s0 = t / sp.chunks * sp.per_block;
+        const int64_t s1 = std::min(sp.strips, s0 + sp.per_block);
         const int64_t g0 = t % sp.chunks * sp.chunk, g1 = std::min(xp.groups, g0 + sp.chunk);
         if (g0 >= g1) continue;
-        strip(xp, index, g0, g1, o, n, scratch);
+        block(xp, s0, s1, g0, g1, o, n, scratch);
         if (b) {
-          const int64_t lo = index * int_dot::gemm::kStripRows;
+          const int64_t lo = s0 * int_dot::gemm::kStripRows;
           add_bias(o, b, n, g0 * int_dot::gemm::C, std::min(m, g1 * int_dot::gemm::C), lo,
-                   std::min(n, lo + int_dot::gemm::kStripRows));
+                   std::min(n, s1 * int_dot::gemm::kStripRows));
         }
       }
     });
@@ -141,9 +151,9 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
              [&](const int_dot::QActs& q, int64_t lo, int64_t hi, float* out, int64_t ldo) {
                int_dot::rows_i8(w, q, lo, hi, out, ldo);
              },
-             [&](const int_dot::gemm::XPanels& xp, int64_t index, int64_t g0, int64_t g1,
-                 float* out, int64_t ldo, int_dot::gemm::Strip& s) {
-               int_dot::gemm::strip_i8(w, n, xp, index, g0, g1, out, ldo, s);
+             [&](const int_dot::gemm::XPanels& xp, int64_t s0, int64_t s1, int64_t g0, int64_t g1,
+                 float* out, int64_t ldo, std::vector<int_dot::gemm::Strip>& s) {
+               int_dot::gemm::block_i8(w, n, xp, s0, s1, g0, g1, out, ldo, s);
              });
 }
 
@@ -165,9 +175,9 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
              [&](const int_dot::QActs& q, int64_t lo, int64_t hi, float* out, int64_t ldo) {
                int_dot::rows_q4(w, q, lo, hi, out, ldo);
              },
-             [&](const int_dot::gemm::XPanels& xp, int64_t index, int64_t g0, int64_t g1,
-                 float* out, int64_t ldo, int_dot::gemm::Strip& s) {
-               int_dot::gemm::strip_q4(w, n, xp, index, g0, g1, out, ldo, s);
+             [&](const int_dot::gemm::XPanels& xp, int64_t s0, int64_t s1, int64_t g0, int64_t g1,
+                 float* out, int64_t ldo, std::vector<int_dot::gemm::Strip>& s) {
+               int_dot::gemm::block_q4(w, n, xp, s0, s1, g0, g1, out, ldo, s);
              });
 }
 
