@@ -176,6 +176,45 @@ struct Isa {
 
 #endif
 
+// Quantises x[:k] (k a multiple of 32) into q (k codes), d and s (k / 32 blocks) as
+// `quantize_row` does (its float operations, vectorised: the same bits for finite x); a row
+// holding an infinity or a NaN goes through `quantize_row` itself.
+inline void quantize_row_fast(const float* x, int64_t k, int8_t* q, float* d, int32_t* s) {
+  const int64_t nb = k / kBlock;
+#if defined(VLLM_MAMBA_VEC_AVX512)
+  const __m512 sign = _mm512_set1_ps(-0.0f), lo = _mm512_set1_ps(-127.0f),
+               hi = _mm512_set1_ps(127.0f);
+  __mmask16 odd = 0;  // lanes that met an infinity or a NaN
+  for (int64_t j = 0; j < nb; ++j) {
+    const __m512 x0 = _mm512_loadu_ps(x + j * kBlock), x1 = _mm512_loadu_ps(x + j * kBlock + 16);
+    odd |= _mm512_fpclass_ps_mask(x0, 0x99) | _mm512_fpclass_ps_mask(x1, 0x99);
+    const float amax =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+    const float scale = amax / 127.0f;
+    int8_t* qb = q + j * kBlock;
+    if (scale > 0.0f) {
+      const __m512 sv = _mm512_set1_ps(scale);
+      auto codes = [&](__m512 v) {  // nearbyint(v / scale) clamped to [-127, 127], as int32
+        v = _mm512_roundscale_ps(_mm512_div_ps(v, sv), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+        return _mm512_cvttps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
+      };
+      const __m512i c0 = codes(x0), c1 = codes(x1);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(c0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(c1));
+      s[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+      d[j] = scale;
+    } else {
+      std::memset(qb, 0, kBlock);
+      s[j] = 0;
+      d[j] = 0.0f;
+    }
+  }
+  if (odd) quantize_row(x, k, q, d, s, nb);
+#else
+  quantize_row(x, k, q, d, s, nb);
+#endif
+}
+
 constexpr int L = Isa::L;
 constexpr int C = Isa::C;
 constexpr int64_t kStripRows = L;  // output channels per strip
@@ -205,40 +244,36 @@ struct XPanels {
   std::vector<int32_t> corr;
   int64_t rows = 0, groups = 0, nb = 0;
 
-  // Sizes the panels for rows [0, x.rows) of `x` (nb blocks each).
-  void resize(const QActs& x, int64_t nblocks) {
-    rows = x.rows;
+  // Sizes the panels for m rows of nb blocks.
+  void resize(int64_t m, int64_t nblocks) {
+    rows = m;
     nb = nblocks;
     groups = (rows + C - 1) / C;
     q.resize(groups * nb * C * kBlock);
     d.resize(groups * nb * C);
     corr.resize(groups * nb * C);
   }
-  // Fills groups [g0, g1) from `x`, for weights offset by `shift` (padding rows zero).
-  void fill(const QActs& x, int shift, int64_t g0, int64_t g1) {
+  // Quantises rows [g0 * C, g1 * C) of x (row stride ldx; padding rows past `rows` zero) into
+  // their groups, for weights offset by `shift`.
+  void fill(const float* x, int64_t ldx, int shift, int64_t g0, int64_t g1) {
+    std::vector<int8_t> rq(nb * kBlock);  // one quantised row
+    std::vector<float> rd(nb);
+    std::vector<int32_t> rs(nb);
     for (int64_t b = g0 * C; b < g1 * C; ++b) {
       const int64_t g = b / C, c = b % C;
-      if (b >= rows) {
-        for (int64_t slot = 0; slot < nb; ++slot) {
-          const int64_t at = (g * nb + slot) * C + c;
-          std::memset(q.data() + at * kBlock, 0, kBlock);
-          d[at] = 0.0f;
-          corr[at] = 0;
-        }
-        continue;
-      }
-      const QRow r = x.row(b);
+      const bool real = b < rows;
+      if (real) quantize_row_fast(x + b * ldx, nb * kBlock, rq.data(), rd.data(), rs.data());
       for_each_slot(nb, [&](int64_t j, int64_t slot) {
         const int64_t at = (g * nb + slot) * C + c;
-        std::memcpy(q.data() + at * kBlock, r.q + j * kBlock, kBlock);
-        d[at] = r.d[j];
-        corr[at] = -shift * r.s[j];
+        if (real) {
+          std::memcpy(q.data() + at * kBlock, rq.data() + j * kBlock, kBlock);
+        } else {
+          std::memset(q.data() + at * kBlock, 0, kBlock);
+        }
+        d[at] = real ? rd[j] : 0.0f;
+        corr[at] = real ? -shift * rs[j] : 0;
       });
     }
-  }
-  void build(const QActs& x, int64_t nblocks, int shift) {
-    resize(x, nblocks);
-    fill(x, shift, 0, groups);
   }
 };
 
@@ -436,9 +471,8 @@ constexpr int C = 1;
 constexpr int64_t kStripRows = 16;
 struct XPanels {
   int64_t groups = 0;
-  void resize(const QActs&, int64_t) {}
-  void fill(const QActs&, int, int64_t, int64_t) {}
-  void build(const QActs&, int64_t, int) {}
+  void resize(int64_t, int64_t) {}
+  void fill(const float*, int64_t, int, int64_t, int64_t) {}
 };
 inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }
 inline int64_t block_strips(int64_t) { return 1; }

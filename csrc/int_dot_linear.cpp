@@ -84,9 +84,9 @@ GemmSplit gemm_split(int64_t groups, int64_t n, int64_t k) {
 // `rows(q, lo, hi, out, ldo)`, which writes the products of weight rows [lo, hi) with every
 // quantised row of x (`row_bytes` sizes the parallel tasks); else from `block(xp, s0, s1, g0,
 // g1, out, ldo, scratch)`, which writes strips [s0, s1) for x groups [g0, g1) of the x panels
-// (built with `shift`, `gemm::XPanels`). The quantised rows, the x panels and the packed
-// strips live in buffers of the calling and worker threads, kept between calls (fresh pages
-// cost more than the copies).
+// (x quantised into them with `shift`, `gemm::XPanels`). The quantised rows, the x panels and
+// the packed strips live in buffers of the calling and worker threads, kept between calls
+// (fresh pages cost more than the copies).
 template <typename Rows, typename BlockFn>
 at::Tensor run(const at::Tensor& x_in, int64_t n, int64_t row_bytes, const at::Tensor& bias,
                int shift, Rows&& rows, BlockFn&& block) {
@@ -94,16 +94,15 @@ at::Tensor run(const at::Tensor& x_in, int64_t n, int64_t row_bytes, const at::T
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out.to(x_in.scalar_type());
-  static thread_local int_dot::QActs q_buf;
-  int_dot::QActs& q = q_buf;  // the calling thread's (a name in a worker is the worker's own)
-  quantize_x(x, q);
   float* o = out.data_ptr<float>();
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   if (int_dot::gemm::kAvailable && m >= int_dot::gemm::kMinRows) {
     static thread_local int_dot::gemm::XPanels xp_buf;
-    int_dot::gemm::XPanels& xp = xp_buf;
-    xp.resize(q, k / int_dot::kBlock);
-    at::parallel_for(0, xp.groups, 1, [&](int64_t g0, int64_t g1) { xp.fill(q, shift, g0, g1); });
+    int_dot::gemm::XPanels& xp = xp_buf;  // the calling thread's (in a worker, a worker's own)
+    xp.resize(m, k / int_dot::kBlock);
+    const float* xs = x.data_ptr<float>();
+    at::parallel_for(0, xp.groups, 1,
+                     [&](int64_t g0, int64_t g1) { xp.fill(xs, k, shift, g0, g1); });
     const GemmSplit sp = gemm_split(xp.groups, n, k);
     at::parallel_for(0, sp.blocks * sp.chunks, 1, [&](int64_t t0, int64_t t1) {
       // consecutive tasks of a block pack its strips once
@@ -124,6 +123,9 @@ at::Tensor run(const at::Tensor& x_in, int64_t n, int64_t row_bytes, const at::T
     });
     return out.to(x_in.scalar_type());
   }
+  static thread_local int_dot::QActs q_buf;
+  int_dot::QActs& q = q_buf;
+  quantize_x(x, q);
   const int64_t units = (n + kRowUnit - 1) / kRowUnit;
   const int64_t grain =
       std::max<int64_t>(1, kMinTaskBytes / std::max<int64_t>(kRowUnit * row_bytes, 1));
