@@ -8,7 +8,10 @@
 // vector holds that group of each of the L rows. One vpdpbusd of it with the broadcast group i
 // of an x row adds the 4 products of all L rows at once, so after the 8 groups of a block each
 // lane holds its row's exact block sum: no horizontal reduction. All rows of x then stream
-// through the strip, C at a time (the micro-kernel: C vectors of int32 block sums).
+// through the strip, C at a time (the micro-kernel: C vectors of int32 block sums). The rows of
+// x are quantised straight into panels of C rows (`XPanels`), interleaved in the order the
+// micro-kernel reads them. For long rows (a strip past L1) a block of strips meets each group
+// of x in turn (`block_strips`), so that the group is read from memory once per block.
 //
 // The float side is the contract of `int_dot.h`, lane by lane: block j's sum (converted to
 // float) times d_j (w4a8: times d_j * s_j) is added by a fused multiply-add into partial sum
@@ -25,7 +28,10 @@
 // sign: |w| times x with w's sign (at most 128 * 127 * 2 per pair), the 4-bit codes as above.
 //
 // The generic level has no GEMM (`kAvailable` false): the ops keep `rows_i8` / `rows_q4`. No
-// torch header; the ops in `int_dot_linear.cpp` split strips (and rows of x) over the threads.
+// torch header; the ops in `int_dot_linear.cpp` split blocks of strips (and groups of x) over
+// the threads. Measured on a 2-core Zen 4 (AVX512-VNNI), M = 512, one thread: 310-350 GOPS
+// (the rows path 95-115), 70% of vpdpbusd's peak; the fixed float order costs a cvt and an FMA
+// per block and x row (8 vpdpbusd), about 12%.
 #pragma once
 
 #include <algorithm>
