@@ -378,6 +378,27 @@ inline void strip_rows_of(int64_t n, int64_t index, int64_t (&rows)[L]) {
   for (int l = 0; l < L; ++l) rows[l] = std::min(index * L + l, n - 1);
 }
 
+// The 8 x 8 transpose of r (8 rows of 8 int32): dst[i * stride + l] = r[l][i].
+inline void transpose8_store(const __m256i (&r)[8], uint32_t* dst, int64_t stride) {
+  __m256i t[8], u[8];
+  for (int a = 0; a < 4; ++a) {  // t[2a]: r[2a], r[2a + 1] interleaved, lanes 0 1 | 4 5
+    t[2 * a] = _mm256_unpacklo_epi32(r[2 * a], r[2 * a + 1]);
+    t[2 * a + 1] = _mm256_unpackhi_epi32(r[2 * a], r[2 * a + 1]);  // lanes 2 3 | 6 7
+  }
+  for (int a = 0; a < 2; ++a) {  // u[4a + e]: rows 4a..4a + 3, lane e | e + 4
+    u[4 * a] = _mm256_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 1] = _mm256_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 2] = _mm256_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+    u[4 * a + 3] = _mm256_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e * stride),
+                        _mm256_permute2x128_si256(u[e], u[4 + e], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (e + 4) * stride),
+                        _mm256_permute2x128_si256(u[e], u[4 + e], 0x31));
+  }
+}
+
 // Packs strip `index` (weight rows [index * L, index * L + L) of n) of an int8 weight:
 // bytes w ^ 0x80 (= w + 128 unsigned) when `offset`, else w as they are.
 inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, bool offset, Strip& s) {
@@ -387,13 +408,15 @@ inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, bool offset, Stri
   int64_t rows[L];
   strip_rows_of(n, index, rows);
   for (int l = 0; l < L; ++l) s.scale[l] = w.scale[rows[l]];
-  const uint32_t flip = offset ? 0x80808080u : 0u;
+  const __m256i flip = _mm256_set1_epi8(offset ? static_cast<char>(0x80) : 0);
   for_each_slot(nb, [&](int64_t j, int64_t slot) {
-    uint32_t* dst = s.w.data() + slot * 8 * L;
-    for (int l = 0; l < L; ++l) {
-      uint32_t v[8];
-      std::memcpy(v, w.q + rows[l] * w.k + j * kBlock, kBlock);
-      for (int i = 0; i < 8; ++i) dst[i * L + l] = v[i] ^ flip;
+    for (int h = 0; h < L; h += 8) {
+      __m256i r[8];
+      for (int l = 0; l < 8; ++l) {
+        const int8_t* src = w.q + rows[h + l] * w.k + j * kBlock;
+        r[l] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), flip);
+      }
+      transpose8_store(r, s.w.data() + slot * 8 * L + h, L);
     }
   });
   s.index = index;
@@ -408,19 +431,20 @@ inline void pack_q4(const gemv::Q4Rows& w, int64_t n, int64_t index, Strip& s) {
   s.ws.resize(nb * L);
   int64_t rows[L];
   strip_rows_of(n, index, rows);
+  const __m128i low = _mm_set1_epi8(0x0F);
   for_each_slot(nb, [&](int64_t j, int64_t slot) {
-    uint32_t* dst = s.w.data() + slot * 8 * L;
-    for (int l = 0; l < L; ++l) {
-      uint32_t v[4];
-      std::memcpy(v, w.q + rows[l] * (w.k / 2) + j * (kBlock / 2), kBlock / 2);
-      for (int i = 0; i < 4; ++i) {
-        dst[i * L + l] = v[i] & 0x0F0F0F0Fu;
-        dst[(i + 4) * L + l] = (v[i] >> 4) & 0x0F0F0F0Fu;
+    for (int h = 0; h < L; h += 8) {
+      __m256i r[8];
+      for (int l = 0; l < 8; ++l) {
+        const uint8_t* src = w.q + rows[h + l] * (w.k / 2) + j * (kBlock / 2);
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+        r[l] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
       }
+      transpose8_store(r, s.w.data() + slot * 8 * L + h, L);
     }
-    alignas(32) uint16_t h[L];
-    for (int l = 0; l < L; ++l) h[l] = w.scales[rows[l] * nb + j];
-    Isa::halves(h, s.ws.data() + slot * L);
+    alignas(32) uint16_t hs[L];
+    for (int l = 0; l < L; ++l) hs[l] = w.scales[rows[l] * nb + j];
+    Isa::halves(hs, s.ws.data() + slot * L);
   });
   s.index = index;
 }
