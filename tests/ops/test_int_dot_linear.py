@@ -10,7 +10,9 @@
   rounding (2^-24 float32, 2^-8 bfloat16) of `|out|`. An activation code off by one would be
   `d * |w|`, far above it. The references (`w8a8_linear_ref`, float32 `F.linear` over K
   products) are held to `(K + 8) * 2^-24 * sum_i |x_i w_i|` (dequantised values).
-- A row's result does not depend on the other rows of the batch (bit for bit).
+- A row's result does not depend on the other rows of the batch (bit for bit): from 16 rows
+  the ops run a GEMM (`csrc/int_dot_gemm.h`, AVX2 / AVX-512), which must give each row the
+  bits the one-row path gives it, for any thread count.
 - Bad inputs; the same tests without VNNI (`VLLM_MAMBA_INT_DOT_VNNI=0`, a subprocess).
 """
 
@@ -101,7 +103,7 @@ def _one_hot_int4(k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("m", [1, 3, 9, 20])
 def test_kernels_quantise_x_as_the_reference(m: int) -> None:
     """One-hot weights read back each activation's `d * q` (one exact term per output)."""
     x = _x(m, 96, 2 + m)
@@ -139,7 +141,7 @@ def _weights(n: int, k: int, four_bit: bool, seed: int):  # noqa: ANN202
 
 @needs_kernel
 @pytest.mark.parametrize("four_bit", [False, True], ids=["w8a8", "w4a8"])
-@pytest.mark.parametrize("m", [1, 3, 9, 70])
+@pytest.mark.parametrize("m", [1, 3, 9, 17, 70])
 @pytest.mark.parametrize("k,n", [(32, 13), (64, 40), (1024, 21)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
@@ -174,6 +176,36 @@ def test_a_rows_result_does_not_depend_on_the_batch(four_bit: bool) -> None:
     for i in (0, 5, 33, 69):
         assert torch.equal(kernel(x[i : i + 1], qweight, scale, None), batched[i : i + 1])
     assert torch.equal(kernel(x[4:7], qweight, scale, None), batched[4:7])
+
+
+@needs_kernel
+@pytest.mark.parametrize("four_bit", [False, True], ids=["w8a8", "w4a8"])
+@pytest.mark.parametrize("m", [17, 64, 200])
+@pytest.mark.parametrize(
+    "k,n",
+    [(96, 16), (544, 37), (1024, 70)],  # 3 blocks, 17 (a partial group of 16), 32; N vs 16
+)
+def test_many_rows_equal_one_row_at_a_time(four_bit: bool, m: int, k: int, n: int) -> None:
+    """The many-row path (a GEMM from 16 rows) gives every row, bit for bit, what a call with
+    that row alone gives (the one-row path), with bias, at 1 and 2 threads; rows holding an
+    infinity or a NaN too (NaN where it gives NaN)."""
+    qweight, scale, _, _ = _weights(n, k, four_bit, m + k + n)
+    x = _x(m, k, m + k)
+    x[m // 2] = 0  # a row of zeros
+    x[m // 3, 5], x[m // 4, k - 1] = float("inf"), float("nan")  # rows the engine can't quantise
+    b = torch.randn(n, generator=torch.Generator().manual_seed(m))
+    kernel = torch.ops.vllm_mamba.w4a8_linear if four_bit else torch.ops.vllm_mamba.w8a8_linear
+    one = torch.cat([kernel(x[i : i + 1], qweight, scale, b) for i in range(m)])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got = kernel(x, qweight, scale, b)
+            torch.testing.assert_close(got, one, rtol=0, atol=0, equal_nan=True, msg=str(t))
+            finite = one.isfinite().all(1)
+            assert torch.equal(got[finite], one[finite]) and int(finite.sum()) >= m - 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernel
@@ -213,7 +245,8 @@ def test_the_kernels_without_vnni() -> None:
     if int_dot_instruction() != "vpdpbusd":
         pytest.skip("this CPU runs the maddubs kernels already (the tests above)")
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "(exact_products and 1024 and dtype0 and not 70) or quantise_x or batch"]
+    select = "(exact_products and 1024 and dtype0 and not 70) or quantise_x or batch"
+    cmd += ["-k", select + " or (many_rows and not 1024)"]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

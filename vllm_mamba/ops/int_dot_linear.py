@@ -13,10 +13,11 @@ rounds. The references compute the same values in float32 from the dequantised a
 (`dequantize_activations_q8`) and weights, and differ from the kernels only by that rounding.
 
 The C++ kernels (`csrc/int_dot.h`, `csrc/int_dot_linear.cpp`: `torch.ops.vllm_mamba.w8a8_linear`
-/ `w4a8_linear`) run one path for every number of rows, so a row's result does not depend on the
-batch; K must be a multiple of 32 (`int_dot_supported`). They multiply with AVX512-VNNI /
-AVX-VNNI where the CPU has it, unless `VLLM_MAMBA_INT_DOT_VNNI=0` (read once per process by the
-kernels), which runs the AVX-512BW / AVX2 kernels instead (`int_dot_instruction`).
+/ `w4a8_linear`; from 16 rows a cache-blocked GEMM, `csrc/int_dot_gemm.h`) add each row's block
+terms in one fixed order whatever the number of rows, so a row's result does not depend on the
+batch, bit for bit; K must be a multiple of 32 (`int_dot_supported`). They multiply with
+AVX512-VNNI / AVX-VNNI where the CPU has it, unless `VLLM_MAMBA_INT_DOT_VNNI=0` (read once per
+process by the kernels), which runs the AVX-512BW / AVX2 kernels instead (`int_dot_instruction`).
 
 Glossary: M rows of x, K input features, N output features, NB = K / 32 blocks.
 """

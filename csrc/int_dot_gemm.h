@@ -1,0 +1,520 @@
+// Integer dot products for many rows of x (prefill): a cache-blocked GEMM with the numerics of
+// `int_dot.h` (every output bit for bit what `int_dot::rows_i8` / `rows_q4` give, so a row's
+// result still never depends on the batch).
+//
+// The weight goes in strips of L output channels (16 on AVX-512, 8 on AVX2). A strip is
+// repacked once per call into a scratch buffer (L1 / L2-resident: L rows x K bytes) with its
+// rows interleaved by 4-byte groups: for block j and group i (bytes 4i..4i+3 of the block), one
+// vector holds that group of each of the L rows. One vpdpbusd of it with the broadcast group i
+// of an x row adds the 4 products of all L rows at once, so after the 8 groups of a block each
+// lane holds its row's exact block sum: no horizontal reduction. All rows of x then stream
+// through the strip, C at a time (the micro-kernel: C vectors of int32 block sums). The rows of
+// x are quantised straight into panels of C rows (`XPanels`), interleaved in the order the
+// micro-kernel reads them. For long rows (a strip past L1) a block of strips meets each group
+// of x in turn (`block_strips`), so that the group is read from memory once per block.
+//
+// The float side is the contract of `int_dot.h`, lane by lane: block j's sum (converted to
+// float) times d_j (w4a8: times d_j * s_j) is added by a fused multiply-add into partial sum
+// p = j % 16, the padding blocks of the last group of 16 add +0, and the 16 partials are added
+// as the same tree (p_i + p_(i+8), then + 4, + 2, + 1), then times the row scale (w8a8). The
+// micro-kernel computes the partials in registers two at a time (p and p + 8, whose sum is the
+// tree's first level), the pairs in the order 0 4 2 6 1 5 3 7, so that the tree's other levels
+// complete as soon as their operands do (a stack of 3 vectors per x row in memory).
+//
+// vpdpbusd multiplies unsigned bytes (the register operand) by signed bytes (the broadcast x):
+// the packed int8 weight is w + 128 (w ^ 0x80) and 128 * sum(q) of the x block is subtracted,
+// the packed 4-bit code is c + 8 and 8 * sum(q) is subtracted (both exact in int32). Without
+// VNNI (vpmaddubsw + vpmaddwd, whose pair sums saturate at int16) the int8 weight keeps its
+// sign: |w| times x with w's sign (at most 128 * 127 * 2 per pair), the 4-bit codes as above.
+//
+// The generic level has no GEMM (`kAvailable` false): the ops keep `rows_i8` / `rows_q4`. No
+// torch header; the ops in `int_dot_linear.cpp` split blocks of strips (and groups of x) over
+// the threads. Measured on a 2-core Zen 4 (AVX512-VNNI), M = 512, one thread: 310-350 GOPS
+// (the rows path 95-115), 70% of vpdpbusd's peak; the fixed float order costs a cvt and an FMA
+// per block and x row (8 vpdpbusd), about 12%.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemv.h"
+#include "int_dot.h"
+#include "vec.h"
+
+namespace vllm_mamba {
+namespace int_dot {
+namespace gemm {
+
+constexpr int64_t kMinRows = 16;  // rows of x from which the ops take the GEMM
+
+// A packed strip of L weight rows: `w` holds, for the block in position `slot` (`for_each_slot`),
+// group i and lane l, the 4 bytes w[(slot * 8 + i) * L + l]; `ws` (4-bit) the group scales as
+// float32 at [slot * L + l]; `scale` (int8) the row scales at [l]. The lanes past the weight's
+// N repeat its last row (computed, never stored).
+struct Strip {
+  std::vector<uint32_t> w;
+  std::vector<float> ws, scale;
+  int64_t index = -1;  // the strip packed here, -1 for none
+};
+
+// How the micro-kernel multiplies bytes: vpdpbusd on unsigned (offset) weights, vpmaddubsw +
+// vpmaddwd on unsigned 4-bit codes, or on |w| with w's sign moved to x (int8 without VNNI).
+enum class Mul { kVnni, kMaddubs, kMaddubsSigned };
+
+#if defined(VLLM_MAMBA_VEC_AVX512) || defined(VLLM_MAMBA_VEC_AVX2)
+constexpr bool kAvailable = true;
+
+#if defined(VLLM_MAMBA_VEC_AVX512)
+
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+// The vector operations of the micro-kernel on AVX-512: 16 lanes.
+struct Isa {
+  static constexpr int L = 16;  // weight rows per strip
+  static constexpr int C = 8;   // rows of x per micro-kernel: 3C + 4 of the 32 registers
+  using I = __m512i;
+  using F = __m512;
+  struct W {  // a loaded weight vector, ready for `dot`
+    I u;      // the unsigned bytes
+    __mmask64 neg;  // kMaddubsSigned: the bytes whose weight is negative
+  };
+
+  static I zero() { return _mm512_setzero_si512(); }
+  static I set1i(int32_t v) { return _mm512_set1_epi32(v); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  template <Mul kMul>
+  static W load_w(const uint32_t* p) {
+    const I v = _mm512_loadu_si512(p);
+    if constexpr (kMul == Mul::kMaddubsSigned) return {_mm512_abs_epi8(v), _mm512_movepi8_mask(v)};
+    return {v, 0};
+  }
+  // acc + the sums of 4 products (unsigned w bytes, signed x bytes) per int32 lane
+  template <Mul kMul>
+  static I dot(I acc, const W& w, I x) {
+    if constexpr (kMul == Mul::kVnni) {
+      return _mm512_dpbusd_epi32(acc, w.u, x);
+    } else {
+      if constexpr (kMul == Mul::kMaddubsSigned) {
+        x = _mm512_mask_sub_epi8(x, w.neg, _mm512_setzero_si512(), x);
+      }
+      const I pairs = _mm512_maddubs_epi16(w.u, x);
+      return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+    }
+  }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static void store_n(float* p, F v, int n) {  // the first n (0..L) lanes
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), v);
+  }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  // packing: L float16 values (raw bits) widened as `row_q4` does
+  static void halves(const uint16_t* h, float* out) {
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))));
+  }
+};
+
+#else  // AVX2
+
+#pragma GCC push_options
+#pragma GCC target("avxvnni")
+// The vector operations of the micro-kernel on AVX2: 8 lanes.
+struct Isa {
+  static constexpr int L = 8;
+  static constexpr int C = 3;  // 3C + 4 of the 16 registers
+  using I = __m256i;
+  using F = __m256;
+  struct W {
+    I u;  // the unsigned bytes
+    I s;  // kMaddubsSigned: the signed weight bytes, whose signs move to x
+  };
+
+  static I zero() { return _mm256_setzero_si256(); }
+  static I set1i(int32_t v) { return _mm256_set1_epi32(v); }
+  static I bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  template <Mul kMul>
+  static W load_w(const uint32_t* p) {
+    const I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (kMul == Mul::kMaddubsSigned) return {_mm256_abs_epi8(v), v};
+    return {v, v};
+  }
+  template <Mul kMul>
+  static I dot(I acc, const W& w, I x) {
+    if constexpr (kMul == Mul::kVnni) {
+      return _mm256_dpbusd_avx_epi32(acc, w.u, x);
+    } else {
+      if constexpr (kMul == Mul::kMaddubsSigned) x = _mm256_sign_epi8(x, w.s);
+      const I pairs = _mm256_maddubs_epi16(w.u, x);
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+  }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static void store_n(float* p, F v, int n) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    std::memcpy(p, t, static_cast<size_t>(n) * sizeof(float));
+  }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void halves(const uint16_t* h, float* out) {
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+  }
+};
+
+#endif
+
+// Quantises x[:k] (k a multiple of 32) into q (k codes), d and s (k / 32 blocks) as
+// `quantize_row` does (its float operations, vectorised: the same bits for finite x); a row
+// holding an infinity or a NaN goes through `quantize_row` itself.
+inline void quantize_row_fast(const float* x, int64_t k, int8_t* q, float* d, int32_t* s) {
+  const int64_t nb = k / kBlock;
+#if defined(VLLM_MAMBA_VEC_AVX512)
+  const __m512 sign = _mm512_set1_ps(-0.0f), lo = _mm512_set1_ps(-127.0f),
+               hi = _mm512_set1_ps(127.0f);
+  __mmask16 odd = 0;  // lanes that met an infinity or a NaN
+  for (int64_t j = 0; j < nb; ++j) {
+    const __m512 x0 = _mm512_loadu_ps(x + j * kBlock), x1 = _mm512_loadu_ps(x + j * kBlock + 16);
+    odd |= _mm512_fpclass_ps_mask(x0, 0x99) | _mm512_fpclass_ps_mask(x1, 0x99);
+    const float amax =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+    const float scale = amax / 127.0f;
+    int8_t* qb = q + j * kBlock;
+    if (scale > 0.0f) {
+      const __m512 sv = _mm512_set1_ps(scale);
+      auto codes = [&](__m512 v) {  // nearbyint(v / scale) clamped to [-127, 127], as int32
+        v = _mm512_roundscale_ps(_mm512_div_ps(v, sv), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+        return _mm512_cvttps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
+      };
+      const __m512i c0 = codes(x0), c1 = codes(x1);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(c0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(c1));
+      s[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+      d[j] = scale;
+    } else {
+      std::memset(qb, 0, kBlock);
+      s[j] = 0;
+      d[j] = 0.0f;
+    }
+  }
+  if (odd) quantize_row(x, k, q, d, s, nb);
+#else
+  quantize_row(x, k, q, d, s, nb);
+#endif
+}
+
+constexpr int L = Isa::L;
+constexpr int C = Isa::C;
+constexpr int64_t kStripRows = L;  // output channels per strip
+
+// The pairs of partial sums (p, p + 8) in the order the micro-kernel computes them.
+constexpr int kPairOrder[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+
+// The order of a strip's blocks (`slot`), the micro-kernel's: by pair (`kPairOrder`), then
+// partial sum p (the pair's first, then + 8), then block (p, p + 16, ...). `f(j, slot)` for
+// each block j < nb.
+template <typename Fn>
+inline void for_each_slot(int64_t nb, Fn&& f) {
+  int64_t slot = 0;
+  for (int a : kPairOrder)
+    for (int64_t p = a; p < kGroup; p += kGroup / 2)
+      for (int64_t j = p; j < nb; j += kGroup) f(j, slot++);
+}
+
+// The rows of x in groups of C (the last padded with zero rows), each group interleaved by
+// block in the micro-kernel's order (`for_each_slot`), so that it reads them in order: for
+// group g, the block in position `slot`, row c: codes q[((g * nb + slot) * C + c) * 32 + ...],
+// scale d[(g * nb + slot) * C + c] and the block's correction corr[...] = -shift * sum(q) (the
+// weights' offset times the x codes, `Strip`).
+struct XPanels {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> corr;
+  int64_t rows = 0, groups = 0, nb = 0;
+
+  // Sizes the panels for m rows of nb blocks.
+  void resize(int64_t m, int64_t nblocks) {
+    rows = m;
+    nb = nblocks;
+    groups = (rows + C - 1) / C;
+    q.resize(groups * nb * C * kBlock);
+    d.resize(groups * nb * C);
+    corr.resize(groups * nb * C);
+  }
+  // Quantises rows [g0 * C, g1 * C) of x (row stride ldx; padding rows past `rows` zero) into
+  // their groups, for weights offset by `shift`.
+  void fill(const float* x, int64_t ldx, int shift, int64_t g0, int64_t g1) {
+    std::vector<int8_t> rq(nb * kBlock);  // one quantised row
+    std::vector<float> rd(nb);
+    std::vector<int32_t> rs(nb);
+    for (int64_t b = g0 * C; b < g1 * C; ++b) {
+      const int64_t g = b / C, c = b % C;
+      const bool real = b < rows;
+      if (real) quantize_row_fast(x + b * ldx, nb * kBlock, rq.data(), rd.data(), rs.data());
+      for_each_slot(nb, [&](int64_t j, int64_t slot) {
+        const int64_t at = (g * nb + slot) * C + c;
+        if (real) {
+          std::memcpy(q.data() + at * kBlock, rq.data() + j * kBlock, kBlock);
+        } else {
+          std::memset(q.data() + at * kBlock, 0, kBlock);
+        }
+        d[at] = real ? rd[j] : 0.0f;
+        corr[at] = real ? -shift * rs[j] : 0;
+      });
+    }
+  }
+};
+
+// The micro-kernel: x group g (its first `rows` rows real) times one packed strip; writes
+// out[(g * C + c) * ldo + l] for c < rows and the strip's first `cols` (1..L) channels l.
+// kQ4: the strip holds 4-bit codes + 8 and group scales, else int8 weights and row scales.
+// kCorr: the weights are offset (the x panels hold the corrections), else not (kMaddubsSigned).
+template <Mul kMul, bool kQ4, bool kCorr>
+void micro(const Strip& s, const XPanels& x, int64_t g, int rows, float* out, int64_t ldo,
+           int cols) {
+  using I = Isa::I;
+  using F = Isa::F;
+  const int64_t nb = x.nb;
+  const int64_t tail = nb % kGroup == 0 ? kGroup : nb % kGroup;  // partials p >= tail: + 0
+  // the strip's and the x group's blocks, in order (`for_each_slot`)
+  const uint32_t* wj = s.w.data();
+  const float* wsj = s.ws.data();
+  const int8_t* xj = x.q.data() + g * nb * C * kBlock;
+  const float* xd = x.d.data() + g * nb * C;
+  const int32_t* xc = x.corr.data() + g * nb * C;
+  // f (C vectors) = partial sum p: blocks p, p + 16, ... (the next in order)
+  auto chain = [&](int64_t p, F* f) __attribute__((always_inline)) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) f[c] = Isa::zerof();
+    for (int64_t j = p; j < nb;
+         j += kGroup, wj += 8 * L, wsj += L, xj += C * kBlock, xd += C, xc += C) {
+      I acc[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[c] = kCorr ? Isa::set1i(xc[c]) : Isa::zero();
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const typename Isa::W w = Isa::load_w<kMul>(wj + i * L);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c)
+          acc[c] = Isa::dot<kMul>(acc[c], w, Isa::bcast4(xj + c * kBlock + 4 * i));
+      }
+      F ws;
+      if constexpr (kQ4) ws = Isa::load(wsj);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const F d = Isa::set1(xd[c]);
+        const F sc = kQ4 ? Isa::mul(d, ws) : d;
+        f[c] = Isa::fmadd(Isa::cvt(acc[c]), sc, f[c]);
+      }
+    }
+    if (p >= tail) {
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) f[c] = Isa::add(f[c], Isa::zerof());
+    }
+  };
+  alignas(64) float stack[3][C][L];  // the tree's pending sums of levels 2, 3, 4
+  for (int k = 0; k < kGroup / 2; ++k) {
+    F lo[C], hi[C];
+    chain(kPairOrder[k], lo);
+    chain(kPairOrder[k] + kGroup / 2, hi);
+    // the tree: level 1 (p + (p + 8)) here, levels 2, 3, 4 with the pending sums
+    int level = 0;
+    while (level < 3 && (k >> level & 1)) ++level;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      F v = Isa::add(lo[c], hi[c]);
+      for (int e = 0; e < level; ++e) v = Isa::add(Isa::load(stack[e][c]), v);
+      if (level < 3) {
+        Isa::store(stack[level][c], v);
+      } else if (c < rows) {
+        if constexpr (!kQ4) v = Isa::mul(v, Isa::load(s.scale.data()));
+        float* o = out + (g * C + c) * ldo;
+        if (cols == L) {
+          Isa::store(o, v);
+        } else {
+          Isa::store_n(o, v, cols);
+        }
+      }
+    }
+  }
+}
+
+// x groups [g0, g1) times the packed strips [s0, s1) of n output channels (`s[i]`: strip
+// s0 + i), a group at a time against every strip of the block.
+template <Mul kMul, bool kQ4, bool kCorr>
+void block_groups(const std::vector<Strip>& s, int64_t s0, int64_t s1, int64_t n,
+                  const XPanels& x, int64_t g0, int64_t g1, float* out, int64_t ldo) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const int rows = static_cast<int>(std::min<int64_t>(C, x.rows - g * C));
+    for (int64_t i = s0; i < s1; ++i) {
+      const int cols = static_cast<int>(std::min<int64_t>(L, n - i * L));
+      micro<kMul, kQ4, kCorr>(s[i - s0], x, g, rows, out + i * L, ldo, cols);
+    }
+  }
+}
+#pragma GCC pop_options
+
+// The weight rows of strip `index` (of n): row index * L + l, or the last row for the lanes
+// past n (computed, never stored).
+inline void strip_rows_of(int64_t n, int64_t index, int64_t (&rows)[L]) {
+  for (int l = 0; l < L; ++l) rows[l] = std::min(index * L + l, n - 1);
+}
+
+// The 8 x 8 transpose of r (8 rows of 8 int32): dst[i * stride + l] = r[l][i].
+inline void transpose8_store(const __m256i (&r)[8], uint32_t* dst, int64_t stride) {
+  __m256i t[8], u[8];
+  for (int a = 0; a < 4; ++a) {  // t[2a]: r[2a], r[2a + 1] interleaved, lanes 0 1 | 4 5
+    t[2 * a] = _mm256_unpacklo_epi32(r[2 * a], r[2 * a + 1]);
+    t[2 * a + 1] = _mm256_unpackhi_epi32(r[2 * a], r[2 * a + 1]);  // lanes 2 3 | 6 7
+  }
+  for (int a = 0; a < 2; ++a) {  // u[4a + e]: rows 4a..4a + 3, lane e | e + 4
+    u[4 * a] = _mm256_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 1] = _mm256_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 2] = _mm256_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+    u[4 * a + 3] = _mm256_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e * stride),
+                        _mm256_permute2x128_si256(u[e], u[4 + e], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (e + 4) * stride),
+                        _mm256_permute2x128_si256(u[e], u[4 + e], 0x31));
+  }
+}
+
+// Packs strip `index` (weight rows [index * L, index * L + L) of n) of an int8 weight:
+// bytes w ^ 0x80 (= w + 128 unsigned) when `offset`, else w as they are.
+inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, bool offset, Strip& s) {
+  const int64_t nb = w.k / kBlock;
+  s.w.resize(nb * L * 8);
+  s.scale.resize(L);
+  int64_t rows[L];
+  strip_rows_of(n, index, rows);
+  for (int l = 0; l < L; ++l) s.scale[l] = w.scale[rows[l]];
+  const __m256i flip = _mm256_set1_epi8(offset ? static_cast<char>(0x80) : 0);
+  for_each_slot(nb, [&](int64_t j, int64_t slot) {
+    for (int h = 0; h < L; h += 8) {
+      __m256i r[8];
+      for (int l = 0; l < 8; ++l) {
+        const int8_t* src = w.q + rows[h + l] * w.k + j * kBlock;
+        r[l] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), flip);
+      }
+      transpose8_store(r, s.w.data() + slot * 8 * L + h, L);
+    }
+  });
+  s.index = index;
+}
+
+// Packs strip `index` of a 4-bit weight: the codes c + 8 (one byte each, in the order of the
+// block's 32 activations: byte i of a block holds activation i in its low nibble, i + 16 in
+// its high one) and the group scales as float32.
+inline void pack_q4(const gemv::Q4Rows& w, int64_t n, int64_t index, Strip& s) {
+  const int64_t nb = w.k / kBlock;
+  s.w.resize(nb * L * 8);
+  s.ws.resize(nb * L);
+  int64_t rows[L];
+  strip_rows_of(n, index, rows);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for_each_slot(nb, [&](int64_t j, int64_t slot) {
+    for (int h = 0; h < L; h += 8) {
+      __m256i r[8];
+      for (int l = 0; l < 8; ++l) {
+        const uint8_t* src = w.q + rows[h + l] * (w.k / 2) + j * (kBlock / 2);
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+        r[l] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+      }
+      transpose8_store(r, s.w.data() + slot * 8 * L + h, L);
+    }
+    alignas(32) uint16_t hs[L];
+    for (int l = 0; l < L; ++l) hs[l] = w.scales[rows[l] * nb + j];
+    Isa::halves(hs, s.ws.data() + slot * L);
+  });
+  s.index = index;
+}
+
+inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }
+
+// What the packed weights add per product: 128 (int8 with VNNI: w + 128), 0 (int8 without),
+// 8 (4-bit codes c + 8); the x panels' corrections are -shift * sum(q).
+inline int i8_shift() { return has_vnni() ? 128 : 0; }
+constexpr int kQ4Shift = 8;
+
+// Strips per block (`block_i8` / `block_q4`) for K input features: 1 while a strip (L * K
+// bytes) stays in L1 beside a group of x, else as many as about 256 KiB of L2 hold (up to 8),
+// so that a group of x is read from memory once per block instead of once per strip.
+inline int64_t block_strips(int64_t k) {
+  const int64_t bytes = L * k;
+  return bytes <= (24 << 10) ? 1 : std::clamp<int64_t>((256 << 10) / bytes, 1, 8);
+}
+
+// out[b * ldo + r] = the w8a8 product of int8 weight row r and quantised x row b, for the rows
+// r of strips [s0, s1) (of n rows) and the rows b of x groups [g0, g1) (`XPanels` built with
+// `i8_shift()`); `s` is the caller's scratch, strip s0 + i in s[i] (repacked unless it holds
+// that strip already).
+inline void block_i8(const I8Rows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
+                     int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s) {
+  const bool vnni = has_vnni();
+  if (static_cast<int64_t>(s.size()) < s1 - s0) s.resize(s1 - s0);
+  for (int64_t i = s0; i < s1; ++i)
+    if (s[i - s0].index != i) pack_i8(w, n, i, vnni, s[i - s0]);
+  if (vnni) {
+    block_groups<Mul::kVnni, false, true>(s, s0, s1, n, x, g0, g1, out, ldo);
+  } else {
+    block_groups<Mul::kMaddubsSigned, false, false>(s, s0, s1, n, x, g0, g1, out, ldo);
+  }
+}
+
+// The same for a 4-bit weight (`gemv::Q4Rows`, `XPanels` built with kQ4Shift): the w4a8 product.
+inline void block_q4(const gemv::Q4Rows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
+                     int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s) {
+  if (static_cast<int64_t>(s.size()) < s1 - s0) s.resize(s1 - s0);
+  for (int64_t i = s0; i < s1; ++i)
+    if (s[i - s0].index != i) pack_q4(w, n, i, s[i - s0]);
+  if (has_vnni()) {
+    block_groups<Mul::kVnni, true, true>(s, s0, s1, n, x, g0, g1, out, ldo);
+  } else {
+    block_groups<Mul::kMaddubs, true, true>(s, s0, s1, n, x, g0, g1, out, ldo);
+  }
+}
+
+#else  // generic (and NEON): no GEMM, the ops keep rows_i8 / rows_q4
+
+constexpr bool kAvailable = false;
+constexpr int C = 1;
+constexpr int64_t kStripRows = 16;
+struct XPanels {
+  int64_t groups = 0;
+  void resize(int64_t, int64_t) {}
+  void fill(const float*, int64_t, int, int64_t, int64_t) {}
+};
+inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }
+inline int64_t block_strips(int64_t) { return 1; }
+inline int i8_shift() { return 0; }
+constexpr int kQ4Shift = 8;
+inline void block_i8(const I8Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t, int64_t,
+                     float*, int64_t, std::vector<Strip>&) {}
+inline void block_q4(const gemv::Q4Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t,
+                     int64_t, float*, int64_t, std::vector<Strip>&) {}
+
+#endif
+
+}  // namespace gemm
+}  // namespace int_dot
+}  // namespace vllm_mamba
