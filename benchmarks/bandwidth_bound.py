@@ -62,13 +62,14 @@ def _moe_fraction(config: object) -> float:
 
 def module_bytes_per_token(model: nn.Module, config: object = None) -> int:
     """Bytes of `model`'s parameters and persistent buffers that one decode step reads, each
-    storage once: storages only `nn.Embedding` modules hold (a lookup reads one row) are left
-    out; a tied output head shares the embedding's storage and so counts it. Tensors under a
-    module path containing `experts` (not `shared_expert`) count `top_k / num_experts` of their
-    bytes, from `config` (default `model.config`)."""
+    tensor once (tensors are keyed by their first byte and size, not their storage: the engine
+    packs many weights into one huge-page arena, and stacks MoE experts into one tensor whose
+    rows the experts' weights view): tensors only `nn.Embedding` modules hold (a lookup reads
+    one row) are left out; a tied output head shares the embedding's tensor and so counts it.
+    Tensors under a module path containing `experts` (not `shared_expert`) count
+    `top_k / num_experts` of their bytes, from `config` (default `model.config`)."""
     fraction = _moe_fraction(config if config is not None else getattr(model, "config", None))
-    holders: dict[int, list[tuple[str, nn.Module]]] = {}  # storage -> (tensor name, module)
-    sizes: dict[int, int] = {}
+    holders: dict[tuple[int, int], list[tuple[str, nn.Module]]] = {}  # tensor -> users
     for module_name, module in model.named_modules():
         persistent = [
             (n, b) for n, b in module.named_buffers(recurse=False)
@@ -77,16 +78,14 @@ def module_bytes_per_token(model: nn.Module, config: object = None) -> int:
         for name, tensor in [*module.named_parameters(recurse=False), *persistent]:
             if tensor is None or tensor.device.type == "meta":
                 continue
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            sizes[key] = storage.nbytes()
+            key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
             holders.setdefault(key, []).append((f"{module_name}.{name}", module))
     total = 0.0
-    for key, users in holders.items():
+    for (_, nbytes), users in holders.items():
         if all(isinstance(m, nn.Embedding) for _, m in users):
             continue
         routed = all("experts" in n and "shared_expert" not in n for n, _ in users)
-        total += sizes[key] * (fraction if routed else 1.0)
+        total += nbytes * (fraction if routed else 1.0)
     return int(total)
 
 
