@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from vllm_mamba.config import ONE_RANK_QUANTIZATION, recorded_quantization
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.moe import stack_experts
 from vllm_mamba.layers.packed_weights import install_packed_weights, packed_of
 from vllm_mamba.layers.parallel_linear import named_shards
 from vllm_mamba.layers.quantization import QuantizationReport, quantize_model
@@ -307,5 +308,6 @@ def build_model(
     if method is not None:
         report = _quietly(quantize_model, model, get_mamba_ops(device), method)
         _log_quantization(method, report, stream.reports if stream is not None else [])
+    stack_experts(model)  # the MoE experts as the fused kernel reads them, in place
     move_to_huge_pages(model)  # on the CPU: decode streams every weight each step
     return model.eval().requires_grad_(False), arch

@@ -123,3 +123,35 @@ def test_stacked_experts_are_the_layers_weights() -> None:
     again = [layer.ffn_plan.step for layer in planned_layers(model) if layer.ffn_plan]
     for a, b in zip(again, steps, strict=True):
         assert a is not b and a.params[gate_up_i] is b.params[gate_up_i]
+
+
+def _dead_bytes(model: torch.nn.Module) -> int:
+    """Bytes inside the span of each storage the model's tensors use that no tensor covers."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        start = t.data_ptr()
+        spans.setdefault(t.untyped_storage().data_ptr(), []).append(
+            (start, start + t.numel() * t.element_size())
+        )
+    dead = 0
+    for intervals in spans.values():
+        intervals.sort()
+        covered, end = 0, intervals[0][0]
+        for a, b in intervals:
+            covered += max(0, b - max(a, end))
+            end = max(end, b)
+        dead += end - intervals[0][0] - covered
+    return dead
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_experts_are_held_once(quantization: str | None) -> None:
+    """The experts are stacked at load, before the weights move to their final memory, so the
+    plan views them: no copy of every expert left behind (dead bytes between the live weights
+    were the experts' size before)."""
+    model = _llm("qwen3-next-moe", quantization).llm_engine.model
+    experts = sum(
+        p.numel() * p.element_size()
+        for m in model.modules() if isinstance(m, ExpertList) for p in m.parameters()
+    )  # fmt: skip
+    assert experts > 0 and _dead_bytes(model) < experts // 8

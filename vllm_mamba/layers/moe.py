@@ -277,17 +277,25 @@ def _stack(
     them (see `ExpertList.stacked`)."""
     num = len(found)
 
-    def stack(parts: list[torch.Tensor]) -> torch.Tensor:
-        out = torch.empty((num, *parts[0].shape), dtype=parts[0].dtype)
-        for e, part in enumerate(parts):
-            out[e].copy_(part)
+    def stack(parts: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """`(E, rows, ...)`: each expert's parts one after another; a view where they already
+        lie so in one storage (stacked at load: `stack_experts`), else a copy."""
+        view = _stacked_view(parts)
+        if view is not None:
+            return view
+        first = parts[0][0]
+        out = torch.empty(
+            (num, sum(t.shape[0] for t in parts[0]), *first.shape[1:]), dtype=first.dtype
+        )
+        for e, group in enumerate(parts):
+            torch.cat(group, out=out[e])
         return out
 
-    gate_up = stack([torch.cat([f[0][0], f[1][0]]) for f in found])  # (E, 2F, ...)
-    down = stack([f[2][0] for f in found])  # (E, H, ...)
+    gate_up = stack([(f[0][0], f[1][0]) for f in found])  # (E, 2F, ...)
+    down = stack([(f[2][0],) for f in found])  # (E, H, ...)
     quantised = found[0][0][1] is not None
-    gu_scale = stack([torch.cat([f[0][1], f[1][1]]) for f in found]) if quantised else None
-    dn_scale = stack([f[2][1] for f in found]) if quantised else None
+    gu_scale = stack([(f[0][1], f[1][1]) for f in found]) if quantised else None
+    dn_scale = stack([(f[2][1],) for f in found]) if quantised else None
     inter = gate_up.shape[1] // 2
     for e, mlp in enumerate(experts):
         views = (
@@ -308,6 +316,40 @@ def _stack(
         act_code(experts[0].act),
         int_dot,
     )  # type: ignore[arg-type]
+
+
+def _stacked_view(parts: list[tuple[torch.Tensor, ...]]) -> torch.Tensor | None:
+    """`(E, rows, ...)` over the storage the experts' parts (E groups of contiguous tensors of
+    one dtype and trailing shape) already share, where they lie in it as a stack would: each
+    group's tensors one after another, the groups one after another; else None."""
+    first = parts[0][0]
+    storage, base = first.untyped_storage(), first.storage_offset()
+    rest = first.shape[1:]
+    step = sum(t.numel() for t in parts[0])
+    for e, group in enumerate(parts):
+        offset = base + e * step
+        for t in group:
+            if (
+                t.untyped_storage().data_ptr() != storage.data_ptr()
+                or t.dtype != first.dtype
+                or t.shape[1:] != rest
+                or not t.is_contiguous()
+                or t.storage_offset() != offset
+            ):
+                return None
+            offset += t.numel()
+    rows = sum(t.shape[0] for t in parts[0])
+    return torch.empty(0, dtype=first.dtype).set_(storage, base, (len(parts), rows, *rest))
+
+
+def stack_experts(model: nn.Module) -> None:
+    """Stacks every `ExpertList`'s weights once at load (`ExpertList.stacked`), before the
+    weights move to their final memory: the experts' `Linear`s then view one stacked tensor,
+    so the fused decode plan later views it too instead of copying every expert (which kept
+    the loaded copies alive beside the stack: twice the experts' memory)."""
+    for module in model.modules():
+        if isinstance(module, ExpertList):
+            module.stacked()
 
 
 class StackedGatedExperts(nn.Module):
