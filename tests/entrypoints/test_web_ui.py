@@ -110,13 +110,21 @@ def test_web_ui_chats_streams_and_stops(tmp_path: Path) -> None:
         assert page.eval("document.getElementById('input').value") == "too long"
         assert not page.eval("document.getElementById('send').disabled")
 
-        # Stop aborts a long generation: the text stops growing and Send works again.
+        # Stop aborts a long generation: the text stops growing and Send works again. A reply
+        # that ends by itself before the click lands (the random tiny model reaching its EOS
+        # token: seen in full parallel runs, where the server's thread count changes its
+        # numerics) is a race, not Stop failing: then another prompt, at most three.
         _set_settings(page, max_tokens=str(MAX_MODEL_LEN - 200))
-        page.type_into("#input", "Tell me a long story.")
-        page.click("#send")
-        page.wait_for(f"{LAST_ASSISTANT}.querySelector('.content').textContent.length > 0")
-        page.click("#stop")
-        assert _wait_reply(page, 5) == "stopped"
+        for attempt in range(1, 4):
+            page.type_into("#input", f"Tell me a long story, part {attempt}.")
+            page.click("#send")
+            page.wait_for(f"{LAST_ASSISTANT}.querySelector('.content').textContent.length > 0")
+            page.click("#stop")
+            state = _wait_reply(page, 5)
+            if state == "stopped":
+                break
+            assert state == "stop", "the reply neither stopped nor ended on its EOS token"
+        assert state == "stopped"
         stopped_at = _assistant_text(page)
         assert stopped_at
         time.sleep(1.0)
@@ -136,7 +144,7 @@ def test_web_ui_chats_streams_and_stops(tmp_path: Path) -> None:
         page.click("#send")
         assert _wait_reply(page) in ("length", "stop")
         roles = page.eval("[...document.querySelectorAll('.msg')].map(m => m.classList[1])")
-        assert roles == ["user", "assistant", "user", "assistant", "user", "assistant"]
+        assert roles == ["user", "assistant"] * (2 + attempt)
 
         shot = tmp_path / "web_ui.png"
         page.screenshot(str(shot))
