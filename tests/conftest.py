@@ -16,7 +16,9 @@ machine: two workers of two threads each on two cores would make every kernel ba
 for a parked thread.
 
 Tiny checkpoints of every family come from the one registry, `tests.tiny_models` (by name,
-saved once per session); the OpenAI server fixtures are in `tests/entrypoints/conftest.py`.
+saved once and reused until the disk budget evicts them); the directories tests make belong to
+the fixture or test that made them and go when it ends (`tests.helpers.tmp_dirs`, whose scopes
+the hooks below open). The OpenAI server fixtures are in `tests/entrypoints/conftest.py`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import pytest
 import torch
 
+from tests.helpers import tmp_dirs
 from tests.helpers.prompts import make_prompts
 from tests.helpers.runners import HfRunner, VllmRunner
 
@@ -83,6 +86,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
         if item.get_closest_marker("xdist_group") is None and shares_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+_fixture_dirs: dict[int, list[tmp_dirs.Scope]] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+    """The directories a fixture's setup makes are its own (`tmp_dirs`); a fixture wider than a
+    function pins the cached checkpoints it uses until it is torn down."""
+    with tmp_dirs.scope(lasting=fixturedef.scope != "function") as owned:
+        try:
+            return (yield)
+        finally:
+            _fixture_dirs.setdefault(id(fixturedef), []).append(owned)
+
+
+def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef) -> None:
+    """After a fixture's own teardown: its directories go."""
+    for owned in _fixture_dirs.pop(id(fixturedef), []):
+        owned.release()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """The directories a test's body makes go when the body ends."""
+    with tmp_dirs.scope() as owned:
+        try:
+            return (yield)
+        finally:
+            owned.release()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After each test: cached checkpoints past the disk budget go (`tmp_dirs.trim`)."""
+    try:
+        return (yield)
+    finally:
+        tmp_dirs.trim()
 
 
 @pytest.fixture(scope="session")

@@ -23,14 +23,13 @@ branches) is asserted when this module is imported, not in tests.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import shutil
 
 import torch
 
 from tests.helpers import tiny_configs as cfg
-from tests.helpers.tmp_dirs import make_tmp_dir
+from tests.helpers.tmp_dirs import make_tmp_dir, session_cache
 
 TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "data", "gpt-neox-20b-tokenizer")
 
@@ -465,7 +464,7 @@ def copy_tokenizer(path: str) -> None:
             shutil.copy(os.path.join(TOKENIZER_DIR, file), path)
 
 
-@functools.cache
+@session_cache
 def tiny_model_dir(name: str, fmt: str = "safetensors") -> str:
     """Saves tiny model `name` once per session (and format) and returns its directory.
 

@@ -12,7 +12,6 @@ converter process (`convert_checkpoints.py`) on first use.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -22,7 +21,7 @@ from unittest import mock
 import torch
 
 from tests import tiny_models
-from tests.helpers.tmp_dirs import make_tmp_dir
+from tests.helpers.tmp_dirs import make_tmp_dir, session_cache
 
 LLAMA_CPP_DIR = os.path.join(os.path.dirname(__file__), "..", "..", ".cache", "llama-cpp-convert")
 
@@ -140,7 +139,7 @@ def build_model(case: Case):  # noqa: ANN201 - a transformers model
 Q8_0_CASES = ("qwen35", "qwen3next", "granitehybrid")
 
 
-@functools.cache
+@session_cache(evict=False)  # converting every case takes ~20 s
 def checkpoints() -> dict[str, tuple[str, str]]:
     """Case name -> (Hugging Face checkpoint directory, its F32 GGUF file), for every case;
     `<case>-q8_0` -> (the same directory, its Q8_0 GGUF file) for `Q8_0_CASES`."""

@@ -10,7 +10,6 @@ variants the engine cannot read are one clear error naming the field."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.family_checks import prompts
 from tests.helpers.prequantized_checkpoints import FORMATS
 from tests.helpers.runners import HfRunner, VllmRunner
-from tests.helpers.tmp_dirs import make_tmp_dir
+from tests.helpers.tmp_dirs import make_tmp_dir, session_cache
 from tests.tiny_models import hf_class, tiny_model_dir
 from vllm_mamba import LLM
 from vllm_mamba.layers.linear import Linear
@@ -45,7 +44,7 @@ def _quantised(name: str, tensor: torch.Tensor, rows_of_8: bool) -> bool:
     )
 
 
-@functools.cache
+@session_cache
 def checkpoints(fmt: str) -> tuple[str, str, dict[str, torch.Tensor]]:
     """(the `fmt` checkpoint, its spec values as a float32 checkpoint, weight name -> those
     values for each quantised layer)."""
