@@ -138,11 +138,12 @@ inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, in
   if (w.int_dot) {
     if (lo >= hi) return;
     const int_dot::QActs& q = quantized_rows(x, ldx, batch, w.k);
+    const int64_t n = w.tensor.size(0);
     if (w.dtype == at::kByte) {
-      const gemv::Q4Rows q4{static_cast<const uint8_t*>(w.data), w.q4_scales, w.k};
+      const int_dot::Q4Rows q4{static_cast<const uint8_t*>(w.data), w.q4_scales, w.k, n};
       int_dot::rows_q4(q4, q, lo, hi, out, ldo);
     } else {
-      const int_dot::I8Rows i8{static_cast<const int8_t*>(w.data), w.scales, w.k};
+      const int_dot::I8Rows i8{static_cast<const int8_t*>(w.data), w.scales, w.k, n};
       int_dot::rows_i8(i8, q, lo, hi, out, ldo);
     }
     return;

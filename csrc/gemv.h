@@ -16,7 +16,8 @@
 namespace vllm_mamba {
 namespace gemv {
 
-constexpr int64_t kRowBlock = 8;  // weight rows per unit of a range split over threads
+constexpr int64_t kRowBlock = 16;  // weight rows per unit of a range split over threads: a strip
+                                   // of the integer-dot layout (`int_dot.h`)
 constexpr int64_t kQ4Group = 32;  // 4-bit weights sharing one scale
 
 // A tile is kTileRows weight rows by up to kTileX rows of x, its R * B accumulators, R weight

@@ -3,8 +3,10 @@
 // result still never depends on the batch).
 //
 // The weight goes in strips of L output channels (16 on AVX-512, 8 on AVX2). A strip is
-// repacked once per call into a scratch buffer (L1 / L2-resident: L rows x K bytes) with its
-// rows interleaved by 4-byte groups: for block j and group i (bytes 4i..4i+3 of the block), one
+// repacked once per call from the stored strip layout (`int_dot.h`: already interleaved by
+// 4-byte groups, 16 rows) into a scratch buffer (L1 / L2-resident: L rows x K bytes), with the
+// weights offset, the 4-bit codes widened to bytes and the blocks in the micro-kernel's order:
+// for block j and group i (bytes 4i..4i+3 of the block), one
 // vector holds that group of each of the L rows. One vpdpbusd of it with the broadcast group i
 // of an x row adds the 4 products of all L rows at once, so after the 8 groups of a block each
 // lane holds its row's exact block sum: no horizontal reduction. All rows of x then stream
@@ -378,29 +380,41 @@ inline void strip_rows_of(int64_t n, int64_t index, int64_t (&rows)[L]) {
   for (int l = 0; l < L; ++l) rows[l] = std::min(index * L + l, n - 1);
 }
 
-// The 8 x 8 transpose of r (8 rows of 8 int32): dst[i * stride + l] = r[l][i].
-inline void transpose8_store(const __m256i (&r)[8], uint32_t* dst, int64_t stride) {
-  __m256i t[8], u[8];
-  for (int a = 0; a < 4; ++a) {  // t[2a]: r[2a], r[2a + 1] interleaved, lanes 0 1 | 4 5
-    t[2 * a] = _mm256_unpacklo_epi32(r[2 * a], r[2 * a + 1]);
-    t[2 * a + 1] = _mm256_unpackhi_epi32(r[2 * a], r[2 * a + 1]);  // lanes 2 3 | 6 7
-  }
-  for (int a = 0; a < 2; ++a) {  // u[4a + e]: rows 4a..4a + 3, lane e | e + 4
-    u[4 * a] = _mm256_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
-    u[4 * a + 1] = _mm256_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
-    u[4 * a + 2] = _mm256_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
-    u[4 * a + 3] = _mm256_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e * stride),
-                        _mm256_permute2x128_si256(u[e], u[4 + e], 0x20));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (e + 4) * stride),
-                        _mm256_permute2x128_si256(u[e], u[4 + e], 0x31));
-  }
+// The 4-byte group g of weight row r, stored in the strip layout (`int_dot.h`) with
+// `row_bytes` bytes per row.
+inline uint32_t stored_group(const void* base, int64_t row_bytes, int64_t n, int64_t r,
+                             int64_t g) {
+  const int64_t st = r / kLanes;
+  const int lanes = strip_lanes(n, st);
+  uint32_t v;
+  std::memcpy(&v,
+              static_cast<const uint8_t*>(base) + st * kLanes * row_bytes +
+                  (g * lanes + r % kLanes) * 4,
+              4);
+  return v;
 }
 
-// Packs strip `index` (weight rows [index * L, index * L + L) of n) of an int8 weight:
-// bytes w ^ 0x80 (= w + 128 unsigned) when `offset`, else w as they are.
+// Groups [g * 8, g * 8 + 8) of the L rows of this strip, from the stored strip layout, into
+// dst[i * L + l] (each XORed with `flip`). Rows past n repeat the last row.
+inline void gather_groups(const void* base, int64_t row_bytes, int64_t n, const int64_t (&rows)[L],
+                          int64_t g0, int count, uint32_t flip, uint32_t* dst) {
+  const int64_t st = rows[0] / kLanes;
+  const bool whole = strip_lanes(n, st) == kLanes && rows[L - 1] == rows[0] + L - 1;
+  if (whole) {  // the L rows' groups are contiguous: one copy per group
+    const uint8_t* src = static_cast<const uint8_t*>(base) + st * kLanes * row_bytes +
+                         (rows[0] % kLanes) * 4;
+    for (int i = 0; i < count; ++i) {
+      std::memcpy(dst + i * L, src + (g0 + i) * kLanes * 4, L * 4);
+      for (int l = 0; l < L; ++l) dst[i * L + l] ^= flip;
+    }
+    return;
+  }
+  for (int i = 0; i < count; ++i)
+    for (int l = 0; l < L; ++l) dst[i * L + l] = stored_group(base, row_bytes, n, rows[l], g0 + i) ^ flip;
+}
+
+// Packs strip `index` (weight rows [index * L, index * L + L) of n) of an int8 weight: bytes
+// w ^ 0x80 (= w + 128 unsigned) when `offset`, else w as they are.
 inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, bool offset, Strip& s) {
   const int64_t nb = w.k / kBlock;
   s.w.resize(nb * L * 8);
@@ -408,42 +422,37 @@ inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, bool offset, Stri
   int64_t rows[L];
   strip_rows_of(n, index, rows);
   for (int l = 0; l < L; ++l) s.scale[l] = w.scale[rows[l]];
-  const __m256i flip = _mm256_set1_epi8(offset ? static_cast<char>(0x80) : 0);
+  const uint32_t flip = offset ? 0x80808080u : 0u;
   for_each_slot(nb, [&](int64_t j, int64_t slot) {
-    for (int h = 0; h < L; h += 8) {
-      __m256i r[8];
-      for (int l = 0; l < 8; ++l) {
-        const int8_t* src = w.q + rows[h + l] * w.k + j * kBlock;
-        r[l] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), flip);
-      }
-      transpose8_store(r, s.w.data() + slot * 8 * L + h, L);
-    }
+    gather_groups(w.q, w.k, n, rows, j * 8, 8, flip, s.w.data() + slot * 8 * L);
   });
   s.index = index;
 }
 
 // Packs strip `index` of a 4-bit weight: the codes c + 8 (one byte each, in the order of the
-// block's 32 activations: byte i of a block holds activation i in its low nibble, i + 16 in
-// its high one) and the group scales as float32.
-inline void pack_q4(const gemv::Q4Rows& w, int64_t n, int64_t index, Strip& s) {
+// block's 32 activations: stored byte i of a block holds activation i in its low nibble, i + 16
+// in its high one) and the group scales as float32.
+inline void pack_q4(const Q4Rows& w, int64_t n, int64_t index, Strip& s) {
   const int64_t nb = w.k / kBlock;
   s.w.resize(nb * L * 8);
   s.ws.resize(nb * L);
   int64_t rows[L];
   strip_rows_of(n, index, rows);
-  const __m128i low = _mm_set1_epi8(0x0F);
   for_each_slot(nb, [&](int64_t j, int64_t slot) {
-    for (int h = 0; h < L; h += 8) {
-      __m256i r[8];
-      for (int l = 0; l < 8; ++l) {
-        const uint8_t* src = w.q + rows[h + l] * (w.k / 2) + j * (kBlock / 2);
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-        r[l] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    uint32_t* dst = s.w.data() + slot * 8 * L;
+    gather_groups(w.q, w.k / 2, n, rows, j * 4, 4, 0u, dst);
+    for (int i = 0; i < 4; ++i) {
+      for (int l = 0; l < L; ++l) {
+        const uint32_t v = dst[i * L + l];
+        dst[i * L + l] = v & 0x0F0F0F0Fu;
+        dst[(i + 4) * L + l] = (v >> 4) & 0x0F0F0F0Fu;
       }
-      transpose8_store(r, s.w.data() + slot * 8 * L + h, L);
     }
     alignas(32) uint16_t hs[L];
-    for (int l = 0; l < L; ++l) hs[l] = w.scales[rows[l] * nb + j];
+    for (int l = 0; l < L; ++l) {
+      const int64_t r = rows[l], st = r / kLanes;
+      hs[l] = w.scales[st * kLanes * nb + j * strip_lanes(n, st) + r % kLanes];
+    }
     Isa::halves(hs, s.ws.data() + slot * L);
   });
   s.index = index;
@@ -481,8 +490,8 @@ inline void block_i8(const I8Rows& w, int64_t n, const XPanels& x, int64_t s0, i
   }
 }
 
-// The same for a 4-bit weight (`gemv::Q4Rows`, `XPanels` built with kQ4Shift): the w4a8 product.
-inline void block_q4(const gemv::Q4Rows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
+// The same for a 4-bit weight (`Q4Rows`, `XPanels` built with kQ4Shift): the w4a8 product.
+inline void block_q4(const Q4Rows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
                      int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s) {
   if (static_cast<int64_t>(s.size()) < s1 - s0) s.resize(s1 - s0);
   for (int64_t i = s0; i < s1; ++i)
@@ -510,7 +519,7 @@ inline int i8_shift() { return 0; }
 constexpr int kQ4Shift = 8;
 inline void block_i8(const I8Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t, int64_t,
                      float*, int64_t, std::vector<Strip>&) {}
-inline void block_q4(const gemv::Q4Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t,
+inline void block_q4(const Q4Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t,
                      int64_t, float*, int64_t, std::vector<Strip>&) {}
 
 #endif

@@ -148,7 +148,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t n = qweight.size(0);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
               "w8a8_linear: scale must be contiguous float32 (N,)");
-  const int_dot::I8Rows w{qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), k};
+  const int_dot::I8Rows w{qweight.data_ptr<int8_t>(), scale.data_ptr<float>(), k, n};
   return run(x, n, k, bias_of(bias, n, "w8a8_linear"), int_dot::gemm::i8_shift(),
              [&](const int_dot::QActs& q, int64_t lo, int64_t hi, float* out, int64_t ldo) {
                int_dot::rows_i8(w, q, lo, hi, out, ldo);
@@ -171,8 +171,8 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == n && scales.size(1) == k / int_dot::kBlock,
               "w4a8_linear: scales must be contiguous float16 (N, K / 32)");
-  const gemv::Q4Rows w{qweight.data_ptr<uint8_t>(),
-                       reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), k};
+  const int_dot::Q4Rows w{qweight.data_ptr<uint8_t>(),
+                          reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), k, n};
   return run(x, n, k / 2, bias_of(bias, n, "w4a8_linear"), int_dot::gemm::kQ4Shift,
              [&](const int_dot::QActs& q, int64_t lo, int64_t hi, float* out, int64_t ldo) {
                int_dot::rows_q4(w, q, lo, hi, out, ldo);

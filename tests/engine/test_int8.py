@@ -31,7 +31,7 @@ from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.config import record_quantization
 from vllm_mamba.engine.arg_utils import EngineArgs
 from vllm_mamba.layers.linear import Linear
-from vllm_mamba.layers.quantization import Int4Embedding, Int8Embedding
+from vllm_mamba.layers.quantization import Int4Embedding, Int8Embedding, plain_weight
 from vllm_mamba.model_loader import build_model, load_hf_config
 from vllm_mamba.model_zoo import DEFAULT_MODEL, shipped_model_path
 from vllm_mamba.ops.int4_linear import dequantize_int4
@@ -123,7 +123,7 @@ def _dequantised_checkpoint(path: str, method: str = "int8") -> str:
         )
         if quantised:
             dequantise = dequantize_int4 if module.weight.dtype == torch.uint8 else dequantize_int8
-            w = dequantise(module.weight, module.weight_scale, torch.float32)
+            w = dequantise(*plain_weight(module), torch.float32)
             dequantised[f"{name}.weight"] = w
     remap = getattr(model, "remap_weight_name", lambda n: n)
     out = make_tmp_dir("tiny-dequantised-")

@@ -195,3 +195,29 @@ def test_fused_hybrid_blocks_equal_unfused(
     assert got == want
     diff = torch.tensor([abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)])
     assert float(diff.max()) <= FLIP_ATOL and int((diff > LOGPROB_ATOL).sum()) <= FLIPS
+
+
+def test_tied_tables_read_their_rows_from_the_strip_layout() -> None:
+    """A tied LM head under w8a8 / w4a8 is stored in strips; the embeddings reading its table
+    (`Int8Embedding`, `Int4Embedding`, `VocabParallelEmbedding`) look up the same rows as from
+    the plain table, for a vocabulary that is not whole strips."""
+    from vllm_mamba.distributed.parallel_state import SINGLE
+    from vllm_mamba.layers.parallel_linear import VocabParallelEmbedding
+    from vllm_mamba.layers.quantization import Int4Embedding, Int8Embedding
+    from vllm_mamba.ops.int4_linear import quantize_int4
+    from vllm_mamba.ops.int8_linear import quantize_int8
+    from vllm_mamba.ops.int_dot_linear import pack_w4a8, pack_w8a8
+
+    table = torch.randn(37, 64, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([36, 0, 17, 15, 16, 36])
+    q8, s8 = quantize_int8(table)
+    q4, s4 = quantize_int4(table)
+    plain8 = Int8Embedding(q8, s8, torch.float32)(ids)
+    assert torch.equal(Int8Embedding(pack_w8a8(q8), s8, torch.float32, strips=True)(ids), plain8)
+    want4 = Int4Embedding(q4, s4, torch.float32)(ids)
+    got4 = Int4Embedding(*pack_w4a8(q4, s4), torch.float32, strips=True)(ids)
+    assert torch.equal(got4, want4)
+    vocab = VocabParallelEmbedding(37, 64, SINGLE)
+    stored = torch.nn.Parameter(pack_w8a8(q8), requires_grad=False)
+    vocab.use_int8_table(stored, s8, torch.float32, strips=True)
+    assert torch.equal(vocab(ids), plain8)

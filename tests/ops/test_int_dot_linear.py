@@ -13,6 +13,9 @@
 - A row's result does not depend on the other rows of the batch (bit for bit): from 16 rows
   the ops run a GEMM (`csrc/int_dot_gemm.h`, AVX2 / AVX-512), which must give each row the
   bits the one-row path gives it, for any thread count.
+- The strip layout the weights are stored in (`to_strips`): the inverse and single rows read
+  back the plain rows; every kernel test above passes stored weights and checks against the
+  plain ones, with N not a multiple of 16 (a partial last strip).
 - Bad inputs; the same tests without VNNI (`VLLM_MAMBA_INT_DOT_VNNI=0`, a subprocess).
 """
 
@@ -30,9 +33,14 @@ from vllm_mamba.ops.int4_linear import quantize_int4, unpack_int4
 from vllm_mamba.ops.int8_linear import quantize_int8
 from vllm_mamba.ops.int_dot_linear import (
     dequantize_activations_q8,
+    from_strips,
     has_int_dot_kernels,
     int_dot_instruction,
+    pack_w4a8,
+    pack_w8a8,
     quantize_activations_q8,
+    strip_rows,
+    to_strips,
     w4a8_linear_ref,
     w8a8_linear_ref,
 )
@@ -89,8 +97,25 @@ def test_activation_quantiser_rejects_k_not_a_multiple_of_32() -> None:
         )
 
 
+@pytest.mark.parametrize("n", [1, 7, 16, 35, 48])
+@pytest.mark.parametrize("group", [1, 4])
+def test_the_strip_layout_is_a_permutation_read_back_by_row(n: int, group: int) -> None:
+    plain = torch.arange(n * 8 * group, dtype=torch.int32).reshape(n, 8 * group)
+    stored = to_strips(plain, group)
+    assert stored.shape == plain.shape
+    assert torch.equal(stored.flatten().sort().values, plain.flatten())
+    assert torch.equal(from_strips(stored, group), plain)
+    rows = torch.tensor([n - 1, 0, n // 2, n - 1])
+    assert torch.equal(strip_rows(stored, rows, group), plain[rows])
+    # row r's group g is at (g * L + r % 16) * group within its strip of L rows
+    r = n - 1
+    lanes = n - r // 16 * 16 if n - r // 16 * 16 < 16 else 16
+    at = r // 16 * 16 * 8 * group + (3 * lanes + r % 16) * group
+    assert torch.equal(stored.flatten()[at : at + group], plain[r, 3 * group : 4 * group])
+
+
 def _one_hot_int8(k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.eye(k, dtype=torch.int8), torch.ones(k)
+    return pack_w8a8(torch.eye(k, dtype=torch.int8)), torch.ones(k)
 
 
 def _one_hot_int4(k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +124,7 @@ def _one_hot_int4(k: int) -> tuple[torch.Tensor, torch.Tensor]:
     codes.fill_diagonal_(0)
     c = codes.reshape(k, k // 32, 32)
     packed = (c[..., :16] | (c[..., 16:] << 4)).reshape(k, k // 2).contiguous()
-    return packed, torch.full((k, k // 32), -0.125, dtype=torch.float16)
+    return pack_w4a8(packed, torch.full((k, k // 32), -0.125, dtype=torch.float16))
 
 
 @needs_kernel
@@ -132,11 +157,11 @@ def _exact(x: torch.Tensor, w_int: torch.Tensor, w_scale: torch.Tensor, four_bit
 def _weights(n: int, k: int, four_bit: bool, seed: int):  # noqa: ANN202
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * k**-0.5
-    if four_bit:
+    if four_bit:  # stored (strip layout), then the plain integers and scales
         qweight, scales = quantize_int4(w)
-        return qweight, scales, unpack_int4(qweight), scales.float()
+        return *pack_w4a8(qweight, scales), unpack_int4(qweight), scales.float()
     qweight, scale = quantize_int8(w)
-    return qweight, scale, qweight, scale
+    return pack_w8a8(qweight), scale, qweight, scale
 
 
 @needs_kernel
@@ -257,8 +282,36 @@ def test_the_kernels_without_vnni() -> None:
 # same inputs, but the layer's intermediates (norms, conv, state update) round differently in
 # the two paths, and an input at a rounding boundary of its block may take the next code: one
 # step `d = max|x| / 127` of one activation, times its weights (measured: at most 2.3e-6 apart
-# on these cases, no step taken).
+# where no step is taken). A row whose quantised inputs (in the reference) hold a value within
+# NEAR_BOUNDARY (relative) of a rounding boundary is held to FLIP_ATOL instead (one step: the
+# generic build's mamba2 case at batch 12 has one at 1.3e-6, which moved its output by 0.011).
 FUSED_TOL = dict(rtol=1e-3, atol=1e-3)
+NEAR_BOUNDARY = 4e-6
+FLIP_ATOL = 0.1
+
+
+def _rows_near_a_rounding_boundary(module, call) -> set[int]:  # noqa: ANN001
+    """The rows of x whose int8-quantised inputs, in the reference `call()` (which multiplies
+    through `module._linear`), hold a value within NEAR_BOUNDARY of a rounding boundary."""
+    inputs = []
+    linear = module._linear
+
+    def spy(x, weight, bias, scale=None, int_dot=False):  # noqa: ANN001, ANN202
+        if int_dot and scale is not None:
+            inputs.append(x.detach().float().reshape(x.shape[0], -1, 32))
+        return linear(x, weight, bias, scale, int_dot)
+
+    module._linear = spy
+    try:
+        call()
+    finally:
+        module._linear = linear
+    near: set[int] = set()
+    for blocks in inputs:  # (B, K / 32, 32)
+        r = blocks / (blocks.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
+        gap = (r - r.floor() - 0.5).abs() / r.abs().clamp(min=1.0)
+        near |= set(torch.nonzero(gap.flatten(1).amin(1) < NEAR_BOUNDARY).flatten().tolist())
+    return near
 
 
 @needs_kernel
@@ -288,7 +341,19 @@ def test_fused_decode_layers_with_integer_dots(kind: str, batch: int, four_bit: 
     def want(h, c, s, i):  # noqa: ANN001, ANN202
         return ref(h, params, c, s, i, *args, None, True)
 
-    tfd._check(run, want, x, conv, ssm, tfd._indices(batch, True), FUSED_TOL)
+    idx = tfd._indices(batch, True)
+    near = _rows_near_a_rounding_boundary(fd, lambda: want(x, conv.clone(), ssm.clone(), idx))
+    live = [b for b in range(batch) if idx[b] != tfd.PAD_SLOT_ID]
+    far = [b for b in live if b not in near]
+    assert 2 * len(far) >= len(live), near  # the tight comparison keeps its power
+    conv_k, ssm_k, conv_r, ssm_r = conv.clone(), ssm.clone(), conv.clone(), ssm.clone()
+    got, ref_out = run(x, conv_k, ssm_k, idx), want(x, conv_r, ssm_r, idx)
+    torch.testing.assert_close(got[far], ref_out[far], **FUSED_TOL)
+    slots = idx[far].long()
+    torch.testing.assert_close(conv_k[slots], conv_r[slots], **FUSED_TOL)
+    torch.testing.assert_close(ssm_k[slots], ssm_r[slots], **FUSED_TOL)
+    for b in set(live) - set(far):
+        assert float((got[b] - ref_out[b]).abs().max()) <= FLIP_ATOL, b
     # integer dots change the result: the weight-only reference is farther away
     plain = ref(x, params, conv.clone(), ssm.clone(), tfd._indices(batch, True), *args)
     assert not torch.allclose(plain, run(x, conv.clone(), ssm.clone(), tfd._indices(batch, True)))

@@ -66,6 +66,7 @@ from vllm_mamba.layers.mlp import (
 from vllm_mamba.layers.parallel_linear import even_ranges, shard_param
 from vllm_mamba.ops import ffn as ffn_ops
 from vllm_mamba.ops.families import own_op
+from vllm_mamba.ops.int_dot_linear import STRIP_ROWS
 from vllm_mamba.ops.table import MambaOps
 
 ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "sigmoid_topk")
@@ -215,7 +216,8 @@ class ExpertList(nn.ModuleList):
     def stacked(self) -> StackedExperts | None:
         """The experts' weights stacked for the fused kernel, or None (experts that are not
         bias-free `GatedMLP`s of separate plain `Linear`s of one dtype, quantisation and
-        activation, without multipliers).
+        activation, without multipliers; integer-dot experts whose row counts are not whole
+        strips of 16).
 
         The first call copies the weights (and int8 / 4-bit scales) into `(E, 2F, ...)` gate/up
         and `(E, H, ...)` down tensors and points each `Linear`'s weight (and scale) at its rows
@@ -245,6 +247,8 @@ class ExpertList(nn.ModuleList):
         kinds = {(gate[0].dtype, gate[1] is None) for f in found for gate in f}  # type: ignore[union-attr]
         if len(kinds) != 1:
             return None
+        if got.int_dot and any(lin.weight.shape[0] % STRIP_ROWS for lin in linears):
+            return None  # strip-layout weights stack into one only in whole strips of rows
         with torch.inference_mode(False), torch.no_grad():  # plain tensors, as loaded weights
             stacked = _stack(self, found, dtype, got.int_dot)  # type: ignore[arg-type]
         self._stacked = (tuple(weakref.ref(lin.weight) for lin in linears), weakref.ref(stacked))

@@ -32,6 +32,7 @@ from torch import nn
 from vllm_mamba.distributed.communication import all_gather, all_reduce, all_reduce_max
 from vllm_mamba.distributed.parallel_state import TensorParallel
 from vllm_mamba.layers.linear import Linear
+from vllm_mamba.ops.int_dot_linear import GROUP_BYTES, strip_rows
 from vllm_mamba.ops.table import MambaOps
 
 Ranges = list[tuple[int, int]]  # (start, length) along the sharded dimension
@@ -193,20 +194,28 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         self.start, rows = vocab_range(vocab_size, tp)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.strips = False  # `use_int8_table` with an integer-dot (strip layout) table
         shard_param(self, "weight", 0, [(self.start, rows)], vocab_size)
 
-    def use_int8_table(self, weight: nn.Parameter, scale: torch.Tensor, dtype: torch.dtype) -> None:
-        """Reads the tied LM head's int8 rows `weight` with their `scale (rows,)` instead."""
+    def use_int8_table(
+        self, weight: nn.Parameter, scale: torch.Tensor, dtype: torch.dtype, strips: bool = False
+    ) -> None:
+        """Reads the tied LM head's int8 rows `weight` with their `scale (rows,)` instead
+        (`strips`: stored in the integer-dot strip layout)."""
         self.weight = weight
         self.register_buffer("weight_scale", scale)
         self.dtype = dtype
+        self.strips = strips
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids (T,)` -> `(T, H)`, the same on every rank."""
         local = input_ids - self.start  # (T,)
         outside = (local < 0) | (local >= self.weight.shape[0])
         local = local.masked_fill(outside, 0)
-        hidden = nn.functional.embedding(local, self.weight)  # (T, H)
+        if self.strips:
+            hidden = strip_rows(self.weight, local, GROUP_BYTES)  # (T, H) int8
+        else:
+            hidden = nn.functional.embedding(local, self.weight)  # (T, H)
         if hidden.dtype == torch.int8:
             hidden = (hidden.float() * self.weight_scale[local, None]).to(self.dtype)
         hidden = hidden.masked_fill(outside[:, None], 0)

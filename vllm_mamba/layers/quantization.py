@@ -46,7 +46,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.layers.decode_plan import drop_decode_plans
@@ -54,7 +53,15 @@ from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import VocabParallelEmbedding
 from vllm_mamba.ops.int4_linear import dequantize_int4, int4_supported, quantize_int4
 from vllm_mamba.ops.int8_linear import quantize_int8
-from vllm_mamba.ops.int_dot_linear import int_dot_supported
+from vllm_mamba.ops.int_dot_linear import (
+    GROUP_BYTES,
+    int_dot_supported,
+    pack_w4a8,
+    pack_w8a8,
+    strip_rows,
+    unpack_w4a8,
+    unpack_w8a8,
+)
 from vllm_mamba.ops.table import MambaOps
 
 logger = logging.getLogger(__name__)
@@ -83,33 +90,49 @@ class QuantizationReport:
     weight_only: tuple[str, ...] = ()
 
 
-class Int8Embedding(nn.Module):
-    """A token embedding read from an int8 table with per-row scales (the tied LM head's)."""
+def table_rows(weight: torch.Tensor, rows: torch.Tensor, strips: bool, group: int) -> torch.Tensor:
+    """Rows `rows (T,)` of a quantised LM head's table as plain rows: integer-dot tables are in
+    the strip layout (`int_dot_linear.strip_rows`; `group` 4 for codes, 1 for 4-bit scales)."""
+    return strip_rows(weight, rows, group) if strips else weight[rows]
 
-    def __init__(self, weight: nn.Parameter, scale: torch.Tensor, dtype: torch.dtype) -> None:
+
+class Int8Embedding(nn.Module):
+    """A token embedding read from an int8 table with per-row scales (the tied LM head's;
+    `strips`: in the integer-dot strip layout)."""
+
+    def __init__(
+        self, weight: nn.Parameter, scale: torch.Tensor, dtype: torch.dtype, strips: bool = False
+    ) -> None:
         super().__init__()
         self.weight = weight  # (V, H) int8, the LM head's parameter
         self.register_buffer("weight_scale", scale)  # (V,) float32, the LM head's
         self.dtype = dtype
+        self.strips = strips
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids (T,)` -> `(T, H)` in the model dtype."""
-        rows = F.embedding(input_ids, self.weight).float()  # (T, H)
+        rows = table_rows(self.weight, input_ids, self.strips, GROUP_BYTES).float()  # (T, H)
         return (rows * self.weight_scale[input_ids, None]).to(self.dtype)
 
 
 class Int4Embedding(nn.Module):
-    """A token embedding read from a 4-bit table with group scales (the tied LM head's)."""
+    """A token embedding read from a 4-bit table with group scales (the tied LM head's;
+    `strips`: in the integer-dot strip layout)."""
 
-    def __init__(self, weight: nn.Parameter, scales: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: nn.Parameter, scales: torch.Tensor, dtype: torch.dtype, strips: bool = False
+    ) -> None:
         super().__init__()
         self.weight = weight  # (V, H/2) uint8, the LM head's parameter
         self.register_buffer("weight_scale", scales)  # (V, H/32) float16, the LM head's
         self.dtype = dtype
+        self.strips = strips
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """`input_ids (T,)` -> `(T, H)` in the model dtype (only the looked-up rows widened)."""
-        return dequantize_int4(self.weight[input_ids], self.weight_scale[input_ids], self.dtype)
+        codes = table_rows(self.weight, input_ids, self.strips, GROUP_BYTES)
+        scales = table_rows(self.weight_scale, input_ids, self.strips, 1)
+        return dequantize_int4(codes, scales, self.dtype)
 
 
 def _product(
@@ -166,6 +189,17 @@ def uses_int_dot(linear: nn.Module) -> bool:
     return bool(getattr(linear, "int_dot", False))
 
 
+def plain_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantised `Linear`'s (or quantised tied embedding's) weight and scales in the plain
+    layouts (`quantize_int8` / `quantize_int4`'s): integer-dot weights are stored in strips."""
+    weight, scale = module.weight, module.weight_scale
+    if not (uses_int_dot(module) or getattr(module, "strips", False)):
+        return weight, scale
+    if weight.dtype == torch.uint8:
+        return unpack_w4a8(weight, scale)
+    return unpack_w8a8(weight), scale
+
+
 def _replace_weight(linear: Linear, qweight: torch.Tensor, scale: torch.Tensor) -> None:
     """Puts the quantised weight and its scales on `linear`, where the float weight was."""
     linear.activation_dtype = linear.weight.dtype
@@ -179,7 +213,8 @@ def quantize_linear_int8(linear: Linear, ops: MambaOps, int_dot: bool = False) -
     # A row-parallel shard holds some columns of each row: its scales are the whole row's.
     row_absmax = getattr(linear, "row_absmax", None)
     absmax = row_absmax() if row_absmax is not None else None
-    _replace_weight(linear, *quantize_int8(linear.weight, absmax))  # (N, K) int8, (N,) float32
+    qweight, scale = quantize_int8(linear.weight, absmax)  # (N, K) int8, (N,) float32
+    _replace_weight(linear, pack_w8a8(qweight) if int_dot else qweight, scale)
     linear.int8_op = ops.w8a8_linear if int_dot else ops.int8_linear
     linear.int_dot = int_dot
     linear.linear_op = types.MethodType(_int8_product, linear)
@@ -202,6 +237,8 @@ def use_int4_weight(
     in place of its float weight (`quantize_int4`'s layout; also a checkpoint's Q4_0 blocks),
     so that it runs `int4_linear` (`w4a8_linear` with `int_dot`) and the fused decode layers
     take it (`is_int4_linear`)."""
+    if int_dot:
+        qweight, scales = pack_w4a8(qweight, scales)
     _replace_weight(linear, qweight, scales)
     linear.int4_op = ops.w4a8_linear if int_dot else ops.int4_linear
     linear.int_dot = int_dot
@@ -263,10 +300,10 @@ def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> Quantization
             embedding = getattr(parent, child)
             scale, dtype = module.weight_scale, module.activation_dtype
             if isinstance(embedding, VocabParallelEmbedding):  # this rank's rows (int8 only)
-                embedding.use_int8_table(module.weight, scale, dtype)
+                embedding.use_int8_table(module.weight, scale, dtype, strips=dots)
                 continue
             table_cls = Int4Embedding if module.weight.dtype == torch.uint8 else Int8Embedding
-            setattr(parent, child, table_cls(module.weight, scale, dtype))
+            setattr(parent, child, table_cls(module.weight, scale, dtype, strips=dots))
     after = _weight_bytes(model)
     if fallbacks:
         logger.info(

@@ -12,6 +12,13 @@ their float32 scales, `vllm_mamba.ops.int8_linear`; the 4-bit groups of 32 with 
 rounds. The references compute the same values in float32 from the dequantised activations
 (`dequantize_activations_q8`) and weights, and differ from the kernels only by that rounding.
 
+The weights of these layers are stored in the strip layout (`to_strips`, made at load time by
+`pack_w8a8` / `pack_w4a8`): the same shapes and bytes as the plain layouts, permuted so that
+each strip of 16 rows holds 4-byte group g of its rows together (`csrc/int_dot.h`): one vector
+load then holds a group of 16 rows, multiplied with one broadcast group of x. The references
+take that layout too and unpack it (`from_strips`); `strip_rows` reads single rows (a tied
+embedding's lookups).
+
 The C++ kernels (`csrc/int_dot.h`, `csrc/int_dot_linear.cpp`: `torch.ops.vllm_mamba.w8a8_linear`
 / `w4a8_linear`; from 16 rows a cache-blocked GEMM, `csrc/int_dot_gemm.h`) add each row's block
 terms in one fixed order whatever the number of rows, so a row's result does not depend on the
@@ -33,6 +40,71 @@ from vllm_mamba.ops.int8_linear import dequantize_int8, kernel_rows
 
 Q8_BLOCK = 32  # activations sharing one scale
 Q8_MAX = 127
+STRIP_ROWS = 16  # weight rows per strip of the stored layout
+GROUP_BYTES = 4  # bytes of a row kept together in a strip (one vpdpbusd lane)
+
+
+def to_strips(t: torch.Tensor, group: int) -> torch.Tensor:
+    """The strip layout of a plain `t (N, C)` (C a multiple of `group`): rows [16 s, 16 s + L)
+    form strip s (L = 16; the last strip the rows left); within it, group g (elements
+    [g * group, (g + 1) * group) of a row) of its L rows lie together, row by row. The result has
+    t's shape and elements, permuted (a new contiguous tensor)."""
+    return _permute_strips(t, group, inverse=False)
+
+
+def from_strips(t: torch.Tensor, group: int) -> torch.Tensor:
+    """The plain `(N, C)` tensor whose strip layout is `t` (the inverse of `to_strips`)."""
+    return _permute_strips(t, group, inverse=True)
+
+
+def _permute_strips(t: torch.Tensor, group: int, inverse: bool) -> torch.Tensor:
+    n, c = t.shape
+    if c % group:
+        raise ValueError(f"strip layout: {c} columns are not whole groups of {group}")
+    groups = c // group
+    parts = []
+    for lo, hi in ((0, n - n % STRIP_ROWS), (n - n % STRIP_ROWS, n)):
+        if hi == lo:
+            continue
+        lanes = min(STRIP_ROWS, hi - lo)
+        rows = t[lo:hi].reshape(-1, lanes, groups, group)  # plain: (S, L, G, group)
+        if inverse:
+            rows = t[lo:hi].reshape(-1, groups, lanes, group)  # stored: (S, G, L, group)
+        parts.append(rows.transpose(1, 2).reshape(hi - lo, c))
+    return torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous()
+
+
+def strip_rows(t: torch.Tensor, rows: torch.Tensor, group: int) -> torch.Tensor:
+    """Rows `rows (T,)` of the plain tensor whose strip layout is `t (N, C)` -> `(T, C)`."""
+    n, c = t.shape
+    groups = c // group
+    strip = rows // STRIP_ROWS  # (T,)
+    lanes = torch.clamp(n - strip * STRIP_ROWS, max=STRIP_ROWS)  # (T,)
+    g = torch.arange(groups, device=t.device)
+    lane = rows[:, None] % STRIP_ROWS  # (T, 1)
+    start = strip[:, None] * STRIP_ROWS * c + (g * lanes[:, None] + lane) * group  # (T, G)
+    index = start[..., None] + torch.arange(group, device=t.device)  # (T, G, group)
+    return t.reshape(-1)[index.reshape(-1)].reshape(rows.shape[0], c)
+
+
+def pack_w8a8(qweight: torch.Tensor) -> torch.Tensor:
+    """An int8 weight `(N, K)` in the strip layout the integer-dot kernels read."""
+    return to_strips(qweight, GROUP_BYTES)
+
+
+def pack_w4a8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 4-bit weight `(N, K/2)` uint8 with its `(N, K/32)` float16 scales in the strip layout."""
+    return to_strips(qweight, GROUP_BYTES), to_strips(scales, 1)
+
+
+def unpack_w8a8(qweight: torch.Tensor) -> torch.Tensor:
+    """The plain `(N, K)` int8 weight of a strip-layout one."""
+    return from_strips(qweight, GROUP_BYTES)
+
+
+def unpack_w4a8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain 4-bit weight and scales of strip-layout ones."""
+    return from_strips(qweight, GROUP_BYTES), from_strips(scales, 1)
 
 
 def int_dot_supported(k: int) -> bool:
@@ -90,14 +162,14 @@ def w8a8_linear_ref(
 
     Args:
         x: `(..., K)` float32 or bfloat16 activations, K a multiple of 32.
-        qweight: `(N, K)` int8.
+        qweight: `(N, K)` int8 in the strip layout (`pack_w8a8`).
         scale: `(N,)` float32 per-output-channel scales.
         bias: `(N,)` or None.
 
     Returns:
         `(..., N)` in the dtype of `x`, computed in float32 and rounded once.
     """
-    return _q8_linear(x, dequantize_int8(qweight, scale, torch.float32), bias)
+    return _q8_linear(x, dequantize_int8(unpack_w8a8(qweight), scale, torch.float32), bias)
 
 
 def w4a8_linear_ref(
@@ -107,14 +179,15 @@ def w4a8_linear_ref(
 
     Args:
         x: `(..., K)` float32 or bfloat16 activations, K a multiple of 32.
-        qweight: `(N, K/2)` uint8, packed 4-bit weights (`int4_linear`'s layout).
-        scales: `(N, K/32)` float16 group scales.
+        qweight: `(N, K/2)` uint8, 4-bit weights (`int4_linear`'s codes) in the strip layout.
+        scales: `(N, K/32)` float16 group scales in the strip layout (`pack_w4a8`).
         bias: `(N,)` or None.
 
     Returns:
         `(..., N)` in the dtype of `x`, computed in float32 and rounded once.
     """
-    return _q8_linear(x, dequantize_int4(qweight, scales, torch.float32), bias)
+    plain, plain_scales = unpack_w4a8(qweight, scales)
+    return _q8_linear(x, dequantize_int4(plain, plain_scales, torch.float32), bias)
 
 
 def w8a8_linear_cpp(
