@@ -13,7 +13,8 @@ shapes, 256 experts, four of its layers, saved in bfloat16: run it with `--dtype
 bfloat16; `--quantization int8` / `int4` the engine with int8 / int4 weights. The run starts
 by printing the recurrent state bytes one sequence holds and how many sequences fit a GiB.
 
-Workloads, medians of `--reps` interleaved repetitions, `--threads` threads:
+Workloads, medians of `--reps` interleaved repetitions, `--threads` threads (every system pinned
+to them):
 
 - `prefill 512`: one 512-token prompt (engine: `LLM.generate` with one output token;
   transformers: one forward).
@@ -169,9 +170,12 @@ class Engine:
         from vllm_mamba import LLM
 
         self.vocab = vocab
+        # Pinned to `--threads`, as llama.cpp's `-t`: left to follow the load, the engine would
+        # count the system run just before it as another process and drop a thread for a
+        # second or more of its own run (b1 measured 20% low that way).
         self.llm = LLM(
             path, max_model_len=4200, max_num_seqs=max(args.batches), disable_log_stats=True,
-            dtype=args.dtype, quantization=args.quantization,
+            dtype=args.dtype, quantization=args.quantization, threads=args.threads,
         )  # fmt: skip
 
     def state_bytes(self) -> int:
