@@ -194,6 +194,17 @@ inline __m512 tree16(__m512 (&p)[kGroup]) {
   return _mm512_add_ps(p[0], p[1]);
 }
 
+// The B x 16 partial sums of a strip kernel, zeroed; then each row's tree into out[b].
+template <int B>
+inline void zero_partials(__m512 (&acc)[B][kGroup]) {
+  for (int b = 0; b < B; ++b)
+    for (int p = 0; p < kGroup; ++p) acc[b][p] = _mm512_setzero_ps();
+}
+template <int B>
+inline void store_trees(__m512 (&acc)[B][kGroup], float (*out)[kLanes]) {
+  for (int b = 0; b < B; ++b) _mm512_storeu_ps(out[b], tree16(acc[b]));
+}
+
 // The region is compiled with AVX512-VNNI enabled so that `Kernels<true>` may use it (the
 // callers check the CPU: `has_vnni`); `Kernels<false>` holds no VNNI instruction.
 #pragma GCC push_options
@@ -221,8 +232,7 @@ struct Kernels {
     const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1u);
     const int64_t gs = 4 * lanes;  // bytes per group of the strip
     __m512 acc[B][kGroup];
-    for (int b = 0; b < B; ++b)
-      for (int p = 0; p < kGroup; ++p) acc[b][p] = _mm512_setzero_ps();
+    zero_partials(acc);
     for (int64_t j0 = 0; j0 < nb; j0 += kGroup) {
 #pragma GCC unroll 16
       for (int p = 0; p < kGroup; ++p) {
@@ -256,7 +266,7 @@ struct Kernels {
         }
       }
     }
-    for (int b = 0; b < B; ++b) _mm512_storeu_ps(out[b], tree16(acc[b]));
+    store_trees(acc, out);
   }
 
   template <int B>
@@ -266,8 +276,7 @@ struct Kernels {
     const int64_t gs = 4 * lanes;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[B][kGroup];
-    for (int b = 0; b < B; ++b)
-      for (int p = 0; p < kGroup; ++p) acc[b][p] = _mm512_setzero_ps();
+    zero_partials(acc);
     for (int64_t j0 = 0; j0 < nb; j0 += kGroup) {
 #pragma GCC unroll 16
       for (int p = 0; p < kGroup; ++p) {
@@ -293,7 +302,7 @@ struct Kernels {
         }
       }
     }
-    for (int b = 0; b < B; ++b) _mm512_storeu_ps(out[b], tree16(acc[b]));
+    store_trees(acc, out);
   }
 };
 #pragma GCC pop_options
@@ -312,6 +321,17 @@ inline __m256 tree16(__m256 (&p)[kGroup]) {
   for (int i = 0; i < 4; ++i) p[i] = _mm256_add_ps(p[i], p[i + 4]);
   for (int i = 0; i < 2; ++i) p[i] = _mm256_add_ps(p[i], p[i + 2]);
   return _mm256_add_ps(p[0], p[1]);
+}
+
+// The B x 16 partial sums of a strip kernel's half, zeroed; then each row's tree into out[b] + h.
+template <int B>
+inline void zero_partials(__m256 (&acc)[B][kGroup]) {
+  for (int b = 0; b < B; ++b)
+    for (int p = 0; p < kGroup; ++p) acc[b][p] = _mm256_setzero_ps();
+}
+template <int B>
+inline void store_trees(__m256 (&acc)[B][kGroup], float (*out)[kLanes], int h) {
+  for (int b = 0; b < B; ++b) _mm256_storeu_ps(out[b] + h, tree16(acc[b]));
 }
 
 // The int32 lane mask of lanes [h, lanes) of 8 starting at lane h (for maskload).
@@ -346,8 +366,7 @@ struct Kernels {
     for (int h = 0; h < lanes; h += 8) {
       const __m256i m = lane_mask(lanes, h);
       __m256 acc[B][kGroup];
-      for (int b = 0; b < B; ++b)
-        for (int p = 0; p < kGroup; ++p) acc[b][p] = _mm256_setzero_ps();
+      zero_partials(acc);
       for (int64_t j = 0; j < nb; ++j) {
         const uint8_t* wj = w + j * 8 * gs + 4 * h;
         __m256i wv[8], sv[8];
@@ -375,7 +394,7 @@ struct Kernels {
           a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(xs[b].d[j]), a);
         }
       }
-      for (int b = 0; b < B; ++b) _mm256_storeu_ps(out[b] + h, tree16(acc[b]));
+      store_trees(acc, out, h);
     }
   }
 
@@ -388,8 +407,7 @@ struct Kernels {
       const __m256i m = lane_mask(lanes, h);
       const int n = std::min(8, lanes - h);
       __m256 acc[B][kGroup];
-      for (int b = 0; b < B; ++b)
-        for (int p = 0; p < kGroup; ++p) acc[b][p] = _mm256_setzero_ps();
+      zero_partials(acc);
       for (int64_t j = 0; j < nb; ++j) {
         const uint8_t* wj = w + j * 4 * gs + 4 * h;
         __m256i lo[4], hi[4];
@@ -413,7 +431,7 @@ struct Kernels {
           a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, a);
         }
       }
-      for (int b = 0; b < B; ++b) _mm256_storeu_ps(out[b] + h, tree16(acc[b]));
+      store_trees(acc, out, h);
     }
   }
 };
