@@ -112,8 +112,9 @@ def test_web_ui_chats_streams_and_stops(tmp_path: Path) -> None:
 
         # Stop aborts a long generation: the text stops growing and Send works again. A reply
         # that ends by itself before the click lands (the random tiny model reaching its EOS
-        # token: seen in full parallel runs, where the server's thread count changes its
-        # numerics) is a race, not Stop failing: then another prompt, at most three.
+        # token, or all of its max_tokens while the browser is starved beside the parallel
+        # suite: both seen in full runs) is a race, not Stop failing: then another prompt, at
+        # most three.
         _set_settings(page, max_tokens=str(MAX_MODEL_LEN - 200))
         for attempt in range(1, 4):
             page.type_into("#input", f"Tell me a long story, part {attempt}.")
@@ -123,7 +124,7 @@ def test_web_ui_chats_streams_and_stops(tmp_path: Path) -> None:
             state = _wait_reply(page, 5)
             if state == "stopped":
                 break
-            assert state == "stop", "the reply neither stopped nor ended on its EOS token"
+            assert state in ("stop", "length"), f"the reply neither stopped nor ended: {state}"
         assert state == "stopped"
         stopped_at = _assistant_text(page)
         assert stopped_at
