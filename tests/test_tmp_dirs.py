@@ -5,8 +5,26 @@ import time holds them."""
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
+
+import pytest
 
 from tests.helpers import tmp_dirs
+
+
+@pytest.fixture(autouse=True)
+def _own_cache() -> Iterator[None]:
+    """Each test sees only its own cache entries (a worker's cache holds the suite's tiny
+    checkpoints too, which `trim` would weigh against these); they go afterwards."""
+    others = dict(tmp_dirs._entries)
+    tmp_dirs._entries.clear()
+    yield
+    for entry in tmp_dirs._entries.values():
+        for path in entry.dirs:
+            shutil.rmtree(path, ignore_errors=True)
+    tmp_dirs._entries.clear()
+    tmp_dirs._entries.update(others)
 
 
 def _write(path: str, n: int) -> str:
