@@ -67,10 +67,9 @@ def _permute_strips(t: torch.Tensor, group: int, inverse: bool) -> torch.Tensor:
         if hi == lo:
             continue
         lanes = min(STRIP_ROWS, hi - lo)
-        rows = t[lo:hi].reshape(-1, lanes, groups, group)  # plain: (S, L, G, group)
-        if inverse:
-            rows = t[lo:hi].reshape(-1, groups, lanes, group)  # stored: (S, G, L, group)
-        parts.append(rows.transpose(1, 2).reshape(hi - lo, c))
+        # plain: (S, L, G, group); stored: (S, G, L, group)
+        shape = (-1, groups, lanes, group) if inverse else (-1, lanes, groups, group)
+        parts.append(t[lo:hi].reshape(shape).transpose(1, 2).reshape(hi - lo, c))
     return torch.cat(parts).contiguous() if len(parts) > 1 else parts[0].contiguous()
 
 
