@@ -92,7 +92,7 @@ at::Tensor fused_attention_decode(
     const std::optional<at::Tensor>& rope_table, const std::optional<at::Tensor>& rope_rows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool output_gate, double scale,
     double key_multiplier, double norm_eps, double qk_eps, at::ScalarType out_dtype,
-    bool int_dot, bool rows_alone) {
+    bool int_dot, bool rows_alone, int64_t sliding_window) {
   TORCH_CHECK(params.size() == kNumParams, "params must hold ", kNumParams, " entries");
   TORCH_CHECK(hidden_in.dim() == 2, "hidden must be (B, H)");
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
@@ -206,9 +206,10 @@ at::Tensor fused_attention_decode(
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("vllm_mamba::paged_decode_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, double)>();
+                            const at::Tensor&, const at::Tensor&, double, int64_t)>();
   cache_op.call(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping);
-  at::Tensor attn = attend_op.call(q, k_cache, v_cache, block_tables, seq_lens, scale)
+  at::Tensor attn = attend_op.call(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                   sliding_window)
                         .to(at::kFloat)
                         .reshape({d.batch, d.heads * d.dim})
                         .contiguous();  // (B, Hq D)
@@ -257,7 +258,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
       "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor? rope_table, Tensor? rope_rows, int num_heads, int num_kv_heads, int head_dim, "
       "bool output_gate, float scale, float key_multiplier, float norm_eps, float qk_eps, "
-      "ScalarType out_dtype, bool int_dot=False, bool rows_alone=False) -> Tensor");
+      "ScalarType out_dtype, bool int_dot=False, bool rows_alone=False, int sliding_window=0) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {

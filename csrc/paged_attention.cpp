@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -90,11 +89,13 @@ inline void update_row(const float* q, const float* const* keys, const float* co
 }
 
 // Attends `rows` pre-scaled query rows `q (rows, D)` over positions [begin, end) of one
-// sequence, row r only up to position `limits[r]` (inclusive), updating `st` in place.
+// sequence, row r only over positions [lows[r], limits[r]] (its sliding window's first
+// position, else 0, up to its own), updating `st` in place.
 // `kbuf`, `vbuf` (block_size * D), `scores` (block_size) and `row_ptrs` (2 * block_size) are
 // scratch.
 template <typename C>
-void attend_range(const float* q, const int64_t* limits, int64_t rows, int64_t dim,
+void attend_range(const float* q, const int64_t* lows, const int64_t* limits, int64_t rows,
+                  int64_t dim,
                   const HeadView<C>& kv, const HeadView<C>& vv, const int64_t* block_table,
                   int64_t begin, int64_t end, SoftmaxState st, float* kbuf, float* vbuf,
                   float* scores, const float** row_ptrs) {
@@ -108,10 +109,11 @@ void attend_range(const float* q, const int64_t* limits, int64_t rows, int64_t d
     load_rows(kv, block, off0, n, dim, kbuf, keys);
     load_rows(vv, block, off0, n, dim, vbuf, values);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t valid = std::min(n, limits[r] - start + 1);  // causal cut of this row
-      if (valid <= 0) continue;
-      update_row(q + r * dim, keys, values, valid, dim, scores, st.m[r], st.l[r],
-                 st.acc + r * dim);
+      const int64_t skip = std::max<int64_t>(lows[r] - start, 0);  // before the row's window
+      const int64_t valid = std::min(n, limits[r] - start + 1);    // causal cut of this row
+      if (valid <= skip) continue;
+      update_row(q + r * dim, keys + skip, values + skip, valid - skip, dim, scores, st.m[r],
+                 st.l[r], st.acc + r * dim);
     }
     start += n;
   }
@@ -151,11 +153,11 @@ void store_tile(const float* acc, const float* l, int64_t tokens, int64_t group,
 // Per-thread scratch of the attention kernels.
 struct Scratch {
   std::vector<float> q, m, l, acc, kbuf, vbuf, scores;
-  std::vector<int64_t> limits;
+  std::vector<int64_t> lows, limits;
   std::vector<const float*> row_ptrs;
   Scratch(int64_t rows, int64_t dim, int64_t bs)
       : q(rows * dim), m(rows), l(rows), acc(rows * dim), kbuf(bs * dim), vbuf(bs * dim),
-        scores(bs), limits(rows), row_ptrs(2 * bs) {}
+        scores(bs), lows(rows), limits(rows), row_ptrs(2 * bs) {}
   SoftmaxState state() { return {m.data(), l.data(), acc.data()}; }
 };
 
@@ -179,15 +181,18 @@ void round_robin(int64_t n, int64_t work, int64_t rows, int64_t dim, int64_t bs,
 struct AttnShape {
   int64_t q_heads, kv_heads, group, dim, block_size;
   float scale;
+  int64_t window;  // sliding window in tokens, 0 for none
 };
 
 AttnShape attn_shape(const at::Tensor& query, const at::Tensor& k_cache,
-                     const at::Tensor& v_cache, double scale) {
+                     const at::Tensor& v_cache, double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "sliding_window must be >= 0, got ", window);
   TORCH_CHECK(query.dim() == 3, "query must be (tokens, Hq, D)");
   check_cache(k_cache, v_cache, query.size(2));
   const int64_t hq = query.size(1), hkv = k_cache.size(2);
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads ", hq, " not a multiple of kv heads ", hkv);
-  return {hq, hkv, hq / hkv, query.size(2), k_cache.size(1), static_cast<float>(scale)};
+  return {hq, hkv, hq / hkv, query.size(2), k_cache.size(1), static_cast<float>(scale),
+          window};
 }
 
 // Decode splits per sequence: enough tasks for every thread, at least kMinSplitTokens each.
@@ -227,25 +232,31 @@ void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::T
                  const at::Tensor& tables, const int64_t* lens, const AttnShape& a,
                  at::Tensor& out) {
   const int64_t batch = query.size(0), hkv = a.kv_heads, g = a.group, dim = a.dim;
-  const int64_t max_len = batch ? *std::max_element(lens, lens + batch) : 0;
-  const int64_t splits = decode_splits(batch, hkv, max_len);
+  int64_t max_span = 0;  // positions one row reads, at most
+  for (int64_t b = 0; b < batch; ++b) {
+    max_span = std::max(max_span, lens[b] - window_start(lens[b] - 1, a.window));
+  }
+  const int64_t splits = decode_splits(batch, hkv, max_span);
   // Partial states (B, Hkv, splits, G [, D]); splits without positions keep l = 0.
   std::vector<float> pm(batch * hkv * splits * g), pl(pm.size()), pacc(pm.size() * dim);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const Q* qp = query.data_ptr<Q>();
-  const int64_t work = std::accumulate(lens, lens + batch, int64_t{0}) * a.q_heads * dim * 2;
+  const int64_t work = batch * max_span * a.q_heads * dim * 2;
   round_robin(batch * hkv * splits, work, g, dim, a.block_size, [&](int64_t i, Scratch& sc) {
     const int64_t b = i / (hkv * splits), h = (i / splits) % hkv, s = i % splits;
     SoftmaxState st{pm.data() + i * g, pl.data() + i * g, pacc.data() + i * g * dim};
     reset_state(st, g, dim);
     const int64_t len = lens[b];
-    const int64_t chunk = ((len + splits - 1) / splits + a.block_size - 1) / a.block_size *
-                          a.block_size;  // whole blocks per split
-    const int64_t begin = s * chunk, end = std::min(len, begin + chunk);
+    if (len <= 0) return;
+    const int64_t first = window_start(len - 1, a.window);
+    const int64_t chunk = ((len - first + splits - 1) / splits + a.block_size - 1) /
+                          a.block_size * a.block_size;  // whole blocks per split
+    const int64_t begin = first + s * chunk, end = std::min(len, begin + chunk);
     if (begin >= end) return;
     load_query(qp + b * query.stride(0) + h * g * dim, g, dim, a.scale, sc.q.data());
+    std::fill(sc.lows.begin(), sc.lows.end(), first);
     std::fill(sc.limits.begin(), sc.limits.end(), len - 1);
-    attend_range(sc.q.data(), sc.limits.data(), g, dim, head_view<C>(k_cache, h),
+    attend_range(sc.q.data(), sc.lows.data(), sc.limits.data(), g, dim, head_view<C>(k_cache, h),
                  head_view<C>(v_cache, h), tp + b * tables.stride(0), begin, end, st,
                  sc.kbuf.data(), sc.vbuf.data(), sc.scores.data(), sc.row_ptrs.data());
   });
@@ -262,8 +273,9 @@ void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::T
 
 at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
-  const AttnShape a = attn_shape(query_in, k_cache, v_cache, scale);
+                                  const at::Tensor& seq_lens, double scale,
+                                  int64_t sliding_window) {
+  const AttnShape a = attn_shape(query_in, k_cache, v_cache, scale, sliding_window);
   const int64_t batch = query_in.size(0);
   TORCH_CHECK(seq_lens.numel() == batch && block_tables.dim() == 2 &&
                   block_tables.size(0) == batch,
@@ -276,7 +288,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < batch; ++b) {
     check_row(tables.data_ptr<int64_t>() + b * tables.size(1), tables.size(1), lp[b],
-              a.block_size, k_cache.size(0));
+              a.block_size, k_cache.size(0), window_start(lp[b] - 1, a.window));
   }
   at::Tensor out = at::empty({batch, a.q_heads, a.dim}, query.options());
   dispatch_kv(query, "query", [&](auto* qt) {
@@ -299,7 +311,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::
   for (int64_t p = 0; p < seqs; ++p) {
     const int64_t q_len = qsl[p + 1] - qsl[p];
     for (int64_t j = 0; j < q_len; j += kPrefillTile) tiles.emplace_back(p, j);
-    work += q_len * (lens[p] - q_len / 2);
+    const int64_t span = lens[p] - q_len / 2;
+    work += q_len * (a.window > 0 ? std::min(span, a.window) : span);
   }
   work *= a.q_heads * dim * 2;
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -315,11 +328,14 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::
     for (int64_t t = 0; t < n_tok; ++t) {
       load_query(qp + (first + t) * q_stride + h * g * dim, g, dim, a.scale,
                  sc.q.data() + t * g * dim);
-      std::fill_n(sc.limits.data() + t * g, g, len - q_len + j0 + t);  // own position
+      const int64_t pos = len - q_len + j0 + t;
+      std::fill_n(sc.lows.data() + t * g, g, window_start(pos, a.window));
+      std::fill_n(sc.limits.data() + t * g, g, pos);  // own position
     }
     reset_state(sc.state(), rows, dim);
-    attend_range(sc.q.data(), sc.limits.data(), rows, dim, head_view<C>(k_cache, h),
-                 head_view<C>(v_cache, h), tp + p * tables.stride(0), 0,
+    attend_range(sc.q.data(), sc.lows.data(), sc.limits.data(), rows, dim,
+                 head_view<C>(k_cache, h), head_view<C>(v_cache, h), tp + p * tables.stride(0),
+                 window_start(len - q_len + j0, a.window),
                  len - q_len + j0 + n_tok, sc.state(), sc.kbuf.data(), sc.vbuf.data(),
                  sc.scores.data(), sc.row_ptrs.data());
     store_tile(sc.acc.data(), sc.l.data(), n_tok, g, dim, op + first * o_stride + h * g * dim,
@@ -330,8 +346,8 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::
 at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                                   double scale) {
-  const AttnShape a = attn_shape(query_in, k_cache, v_cache, scale);
+                                   double scale, int64_t sliding_window) {
+  const AttnShape a = attn_shape(query_in, k_cache, v_cache, scale, sliding_window);
   const int64_t seqs = seq_lens.numel();
   TORCH_CHECK(query_start_loc.numel() == seqs + 1 && block_tables.dim() == 2 &&
                   block_tables.size(0) == seqs,
@@ -350,7 +366,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
     TORCH_CHECK(q_len >= 0 && q_len <= lens[p], "sequence ", p, ": ", q_len,
                 " queries but seq_len ", lens[p]);
     check_row(tables.data_ptr<int64_t>() + p * tables.size(1), tables.size(1), lens[p],
-              a.block_size, k_cache.size(0));
+              a.block_size, k_cache.size(0), window_start(lens[p] - q_len, a.window));
   }
   at::Tensor out = at::zeros({query.size(0), a.q_heads, a.dim}, query.options());
   dispatch_kv(query, "query", [&](auto* qt) {

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace vllm_mamba {
@@ -36,15 +37,22 @@ HeadView<C> head_view(const at::Tensor& cache, int64_t head) {
           cache.size(1)};
 }
 
-// Checks that the blocks holding `len` tokens of one table row exist in a pool of `num_blocks`
-// (entries past them are never read, whatever they hold).
+// Checks that the blocks holding tokens [first, len) of one table row exist in a pool of
+// `num_blocks` (entries outside them are never read, whatever they hold: past the end, or
+// before a sliding window's first token, whose blocks may have been freed).
 inline void check_row(const int64_t* row, int64_t width, int64_t len, int64_t block_size,
-                      int64_t num_blocks) {
+                      int64_t num_blocks, int64_t first = 0) {
   const int64_t used = (len + block_size - 1) / block_size;
   TORCH_CHECK(used <= width, "seq_len ", len, " needs more blocks than block_tables has");
-  for (int64_t i = 0; i < used; ++i) {
+  for (int64_t i = first / block_size; i < used; ++i) {
     TORCH_CHECK(row[i] >= 0 && row[i] < num_blocks, "block id ", row[i], " outside the pool");
   }
+}
+
+// The first position a query at `pos` reads: `pos - window + 1` with a sliding window of
+// `window` tokens (transformers' `kv_idx > q_idx - sliding_window`), else 0 (`window` 0).
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0;
 }
 
 inline void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t dim) {

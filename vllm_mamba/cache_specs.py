@@ -11,7 +11,8 @@ A leaf module (torch dtypes only, no tensors): layers declare their specs, the s
   declared with the dtype of each tensor left to the engine's rule (`resolve`): a `conv` history
   is kept in the model dtype, a `recurrent` state in float32 unless `ssm_state_dtype` says
   otherwise; a tensor declared with a dtype keeps it.
-- `AttentionSpec`: an attention layer's KV blocks (a K and a V tensor per layer).
+- `AttentionSpec`: an attention layer's KV blocks (a K and a V tensor per layer), with its
+  sliding window if it has one.
 - `MLASpec`: a Multi-head Latent Attention layer's blocks: one latent row per token (the
   normed compressed KV `c` and the shared rope key), one tensor per layer, no V tensor.
 - `KVSpec`: either of the two, what the paged KV cache (`kv_cache`) allocates from.
@@ -102,11 +103,14 @@ class StateSpec:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """An attention layer: KV blocks of `num_kv_heads x head_dim` per token in `dtype`."""
+    """An attention layer: KV blocks of `num_kv_heads x head_dim` per token in `dtype`;
+    `sliding_window` (tokens, None for full attention): a query at position p reads only
+    `(p - W, p]`, so the blocks every window has passed can be freed."""
 
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    sliding_window: int | None = None
 
     def bytes_per_token(self) -> int:
         """K and V bytes of one token in this layer."""

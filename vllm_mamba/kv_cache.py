@@ -10,6 +10,16 @@ one latent tensor `(num_blocks, block_size, latent_dim)` for an `MLASpec` (the l
 `vllm_mamba.ops.mla_attention`). The slot of a token is `block_id * block_size + offset` in
 either; a block copy (fork, prefix caching) copies every tensor of every layer.
 
+Sliding-window layers (`AttentionSpec.sliding_window`) need only the blocks their window
+still covers, so the layers are split into KV groups (`plan_kv_groups`, vLLM's hybrid
+allocator): each group holds layers of one window (or full attention), all groups have the same
+number of layers (the smallest kind's count; a kind with more layers is split into several
+groups), and the `j`-th layer of every group shares the `j`-th cache tensors. A block of the
+pool is then one block of one group; each sequence has a block table per group (interleaved
+in one list: logical block `i` of group `g` at index `i * G + g`, `engine.block_manager`), and
+a sliding group drops the blocks its window has passed. Layers whose specs differ in shape or
+dtype (or MLA layers) keep a tensor each and form one group, sliding only when all of them are.
+
 The pool is sized by an exact block count (`num_gpu_blocks_override`, vLLM's name), else by a
 byte budget (`kv_cache_memory_bytes`), else by the default budget (`default_kv_cache_bytes`):
 on the CPU a quarter of the memory available at startup, at most 4 GiB (vLLM's CPU default
@@ -22,7 +32,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -34,6 +44,8 @@ from vllm_mamba.worker.huge_pages import huge_page_zeros
 __all__ = [
     "KVCache",
     "KVCacheSizing",
+    "KVGroups",
+    "plan_kv_groups",
     "default_kv_cache_bytes",
     "plan_num_blocks",
 ]
@@ -61,6 +73,69 @@ class KVCacheSizing:
     def nbytes(self) -> int:
         """Bytes of all cache tensors (K and V, or latents)."""
         return self.num_blocks * self.bytes_per_block
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """How the attention layers share the pool (see the module docstring).
+
+    Attributes:
+        windows: per group, its layers' sliding window in tokens (None: full attention).
+        layer_group: per attention layer (module order), its group.
+        layer_tensor: per attention layer, the index of the cache tensors it uses.
+        tensor_specs: per cache tensor set, its spec (without a window).
+    """
+
+    windows: tuple[int | None, ...]
+    layer_group: tuple[int, ...]
+    layer_tensor: tuple[int, ...]
+    tensor_specs: tuple[KVSpec, ...]
+
+    @property
+    def num_groups(self) -> int:
+        """Block tables per sequence."""
+        return len(self.windows)
+
+    def blocks_per_seq(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
+        """Blocks one sequence of `num_tokens` holds at most, over all groups: every block of
+        a full group, and of a sliding group those a window plus one chunk of at most
+        `max_chunk` tokens spans."""
+        full = -(-num_tokens // block_size)
+        return sum(
+            full if w is None else min(full, (w - 1 + max_chunk) // block_size + 2)
+            for w in self.windows
+        )
+
+    def max_seq_tokens(self, num_blocks: int, block_size: int, max_chunk: int) -> int | None:
+        """The longest sequence whose blocks (`blocks_per_seq`) fit `num_blocks`; None when
+        every group slides (the length is not bounded by the pool)."""
+        full = sum(w is None for w in self.windows)
+        if full == 0:
+            return None
+        sliding = sum((w - 1 + max_chunk) // block_size + 2 for w in self.windows if w is not None)
+        return max((num_blocks - sliding) // full, 0) * block_size
+
+
+def plan_kv_groups(specs: list[KVSpec]) -> KVGroups:
+    """Splits the attention layers into KV groups (see the module docstring)."""
+    windows = [s.sliding_window if isinstance(s, AttentionSpec) else None for s in specs]
+    bare = [replace(s, sliding_window=None) if isinstance(s, AttentionSpec) else s for s in specs]
+    if any(w is not None for w in windows) and len(set(bare)) == 1 and len(set(windows)) > 1:
+        kinds = list(dict.fromkeys(windows))  # in order of first appearance
+        size = min(windows.count(k) for k in kinds)
+        layer_group, layer_tensor = [0] * len(specs), [0] * len(specs)
+        group_windows: list[int | None] = []
+        for kind in kinds:
+            members = [i for i, w in enumerate(windows) if w == kind]
+            for start in range(0, len(members), size):
+                for j, layer in enumerate(members[start : start + size]):
+                    layer_group[layer], layer_tensor[layer] = len(group_windows), j
+                group_windows.append(kind)
+        return KVGroups(
+            tuple(group_windows), tuple(layer_group), tuple(layer_tensor), (bare[0],) * size
+        )
+    window = None if None in windows else max(windows, default=None)
+    return KVGroups((window,), (0,) * len(specs), tuple(range(len(specs))), tuple(bare))
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:
@@ -95,7 +170,8 @@ def plan_num_blocks(
     """Decides the pool's block count.
 
     Args:
-        specs: the attention layers' specs (at least one).
+        specs: the attention layers' specs (at least one); the pool holds the tensors of their
+            KV groups (`plan_kv_groups`).
         block_size: tokens per block.
         max_num_seqs: sequences in flight at once.
         max_model_len: the longest sequence.
@@ -109,12 +185,13 @@ def plan_num_blocks(
     Raises:
         ValueError: the budget does not hold a single block.
     """
-    per_block = block_size * sum(s.bytes_per_token() for s in specs)
+    groups = plan_kv_groups(specs)
+    per_block = block_size * sum(s.bytes_per_token() for s in groups.tensor_specs)
     if num_blocks_override is not None:
         return KVCacheSizing(num_blocks_override, block_size, per_block, "num_gpu_blocks_override")
     source = "kv_cache_memory_bytes" if memory_bytes is not None else "default"
     budget = memory_bytes if memory_bytes is not None else default_kv_cache_bytes(device)
-    usable = max_num_seqs * math.ceil(max_model_len / block_size)
+    usable = max_num_seqs * math.ceil(max_model_len / block_size) * groups.num_groups
     num_blocks = min(budget // per_block, usable)
     if num_blocks < 1:
         raise ValueError(
@@ -129,13 +206,15 @@ class KVCache:
 
     def __init__(self, specs: list[KVSpec], sizing: KVCacheSizing, device: torch.device):
         self.specs = specs
+        self.groups = plan_kv_groups(specs)
         self.sizing = sizing
         self.block_size = sizing.block_size
         self.num_blocks = sizing.num_blocks
-        # Per layer: (K, V) for an AttentionSpec, (latent,) for an MLASpec. Zeroed so that no
-        # kernel ever reads uninitialised memory (NaN) in a masked lane; on the CPU the zero
-        # pages are mapped as blocks are first written (`huge_page_zeros`).
-        self.layer_tensors = [self._allocate(s, device) for s in specs]
+        # Per tensor set (a layer, or the j-th layer of every KV group): (K, V) for an
+        # AttentionSpec, (latent,) for an MLASpec. Zeroed so that no kernel ever reads
+        # uninitialised memory (NaN) in a masked lane; on the CPU the zero pages are mapped
+        # as blocks are first written (`huge_page_zeros`).
+        self.layer_tensors = [self._allocate(s, device) for s in self.groups.tensor_specs]
 
     def _allocate(self, spec: KVSpec, device: torch.device) -> tuple[torch.Tensor, ...]:
         shape = (self.sizing.num_blocks, self.sizing.block_size)
@@ -150,10 +229,10 @@ class KVCache:
 
     def layer(self, index: int) -> LayerKVView:
         """Views of attention layer `index` (counted among the attention layers only)."""
-        tensors = self.layer_tensors[index]
+        tensors = self.layer_tensors[self.groups.layer_tensor[index]]
         if isinstance(self.specs[index], MLASpec):
             return LatentKV(latent=tensors[0])
-        return LayerKV(k=tensors[0], v=tensors[1])
+        return LayerKV(k=tensors[0], v=tensors[1], group=self.groups.layer_group[index])
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copies blocks `src[i]` into `dst[i]` in every layer (copy-on-write of a fork)."""

@@ -86,3 +86,84 @@ def test_placeholder_never_limits() -> None:
     assert bm.can_allocate([(0, 0, 10**9)]) and bm.num_used_blocks == 0
     bm.allocate(0, 0, 10)
     assert bm.block_table(0) == [] and bm.take_copies() == []
+
+
+def _held_sliding(bm: BlockManager, seq: int, group: int) -> list[int]:
+    """The logical blocks of `group` that `seq` still holds."""
+    table = bm.block_table(seq)
+    return [i for i in range(len(table) // bm.num_groups) if table[i * bm.num_groups + group] >= 0]
+
+
+@pytest.mark.parametrize(("windows", "block_size"), [((None, 6), 4), ((5,), 2), ((9, None, 9), 4)])
+def test_sliding_groups_hold_only_what_the_window_reads(
+    windows: tuple[int | None, ...], block_size: int
+) -> None:
+    """Decoding token by token (and a chunk in between): a full group keeps every block; a
+    sliding group keeps every block a query from the next token on reads and at most the
+    window plus the chunk's worth; `blocks_needed` equals what each allocation takes."""
+    bm = BlockManager(num_blocks=200, block_size=block_size, windows=windows)
+    done = 0
+    for num in [3, *[1] * 30, 11, *[1] * 20]:
+        free = bm.num_free_blocks
+        need = bm.blocks_needed([(0, done, num)])
+        bm.allocate(0, done, num)
+        assert free - bm.num_free_blocks == need
+        for g, window in enumerate(windows):
+            held = _held_sliding(bm, 0, g)
+            reads = range(max(done - (window or done + 1) + 1, 0), done + num)
+            assert {p // block_size for p in reads} <= set(held)
+            if window is None:
+                assert held == list(range(blocks_for(done + num, block_size)))
+            else:
+                assert len(held) <= (window - 1 + num) // block_size + 2
+        done += num
+    bm.free(0)
+    assert bm.num_free_blocks == 200
+
+
+def test_sliding_blocks_needed_is_exact_with_forks_and_snapshots() -> None:
+    """Random prefills, decodes, forks and snapshot shares over a full and a sliding group:
+    each allocation takes exactly `blocks_needed`, and everything returns to the pool."""
+    rng = random.Random(1)
+    bm = BlockManager(num_blocks=2000, block_size=3, windows=(None, 7))
+    lens: dict[int, int] = {}
+    snapshots = []
+    for step in range(200):
+        if len(lens) < 3 or rng.random() < 0.1:
+            seq = max(lens, default=-1) + 1
+            if lens and rng.random() < 0.5:
+                parent = rng.choice(list(lens))
+                bm.fork(parent, seq)
+                lens[seq] = lens[parent]
+            else:
+                lens[seq] = 0
+        seq = rng.choice(list(lens))
+        num = rng.choice([1, 1, 2, 5, 13])
+        free, need = bm.num_free_blocks, bm.blocks_needed([(seq, lens[seq], num)])
+        bm.allocate(seq, lens[seq], num)
+        assert free - bm.num_free_blocks == need, step
+        lens[seq] += num
+        if rng.random() < 0.1:
+            snapshots.append(bm.share(seq, lens[seq]))
+    for seq in lens:
+        bm.free(seq)
+    for blocks in snapshots:
+        bm.release(blocks)
+    assert bm.num_free_blocks == 2000
+
+
+def test_snapshot_of_a_sliding_group_keeps_only_the_window() -> None:
+    """A snapshot at 20 tokens (window 6, blocks of 4) keeps the blocks of positions 15-19
+    and every full-group block; a sequence that adopts it continues from there."""
+    bm = BlockManager(num_blocks=64, block_size=4, windows=(None, 6))
+    bm.allocate(0, 0, 20)
+    snap = bm.share(0, 20)
+    assert [snap[i * 2] >= 0 for i in range(5)] == [True] * 5
+    assert [snap[i * 2 + 1] >= 0 for i in range(5)] == [False, False, False, True, True]
+    bm.free(0)
+    bm.adopt(1, snap)
+    bm.allocate(1, 20, 1)
+    assert _held_sliding(bm, 1, 1) == [3, 4, 5] and len(bm.block_table(1)) == 12
+    bm.free(1)
+    bm.release(snap)
+    assert bm.num_free_blocks == 64

@@ -5,8 +5,8 @@ with and without it.
 Kernel cases: GQA and MQA, Qwen3.5's output gate and per-head q/k norms with partial RoPE,
 LFM2's full RoPE, no RoPE, a key multiplier, biases, the block norm and residual or the mixer
 alone, 1-8 rows (weight-streaming) and 9 (GEMMs), two rows of one sequence (a speculative
-chain: the second attends to the first's key), padding rows; float32 (tight) and bfloat16
-weights and caches, int8 and 4-bit weights.
+chain: the second attends to the first's key), padding rows, sliding windows; float32 (tight)
+and bfloat16 weights and caches, int8 and 4-bit weights.
 """
 
 from __future__ import annotations
@@ -76,10 +76,23 @@ def _rows(batch: int, chain: bool, pad: bool) -> tuple[torch.Tensor, ...]:
 ROWS = [(1, True, False), (3, True, True), (8, False, True), (9, True, False)]
 
 
+WINDOWED = [(torch.float32, 3, 1), (torch.float32, 9, 5), (torch.bfloat16, 3, 2)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize(("batch", "norm", "chain"), ROWS)
 def test_fused_attention_matches_reference(dtype, shape, batch, norm, chain) -> None:  # noqa: ANN001
+    _check_against_reference(dtype, shape, batch, norm, chain)
+
+
+@pytest.mark.parametrize(("dtype", "batch", "window"), WINDOWED)
+def test_fused_attention_with_a_sliding_window(dtype, batch: int, window: int) -> None:  # noqa: ANN001
+    """Windows of 1 to 5 tokens over contexts of 1 to 13 (a chain's second row included)."""
+    _check_against_reference(dtype, SHAPES[0], batch, True, True, window)
+
+
+def _check_against_reference(dtype, shape, batch, norm, chain, window: int = 0) -> None:  # noqa: ANN001
     g = torch.Generator().manual_seed(batch + shape[0])
     params, k_cache, v_cache = _case(g, shape, norm, dtype)
     hidden, heads, kv, dim, rot, gate, _, _, key_mult = shape
@@ -90,8 +103,9 @@ def test_fused_attention_matches_reference(dtype, shape, batch, norm, chain) -> 
     out = torch.float32 if norm else _model(dtype)
     args = (tables, lens, table, rows, heads, kv, dim, gate, dim**-0.5, key_mult, 1e-6, 1e-6, out)
     kk, vk, kr, vr = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
-    got = cpu_kernels.fused_attention_decode(x, params, kk, vk, slots, *args)
-    want = pa.decode_layer_ref(x, params, kr, vr, slots, *args)
+    windowed = {"sliding_window": window} if window else {}
+    got = cpu_kernels.fused_attention_decode(x, params, kk, vk, slots, *args, **windowed)
+    want = pa.decode_layer_ref(x, params, kr, vr, slots, *args, **windowed)
     assert got.dtype == want.dtype == out
     live = lens > 0
     tol = _tol(dtype, batch)

@@ -2,8 +2,10 @@
 (`csrc/paged_attention.cpp`, `csrc/reshape_and_cache.cpp`) against the references.
 
 Cases cover GQA ratios (1, 2, 4, MQA), head dims, block sizes, context lengths from 0 to a
-few hundred (unaligned to blocks), chunked prefill, padding rows, non-contiguous queries and
-float32 / bfloat16 / float16. `make_paged_case` is shared with the Triton tests.
+few hundred (unaligned to blocks), chunked prefill, padding rows, non-contiguous queries,
+float32 / bfloat16 / float16, and sliding windows (against dense attention with a window mask,
+the blocks every window has passed poisoned with NaN and dropped from the table).
+`make_paged_case` is shared with the Triton tests.
 """
 
 from __future__ import annotations
@@ -73,18 +75,41 @@ def make_paged_case(
     )  # fmt: skip
 
 
-def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of `q (L, Hq, D)` over `k, v (L, Hkv, D)`, heads repeated for GQA."""
+def dense_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
+) -> torch.Tensor:
+    """Causal attention of `q (L, Hq, D)` over `k, v (L, Hkv, D)`, heads repeated for GQA;
+    with `window` W > 0, query `i` reads keys `j` with `i - W < j <= i` only."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    pos = torch.arange(q.shape[0])
+    mask = pos[None, :] <= pos[:, None]  # (L, L)
+    if window:
+        mask &= pos[None, :] > pos[:, None] - window
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
     )
     return out.transpose(0, 1)
 
 
-def _run_chunked(attention, chunks: list[int], q_heads: int, kv_heads: int, block_size: int):
-    """Writes one sequence chunk by chunk, attending each chunk; returns (paged, dense) outputs."""
+def _drop_passed_blocks(
+    table: torch.Tensor, caches: list[torch.Tensor], start: int, window: int
+) -> None:
+    """Poisons (NaN) and unlists the blocks wholly before the window of position `start`, as
+    the engine frees them: a kernel that still read them would return NaN or fail."""
+    block_size = caches[0].shape[1]
+    for index in range(max(start - window + 1, 0) // block_size):
+        if table[0, index] >= 0:
+            for cache in caches:
+                cache[table[0, index].long()] = float("nan")
+            table[0, index] = -1
+
+
+def _run_chunked(
+    attention, chunks: list[int], q_heads: int, kv_heads: int, block_size: int, window: int = 0
+):  # fmt: skip
+    """Writes one sequence chunk by chunk, attending each chunk (with a sliding `window`, the
+    blocks it has passed dropped before each chunk); returns (paged, dense) outputs."""
     torch.manual_seed(1)
     head_dim, total = 16, sum(chunks)
     q, k, v = (torch.randn(total, h, head_dim) for h in (q_heads, kv_heads, kv_heads))
@@ -96,6 +121,8 @@ def _run_chunked(attention, chunks: list[int], q_heads: int, kv_heads: int, bloc
     slots = table[0, positions // block_size].long() * block_size + positions % block_size
     outs, done = [], 0
     for size in chunks:
+        if window:
+            _drop_passed_blocks(table, [k_cache, v_cache], done, window)
         part = slice(done, done + size)
         pad = torch.tensor([PAD_SLOT_ID])  # a padding token rides along, stores nothing
         attention["cache"](
@@ -108,13 +135,15 @@ def _run_chunked(attention, chunks: list[int], q_heads: int, kv_heads: int, bloc
                 query=q[part], k_cache=k_cache, v_cache=v_cache, block_tables=table,
                 query_start_loc=torch.tensor([0, size], dtype=torch.int32),
                 seq_lens=torch.tensor([done], dtype=torch.int32), scale=head_dim**-0.5,
+                sliding_window=window,
             )
         )  # fmt: skip
     decode = attention["decode"](
         query=q[-1:], k_cache=k_cache, v_cache=v_cache, block_tables=table,
         seq_lens=torch.tensor([total], dtype=torch.int32), scale=head_dim**-0.5,
+        sliding_window=window,
     )  # fmt: skip
-    dense = dense_causal(q, k, v)
+    dense = dense_causal(q, k, v, window)
     torch.testing.assert_close(decode[0], dense[-1], atol=1e-5, rtol=1e-5)
     return torch.cat(outs), dense
 
@@ -143,6 +172,46 @@ def test_chunked_prefill_equals_dense_attention(
         REF if impl == "ref" else CPP, chunks, q_heads, kv_heads, block_size
     )
     torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["ref", pytest.param("cpp", marks=needs_cpp)])
+@pytest.mark.parametrize(("chunks", "window"), [([40], 7), ([1, 5, 17, 23], 16), ([16, 16, 3], 1),
+                                                ([9, 30, 2], 33), ([50], 100)])  # fmt: skip
+@pytest.mark.parametrize("block_size", [1, 8])
+def test_sliding_window_equals_dense_windowed_attention(
+    impl: str, chunks: list[int], window: int, block_size: int
+) -> None:
+    """Chunked prefill and decode with a sliding window equal dense attention with the window
+    mask, though the blocks every window has passed hold NaN and are dropped from the table
+    (windows of 1 token, shorter and longer than a chunk or than the whole sequence)."""
+    paged, dense = _run_chunked(REF if impl == "ref" else CPP, chunks, 4, 2, block_size, window)
+    torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-5)
+
+
+@needs_cpp
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_sliding_window_matches_ref(
+    q_heads: int, kv_heads: int, window: int, dtype: torch.dtype
+) -> None:
+    """Decode (long rows split over threads too) and varlen prefill with a window, against the
+    references, at every GQA ratio."""
+    head_dim, block_size = 64, 16
+    lens = [*DECODE_LENS, 1500]
+    case = make_paged_case(lens, [1] * len(lens), q_heads, kv_heads, head_dim, block_size, dtype)
+    args = {**_decode_args(case, len(lens)), "sliding_window": window}
+    torch.testing.assert_close(
+        cpu_kernels.paged_decode_attention(**args), paged_decode_attention_ref(**args),
+        **_tolerance(dtype),
+    )  # fmt: skip
+    lens, q_lens = zip(*PREFILL, strict=True)
+    case = make_paged_case(list(lens), list(q_lens), q_heads, kv_heads, head_dim, block_size, dtype)
+    args = {**_prefill_args(case), "sliding_window": window}
+    torch.testing.assert_close(
+        cpu_kernels.paged_prefill_attention(**args), paged_prefill_attention_ref(**args),
+        **_tolerance(dtype),
+    )  # fmt: skip
 
 
 def _tolerance(dtype: torch.dtype) -> dict[str, float]:

@@ -124,6 +124,15 @@ def test_chunked_prefill_equals_dense_attention() -> None:
     torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not IN_INTERPRETER, reason="the chunked flow runs on CPU tensors")
+@pytest.mark.parametrize(("chunks", "window"), [([1, 5, 17], 6), ([20, 3], 1), ([9, 9], 40)])
+def test_sliding_window_equals_dense_windowed_attention(chunks: list[int], window: int) -> None:
+    """With a sliding window (the blocks it has passed poisoned and dropped from the table),
+    chunked prefill and decode equal dense attention with the window mask."""
+    paged, dense = _run_chunked(TRITON, chunks, 4, 2, 8, window)
+    torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.cuda
 @_NEEDS_CUDA
 def test_decode_cuda_graph_replays_with_new_tables() -> None:

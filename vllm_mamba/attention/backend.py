@@ -27,8 +27,10 @@ class StepLayout:
         decode_context_lens: tokens of each decoding sequence computed before this step
             (paged backend only).
         block_size: tokens per KV block (paged backend only; 0 without a KV cache).
-        decode_block_tables: the KV blocks of each decoding sequence (paged backend only).
-        prefill_block_tables: the KV blocks of each prefilling sequence (paged backend only).
+        decode_block_tables: the KV blocks of each decoding sequence (paged backend only;
+            with `kv_groups` G > 1, each group's logical block `i` at index `i * G + g`).
+        prefill_block_tables: the KV blocks of each prefilling sequence (as decode's).
+        kv_groups: the KV groups (`kv_cache.KVGroups`) the tables interleave (paged only).
         prefill_prompt_lens: the prompt length of each prefilling sequence (paged backend
             only; a RoPE whose frequencies follow the length rotates prompt tokens at it);
             empty: at each chunk's end.
@@ -47,6 +49,7 @@ class StepLayout:
     block_size: int = 0
     decode_block_tables: list[list[int]] = field(default_factory=list)
     prefill_block_tables: list[list[int]] = field(default_factory=list)
+    kv_groups: int = 1
     prefill_prompt_lens: list[int] = field(default_factory=list)
     decode_waves: list[int] = field(default_factory=list)
     decode_chain_src: list[int] = field(default_factory=list)

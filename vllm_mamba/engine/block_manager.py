@@ -8,6 +8,14 @@ prompt block) copies it first (copy-on-write), and the copies to make are handed
 runner with the step (`take_copies`). Full prompt blocks stay shared until every sequence is
 done with them.
 
+With sliding-window layers the attention layers form several KV groups (`kv_cache.KVGroups`),
+each with a block table per sequence, kept interleaved in one list (logical block `i` of
+group `g` at index `i * G + g`), so a sequence's table is still one `list[int]` everywhere
+(steps, forks, prefix snapshots). A sliding group's logical blocks wholly before the window of
+the next token to compute are dropped (`NO_BLOCK` in the table) when the sequence allocates
+its next tokens: no query reads them again (speculative rejections only shorten a sequence
+back to tokens past them). A prefix snapshot keeps only the blocks its continuation reads.
+
 `PlaceholderBlockManager` is the same interface for attention-free models: there are no
 blocks, so it never limits admission and holds nothing.
 """
@@ -16,12 +24,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["BlockManager", "PlaceholderBlockManager", "blocks_for"]
+__all__ = ["NO_BLOCK", "BlockManager", "PlaceholderBlockManager", "blocks_for"]
+
+NO_BLOCK = -1  # a table entry whose block a sliding window dropped (never read again)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks that `num_tokens` tokens occupy."""
     return -(-num_tokens // block_size)
+
+
+def _live(blocks: list[int]) -> list[int]:
+    """The entries of `blocks` that hold a block."""
+    return [b for b in blocks if b != NO_BLOCK]
 
 
 class BlockManager:
@@ -30,15 +45,20 @@ class BlockManager:
     Args:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
+        windows: per KV group, its sliding window in tokens (None: full attention).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, windows: tuple[int | None, ...] = (None,)
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.windows = windows
+        self.num_groups = len(windows)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
         self._refs = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
@@ -74,10 +94,15 @@ class BlockManager:
         """
         refs: dict[int, int] = {}
         need = 0
+        groups = self.num_groups
         for seq_id, start, num in work:
             table = self.block_table(seq_id)
-            end = blocks_for(start + num, self.block_size)
-            for index in range(start // self.block_size, min(len(table), end)):
+            for index in self._passed(table, start):
+                count = refs.get(table[index], self._refs[table[index]])
+                refs[table[index]] = count - 1
+                need -= count == 1  # dropped, back to the pool
+            end = blocks_for(start + num, self.block_size) * groups
+            for index in range(start // self.block_size * groups, min(len(table), end)):
                 block = table[index]
                 count = refs.get(block, self._refs[block])
                 if count > 1:  # shared: this write copies it
@@ -98,8 +123,11 @@ class BlockManager:
             RuntimeError: the pool ran out (the scheduler checks `can_allocate` first).
         """
         table = self._tables.setdefault(seq_id, [])
-        end = blocks_for(start + num, self.block_size)
-        for index in range(start // self.block_size, min(len(table), end)):
+        for index in self._passed(table, start):
+            self.release([table[index]])
+            table[index] = NO_BLOCK
+        end = blocks_for(start + num, self.block_size) * self.num_groups
+        for index in range(start // self.block_size * self.num_groups, min(len(table), end)):
             block = table[index]
             if self._refs[block] > 1:
                 new = self._take()
@@ -115,14 +143,14 @@ class BlockManager:
         table = self._tables.get(seq_id)
         if table is None:
             return
-        keep = blocks_for(num_tokens, self.block_size)
+        keep = blocks_for(num_tokens, self.block_size) * self.num_groups
         self.release(table[keep:])
         del table[keep:]
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (one more reference each)."""
         table = list(self.block_table(parent_id))
-        for block in table:
+        for block in _live(table):
             self._refs[block] += 1
         self._tables[child_id] = table
 
@@ -131,24 +159,29 @@ class BlockManager:
         self.release(self._tables.pop(seq_id, []))
 
     def share(self, seq_id: int, num_tokens: int) -> list[int]:
-        """One more reference to each block holding tokens `[0, num_tokens)` of `seq_id`
-        (a prefix-cache snapshot keeps them); returns those blocks."""
-        blocks = self.block_table(seq_id)[: blocks_for(num_tokens, self.block_size)]
-        for block in blocks:
+        """One more reference to each block holding tokens `[0, num_tokens)` of `seq_id` that a
+        continuation from `num_tokens` reads (a prefix-cache snapshot keeps them; a sliding
+        group's blocks before that window are `NO_BLOCK`); returns the table of those."""
+        table = self.block_table(seq_id)
+        blocks = table[: blocks_for(num_tokens, self.block_size) * self.num_groups]
+        for index in self._passed(blocks, num_tokens):
+            blocks[index] = NO_BLOCK
+        for block in _live(blocks):
             self._refs[block] += 1
-        return list(blocks)
+        return blocks
 
     def adopt(self, seq_id: int, blocks: list[int]) -> None:
         """Gives a sequence with no blocks yet a reference to `blocks` (a prefix-cache hit);
         its first write into the shared last block copies it."""
         assert not self._tables.get(seq_id), f"sequence {seq_id} already holds blocks"
-        for block in blocks:
+        for block in _live(blocks):
             self._refs[block] += 1
         self._tables[seq_id] = list(blocks)
 
     def release(self, blocks: list[int]) -> None:
-        """Drops one reference to each of `blocks`; those nobody holds return to the pool."""
-        for block in blocks:
+        """Drops one reference to each of `blocks` (`NO_BLOCK` entries skipped); those nobody
+        holds return to the pool."""
+        for block in _live(blocks):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 self._free.append(block)
@@ -158,6 +191,23 @@ class BlockManager:
         before the step's forward."""
         copies, self._copies = self._copies, []
         return copies
+
+    def _passed(self, table: list[int], start: int) -> list[int]:
+        """Indices of `table` that still hold a block no query from position `start` on
+        reads: a sliding group's logical blocks wholly before `start`'s window. The dropped
+        entries of a group are always a prefix of its blocks, so the scan walks back from the
+        window and stops at the first one (amortised O(1) per step)."""
+        passed = []
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            first = max(start - window + 1, 0)  # the first position `start` reads
+            index = (first // self.block_size - 1) * self.num_groups + g
+            while index >= 0 and (index >= len(table) or table[index] != NO_BLOCK):
+                if index < len(table):
+                    passed.append(index)
+                index -= self.num_groups
+        return passed
 
     def _take(self) -> int:
         if not self._free:

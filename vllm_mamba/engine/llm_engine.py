@@ -26,7 +26,7 @@ from typing import Any
 from vllm_mamba.cache_specs import KVSpec
 from vllm_mamba.config import EngineConfig
 from vllm_mamba.engine.arg_utils import EngineArgs
-from vllm_mamba.engine.block_manager import BlockManager, blocks_for
+from vllm_mamba.engine.block_manager import BlockManager
 from vllm_mamba.engine.input_processor import InputProcessor, PromptInput
 from vllm_mamba.engine.output_processor import OutputProcessor
 from vllm_mamba.engine.prefix_cache import PrefixCache
@@ -104,7 +104,9 @@ class LLMEngine:
         sc = config.scheduler_config
         blocks = None
         if self.kv_cache is not None:
-            blocks = BlockManager(self.kv_cache.num_blocks, self.kv_cache.block_size)
+            blocks = BlockManager(
+                self.kv_cache.num_blocks, self.kv_cache.block_size, self.kv_cache.groups.windows
+            )
         self.prefix_cache = None
         if self.num_snapshot_slots:
             self.prefix_cache = PrefixCache(
@@ -247,16 +249,23 @@ class LLMEngine:
             )
         if self.kv_cache is not None:
             sizing = self.kv_cache.sizing
+            groups = self.kv_cache.groups
+            per_seq = groups.blocks_per_seq(
+                mc.max_model_len,
+                sizing.block_size,
+                self.config.scheduler_config.max_num_batched_tokens,
+            )
             logger.info(
-                "KV cache (%d attention layers, %s): %d blocks x %d tokens = %d tokens, "
+                "KV cache (%d attention layers, %s%s): %d blocks x %d tokens = %d tokens, "
                 "%.2f MiB; %.1f sequences of max_model_len %d fit",
                 len(self.kv_cache.specs),
                 sizing.source,
+                _describe_groups(groups.windows),
                 sizing.num_blocks,
                 sizing.block_size,
                 sizing.num_tokens,
                 self.kv_cache.nbytes() / 2**20,
-                sizing.num_blocks / blocks_for(mc.max_model_len, sizing.block_size),
+                sizing.num_blocks / per_seq,
                 mc.max_model_len,
             )
         if mc.sampling_defaults:
@@ -377,8 +386,12 @@ class LLMEngine:
         if max_tokens is None:
             max_tokens = max_model_len - prompt_len
             if self.kv_cache is not None:
-                bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
-                max_tokens = max(min(max_tokens, num_blocks // params.n * bs - prompt_len), 1)
+                longest = self.kv_cache.groups.max_seq_tokens(
+                    self.kv_cache.num_blocks // params.n, self.kv_cache.block_size,
+                    self.config.scheduler_config.max_num_batched_tokens,
+                )  # fmt: skip
+                if longest is not None:
+                    max_tokens = max(min(max_tokens, longest - prompt_len), 1)
         elif prompt_len + max_tokens > max_model_len:
             raise ValueError(
                 f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
@@ -394,7 +407,8 @@ class LLMEngine:
         assert self.kv_cache is not None
         total = prompt_len + max_tokens
         bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
-        need = n * blocks_for(total, bs)
+        chunk = self.config.scheduler_config.max_num_batched_tokens
+        need = n * self.kv_cache.groups.blocks_per_seq(total, bs, chunk)
         if need > num_blocks:
             raise ValueError(
                 f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) needs {need} KV "
@@ -524,3 +538,11 @@ class LLMEngine:
         self.spec_steps.on_finished(seq)
         self.step_builder.finish(seq)
         self.scheduler.finish_seq(seq)
+
+
+def _describe_groups(windows: tuple[int | None, ...]) -> str:
+    """The banner's words for the KV groups: empty for one full-attention group."""
+    if windows == (None,):
+        return ""
+    kinds = ", ".join("full" if w is None else f"window {w}" for w in windows)
+    return f"; {len(windows)} KV groups: {kinds}"

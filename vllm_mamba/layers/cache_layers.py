@@ -32,10 +32,13 @@ LayerState = dict[str, torch.Tensor]  # state name -> (S, *shape) over all slots
 
 @dataclass
 class LayerKV:
-    """One attention layer's view of the pool: `k`, `v (num_blocks, block_size, Hkv, D)`."""
+    """One attention layer's view of the pool: `k`, `v (num_blocks, block_size, Hkv, D)`, and
+    the KV group whose block tables and slots it reads (`kv_cache.KVGroups`; 0 when the
+    model's attention layers form one group)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    group: int = 0
 
 
 @dataclass
@@ -84,14 +87,15 @@ class KVCacheLayer(nn.Module):
 
     num_kv_heads: int
     head_dim: int
+    sliding_window: int = 0  # tokens a query reads back (itself included); 0: all
 
     def __init__(self) -> None:
         super().__init__()
         self.kv: LayerKVView | None = None
 
     def kv_spec(self, dtype: torch.dtype) -> KVSpec:
-        """This layer's KV blocks (its shard's KV heads) in `dtype`."""
-        return AttentionSpec(self.num_kv_heads, self.head_dim, dtype)
+        """This layer's KV blocks (its shard's KV heads) in `dtype`, with its sliding window."""
+        return AttentionSpec(self.num_kv_heads, self.head_dim, dtype, self.sliding_window or None)
 
     def process_weights_after_loading(self) -> None:
         """Precomputes derived tensors after the weights are loaded (nothing by default)."""

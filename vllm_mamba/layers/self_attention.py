@@ -32,6 +32,7 @@ from torch import nn
 from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.attention import PagedAttention
+from vllm_mamba.layers.cache_layers import LayerKV
 from vllm_mamba.layers.decode_plan import CHAIN_MAX_ROWS, FusedStep, decode_only
 from vllm_mamba.layers.fused_decode_layer import _f32 as f32
 from vllm_mamba.layers.fused_decode_layer import _out_dtype as fused_out_dtype
@@ -66,6 +67,7 @@ class SelfAttention(nn.Module):
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         qk_norm_per_head: bool = True,
+        sliding_window: int | None = None,
         tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
@@ -86,7 +88,7 @@ class SelfAttention(nn.Module):
         if (q_norm is None) != (k_norm is None):
             raise ValueError("q_norm and k_norm come together")
         self.q_norm, self.k_norm = q_norm, k_norm
-        self.attn = PagedAttention(heads, kv_heads, head_dim, scale, ops)
+        self.attn = PagedAttention(heads, kv_heads, head_dim, scale, ops, sliding_window)
         self.ops = ops
 
     def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
@@ -181,12 +183,13 @@ class FusedAttentionStep:
         out_dtype = step_out_dtype(self.out_dtype, self.dtype, hidden)
         attn = self.attention
         kv = attn.attn.kv
-        assert kv is not None, "the KV cache is not bound to this layer"
+        assert isinstance(kv, LayerKV), "the KV cache is not bound to this layer"
         rotary = attn.rotary
         table = rotary.table(meta.positions) if rotary is not None else None
         rows = meta.positions if rotary is not None else None
+        view = meta.kv_view(kv.group)
         return self.op(
-            hidden, self.params, kv.k, kv.v, meta.slot_mapping, meta.decode_block_tables,
+            hidden, self.params, kv.k, kv.v, view.slot_mapping, view.decode_block_tables,
             meta.decode_seq_lens, table, rows, *self.args, out_dtype, uses_int_dot(attn.q_proj),
-            bool(meta.decode_waves),
+            bool(meta.decode_waves), attn.attn.sliding_window,
         )  # fmt: skip

@@ -18,6 +18,9 @@ Glossary:
     `block_tables[i, p // BS]` at offset `p % BS`. Entries past a row's used blocks may hold
     anything (0, -1) and are never read.
     `seq_lens`: `(rows,)` int32, the tokens in the cache for each row, the new ones included.
+    `sliding_window`: W > 0 limits a query at position `p` to positions `(p - W, p]` (a
+    sliding-window layer; the blocks wholly before every query's window may have been freed
+    and hold anything); 0 reads all of `[0, p]`.
     Math is float32 whatever the input dtype; outputs take the query's dtype. No rotary here:
     the model rotates queries and keys before caching them.
 """
@@ -66,12 +69,21 @@ def reshape_and_cache_ref(
     v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached tokens of one sequence, in float32: `(length, Hkv, D)`."""
+def _gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, start: int, length: int
+) -> torch.Tensor:
+    """Cached tokens `[start, length)` of one sequence, in float32: `(length - start, Hkv,
+    D)`; the blocks before `start`'s are never read (a sliding window may have freed them)."""
     block_size = cache.shape[1]
-    positions = torch.arange(length, device=cache.device)  # (L,)
+    positions = torch.arange(start, length, device=cache.device)  # (L,)
     blocks = block_table[: (length + block_size - 1) // block_size].long()
     return cache[blocks[positions // block_size], positions % block_size].float()
+
+
+def window_start(position: int, sliding_window: int) -> int:
+    """The first position a query at `position` reads: `position - W + 1` with a window of
+    `W` tokens (transformers' `kv_idx > q_idx - sliding_window`), else 0 (`W = 0`)."""
+    return max(position - sliding_window + 1, 0) if sliding_window > 0 else 0
 
 
 def _attend(
@@ -119,8 +131,10 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """One query per row attending to positions `[0, seq_len)` of its sequence's cache.
+    """One query per row attending to positions `[0, seq_len)` of its sequence's cache (the
+    last `sliding_window` of them when it is > 0).
 
     The row's own key and value were already written (`reshape_and_cache_ref`).
 
@@ -130,6 +144,7 @@ def paged_decode_attention_ref(
         block_tables: `(B, max_blocks)` int32.
         seq_lens: `(B,)` int32; 0 marks a padding row.
         scale: the softmax scale (usually `D ** -0.5`).
+        sliding_window: the window W in tokens, or 0 for none.
 
     Returns:
         `(B, Hq, D)` in the query's dtype; padding rows are zeros.
@@ -139,9 +154,10 @@ def paged_decode_attention_ref(
     for row, length in enumerate(seq_lens.tolist()):
         if length <= 0:
             continue
-        keys = _gather_context(k_cache, block_tables[row], length)  # (L, Hkv, D)
-        values = _gather_context(v_cache, block_tables[row], length)
-        allowed = torch.ones(1, length, dtype=torch.bool, device=query.device)
+        start = window_start(length - 1, sliding_window)
+        keys = _gather_context(k_cache, block_tables[row], start, length)  # (L, Hkv, D)
+        values = _gather_context(v_cache, block_tables[row], start, length)
+        allowed = torch.ones(1, length - start, dtype=torch.bool, device=query.device)
         out[row] = _attend(query[row : row + 1].float(), keys, values, allowed, scale)[0]
     return out.to(query.dtype)
 
@@ -154,6 +170,7 @@ def paged_prefill_attention_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed prefill chunks over their cached context and themselves.
 
@@ -169,6 +186,7 @@ def paged_prefill_attention_ref(
         query_start_loc: `(P + 1,)` int32, cumulative query starts.
         seq_lens: `(P,)` int32, context plus chunk length of each sequence.
         scale: the softmax scale.
+        sliding_window: the window W in tokens, or 0 for none.
 
     Returns:
         `(T, Hq, D)` in the query's dtype; tokens after `qsl[P]` (padding) are zeros.
@@ -182,11 +200,14 @@ def paged_prefill_attention_ref(
         if q_len <= 0:
             continue
         assert length >= q_len, "seq_lens must count the chunk's own tokens"
-        keys = _gather_context(k_cache, block_tables[seq], length)  # (L, Hkv, D)
-        values = _gather_context(v_cache, block_tables[seq], length)
+        start = window_start(length - q_len, sliding_window)
+        keys = _gather_context(k_cache, block_tables[seq], start, length)  # (L, Hkv, D)
+        values = _gather_context(v_cache, block_tables[seq], start, length)
         q_pos = torch.arange(length - q_len, length, device=query.device)  # (Q,)
-        k_pos = torch.arange(length, device=query.device)  # (L,)
+        k_pos = torch.arange(start, length, device=query.device)  # (L,)
         allowed = k_pos[None, :] <= q_pos[:, None]  # (Q, L)
+        if sliding_window > 0:
+            allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
         out[begin:end] = _attend(query[begin:end].float(), keys, values, allowed, scale)
     return out.to(query.dtype)
 
@@ -222,6 +243,7 @@ def decode_layer_ref(
     out_dtype: torch.dtype,
     int_dot: bool = False,
     rows_alone: bool = False,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """One attention block's decode step from the reference ops (`SelfAttention` over
     `PagedAttention`): `hidden + o_proj(attention(...))` with the block norm, else the mixer
@@ -246,6 +268,7 @@ def decode_layer_ref(
         int_dot: the integer weights multiply int8-quantised activations (`_linear`).
         rows_alone: every row's products exactly as a one-row call's (the kernel's
             speculative chains; the reference's rows always are).
+        sliding_window: the layer's window W in tokens, or 0 for none.
 
     Returns:
         `(B, H)` in `out_dtype`.
@@ -273,7 +296,9 @@ def decode_layer_ref(
     cache = k_cache.dtype
     v = v.view(rows, num_kv_heads, head_dim)
     reshape_and_cache_ref(k.to(cache), v.to(cache), k_cache, v_cache, slot_mapping)
-    attn = paged_decode_attention_ref(q.to(cache), k_cache, v_cache, block_tables, seq_lens, scale)
+    attn = paged_decode_attention_ref(
+        q.to(cache), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window
+    )
     attn = attn.float().reshape(rows, -1)  # (B, Hq D)
     if gate is not None:
         attn = attn * torch.sigmoid(gate)
@@ -290,7 +315,7 @@ class ReshapeAndCacheOp(Protocol):
 class PagedDecodeOp(Protocol):
     def __call__(
         self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-        seq_lens: Tensor, scale: float,
+        seq_lens: Tensor, scale: float, sliding_window: int = 0,
     ) -> Tensor: ...  # fmt: skip
 
 
@@ -301,13 +326,14 @@ class DecodeLayerOp(Protocol):
         rope_rows: Tensor | None, num_heads: int, num_kv_heads: int, head_dim: int,
         output_gate: bool, scale: float, key_multiplier: float, norm_eps: float, qk_eps: float,
         out_dtype: torch.dtype, int_dot: bool = False, rows_alone: bool = False,
+        sliding_window: int = 0,
     ) -> Tensor: ...  # fmt: skip
 
 
 class PagedPrefillOp(Protocol):
     def __call__(
         self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-        query_start_loc: Tensor, seq_lens: Tensor, scale: float,
+        query_start_loc: Tensor, seq_lens: Tensor, scale: float, sliding_window: int = 0,
     ) -> Tensor: ...  # fmt: skip
 
 

@@ -41,11 +41,12 @@ def _reshape_and_cache_kernel(
 
 @triton.jit
 def _kv_tile(
-    cache, tables_row, pos, limit, kv_head, d, sc_b, sc_t, sc_h,
+    cache, tables_row, pos, low, limit, kv_head, d, sc_b, sc_t, sc_h,
     BS: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    """Loads positions `pos (BLOCK_N,)` below `limit` of one kv head as float32 (BLOCK_N, D_PAD)."""
-    valid = pos < limit
+    """Loads positions `pos (BLOCK_N,)` in `[low, limit)` of one kv head as float32
+    (BLOCK_N, D_PAD); the blocks of the others are never read (a window may have freed them)."""
+    valid = (pos >= low) & (pos < limit)
     block = tl.load(tables_row + pos // BS, mask=valid, other=0).to(tl.int64)
     rows = block * sc_b + (pos % BS) * sc_t + kv_head * sc_h  # (BLOCK_N,)
     mask = valid[:, None] & (d[None, :] < D)
@@ -54,7 +55,7 @@ def _kv_tile(
 
 @triton.jit
 def _decode_kernel(
-    query, k_cache, v_cache, block_tables, seq_lens, out, scale,
+    query, k_cache, v_cache, block_tables, seq_lens, out, scale, window,
     sq_b, sq_h, so_b, so_h, sbt, sc_b, sc_t, sc_h,
     BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -68,14 +69,15 @@ def _decode_kernel(
     q = tl.load(query + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
     q = q.to(tl.float32) * scale  # (G_PAD, D_PAD)
     length = tl.load(seq_lens + b)
+    low = tl.where(window > 0, tl.maximum(length - window, 0), 0)  # the window's first position
     tables_row = block_tables + b * sbt
     m = tl.full((G_PAD,), _M_INIT, tl.float32)
     l = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D_PAD), tl.float32)
-    for start in range(0, length, BLOCK_N):
+    for start in range(low, length, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        k = _kv_tile(k_cache, tables_row, pos, length, kv_head, d, sc_b, sc_t, sc_h, BS, D)
-        v = _kv_tile(v_cache, tables_row, pos, length, kv_head, d, sc_b, sc_t, sc_h, BS, D)
+        k = _kv_tile(k_cache, tables_row, pos, low, length, kv_head, d, sc_b, sc_t, sc_h, BS, D)
+        v = _kv_tile(v_cache, tables_row, pos, low, length, kv_head, d, sc_b, sc_t, sc_h, BS, D)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G_PAD, BLOCK_N)
         s = tl.where((pos < length)[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -91,7 +93,7 @@ def _decode_kernel(
 @triton.jit
 def _prefill_kernel(
     query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, num_seqs,
-    sq_t, sq_h, so_t, so_h, sbt, sc_b, sc_t, sc_h,
+    window, sq_t, sq_h, so_t, so_h, sbt, sc_b, sc_t, sc_h,
     BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -106,7 +108,8 @@ def _prefill_kernel(
     q_begin = tl.load(query_start_loc + p)
     q_len = tl.load(query_start_loc + p + 1) - q_begin
     length = tl.load(seq_lens + p)
-    j = (tile - (q_begin // BLOCK_M + p)) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    j0 = (tile - (q_begin // BLOCK_M + p)) * BLOCK_M  # the tile's first query in the chunk
+    j = j0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     rows_ok = j < q_len
     d = tl.arange(0, D_PAD)
     qmask = rows_ok[:, None] & (d[None, :] < D)
@@ -117,15 +120,18 @@ def _prefill_kernel(
     kv_head = head // G
     tables_row = block_tables + p * sbt
     kv_end = tl.minimum(length, tl.max(tl.where(rows_ok, q_pos + 1, 0)))
+    # The first position the tile's first query reads (0 without a window).
+    kv_low = tl.where(window > 0, tl.maximum(length - q_len + j0 - window + 1, 0), 0)
     m = tl.full((BLOCK_M,), _M_INIT, tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D_PAD), tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_low, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        k = _kv_tile(k_cache, tables_row, pos, kv_end, kv_head, d, sc_b, sc_t, sc_h, BS, D)
-        v = _kv_tile(v_cache, tables_row, pos, kv_end, kv_head, d, sc_b, sc_t, sc_h, BS, D)
+        k = _kv_tile(k_cache, tables_row, pos, kv_low, kv_end, kv_head, d, sc_b, sc_t, sc_h, BS, D)
+        v = _kv_tile(v_cache, tables_row, pos, kv_low, kv_end, kv_head, d, sc_b, sc_t, sc_h, BS, D)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N)
         allowed = (pos[None, :] <= q_pos[:, None]) & rows_ok[:, None]
+        allowed &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
@@ -181,14 +187,14 @@ def reshape_and_cache(
 
 def paged_decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """One query per row over its paged context; see `paged_decode_attention_ref`.
 
     Args:
         query: `(B, Hq, D)`; k_cache, v_cache: `(NB, BS, Hkv, D)`.
         block_tables: `(B, max_blocks)` int32; seq_lens: `(B,)` int32, 0 for padding rows.
-        scale: the softmax scale.
+        scale: the softmax scale; sliding_window: the window W in tokens, 0 for none.
 
     Returns:
         `(B, Hq, D)` in the query's dtype.
@@ -200,7 +206,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     _decode_kernel[(batch, k_cache.shape[2])](
-        query, k_cache, v_cache, block_tables, seq_lens, out, float(scale),
+        query, k_cache, v_cache, block_tables, seq_lens, out, float(scale), int(sliding_window),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BS=k_cache.shape[1], G=group, D=dim, G_PAD=_pad(group), D_PAD=_pad(dim),
@@ -211,7 +217,7 @@ def paged_decode_attention(
 
 def paged_prefill_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     """Causal varlen attention over the cached context; see `paged_prefill_attention_ref`.
 
@@ -219,7 +225,7 @@ def paged_prefill_attention(
         query: `(T, Hq, D)`; k_cache, v_cache: `(NB, BS, Hkv, D)`.
         block_tables: `(P, max_blocks)` int32; query_start_loc: `(P + 1,)` int32;
             seq_lens: `(P,)` int32, context plus chunk of each sequence.
-        scale: the softmax scale.
+        scale: the softmax scale; sliding_window: the window W in tokens, 0 for none.
 
     Returns:
         `(T, Hq, D)` in the query's dtype; tokens after `qsl[P]` are zeros.
@@ -234,7 +240,8 @@ def paged_prefill_attention(
     grid = (tokens // _BLOCK_M + seqs, heads)  # room for every sequence's tiles (see kernel)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, float(scale), seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        int(sliding_window), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BS=k_cache.shape[1], G=group, D=dim, D_PAD=max(_pad(dim), 16), P_PAD=_pad(seqs),
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,

@@ -98,7 +98,8 @@ class DraftModelProposer:
             )  # fmt: skip
             self.kv_cache = KVCache(kv_specs, sizing, self.device)
             self.kv_cache.bind(self.model)
-            self.blocks = BlockManager(sizing.num_blocks, sizing.block_size)
+            windows = self.kv_cache.groups.windows
+            self.blocks = BlockManager(sizing.num_blocks, sizing.block_size, windows)
         self.backend = select_attention_backend(has_kv_cache=self.kv_cache is not None)
         self._drafts: dict[int, _Draft] = {}
         logger.info(
@@ -197,6 +198,7 @@ class DraftModelProposer:
         )
         if self.kv_cache is not None:
             layout.block_size = self.kv_cache.block_size
+            layout.kv_groups = self.kv_cache.groups.num_groups
             layout.decode_context_lens = [s for _, s, _ in decodes]
             layout.decode_block_tables = [d.blocks for d, _, _ in decodes]
             layout.prefill_block_tables = [d.blocks for d, _, _ in prefills]

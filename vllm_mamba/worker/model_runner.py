@@ -313,6 +313,7 @@ class ModelRunner:
             layout.decode_chain_src, layout.decode_chain_dst = chain_src, chain_dst
         if self.kv_cache is not None:
             layout.block_size = self.kv_cache.block_size
+            layout.kv_groups = self.kv_cache.groups.num_groups
             layout.decode_context_lens = contexts
             layout.decode_block_tables = tables
             layout.prefill_block_tables = [s.block_table for s in prefills]
@@ -438,6 +439,7 @@ class ModelRunner:
                 decode_context_lens=[w.position + step - 1 for w, _, _ in chains],
                 block_size=self.kv_cache.block_size,
                 decode_block_tables=[w.block_table for w, _, _ in chains],
+                kv_groups=self.kv_cache.groups.num_groups,
             )
             meta = self.backend.build_metadata(layout, hidden.device)
             hidden = self.mtp(hidden, ids, meta, spec_step=step)  # (B, H)

@@ -4,7 +4,9 @@ Its step metadata, `PagedMetadata`, is `MambaMetadata` (what the state-space lay
 what the attention layers read about the same flat batch `[decodes] + [prefill chunks]`: the
 cache slot of every token (`block_id * block_size + offset`) and its position in its sequence
 (rotary embeddings read it), and per decode row and per prefill chunk its block table and its
-length in the cache after this step.
+length in the cache after this step. With several KV groups (sliding-window layers,
+`kv_cache.KVGroups`) the top-level slots and tables are group 0's and `groups` holds every
+group's (`KVGroupView`); a layer reads its own group's through `kv_view`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ import torch
 
 from vllm_mamba.attention.backend import AttentionBackend, StepLayout
 from vllm_mamba.attention.mamba_metadata import MambaMetadata, build_mamba_metadata
+
+
+@dataclass(frozen=True)
+class KVGroupView:
+    """One KV group's part of a step: its slot per token and its block tables."""
+
+    slot_mapping: torch.Tensor  # (T,) int32
+    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int32
+    prefill_block_tables: torch.Tensor  # (num_prefills, max_blocks) int32
 
 
 @dataclass
@@ -35,6 +46,7 @@ class PagedMetadata(MambaMetadata):
             length (the layout's `prefill_prompt_lens`), else the chunk's end.
         rope_tables: the step's per-token cos / sin of such RoPEs, filled by the first rotary
             layer that needs one and reused by the others (keyed by the frequencies).
+        groups: every KV group's slots and tables (the first is the top-level fields').
     """
 
     slot_mapping: torch.Tensor
@@ -45,11 +57,46 @@ class PagedMetadata(MambaMetadata):
     prefill_seq_lens: torch.Tensor
     prefill_rope_lens: torch.Tensor
     rope_tables: dict[Any, torch.Tensor] = field(default_factory=dict)
+    groups: list[KVGroupView] = field(default_factory=list)
+
+    def kv_view(self, group: int) -> KVGroupView:
+        """The slots and block tables of KV group `group`."""
+        if not self.groups:
+            return KVGroupView(
+                self.slot_mapping, self.decode_block_tables, self.prefill_block_tables
+            )
+        return self.groups[group]
 
 
-def _slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Cache slots of positions `[start, end)` of a sequence with blocks `table`."""
-    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+def _slots(
+    table: list[int], start: int, end: int, block_size: int, groups: int = 1, group: int = 0
+) -> list[int]:
+    """Cache slots of positions `[start, end)` of a sequence with blocks `table` (group
+    `group` of `groups` interleaved tables)."""
+    return [
+        table[p // block_size * groups + group] * block_size + p % block_size
+        for p in range(start, end)
+    ]
+
+
+def _group_views(layout: StepLayout, device: torch.device, dec: torch.Tensor,
+                 pre: torch.Tensor) -> list[KVGroupView]:  # fmt: skip
+    """Each KV group's slots and tables, from the interleaved tables `dec` and `pre`."""
+    groups, bs = layout.kv_groups, layout.block_size
+    views = []
+    for g in range(groups):
+        slots: list[int] = []
+        for table, ctx in zip(layout.decode_block_tables, layout.decode_context_lens):
+            slots += _slots(table, ctx, ctx + 1, bs, groups, g)
+        for table, ctx, n in zip(
+            layout.prefill_block_tables, layout.prefill_context_lens, layout.prefill_lens
+        ):
+            slots += _slots(table, ctx, ctx + n, bs, groups, g)
+        slot_t = torch.tensor(slots, dtype=torch.int32).to(device)
+        views.append(
+            KVGroupView(slot_t, dec[:, g::groups].contiguous(), pre[:, g::groups].contiguous())
+        )
+    return views
 
 
 def _padded(tables: list[list[int]]) -> tuple[list[int], int]:
@@ -91,15 +138,19 @@ def build_paged_metadata(layout: StepLayout, device: torch.device) -> PagedMetad
     slots, pos, dec_t, dec_l, pre_t, pre_l, rope_l = packed.split(
         [len(slot_mapping), len(positions), nd * dec_width, nd, np_ * pre_width, np_, np_]
     )
+    dec_t, pre_t = dec_t.view(nd, dec_width), pre_t.view(np_, pre_width)
+    groups = _group_views(layout, device, dec_t, pre_t) if layout.kv_groups > 1 else []
+    first = groups[0] if groups else KVGroupView(slots, dec_t, pre_t)
     return PagedMetadata(
         **vars(base),
-        slot_mapping=slots,
+        slot_mapping=first.slot_mapping,
         positions=pos,
-        decode_block_tables=dec_t.view(nd, dec_width),
+        decode_block_tables=first.decode_block_tables,
         decode_seq_lens=dec_l,
-        prefill_block_tables=pre_t.view(np_, pre_width),
+        prefill_block_tables=first.prefill_block_tables,
         prefill_seq_lens=pre_l,
         prefill_rope_lens=rope_l,
+        groups=groups,
     )
 
 
