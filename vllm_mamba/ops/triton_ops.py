@@ -1,12 +1,12 @@
 """The Triton backend of the ops: which op of which family each Triton kernel implements.
 
 The kernels live in `triton_conv1d`, `triton_selective_scan`, `triton_ssd`, `triton_attention`,
-`triton_gated_delta`, `triton_kda`, `triton_mla`, `triton_rwkv` and `triton_short_conv`; this
-module says whether they can run here (`available`) and registers them as the `triton`
-backend's ops (`register`, called once by `vllm_mamba.ops.families.load_backend`). Every other
-op (the projections: `F.linear`, i.e. cuBLAS; the gated RMSNorm) runs its `_ref`. They run on
-CUDA devices, and on the CPU under the Triton interpreter (`TRITON_INTERPRET=1`), which is how
-the tests check them.
+`triton_gated_delta`, `triton_kda`, `triton_mla`, `triton_rwkv`, `triton_short_conv` and
+`triton_rglru`; this module says whether they can run here (`available`) and registers them as
+the `triton` backend's ops (`register`, called once by `vllm_mamba.ops.families.load_backend`).
+Every other op (the projections: `F.linear`, i.e. cuBLAS; the gated RMSNorm) runs its `_ref`.
+They run on CUDA devices, and on the CPU under the Triton interpreter (`TRITON_INTERPRET=1`),
+which is how the tests check them.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ TRITON_OPS: dict[str, dict[str, str]] = {
                    "varlen": "triton_short_conv:short_conv_varlen"},
     "rwkv7": {"varlen": "triton_rwkv:wkv7_varlen", "update": "triton_rwkv:wkv7_update"},
     "rwkv4": {"varlen": "triton_rwkv:wkv4_varlen", "update": "triton_rwkv:wkv4_update"},
+    "rglru": {"varlen": "triton_rglru:rglru_varlen", "update": "triton_rglru:rglru_update"},
 }  # fmt: skip
 
 
