@@ -43,8 +43,9 @@ class Family:
         hf_class: the transformers class, also the architecture the engine loads.
         configs: variant name -> transformers config keyword arguments.
         mixer: the recurrent layer kind: `mamba` (selective scan), `mamba2` (SSD),
-            `gated_delta` (Gated DeltaNet), `short_conv` (LFM2's gated short conv) or `kda`
-            (Kimi Delta Attention).
+            `gated_delta` (Gated DeltaNet), `short_conv` (LFM2's gated short conv), `kda`
+            (Kimi Delta Attention), `rwkv7`, `rwkv4`, `rglru` (RecurrentGemma's RG-LRU) or
+            `lightning` (MiniMax's lightning attention).
         hybrid: has attention layers, so a paged KV cache beside the state slots.
         main: the variant the batching, chunking, pressure and prefix checks run on.
         second: the variant of the seeded-fork checks (another shape than `main`).
@@ -62,6 +63,13 @@ class Family:
         reference_impl: `transformers`, or `rwkv` for RWKV-7 (not in transformers): the
             checkpoints come from `tests.helpers.rwkv_checkpoints` and the reference is the
             `rwkv` package on their BlinkDL `.pth` twin.
+        kv_pressure_blocks: the KV pool of the hybrids' pressure check on `main`: 14 blocks
+            of 16 force preemptions where the attention layers form one KV group; layers in
+            several groups (sliding windows beside full attention) hold a block table per
+            group, so the longest prompt alone needs more.
+        fork_pressure_blocks: the KV pool of the forks-and-chunks pressure check on `second`
+            (30 blocks of 16); a model whose every attention layer slides holds a few blocks
+            per sequence, so it needs fewer to be under pressure.
     """
 
     name: str
@@ -79,6 +87,8 @@ class Family:
     cuda_graphs: bool = False
     reference_impl: str = "transformers"
     norm_names: tuple[str, ...] = ("norm",)
+    kv_pressure_blocks: int = 14
+    fork_pressure_blocks: int = 30
 
     def __post_init__(self) -> None:
         if not self.reference:
@@ -219,6 +229,30 @@ FAMILIES: tuple[Family, ...] = (
         weight_std=0.15,
     ),
     Family(
+        "zamba_v1",
+        "ZambaForCausalLM",
+        cfg.ZAMBA,
+        mixer="mamba",
+        hybrid=True,
+        main="zamba-mha-tied",
+        second="zamba-gqa-untied",
+        tp=("zamba-mha-tied",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "layers_block_type",
+            "n_mamba_heads",
+            "num_key_value_heads",
+            "mamba_conv_bias",
+            "mamba_proj_bias",
+            "tie_word_embeddings",
+        ),
+        # As Zamba2 (the same 2H-wide shared attention, scale (D / 2) ** -0.5): at std 0.3
+        # (0.2) float32 rounding alone moves transformers' own top-5 logprobs by up to 1.2e-3
+        # (9e-4) from float64 on zamba-mha-tied; at 0.15 transformers and this engine stay
+        # within 7e-5 of float64 on both variants, with varied references.
+        weight_std=0.15,
+    ),
+    Family(
         "qwen3_5",
         "Qwen3_5ForCausalLM",
         cfg.QWEN3_5,
@@ -343,6 +377,32 @@ FAMILIES: tuple[Family, ...] = (
         # top-5 logprobs by at most 1.1e-5 (routing choices included).
     ),
     Family(
+        "lfm3",
+        "Lfm3ForCausalLM",
+        cfg.LFM3,
+        mixer="short_conv",
+        hybrid=True,
+        main="lfm3-gqa",
+        second="lfm3-mqa",
+        tp=("lfm3-gqa",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "layer_types",
+            "sliding_window",
+            "use_attention_gate",
+            "use_sandwich_norm",
+            "rope_parameters",
+            "conv_bias",
+            "conv_L_cache",
+            "num_key_value_heads",
+            "tie_word_embeddings",
+        ),
+        # lfm3-gqa's attention layers form 3 KV groups (two of window 16, one full): the
+        # 131 + 20-token prompt alone holds 10 blocks of 16 in each (a window plus a whole
+        # prefill chunk spans them all), so 30 blocks admit it and still force preemptions.
+        kv_pressure_blocks=30,
+    ),
+    Family(
         "kimi_linear",
         "KimiLinearForCausalLM",
         cfg.KIMI_LINEAR,
@@ -362,6 +422,74 @@ FAMILIES: tuple[Family, ...] = (
         # As the Gated DeltaNet families: at 0.15 the delta rule's exponentials keep float32
         # rounding well inside the suite's 1e-4 logprob bound.
         weight_std=0.15,
+    ),
+    Family(
+        "lara_mini",
+        "LaraMiniForCausalLM",
+        cfg.LARA_MINI,
+        mixer="gated_delta",
+        hybrid=True,
+        main="lara-mini-gqa",
+        second="lara-mini-mqa",
+        tp=("lara-mini-gqa",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "layer_types",
+            "linear_num_value_heads",
+            "num_key_value_heads",
+            "sliding_window",
+            "attention_bias",
+            "norm_topk_prob",
+            "tie_word_embeddings",
+        ),
+        # As the other Gated DeltaNet families: at std 0.15 (and 0.12) float32 rounding alone
+        # moves transformers' top-5 logprobs by up to 1.0e-4 (1.6e-4) from float64 on
+        # lara-mini-gqa; at 0.1 both variants stay within 1.7e-5, with varied references.
+        weight_std=0.1,
+        # 3 KV groups (window 16 twice, full): the 131-token prompt prefilled whole holds 10
+        # blocks in each, 30 in all.
+        kv_pressure_blocks=30,
+    ),
+    Family(
+        "recurrent_gemma",
+        "RecurrentGemmaForCausalLM",
+        cfg.RECURRENT_GEMMA,
+        mixer="rglru",
+        hybrid=True,
+        main="recurrent-gemma-mqa",
+        second="recurrent-gemma-gqa",
+        tp=("recurrent-gemma-mqa",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=("lru_width", "attention_window_size", "num_key_value_heads", "logits_soft_cap"),
+        # Every attention layer slides (windows 16 and 7): a sequence holds a few blocks.
+        fork_pressure_blocks=12,
+    ),
+    Family(
+        "minimax",
+        "MiniMaxForCausalLM",
+        cfg.MINIMAX,
+        mixer="lightning",
+        hybrid=True,
+        main="minimax-full-top2",
+        second="minimax-window-top1",
+        tp=("minimax-full-top2",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "layer_types",
+            "num_key_value_heads",
+            "sliding_window",
+            "num_experts_per_tok",
+            "linear_attn_alpha_factor",
+            "tie_word_embeddings",
+        ),
+        # At std 0.3 float32 rounding alone moves transformers' top-5 logprobs by up to 8e-4
+        # (minimax-full-top2, whose residual factors above 1 compound over the layers) and
+        # 1.2e-4 from float64, this engine's alike; at 0.2 both stay within 4e-5 of float64 on
+        # both variants, with varied references (at 0.15 minimax-window-top1 repeats itself).
+        weight_std=0.2,
+        # Every softmax layer of minimax-window-top1 slides (window 12): a sequence holds a few
+        # blocks, so 30 never preempt; the 64-token prompt forked 3 ways asks for 15.
+        fork_pressure_blocks=16,
     ),
     Family(
         "rwkv7",
@@ -404,7 +532,7 @@ def _check_registry() -> None:
     assert len(MODEL_FAMILY) == sum(len(f.configs) for f in FAMILIES), "a name is used twice"
     for f in FAMILIES:
         assert f.mixer in ("mamba", "mamba2", "gated_delta", "short_conv", "kda", "rwkv7",
-                           "rwkv4"), f.name  # fmt: skip
+                           "rwkv4", "rglru", "lightning"), f.name  # fmt: skip
         assert {f.main, f.second, *f.tp, *f.reference} <= set(f.configs), f.name
         assert f.main != f.second and f.main in f.reference, f.name
         variants = [f.configs[n] for n in f.reference]

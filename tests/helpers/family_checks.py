@@ -153,13 +153,14 @@ def assert_kv_pressure_equals_no_pressure(path: str, blocks: int = 14) -> None:
     assert tokens(outs) == alone(path)
 
 
-def assert_forks_and_chunks_under_pressure(path: str) -> None:
-    """Seeded forked requests under KV pressure and chunked prefill equal a free run."""
+def assert_forks_and_chunks_under_pressure(path: str, blocks: int = 30) -> None:
+    """Seeded forked requests under KV pressure (`blocks` of 16) and chunked prefill equal a
+    free run."""
     params = [SamplingParams(temperature=1.0, max_tokens=12, n=1 + i % 3, seed=i) for i in range(8)]
     with VllmRunner(path, max_num_seqs=16) as runner:
         free = runner.generate(prompts(), params)
     with VllmRunner(
-        path, max_num_seqs=16, num_gpu_blocks_override=30, max_num_batched_tokens=40
+        path, max_num_seqs=16, num_gpu_blocks_override=blocks, max_num_batched_tokens=40
     ) as runner:
         tight = runner.generate(prompts(), params)
         assert runner.engine.stats.preemptions > 0

@@ -889,3 +889,274 @@ RWKV4 = {
         tie_word_embeddings=True,
     ),
 }
+
+# Lara-4-Mini: GDN (Qwen3.5's, its input projections fused in one `in_proj`), sliding-window
+# attention with RoPE and full attention without, the MoE with an ungated shared expert on
+# every layer. The variants differ in the layer plan, the GDN head ratio and dims, GQA or MQA,
+# the window (both shorter than the longer test prompts), attention biases, top-k
+# renormalisation and the head's tying.
+_COMMON_LARA = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-6)
+LARA_MINI: dict[str, dict] = {
+    # The released plan in 5 layers (GDN, sliding, GDN, full, sliding); GDN 2 key heads to 4
+    # value heads (ratio 2) of 16; attention GQA 2 (4 query heads of 16), window 16; 4 experts
+    # of 32, top-2 renormalised, a shared expert of 48; untied head.
+    "lara-mini-gqa": dict(
+        _COMMON_LARA,
+        hidden_size=64,
+        num_hidden_layers=5,
+        layer_types=[
+            "linear_attention",
+            "sliding_attention",
+            "linear_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        attention_bias=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        tie_word_embeddings=False,
+    ),
+    # 4 layers (sliding, GDN, full, GDN); GDN 2 key and 2 value heads (ratio 1), key dim 8 and
+    # value dim 24, conv 3; MQA (4 query heads of 32, RoPE base 1000) with biases, window 8;
+    # 3 experts of 24, top-1 not renormalised, a shared expert of 32; tied head.
+    "lara-mini-mqa": dict(
+        _COMMON_LARA,
+        hidden_size=64,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        sliding_window=8,
+        attention_bias=True,
+        num_experts=3,
+        num_experts_per_tok=1,
+        norm_topk_prob=False,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=32,
+        tie_word_embeddings=True,
+    ),
+}
+
+# LFM3: LFM2's short-conv layers with sliding- and full-attention layers (`layer_types`), RoPE
+# per kind (sliding `default`, full `proportional`: the first pairs of each head rotate at
+# `base ** (-2i / D)`, the others pass through), a sigmoid gate per head on the attention output
+# and post-norms on both stages (sandwich). The windows are shorter than the test prompts. The
+# variants differ in the gate, the sandwich norms, the window, the RoPE parameters, the conv
+# bias and width, the layer order, GQA or MQA, and the head's tying. No MoE in this family.
+_COMMON_LFM3 = dict(vocab_size=50280, max_position_embeddings=1024, norm_eps=1e-5)
+LFM3: dict[str, dict] = {
+    # As LFM3-1.7B: 5 layers (conv, sliding, full, conv, sliding), window 16; gate and sandwich
+    # norms; GQA 2 (4 heads of 16; sliding RoPE base 1e4, full proportional base 1e6 over 4 of
+    # the 8 pairs); no biases, conv width 7; SwiGLU 96; tied head.
+    "lfm3-gqa": dict(
+        _COMMON_LFM3,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=5,
+        layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        conv_bias=False,
+        conv_L_cache=7,
+        use_attention_gate=True,
+        use_sandwich_norm=True,
+        tie_word_embeddings=True,
+    ),
+    # 4 layers (sliding, conv, conv, full), window 24; neither gate nor sandwich norms; MQA (2
+    # heads of 32; sliding RoPE base 1000, full proportional base 1e4 over 4 of the 16 pairs);
+    # biases, conv width 3; SwiGLU 80; untied head.
+    "lfm3-mqa": dict(
+        _COMMON_LFM3,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "conv", "conv", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=24,
+        conv_bias=True,
+        conv_L_cache=3,
+        use_attention_gate=False,
+        use_sandwich_norm=False,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            "full_attention": {
+                "rope_type": "proportional",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+            },
+        },
+        tie_word_embeddings=False,
+    ),
+}
+
+# Zamba v1: multi-head Mamba layers and one shared attention block (over [h, emb], 2H wide,
+# scale (D / 2) ** -0.5, no position embedding) reused by the hybrid layers, each with its own
+# KV cache. The variants differ in the layer plan (the config's period/offset rule, or an
+# explicit list starting with a hybrid layer), the Mamba heads (4 of 32; 3 of 48), MHA or GQA,
+# the conv and projection biases, and tying (transformers shares the block only when tied).
+_COMMON_ZAMBA = dict(vocab_size=50280, max_position_embeddings=1024)
+ZAMBA: dict[str, dict] = {
+    # 7 layers, hybrid at 2, 4 and 6 (transformers' rule: layer 2, then period 2 offset 1);
+    # 4 attention heads of 32, MHA; GELU MLP 96; Mamba width 128 in 4 heads of 32, state 16,
+    # conv 4, dt rank auto (4); conv bias, no projection biases; tied.
+    "zamba-mha-tied": dict(
+        _COMMON_ZAMBA,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=7,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_mamba_heads=4,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_conv_bias=True,
+        mamba_proj_bias=False,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+    # 5 layers, hybrid first and at 3 and 4, each use with its own block copy (untied); GQA 3
+    # (6 query heads of 24); tanh GELU MLP 64; Mamba width 144 in 3 heads of 48, state 8,
+    # conv 3, dt rank 5; no conv bias, in_proj / out_proj biases; untied head.
+    "zamba-gqa-untied": dict(
+        _COMMON_ZAMBA,
+        hidden_size=72,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        layers_block_type=["hybrid", "mamba", "mamba", "hybrid", "hybrid"],
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        hidden_act="gelu_pytorch_tanh",
+        n_mamba_heads=3,
+        mamba_d_state=8,
+        mamba_d_conv=3,
+        mamba_expand=2,
+        mamba_dt_rank=5,
+        mamba_conv_bias=False,
+        mamba_proj_bias=True,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+}
+
+_COMMON_RGEMMA = dict(vocab_size=50280, rms_norm_eps=1e-6)
+
+RECURRENT_GEMMA: dict[str, dict] = {
+    # recurrent, recurrent, attention; MQA (4 query heads of 16, one KV head), window 16
+    # (shorter than most prompts), RG-LRU as wide as the hidden state in 4 gate heads, conv 4,
+    # no attention biases, soft cap 30 (the default).
+    "recurrent-gemma-mqa": dict(
+        _COMMON_RGEMMA,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        lru_width=64,
+        attention_window_size=16,
+        conv1d_width=4,
+        attention_bias=False,
+        logits_soft_cap=30.0,
+    ),
+    # recurrent, attention, twice; GQA 2 (4 heads of 12), window 7 (not a block multiple),
+    # RG-LRU in 4 heads of 12, conv 3, attention biases, a soft cap of 4 that bites. (A
+    # `lru_width` other than the hidden size breaks transformers' own one-token prompts: its
+    # fresh conv state is hidden-sized; every release has them equal.)
+    "recurrent-gemma-gqa": dict(
+        _COMMON_RGEMMA,
+        hidden_size=48,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        block_types=["recurrent", "attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        lru_width=48,
+        attention_window_size=7,
+        conv1d_width=3,
+        attention_bias=True,
+        logits_soft_cap=4.0,
+    ),
+}
+
+# MiniMax-Text-01: lightning-attention (linear attention with a fixed decay per head and layer,
+# an RMSNorm over all heads, a sigmoid output gate) and softmax-attention layers, Mixtral's MoE
+# on every layer, each stage's residual its normed input scaled by the layer kind's alpha and
+# beta. The variants differ in the layer plan, GQA or MQA, the softmax layers' window (none, or
+# shorter than the longer test prompts), the MoE's top-k, the residual factors (set or the
+# defaults of 1) and the head's tying.
+_COMMON_MINIMAX = dict(vocab_size=50280, max_position_embeddings=1024)
+MINIMAX: dict[str, dict] = {
+    # 5 layers (lightning, softmax, lightning, lightning, softmax); 4 heads of 16 (softmax GQA
+    # 2, full attention, RoPE base 1e6); 4 experts of 48, top-2; factors as the releases set
+    # them (alpha > 1, beta 1) for the attention stages, others for the MoE; untied head.
+    "minimax-full-top2": dict(
+        _COMMON_MINIMAX,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=5,
+        layer_types=[
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=None,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        linear_attn_alpha_factor=1.6,
+        linear_attn_beta_factor=1.0,
+        full_attn_alpha_factor=1.4,
+        full_attn_beta_factor=1.0,
+        mlp_alpha_factor=1.2,
+        mlp_beta_factor=0.8,
+        tie_word_embeddings=False,
+    ),
+    # 4 layers (transformers' default plan: softmax, lightning, softmax, lightning); 4 heads of
+    # 12 (softmax MQA, window 12, RoPE base 1e4); 3 experts of 40, top-1; every factor 1 (the
+    # normed residual alone); tied head.
+    "minimax-window-top1": dict(
+        _COMMON_MINIMAX,
+        hidden_size=48,
+        intermediate_size=40,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=12,
+        sliding_window=12,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        num_local_experts=3,
+        num_experts_per_tok=1,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
+}

@@ -63,12 +63,16 @@ def test_forks_equal_independent_seeded_runs(family: Family) -> None:
 
 @pytest.mark.parametrize("family", HYBRIDS, ids=_ids(HYBRIDS))
 def test_kv_pressure_preempts_and_equals_no_pressure(family: Family) -> None:
-    checks.assert_kv_pressure_equals_no_pressure(tiny_model_dir(family.main))
+    checks.assert_kv_pressure_equals_no_pressure(
+        tiny_model_dir(family.main), family.kv_pressure_blocks
+    )
 
 
 @pytest.mark.parametrize("family", HYBRIDS, ids=_ids(HYBRIDS))
 def test_forks_and_chunks_under_kv_pressure(family: Family) -> None:
-    checks.assert_forks_and_chunks_under_pressure(tiny_model_dir(family.second))
+    checks.assert_forks_and_chunks_under_pressure(
+        tiny_model_dir(family.second), family.fork_pressure_blocks
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=_ids(FAMILIES))

@@ -9,7 +9,10 @@ before them (pre-norm), after them (post-norm, OLMo Hybrid's attention layers) o
     y = ffn_norm(h)                                          (the feed-forward stage)
     h = h + rm * ffn_post_norm(sum_j ffn_j(y))
 
-An absent norm is the identity; a stage with parts has at least one of its norms.
+An absent norm is the identity; a stage with parts has at least one of its norms. A stage
+may instead add its output to its normed input, both scaled (`NormedResidual`, MiniMax-Text-01's
+`alpha` / `beta` factors): `h = alpha * x + beta * sum_i out_i * mixer_i(in_i * x, meta)` with
+`x = norm(h)`, and likewise `h = alpha * y + beta * ffn(y)`.
 
 A mixer is any module called `mixer(x (T, H), meta) -> (T, H)` (Mamba, Mamba2, attention, a
 plugin's recurrent layer; each reaches its own cache through what the engine bound to it); a
@@ -37,7 +40,9 @@ mixer's: `h + rm * ffn(ffn_norm(h))` in one kernel call when the stage is one de
 (`layers.mlp.plan_mlp`), one MoE with or without its shared expert, or an MoE followed by an
 ungated shared MLP (`layers.moe.plan_moe`), after a plain or zero-centred `RMSNorm`, without a
 post-norm, per-sequence state or a float32 residual (the residual multiplier and the MLP's
-multipliers are in the kernel). Its step takes decode-only steps of up to 8 rows.
+multipliers are in the kernel). Its step takes decode-only steps of up to 8 rows. A stage
+with a `NormedResidual` is planned as its mixer alone (the mixer stage) or not at all (the
+feed-forward stage).
 
 Glossary: T tokens in the step, H hidden size.
 """
@@ -56,6 +61,14 @@ from vllm_mamba.layers.mlp import plan_mlp
 from vllm_mamba.layers.moe import SparseMoE, plan_moe
 
 Named = tuple[str, nn.Module]
+
+
+@dataclass(frozen=True)
+class NormedResidual:
+    """A stage whose residual is its normed input: `h = alpha * norm(h) + beta * out`."""
+
+    alpha: float = 1.0
+    beta: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,7 @@ class DecoderLayer(PlannedLayer):
         post_norm: Named | None = None,
         ffn_post_norm: Named | None = None,
         pre_norm: Named | None = None,
+        normed_residuals: tuple[NormedResidual | None, NormedResidual | None] = (None, None),
     ) -> None:
         super().__init__()
         for parts, norms in ((mixers, (norm, post_norm)), (ffns, (ffn_norm, ffn_post_norm))):
@@ -107,12 +121,16 @@ class DecoderLayer(PlannedLayer):
             self.add_module(name, module)
         self.residual_multiplier = float(residual_multiplier)
         self.residual_in_fp32 = residual_in_fp32
+        assert not residual_in_fp32 or normed_residuals[0] is None, "one residual rule"
+        self._mixer_residual, self._ffn_residual = normed_residuals
 
     def _whole_layer_fusable(self) -> bool:
         """Whether the layer's shape lets its one mixer run the whole layer's decode steps."""
         if len(self._mixers) != 1 or len(self._ffn_names) != 1 or self.residual_multiplier != 1:
             return False
         if self._post_norm_name or self._ffn_post_norm_name or self.residual_in_fp32:
+            return False
+        if self._mixer_residual is not None or self._ffn_residual is not None:
             return False
         _, in_scale, out_scale = self._mixers[0]
         return in_scale == out_scale == 1.0 and self._ffn_names[0] in self._ffn_with_state
@@ -122,6 +140,8 @@ class DecoderLayer(PlannedLayer):
         if len(self._mixers) != 1 or self.residual_multiplier != 1.0 or self._pre_norm_name:
             return False
         if self._norm_name is None or self._post_norm_name is not None:
+            return False
+        if self._mixer_residual is not None:
             return False
         _, in_scale, out_scale = self._mixers[0]
         return in_scale == out_scale == 1.0
@@ -153,7 +173,7 @@ class DecoderLayer(PlannedLayer):
         (see the module docstring), from the weights now; None: unfused."""
         if not self._ffn_names or self._ffn_with_state or self._ffn_norm_name is None:
             return None
-        if self._ffn_post_norm_name is not None or self.residual_in_fp32:
+        if self._ffn_post_norm_name is not None or self.residual_in_fp32 or self._ffn_residual:
             return None
         norm = getattr(self, self._ffn_norm_name)
         parts = [getattr(self, n) for n in self._ffn_names]
@@ -197,7 +217,8 @@ class DecoderLayer(PlannedLayer):
                 part = getattr(self, name)
                 y = part(x, meta) if name in self._ffn_with_state else part(x)
                 ff = y if ff is None else ff + y
-            hidden = hidden + self._scaled(self._normed(self._ffn_post_norm_name, ff))
+            ff = self._scaled(self._normed(self._ffn_post_norm_name, ff))
+            hidden = _added(self._ffn_residual, hidden, x, ff)
         return hidden
 
     def _mix(self, hidden: torch.Tensor, meta: object, fused: DecodePlan | None) -> torch.Tensor:
@@ -217,7 +238,8 @@ class DecoderLayer(PlannedLayer):
             y = mixer(x if in_scale == 1.0 else x * in_scale, meta)
             y = y if out_scale == 1.0 else y * out_scale
             mixed = y if mixed is None else mixed + y
-        return residual + self._scaled(self._normed(self._post_norm_name, mixed))
+        mixed = self._scaled(self._normed(self._post_norm_name, mixed))
+        return _added(self._mixer_residual, residual, x, mixed)
 
     def _normed(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
         """`x` through the norm registered as `name` (unchanged when there is none)."""
@@ -225,3 +247,13 @@ class DecoderLayer(PlannedLayer):
 
     def _scaled(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
+
+
+def _added(
+    rule: NormedResidual | None, hidden: torch.Tensor, normed: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """A stage's new hidden state: `hidden + out`, or by its `NormedResidual` `alpha * normed +
+    beta * out`."""
+    if rule is None:
+        return hidden + out
+    return normed * rule.alpha + out * rule.beta

@@ -12,7 +12,8 @@ gated matrices, `StackedGatedExperts`), optional latent projections around the e
 
 Routers (`kind`), as transformers computes them:
 - `softmax_topk`: softmax of the logits in float32, top-k of the probabilities, renormalised
-  over the k when `renormalize` (Jamba: not).
+  over the k when `renormalize` (Jamba: not); with `float32_logits` the logits themselves are
+  products of float32 inputs and weights (Lara-4-Mini), else of the model dtype's.
 - `topk_softmax`: top-k of the float32 logits, softmax over those k (Granite 4.0-H).
 - `sigmoid_grouped`: DeepSeek-V3's: sigmoid scores; experts chosen by score plus
   `e_score_correction_bias` among the best `topk_group` of `n_group` groups (a group scored
@@ -85,6 +86,7 @@ class RouterConfig:
     scaling: float = 1.0
     score_bias: bool = False  # an `e_score_correction_bias (E,)` parameter
     renorm_eps: float = 1e-20  # added to the sum of the k weights when renormalising (sigmoid)
+    float32_logits: bool = False  # softmax_topk: logits from float32 inputs and weights
 
     def __post_init__(self) -> None:
         if self.kind not in ROUTER_KINDS:
@@ -118,7 +120,11 @@ class ExpertRouter(nn.Module):
         """`x (T, H)` -> float32 weights `(T, k)` and expert ids `(T, k)`."""
         c = self.config
         if c.kind == "softmax_topk":
-            probs = self._linear(x, self.weight, None).softmax(dim=-1, dtype=torch.float32)
+            if c.float32_logits:
+                logits = self._linear(x.float(), self.weight.float(), None)  # (T, E)
+            else:
+                logits = self._linear(x, self.weight, None)  # (T, E)
+            probs = logits.softmax(dim=-1, dtype=torch.float32)
             weights, chosen = probs.topk(c.top_k, dim=-1)
             if c.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -62,6 +62,9 @@ def _frequency_key(freqs: RopeFrequencies) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
+DEFAULT_TABLE_POSITIONS = 8192  # a config without `max_position_embeddings`
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates `q (T, Hq * D)` and `k (T, Hkv * D)` at `positions (T,)` (NeoX pairing)."""
 
@@ -91,7 +94,9 @@ class RotaryEmbedding(nn.Module):
             )
             rot_dim = int(head_dim * (factor or 1.0))
         freqs = rope_frequencies(config, rot_dim)
-        return cls(head_dim, rot_dim, config.max_position_embeddings, freqs)
+        # The table's first size; it grows past it (RecurrentGemma's config names no length).
+        max_position = getattr(config, "max_position_embeddings", None) or DEFAULT_TABLE_POSITIONS
+        return cls(head_dim, rot_dim, max_position, freqs)
 
     def _table(self, device: torch.device, positions: torch.Tensor) -> torch.Tensor:
         # A position past the table (a max_model_len beyond max_position_embeddings) grows it

@@ -39,6 +39,9 @@ column-parallel with their adapters' second factor, `o_proj` row-parallel), thei
 adapters' first factors and each hybrid layer's `linear` replicated (their inputs are whole);
 vocabulary-parallel embedding and head.
 
+Zamba v1 (`models.zamba`) builds on the attention (without adapters and RoPE), the Mamba layer
+(with its multi-head Mamba mixer) and the hybrid layer.
+
 Glossary: T tokens in the step, H hidden size, F MLP size, R adapter rank.
 """
 
@@ -52,6 +55,7 @@ from torch import nn
 from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.attention import PagedAttention
+from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.decode_plan import DecodePlan, DecodeScope, PlannedLayer
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.linear import Linear
@@ -127,9 +131,19 @@ def adapter_list(
 
 
 class Zamba2Attention(nn.Module):
-    """The shared block's projections and RoPE; the paged attention is the caller's."""
+    """The shared block's projections, its use's adapters (`adapters`) and RoPE (`rope`); the
+    paged attention is the caller's. Zamba v1's block has neither."""
 
-    def __init__(self, config: Any, block: int, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self,
+        config: Any,
+        block: int,
+        ops: MambaOps,
+        tp: TensorParallel = SINGLE,
+        *,
+        adapters: bool,
+        rope: bool,
+    ) -> None:
         super().__init__()
         width, head_dim = 2 * config.hidden_size, head_dim_of(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -140,8 +154,8 @@ class Zamba2Attention(nn.Module):
         self.k_proj = column_linear(width, kv_size, False, ops, tp, kv_ranges)
         self.v_proj = column_linear(width, kv_size, False, ops, tp, kv_ranges)
         self.o_proj = row_linear(heads * head_dim, config.hidden_size, False, ops, tp)
-        self.use_adapters = bool(config.use_shared_attention_adapter)
-        if self.use_adapters:
+        self.use_adapters = adapters
+        if adapters:
             args = (len(config.hybrid_layer_ids), config.num_mem_blocks, block)
             rank = config.adapter_rank
             self.linear_q_adapter_list = adapter_list(*args, (width, rank, q_size), ops, tp)
@@ -152,7 +166,7 @@ class Zamba2Attention(nn.Module):
                 *args, (width, rank, kv_size), ops, tp, kv_ranges
             )
         self.rotary = None
-        if config.use_mem_rope:
+        if rope:
             # transformers rotates whole heads
             self.rotary = RotaryEmbedding.from_config(config, head_dim, rot_dim=head_dim)
 
@@ -197,7 +211,10 @@ class Zamba2SharedBlock(nn.Module):
 
     def __init__(self, config: Any, block: int, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Zamba2Attention(config, block, ops, tp)
+        self.self_attn = Zamba2Attention(
+            config, block, ops, tp,
+            adapters=bool(config.use_shared_attention_adapter), rope=bool(config.use_mem_rope),
+        )  # fmt: skip
         self.feed_forward = Zamba2MLP(config, block, ops, tp)
         self.input_layernorm = RMSNorm(2 * config.hidden_size, eps=config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -218,11 +235,20 @@ class Zamba2SharedBlock(nn.Module):
 
 class Zamba2MambaLayer(PlannedLayer):
     """`h + mamba(norm(h + injected))`; `injected` is a hybrid layer's block output. Its decode
-    plan may fuse the mixer's call alone (`layers.decode_plan`)."""
+    plan may fuse the mixer's call alone (`layers.decode_plan`). The mixer is Zamba2's Mamba2
+    unless `mixer` is given (Zamba v1's multi-head Mamba)."""
 
-    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self,
+        config: Any,
+        ops: MambaOps,
+        tp: TensorParallel = SINGLE,
+        mixer: StatefulLayer | None = None,
+    ) -> None:
         super().__init__()
-        self.mamba = Mamba2Mixer(**mamba2_args(config), ops=ops, tp=tp)
+        self.mamba = (
+            mixer if mixer is not None else Mamba2Mixer(**mamba2_args(config), ops=ops, tp=tp)
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def make_decode_plan(self) -> DecodePlan | None:
@@ -241,21 +267,25 @@ class Zamba2MambaLayer(PlannedLayer):
 
 
 class Zamba2HybridLayer(ReadsEmbeddings):
-    """A shared block (use `use`), the layer's `linear`, then its Mamba2 layer
-    (`mamba_decoder`); `attn` is this use's KV cache layer."""
+    """A shared block (use `use`, under the checkpoint's name `block_name`), the layer's
+    `linear`, then its Mamba layer `mamba_decoder`; `attn` is this use's KV cache layer. The
+    block is called `block(hidden, embeds, use, attn, meta)` (Zamba v1's too)."""
 
     def __init__(
         self,
         config: Any,
-        shared: Zamba2SharedBlock,
+        shared: nn.Module,
         use: int,
+        mamba_decoder: Zamba2MambaLayer,
         ops: MambaOps,
         tp: TensorParallel = SINGLE,
+        block_name: str = "shared_transformer",
     ) -> None:
         super().__init__()
-        self.shared_transformer = shared
+        self.add_module(block_name, shared)
+        self.block_name = block_name
         self.linear = Linear(config.hidden_size, config.hidden_size, False, ops)
-        self.mamba_decoder = Zamba2MambaLayer(config, ops, tp)
+        self.mamba_decoder = mamba_decoder
         head_dim = head_dim_of(config)
         heads = tp.split(config.num_attention_heads, "num_attention_heads")  # this rank's
         _, kv_heads = kv_head_ranges(config.num_key_value_heads, head_dim, tp)
@@ -266,7 +296,8 @@ class Zamba2HybridLayer(ReadsEmbeddings):
         self, hidden: torch.Tensor, meta: PagedMetadata, embeds: torch.Tensor
     ) -> torch.Tensor:
         """`hidden`, `embeds (T, H)` -> `(T, H)`."""
-        block_out = self.shared_transformer(hidden, embeds, self.use, self.attn, meta)
+        block = getattr(self, self.block_name)
+        block_out = block(hidden, embeds, self.use, self.attn, meta)
         return self.mamba_decoder(hidden, meta, injected=self.linear(block_out))
 
 
@@ -284,7 +315,8 @@ def _layers(config: Any, ops: MambaOps, tp: TensorParallel) -> list[nn.Module]:
                 block = blocks[block_id]
             else:  # an untied copy, as transformers loads it
                 block = Zamba2SharedBlock(config, block_id, ops, tp)
-            layers.append(Zamba2HybridLayer(config, block, use, ops, tp))
+            mamba = Zamba2MambaLayer(config, ops, tp)
+            layers.append(Zamba2HybridLayer(config, block, use, mamba, ops, tp))
         else:
             layers.append(Zamba2MambaLayer(config, ops, tp))
     return layers
