@@ -275,3 +275,28 @@ def test_qwen3_5_mrope_sections_with_yarn() -> None:
     path = _save_tiny("qwen3_5-mqa", "Qwen3_5ForCausalLM", config, std, "tiny-qwen35-yarn-")
     prompts = _assert_engine_matches_transformers(path, "Qwen3_5ForCausalLM")
     _assert_scaling_changes_logits(path, "Qwen3_5ForCausalLM", prompts[-1])
+
+
+def test_cpu_table_starts_small_and_grows_with_the_positions() -> None:
+    """A config naming ten million positions (MiniMax-Text-01) builds no 5 GB table: the CPU
+    table starts at 8192 rows and grows to cover the positions it meets, with the values of a
+    direct cos / sin at each position (angles in float32, as transformers computes them)."""
+    from vllm_mamba.layers.rotary_embedding import DEFAULT_TABLE_POSITIONS, RotaryEmbedding
+    from vllm_mamba.ops.rotary_embedding import rotary_embedding_ref
+
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=10_240_000
+    )
+    rope = RotaryEmbedding.from_config(config, 16)
+    q, k = torch.randn(3, 16), torch.randn(3, 16)
+    for positions in (torch.tensor([0, 5, 100]), torch.tensor([9000, 20000, 3])):
+        got_q, got_k = rope(positions, q, k)
+        table = rope.table(positions)
+        assert DEFAULT_TABLE_POSITIONS <= table.shape[0] <= 2 * 20001
+        inv = rope.freqs.inv_freq
+        angles = positions.float()[:, None] * inv.float()[None, :]  # (3, 8)
+        direct = torch.cat([angles.cos(), angles.sin()], -1)
+        want_q, want_k = rotary_embedding_ref(torch.arange(3), q[:, None], k[:, None], direct, True)
+        torch.testing.assert_close(got_q, want_q[:, 0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_k, want_k[:, 0], atol=1e-5, rtol=1e-5)
+    assert rope.positions == 10_240_000

@@ -62,7 +62,7 @@ def _frequency_key(freqs: RopeFrequencies) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-DEFAULT_TABLE_POSITIONS = 8192  # a config without `max_position_embeddings`
+DEFAULT_TABLE_POSITIONS = 8192  # the CPU table's first size (and a config without a length's)
 
 
 class RotaryEmbedding(nn.Module):
@@ -78,7 +78,10 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"{tuple(freqs.inv_freq.shape)} frequencies for {rot_dim} dims")
         self.head_dim = head_dim
         self.rot_dim = rot_dim
-        self.max_position = max_position
+        self.positions = max_position  # what the config names; a CUDA table covers it all
+        # The CPU table starts small and grows with the positions it meets: a config may name
+        # millions (MiniMax-Text-01: 10,240,000, 5 GB of cos / sin at 128 dims).
+        self.max_position = min(max_position, DEFAULT_TABLE_POSITIONS)
         self.freqs = freqs
         self._cos_sin: torch.Tensor | None = None  # (max_position, R) float32
         self._step_key = _frequency_key(freqs) if freqs.by_length is not None else None
@@ -94,14 +97,17 @@ class RotaryEmbedding(nn.Module):
             )
             rot_dim = int(head_dim * (factor or 1.0))
         freqs = rope_frequencies(config, rot_dim)
-        # The table's first size; it grows past it (RecurrentGemma's config names no length).
+        # RecurrentGemma's config names no length: the table grows from the default.
         max_position = getattr(config, "max_position_embeddings", None) or DEFAULT_TABLE_POSITIONS
         return cls(head_dim, rot_dim, max_position, freqs)
 
     def _table(self, device: torch.device, positions: torch.Tensor) -> torch.Tensor:
         # A position past the table (a max_model_len beyond max_position_embeddings) grows it
-        # (checked on the CPU only: on CUDA it would synchronise every layer).
+        # (checked on the CPU only: on CUDA it would synchronise every layer, so the CUDA table
+        # covers the config's positions from the start).
         needed = int(positions.max()) + 1 if positions.numel() and not positions.is_cuda else 0
+        if positions.is_cuda:
+            needed = self.positions
         if needed > self.max_position:
             self.max_position = max(needed, 2 * self.max_position)
             self._cos_sin = None
