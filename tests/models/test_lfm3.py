@@ -22,7 +22,7 @@ from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
 from vllm_mamba.model_loader import build_model, load_hf_config
-from vllm_mamba.models.lfm3 import HeadGatedAttention, Lfm3ForCausalLM
+from vllm_mamba.models.lfm3 import Lfm3ForCausalLM
 from vllm_mamba.ops.dispatch import get_mamba_ops
 
 CPU = torch.device("cpu")
@@ -56,7 +56,7 @@ def test_attention_layers_as_transformers(variant: str | None) -> None:
         assert attn.rotary.rot_dim == attn.head_dim == config.head_dim
         window = config.sliding_window if kind == "sliding_attention" else 0
         assert attn.attn.sliding_window == window
-        assert isinstance(attn, HeadGatedAttention) == config.use_attention_gate
+        assert (attn.g_proj is not None) == config.use_attention_gate
     post_norms = [layer.part_names()["post_norm"] for layer in model.model.layers]
     assert post_norms == ["post_operator_norm" if config.use_sandwich_norm else None] * len(kinds)
 

@@ -9,6 +9,8 @@ keys (Falcon-H1). Options:
 
 - `output_gate` (Qwen3.5 / Qwen3-Next): `q_proj` yields `[query D | gate D]` per head and the
   output is `o_proj(attention * sigmoid(gate))`.
+- `head_gate` (LFM3): one gate per head, `g_proj (Hq, H)`, and the output is
+  `o_proj(attention * sigmoid(g_proj(x)))` with each head's values scaled by its gate.
 - `q_norm` / `k_norm`: norms of the queries and keys before the rotary embedding, per head
   (`qk_norm_per_head`, Qwen's zero-centred `(D,)` norms) or over the whole projection (OLMo
   Hybrid's `(Hq D,)` and `(Hkv D,)`; under tensor parallelism a norm that all-reduces its
@@ -68,6 +70,7 @@ class SelfAttention(nn.Module):
         k_norm: nn.Module | None = None,
         qk_norm_per_head: bool = True,
         sliding_window: int | None = None,
+        head_gate: bool = False,
         tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
@@ -90,6 +93,7 @@ class SelfAttention(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.attn = PagedAttention(heads, kv_heads, head_dim, scale, ops, sliding_window)
         self.ops = ops
+        self.g_proj = column_linear(hidden_size, [num_heads], False, ops, tp) if head_gate else None
 
     def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
         """The decode-only steps as one call of `paged_attention.decode_layer` (with the
@@ -101,6 +105,8 @@ class SelfAttention(nn.Module):
         op = own_op("paged_attention", self.ops.name, "decode_layer")
         if op is None or residual_in_fp32 or (norm is not None and norm_weight(norm) is None):
             return None
+        if self.g_proj is not None:
+            return None  # the kernel has no per-head gate
         if self.q_norm is not None and not self.qk_norm_per_head:
             return None
         qk_norms = [norm_weight(n) for n in (self.q_norm, self.k_norm) if n is not None]
@@ -150,6 +156,9 @@ class SelfAttention(nn.Module):
         out = self.attn(q, k, v, meta)  # (T, Hq D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
+        if self.g_proj is not None:
+            heads = torch.sigmoid(self.g_proj(hidden))  # (T, Hq)
+            out = (out.view(num_tokens, -1, self.head_dim) * heads[..., None]).flatten(1)
         return self.o_proj(out)
 
     def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ otherwise.
   biases. `sliding_attention` layers read the last `sliding_window` keys (transformers'
   `kv_idx > q_idx - sliding_window`), `full_attention` layers all of them. With
   `use_attention_gate` each head's output is scaled by `sigmoid(g_proj(x))`, one gate per head
-  from the layer's normed input, before `o_proj` (`HeadGatedAttention`).
+  from the layer's normed input, before `o_proj` (`SelfAttention`'s `head_gate`).
 - RoPE per layer kind (`rope_parameters[kind]`), always over whole heads in NeoX pairs:
   `default` (sliding layers: base 1e4) or `proportional` (full layers: base 1e6, factor 0.5):
   the first `int(partial_rotary_factor * D // 2)` of the `D / 2` pairs rotate at
@@ -44,15 +44,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch import nn
 
-from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
-from vllm_mamba.layers.decode_plan import FusedStep
 from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mlp import GatedMLP
-from vllm_mamba.layers.parallel_linear import column_linear
 from vllm_mamba.layers.rope_scaling import RopeFrequencies, plain_frequencies
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.layers.self_attention import SelfAttention
@@ -64,39 +60,6 @@ from vllm_mamba.ops.table import MambaOps
 
 KINDS = ("conv", "sliding_attention", "full_attention")
 _GATE_RENAMED = (".self_attn.gate_proj.", ".self_attn.g_proj.")
-
-
-class HeadGatedAttention(SelfAttention):
-    """`SelfAttention` whose heads' outputs are scaled by `sigmoid(g_proj(x))` (one gate per
-    head, `g_proj (Hq, H)`, column-parallel with the heads) before `o_proj`."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        tp: TensorParallel = SINGLE,
-        **options: Any,
-    ) -> None:
-        """Args: as `SelfAttention`'s."""
-        super().__init__(hidden_size, num_heads, num_kv_heads, head_dim, tp=tp, **options)
-        self.g_proj = column_linear(hidden_size, [num_heads], False, self.ops, tp)
-
-    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
-        """None: the fused decode kernel has no per-head gate."""
-        return None
-
-    def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
-        """`hidden (T, H)` -> `(T, H)`."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
-        q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
-        q, k = self.rotary(meta.positions, q, k, meta)
-        out = self.attn(q, k, v, meta).view(num_tokens, -1, self.head_dim)  # (T, Hq, D)
-        gate = torch.sigmoid(self.g_proj(hidden))  # (T, Hq)
-        return self.o_proj((out * gate[..., None]).reshape(num_tokens, -1))
 
 
 def proportional_frequencies(params: dict[str, Any], head_dim: int) -> RopeFrequencies:
@@ -125,12 +88,11 @@ def _attention(config: Any, kind: str, ops: MambaOps, tp: TensorParallel) -> Sel
     heads, eps = config.num_attention_heads, config.norm_eps
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     window = config.sliding_window if kind == "sliding_attention" else None
-    cls = HeadGatedAttention if config.use_attention_gate else SelfAttention
-    return cls(
+    return SelfAttention(
         config.hidden_size, heads, config.num_key_value_heads, head_dim,
         bias=config.attention_bias, scale=head_dim**-0.5, rotary=_rotary(config, kind, head_dim),
         ops=ops, q_norm=RMSNorm(head_dim, eps), k_norm=RMSNorm(head_dim, eps),
-        sliding_window=window, tp=tp,
+        sliding_window=window, head_gate=bool(config.use_attention_gate), tp=tp,
     )  # fmt: skip
 
 
