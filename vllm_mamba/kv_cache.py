@@ -10,15 +10,17 @@ one latent tensor `(num_blocks, block_size, latent_dim)` for an `MLASpec` (the l
 `vllm_mamba.ops.mla_attention`). The slot of a token is `block_id * block_size + offset` in
 either; a block copy (fork, prefix caching) copies every tensor of every layer.
 
-Sliding-window layers (`AttentionSpec.sliding_window`) need only the blocks their window
-still covers, so the layers are split into KV groups (`plan_kv_groups`, vLLM's hybrid
-allocator): each group holds layers of one window (or full attention), all groups have the same
-number of layers (the smallest kind's count; a kind with more layers is split into several
-groups), and the `j`-th layer of every group shares the `j`-th cache tensors. A block of the
-pool is then one block of one group; each sequence has a block table per group (interleaved
-in one list: logical block `i` of group `g` at index `i * G + g`, `engine.block_manager`), and
-a sliding group drops the blocks its window has passed. Layers whose specs differ in shape or
-dtype (or MLA layers) keep a tensor each and form one group, sliding only when all of them are.
+Sliding-window layers (`AttentionSpec.sliding_window`) need only the blocks their window still
+covers, so the layers are split into KV groups (`plan_kv_groups`, vLLM's hybrid allocator):
+each group holds layers of one window (or full attention), all groups have the same number of
+layers (the full-attention layers' count, so they form one group with no unused tensor; without
+them the smallest kind's count; a kind with more layers is split into several groups, the last
+one possibly short), and the `j`-th layer of every group shares the `j`-th cache tensors. A
+block of the pool is then one block of one group; each sequence has a block table per group
+(interleaved in one list: logical block `i` of group `g` at index `i * G + g`,
+`engine.block_manager`), and a sliding group drops the blocks its window has passed. Layers
+whose specs differ in shape or dtype (or MLA layers) keep a tensor each and form one group,
+sliding only when all of them are.
 
 The pool is sized by an exact block count (`num_gpu_blocks_override`, vLLM's name), else by a
 byte budget (`kv_cache_memory_bytes`), else by the default budget (`default_kv_cache_bytes`):
@@ -122,7 +124,9 @@ def plan_kv_groups(specs: list[KVSpec]) -> KVGroups:
     bare = [replace(s, sliding_window=None) if isinstance(s, AttentionSpec) else s for s in specs]
     if any(w is not None for w in windows) and len(set(bare)) == 1 and len(set(windows)) > 1:
         kinds = list(dict.fromkeys(windows))  # in order of first appearance
-        size = min(windows.count(k) for k in kinds)
+        # Full layers hold every block: they form exactly one group (no unused tensor in it);
+        # a sliding group short of layers wastes only a window's blocks.
+        size = windows.count(None) or min(windows.count(k) for k in kinds)
         layer_group, layer_tensor = [0] * len(specs), [0] * len(specs)
         group_windows: list[int | None] = []
         for kind in kinds:

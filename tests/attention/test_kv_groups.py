@@ -64,3 +64,13 @@ def test_block_weight_and_blocks_per_sequence() -> None:
     assert groups.blocks_per_seq(6, 4, 16) == 4 * 2
     assert groups.max_seq_tokens(25 + 3 * 7, 4, 16) == 100
     assert plan_kv_groups([_spec(8)]).max_seq_tokens(10, 4, 16) is None
+
+
+def test_full_layers_form_one_group_without_padding() -> None:
+    """LFM3-1.7B's plan (6 full, 5 sliding layers): groups of 6, the full layers one group with
+    every tensor used, the sliding ones one group with a tensor to spare (its blocks are few)."""
+    windows = [None if i % 4 == 2 else 256 for i in range(2, 24, 2)]  # 6 full, 5 sliding
+    groups = plan_kv_groups([_spec(w) for w in windows])
+    assert sorted(groups.windows, key=str) == [256, None]
+    full = groups.windows.index(None)
+    assert groups.layer_group.count(full) == 6 and len(groups.tensor_specs) == 6
