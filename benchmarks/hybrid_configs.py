@@ -16,6 +16,8 @@ model).
   layers 2, 5, 8, 10, 12, 14 (32 query and 8 key/value heads of 64, RoPE theta 1e6), gated
   short convolutions of width 3 elsewhere, SwiGLU of 8,192 (12,288 auto-adjusted), vocabulary
   65,536, tied head: about 1.17B parameters.
+- `LFM3_CONFIG`: LFM3-1.7B (transformers' defaults): short convolutions, sliding-window and
+  full attention with a per-head gate, 1.7B parameters.
 - `KIMI_LINEAR_CONFIG`: Kimi-Linear-48B-A3B's layout scaled to about 1B: hidden 1024, 12
   layers, MLA every 4th (8 heads; latent 512 + 64, nope 128, v 128, no rotary), KDA in the
   others (8 heads of 128, conv 4), a dense first layer (SwiGLU of 4096), then MoEs of 64 experts
@@ -174,6 +176,11 @@ LFM2_CONFIG = dict(
     tie_word_embeddings=True,
     max_position_embeddings=8192,
 )
+# LFM3-1.7B as transformers 5.24's defaults give it: hidden 2048, 24 layers (13 short convs of
+# width 3, 5 sliding-window attention layers of 256 tokens with default RoPE, 6 full ones with
+# proportional RoPE), 16 query and 4 key/value heads of 128 with a per-head gate and sandwich
+# norms, SwiGLU of 7680, vocabulary 128,000, tied head: about 1.7B parameters.
+LFM3_CONFIG = dict(max_position_embeddings=8192)
 _KIMI_FULL = (4, 8, 12)  # 1-indexed, as the checkpoints list them
 KIMI_LINEAR_CONFIG = dict(
     vocab_size=163840,
