@@ -10,11 +10,11 @@ name, through `tiny_model_dir`.
 The checkpoints are transformers models built from their configs with fixed seeds. Default
 initialisation gives near-constant outputs, so every weight except `A_log`, `D` and the norms
 is re-drawn from N(0, std^2) (std 0.3 unless the family says otherwise; MoE score-correction
-biases from N(0, 0.1^2), so routing varies; zero-centred norm weights, which scale by
-`1 + w` and start at zero, from N(0, 0.1^2), so their `w` is read): the generations are then
-varied. Each is saved
-once per session with `save_pretrained` (the checkpoints' own tensor names) beside the real
-GPT-NeoX tokenizer of the `state-spaces/mamba-*-hf` checkpoints.
+biases and ZAYA's experts' balancing biases from N(0, 0.1^2), so routing varies; zero-centred
+norm weights, which scale by `1 + w` and start at zero, from N(0, 0.1^2), so their `w` is
+read): the generations are then varied. Each is saved once per session with
+`save_pretrained` (the checkpoints' own tensor names) beside the real GPT-NeoX tokenizer of
+the `state-spaces/mamba-*-hf` checkpoints.
 
 What the registry states about its own configs (the variants differ where the family's code
 branches) is asserted when this module is imported, not in tests.
@@ -44,8 +44,9 @@ class Family:
         configs: variant name -> transformers config keyword arguments.
         mixer: the recurrent layer kind: `mamba` (selective scan), `mamba2` (SSD),
             `gated_delta` (Gated DeltaNet), `short_conv` (LFM2's gated short conv), `kda`
-            (Kimi Delta Attention), `rwkv7`, `rwkv4`, `rglru` (RecurrentGemma's RG-LRU) or
-            `lightning` (MiniMax's lightning attention).
+            (Kimi Delta Attention), `rwkv7`, `rwkv4`, `rglru` (RecurrentGemma's RG-LRU),
+            `lightning` (MiniMax's lightning attention), `mlstm` (xLSTM's matrix-memory
+            cell) or `cca` (ZAYA1's compressed convolutional attention).
         hybrid: has attention layers, so a paged KV cache beside the state slots.
         main: the variant the batching, chunking, pressure and prefix checks run on.
         second: the variant of the seeded-fork checks (another shape than `main`).
@@ -60,6 +61,8 @@ class Family:
             of `configs` when empty.
         norm_names: the parameter-name parts that mark a norm's weights, which keep their
             initialisation (zero-centred ones are drawn small) instead of being re-drawn.
+        unit_names: the parameter-name endings of multipliers that start at one (ZAYA's
+            residual scales), drawn from N(1, 0.1^2) instead.
         reference_impl: `transformers`, or `rwkv` for RWKV-7 (not in transformers): the
             checkpoints come from `tests.helpers.rwkv_checkpoints` and the reference is the
             `rwkv` package on their BlinkDL `.pth` twin.
@@ -87,6 +90,7 @@ class Family:
     cuda_graphs: bool = False
     reference_impl: str = "transformers"
     norm_names: tuple[str, ...] = ("norm",)
+    unit_names: tuple[str, ...] = ()
     kv_pressure_blocks: int = 14
     fork_pressure_blocks: int = 30
 
@@ -492,6 +496,33 @@ FAMILIES: tuple[Family, ...] = (
         fork_pressure_blocks=16,
     ),
     Family(
+        "xlstm",
+        "xLSTMForCausalLM",
+        cfg.XLSTM,
+        mixer="mlstm",
+        hybrid=False,
+        main="xlstm-dk16",
+        second="xlstm-bias",
+        tp=("xlstm-dk16", "xlstm-bias"),  # the biased projections and norms shard too
+        chunk_budgets=(1, 5, 23),
+        differ=(
+            "qk_dim_factor",
+            "use_bias",
+            "gate_soft_cap",
+            "output_logit_soft_cap",
+            "chunk_size",
+            "tie_word_embeddings",
+        ),
+        # The mLSTM divides by max(|q . n|, exp(-m)), where q . n sums terms of both signs:
+        # over the references' generations the largest sum of |q_j n_j| over that denominator
+        # is 64 at std 0.1, 730 at 0.2 and 7600 at 0.3 (xlstm-dk16), and float32 rounding alone
+        # moves transformers' top-5 logprobs from float64 by up to 1.7e-4 at 0.3, 1.2e-4 at
+        # 0.15 and 3e-5 to 5e-5 at 0.2 (two identical models in one process differ by 1.4e-4 in
+        # their logits at 0.2); at 0.1 transformers stays within 1.6e-5 of float64 and this
+        # engine within 7.2e-6 (engine to transformers 1.7e-5), with varied references.
+        weight_std=0.1,
+    ),
+    Family(
         "rwkv7",
         "RWKV7ForCausalLM",
         cfg.RWKV7,
@@ -521,6 +552,122 @@ FAMILIES: tuple[Family, ...] = (
         # distinct tokens of 32 and both sides stay within 1e-5 of float64.
         norm_names=("norm", "pre_ln", "ln1", "ln2", "ln_out"),
     ),
+    Family(
+        "inkling",
+        "InklingForCausalLM",
+        cfg.INKLING,
+        mixer="short_conv",  # four plain conv histories per layer (no gate), beside the KV
+        hybrid=True,
+        main="inkling-gqa",
+        second="inkling-mqa",
+        tp=("inkling-gqa",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "layer_types",
+            "sliding_window_size",
+            "rel_extent",
+            "log_scaling_n_floor",
+            "swa_head_dim",
+            "num_key_value_heads",
+            "conv_kernel_size",
+            "mlp_layer_types",
+            "n_shared_experts",
+            "unpadded_vocab_size",
+        ),
+        # inkling-gqa's attention layers form 2 KV groups (window 16, full): the 131 + 20-token
+        # prompt alone holds 10 blocks of 16 in each (a window plus a whole prefill chunk spans
+        # them all), so 20 blocks admit it and still force preemptions.
+        kv_pressure_blocks=20,
+    ),
+    Family(
+        "inkling2",
+        "Inkling2ForCausalLM",
+        cfg.INKLING2,
+        mixer="short_conv",  # four conv histories per layer (two dynamic in full layers)
+        hybrid=True,
+        main="inkling2-gqa",
+        second="inkling2-mqa",
+        tp=("inkling2-gqa",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "layer_types",
+            "n_layers_per_attn_res_block",
+            "sliding_window_size",
+            "log_scaling_n_floor",
+            "qk_l2_clip_threshold",
+            "swa_head_dim",
+            "num_key_value_heads",
+            "conv_kernel_size",
+            "mlp_gate_softcap",
+            "final_logit_softcapping",
+            "unpadded_vocab_size",
+        ),
+        # The L2 clips' learned scales (`q_proj.norm.scale`, `relative_position_bias.norm.scale`)
+        # start at one: drawn near it, so that they are read (and sharded by heads) too.
+        unit_names=("norm.scale",),
+        # 2 KV groups (window 16, full), as inkling-gqa.
+        kv_pressure_blocks=20,
+    ),
+    Family(
+        "inkling2_loop",
+        "Inkling2LoopForCausalLM",
+        cfg.INKLING2_LOOP,
+        mixer="short_conv",  # as inkling2, one set of histories per pass of a looped layer
+        hybrid=True,
+        main="inkling2-loop-gqa",
+        second="inkling2-loop-mqa",
+        tp=("inkling2-loop-gqa",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "layer_types",
+            "n_layers_per_attn_res_block",
+            "loop_layer_index_start",
+            "loop_num_passes",
+            "loop_gate_rank",
+            "num_key_value_heads",
+            "unpadded_vocab_size",
+        ),
+        unit_names=("norm.scale",),  # as inkling2
+        # 2 KV groups (window 16, full; 5 layers each with the passes), as inkling-gqa.
+        kv_pressure_blocks=20,
+    ),
+    Family(
+        "zaya",
+        "ZayaForCausalLM",
+        cfg.ZAYA,
+        mixer="cca",
+        hybrid=True,
+        main="zaya-gqa",
+        second="zaya-mqa",
+        tp=("zaya-gqa",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=(
+            "layer_types",
+            "sliding_window",
+            "num_key_value_heads",
+            "cca_time0",
+            "attention_bias",
+            "rope_parameters",
+            "tie_word_embeddings",
+        ),
+        # The multipliers that start at one (the residual, input and router-state scales) and
+        # the key scale `qk_norm.temp` (zeros at init; near one, the attention is not flat)
+        # are drawn from N(1, 0.1^2), the scalings' biases from N(0, 0.1^2) (as zero-centred
+        # norms); the RMSNorms keep their ones. Drawn at std 0.4 and 0.5 zaya-mqa's references
+        # repeat themselves (down to 6 and 8 distinct tokens of 32); at 0.6 they vary (23 to 32)
+        # and float32 stays within 2.8e-5 (zaya-gqa) and 3.6e-5 (zaya-mqa) of float64 in
+        # transformers' top-5 logprobs, this engine within 4.7e-5 and 2.1e-5; at 1.0 with
+        # every scale re-drawn, transformers' float32 is 3.2e-4 off.
+        weight_std=0.6,
+        norm_names=("layernorm", "model.norm.", "router_mlp.norm.", "states_bias", "residual_bias"),
+        unit_names=("_scale", ".temp"),
+        # 3 KV groups (window 16 twice, full), as lfm3-gqa: 30 blocks admit the longest
+        # prompt and still force preemptions.
+        kv_pressure_blocks=30,
+        # zaya-mqa's 3 groups (full, window 7 twice): the 64-token prompt forked 3 ways asks
+        # for 39 blocks (13 per fork: 5 full, 4 in each window with a 40-token chunk).
+        fork_pressure_blocks=40,
+    ),
 )
 
 FAMILY: dict[str, Family] = {f.name: f for f in FAMILIES}
@@ -532,7 +679,7 @@ def _check_registry() -> None:
     assert len(MODEL_FAMILY) == sum(len(f.configs) for f in FAMILIES), "a name is used twice"
     for f in FAMILIES:
         assert f.mixer in ("mamba", "mamba2", "gated_delta", "short_conv", "kda", "rwkv7",
-                           "rwkv4", "rglru", "lightning"), f.name  # fmt: skip
+                           "rwkv4", "rglru", "lightning", "cca", "mlstm"), f.name  # fmt: skip
         assert {f.main, f.second, *f.tp, *f.reference} <= set(f.configs), f.name
         assert f.main != f.second and f.main in f.reference, f.name
         variants = [f.configs[n] for n in f.reference]
@@ -573,6 +720,9 @@ def build_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - a transformers m
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for pname, p in model.named_parameters():
+            if family.unit_names and pname.endswith(family.unit_names):
+                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.1)
+                continue
             is_norm = any(part in pname for part in family.norm_names)
             if is_norm and not p.any():  # zero-centred (`1 + w`): a small w
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
@@ -582,6 +732,9 @@ def build_hf_model(name: str, seed: int = 0):  # noqa: ANN201 - a transformers m
         for bname, b in model.named_buffers():
             if bname.endswith(("e_score_correction_bias", "expert_bias")):  # varied routing
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+            # ZAYA's: its skip expert's keeps -1 (transformers' loading resets it to -1)
+            if bname.endswith("balancing_biases"):
+                b[:-1] = torch.randn(b.shape[0] - 1, generator=g) * 0.1
     return model
 
 

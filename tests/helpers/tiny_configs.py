@@ -1160,3 +1160,279 @@ MINIMAX: dict[str, dict] = {
         tie_word_embeddings=True,
     ),
 }
+
+# Inkling: attention layers with four residual short convs each, a relative-position bias
+# conditioned on the query token, sliding (`hybrid_sliding`) and full (`hybrid`) layers of
+# their own head shapes, a dense SwiGLU or an MoE whose router weighs the shared experts, no
+# position embedding. The windows, bias extents and log-scaling floors are shorter than the
+# longer prompts, so each cut bites. The variants differ in the layer plans, the head shapes
+# (one KV spec for both kinds, so a KV group per window; or two specs, one group), log scaling
+# on or off, the conv width, the shared experts and a padded head or not.
+_COMMON_INKLING = dict(vocab_size=50280, rms_norm_eps=1e-6, hidden_act="silu")
+INKLING: dict[str, dict] = {
+    # sliding, full, sliding, full; 4 query and 2 KV heads of 16 in both kinds, window 16, bias
+    # extent 24 (full), log scaling past position 20; a dense first layer (SwiGLU 96), then 4
+    # experts of 32, top-2, one shared expert; conv 4; the head padded past 50277 rows.
+    "inkling-gqa": dict(
+        _COMMON_INKLING,
+        hidden_size=64,
+        num_hidden_layers=4,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        sliding_window_size=16,
+        d_rel=4,
+        rel_extent=24,
+        log_scaling_n_floor=20,
+        log_scaling_alpha=0.5,
+        conv_kernel_size=4,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        route_scale=2.0,
+        logits_mup_width_multiplier=2.0,
+        unpadded_vocab_size=50277,
+    ),
+    # full, sliding, sliding; full MQA (4 heads of 16), sliding 2 heads of 24 and 1 KV head,
+    # window 8, bias extent 40, no log scaling; 3 experts of 24, top-1, two shared experts, on
+    # every layer; conv 3; the head unpadded.
+    "inkling-mqa": dict(
+        _COMMON_INKLING,
+        hidden_size=48,
+        num_hidden_layers=3,
+        layer_types=["hybrid", "hybrid_sliding", "hybrid_sliding"],
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        swa_num_attention_heads=2,
+        swa_num_key_value_heads=1,
+        swa_head_dim=24,
+        sliding_window_size=8,
+        d_rel=8,
+        rel_extent=40,
+        log_scaling_n_floor=None,
+        conv_kernel_size=3,
+        mlp_layer_types=["sparse", "sparse", "sparse"],
+        moe_intermediate_size=24,
+        n_routed_experts=3,
+        num_experts_per_tok=1,
+        n_shared_experts=2,
+        route_scale=1.5,
+        logits_mup_width_multiplier=4.0,
+        unpadded_vocab_size=None,
+    ),
+}
+
+# ZAYA1: CCA attention (q / k through a depthwise then a grouped per-head conv with per-sequence
+# histories, the value half delayed by one token, L2-normed q / k with a key scale) on full
+# (`hybrid`) and sliding (`hybrid_sliding`) layers, residual scaling, a top-1 router whose state
+# carries from layer to layer, with a skip expert. The windows are shorter than the test
+# prompts. The variants differ in the layer order, the window, GQA (two KV heads: the first
+# all current value, the second all delayed) or MQA (one head, half of each), the convs' widths
+# (history 2 or 3), the biases, the RoPE parameters and the head's tying.
+_COMMON_ZAYA = dict(vocab_size=50280, max_position_embeddings=1024)
+ZAYA: dict[str, dict] = {
+    # sliding, full, sliding; window 16; GQA 2 (4 heads of 16), CCA widths 2 and 2; no biases;
+    # the default RoPE (full base 5e6, sliding 1e4, half of each head); 4 experts of 32, router
+    # width 16; tied head.
+    "zaya-gqa": dict(
+        _COMMON_ZAYA,
+        hidden_size=64,
+        num_hidden_layers=3,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        cca_time0=2,
+        cca_time1=2,
+        attention_bias=False,
+        num_experts=4,
+        moe_intermediate_size=32,
+        router_hidden_size=16,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+    # full, sliding, sliding; window 7 (not a block multiple); MQA (3 heads of 16), CCA widths
+    # 3 and 2; biases; full RoPE base 1e4 over whole heads, sliding base 100 over a quarter;
+    # 3 experts of 24, router width 12; untied head.
+    "zaya-mqa": dict(
+        _COMMON_ZAYA,
+        hidden_size=48,
+        num_hidden_layers=3,
+        layer_types=["hybrid", "hybrid_sliding", "hybrid_sliding"],
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=7,
+        cca_time0=3,
+        cca_time1=2,
+        attention_bias=True,
+        num_experts=3,
+        moe_intermediate_size=24,
+        router_hidden_size=12,
+        rope_parameters={
+            "hybrid": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+            "hybrid_sliding": {
+                "rope_type": "default",
+                "rope_theta": 100.0,
+                "partial_rotary_factor": 0.25,
+            },
+        },
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+}
+
+# xLSTM: mLSTM blocks (exponential input and forget gates, matrix memory, stabilised
+# normaliser, per-head LayerNorm, sigmoid output gate) with a gated SiLU feed-forward. The
+# variants differ in the query/key width (half the values' or equal), the biases (projections,
+# block norms, head norm), the gate and logit soft caps (the defaults, or small ones that
+# bite), the chunk of transformers' prefill (its chunkwise form for prompts of 64 or 16 tokens
+# and more, token by token past the last whole chunk) and the tie flag (transformers' xLSTM
+# never ties). Widths are multiples of 64: transformers' state cache rounds them up so.
+_COMMON_XLSTM = dict(vocab_size=50280, norm_eps=1e-6, eps=1e-6)
+XLSTM: dict[str, dict] = {
+    # 2 blocks of 128, 4 heads (Dk 16, Dv 32), feed-forward 384 (2.667 x 128 rounded to 64),
+    # no biases, soft caps 15 and 30 (xLSTM-7B's), chunks of 64, untied head.
+    "xlstm-dk16": dict(
+        _COMMON_XLSTM,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_heads=4,
+        qk_dim_factor=0.5,
+        v_dim_factor=1.0,
+        ffn_proj_factor=2.667,
+        ffn_round_up_to_multiple_of=64,
+        use_bias=False,
+        gate_soft_cap=15.0,
+        output_logit_soft_cap=30.0,
+        chunk_size=64,
+        tie_word_embeddings=False,
+    ),
+    # 2 blocks of 64, 2 heads (Dk = Dv = 32), feed-forward 96 (1.3 x 64 rounded to 32), biases
+    # everywhere, soft caps 5 and 4, chunks of 16, the tie flag set (and ignored).
+    "xlstm-bias": dict(
+        _COMMON_XLSTM,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_heads=2,
+        qk_dim_factor=1.0,
+        v_dim_factor=1.0,
+        ffn_proj_factor=1.3,
+        ffn_round_up_to_multiple_of=32,
+        use_bias=True,
+        gate_soft_cap=5.0,
+        output_logit_soft_cap=4.0,
+        chunk_size=16,
+        tie_word_embeddings=True,
+    ),
+}
+
+# Inkling 2: Inkling's layers with block attention residuals (blocks of
+# `n_layers_per_attn_res_block` layers), L2-clipped queries, keys and relative states, sinks, an
+# output gate, dynamic key/value convs in the full layers, soft-capped experts and logits. Every
+# clip and cap is set low enough to bite on these weights; the windows, extents and log-scaling
+# floors are shorter than the longer prompts. The variants differ in the layer plans (a sliding
+# or a full first layer), the block size, the head shapes, the conv width, the caps and a
+# padded head or not.
+_COMMON_INKLING2 = dict(vocab_size=50280, rms_norm_eps=1e-6, hidden_act="silu")
+INKLING2: dict[str, dict] = {
+    # sliding, full, sliding, full in blocks of 2; 4 query and 2 KV heads of 16 in both kinds,
+    # window 16, bias extent 24, log scaling past position 20; 4 experts of 32, top-2; conv 4;
+    # the head padded past 50277 rows.
+    "inkling2-gqa": dict(
+        _COMMON_INKLING2,
+        hidden_size=64,
+        num_hidden_layers=4,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+        n_layers_per_attn_res_block=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        sliding_window_size=16,
+        d_rel=4,
+        rel_extent=24,
+        log_scaling_n_floor=20,
+        log_scaling_alpha=0.5,
+        qk_l2_clip_threshold=3.0,
+        rel_l2_clip_threshold=1.0,
+        conv_kernel_size=4,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        route_scale=2.0,
+        mlp_gate_softcap=1.0,
+        mlp_up_softcap=2.0,
+        final_logit_softcapping=5.0,
+        unpadded_vocab_size=50277,
+    ),
+    # full, sliding, sliding, full, sliding in blocks of 3; full MQA (4 heads of 16), sliding 2
+    # heads of 24 and 1 KV head, window 8, bias extent 40, log scaling past 64; 3 experts of 24,
+    # top-1; conv 3; the head as wide as the vocabulary.
+    "inkling2-mqa": dict(
+        _COMMON_INKLING2,
+        hidden_size=48,
+        num_hidden_layers=5,
+        layer_types=["hybrid", "hybrid_sliding", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+        n_layers_per_attn_res_block=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        swa_num_attention_heads=2,
+        swa_num_key_value_heads=1,
+        swa_head_dim=24,
+        sliding_window_size=8,
+        d_rel=8,
+        rel_extent=40,
+        log_scaling_n_floor=64,
+        log_scaling_alpha=0.3,
+        qk_l2_clip_threshold=4.0,
+        rel_l2_clip_threshold=2.0,
+        conv_kernel_size=3,
+        moe_intermediate_size=24,
+        n_routed_experts=3,
+        num_experts_per_tok=1,
+        route_scale=1.5,
+        mlp_gate_softcap=2.0,
+        mlp_up_softcap=3.0,
+        final_logit_softcapping=8.0,
+        unpadded_vocab_size=50280,
+    ),
+}
+
+# Inkling 2 Loop: Inkling 2 whose middle blocks of layers run several passes per step, each with
+# its own KV caches and conv histories, the later passes gated with messages from the previous
+# one. The variants differ in the loop (layers 2-3 three times in blocks of 2; layers 1-2 twice
+# in blocks of 1), the gate rank, the layer plans and head shapes, and a padded head or not.
+INKLING2_LOOP: dict[str, dict] = {
+    "inkling2-loop-gqa": dict(
+        INKLING2["inkling2-gqa"],
+        num_hidden_layers=6,
+        layer_types=["hybrid_sliding", "hybrid"] * 3,
+        loop_layer_index_start=2,
+        loop_layer_index_end=4,
+        loop_num_passes=3,
+        loop_gate_rank=8,
+    ),
+    "inkling2-loop-mqa": dict(
+        INKLING2["inkling2-mqa"],
+        num_hidden_layers=4,
+        layer_types=["hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=3,
+        loop_num_passes=2,
+        loop_gate_rank=4,
+    ),
+}

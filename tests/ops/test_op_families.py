@@ -28,7 +28,7 @@ from vllm_mamba.ops.table import FIELDS, MambaOps, bind_ops
 BUILTIN = (
     "causal_conv1d", "selective_scan", "ssd", "gated_rms_norm", "paged_attention", "linear",
     "fused_decode", "gated_delta", "kda", "mla", "short_conv", "rwkv7", "rwkv4",
-    "lightning_attention",
+    "lightning_attention", "mlstm",
 )  # fmt: skip
 
 

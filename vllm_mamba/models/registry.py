@@ -24,6 +24,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "FalconH1ForCausalLM": "vllm_mamba.models.falcon_h1:FalconH1ForCausalLM",
     "Zamba2ForCausalLM": "vllm_mamba.models.zamba2:Zamba2ForCausalLM",
     "ZambaForCausalLM": "vllm_mamba.models.zamba:ZambaForCausalLM",
+    "ZayaForCausalLM": "vllm_mamba.models.zaya:ZayaForCausalLM",
     "Qwen3_5ForCausalLM": "vllm_mamba.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM": "vllm_mamba.models.qwen3_5:Qwen3_5MoeForCausalLM",
     "Qwen3_5ForConditionalGeneration": "vllm_mamba.models.qwen3_5:Qwen3_5ForConditionalGeneration",
@@ -39,6 +40,10 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Lfm3ForCausalLM": "vllm_mamba.models.lfm3:Lfm3ForCausalLM",
     "MiniMaxForCausalLM": "vllm_mamba.models.minimax:MiniMaxForCausalLM",
     "RecurrentGemmaForCausalLM": "vllm_mamba.models.recurrent_gemma:RecurrentGemmaForCausalLM",
+    "xLSTMForCausalLM": "vllm_mamba.models.xlstm:XLSTMForCausalLM",
+    "InklingForCausalLM": "vllm_mamba.models.inkling:InklingForCausalLM",
+    "Inkling2ForCausalLM": "vllm_mamba.models.inkling2:Inkling2ForCausalLM",
+    "Inkling2LoopForCausalLM": "vllm_mamba.models.inkling2_loop:Inkling2LoopForCausalLM",
     "RWKV7ForCausalLM": "vllm_mamba.models.rwkv7:RWKV7ForCausalLM",
     "RwkvForCausalLM": "vllm_mamba.models.rwkv4:RwkvForCausalLM",
 }

@@ -87,6 +87,8 @@ CPP_OPS: tuple[CppOp, ...] = (
     CppOp("rwkv7", "fused_update", "rwkv7_fused_update"),
     # Weight-streaming stages up to 8 rows, GEMMs above (`csrc/fused_decode_rwkv7.cpp`).
     CppOp("rwkv7", "decode_layer", "fused_rwkv7_decode"),
+    CppOp("mlstm", "varlen", "mlstm_varlen"),
+    CppOp("mlstm", "update", "mlstm_update"),
     CppOp("rglru", "varlen", "rglru_varlen"),
     CppOp("rglru", "update", "rglru_update"),
     CppOp("rwkv4", "varlen", "rwkv4_varlen"),

@@ -1,10 +1,11 @@
 """The Triton backend of the ops: which op of which family each Triton kernel implements.
 
 The kernels live in `triton_conv1d`, `triton_selective_scan`, `triton_ssd`, `triton_attention`,
-`triton_gated_delta`, `triton_kda`, `triton_mla`, `triton_rwkv`, `triton_short_conv` and
-`triton_rglru`; this module says whether they can run here (`available`) and registers them as
-the `triton` backend's ops (`register`, called once by `vllm_mamba.ops.families.load_backend`).
-Every other op (the projections: `F.linear`, i.e. cuBLAS; the gated RMSNorm) runs its `_ref`.
+`triton_gated_delta`, `triton_kda`, `triton_mla`, `triton_rwkv`, `triton_short_conv`,
+`triton_rglru` and `triton_mlstm`; this module says whether they can run here (`available`)
+and registers them as the `triton` backend's ops (`register`, called once by
+`vllm_mamba.ops.families.load_backend`). Every other op (the projections: `F.linear`, i.e.
+cuBLAS; the gated RMSNorm) runs its `_ref`.
 They run on CUDA devices, and on the CPU under the Triton interpreter (`TRITON_INTERPRET=1`),
 which is how the tests check them.
 """
@@ -44,6 +45,7 @@ TRITON_OPS: dict[str, dict[str, str]] = {
     "rwkv7": {"varlen": "triton_rwkv:wkv7_varlen", "update": "triton_rwkv:wkv7_update"},
     "rwkv4": {"varlen": "triton_rwkv:wkv4_varlen", "update": "triton_rwkv:wkv4_update"},
     "rglru": {"varlen": "triton_rglru:rglru_varlen", "update": "triton_rglru:rglru_update"},
+    "mlstm": {"varlen": "triton_mlstm:mlstm_varlen", "update": "triton_mlstm:mlstm_update"},
 }  # fmt: skip
 
 
