@@ -14,12 +14,13 @@ whose value vector is zero (it only absorbs probability mass): `softmax([s, sink
 Neither term is something the paged kernels of `vllm_mamba.ops.paged_attention` take (they
 score `scale * q . k` alone), so this layer computes the attention itself in PyTorch over the
 same paged layout: it writes the step's keys and values with the table's `reshape_and_cache`,
-then for each decode row and prefill chunk gathers the keys its queries read from its block
-table (only blocks inside the window: the engine frees those a window has passed) and runs a
-float32 masked softmax, as the `_ref` functions there do. A kernel would need, besides the
-usual inputs, the per-token bias table `rel (T, Hq, E)` read at index `p - j` (an additive
-`score_mod` of the query's row and the distance) and the sink logits `(T, Hq)` added to each
-row's softmax denominator as `exp(sink - max)`.
+then gathers the keys its queries read from the block tables (the decode rows all at once,
+padded to the longest window; each prefill chunk on its own) (only blocks inside the window:
+the engine frees those a window has passed) and runs a float32 masked softmax, as the `_ref`
+functions there do. A kernel would need, besides the usual inputs, the per-token bias table
+`rel (T, Hq, E)` read at index `p - j` (an additive `score_mod` of the query's row and the
+distance) and the sink logits `(T, Hq)` added to each row's softmax denominator as `exp(sink -
+max)`.
 
 Beside it: `RelativeLogits`, Inkling's bank of bias profiles that turns each token's relative
 states into its `rel`, and `log_scale`, the factor the full layers scale their queries and
@@ -114,7 +115,12 @@ class RelativeBiasAttention(KVCacheLayer):
             key=k, value=v, k_cache=self.kv.k, v_cache=self.kv.v, slot_mapping=view.slot_mapping
         )
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (T, Hq, D)
-        for rows, table, length in _sequences(meta, view):
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._attend_decodes(
+                q[:nd], rel[:nd], None if sinks is None else sinks[:nd], meta, view
+            )
+        for rows, table, length in _prefills(meta, view):
             start = window_start(length - (rows.stop - rows.start), self.sliding_window)
             keys = _gather(self.kv.k, table, start, length)  # (L, Hkv, D)
             values = _gather(self.kv.v, table, start, length)
@@ -123,6 +129,52 @@ class RelativeBiasAttention(KVCacheLayer):
                 None if sinks is None else sinks[rows],
             )  # fmt: skip
         return out.to(q.dtype).flatten(1)
+
+    def _attend_decodes(
+        self,
+        q: torch.Tensor,
+        rel: torch.Tensor,
+        sinks: torch.Tensor | None,
+        meta: PagedMetadata,
+        view: KVGroupView,
+    ) -> torch.Tensor:
+        """Every decode row at once (`_attend`'s math, the rows' windows padded to the longest):
+        `q (B, Hq, D)`, `rel (B, Hq, E)` -> `(B, Hq, D)` float32 (zeros for padding rows)."""
+        assert isinstance(self.kv, LayerKV)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lengths = meta.decode_seq_lens.long()  # (B,)
+        live = (lengths > 0).nonzero().flatten()
+        if not live.numel():
+            return out
+        lengths = lengths[live]
+        window = self.sliding_window
+        starts = (lengths - window).clamp(min=0) if window else torch.zeros_like(lengths)
+        span = int((lengths - starts).max())
+        pos = starts[:, None] + torch.arange(span, device=q.device)  # (B, L)
+        valid = pos < lengths[:, None]
+        pos = torch.where(valid, pos, starts[:, None])  # padding reads the window's first key
+        block_size = self.kv.k.shape[1]
+        blocks = view.decode_block_tables[live].long().gather(1, pos // block_size)  # (B, L)
+        keys = self.kv.k[blocks, pos % block_size].float()  # (B, L, Hkv, D)
+        values = self.kv.v[blocks, pos % block_size].float()
+        dist = (lengths - 1)[:, None] - pos  # (B, L) backward distance from the query
+        extent, group = rel.shape[-1], self.num_heads // self.num_kv_heads
+        index = dist.clamp(0, extent - 1)[:, None, :].expand(-1, self.num_heads, -1)
+        bias = rel[live].float().gather(-1, index)  # (B, Hq, L)
+        bias = bias.masked_fill((dist >= extent)[:, None, :], 0.0)
+        rows = live.numel()
+        qg = q[live].float().view(rows, self.num_kv_heads, group, -1)  # (B, Hkv, G, D)
+        scores = torch.einsum("bkgd,blkd->bkgl", qg, keys) * self.scale  # (B, Hkv, G, L)
+        scores = scores + bias.view(rows, self.num_kv_heads, group, -1)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        if sinks is not None:  # one more logit per query and head, of value zero
+            sink = sinks[live].float().view(rows, self.num_kv_heads, group, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
+        mixed = torch.einsum("bkgl,blkd->bkgd", probs, values)  # (B, Hkv, G, D)
+        out[live] = mixed.reshape(rows, self.num_heads, -1)
+        return out
 
     def _attend(
         self,
@@ -159,13 +211,10 @@ class RelativeBiasAttention(KVCacheLayer):
         return out.reshape(num_q, self.num_heads, -1)
 
 
-def _sequences(meta: PagedMetadata, view: KVGroupView) -> Iterator[tuple[slice, torch.Tensor, int]]:
-    """Each decode row and prefill chunk of the step: its rows, its block table and its length
-    in the cache after this step (padding rows, of length 0, left out)."""
+def _prefills(meta: PagedMetadata, view: KVGroupView) -> Iterator[tuple[slice, torch.Tensor, int]]:
+    """Each prefill chunk of the step: its rows, its block table and its length in the cache
+    after this step (empty chunks left out)."""
     nd = meta.num_decodes
-    for row, length in enumerate(meta.decode_seq_lens.tolist()):
-        if length > 0:
-            yield slice(row, row + 1), view.decode_block_tables[row], length
     starts = meta.prefill_query_start_loc.tolist()
     for seq, length in enumerate(meta.prefill_seq_lens.tolist()):
         if starts[seq + 1] > starts[seq]:
