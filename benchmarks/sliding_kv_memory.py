@@ -9,6 +9,7 @@ sequence is walked through a `BlockManager` as the scheduler does (prefill in ch
 formula. Also printed: the recurrent state bytes per sequence (`state_spec`).
 
     python benchmarks/sliding_kv_memory.py --arch lfm3 --contexts 4096,32768
+    python benchmarks/sliding_kv_memory.py --arch recurrent_gemma   # or zaya
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ from vllm_mamba.ops.dispatch import REF_OPS
 
 CONFIGS = {  # --arch: transformers config class and the released checkpoint's keyword arguments
     "lfm3": ("Lfm3Config", {}),  # transformers' defaults are LFM3-1.7B's
-    "recurrent_gemma": ("RecurrentGemmaConfig", {}),  # recurrentgemma-2b's
+    # recurrentgemma-2b's: transformers' defaults but for its one key/value head
+    "recurrent_gemma": ("RecurrentGemmaConfig", {"num_key_value_heads": 1}),
+    "zaya": ("ZayaConfig", {}),  # transformers' defaults are ZAYA1-8B's
 }
-ARCHS = {"lfm3": "Lfm3ForCausalLM", "recurrent_gemma": "RecurrentGemmaForCausalLM"}
+ARCHS = {
+    "lfm3": "Lfm3ForCausalLM",
+    "recurrent_gemma": "RecurrentGemmaForCausalLM",
+    "zaya": "ZayaForCausalLM",
+}
 
 
 def held_bytes(specs: list, context: int, block_size: int, chunk: int) -> dict[str, int]:
