@@ -180,7 +180,7 @@ LFM2_CONFIG = dict(
 # width 3, 5 sliding-window attention layers of 256 tokens with default RoPE, 6 full ones with
 # proportional RoPE), 16 query and 4 key/value heads of 128 with a per-head gate and sandwich
 # norms, SwiGLU of 7680, vocabulary 128,000, tied head: about 1.7B parameters.
-LFM3_CONFIG = dict(max_position_embeddings=8192)
+LFM3_CONFIG = dict(vocab_size=128_000, max_position_embeddings=8192)
 _KIMI_FULL = (4, 8, 12)  # 1-indexed, as the checkpoints list them
 KIMI_LINEAR_CONFIG = dict(
     vocab_size=163840,
