@@ -296,3 +296,22 @@ def assert_gpu_graphs_equal_eager_and_cpu(path: str, dtype: str) -> None:
             cpu = tokens(cpu_runner.generate(prompts()[:5], params))
         same = sum(g == c for g, c in zip(graph, cpu))
         assert same >= 4  # GPU float32 matmuls may flip one near-tie
+
+
+@functools.cache
+def teacher_forced(path: str, **engine: str) -> tuple[list[int], torch.Tensor]:
+    """Top-1 token and the logprob of the sequence's own token at every position of two
+    random sequences (9 and 50 tokens), from an engine on `path` with `engine`'s options (the
+    precision checks compare a quantised or bfloat16 run with the float one)."""
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(2, 50000, (n,), generator=g).tolist() for n in (9, 50)]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    with VllmRunner(path, max_num_seqs=4, **engine) as runner:
+        outs = runner.generate([{"prompt_token_ids": s} for s in seqs], params)
+    top1, own = [], []
+    for seq, out in zip(seqs, outs):
+        for pos in range(1, len(seq)):
+            entry = out.prompt_logprobs[pos]
+            top1.append(next(t for t, lp in entry.items() if lp.rank == 1))
+            own.append(entry[seq[pos]].logprob)
+    return top1, torch.tensor(own, dtype=torch.float64)

@@ -12,7 +12,6 @@ float32 on both families.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -22,10 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.runners import VllmRunner
+from tests.helpers.family_checks import teacher_forced
 from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import hf_class, tiny_model_dir
-from vllm_mamba import SamplingParams
 from vllm_mamba.model_loader import build_model, load_hf_config
 from vllm_mamba.models.lfm2 import dense_ffn_size
 
@@ -129,30 +127,12 @@ def test_dense_ffn_size_as_transformers(fields: dict, want: int) -> None:
     assert dense_ffn_size(config) == fields["intermediate_size"]
 
 
-@functools.cache
-def _teacher_forced(path: str, **engine: str) -> tuple[list[int], torch.Tensor]:
-    """Top-1 token and the logprob of the sequence's own token at every position of two
-    random sequences (9 and 50 tokens)."""
-    g = torch.Generator().manual_seed(7)
-    seqs = [torch.randint(2, 50000, (n,), generator=g).tolist() for n in (9, 50)]
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    with VllmRunner(path, max_num_seqs=4, **engine) as runner:
-        outs = runner.generate([{"prompt_token_ids": s} for s in seqs], params)
-    top1, own = [], []
-    for seq, out in zip(seqs, outs):
-        for pos in range(1, len(seq)):
-            entry = out.prompt_logprobs[pos]
-            top1.append(next(t for t, lp in entry.items() if lp.rank == 1))
-            own.append(entry[seq[pos]].logprob)
-    return top1, torch.tensor(own, dtype=torch.float64)
-
-
 @pytest.mark.parametrize("engine", [{"quantization": "int8"}, {"dtype": "bfloat16"}], ids=str)
 @pytest.mark.parametrize("name", ["lfm2-gqa", MOE])
 def test_int8_and_bfloat16_close_to_float(name: str, engine: dict) -> None:
     path = tiny_model_dir(name)
-    top_f, lp_f = _teacher_forced(path)
-    top_q, lp_q = _teacher_forced(path, **engine)
+    top_f, lp_f = teacher_forced(path)
+    top_q, lp_q = teacher_forced(path, **engine)
     agree = sum(a == b for a, b in zip(top_f, top_q)) / len(top_f)
     diff = float((lp_f - lp_q).abs().mean())
     assert agree >= TOP1_AGREEMENT and diff <= MEAN_LOGPROB_DIFF, (agree, diff)

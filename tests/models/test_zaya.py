@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tests.helpers import tiny_configs as cfg
-from tests.helpers.family_checks import LOGPROB_ATOL
+from tests.helpers.family_checks import LOGPROB_ATOL, teacher_forced
 from tests.helpers.prompts import MAX_TOKENS, make_prompts
 from tests.helpers.runners import HfRunner, VllmRunner
 from tests.helpers.tmp_dirs import make_tmp_dir
@@ -221,30 +221,13 @@ def test_skip_expert_engine_matches_transformers() -> None:
             )
 
 
-def _teacher_forced(**engine: str) -> tuple[list[int], torch.Tensor]:
-    """Top-1 token and the logprob of the sequence's own token at every position of two
-    random sequences (9 and 50 tokens: past the window of 16)."""
-    g = torch.Generator().manual_seed(7)
-    seqs = [torch.randint(2, 50000, (n,), generator=g).tolist() for n in (9, 50)]
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    with VllmRunner(tiny_model_dir(MAIN), max_num_seqs=4, **engine) as runner:
-        outs = runner.generate([{"prompt_token_ids": s} for s in seqs], params)
-    top1, own = [], []
-    for seq, out in zip(seqs, outs):
-        for pos in range(1, len(seq)):
-            entry = out.prompt_logprobs[pos]
-            top1.append(next(t for t, lp in entry.items() if lp.rank == 1))
-            own.append(entry[seq[pos]].logprob)
-    return top1, torch.tensor(own, dtype=torch.float64)
-
-
 def test_int8_and_bfloat16_stay_close_to_float32() -> None:
     """int8 weights (the experts' and the router's `Linear`s too) and bfloat16 (the conv
     histories and the delayed value in bfloat16; the residual stream float32) against
     float32."""
-    want_top1, want_own = _teacher_forced()
+    want_top1, want_own = teacher_forced(tiny_model_dir(MAIN))
     for engine in ({"quantization": "int8"}, {"dtype": "bfloat16"}):
-        top1, own = _teacher_forced(**engine)
+        top1, own = teacher_forced(tiny_model_dir(MAIN), **engine)
         agreement = sum(a == b for a, b in zip(top1, want_top1)) / len(top1)
         assert agreement >= TOP1_AGREEMENT, (engine, agreement)
         assert (own - want_own).abs().mean() <= MEAN_LOGPROB_DIFF, engine

@@ -38,9 +38,9 @@ import torch
 from torch import nn
 
 from vllm_mamba.attention.backends.paged import KVGroupView, PagedMetadata
-from vllm_mamba.layers.cache_layers import KVCacheLayer, LayerKV
+from vllm_mamba.layers.attention import PagedAttention
+from vllm_mamba.layers.cache_layers import LayerKV
 from vllm_mamba.ops.paged_attention import window_start
-from vllm_mamba.ops.table import MambaOps
 
 
 def log_scale(positions: torch.Tensor, n_floor: int, alpha: float) -> torch.Tensor:
@@ -63,32 +63,11 @@ class RelativeLogits(nn.Module):
         return states @ self.proj
 
 
-class RelativeBiasAttention(KVCacheLayer):
+class RelativeBiasAttention(PagedAttention):
     """Attention of one layer over the paged KV cache with a relative-position bias (see the
     module docstring); no parameters (the projections and the bias table belong to the
-    model)."""
-
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-        ops: MambaOps,
-        sliding_window: int | None = None,
-    ) -> None:
-        super().__init__()
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-        if num_heads % num_kv_heads:
-            raise ValueError(
-                f"the attention heads ({num_heads}) must be a multiple of the key/value heads "
-                f"({num_kv_heads})"
-            )
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = scale
-        self.ops = ops
-        self.sliding_window = sliding_window or 0
+    model). Built as `PagedAttention` is (heads, head dim, scale, ops, window); its forward
+    also takes the bias table and the sinks."""
 
     def forward(
         self,
