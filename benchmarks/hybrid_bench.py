@@ -1,15 +1,17 @@
 """CPU speed of this engine against `transformers` and llama.cpp on a hybrid model, in one run.
 
-Eight models (random weights, saved once to `--model`; shapes in `hybrid_configs.py`), chosen by
+Nine models (random weights, saved once to `--model`; shapes in `hybrid_configs.py`), chosen by
 `--arch`: `jamba` (about 310M parameters, default model `/tmp/jamba-300m-random`),
 `granitemoehybrid` (the dense Granite 4.0-H shape, about 306M, `/tmp/granite-4.0-h-300m-random`),
 `qwen3_5` (Qwen3.5-0.8B's text model, Gated DeltaNet and gated attention,
 `/tmp/qwen3.5-0.8b-random`), `qwen3_next` (Qwen3-Next's layout with 64 experts scaled to
 about 1B, `/tmp/qwen3-next-1b-random`), `lfm2` (LFM2-1.2B, short convolutions and GQA,
 `/tmp/lfm2-1.2b-random`), `lfm3` (LFM3-1.7B: short convolutions, sliding and full attention,
-`/tmp/lfm3-1.7b-random`), `kimi_linear` (Kimi Linear's KDA, MLA and 64-expert layout scaled
-to about 1B, `/tmp/kimi-linear-1b-random`) and `qwen3_6_moe` (Qwen3.6-35B-A3B's real layer
-shapes, 256 experts, four of its layers, saved in bfloat16: run it with `--dtype bfloat16`,
+`/tmp/lfm3-1.7b-random`), `zaya` (ZAYA1-8B's layer shapes, 4 of its 40 layers: CCA attention
+and a top-1 MoE of 16 experts, saved in bfloat16, `/tmp/zaya1-8b-4layers-random`),
+`kimi_linear` (Kimi Linear's KDA, MLA and 64-expert layout scaled to about 1B,
+`/tmp/kimi-linear-1b-random`) and `qwen3_6_moe` (Qwen3.6-35B-A3B's real layer shapes,
+256 experts, four of its layers, saved in bfloat16: run it with `--dtype bfloat16`,
 `/tmp/qwen3.6-35b-a3b-4layers-random`). `--dtype bfloat16` runs the engine and transformers in
 bfloat16; `--quantization int8` / `int4` the engine with int8 / int4 weights. The run starts
 by printing the recurrent state bytes one sequence holds and how many sequences fit a GiB.
@@ -78,6 +80,7 @@ from hybrid_configs import (
     QWEN3_5_CONFIG,
     QWEN3_6_MOE_CONFIG,
     QWEN3_NEXT_CONFIG,
+    ZAYA_CONFIG,
 )
 
 ARCHS = {  # --arch: (transformers class, config, default model directory)
@@ -97,9 +100,11 @@ ARCHS = {  # --arch: (transformers class, config, default model directory)
     "lfm2": ("Lfm2ForCausalLM", LFM2_CONFIG, "/tmp/lfm2-1.2b-random"),
     "lfm3": ("Lfm3ForCausalLM", LFM3_CONFIG, "/tmp/lfm3-1.7b-random"),
     "kimi_linear": ("KimiLinearForCausalLM", KIMI_LINEAR_CONFIG, "/tmp/kimi-linear-1b-random"),
+    "zaya": ("ZayaForCausalLM", ZAYA_CONFIG, "/tmp/zaya1-8b-4layers-random"),
 }
 SHIPPED_KEYS = {"kimi_linear": KIMI_SHIPPED_KEYS}  # config.json keys the releases carry
-SAVED_BF16 = {"qwen3_6_moe", "lfm3"}  # made and saved in bfloat16 (float32: 6.8 GB of disk each)
+# Made and saved in bfloat16 (float32: up to 6.8 GB of disk each).
+SAVED_BF16 = {"qwen3_6_moe", "lfm3", "zaya"}
 TOKENIZER_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests/data/gpt-neox-20b-tokenizer"
 )

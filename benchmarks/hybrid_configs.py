@@ -18,6 +18,8 @@ model).
   65,536, tied head: about 1.17B parameters.
 - `LFM3_CONFIG`: LFM3-1.7B (transformers' defaults): short convolutions, sliding-window and
   full attention with a per-head gate, 1.7B parameters.
+- `ZAYA_CONFIG`: ZAYA1-8B's real layer shapes with 4 of its 40 layers (CCA, top-1 MoE of 16
+  experts), 1.4B parameters.
 - `KIMI_LINEAR_CONFIG`: Kimi-Linear-48B-A3B's layout scaled to about 1B: hidden 1024, 12
   layers, MLA every 4th (8 heads; latent 512 + 64, nope 128, v 128, no rotary), KDA in the
   others (8 heads of 128, conv 4), a dense first layer (SwiGLU of 4096), then MoEs of 64 experts
@@ -181,6 +183,10 @@ LFM2_CONFIG = dict(
 # proportional RoPE), 16 query and 4 key/value heads of 128 with a per-head gate and sandwich
 # norms, SwiGLU of 7680, vocabulary 128,000, tied head: about 1.7B parameters.
 LFM3_CONFIG = dict(vocab_size=128_000, max_position_embeddings=8192)
+# ZAYA1-8B's layer shapes (transformers' defaults: hidden 2048, CCA with 8 query and 2 KV heads
+# of 128, 16 experts of 2048 with a top-1 MLP router, vocabulary 262,272, tied head) with 4 of
+# its 40 layers: 1.4B parameters, 2.8 GB in bfloat16.
+ZAYA_CONFIG = dict(num_hidden_layers=4, layer_types=["hybrid"] * 4, max_position_embeddings=8192)
 _KIMI_FULL = (4, 8, 12)  # 1-indexed, as the checkpoints list them
 KIMI_LINEAR_CONFIG = dict(
     vocab_size=163840,

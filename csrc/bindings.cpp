@@ -43,11 +43,12 @@ TORCH_LIBRARY(vllm_mamba, m) {
       "Tensor slot_mapping) -> ()");
   m.def(
       "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int sliding_window=0) -> Tensor");
+      "Tensor seq_lens, float scale, int sliding_window=0, Tensor? rel=None, "
+      "Tensor? sinks=None) -> Tensor");
   m.def(
       "paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
-      "int sliding_window=0) -> Tensor");
+      "int sliding_window=0, Tensor? rel=None, Tensor? sinks=None) -> Tensor");
   m.def(
       "gated_delta_varlen(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
       "Tensor dt_bias, float beta_scale, Tensor(a!) ssm_states, Tensor query_start_loc, "

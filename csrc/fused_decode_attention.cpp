@@ -206,10 +206,12 @@ at::Tensor fused_attention_decode(
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("vllm_mamba::paged_decode_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, double, int64_t)>();
+                            const at::Tensor&, const at::Tensor&, double, int64_t,
+                            const c10::optional<at::Tensor>&,
+                            const c10::optional<at::Tensor>&)>();
   cache_op.call(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping);
   at::Tensor attn = attend_op.call(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                   sliding_window)
+                                   sliding_window, c10::nullopt, c10::nullopt)
                         .to(at::kFloat)
                         .reshape({d.batch, d.heads * d.dim})
                         .contiguous();  // (B, Hq D)

@@ -10,6 +10,9 @@
 // Decode splits long contexts into ranges (flash-decoding) when sequences x kv heads are too
 // few to keep every thread busy, and merges the partial softmax states afterwards. Tasks are
 // dealt to the threads round-robin, which balances the growing cost of causal prefill tiles.
+// Optional score terms (Inkling's relative-position attention): `rel (T, Hq, E)` adds
+// `rel[t, h, p - j]` to a query's score for the key at j while `p - j < E`, and `sinks (T, Hq)`
+// adds one zero-valued logit per query and head to the softmax's denominator.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -56,18 +59,33 @@ void load_rows(const HeadView<C>& hv, int64_t block, int64_t off0, int64_t n, in
   }
 }
 
+// Score bias by backward distance of one query row: `rel (E,)` (nullptr: none) and the
+// distance `dist0` from the row's query to the first key of the current run.
+struct RowBias {
+  const float* rel;
+  int64_t extent;
+  int64_t dist0;
+};
+
 // Folds `n` keys and values into one row's softmax state (m, l, acc (D,)); `s (n,)` scratch.
+// Key t's score gains `bias.rel[bias.dist0 - t]` while that distance is below the extent.
 inline void update_row(const float* q, const float* const* keys, const float* const* values,
-                       int64_t n, int64_t dim, float* s, float& m, float& l, float* acc) {
-  float block_max = kNegInf;
+                       int64_t n, int64_t dim, RowBias bias, float* s, float& m, float& l,
+                       float* acc) {
   for (int64_t t = 0; t < n; ++t) {
     const float* k = keys[t];
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
     s[t] = dot;
-    block_max = std::max(block_max, dot);
   }
+  if (bias.rel != nullptr) {
+    // Keys dist0, dist0 - 1, ... back from the query: those closer than the extent.
+    const int64_t first = std::max<int64_t>(bias.dist0 - bias.extent + 1, 0);
+    for (int64_t t = first; t < n; ++t) s[t] += bias.rel[bias.dist0 - t];
+  }
+  float block_max = kNegInf;
+  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
   const float m_new = std::max(m, block_max);
   const float alpha = std::exp(m - m_new);  // 0 on the first block (m = -inf)
   float sum = 0.0f;
@@ -90,12 +108,13 @@ inline void update_row(const float* q, const float* const* keys, const float* co
 
 // Attends `rows` pre-scaled query rows `q (rows, D)` over positions [begin, end) of one
 // sequence, row r only over positions [lows[r], limits[r]] (its sliding window's first
-// position, else 0, up to its own), updating `st` in place.
+// position, else 0, up to its own), updating `st` in place. `rels` (nullptr: no bias) holds
+// each row's `rel (extent,)` bias by distance from its own position `limits[r]`.
 // `kbuf`, `vbuf` (block_size * D), `scores` (block_size) and `row_ptrs` (2 * block_size) are
 // scratch.
 template <typename C>
-void attend_range(const float* q, const int64_t* lows, const int64_t* limits, int64_t rows,
-                  int64_t dim,
+void attend_range(const float* q, const int64_t* lows, const int64_t* limits,
+                  const float* const* rels, int64_t extent, int64_t rows, int64_t dim,
                   const HeadView<C>& kv, const HeadView<C>& vv, const int64_t* block_table,
                   int64_t begin, int64_t end, SoftmaxState st, float* kbuf, float* vbuf,
                   float* scores, const float** row_ptrs) {
@@ -112,8 +131,10 @@ void attend_range(const float* q, const int64_t* lows, const int64_t* limits, in
       const int64_t skip = std::max<int64_t>(lows[r] - start, 0);  // before the row's window
       const int64_t valid = std::min(n, limits[r] - start + 1);    // causal cut of this row
       if (valid <= skip) continue;
-      update_row(q + r * dim, keys + skip, values + skip, valid - skip, dim, scores, st.m[r],
-                 st.l[r], st.acc + r * dim);
+      const RowBias bias{rels == nullptr ? nullptr : rels[r], extent,
+                         limits[r] - (start + skip)};
+      update_row(q + r * dim, keys + skip, values + skip, valid - skip, dim, bias, scores,
+                 st.m[r], st.l[r], st.acc + r * dim);
     }
     start += n;
   }
@@ -133,15 +154,25 @@ void load_query(const Q* q, int64_t count, int64_t dim, float scale, float* dst)
   for (int64_t i = 0; i < count * dim; ++i) dst[i] = to_f32(q[i]) * scale;
 }
 
+// The factor a finished row's `acc` is multiplied by: `1 / l` (0 where l == 0), or with a
+// sink logit, `w / (l w + exp(sink - m'))` with `m' = max(m, sink)` and `w = exp(m - m')`.
+inline float finish_factor(float m, float l, const float* sink) {
+  if (sink == nullptr) return l > 0.0f ? 1.0f / l : 0.0f;
+  const float top = std::max(m, *sink);
+  const float w = l > 0.0f ? std::exp(m - top) : 0.0f;
+  return w / (l * w + std::exp(*sink - top));
+}
+
 // Writes finished softmax states, rows ordered (token, group head), as `acc / l` (zeros where
-// l == 0) to `out`, whose tokens are `token_stride` apart and group heads `dim` apart.
+// l == 0; `sinks (rows,)` or nullptr, see `finish_factor`) to `out`, whose tokens are
+// `token_stride` apart and group heads `dim` apart.
 template <typename Q>
-void store_tile(const float* acc, const float* l, int64_t tokens, int64_t group, int64_t dim,
-                Q* out, int64_t token_stride) {
+void store_tile(const float* acc, const float* m, const float* l, const float* sinks,
+                int64_t tokens, int64_t group, int64_t dim, Q* out, int64_t token_stride) {
   for (int64_t i = 0; i < tokens; ++i) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = i * group + g;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      const float inv = finish_factor(m[r], l[r], sinks == nullptr ? nullptr : sinks + r);
       Q* o = out + i * token_stride + g * dim;
       const float* a = acc + r * dim;
 #pragma omp simd
@@ -152,12 +183,12 @@ void store_tile(const float* acc, const float* l, int64_t tokens, int64_t group,
 
 // Per-thread scratch of the attention kernels.
 struct Scratch {
-  std::vector<float> q, m, l, acc, kbuf, vbuf, scores;
+  std::vector<float> q, m, l, acc, kbuf, vbuf, scores, sinks;
   std::vector<int64_t> lows, limits;
-  std::vector<const float*> row_ptrs;
+  std::vector<const float*> row_ptrs, rels;
   Scratch(int64_t rows, int64_t dim, int64_t bs)
       : q(rows * dim), m(rows), l(rows), acc(rows * dim), kbuf(bs * dim), vbuf(bs * dim),
-        scores(bs), lows(rows), limits(rows), row_ptrs(2 * bs) {}
+        scores(bs), sinks(rows), lows(rows), limits(rows), row_ptrs(2 * bs), rels(rows) {}
   SoftmaxState state() { return {m.data(), l.data(), acc.data()}; }
 };
 
@@ -184,6 +215,39 @@ struct AttnShape {
   int64_t window;  // sliding window in tokens, 0 for none
 };
 
+// The optional score terms as float32 `(T, Hq, E)` and `(T, Hq)`; null pointers when absent.
+struct ScoreTerms {
+  at::Tensor rel_t, sinks_t;
+  const float* rel = nullptr;
+  const float* sinks = nullptr;
+  int64_t extent = 0;
+  // Row of query token t, head h: its bias by distance, or nullptr.
+  const float* rel_row(int64_t t, int64_t h, int64_t q_heads) const {
+    return rel == nullptr ? nullptr : rel + (t * q_heads + h) * extent;
+  }
+};
+
+ScoreTerms score_terms(const c10::optional<at::Tensor>& rel,
+                       const c10::optional<at::Tensor>& sinks, int64_t tokens,
+                       int64_t q_heads) {
+  ScoreTerms st;
+  if (rel.has_value()) {
+    TORCH_CHECK(rel->dim() == 3 && rel->size(0) == tokens && rel->size(1) == q_heads &&
+                    rel->size(2) > 0,
+                "rel must be (tokens, Hq, E) with E > 0, got ", rel->sizes());
+    st.rel_t = rel->to(at::kFloat).contiguous();
+    st.rel = st.rel_t.data_ptr<float>();
+    st.extent = rel->size(2);
+  }
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 2 && sinks->size(0) == tokens && sinks->size(1) == q_heads,
+                "sinks must be (tokens, Hq), got ", sinks->sizes());
+    st.sinks_t = sinks->to(at::kFloat).contiguous();
+    st.sinks = st.sinks_t.data_ptr<float>();
+  }
+  return st;
+}
+
 AttnShape attn_shape(const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, double scale, int64_t window) {
   TORCH_CHECK(window >= 0, "sliding_window must be >= 0, got ", window);
@@ -204,10 +268,11 @@ int64_t decode_splits(int64_t batch, int64_t kv_heads, int64_t max_len) {
   return std::max<int64_t>(1, std::min(wanted, most));
 }
 
-// Merges the split states of one (row, kv head) `(splits, G)` into the output heads.
+// Merges the split states of one (row, kv head) `(splits, G)` into the output heads; `sinks
+// (G,)` or nullptr.
 template <typename Q>
-void merge_splits(const float* m, const float* l, const float* acc, int64_t splits,
-                  int64_t group, int64_t dim, Q* out) {
+void merge_splits(const float* m, const float* l, const float* acc, const float* sinks,
+                  int64_t splits, int64_t group, int64_t dim, Q* out) {
   std::vector<float> total(dim);
   for (int64_t g = 0; g < group; ++g) {
     float m_max = kNegInf;
@@ -223,14 +288,15 @@ void merge_splits(const float* m, const float* l, const float* acc, int64_t spli
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) total[d] += w * a[d];
     }
-    store_tile(total.data(), &l_sum, 1, 1, dim, out + g * dim, 0);
+    store_tile(total.data(), &m_max, &l_sum, sinks == nullptr ? nullptr : sinks + g, 1, 1, dim,
+               out + g * dim, 0);
   }
 }
 
 template <typename Q, typename C>
 void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& tables, const int64_t* lens, const AttnShape& a,
-                 at::Tensor& out) {
+                 const ScoreTerms& terms, at::Tensor& out) {
   const int64_t batch = query.size(0), hkv = a.kv_heads, g = a.group, dim = a.dim;
   int64_t max_span = 0;  // positions one row reads, at most
   for (int64_t b = 0; b < batch; ++b) {
@@ -256,7 +322,10 @@ void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::T
     load_query(qp + b * query.stride(0) + h * g * dim, g, dim, a.scale, sc.q.data());
     std::fill(sc.lows.begin(), sc.lows.end(), first);
     std::fill(sc.limits.begin(), sc.limits.end(), len - 1);
-    attend_range(sc.q.data(), sc.lows.data(), sc.limits.data(), g, dim, head_view<C>(k_cache, h),
+    for (int64_t r = 0; r < g; ++r) sc.rels[r] = terms.rel_row(b, h * g + r, a.q_heads);
+    attend_range(sc.q.data(), sc.lows.data(), sc.limits.data(),
+                 terms.rel == nullptr ? nullptr : sc.rels.data(), terms.extent, g, dim,
+                 head_view<C>(k_cache, h),
                  head_view<C>(v_cache, h), tp + b * tables.stride(0), begin, end, st,
                  sc.kbuf.data(), sc.vbuf.data(), sc.scores.data(), sc.row_ptrs.data());
   });
@@ -265,8 +334,9 @@ void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::T
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / hkv, h = i % hkv;
       merge_splits(pm.data() + i * splits * g, pl.data() + i * splits * g,
-                   pacc.data() + i * splits * g * dim, splits, g, dim,
-                   op + b * a.q_heads * dim + h * g * dim);
+                   pacc.data() + i * splits * g * dim,
+                   terms.sinks == nullptr ? nullptr : terms.sinks + b * a.q_heads + h * g,
+                   splits, g, dim, op + b * a.q_heads * dim + h * g * dim);
     }
   });
 }
@@ -274,9 +344,11 @@ void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::T
 at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale,
-                                  int64_t sliding_window) {
+                                  int64_t sliding_window, const c10::optional<at::Tensor>& rel,
+                                  const c10::optional<at::Tensor>& sinks) {
   const AttnShape a = attn_shape(query_in, k_cache, v_cache, scale, sliding_window);
   const int64_t batch = query_in.size(0);
+  const ScoreTerms terms = score_terms(rel, sinks, batch, a.q_heads);
   TORCH_CHECK(seq_lens.numel() == batch && block_tables.dim() == 2 &&
                   block_tables.size(0) == batch,
               "block_tables must be (B, max_blocks) and seq_lens (B,)");
@@ -295,7 +367,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
     using Q = std::remove_pointer_t<decltype(qt)>;
     dispatch_kv(k_cache, "k_cache", [&](auto* ct) {
       using C = std::remove_pointer_t<decltype(ct)>;
-      decode_impl<Q, C>(query, k_cache, v_cache, tables, lp, a, out);
+      decode_impl<Q, C>(query, k_cache, v_cache, tables, lp, a, terms, out);
     });
   });
   return out;
@@ -304,7 +376,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query_in, const at::Tensor& 
 template <typename Q, typename C>
 void prefill_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& tables, const int64_t* qsl, const int64_t* lens,
-                  const AttnShape& a, at::Tensor& out) {
+                  const AttnShape& a, const ScoreTerms& terms, at::Tensor& out) {
   const int64_t seqs = tables.size(0), hkv = a.kv_heads, g = a.group, dim = a.dim;
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, first query of the tile)
   int64_t work = 0;  // query-key pairs, about
@@ -331,24 +403,33 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::
       const int64_t pos = len - q_len + j0 + t;
       std::fill_n(sc.lows.data() + t * g, g, window_start(pos, a.window));
       std::fill_n(sc.limits.data() + t * g, g, pos);  // own position
+      for (int64_t r = 0; r < g; ++r) {
+        sc.rels[t * g + r] = terms.rel_row(first + t, h * g + r, a.q_heads);
+        if (terms.sinks != nullptr) sc.sinks[t * g + r] = terms.sinks[(first + t) * a.q_heads + h * g + r];
+      }
     }
     reset_state(sc.state(), rows, dim);
-    attend_range(sc.q.data(), sc.lows.data(), sc.limits.data(), rows, dim,
+    attend_range(sc.q.data(), sc.lows.data(), sc.limits.data(),
+                 terms.rel == nullptr ? nullptr : sc.rels.data(), terms.extent, rows, dim,
                  head_view<C>(k_cache, h), head_view<C>(v_cache, h), tp + p * tables.stride(0),
                  window_start(len - q_len + j0, a.window),
                  len - q_len + j0 + n_tok, sc.state(), sc.kbuf.data(), sc.vbuf.data(),
                  sc.scores.data(), sc.row_ptrs.data());
-    store_tile(sc.acc.data(), sc.l.data(), n_tok, g, dim, op + first * o_stride + h * g * dim,
-               o_stride);
+    store_tile(sc.acc.data(), sc.m.data(), sc.l.data(),
+               terms.sinks == nullptr ? nullptr : sc.sinks.data(), n_tok, g, dim,
+               op + first * o_stride + h * g * dim, o_stride);
   });
 }
 
 at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                                   double scale, int64_t sliding_window) {
+                                   double scale, int64_t sliding_window,
+                                   const c10::optional<at::Tensor>& rel,
+                                   const c10::optional<at::Tensor>& sinks) {
   const AttnShape a = attn_shape(query_in, k_cache, v_cache, scale, sliding_window);
   const int64_t seqs = seq_lens.numel();
+  const ScoreTerms terms = score_terms(rel, sinks, query_in.size(0), a.q_heads);
   TORCH_CHECK(query_start_loc.numel() == seqs + 1 && block_tables.dim() == 2 &&
                   block_tables.size(0) == seqs,
               "query_start_loc must be (P + 1,), seq_lens (P,), block_tables (P, max_blocks)");
@@ -373,7 +454,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query_in, const at::Tensor&
     using Q = std::remove_pointer_t<decltype(qt)>;
     dispatch_kv(k_cache, "k_cache", [&](auto* ct) {
       using C = std::remove_pointer_t<decltype(ct)>;
-      prefill_impl<Q, C>(query, k_cache, v_cache, tables, qsl, lens, a, out);
+      prefill_impl<Q, C>(query, k_cache, v_cache, tables, qsl, lens, a, terms, out);
     });
   });
   return out;

@@ -19,6 +19,7 @@ A load-time quantisation recorded in the config (`quantization="int8"` or `"int4
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,7 +37,7 @@ from vllm_mamba.layers.quantization import QuantizationReport, quantize_model
 from vllm_mamba.model_resolver import resolve_model_path  # noqa: F401 - the loaders' import
 from vllm_mamba.models.causal_lm import CausalLM
 from vllm_mamba.models.formats import detect_format, read_config_json
-from vllm_mamba.models.layer_stream import LayerStream
+from vllm_mamba.models.layer_stream import LayerStream, to_empty
 from vllm_mamba.models.prequantized import checkpoint_method, dequantized_weights
 from vllm_mamba.models.registry import ModelRegistry
 from vllm_mamba.ops.dispatch import get_mamba_ops
@@ -171,6 +172,29 @@ def load_weights(
         raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
 
 
+# `torch.nn.init`'s in-place initialisers, which every module's `reset_parameters` calls.
+_INITIALISERS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+    "sparse_",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _without_parameter_init() -> Iterator[None]:
+    """Module constructors leave their parameters as allocated: the model is built on the meta
+    device, where initial values do not exist, and its weights come from the checkpoint. (A
+    random `normal_` on meta also imports `torch._dynamo`, 1-2 s of every cold start.)"""
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    for name in _INITIALISERS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def check_tensor_parallel(hf_config: Any, tp_size: int) -> tuple[type[nn.Module], str]:
     """The registered class and architecture name of the config, if it can run on `tp_size`
     ranks.
@@ -275,7 +299,7 @@ def build_model(
             f"speculative method 'mtp': {arch} has no multi-token prediction head (its class "
             "does not declare supports_mtp)"
         )
-    with torch.device("meta"):
+    with torch.device("meta"), _without_parameter_init():
         ops = get_mamba_ops(device)
         model = model_cls(hf_config, ops, tp) if tp.size > 1 else model_cls(hf_config, ops)
         if mtp:
@@ -290,7 +314,7 @@ def build_model(
             )
     stream = _layer_stream(path, hf_config, model, tp, method, device, dtype)
     if stream is None:
-        model = model.to_empty(device=device).to(dtype)
+        model = to_empty(model, device).to(dtype)
     else:
         stream.materialize_rest()
     model.tie_weights()  # materialising from meta unties shared parameters

@@ -85,16 +85,19 @@ def start_server(cmd: list[str], **popen: Any) -> tuple[subprocess.Popen, int]:
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, verify: ssl.SSLContext | bool = True) -> None:
+    """Returns once `/health` answers 200. The socket listens from before the server starts,
+    so a request waits in its backlog and is answered the moment the server serves (a server
+    that exits closes it: the request fails at once)."""
     deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
+    while (left := deadline - time.monotonic()) > 0:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=min(left, 10), verify=verify).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise TimeoutError("the server did not become healthy")
 
 

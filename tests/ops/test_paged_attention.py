@@ -4,7 +4,8 @@
 Cases cover GQA ratios (1, 2, 4, MQA), head dims, block sizes, context lengths from 0 to a
 few hundred (unaligned to blocks), chunked prefill, padding rows, non-contiguous queries,
 float32 / bfloat16 / float16, and sliding windows (against dense attention with a window mask,
-the blocks every window has passed poisoned with NaN and dropped from the table).
+the blocks every window has passed poisoned with NaN and dropped from the table), and the
+optional score terms (a bias by distance, sink logits) against a float64 softmax written out.
 `make_paged_case` is shared with the Triton tests.
 """
 
@@ -92,6 +93,31 @@ def dense_causal(
     return out.transpose(0, 1)
 
 
+def dense_biased(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, rel: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """`dense_causal` in float64 with the score terms written out: query i's score for key j
+    gains `rel[i, h, i - j]` while `i - j < E`, and `sinks[i, h]` joins each softmax as a
+    logit whose value is zero."""
+    group = q.shape[1] // k.shape[1]
+    q = q.double()
+    k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    length, heads = q.shape[:2]
+    scores = torch.einsum("ihd,jhd->hij", q, k) * q.shape[-1] ** -0.5  # (H, L, L)
+    for i in range(length):
+        for j in range(i + 1):
+            if rel is not None and i - j < rel.shape[-1]:
+                scores[:, i, j] += rel[i, :, i - j].double()
+            if j > i or (window and j <= i - window):
+                scores[:, i, j] = float("-inf")
+        scores[:, i, i + 1 :] = float("-inf")
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double().T[:, :, None]], dim=-1)
+    probs = scores.softmax(dim=-1)[..., :length]
+    return torch.einsum("hij,jhd->ihd", probs, v).float()
+
+
 def _drop_passed_blocks(
     table: torch.Tensor, caches: list[torch.Tensor], start: int, window: int
 ) -> None:
@@ -106,13 +132,24 @@ def _drop_passed_blocks(
 
 
 def _run_chunked(
-    attention, chunks: list[int], q_heads: int, kv_heads: int, block_size: int, window: int = 0
+    attention, chunks: list[int], q_heads: int, kv_heads: int, block_size: int, window: int = 0,
+    extent: int = 0, with_sinks: bool = False,
 ):  # fmt: skip
     """Writes one sequence chunk by chunk, attending each chunk (with a sliding `window`, the
-    blocks it has passed dropped before each chunk); returns (paged, dense) outputs."""
+    blocks it has passed dropped before each chunk; with a bias by distance of `extent` > 0
+    positions and sink logits if asked); returns (paged, dense) outputs."""
     torch.manual_seed(1)
     head_dim, total = 16, sum(chunks)
     q, k, v = (torch.randn(total, h, head_dim) for h in (q_heads, kv_heads, kv_heads))
+    rel = 2 * torch.randn(total, q_heads, extent) if extent else None
+    sinks = torch.randn(total, q_heads) if with_sinks else None
+
+    def terms(part: slice) -> dict:
+        return {
+            **({} if rel is None else {"rel": rel[part]}),
+            **({} if sinks is None else {"sinks": sinks[part]}),
+        }
+
     num_blocks = (total + block_size - 1) // block_size + 2
     k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
     v_cache = torch.zeros_like(k_cache)
@@ -135,15 +172,18 @@ def _run_chunked(
                 query=q[part], k_cache=k_cache, v_cache=v_cache, block_tables=table,
                 query_start_loc=torch.tensor([0, size], dtype=torch.int32),
                 seq_lens=torch.tensor([done], dtype=torch.int32), scale=head_dim**-0.5,
-                sliding_window=window,
+                sliding_window=window, **terms(part),
             )
         )  # fmt: skip
     decode = attention["decode"](
         query=q[-1:], k_cache=k_cache, v_cache=v_cache, block_tables=table,
         seq_lens=torch.tensor([total], dtype=torch.int32), scale=head_dim**-0.5,
-        sliding_window=window,
+        sliding_window=window, **terms(slice(total - 1, total)),
     )  # fmt: skip
-    dense = dense_causal(q, k, v, window)
+    if rel is None and sinks is None:
+        dense = dense_causal(q, k, v, window)
+    else:
+        dense = dense_biased(q, k, v, window, rel, sinks)
     torch.testing.assert_close(decode[0], dense[-1], atol=1e-5, rtol=1e-5)
     return torch.cat(outs), dense
 
@@ -186,6 +226,61 @@ def test_sliding_window_equals_dense_windowed_attention(
     (windows of 1 token, shorter and longer than a chunk or than the whole sequence)."""
     paged, dense = _run_chunked(REF if impl == "ref" else CPP, chunks, 4, 2, block_size, window)
     torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["ref", pytest.param("cpp", marks=needs_cpp)])
+@pytest.mark.parametrize(
+    ("chunks", "window", "extent", "with_sinks"),
+    [([40], 0, 12, True), ([1, 5, 17, 23], 16, 40, False), ([16, 16, 3], 7, 3, True),
+     ([9, 30, 2], 0, 100, True), ([20, 3], 0, 0, True)],
+)  # fmt: skip
+def test_distance_bias_and_sinks_equal_a_float64_softmax(
+    impl: str, chunks: list[int], window: int, extent: int, with_sinks: bool
+) -> None:
+    """Chunked prefill and decode with a score bias by distance (extents shorter and longer
+    than the window and the sequence) and sink logits equal the float64 softmax written out
+    (`dense_biased`), with and without a sliding window."""
+    paged, dense = _run_chunked(
+        REF if impl == "ref" else CPP, chunks, 4, 2, 8, window, extent, with_sinks
+    )
+    torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-5)
+
+
+@needs_cpp
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (8, 2)])
+@pytest.mark.parametrize("window", [0, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_distance_bias_and_sinks_match_ref(
+    q_heads: int, kv_heads: int, window: int, dtype: torch.dtype
+) -> None:
+    """Decode (a 1500-token row split over threads and merged) and varlen prefill with a bias
+    by distance and sinks, against the references."""
+    head_dim, block_size = 64, 16
+    gen = torch.Generator().manual_seed(window + q_heads)
+    lens = [*DECODE_LENS, 1500]
+    case = make_paged_case(lens, [1] * len(lens), q_heads, kv_heads, head_dim, block_size, dtype)
+    rows = len(lens)
+    args = {
+        **_decode_args(case, rows), "sliding_window": window,
+        "rel": torch.randn(rows, q_heads, 300, generator=gen).to(dtype),
+        "sinks": torch.randn(rows, q_heads, generator=gen),
+    }  # fmt: skip
+    torch.testing.assert_close(
+        cpu_kernels.paged_decode_attention(**args), paged_decode_attention_ref(**args),
+        **_tolerance(dtype),
+    )  # fmt: skip
+    lens, q_lens = zip(*PREFILL, strict=True)
+    case = make_paged_case(list(lens), list(q_lens), q_heads, kv_heads, head_dim, block_size, dtype)
+    tokens = case.query.shape[0]
+    args = {
+        **_prefill_args(case), "sliding_window": window,
+        "rel": torch.randn(tokens, q_heads, 20, generator=gen),
+        "sinks": 3 * torch.randn(tokens, q_heads, generator=gen).to(dtype),
+    }  # fmt: skip
+    torch.testing.assert_close(
+        cpu_kernels.paged_prefill_attention(**args), paged_prefill_attention_ref(**args),
+        **_tolerance(dtype),
+    )  # fmt: skip
 
 
 @needs_cpp

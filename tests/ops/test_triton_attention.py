@@ -133,6 +133,44 @@ def test_sliding_window_equals_dense_windowed_attention(chunks: list[int], windo
     torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not IN_INTERPRETER, reason="the chunked flow runs on CPU tensors")
+@pytest.mark.parametrize(
+    ("chunks", "window", "extent", "with_sinks"),
+    [([1, 5, 17], 0, 9, True), ([20, 3], 6, 40, False), ([9, 9], 0, 0, True)],
+)
+def test_distance_bias_and_sinks_equal_a_float64_softmax(
+    chunks: list[int], window: int, extent: int, with_sinks: bool
+) -> None:
+    """With a score bias by distance and sink logits, chunked prefill and decode equal the
+    float64 softmax written out (with and without a window)."""
+    paged, dense = _run_chunked(TRITON, chunks, 4, 2, 8, window, extent, with_sinks)
+    torch.testing.assert_close(paged, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_distance_bias_and_sinks_match_ref(device: torch.device) -> None:
+    """Varlen prefill and decode rows with the score terms, padding rows and tokens too."""
+    gen = torch.Generator().manual_seed(5)
+    lens, q_lens = (list(x) for x in zip(*PREFILL, strict=True))
+    case = make_paged_case(_scaled(lens, device), q_lens, 4, 2, 32, 8, device=device)
+    tokens = case.query.shape[0]
+    terms = {
+        "rel": torch.randn(tokens, 4, 13, generator=gen).to(device),
+        "sinks": torch.randn(tokens, 4, generator=gen).to(device),
+    }
+    common = {"k_cache": case.k_cache, "v_cache": case.v_cache, "block_tables": case.block_tables}
+    prefill = {**common, **terms, "query": case.query, "query_start_loc": case.query_start_loc,
+               "seq_lens": case.seq_lens, "scale": _scale(case)}  # fmt: skip
+    rows = len(lens)
+    decode = {**common, "query": case.query[:rows], "seq_lens": case.seq_lens,
+              "scale": _scale(case), "sliding_window": 5,
+              "rel": terms["rel"][:rows], "sinks": terms["sinks"][:rows]}  # fmt: skip
+    for kernel, ref, args in [
+        (ta.paged_prefill_attention, paged_prefill_attention_ref, prefill),
+        (ta.paged_decode_attention, paged_decode_attention_ref, decode),
+    ]:
+        torch.testing.assert_close(kernel(**args), ref(**args), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.cuda
 @_NEEDS_CUDA
 def test_decode_cuda_graph_replays_with_new_tables() -> None:

@@ -150,9 +150,10 @@ class MultiprocExecutor(DriverExecutor):
 
     def _start_workers(self, init_method: str) -> None:
         # A fork server with the engine's modules imported starts each worker in well under
-        # a second after the first (nothing in it has touched CUDA or started threads).
+        # a second after the first (nothing in it has touched CUDA or started threads);
+        # transformers too, which unpickling the model's config imports (1-2 s a worker).
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
+        ctx.set_forkserver_preload([__name__, "transformers.configuration_utils"])
         size = self.tp.size
         for rank in range(1, size):
             parent, child = ctx.Pipe()

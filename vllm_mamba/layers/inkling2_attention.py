@@ -39,11 +39,12 @@ from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.distributed.parallel_state import TensorParallel
+from vllm_mamba.layers.attention import PagedAttention
 from vllm_mamba.layers.dynamic_short_conv import DynamicShortConv
 from vllm_mamba.layers.layernorm import weightless_rms_norm
 from vllm_mamba.layers.mixer_sharding import kv_head_ranges
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
-from vllm_mamba.layers.relative_bias_attention import RelativeBiasAttention, log_scale
+from vllm_mamba.layers.relative_bias_attention import log_scale
 from vllm_mamba.layers.residual_short_conv import ResidualShortConv
 from vllm_mamba.ops.table import MambaOps
 
@@ -127,8 +128,7 @@ class Inkling2Attention(nn.Module):
         window = config.sliding_window_size if sliding else None
         local_heads = tp.split(heads, "num_attention_heads")
         self.attn = nn.ModuleList(  # one KV cache per pass
-            RelativeBiasAttention(local_heads, local_kv, d, d**-0.5, ops, window)
-            for _ in range(passes)
+            PagedAttention(local_heads, local_kv, d, d**-0.5, ops, window) for _ in range(passes)
         )
         self.dynamic = not sliding
 
@@ -151,7 +151,7 @@ class Inkling2Attention(nn.Module):
         bias = self.relative_position_bias
         rel_states = bias.linear(xq).view(num_tokens, q.shape[1], -1)  # (T, Hq, d_rel)
         rel = bias.norm(rel_states, pos) @ bias.proj  # (T, Hq, E)
-        out = self.attn[pass_index](q, k, v, rel, meta, sinks=self.sink_proj(xq))  # (T, Hq D)
+        out = self.attn[pass_index](q, k, v, meta, rel=rel, sinks=self.sink_proj(xq))  # (T, Hq D)
         gate = torch.sigmoid(self.o_proj.gate_proj(xq).float())
         return self.o_proj.linear((out.float() * gate).to(out.dtype))
 

@@ -52,15 +52,12 @@ from torch import nn
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.attention import PagedAttention
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.mixer_sharding import kv_head_ranges
 from vllm_mamba.layers.mlp import GatedMLP
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
-from vllm_mamba.layers.relative_bias_attention import (
-    RelativeBiasAttention,
-    RelativeLogits,
-    log_scale,
-)
+from vllm_mamba.layers.relative_bias_attention import RelativeLogits, log_scale
 from vllm_mamba.layers.residual_short_conv import ResidualShortConv
 from vllm_mamba.layers.shared_sink_moe import SharedSinkMoE
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
@@ -97,7 +94,7 @@ class InklingAttention(nn.Module):
         self.v_sconv = ResidualShortConv(kv_size, kernel, ops, ranges=conv_ranges)
         self.q_norm, self.k_norm = RMSNorm(head_dim, eps), RMSNorm(head_dim, eps)
         self.rel_logits_proj = RelativeLogits(config.d_rel, extent)
-        self.attn = RelativeBiasAttention(
+        self.attn = PagedAttention(
             tp.split(heads, "num_attention_heads"), local_kv, head_dim, 1.0 / head_dim, ops,
             config.sliding_window_size if sliding else None,
         )  # fmt: skip
@@ -115,7 +112,7 @@ class InklingAttention(nn.Module):
         if self.log_scaling is not None:
             tau = log_scale(meta.positions, *self.log_scaling)[:, None, None]  # (T, 1, 1)
             q, rel = (q.float() * tau).to(q.dtype), (rel.float() * tau).to(rel.dtype)
-        return self.o_proj(self.attn(q, k, v, rel, meta))
+        return self.o_proj(self.attn(q, k, v, meta, rel=rel))
 
 
 class ScaledGatedMLP(GatedMLP):

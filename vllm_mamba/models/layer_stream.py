@@ -33,6 +33,17 @@ from vllm_mamba.layers.decode_plan import drop_decode_plans
 from vllm_mamba.layers.quantization import QuantizationReport
 from vllm_mamba.worker.huge_pages import release_freed_heap
 
+
+def to_empty(module: nn.Module, device: torch.device, recurse: bool = True) -> nn.Module:
+    """`Module.to_empty` with plain `torch.empty` allocations: the parameters and buffers of
+    `module` (and its children with `recurse`) on `device`, uninitialised. (`to_empty`'s
+    `empty_like` of a meta tensor runs through `torch._refs`, whose first call imports
+    `torch.fx`'s symbolic shapes: a third of a second of every cold start.)"""
+    return module._apply(
+        lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), recurse=recurse
+    )
+
+
 logger = logging.getLogger(__name__)
 
 Quantize = Callable[[nn.Module], QuantizationReport]
@@ -96,7 +107,7 @@ class LayerStream:
         `Module.to_empty`) in the model dtype; the layers stay on the meta device."""
         for module in self.model.modules():
             if id(module) not in self._inside:
-                module.to_empty(device=self.device, recurse=False)
+                to_empty(module, self.device, recurse=False)
         self.model.to(self.dtype)  # meta tensors stay meta
 
     def expect(self, params: dict[str, nn.Parameter]) -> None:
@@ -117,7 +128,7 @@ class LayerStream:
         if layer is None:
             return params.get(name)
         if id(layer) not in self._live:
-            layer.to_empty(device=self.device).to(self.dtype)
+            to_empty(layer, self.device).to(self.dtype)
             self._live.add(id(layer))
         prefix = next(p for p, m in self._prefixes if m is layer)
         return layer.get_parameter(name[len(prefix) :]) if name in params else None

@@ -21,6 +21,11 @@ Glossary:
     `sliding_window`: W > 0 limits a query at position `p` to positions `(p - W, p]` (a
     sliding-window layer; the blocks wholly before every query's window may have been freed
     and hold anything); 0 reads all of `[0, p]`.
+    `rel`: optional `(T, Hq, E)` additive score bias by backward distance: a query at
+    position `p` adds `rel[t, h, p - j]` to its score for the key at `j` when `p - j < E`
+    (nothing beyond; Inkling's relative-position bias). `sinks`: optional `(T, Hq)` one more
+    logit per query and head whose value vector is zero (it only takes probability mass):
+    `softmax([s, sink])[:-1]`. Both are read as float32.
     Math is float32 whatever the input dtype; outputs take the query's dtype. No rotary here:
     the model rotates queries and keys before caching them.
 """
@@ -86,12 +91,24 @@ def window_start(position: int, sliding_window: int) -> int:
     return max(position - sliding_window + 1, 0) if sliding_window > 0 else 0
 
 
+def _distance_bias(rel: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """`rel (Q, Hq, E)` read at each query's backward distance to each key: `(Q, Hq, L)`
+    float32, zero at distances of `E` or more (and wherever the key is after the query)."""
+    dist = q_pos[:, None] - k_pos[None, :]  # (Q, L)
+    extent = rel.shape[-1]
+    index = dist.clamp(0, extent - 1)[:, None, :].expand(-1, rel.shape[1], -1)
+    bias = rel.float().gather(-1, index)
+    return bias.masked_fill(((dist < 0) | (dist >= extent))[:, None, :], 0.0)
+
+
 def _attend(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     allowed: torch.Tensor,
     scale: float,
+    bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked softmax attention of one sequence's queries over its context, in float32.
 
@@ -100,6 +117,8 @@ def _attend(
         keys: `(L, Hkv, D)` float32; values: `(L, Hkv, Dv)` float32 (Dv is D but for MLA).
         allowed: `(Q, L)` bool, which positions each query may read.
         scale: the softmax scale.
+        bias: `(Q, Hq, L)` float32 added to the scaled scores, or None.
+        sinks: `(Q, Hq)` one more zero-valued logit per query and head, or None.
 
     Returns:
         `(Q, Hq, Dv)` float32; queries with no allowed position get zeros.
@@ -109,10 +128,18 @@ def _attend(
     group = num_heads // num_kv
     q = query.view(num_q, num_kv, group, head_dim)  # (Q, Hkv, G, D)
     scores = torch.einsum("qkgd,lkd->kgql", q, keys) * scale  # (Hkv, G, Q, L)
+    if bias is not None:
+        scores = scores + bias.view(num_q, num_kv, group, -1).permute(1, 2, 0, 3)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)
+    row_max = scores.amax(dim=-1, keepdim=True)  # (Hkv, G, Q, 1)
+    if sinks is not None:
+        sink = sinks.float().view(num_q, num_kv, group).permute(1, 2, 0)[..., None]
+        row_max = torch.maximum(row_max, sink)
+    row_max = row_max.clamp(min=torch.finfo(torch.float32).min)
     weights = torch.exp(scores - row_max)  # exp(-inf) = 0 at masked positions
     denom = weights.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - row_max)
     probs = weights / denom.clamp(min=torch.finfo(torch.float32).tiny)
     out = torch.einsum("kgql,lkd->qkgd", probs, values)  # (Q, Hkv, G, Dv)
     return out.reshape(num_q, num_heads, values.shape[-1])
@@ -132,6 +159,8 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    rel: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per row attending to positions `[0, seq_len)` of its sequence's cache (the
     last `sliding_window` of them when it is > 0).
@@ -145,6 +174,8 @@ def paged_decode_attention_ref(
         seq_lens: `(B,)` int32; 0 marks a padding row.
         scale: the softmax scale (usually `D ** -0.5`).
         sliding_window: the window W in tokens, or 0 for none.
+        rel: `(B, Hq, E)` score bias by backward distance, or None; sinks: `(B, Hq)`, or
+            None (see the module docstring).
 
     Returns:
         `(B, Hq, D)` in the query's dtype; padding rows are zeros.
@@ -158,7 +189,13 @@ def paged_decode_attention_ref(
         keys = _gather_context(k_cache, block_tables[row], start, length)  # (L, Hkv, D)
         values = _gather_context(v_cache, block_tables[row], start, length)
         allowed = torch.ones(1, length - start, dtype=torch.bool, device=query.device)
-        out[row] = _attend(query[row : row + 1].float(), keys, values, allowed, scale)[0]
+        q_pos = torch.tensor([length - 1], device=query.device)
+        k_pos = torch.arange(start, length, device=query.device)
+        bias = None if rel is None else _distance_bias(rel[row : row + 1], q_pos, k_pos)
+        sink = None if sinks is None else sinks[row : row + 1]
+        out[row] = _attend(query[row : row + 1].float(), keys, values, allowed, scale, bias, sink)[
+            0
+        ]
     return out.to(query.dtype)
 
 
@@ -171,6 +208,8 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int = 0,
+    rel: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed prefill chunks over their cached context and themselves.
 
@@ -187,6 +226,8 @@ def paged_prefill_attention_ref(
         seq_lens: `(P,)` int32, context plus chunk length of each sequence.
         scale: the softmax scale.
         sliding_window: the window W in tokens, or 0 for none.
+        rel: `(T, Hq, E)` score bias by backward distance, or None; sinks: `(T, Hq)`, or
+            None (see the module docstring).
 
     Returns:
         `(T, Hq, D)` in the query's dtype; tokens after `qsl[P]` (padding) are zeros.
@@ -208,7 +249,9 @@ def paged_prefill_attention_ref(
         allowed = k_pos[None, :] <= q_pos[:, None]  # (Q, L)
         if sliding_window > 0:
             allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        out[begin:end] = _attend(query[begin:end].float(), keys, values, allowed, scale)
+        bias = None if rel is None else _distance_bias(rel[begin:end], q_pos, k_pos)
+        sink = None if sinks is None else sinks[begin:end]
+        out[begin:end] = _attend(query[begin:end].float(), keys, values, allowed, scale, bias, sink)
     return out.to(query.dtype)
 
 
@@ -315,7 +358,8 @@ class ReshapeAndCacheOp(Protocol):
 class PagedDecodeOp(Protocol):
     def __call__(
         self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-        seq_lens: Tensor, scale: float, sliding_window: int = 0,
+        seq_lens: Tensor, scale: float, sliding_window: int = 0, rel: Tensor | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor: ...  # fmt: skip
 
 
@@ -334,6 +378,7 @@ class PagedPrefillOp(Protocol):
     def __call__(
         self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
         query_start_loc: Tensor, seq_lens: Tensor, scale: float, sliding_window: int = 0,
+        rel: Tensor | None = None, sinks: Tensor | None = None,
     ) -> Tensor: ...  # fmt: skip
 
 

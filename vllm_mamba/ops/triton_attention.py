@@ -7,6 +7,8 @@ online softmax in float32, so any block size works and memory does not grow with
 The launch grids depend on tensor shapes only, never on tensor values: no host
 synchronisation, so the decode step can be captured in a CUDA graph with the block tables and
 sequence lengths as graph inputs. They run on CUDA, and on the CPU under `TRITON_INTERPRET=1`.
+The optional score terms (`rel (T, Hq, E)` bias by distance, `sinks (T, Hq)`) are read as
+float32 and compiled in only when given (`HAS_REL`, `HAS_SINKS`).
 """
 
 from __future__ import annotations
@@ -54,11 +56,32 @@ def _kv_tile(
 
 
 @triton.jit
+def _distance_bias(rel, rows, dist, ok, extent):
+    """`rel (T, Hq, E)` float32 contiguous at `rows` (row offsets `(t Hq + h) E`, shape `(M,)`)
+    and distances `dist (M, N)`: the bias where `ok` and `0 <= dist < E`, else 0."""
+    inside = ok & (dist >= 0) & (dist < extent)
+    return tl.load(rel + rows[:, None] + dist, mask=inside, other=0.0)
+
+
+@triton.jit
+def _finish(acc, m, l, sinks, sink_rows, sink_ok, HAS_SINKS: tl.constexpr):
+    """`acc / l` per row (zeros where l == 0), with a sink logit per row in the denominator
+    when `HAS_SINKS` (`sinks + sink_rows (M,)`, where `sink_ok`)."""
+    if HAS_SINKS:
+        sink = tl.load(sinks + sink_rows, mask=sink_ok, other=0.0)
+        top = tl.maximum(m, sink)
+        w = tl.where(l > 0, tl.exp(m - top), 0.0)
+        return acc * (w / (l * w + tl.exp(sink - top)))[:, None]
+    return acc / tl.where(l > 0, l, 1.0)[:, None]
+
+
+@triton.jit
 def _decode_kernel(
-    query, k_cache, v_cache, block_tables, seq_lens, out, scale, window,
+    query, k_cache, v_cache, block_tables, seq_lens, out, scale, window, rel, sinks, extent,
     sq_b, sq_h, so_b, so_h, sbt, sc_b, sc_t, sc_h,
     BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HQ: tl.constexpr, HAS_REL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,6 +102,10 @@ def _decode_kernel(
         k = _kv_tile(k_cache, tables_row, pos, low, length, kv_head, d, sc_b, sc_t, sc_h, BS, D)
         v = _kv_tile(v_cache, tables_row, pos, low, length, kv_head, d, sc_b, sc_t, sc_h, BS, D)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G_PAD, BLOCK_N)
+        if HAS_REL:
+            rows = (b * HQ + heads).to(tl.int64) * extent  # (G_PAD,)
+            dist = (length - 1 - pos)[None, :]  # (1, BLOCK_N)
+            s += _distance_bias(rel, rows, dist, (g < G)[:, None], extent)
         s = tl.where((pos < length)[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
@@ -86,16 +113,17 @@ def _decode_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # padding rows (length 0) stay zero
+    o = _finish(acc, m, l, sinks, b * HQ + heads, g < G, HAS_SINKS)  # padding rows stay zero
     tl.store(out + b * so_b + heads[:, None] * so_h + d[None, :], o, mask=qmask)
 
 
 @triton.jit
 def _prefill_kernel(
     query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, num_seqs,
-    window, sq_t, sq_h, so_t, so_h, sbt, sc_b, sc_t, sc_h,
+    window, rel, sinks, extent, sq_t, sq_h, so_t, so_h, sbt, sc_b, sc_t, sc_h,
     BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HQ: tl.constexpr,
+    HAS_REL: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     # Program i serves tile i - first[p] of the sequence p with first[p] <= i, where
     # first[p] = qsl[p] // BLOCK_M + p: every sequence gets room for all its tiles.
@@ -130,6 +158,9 @@ def _prefill_kernel(
         k = _kv_tile(k_cache, tables_row, pos, kv_low, kv_end, kv_head, d, sc_b, sc_t, sc_h, BS, D)
         v = _kv_tile(v_cache, tables_row, pos, kv_low, kv_end, kv_head, d, sc_b, sc_t, sc_h, BS, D)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N)
+        if HAS_REL:
+            rows = (tok * HQ + head) * extent  # (BLOCK_M,)
+            s += _distance_bias(rel, rows, q_pos[:, None] - pos[None, :], rows_ok[:, None], extent)
         allowed = (pos[None, :] <= q_pos[:, None]) & rows_ok[:, None]
         allowed &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
@@ -139,7 +170,7 @@ def _prefill_kernel(
         l = l * alpha + tl.sum(pr, axis=1)
         acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision="ieee")
         m = m_new
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o = _finish(acc, m, l, sinks, tok * HQ + head, rows_ok, HAS_SINKS)
     tl.store(out + tok[:, None] * so_t + head * so_h + d[None, :], o, mask=qmask)
 
 
@@ -159,6 +190,21 @@ def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """`t` with a unit stride on its last dimension (other strides stay free)."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _terms(
+    rel: torch.Tensor | None, sinks: torch.Tensor | None, query: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The optional score terms as float32 contiguous tensors (the query itself stands in for
+    an absent one: its kernel branch is compiled out), and the bias extent."""
+    tokens, heads = query.shape[:2]
+    if rel is not None:
+        assert rel.shape[:2] == (tokens, heads), "rel must be (tokens, Hq, E)"
+    if sinks is not None:
+        assert sinks.shape == (tokens, heads), "sinks must be (tokens, Hq)"
+    rel_t = query if rel is None else rel.float().contiguous()
+    sinks_t = query if sinks is None else sinks.float().contiguous()
+    return rel_t, sinks_t, 0 if rel is None else rel.shape[-1]
 
 
 def reshape_and_cache(
@@ -188,6 +234,7 @@ def reshape_and_cache(
 def paged_decode_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int = 0,
+    rel: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One query per row over its paged context; see `paged_decode_attention_ref`.
 
@@ -195,6 +242,7 @@ def paged_decode_attention(
         query: `(B, Hq, D)`; k_cache, v_cache: `(NB, BS, Hkv, D)`.
         block_tables: `(B, max_blocks)` int32; seq_lens: `(B,)` int32, 0 for padding rows.
         scale: the softmax scale; sliding_window: the window W in tokens, 0 for none.
+        rel: `(B, Hq, E)` score bias by distance, or None; sinks: `(B, Hq)`, or None.
 
     Returns:
         `(B, Hq, D)` in the query's dtype.
@@ -205,12 +253,15 @@ def paged_decode_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if batch == 0:
         return out
+    rel_t, sinks_t, extent = _terms(rel, sinks, query)
     _decode_kernel[(batch, k_cache.shape[2])](
         query, k_cache, v_cache, block_tables, seq_lens, out, float(scale), int(sliding_window),
+        rel_t, sinks_t, extent,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BS=k_cache.shape[1], G=group, D=dim, G_PAD=_pad(group), D_PAD=_pad(dim),
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=_BLOCK_N, HQ=query.shape[1], HAS_REL=rel is not None,
+        HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out
 
@@ -218,6 +269,7 @@ def paged_decode_attention(
 def paged_prefill_attention(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int = 0,
+    rel: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal varlen attention over the cached context; see `paged_prefill_attention_ref`.
 
@@ -226,6 +278,7 @@ def paged_prefill_attention(
         block_tables: `(P, max_blocks)` int32; query_start_loc: `(P + 1,)` int32;
             seq_lens: `(P,)` int32, context plus chunk of each sequence.
         scale: the softmax scale; sliding_window: the window W in tokens, 0 for none.
+        rel: `(T, Hq, E)` score bias by distance, or None; sinks: `(T, Hq)`, or None.
 
     Returns:
         `(T, Hq, D)` in the query's dtype; tokens after `qsl[P]` are zeros.
@@ -238,12 +291,15 @@ def paged_prefill_attention(
     if tokens == 0 or seqs == 0:
         return out
     grid = (tokens // _BLOCK_M + seqs, heads)  # room for every sequence's tiles (see kernel)
+    rel_t, sinks_t, extent = _terms(rel, sinks, query)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, float(scale), seqs,
-        int(sliding_window), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        int(sliding_window), rel_t, sinks_t, extent,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BS=k_cache.shape[1], G=group, D=dim, D_PAD=max(_pad(dim), 16), P_PAD=_pad(seqs),
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, HQ=heads, HAS_REL=rel is not None,
+        HAS_SINKS=sinks is not None,
     )  # fmt: skip
     return out
