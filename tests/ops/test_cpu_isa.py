@@ -36,6 +36,7 @@ LOWER = [level for level in cpu_isa.supported_levels() if level != DEFAULT]
 KERNEL_TESTS = [
     "tests/ops/test_cpu_kernels.py",
     "tests/ops/test_cpu_ssd.py",
+    "tests/ops/test_dynamic_conv.py",
     "tests/ops/test_gated_delta.py",
     "tests/ops/test_gated_rms_norm.py",
     "tests/ops/test_grouped_linear.py",

@@ -91,6 +91,8 @@ CPP_OPS: tuple[CppOp, ...] = (
     CppOp("mlstm", "update", "mlstm_update"),
     CppOp("rglru", "varlen", "rglru_varlen"),
     CppOp("rglru", "update", "rglru_update"),
+    CppOp("dynamic_conv", "varlen", "dynamic_conv_varlen"),
+    CppOp("dynamic_conv", "update", "dynamic_conv_update"),
     CppOp("rwkv4", "varlen", "rwkv4_varlen"),
     CppOp("rwkv4", "update", "rwkv4_update"),
     # `csrc/fused_decode_mamba*.cpp`; the layers run unfused without them.

@@ -2,8 +2,8 @@
 
 The kernels live in `triton_conv1d`, `triton_selective_scan`, `triton_ssd`, `triton_attention`,
 `triton_gated_delta`, `triton_kda`, `triton_mla`, `triton_rwkv`, `triton_short_conv`,
-`triton_rglru` and `triton_mlstm`; this module says whether they can run here (`available`)
-and registers them as the `triton` backend's ops (`register`, called once by
+`triton_rglru`, `triton_mlstm` and `triton_dynamic_conv`; this module says whether they can
+run here (`available`) and registers them as the `triton` backend's ops (`register`, called once by
 `vllm_mamba.ops.families.load_backend`). Every other op (the projections: `F.linear`, i.e.
 cuBLAS; the gated RMSNorm) runs its `_ref`.
 They run on CUDA devices, and on the CPU under the Triton interpreter (`TRITON_INTERPRET=1`),
@@ -46,6 +46,8 @@ TRITON_OPS: dict[str, dict[str, str]] = {
     "rwkv4": {"varlen": "triton_rwkv:wkv4_varlen", "update": "triton_rwkv:wkv4_update"},
     "rglru": {"varlen": "triton_rglru:rglru_varlen", "update": "triton_rglru:rglru_update"},
     "mlstm": {"varlen": "triton_mlstm:mlstm_varlen", "update": "triton_mlstm:mlstm_update"},
+    "dynamic_conv": {"varlen": "triton_dynamic_conv:dynamic_conv_varlen",
+                     "update": "triton_dynamic_conv:dynamic_conv_update"},
 }  # fmt: skip
 
 
