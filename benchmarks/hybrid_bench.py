@@ -411,9 +411,11 @@ def main() -> None:
         print(f"\nBandwidth bound of the b1 row ({args.threads} threads; read rate: median of "
               f"{len(rates)} passes of a 512 MiB x.sum(), {min(rates) / 1e9:.1f}-"
               f"{max(rates) / 1e9:.1f} GB/s)\n{BOUND_HEAD}")  # fmt: skip
+        with open(os.path.join(path, "config.json")) as f:
+            saved = json.load(f)  # the whole config (the routed experts' share), not overrides
         for s in systems:
             measured = statistics.median(results[b1][s.name])
-            print(bound_line(s.name, s.bytes_per_token(config), rate, measured))
+            print(bound_line(s.name, s.bytes_per_token(saved), rate, measured))
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 

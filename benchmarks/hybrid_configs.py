@@ -186,7 +186,12 @@ LFM3_CONFIG = dict(vocab_size=128_000, max_position_embeddings=8192)
 # ZAYA1-8B's layer shapes (transformers' defaults: hidden 2048, CCA with 8 query and 2 KV heads
 # of 128, 16 experts of 2048 with a top-1 MLP router, vocabulary 262,272, tied head) with 4 of
 # its 40 layers: 1.4B parameters, 2.8 GB in bfloat16.
-ZAYA_CONFIG = dict(num_hidden_layers=4, layer_types=["hybrid"] * 4, max_position_embeddings=8192)
+ZAYA_CONFIG = dict(
+    vocab_size=262_272,
+    num_hidden_layers=4,
+    layer_types=["hybrid"] * 4,
+    max_position_embeddings=8192,
+)
 _KIMI_FULL = (4, 8, 12)  # 1-indexed, as the checkpoints list them
 KIMI_LINEAR_CONFIG = dict(
     vocab_size=163840,

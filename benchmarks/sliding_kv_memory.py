@@ -9,7 +9,7 @@ sequence is walked through a `BlockManager` as the scheduler does (prefill in ch
 formula. Also printed: the recurrent state bytes per sequence (`state_spec`).
 
     python benchmarks/sliding_kv_memory.py --arch lfm3 --contexts 4096,32768
-    python benchmarks/sliding_kv_memory.py --arch recurrent_gemma   # or zaya
+    python benchmarks/sliding_kv_memory.py --arch recurrent_gemma   # or zaya, inkling
 """
 
 from __future__ import annotations
@@ -32,11 +32,15 @@ CONFIGS = {  # --arch: transformers config class and the released checkpoint's k
     # recurrentgemma-2b's: transformers' defaults but for its one key/value head
     "recurrent_gemma": ("RecurrentGemmaConfig", {"num_key_value_heads": 1}),
     "zaya": ("ZayaConfig", {}),  # transformers' defaults are ZAYA1-8B's
+    # Inkling's text model (transformers' defaults: 55 sliding layers of 16 KV heads, 11 full of
+    # 8, which share padded tensors)
+    "inkling": ("InklingTextConfig", {}),
 }
 ARCHS = {
     "lfm3": "Lfm3ForCausalLM",
     "recurrent_gemma": "RecurrentGemmaForCausalLM",
     "zaya": "ZayaForCausalLM",
+    "inkling": "InklingForCausalLM",
 }
 
 

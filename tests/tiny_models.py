@@ -578,6 +578,11 @@ FAMILIES: tuple[Family, ...] = (
         # prompt alone holds 10 blocks of 16 in each (a window plus a whole prefill chunk spans
         # them all), so 20 blocks admit it and still force preemptions.
         kv_pressure_blocks=20,
+        # inkling-mqa's sliding (1 head of 24) and full (1 of 16) layers share padded tensors in
+        # 3 groups (window 8 twice, full): a forked request of 3 x (64 + 12) tokens holds 39
+        # blocks (5 full and 4 in each sliding group per sequence); 44 admit it and still
+        # force preemptions.
+        fork_pressure_blocks=44,
     ),
     Family(
         "inkling2",
@@ -607,6 +612,7 @@ FAMILIES: tuple[Family, ...] = (
         unit_names=("norm.scale",),
         # 2 KV groups (window 16, full), as inkling-gqa.
         kv_pressure_blocks=20,
+        fork_pressure_blocks=44,  # padded groups of inkling2-mqa, as inkling-mqa's
     ),
     Family(
         "inkling2_loop",

@@ -18,9 +18,14 @@ them the smallest kind's count; a kind with more layers is split into several gr
 one possibly short), and the `j`-th layer of every group shares the `j`-th cache tensors. A
 block of the pool is then one block of one group; each sequence has a block table per group
 (interleaved in one list: logical block `i` of group `g` at index `i * G + g`,
-`engine.block_manager`), and a sliding group drops the blocks its window has passed. Layers
-whose specs differ in shape or dtype (or MLA layers) keep a tensor each and form one group,
-sliding only when all of them are.
+`engine.block_manager`), and a sliding group drops the blocks its window has passed.
+Attention layers of one dtype whose heads differ (Inkling's sliding and full layers) share
+tensors padded to the widest token of the layers sharing them, each layer viewing its
+`num_kv_heads x head_dim` at the start of each token's row (vLLM pads its page sizes alike),
+when that costs less per token than keeping every layer's blocks: the padded full-attention
+group against all layers unbounded (`_padding_pays`). Otherwise, and for MLA layers or mixed
+dtypes, every layer keeps a tensor of its own and they form one group, sliding only when all
+of them are.
 
 The pool is sized by an exact block count (`num_gpu_blocks_override`, vLLM's name), else by a
 byte budget (`kv_cache_memory_bytes`), else by the default budget (`default_kv_cache_bytes`):
@@ -118,15 +123,42 @@ class KVGroups:
         return max((num_blocks - sliding) // full, 0) * block_size
 
 
+def _token_width(spec: KVSpec) -> int:
+    """Elements of one token's keys (or values) in an attention layer's cache."""
+    assert isinstance(spec, AttentionSpec), spec
+    return spec.num_kv_heads * spec.head_dim
+
+
+def _padding_pays(specs: list[KVSpec], windows: list[int | None], size: int) -> bool:
+    """Whether layers of unequal heads should share padded tensors in groups of `size`: per
+    token of a long sequence the padded plan keeps one full group of `size` tensors of the
+    widest token (none without full layers), one group of every layer keeps them all."""
+    if not all(isinstance(s, AttentionSpec) for s in specs) or len({s.dtype for s in specs}) > 1:
+        return False
+    if None not in windows:
+        return True  # every group slides: bounded memory per sequence
+    widest = max(_token_width(s) for s in specs)
+    return size * widest < sum(_token_width(s) for s in specs)
+
+
+def _padded(members: list[KVSpec]) -> KVSpec:
+    """The spec of a tensor set the `members` share: theirs when they agree, else tokens as
+    wide as the widest (one head of that width)."""
+    if len(set(members)) == 1:
+        return members[0]
+    widest = max(_token_width(s) for s in members)
+    return AttentionSpec(1, widest, members[0].dtype)
+
+
 def plan_kv_groups(specs: list[KVSpec]) -> KVGroups:
     """Splits the attention layers into KV groups (see the module docstring)."""
     windows = [s.sliding_window if isinstance(s, AttentionSpec) else None for s in specs]
     bare = [replace(s, sliding_window=None) if isinstance(s, AttentionSpec) else s for s in specs]
-    if any(w is not None for w in windows) and len(set(bare)) == 1 and len(set(windows)) > 1:
-        kinds = list(dict.fromkeys(windows))  # in order of first appearance
-        # Full layers hold every block: they form exactly one group (no unused tensor in it);
-        # a sliding group short of layers wastes only a window's blocks.
-        size = windows.count(None) or min(windows.count(k) for k in kinds)
+    kinds = list(dict.fromkeys(windows))  # in order of first appearance
+    # Full layers hold every block: they form exactly one group (no unused tensor in it);
+    # a sliding group short of layers wastes only a window's blocks.
+    size = windows.count(None) or min(windows.count(k) for k in kinds) if len(kinds) > 1 else 0
+    if size and (len(set(bare)) == 1 or _padding_pays(bare, windows, size)):
         layer_group, layer_tensor = [0] * len(specs), [0] * len(specs)
         group_windows: list[int | None] = []
         for kind in kinds:
@@ -135,9 +167,11 @@ def plan_kv_groups(specs: list[KVSpec]) -> KVGroups:
                 for j, layer in enumerate(members[start : start + size]):
                     layer_group[layer], layer_tensor[layer] = len(group_windows), j
                 group_windows.append(kind)
-        return KVGroups(
-            tuple(group_windows), tuple(layer_group), tuple(layer_tensor), (bare[0],) * size
+        tensor_specs = tuple(
+            _padded([bare[i] for i in range(len(specs)) if layer_tensor[i] == j])
+            for j in range(size)
         )
+        return KVGroups(tuple(group_windows), tuple(layer_group), tuple(layer_tensor), tensor_specs)
     window = None if None in windows else max(windows, default=None)
     return KVGroups((window,), (0,) * len(specs), tuple(range(len(specs))), tuple(bare))
 
@@ -232,11 +266,21 @@ class KVCache:
         return [t for tensors in self.layer_tensors for t in tensors]
 
     def layer(self, index: int) -> LayerKVView:
-        """Views of attention layer `index` (counted among the attention layers only)."""
+        """Views of attention layer `index` (counted among the attention layers only); in a
+        padded tensor, the layer's heads at the start of each token's row."""
         tensors = self.layer_tensors[self.groups.layer_tensor[index]]
-        if isinstance(self.specs[index], MLASpec):
+        spec = self.specs[index]
+        if isinstance(spec, MLASpec):
             return LatentKV(latent=tensors[0])
-        return LayerKV(k=tensors[0], v=tensors[1], group=self.groups.layer_group[index])
+        assert isinstance(spec, AttentionSpec), spec
+        heads = (spec.num_kv_heads, spec.head_dim)
+        k, v = (
+            t
+            if t.shape[2:] == heads
+            else t.flatten(2)[:, :, : _token_width(spec)].unflatten(2, heads)
+            for t in tensors
+        )  # (NB, BS, Hkv, D), tokens `widest` apart in a padded tensor
+        return LayerKV(k=k, v=v, group=self.groups.layer_group[index])
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copies blocks `src[i]` into `dst[i]` in every layer (copy-on-write of a fork)."""

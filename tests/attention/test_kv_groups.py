@@ -37,13 +37,60 @@ def test_one_window_for_all_layers_is_one_sliding_group() -> None:
     assert groups.windows == (16,) and groups.layer_tensor == (0, 1)
 
 
+def test_layers_of_unequal_heads_share_padded_tensors_when_that_saves() -> None:
+    """Two sliding layers of 4 heads and two full layers of 2 (Inkling's shape): groups of 2
+    on tensors of the wider token (one head of 64), since a padded full group keeps 128
+    values a token against 192 for every layer."""
+    groups = plan_kv_groups([_spec(8, heads=4), _spec(None), _spec(8, heads=4), _spec(None)])
+    assert groups.windows == (8, None)
+    assert groups.layer_group == (0, 1, 0, 1) and groups.layer_tensor == (0, 0, 1, 1)
+    assert groups.tensor_specs == (AttentionSpec(1, 64, F32),) * 2
+
+
 def test_layers_of_different_shapes_keep_their_tensors_and_all_blocks() -> None:
-    """A sliding layer whose spec differs from a full one's cannot share tensors: one group,
-    full attention (nothing is dropped); MLA layers likewise."""
-    groups = plan_kv_groups([_spec(8, heads=1), _spec(None, heads=2)])
-    assert groups.windows == (None,) and groups.layer_tensor == (0, 1)
+    """Where padding would cost more per token (two narrow full layers beside a wide sliding
+    one: 2 x 128 against 16 + 16 + 128), or for MLA layers and mixed dtypes, every layer keeps
+    a tensor of its own in one group, full attention (nothing is dropped)."""
+    groups = plan_kv_groups([_spec(None, heads=1), _spec(8, heads=8), _spec(None, heads=1)])
+    assert groups.windows == (None,) and groups.layer_tensor == (0, 1, 2)
     groups = plan_kv_groups([MLASpec(40, F32), _spec(8)])
     assert groups.windows == (None,)
+    groups = plan_kv_groups([_spec(8), AttentionSpec(2, 16, torch.bfloat16)])
+    assert groups.windows == (None,)
+
+
+def test_padded_views_hold_each_layer_apart() -> None:
+    """Each layer's view of a padded tensor is its `(NB, BS, Hkv, D)` at the start of every
+    token's row: the cache write and decode attention (C++ when built, else the references)
+    through the views equal the same on contiguous copies, and two layers sharing a tensor
+    through different groups' blocks do not touch each other's tokens."""
+    from vllm_mamba.ops.dispatch import get_mamba_ops
+
+    ops = get_mamba_ops(CPU)
+    specs = [_spec(8, heads=4), _spec(None, heads=1)]  # tensor 0 of both groups, 64 wide
+    cache = KVCache(specs, plan_num_blocks(specs, 4, 2, 64, CPU, num_blocks_override=6), CPU)
+    sliding, full = cache.layer(0), cache.layer(1)
+    assert sliding.k.shape == (6, 4, 4, 16) and full.k.shape == (6, 4, 1, 16)
+    assert full.k.data_ptr() == sliding.k.data_ptr() and full.k.stride() == (256, 64, 16, 1)
+    torch.manual_seed(0)
+    table = torch.tensor([[2, 5]], dtype=torch.int32)  # the full layer's sequence: blocks 2, 5
+    for view, blocks in ((sliding, (1, 3)), (full, (2, 5))):
+        heads = view.k.shape[2]
+        slots = torch.tensor([b * 4 + i for b in blocks for i in range(4)])
+        keys, values = torch.randn(8, heads, 16), torch.randn(8, heads, 16)
+        ops.reshape_and_cache(keys, values, view.k, view.v, slots)
+        assert torch.equal(view.k[list(blocks)].flatten(0, 1), keys)
+    before = full.k[[2, 5]].clone()
+    ones = torch.ones(4, 4, 16)
+    ops.reshape_and_cache(ones, ones, sliding.k, sliding.v, torch.arange(4, 8))  # block 1
+    assert torch.equal(full.k[[2, 5]], before)
+    query = torch.randn(1, 2, 16)
+    lens = torch.tensor([7], dtype=torch.int32)
+    got = ops.paged_decode_attention(query, full.k, full.v, table, lens, 0.25)
+    want = ops.paged_decode_attention(
+        query, full.k.contiguous(), full.v.contiguous(), table, lens, 0.25
+    )
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 def test_block_weight_and_blocks_per_sequence() -> None:
