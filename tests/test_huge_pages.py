@@ -16,6 +16,7 @@ from torch import nn
 from tests.helpers.runners import VllmRunner
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
+from vllm_mamba.worker import huge_pages
 from vllm_mamba.worker.huge_pages import HUGE_PAGE, enabled, huge_page_zeros, move_to_huge_pages
 
 needs_thp = pytest.mark.skipif(not enabled(), reason="no transparent huge pages on this kernel")
@@ -54,7 +55,8 @@ def test_move_keeps_values_identity_and_sharing() -> None:
     before = {name: t.clone() for name, t in model.state_dict(keep_vars=True).items()}
     strides = {name: t.stride() for name, t in model.state_dict(keep_vars=True).items()}
     params = {name: p for name, p in model.named_parameters()}
-    moved = move_to_huge_pages(model)
+    assert move_to_huge_pages(model) == 0  # a toy model stays on its pages by default
+    moved = move_to_huge_pages(model, min_bytes=0)
     assert moved >= sum(t.nbytes for t in before.values()) - model.head.weight.nbytes
     after = model.state_dict(keep_vars=True)
     for name, t in before.items():
@@ -72,7 +74,7 @@ def test_move_is_off_with_the_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_MAMBA_HUGE_PAGES", "0")
     model = Tied()
     ptr = model.proj.weight.data_ptr()
-    assert move_to_huge_pages(model) == 0
+    assert move_to_huge_pages(model, min_bytes=0) == 0
     assert model.proj.weight.data_ptr() == ptr
     assert huge_page_zeros((HUGE_PAGE,), torch.uint8).sum() == 0
 
@@ -101,7 +103,9 @@ MODELS = {
 def test_engine_outputs_equal_without_huge_pages(
     vllm_runner, monkeypatch: pytest.MonkeyPatch, example_token_prompts, arch, quantization
 ) -> None:
-    """Greedy tokens and every logprob bit-identical with huge pages on and off."""
+    """Greedy tokens and every logprob bit-identical with huge pages on and off (the tiny
+    models moved too, below the default size floor)."""
+    monkeypatch.setattr(huge_pages, "MIN_MODEL_BYTES", 0)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=1)
     prompts = [{"prompt_token_ids": p} for p in example_token_prompts[:4]]
     runs = []

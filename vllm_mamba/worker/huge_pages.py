@@ -11,7 +11,10 @@ so this module maps its own memory:
   (the state and KV caches);
 - `move_to_huge_pages(model)`: every parameter and buffer storage of a model copied into one
   such mapping, each tensor re-pointed in place (`tensor.data = ...`), so modules, tied
-  weights and views that share a storage keep sharing it.
+  weights and views that share a storage keep sharing it. Models under `MIN_MODEL_BYTES`
+  stay where they are: faulting the fresh huge pages in (the kernel zeroes and may compact
+  for each) costs about 50 ms for a 14 MiB model, more than a toy model's decode ever
+  gains, and every engine start pays it.
 
 The mapping is freed when the last tensor viewing it is. Linux only; elsewhere, with THP off
 (`/sys/kernel/mm/transparent_hugepage/enabled` = never) or with `VLLM_MAMBA_HUGE_PAGES=0`,
@@ -30,6 +33,7 @@ from torch import nn
 from vllm_mamba import envs
 
 HUGE_PAGE = 2 << 20  # bytes; x86-64 and arm64 (4 KiB base pages) transparent huge pages
+MIN_MODEL_BYTES = 32 << 20  # smaller models keep their ordinary pages (module docstring)
 _ALIGN = 64  # every tensor in an arena starts on a cache line
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -90,15 +94,17 @@ def _tensors(model: nn.Module) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def move_to_huge_pages(model: nn.Module) -> int:
-    """Copies the storages of `model`'s parameters and buffers into one huge-page arena.
+def move_to_huge_pages(model: nn.Module, min_bytes: int | None = None) -> int:
+    """Copies the storages of `model`'s parameters and buffers into one huge-page arena, when
+    they hold at least `min_bytes` (default `MIN_MODEL_BYTES`).
 
     Each tensor keeps its identity, dtype, shape, strides and offset; tensors that shared a
     storage (tied embeddings, views) share the new one. Call it before anything caches a
     derived view of a weight (the fused decode layers build theirs on first use).
 
     Returns:
-        The bytes moved; 0 when nothing was (not on the CPU, disabled, or no mapping).
+        The bytes moved; 0 when nothing was (not on the CPU, disabled, under `min_bytes`, or
+        no mapping).
     """
     tensors = _tensors(model)
     if not tensors or any(t.device.type != "cpu" for t in tensors) or not enabled():
@@ -108,6 +114,8 @@ def move_to_huge_pages(model: nn.Module) -> int:
         groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     sizes = {key: ts[0].untyped_storage().nbytes() for key, ts in groups.items()}
     total = sum(-(-n // _ALIGN) * _ALIGN for n in sizes.values())
+    if total < (MIN_MODEL_BYTES if min_bytes is None else min_bytes):
+        return 0
     arena = _arena(total)
     if arena is None:
         return 0
