@@ -28,10 +28,11 @@ from vllm_mamba.cache_specs import PAD_SLOT_ID
 from vllm_mamba.distributed.parallel_state import TensorParallel
 from vllm_mamba.layers.zaya_moe import ZayaMoE
 from vllm_mamba.models.zaya import ZayaForCausalLM
-from vllm_mamba.ops import cca
+from vllm_mamba.ops import cca, cpu_kernels
 from vllm_mamba.ops.dispatch import get_mamba_ops
 
 CPU = torch.device("cpu")
+needs_cpp = pytest.mark.skipif(not cpu_kernels.available(), reason="C++ extension not built")
 MAIN = "zaya-gqa"
 SKIP_BIAS = 0.0  # the skip expert's balancing bias in the skip checks: chosen at times
 # As tests/models/test_lfm3.py: top-1 agreement with float32 at >= 75% of positions, the
@@ -85,14 +86,24 @@ def _transformers_convs(x: torch.Tensor, depthwise: nn.Conv1d, grouped: nn.Conv1
     return grouped(depthwise(padded))[0].T
 
 
+def _conv_ops(impl: str) -> tuple:
+    """The `cca` family's conv ops of a backend: (varlen, update)."""
+    if impl == "ref":
+        return cca.cca_conv_varlen_ref, cca.cca_conv_update_ref
+    return cpu_kernels.cca_conv_varlen, cpu_kernels.cca_conv_update
+
+
+@pytest.mark.parametrize("impl", ["ref", pytest.param("cpp", marks=needs_cpp)])
 @pytest.mark.parametrize("kernels", [(2, 2), (3, 2), (1, 4)])
 def test_cca_ops_match_transformers_convs_over_chunks_and_decodes(
-    kernels: tuple[int, int],
+    kernels: tuple[int, int], impl: str
 ) -> None:
     """Three sequences (one padding row among them) prefilled in two chunks each (the second
     from the saved history, chunks shorter than the history included), then decoded token by
-    token: both convs as transformers' `nn.Conv1d`s over each whole sequence, and the shift as
-    the previous token's input (the fresh sequence's first token reading `initial`)."""
+    token: both convs as transformers' `nn.Conv1d`s over each whole sequence (the references
+    and the C++ kernels, `csrc/cca.cpp`), and the shift as the previous token's input (the
+    fresh sequence's first token reading `initial`)."""
+    conv_varlen, conv_update = _conv_ops(impl)
     g = torch.Generator().manual_seed(0)
     heads, dim = 3, 8
     channels = heads * dim
@@ -119,7 +130,7 @@ def test_cca_ops_match_transformers_convs_over_chunks_and_decodes(
         qsl = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
         idx = torch.cat([slots, torch.tensor([PAD_SLOT_ID], dtype=torch.int32)])
         flags = torch.tensor([has_initial] * 4)
-        out = cca.cca_conv_varlen_ref(x, *dw, *gw, conv, qsl, idx, flags)
+        out = conv_varlen(x, *dw, *gw, conv, qsl, idx, flags)
         prev = cca.cca_shift_varlen_ref(x, shift, initial, qsl, idx, flags)
         for i in range(3):
             got_conv[i].append(out[qsl[i] : qsl[i + 1]])
@@ -127,7 +138,7 @@ def test_cca_ops_match_transformers_convs_over_chunks_and_decodes(
     for step in range(decodes):
         x = torch.stack([s[n + step] for s, n in zip(seqs, lengths)] + [seqs[0][0]])
         idx = torch.cat([slots, torch.tensor([PAD_SLOT_ID], dtype=torch.int32)])
-        out = cca.cca_conv_update_ref(x, conv, *dw, *gw, idx)
+        out = conv_update(x, conv, *dw, *gw, idx)
         prev = cca.cca_shift_update_ref(x, shift, idx)
         for i in range(3):
             got_conv[i].append(out[i : i + 1])
@@ -140,6 +151,37 @@ def test_cca_ops_match_transformers_convs_over_chunks_and_decodes(
             torch.testing.assert_close(torch.cat(got_shift[i]), previous, rtol=0, atol=0)
     untouched = [0, 2]
     assert bool((conv[untouched] == 7.0).all()) and bool((shift[untouched] == 7.0).all())
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cca_cpp_convs_match_reference(dtype: torch.dtype) -> None:
+    """ZAYA1-8B's conv shape (10 groups of 128 channels, widths 2 and 2) in float32 and
+    bfloat16: prefill of a fresh, a saved, an empty and a padding sequence, then decode rows,
+    against the references (bfloat16: both round each conv's output, in their own orders)."""
+    g = torch.Generator().manual_seed(1)
+    channels, dim = 1280, 128
+    weights = (
+        torch.randn(channels, 2, generator=g) * 0.5, torch.randn(channels, generator=g) * 0.1,
+        torch.randn(channels, dim, 2, generator=g) * 0.05, torch.randn(channels, generator=g) * 0.1,
+    )  # fmt: skip
+    dw_w, dw_b, g_w, g_b = (w.to(dtype) for w in weights)
+    x = torch.randn(24, channels, generator=g).to(dtype)
+    qsl = torch.tensor([0, 9, 9, 20, 24], dtype=torch.int32)
+    idx = torch.tensor([3, 1, 0, PAD_SLOT_ID], dtype=torch.int32)
+    flags = torch.tensor([False, True, True, True])
+    states = torch.randn(4, channels, 2, generator=g).to(dtype)
+    got_states, want_states = states.clone(), states.clone()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-2, "rtol": 2e-2}
+    got = cpu_kernels.cca_conv_varlen(x, dw_w, dw_b, g_w, g_b, got_states, qsl, idx, flags)
+    want = cca.cca_conv_varlen_ref(x, dw_w, dw_b, g_w, g_b, want_states, qsl, idx, flags)
+    torch.testing.assert_close(got[:20], want[:20], **tol)
+    torch.testing.assert_close(got_states, want_states, atol=0, rtol=0)
+    rows = torch.tensor([3, 0], dtype=torch.int32)
+    got = cpu_kernels.cca_conv_update(x[:2], got_states, dw_w, dw_b, g_w, g_b, rows)
+    want = cca.cca_conv_update_ref(x[:2], want_states, dw_w, dw_b, g_w, g_b, rows)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_states, want_states, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("index", [0, 1])

@@ -93,6 +93,8 @@ CPP_OPS: tuple[CppOp, ...] = (
     CppOp("rglru", "update", "rglru_update"),
     CppOp("dynamic_conv", "varlen", "dynamic_conv_varlen"),
     CppOp("dynamic_conv", "update", "dynamic_conv_update"),
+    CppOp("cca", "conv_varlen", "cca_conv_varlen"),
+    CppOp("cca", "conv_update", "cca_conv_update"),
     CppOp("rwkv4", "varlen", "rwkv4_varlen"),
     CppOp("rwkv4", "update", "rwkv4_update"),
     # `csrc/fused_decode_mamba*.cpp`; the layers run unfused without them.
