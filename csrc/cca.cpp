@@ -137,21 +137,14 @@ at::Tensor cca_conv_varlen(const at::Tensor& x_in, const at::Tensor& dw_weight,
   const at::Tensor dwb = dw_bias.contiguous(), gw = g_weight.contiguous();
   const at::Tensor gb = g_bias.contiguous();
   check(x, dw, dwb, gw, gb, conv_states);
-  const at::Tensor qsl = as_index(query_start_loc), slots = as_index(state_indices);
-  const at::Tensor init = has_initial_state.to(at::kBool).contiguous();
-  const int64_t seqs = slots.numel(), C = x.size(1), groups = C / gw.size(1);
+  const VarlenBatch vb = varlen_batch(query_start_loc, state_indices, has_initial_state,
+                                      x.size(0), conv_states.size(0));
+  const int64_t seqs = vb.seqs, C = x.size(1), groups = C / gw.size(1);
   const int64_t H = dw.size(1) + gw.size(2) - 2;
-  TORCH_CHECK(qsl.numel() == seqs + 1 && init.numel() == seqs,
-              "query_start_loc must be (B + 1,) and has_initial_state (B,)");
-  const int64_t* q = qsl.data_ptr<int64_t>();
-  const int64_t* s = slots.data_ptr<int64_t>();
-  TORCH_CHECK(q[0] >= 0 && q[seqs] <= x.size(0), "query_start_loc beyond the tokens");
-  for (int64_t b = 0; b < seqs; ++b) {
-    TORCH_CHECK(q[b + 1] >= q[b], "query_start_loc must not decrease");
-    TORCH_CHECK(s[b] < conv_states.size(0), "state index ", s[b], " outside the state slots");
-  }
+  const int64_t* q = vb.q;
+  const int64_t* s = vb.s;
   at::Tensor y = at::zeros({groups, x.size(0), gw.size(1), gw.size(2)}, x.options());
-  const bool* has_init = init.data_ptr<bool>();
+  const bool* has_init = vb.has_init;
   dispatch(x, dw, dwb, gw, conv_states, y, [&](const auto& p) {
     at::parallel_for(0, seqs * groups, 1, [&](int64_t lo, int64_t hi) {
       Scratch sc;

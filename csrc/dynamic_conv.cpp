@@ -106,21 +106,14 @@ at::Tensor dynamic_conv_varlen(const at::Tensor& x_in, const at::Tensor& static_
   const at::Tensor stat = static_weight.to(at::kFloat).contiguous();
   const at::Tensor dyn = dynamic_taps.to(at::kFloat).contiguous();
   check(x, stat, dyn, conv_states);
-  const at::Tensor qsl = as_index(query_start_loc), slots = as_index(state_indices);
-  const at::Tensor init = has_initial_state.to(at::kBool).contiguous();
-  const int64_t seqs = slots.numel(), C = x.size(1), H = stat.size(0) - 1;
+  const VarlenBatch vb = varlen_batch(query_start_loc, state_indices, has_initial_state,
+                                      x.size(0), conv_states.size(0));
+  const int64_t seqs = vb.seqs, C = x.size(1), H = stat.size(0) - 1;
   const int64_t blocks = (C + kBlock - 1) / kBlock;
-  TORCH_CHECK(qsl.numel() == seqs + 1 && init.numel() == seqs,
-              "query_start_loc must be (B + 1,) and has_initial_state (B,)");
-  const int64_t* q = qsl.data_ptr<int64_t>();
-  const int64_t* s = slots.data_ptr<int64_t>();
-  TORCH_CHECK(q[0] >= 0 && q[seqs] <= x.size(0), "query_start_loc beyond the tokens");
-  for (int64_t b = 0; b < seqs; ++b) {
-    TORCH_CHECK(q[b + 1] >= q[b], "query_start_loc must not decrease");
-    TORCH_CHECK(s[b] < conv_states.size(0), "state index ", s[b], " outside the state slots");
-  }
+  const int64_t* q = vb.q;
+  const int64_t* s = vb.s;
   at::Tensor out = at::zeros({x.size(0), C}, x.options().dtype(at::kFloat));
-  const bool* has_init = init.data_ptr<bool>();
+  const bool* has_init = vb.has_init;
   dispatch_float_bf16(x, "x", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const Problem<T> p = problem_of<T>(x, stat, dyn, conv_states, out);

@@ -40,4 +40,35 @@ inline at::Tensor optional_f32(const std::optional<at::Tensor>& t) {
 // `(B,)` integer indices as contiguous int64 on the CPU.
 inline at::Tensor as_index(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
 
+// The index tensors of a varlen batch of B sequences, converted and checked: sequence b owns
+// tokens [q[b], q[b + 1]) of `tokens` (never decreasing), its state slot s[b] is below
+// `num_slots` (negative: padding), and has_init[b] says whether its slot holds a state.
+struct VarlenBatch {
+  at::Tensor qsl, slots, init;  // keep the converted copies alive
+  const int64_t* q;
+  const int64_t* s;
+  const bool* has_init;
+  int64_t seqs;
+};
+
+inline VarlenBatch varlen_batch(const at::Tensor& query_start_loc,
+                                const at::Tensor& state_indices,
+                                const at::Tensor& has_initial_state, int64_t tokens,
+                                int64_t num_slots) {
+  VarlenBatch v{as_index(query_start_loc), as_index(state_indices),
+                has_initial_state.to(at::kBool).contiguous(), nullptr, nullptr, nullptr, 0};
+  v.seqs = v.slots.numel();
+  TORCH_CHECK(v.qsl.numel() == v.seqs + 1 && v.init.numel() == v.seqs,
+              "query_start_loc must be (B + 1,) and has_initial_state (B,)");
+  v.q = v.qsl.data_ptr<int64_t>();
+  v.s = v.slots.data_ptr<int64_t>();
+  v.has_init = v.init.data_ptr<bool>();
+  TORCH_CHECK(v.q[0] >= 0 && v.q[v.seqs] <= tokens, "query_start_loc beyond the tokens");
+  for (int64_t b = 0; b < v.seqs; ++b) {
+    TORCH_CHECK(v.q[b + 1] >= v.q[b], "query_start_loc must not decrease");
+    TORCH_CHECK(v.s[b] < num_slots, "state index ", v.s[b], " outside the state slots");
+  }
+  return v;
+}
+
 }  // namespace vllm_mamba
