@@ -150,7 +150,7 @@ at::Tensor cca_conv_varlen(const at::Tensor& x_in, const at::Tensor& dw_weight,
       Scratch sc;
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t b = i / groups, g = i % groups;
-        if (q[b + 1] == q[b]) continue;  // no tokens: the slot is left alone
+        // A sequence without tokens still saves its history (zeros when fresh), as the ref.
         auto* slot = s[b] < 0 ? nullptr : p.states + s[b] * C * H;
         conv_group(p, has_init[b] ? slot : nullptr, slot, q[b], q[b + 1], g, sc);
       }

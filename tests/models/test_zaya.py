@@ -157,7 +157,7 @@ def test_cca_ops_match_transformers_convs_over_chunks_and_decodes(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cca_cpp_convs_match_reference(dtype: torch.dtype) -> None:
     """ZAYA1-8B's conv shape (10 groups of 128 channels, widths 2 and 2) in float32 and
-    bfloat16: prefill of a fresh, a saved, an empty and a padding sequence, then decode rows,
+    bfloat16: prefill of a fresh, a saved, an empty fresh and a padding sequence, then decode rows,
     against the references (bfloat16: both round each conv's output, in their own orders)."""
     g = torch.Generator().manual_seed(1)
     channels, dim = 1280, 128
@@ -169,7 +169,7 @@ def test_cca_cpp_convs_match_reference(dtype: torch.dtype) -> None:
     x = torch.randn(24, channels, generator=g).to(dtype)
     qsl = torch.tensor([0, 9, 9, 20, 24], dtype=torch.int32)
     idx = torch.tensor([3, 1, 0, PAD_SLOT_ID], dtype=torch.int32)
-    flags = torch.tensor([False, True, True, True])
+    flags = torch.tensor([False, True, False, True])  # the empty sequence fresh: its slot zeroed
     states = torch.randn(4, channels, 2, generator=g).to(dtype)
     got_states, want_states = states.clone(), states.clone()
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-2, "rtol": 2e-2}

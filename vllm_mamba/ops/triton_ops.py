@@ -2,10 +2,10 @@
 
 The kernels live in `triton_conv1d`, `triton_selective_scan`, `triton_ssd`, `triton_attention`,
 `triton_gated_delta`, `triton_kda`, `triton_mla`, `triton_rwkv`, `triton_short_conv`,
-`triton_rglru`, `triton_mlstm` and `triton_dynamic_conv`; this module says whether they can
-run here (`available`) and registers them as the `triton` backend's ops (`register`, called once by
-`vllm_mamba.ops.families.load_backend`). Every other op (the projections: `F.linear`, i.e.
-cuBLAS; the gated RMSNorm) runs its `_ref`.
+`triton_rglru`, `triton_mlstm`, `triton_dynamic_conv` and `triton_cca`; this module says
+whether they can run here (`available`) and registers them as the `triton` backend's ops
+(`register`, called once by `vllm_mamba.ops.families.load_backend`). Every other op (the
+projections: `F.linear`, i.e. cuBLAS; the gated RMSNorm; CCA's shifts) runs its `_ref`.
 They run on CUDA devices, and on the CPU under the Triton interpreter (`TRITON_INTERPRET=1`),
 which is how the tests check them.
 """
@@ -48,6 +48,8 @@ TRITON_OPS: dict[str, dict[str, str]] = {
     "mlstm": {"varlen": "triton_mlstm:mlstm_varlen", "update": "triton_mlstm:mlstm_update"},
     "dynamic_conv": {"varlen": "triton_dynamic_conv:dynamic_conv_varlen",
                      "update": "triton_dynamic_conv:dynamic_conv_update"},
+    "cca": {"conv_varlen": "triton_cca:cca_conv_varlen",
+            "conv_update": "triton_cca:cca_conv_update"},
 }  # fmt: skip
 
 
