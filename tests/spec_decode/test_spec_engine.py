@@ -77,6 +77,8 @@ def _states_by_length(runner: VllmRunner, prompt: list[int], max_tokens: int) ->
         ("lfm2-gqa", True),
         ("kimi-linear-moe", True),
         ("jamba-gqa", True),
+        ("zaya-gqa", True),
+        ("xlstm-dk16", True),
     ],
 )
 def test_state_after_rejections_is_bitwise_the_one_by_one_state(name: str, fused: bool) -> None:
