@@ -5,12 +5,12 @@ sharded into many files loads the same model."""
 
 from __future__ import annotations
 
-import logging
 import pathlib
 
 import pytest
 
 from tests.helpers import family_checks as checks
+from tests.helpers.logs import captured
 from tests.helpers.prompts import make_prompts
 from tests.helpers.runners import VllmRunner
 from tests.tiny_models import build_hf_model, copy_tokenizer, tiny_model_dir
@@ -64,16 +64,11 @@ def test_request_that_can_never_fit_is_refused() -> None:
 
 
 def test_banner_reports_the_kv_cache(caplog: pytest.LogCaptureFixture) -> None:
-    logger = logging.getLogger("vllm_mamba")
-    logger.addHandler(caplog.handler)
-    try:
-        with (
-            caplog.at_level(logging.INFO, logger="vllm_mamba"),
-            VllmRunner(tiny_model_dir(MODEL), num_gpu_blocks_override=40, max_model_len=256),
-        ):
-            pass
-    finally:
-        logger.removeHandler(caplog.handler)
+    with (
+        captured(caplog),
+        VllmRunner(tiny_model_dir(MODEL), num_gpu_blocks_override=40, max_model_len=256),
+    ):
+        pass
     text = caplog.text
     for part in (
         "state slots",

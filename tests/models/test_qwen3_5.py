@@ -11,7 +11,6 @@ generates. A Qwen3.5-MoE checkpoint whose experts are fused (`experts.gate_up_pr
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers.logs import captured
 from tests.helpers.prompts import MAX_TOKENS, make_prompts
 from tests.helpers.runners import VllmRunner
 from tests.helpers.tmp_dirs import make_tmp_dir
@@ -74,13 +74,8 @@ def test_image_text_checkpoint_serves_the_text_model(caplog: pytest.LogCaptureFi
     with VllmRunner(tiny_model_dir(TEXT_MODEL)) as runner:
         want = runner.generate(prompts, params)
     path = _image_text_checkpoint()
-    loader_log = logging.getLogger("vllm_mamba.model_loader")  # the project's loggers do not
-    loader_log.addHandler(caplog.handler)  # propagate to the root, where caplog listens
-    try:
-        with caplog.at_level(logging.INFO, logger=loader_log.name), VllmRunner(path) as runner:
-            got = runner.generate(prompts, params)
-    finally:
-        loader_log.removeHandler(caplog.handler)
+    with captured(caplog, "vllm_mamba.model_loader"), VllmRunner(path) as runner:
+        got = runner.generate(prompts, params)
     skipped = [r.getMessage() for r in caplog.records if "Skipped" in r.getMessage()]
     assert len(skipped) == 2 and "'model.visual.'" in skipped[0] and "'mtp.'" in skipped[1]
     for g, w in zip(got, want):

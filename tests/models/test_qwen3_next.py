@@ -8,7 +8,6 @@ skipped (one log line) into the same parameters as the checkpoint without them.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers.logs import captured
 from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba.model_loader import build_model, load_hf_config
@@ -55,13 +55,8 @@ def test_mtp_head_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     cpu = torch.device("cpu")
     want, _ = build_model(source, load_hf_config(source), torch.float32, cpu)
-    loader_log = logging.getLogger("vllm_mamba.model_loader")  # the project's loggers do not
-    loader_log.addHandler(caplog.handler)  # propagate to the root, where caplog listens
-    try:
-        with caplog.at_level(logging.INFO, logger=loader_log.name):
-            got, _ = build_model(path, load_hf_config(path), torch.float32, cpu)
-    finally:
-        loader_log.removeHandler(caplog.handler)
+    with captured(caplog, "vllm_mamba.model_loader"):
+        got, _ = build_model(path, load_hf_config(path), torch.float32, cpu)
     skipped = [r.getMessage() for r in caplog.records if "Skipped" in r.getMessage()]
     assert len(skipped) == 1 and "2 checkpoint tensors under 'mtp.'" in skipped[0]
     want_params = dict(want.named_parameters())

@@ -30,8 +30,15 @@ conv(x))` of width `conv_kernel_size`, float32, each with its own per-sequence h
 Checkpoint names are transformers' `InklingForCausalLM` names (`save_pretrained`): the stacked
 experts `mlp.experts.gate_up_proj (E, 2F, H)` / `down_proj (E, H, F)` and shared experts
 `mlp.shared_experts.{gate,up,down}_proj (S, ...)` are split one by one (`expand_weight`); the
-multi-token prediction layers (`model.mtp.*`) are skipped. The released multimodal checkpoint's
-own names (`model.llm.*`, interleaved `w13` tensors) are not mapped here.
+multi-token prediction layers (`model.mtp.*`) are skipped.
+
+The release (`InklingForConditionalGeneration`, `thinkingmachines/Inkling`) is served text-only
+from its `text_config`: its audio and vision towers (`model.audio.*`, `model.visual.*`) are
+skipped, and its own names are mapped (`InklingForConditionalGeneration.remap_weight_name`):
+`model.llm.*` with `embed`, `embed_norm`, `unembed`, `attn.wq_du` / `wk_dv` / `wv_dv` /
+`wr_du` / `wo_ud`, `attn_norm`, `mlp_norm`, `mlp.gate.bias`, and the gate and up rows
+interleaved in one tensor: the experts' `w13_weight (E, 2F, H)`, the shared experts'
+`shared_w13_weight (S, 2F, H)` and a dense layer's `w13_dn (2F, H)` (even rows gate, odd up).
 
 Tensor parallelism (`tp`): attention by heads (queries, relative states and the key/value
 convs' channels with their heads), every MLP and expert column- then row-parallel; the router,
@@ -45,6 +52,7 @@ E bias extent, F expert width, S shared experts.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, ClassVar
 
 import torch
@@ -68,6 +76,33 @@ from vllm_mamba.ops.table import MambaOps
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
 KINDS = ("hybrid_sliding", "hybrid")
 _SHARED = ("gate_proj", "up_proj", "down_proj")  # the shared experts' stacked tensors
+_RELEASE = (  # the release's names -> transformers' text model's, in order (module docstring)
+    (r"^model\.llm\.unembed\.", "lm_head."),
+    (r"^model\.llm\.embed\.", "model.embed_tokens."),
+    (r"^model\.llm\.embed_norm\.", "model.embed_tokens.embed_norm."),
+    (r"^model\.llm\.", "model."),
+    (r"\.attn\.wq_du\.", ".self_attn.q_proj."),
+    (r"\.attn\.w([kvr])_d[uv]\.", r".self_attn.\1_proj."),
+    (r"\.attn\.wo_ud\.", ".self_attn.o_proj."),
+    (r"\.attn\.([kv])_sconv\.weight$", r".self_attn.\1_sconv.conv1d.weight"),
+    (r"\.attn\.", ".self_attn."),  # q_norm, k_norm, rel_logits_proj
+    (r"\.(attn|mlp)_sconv\.weight$", r".\1_sconv.conv1d.weight"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.mlp_norm\.", ".post_attention_layernorm."),
+    (r"\.mlp\.gate\.bias$", ".mlp.gate.e_score_correction_bias"),
+    (r"\.mlp\.w2_md\.", ".mlp.down_proj."),
+)
+_INTERLEAVED = {  # the release's gate/up tensors: (name suffix, dim, the gate's and up's names)
+    ".mlp.experts.w13_weight": (1, "mlp.experts.gate_up_proj", None),
+    ".mlp.shared_experts.shared_w13_weight": (
+        1,
+        "mlp.shared_experts.gate_proj",
+        "mlp.shared_experts.up_proj",
+    ),
+    ".mlp.w13_dn.weight": (0, "mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    ".mlp.experts.w2_weight": (None, "mlp.experts.down_proj", None),
+    ".mlp.shared_experts.shared_w2_weight": (None, "mlp.shared_experts.down_proj", None),
+}
 
 
 class InklingAttention(nn.Module):
@@ -214,3 +249,44 @@ class InklingForCausalLM(CausalLM):
         if not base.endswith(".mlp.shared_experts") or kind not in _SHARED:
             return Qwen3_5ForCausalLM.expand_weight(name, tensor)
         return [(f"{base}.{s}.{kind}.weight", w) for s, w in enumerate(tensor[...])]
+
+
+class InklingForConditionalGeneration(InklingForCausalLM):
+    """The released image-text checkpoint served text-only: its `text_config`, the release's
+    names (see the module docstring)."""
+
+    skipped_weights: ClassVar[dict[str, str]] = {
+        "model.visual.": "the vision tower (served text-only)",
+        "model.audio.": "the audio tower (served text-only)",
+        "model.mtp.": "the multi-token prediction layers",
+    }
+
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config.text_config, ops, tp)
+
+    @staticmethod
+    def remap_weight_name(name: str) -> str:
+        """The release's names onto transformers' text model's."""
+        for pattern, new in _RELEASE:
+            name = re.sub(pattern, new, name)
+        return name
+
+    @staticmethod
+    def expand_weight(name: str, tensor: Any) -> list[tuple[str, Any]]:
+        """The interleaved gate/up tensors split (even rows gate, odd up), then the stacked
+        experts one by one as the text model's."""
+        suffix = next((s for s in _INTERLEAVED if name.endswith(s)), None)
+        if suffix is None:
+            return [(name, tensor)]
+        dim, gate, up = _INTERLEAVED[suffix]
+        head = name[: -len(suffix) + 1]  # "....layers.i."
+        whole = tensor[...]
+        if dim is None:  # a down projection: renamed only
+            parts = [(head + gate, whole)]
+        elif up is None:  # routed experts: transformers' gate-then-up halves
+            rows = whole.unflatten(dim, (-1, 2)).transpose(dim, dim + 1).flatten(dim, dim + 1)
+            parts = [(head + gate, rows)]
+        else:
+            even, odd = whole.unflatten(dim, (-1, 2)).unbind(dim + 1)
+            parts = [(head + gate, even), (head + up, odd)]
+        return [pair for n, t in parts for pair in InklingForCausalLM.expand_weight(n, t)]

@@ -295,3 +295,15 @@ class Inkling2ForCausalLM(CausalLM):
             for e in range(stacked.shape[0])
             for part, offset in (("gate", 0), ("up", 1))
         ]
+
+
+class Inkling2ForConditionalGeneration(Inkling2ForCausalLM):
+    """The released image-text checkpoint (`thinkingmachines/Inkling-2-Small`) served
+    text-only: its `text_config`; the vision tower (`model.visual.*`) is skipped."""
+
+    skipped_weights: ClassVar[dict[str, str]] = {
+        "model.visual.": "the vision tower (served text-only)"
+    }
+
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config.text_config, ops, tp)

@@ -35,7 +35,11 @@ import torch
 from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.loop_messages import MessageInput
-from vllm_mamba.models.inkling2 import Inkling2ForCausalLM, run_layers
+from vllm_mamba.models.inkling2 import (
+    Inkling2ForCausalLM,
+    Inkling2ForConditionalGeneration,
+    run_layers,
+)
 from vllm_mamba.ops.table import MambaOps
 
 _RENAMED = (  # the release's loop names -> this model's, before Inkling 2's
@@ -104,3 +108,13 @@ class Inkling2LoopForCausalLM(Inkling2ForCausalLM):
         for pattern, new in _RENAMED:
             name = re.sub(pattern, new, name)
         return Inkling2ForCausalLM.remap_weight_name(name)
+
+
+class Inkling2LoopForConditionalGeneration(Inkling2LoopForCausalLM):
+    """The released image-text checkpoint (`thinkingmachines/Inkling-2-Mini`) served
+    text-only: its `text_config`; the vision tower (`model.visual.*`) is skipped."""
+
+    skipped_weights = Inkling2ForConditionalGeneration.skipped_weights
+
+    def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config.text_config, ops, tp)

@@ -42,8 +42,15 @@ _BUILTIN_MODELS: dict[str, str] = {
     "RecurrentGemmaForCausalLM": "vllm_mamba.models.recurrent_gemma:RecurrentGemmaForCausalLM",
     "xLSTMForCausalLM": "vllm_mamba.models.xlstm:XLSTMForCausalLM",
     "InklingForCausalLM": "vllm_mamba.models.inkling:InklingForCausalLM",
+    "InklingForConditionalGeneration": "vllm_mamba.models.inkling:InklingForConditionalGeneration",
     "Inkling2ForCausalLM": "vllm_mamba.models.inkling2:Inkling2ForCausalLM",
+    "Inkling2ForConditionalGeneration": (
+        "vllm_mamba.models.inkling2:Inkling2ForConditionalGeneration"
+    ),
     "Inkling2LoopForCausalLM": "vllm_mamba.models.inkling2_loop:Inkling2LoopForCausalLM",
+    "Inkling2LoopForConditionalGeneration": (
+        "vllm_mamba.models.inkling2_loop:Inkling2LoopForConditionalGeneration"
+    ),
     "RWKV7ForCausalLM": "vllm_mamba.models.rwkv7:RWKV7ForCausalLM",
     "RwkvForCausalLM": "vllm_mamba.models.rwkv4:RwkvForCausalLM",
 }
