@@ -111,7 +111,9 @@ def load_weights(
     seen: set[str] = set()
     unexpected, misshaped = [], []
     skipped = dict.fromkeys(model.skipped_weights, 0)
-    weights = (pair for n, t in weights for pair in model.expand_weight(n, t))
+    weights = (
+        pair for n, t in model.checkpoint_weights(weights) for pair in model.expand_weight(n, t)
+    )
     for raw_name, tensor in weights:
         prefix = next((p for p in skipped if raw_name.startswith(p)), None)
         if prefix is not None:

@@ -113,3 +113,61 @@ def test_inkling_release_generates_what_the_text_model_generates(
             assert g_step.keys() == w_step.keys()
             for token, lp in g_step.items():
                 assert lp.logprob == w_step[token].logprob
+
+
+def _microscaled(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The release's experts as the Inkling 2 releases store them: random NVFP4 `w13` (E2M1
+    pairs, float8 scales per 16, a per-expert amax over a denominator) and MXFP8 `w2` (float8
+    values, E8M0 scales per 32)."""
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith("mlp.experts.w13_weight"):
+            e, rows, cols = tensor.shape
+            out[name] = torch.randint(0, 256, (e, rows, cols // 2), generator=g, dtype=torch.uint8)
+            scale = torch.rand(e, rows, cols // 16, generator=g) * 0.5 + 0.01
+            out[name + "_scale"] = scale.to(torch.float8_e4m3fn)
+            out[name + "_amax"] = torch.rand(e, generator=g) * 4 + 1
+            out[name + "_outer_scale_denominator"] = torch.full((e,), 6.0 * 448.0)
+        elif name.endswith("mlp.experts.w2_weight"):
+            e, rows, cols = tensor.shape
+            values = torch.randn(e, rows, cols, generator=g) * 4
+            out[name] = values.to(torch.float8_e4m3fn)
+            exponents = torch.randint(118, 126, (e, rows, cols // 32), generator=g)
+            out[name + "_scale"] = exponents.to(torch.uint8)
+        else:
+            out[name] = tensor
+    return out
+
+
+def test_microscaled_release_experts_load_as_transformers_dequantises_them() -> None:
+    import transformers
+
+    text = "inkling2-loop-gqa"
+    path = _release_checkpoint(text)
+    file = os.path.join(path, "model.safetensors")
+    tensors = _microscaled(load_file(file))
+    save_file(tensors, file, metadata={"format": "pt"})
+    want = transformers.Inkling2LoopForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32
+    ).state_dict()
+    got, _ = build_model(path, load_hf_config(path), torch.float32, torch.device("cpu"))
+    checked = 0
+    for name, param in got.named_parameters():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            continue
+        index, kind = tail.split(".")[:2]
+        stacked = head.replace("model.", "model.language_model.", 1) + ".mlp.experts."
+        if kind == "down_proj":
+            ref = want[stacked + "down_proj"][int(index)]
+        else:
+            gate, up = want[stacked + "gate_up_proj"][int(index)].chunk(2, 0)
+            ref = gate if kind == "gate_proj" else up
+        assert torch.equal(param, ref), name
+        checked += 1
+    assert checked > 0
+    del tensors[next(n for n in tensors if n.endswith("w13_weight_amax"))]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="_amax"):
+        build_model(path, load_hf_config(path), torch.float32, torch.device("cpu"))

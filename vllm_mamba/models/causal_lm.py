@@ -36,7 +36,7 @@ Glossary: T tokens in the step, H hidden size, R sampled rows, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -158,6 +158,12 @@ class CausalLM(nn.Module):
     def remap_weight_name(name: str) -> str:
         """Checkpoint tensor name -> parameter name (identity unless a model maps names)."""
         return name
+
+    @staticmethod
+    def checkpoint_weights(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's `(name, tensor)` stream as the model reads it: itself, unless a
+        release stores tensors that are read together (Inkling 2's microscaled experts)."""
+        return weights
 
     @staticmethod
     def expand_weight(name: str, tensor: Any) -> list[tuple[str, Any]]:

@@ -31,9 +31,11 @@ Checkpoint names are the release's (what transformers' `save_pretrained` writes 
 `attn_sink_proj`, `q_l2_clip`, `rel_l2_clip`, `rel_logits_proj`, `{k,v}_sconv` (`weight`, or
 `static_w` and `weight_proj`), `attn_sconv`, `mlp_sconv`, `attn_norm`, `mlp_norm`,
 `{q,k,v}_input_norm`, `mlp.gate.bias`, the experts' `w13_weight (E, 2F, H)` (gate and up rows
-interleaved) and `w2_weight (E, H, F)`, `attn_res.{attn_queries.i (layer i + 1), mlp_queries.i,
-output_query}`, `embed`, `embed_norm`, `norm`, `unembed`. `remap_weight_name` maps them onto
-transformers' module names, which this model uses; `expand_weight` splits the experts.
+interleaved) and `w2_weight (E, H, F)` (float, or NVFP4 / MXFP8 with their scales as the
+releases ship them: `models.prequantized.stacked_experts`), `attn_res.{attn_queries.i (layer
+i + 1), mlp_queries.i, output_query}`, `embed`, `embed_norm`, `norm`, `unembed`.
+`remap_weight_name` maps them onto transformers' module names, which this model uses;
+`expand_weight` splits the experts.
 
 Tensor parallelism (`tp`): attention by heads, the experts column- then row-parallel; the
 router, the block residuals and the convs over the hidden state replicated;
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -63,6 +65,7 @@ from vllm_mamba.layers.residual_short_conv import ResidualShortConv
 from vllm_mamba.layers.softcapped_expert import SoftcappedGatedMLP, softcap
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.layer_types import layer_types
+from vllm_mamba.models.prequantized.stacked_experts import dequantized_experts
 from vllm_mamba.ops.table import MambaOps
 
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
@@ -279,6 +282,11 @@ class Inkling2ForCausalLM(CausalLM):
         for pattern, new in _RENAMED:
             name = re.sub(pattern, new, name)
         return name
+
+    @staticmethod
+    def checkpoint_weights(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The release's NVFP4 / MXFP8 experts as float ones (`prequantized.stacked_experts`)."""
+        return dequantized_experts(weights)
 
     @staticmethod
     def expand_weight(name: str, tensor: Any) -> list[tuple[str, Any]]:

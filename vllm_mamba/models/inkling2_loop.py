@@ -18,8 +18,9 @@ block states and last output (`layers.loop_messages`): `message_input` (the rele
 `middle_cycle_cross_pass_queries` and `..._kv_queries`) and the layers'
 `{q,k,v,mlp}_message_gate` (the release's `controllers.{attn,k,v,mlp}.{down,forget,gain}_weight`).
 
-The release's experts are NVFP4 / MXFP8 blocks that transformers dequantises on load; this
-model reads float `w13_weight` / `w2_weight` (what `save_pretrained` writes back) only.
+The release's experts are NVFP4 / MXFP8 blocks; as transformers does, they are read as float
+experts (`models.prequantized.stacked_experts`), as are float `w13_weight` / `w2_weight` (what
+`save_pretrained` writes back).
 
 Glossary: T tokens, H hidden size, B blocks.
 """
