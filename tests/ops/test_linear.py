@@ -140,3 +140,44 @@ def test_linear_routes_bf16_weights_by_the_cpu() -> None:
     else:
         want = torch.ops.vllm_mamba.bf16_linear(x, w, None)
         torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def _block_diagonal_float64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    """Group by group in float64: `x (T, G K)`, `w (G, N, K)`, `b (G, N)` -> `(T, G N)`."""
+    groups, n, k = w.shape
+    parts = [x[:, g * k : (g + 1) * k].double() @ w[g].double().T for g in range(groups)]
+    out = torch.cat(parts, dim=1)
+    return out if b is None else out + b.double().flatten()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_linear_matches_a_float64_loop(rows: int, with_bias: bool, dtype) -> None:
+    """`block_linear` (RecurrentGemma's gates), ref and C++ (the small-batch kernel up to 8
+    rows, a batched matmul above), against each block multiplied alone in float64; groups
+    whose rows are not a tile multiple and a split across threads."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 5 * 48, generator=g).to(dtype)
+    w = (torch.randn(5, 70, 48, generator=g) * 0.2).to(dtype)
+    b = torch.randn(5, 70, generator=g).to(dtype) if with_bias else None
+    want = _block_diagonal_float64(x, w, b)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    for op in (REF_OPS.block_linear, cpu_kernels.make_ops().block_linear):
+        with torch.no_grad():  # the engine's mode: the kernels run only without autograd
+            got = op(x, w, b)
+        assert got.dtype == dtype and got.shape == (rows, 5 * 70)
+        torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_block_linear_rows_are_summed_as_alone() -> None:
+    """Each row of a decode-sized call has the bits of the row alone (a speculative chain),
+    with a weight large enough to be split over threads."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 4 * 256, generator=g)
+    w, b = torch.randn(4, 512, 256, generator=g), torch.randn(4, 512, generator=g)
+    op = cpu_kernels.make_ops().block_linear
+    with torch.no_grad():
+        together = op(x, w, b)
+        for r in range(x.shape[0]):
+            assert torch.equal(together[r], op(x[r : r + 1], w, b)[0]), r

@@ -79,6 +79,8 @@ def _states_by_length(runner: VllmRunner, prompt: list[int], max_tokens: int) ->
         ("jamba-gqa", True),
         ("zaya-gqa", True),
         ("xlstm-dk16", True),
+        ("recurrent-gemma-mqa", True),
+        ("inkling2-gqa", True),
     ],
 )
 def test_state_after_rejections_is_bitwise_the_one_by_one_state(name: str, fused: bool) -> None:

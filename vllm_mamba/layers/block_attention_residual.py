@@ -43,9 +43,21 @@ def depth_mix(
     query: torch.Tensor, block_states: torch.Tensor, partial: torch.Tensor
 ) -> torch.Tensor:
     """The softmax mixes of `query (Q, H)` over `block_states (T, B, H)` and `partial (T, H)`,
-    each normed: `(Q, T, H)` float32 (see the module docstring)."""
+    each normed: `(Q, T, H)` float32 (see the module docstring).
+
+    The dot products and the mix are elementwise products summed in a fixed order per token
+    (over H, then over the blocks in order), not matrix products, whose sums would depend on
+    the number of tokens: a speculative chain's rows get the bits of the tokens decoded one by
+    one."""
     stacked = torch.cat([block_states, partial[:, None]], dim=1).float()  # (T, B + 1, H)
     stacked = weightless_rms_norm(stacked, NORM_EPS)
     hidden = stacked.shape[-1]
-    scores = torch.einsum("qh,tbh->tqb", query.float(), stacked) * hidden**-0.5  # (T, Q, B + 1)
-    return torch.einsum("tqb,tbh->qth", scores.softmax(dim=-1), stacked)
+    query = query.float()[:, None, :]  # (Q, 1, H)
+    scores = torch.stack(
+        [(stacked[:, b] * query).sum(dim=-1) for b in range(stacked.shape[1])], dim=-1
+    )  # (Q, T, B + 1)
+    weights = (scores * hidden**-0.5).softmax(dim=-1)
+    out = weights[..., 0, None] * stacked[:, 0]  # (Q, T, H)
+    for b in range(1, stacked.shape[1]):
+        out += weights[..., b, None] * stacked[:, b]
+    return out

@@ -11,8 +11,8 @@ The per-sequence state is the conv history `conv (L, K - 1)` (kind `conv`, the m
 and the recurrence `h (L,)` (kind `recurrent`, float32). The conv runs through the
 `causal_conv1d` ops without activation, the recurrence through the `rglru` ops; both go
 through the one recurrent step, so decode rows, speculative waves, padding and prefill chunks
-are handled there. The gates' two block-diagonal projections run as one batched matmul over
-the heads (`input_gate_weight`, `recurrent_gate_weight`: `(NH, W, W)`, applied as `x_h @ W`).
+are handled there. The gates' two block-diagonal projections run as one `ops.block_linear`
+(`input_gate_weight`, `recurrent_gate_weight`: `(NH, W, W)`, applied as `x_h @ W`).
 
 In the checkpoints (`model.layers.N.temporal_block.*`): `linear_y`, `linear_x` `(L, H)` with
 biases, `linear_out` `(H, L)` with bias, `conv_1d.weight (L, 1, K)` and `bias (L,)`,
@@ -103,16 +103,20 @@ class RecurrentBlock(StatefulLayer):
             self.register_buffer(name, torch.empty(0), persistent=False)
 
     def process_weights_after_loading(self) -> None:
-        """Precomputes the `(L, K)` conv filters, the two gates as one `(NH, W, 2W)` weight
-        and `(NH, 1, 2W)` bias, and `log_a_scale = -8 softplus(recurrent_param)` (float32)."""
+        """Precomputes the `(L, K)` conv filters, the two gates as one `(NH, 2W, W)` weight
+        and `(NH, 2W)` bias, and `log_a_scale = -8 softplus(recurrent_param)` (float32)."""
         lru = self.rg_lru
         self.conv_weight = self.conv_1d.weight.detach()[:, 0, :].contiguous()
-        self.gate_weight = torch.cat(
-            [lru.input_gate_weight.detach(), lru.recurrent_gate_weight.detach()], dim=-1
+        self.gate_weight = (
+            torch.cat(  # (NH, 2W, W): `x_h @ W` as a linear's `(out, in)`
+                [lru.input_gate_weight.detach(), lru.recurrent_gate_weight.detach()], dim=-1
+            )
+            .transpose(1, 2)
+            .contiguous()
         )
         self.gate_bias = torch.cat(
             [lru.input_gate_bias.detach(), lru.recurrent_gate_bias.detach()], dim=-1
-        )[:, None, :]
+        ).contiguous()  # (NH, 2W)
         self.log_a_scale = LOG_A_SCALE * F.softplus(lru.recurrent_param.detach().float())
 
     def state_spec(self) -> StateSpec:
@@ -125,11 +129,12 @@ class RecurrentBlock(StatefulLayer):
         )
 
     def _gates(self, x: torch.Tensor) -> torch.Tensor:
-        """The block-diagonal gate logits of `x (T, L)`: `(T, 2L)` as `[gx | ga]`."""
+        """The block-diagonal gate logits of `x (T, L)`: `(T, 2L)` as `[gx | ga]`, through
+        `ops.block_linear` (whose decode-sized kernel sums each row as alone: a speculative
+        chain's rows gate as the tokens decoded one by one)."""
         rows = x.shape[0]
-        per_head = x.view(rows, self.heads, self.width).transpose(0, 1)  # (NH, T, W)
-        res = torch.baddbmm(self.gate_bias, per_head, self.gate_weight)  # (NH, T, 2W)
-        gx, ga = res.transpose(0, 1).chunk(2, dim=-1)  # (T, NH, W) each
+        res = self.ops.block_linear(x, self.gate_weight, self.gate_bias)  # (T, NH 2W)
+        gx, ga = res.view(rows, self.heads, 2 * self.width).chunk(2, dim=-1)  # (T, NH, W)
         return torch.cat([gx.reshape(rows, -1), ga.reshape(rows, -1)], dim=-1)
 
     def forward(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:

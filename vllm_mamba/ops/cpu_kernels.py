@@ -34,6 +34,7 @@ from vllm_mamba.ops.grouped_linear import grouped_linear_cpp, has_grouped_kernel
 from vllm_mamba.ops.int4_linear import has_int4_kernel, int4_linear_cpp
 from vllm_mamba.ops.int8_linear import has_int8_kernel, int8_linear_cpp
 from vllm_mamba.ops.int_dot_linear import has_int_dot_kernels, w4a8_linear_cpp, w8a8_linear_cpp
+from vllm_mamba.ops.linear import block_linear_ref
 from vllm_mamba.ops.table import MambaOps, bind_ops
 
 try:
@@ -222,7 +223,7 @@ def register() -> None:
     for op in CPP_OPS:
         if hasattr(torch.ops.vllm_mamba, op.name):
             register_op_impl(op.family, "cpp", **{op.op: globals()[op.name]})
-    register_op_impl("linear", "cpp", linear=linear)
+    register_op_impl("linear", "cpp", linear=linear, block_linear=block_linear)
     if has_int8_kernel():
         register_op_impl("linear", "cpp", int8_linear=int8_linear_cpp)
     if has_int4_kernel():
@@ -296,6 +297,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     ):
         return _onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`block_linear_ref` (`x (T, G K)`, block-diagonal `weight (G, N, K)`, `bias (G, N)`) ->
+    `(T, G N)`. Up to `SMALL_BATCH` rows the C++ kernel `linear_small_batch` streams the
+    blocks once and sums each row exactly as alone (a speculative chain's rows equal the
+    tokens decoded one by one); more rows, one batched matmul."""
+    if (
+        x.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and weight.is_contiguous()
+        and x.dim() == 2
+        and x.shape[0] <= SMALL_BATCH
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype in (torch.float32, torch.bfloat16)
+    ):
+        return torch.ops.vllm_mamba.linear_small_batch(x, weight, bias)
+    return block_linear_ref(x, weight, bias)
 
 
 GEMM_ROWS = 512  # rows of one oneDNN call, at most (`csrc/onednn_linear.h`: kGemmRows)

@@ -6,7 +6,8 @@ quantised (`vllm_mamba.ops.int8_linear`, `vllm_mamba.ops.int4_linear`: the quant
 references and the C++ kernels' wrappers); `grouped_linear` runs the integer weights that a
 pre-quantised checkpoint ships (`vllm_mamba.ops.grouped_linear`); `w8a8_linear` and
 `w4a8_linear` multiply the int8 / 4-bit weights with activations quantised to int8 blocks
-(`quantization="w8a8"` / `"w4a8"`: `vllm_mamba.ops.int_dot_linear`).
+(`quantization="w8a8"` / `"w4a8"`: `vllm_mamba.ops.int_dot_linear`); `block_linear` multiplies
+by a block-diagonal weight stored as its `(G, N, K)` blocks (RecurrentGemma's gates).
 """
 
 from __future__ import annotations
@@ -30,6 +31,25 @@ class LinearOp(Protocol):
     is `F.linear`, whose first parameter is `input`)."""
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, /) -> Tensor: ...
+
+
+class BlockLinearOp(Protocol):
+    """See `block_linear_ref`: a block-diagonal `weight (G, N, K)` over `x (T, G K)`."""
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, /) -> Tensor: ...
+
+
+def block_linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Group g of `x (T, G K)` (columns `[g K, (g + 1) K)`) times `weight[g] (N, K)^T` plus
+    `bias[g]` (`bias (G, N)`) -> `(T, G N)`, the groups side by side."""
+    groups, n, k = weight.shape
+    rows = x.shape[0]
+    per_group = x.view(rows, groups, k).transpose(0, 1)  # (G, T, K)
+    if bias is None:
+        out = torch.bmm(per_group, weight.transpose(1, 2))
+    else:
+        out = torch.baddbmm(bias.view(groups, 1, n), per_group, weight.transpose(1, 2))
+    return out.transpose(0, 1).reshape(rows, groups * n)  # (T, G N)
 
 
 class Int8LinearOp(Protocol):
@@ -68,6 +88,7 @@ OPS = OpFamily(
     "linear",
     {
         "linear": OpSpec(LinearOp, F.linear),
+        "block_linear": OpSpec(BlockLinearOp, block_linear_ref),
         "int8_linear": OpSpec(Int8LinearOp, int8_linear_ref),
         "int4_linear": OpSpec(Int4LinearOp, int4_linear_ref),
         "grouped_linear": OpSpec(GroupedLinearOp, grouped_linear_ref),

@@ -20,7 +20,13 @@ from vllm_mamba.ops.causal_conv1d import ConvUpdateOp, ConvVarlenOp
 from vllm_mamba.ops.families import family_ops, load_backend, own_op
 from vllm_mamba.ops.fused_decode import FusedMamba2DecodeOp, FusedMambaDecodeOp
 from vllm_mamba.ops.gated_rms_norm import GatedRMSNormOp
-from vllm_mamba.ops.linear import GroupedLinearOp, Int4LinearOp, Int8LinearOp, LinearOp
+from vllm_mamba.ops.linear import (
+    BlockLinearOp,
+    GroupedLinearOp,
+    Int4LinearOp,
+    Int8LinearOp,
+    LinearOp,
+)
 from vllm_mamba.ops.paged_attention import PagedDecodeOp, PagedPrefillOp, ReshapeAndCacheOp
 from vllm_mamba.ops.selective_scan import ScanUpdateOp, ScanVarlenOp
 from vllm_mamba.ops.ssd import SSDUpdateOp, SSDVarlenOp
@@ -46,6 +52,7 @@ class MambaOps:
     selective_scan_varlen: ScanVarlenOp
     selective_state_update: ScanUpdateOp
     linear: LinearOp
+    block_linear: BlockLinearOp
     ssd_chunk_scan_varlen: SSDVarlenOp
     ssd_state_update: SSDUpdateOp
     gated_rms_norm: GatedRMSNormOp
@@ -72,6 +79,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "selective_scan_varlen": ("selective_scan", "varlen"),
     "selective_state_update": ("selective_scan", "update"),
     "linear": ("linear", "linear"),
+    "block_linear": ("linear", "block_linear"),
     "ssd_chunk_scan_varlen": ("ssd", "chunk_scan_varlen"),
     "ssd_state_update": ("ssd", "state_update"),
     "gated_rms_norm": ("gated_rms_norm", "gated_rms_norm"),
