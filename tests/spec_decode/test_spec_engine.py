@@ -80,7 +80,17 @@ def _states_by_length(runner: VllmRunner, prompt: list[int], max_tokens: int) ->
         ("zaya-gqa", True),
         ("xlstm-dk16", True),
         ("recurrent-gemma-mqa", True),
+        ("recurrent-gemma-gqa", True),
+        ("inkling-gqa", True),
+        ("inkling-mqa", True),
         ("inkling2-gqa", True),
+        ("inkling2-mqa", True),
+        ("inkling2-loop-gqa", True),
+        ("lfm3-gqa", True),
+        ("lara-mini-gqa", True),
+        ("minimax-full-top2", True),
+        ("minimax-window-top1", True),
+        ("zamba-mha-tied", True),
     ],
 )
 def test_state_after_rejections_is_bitwise_the_one_by_one_state(name: str, fused: bool) -> None:

@@ -46,6 +46,7 @@ from vllm_mamba.layers.mixer_sharding import kv_head_ranges
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
 from vllm_mamba.layers.relative_bias_attention import log_scale
 from vllm_mamba.layers.residual_short_conv import ResidualShortConv
+from vllm_mamba.layers.rowwise import rowwise
 from vllm_mamba.ops.table import MambaOps
 
 CLIP_EPS = 1e-6  # added to the norm before dividing the threshold by it
@@ -152,7 +153,7 @@ class Inkling2Attention(nn.Module):
         rel_states = bias.linear(xq).view(num_tokens, q.shape[1], -1)  # (T, Hq, d_rel)
         rel = bias.norm(rel_states, pos) @ bias.proj  # (T, Hq, E)
         out = self.attn[pass_index](q, k, v, meta, rel=rel, sinks=self.sink_proj(xq))  # (T, Hq D)
-        gate = torch.sigmoid(self.o_proj.gate_proj(xq).float())
+        gate = rowwise(torch.sigmoid, self.o_proj.gate_proj(xq).float())  # each row as alone
         return self.o_proj.linear((out.float() * gate).to(out.dtype))
 
     def _conv(

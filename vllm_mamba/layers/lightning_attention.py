@@ -36,6 +36,7 @@ from vllm_mamba.layers.mlp import activation
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
 from vllm_mamba.layers.parallel_norm import projection_rms_norm
 from vllm_mamba.layers.recurrent_step import recurrent_step
+from vllm_mamba.layers.rowwise import rowwise
 from vllm_mamba.ops.lightning_attention import lightning_ops
 from vllm_mamba.ops.table import MambaOps
 
@@ -101,7 +102,8 @@ class LightningAttention(StatefulLayer):
             `(T, hidden)` in the model dtype.
         """
         num_tokens = hidden.shape[0]
-        qkv = self.act(self.qkv_proj(hidden)).view(num_tokens, self.num_heads, 3 * self.head_dim)
+        qkv = rowwise(self.act, self.qkv_proj(hidden))  # each row as alone (`layers.rowwise`)
+        qkv = qkv.view(num_tokens, self.num_heads, 3 * self.head_dim)
         q, k, v = qkv.split(self.head_dim, dim=-1)  # (T, H, D) each
         rec = self.state["recurrent"]  # (S, H, Dv, Dk)
         o = recurrent_step(  # (T, H, Dv)
@@ -117,7 +119,7 @@ class LightningAttention(StatefulLayer):
             ),
         )  # fmt: skip
         o = self.norm(o.reshape(num_tokens, self.num_heads * self.head_dim))
-        return self.out_proj(torch.sigmoid(self.output_gate(hidden)) * o)
+        return self.out_proj(rowwise(torch.sigmoid, self.output_gate(hidden)) * o)
 
 
 __all__ = ["LightningAttention", "NORM_EPS", "lightning_slopes"]

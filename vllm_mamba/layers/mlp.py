@@ -37,6 +37,7 @@ from vllm_mamba.layers.decode_plan import decode_only
 from vllm_mamba.layers.fused_decode_layer import norm_weight, plain_weight
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
 from vllm_mamba.layers.quantization import uses_int_dot
+from vllm_mamba.layers.rowwise import rowwise
 from vllm_mamba.ops import ffn as ffn_ops
 from vllm_mamba.ops.families import own_op
 from vllm_mamba.ops.table import MambaOps
@@ -109,7 +110,7 @@ class GatedMLP(nn.Module):
             down = getattr(self, self._merged[1])
         if self.gate_multiplier != 1.0:
             gate = gate * self.gate_multiplier
-        y = down(self.act(gate) * up)
+        y = down(rowwise(self.act, gate) * up)  # each row as alone (a speculative chain's)
         return y if self.down_multiplier == 1.0 else y * self.down_multiplier
 
 
@@ -135,7 +136,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x (T, H)` -> `(T, H)`."""
-        return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(rowwise(self.act, self.up_proj(x)))
 
 
 # ---- fused decode of the feed-forward stage ------------------------------------------------

@@ -65,6 +65,7 @@ from vllm_mamba.layers.mlp import (
     gated_projections,
 )
 from vllm_mamba.layers.parallel_linear import even_ranges, shard_param
+from vllm_mamba.layers.rowwise import rowwise
 from vllm_mamba.ops import ffn as ffn_ops
 from vllm_mamba.ops.families import own_op
 from vllm_mamba.ops.int_dot_linear import STRIP_ROWS
@@ -139,7 +140,9 @@ class ExpertRouter(nn.Module):
         """`sigmoid_grouped` and `sigmoid_topk`: chosen by the (biased) scores, weighted by the
         raw ones."""
         c = self.config
-        scores = _rowwise_sigmoid(self._linear(x.float(), self.weight.float(), None))  # (T, E)
+        scores = rowwise(
+            torch.sigmoid, self._linear(x.float(), self.weight.float(), None)
+        )  # (T, E)
         choice = scores + self.e_score_correction_bias.float() if c.score_bias else scores
         if c.kind == "sigmoid_grouped":
             chosen = self._best_in_groups(choice)
@@ -160,22 +163,6 @@ class ExpertRouter(nn.Module):
         keep = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()  # (T, n_group)
         keep = keep[:, :, None].expand_as(grouped).reshape(num_tokens, num_experts)
         return choice.masked_fill(~keep, float("-inf")).topk(c.top_k, dim=-1, sorted=False)[1]
-
-
-def _rowwise_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """`x.sigmoid()` of `x (T, E)` whose bits per row do not depend on `T`.
-
-    torch's elementwise loop runs over the flat tensor two vectors at a time and finishes the
-    rest with scalar code, which rounds differently; a row whose width is not a multiple of
-    32 would take one path alone and the other among more rows (a speculative chain's rows
-    must route exactly as the tokens decoded one by one). Padding the rows to a multiple of 32
-    columns puts every row in the vector loop (up to torch's parallel grain, far above a
-    decode step's router).
-    """
-    pad = -x.shape[-1] % 32
-    if not pad:
-        return x.sigmoid()
-    return F.pad(x, (0, pad)).sigmoid()[:, : x.shape[-1]]
 
 
 def dispatch_experts(

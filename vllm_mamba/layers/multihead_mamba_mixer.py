@@ -88,12 +88,16 @@ class MultiHeadMambaMixer(StateSpaceMixer):
 
     def _ssm_params(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`xc (T, I)` -> per head: dt `(NH, T, P)` (before its bias), B, C `(NH, T, N)`."""
-        heads = xc.view(xc.shape[0], self.num_heads, self.head_dim).transpose(0, 1)  # (NH, T, P)
-        params = torch.bmm(heads, self.x_proj_weight.transpose(1, 2))  # (NH, T, R + 2N)
+        rows, heads = xc.shape[0], self.num_heads
+        # Block-diagonal products (`ops.block_linear`: a decode-sized step sums each row as
+        # alone, so a speculative chain's rows equal the tokens decoded one by one).
+        params = self.ops.block_linear(xc, self.x_proj_weight, None)  # (T, NH (R + 2N))
+        params = params.view(rows, heads, -1)
         sizes = [self.time_step_rank, self.state_size, self.state_size]
-        ts, B, C = params.split(sizes, dim=-1)  # (NH, T, R), (NH, T, N), (NH, T, N)
-        dt = torch.bmm(ts, self.dt_proj_weight.transpose(1, 2))  # (NH, T, P)
-        return dt, B, C
+        ts, B, C = params.split(sizes, dim=-1)  # (T, NH, R), (T, NH, N), (T, NH, N)
+        dt = self.ops.block_linear(ts.reshape(rows, -1), self.dt_proj_weight, None)  # (T, NH P)
+        dt = dt.view(rows, heads, self.head_dim).transpose(0, 1)  # (NH, T, P)
+        return dt, B.transpose(0, 1), C.transpose(0, 1)
 
     def _head_slots(self, slots: torch.Tensor, head: int) -> torch.Tensor:
         """Slot indices `(B,)` -> head `head`'s rows of the `(S * NH, P, N)` state view."""

@@ -43,6 +43,7 @@ from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.mixer_base import Conv1dWeights, causal_conv
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear, shard_param
 from vllm_mamba.layers.recurrent_step import recurrent_step
+from vllm_mamba.layers.rowwise import rowwise
 from vllm_mamba.ops import rglru as rglru_ops
 from vllm_mamba.ops.table import MambaOps
 
@@ -143,7 +144,7 @@ class RecurrentBlock(StatefulLayer):
         Returns:
             `(T, H)` in the model dtype.
         """
-        y = self.act(self.linear_y(hidden))  # (T, L)
+        y = rowwise(self.act, self.linear_y(hidden))  # (T, L), each row as alone
         conv_states, h_states = self.state["conv"], self.state["h"]
         x = causal_conv(
             self.ops, self.linear_x(hidden), self.conv_weight, self.conv_1d.bias, conv_states,

@@ -24,6 +24,8 @@ F expert width.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -31,6 +33,7 @@ from vllm_mamba.distributed.communication import all_reduce
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.mlp import GatedMLP
 from vllm_mamba.layers.moe import ExpertList, dispatch_experts
+from vllm_mamba.layers.rowwise import rowwise
 from vllm_mamba.ops.table import MambaOps
 
 
@@ -58,11 +61,15 @@ class SharedSinkRouter(nn.Module):
         `(T, S)`, the weights float32."""
         logits = self.ops.linear(x.float(), self.weight.float(), None)  # (T, E + S)
         routed = logits[:, : self.num_experts]
-        choice = routed.sigmoid() + self.e_score_correction_bias.float()
+        # Each row's elementwise functions as alone (`layers.rowwise`): a speculative chain's
+        # rows route as the tokens decoded one by one.
+        choice = rowwise(torch.sigmoid, routed) + self.e_score_correction_bias.float()
         chosen = choice.topk(self.top_k, dim=-1)[1]  # (T, k)
         picked = torch.cat([routed.gather(1, chosen), logits[:, self.num_experts :]], dim=-1)
-        log_scores = nn.functional.logsigmoid(picked)  # (T, k + S)
-        weights = torch.exp(log_scores - log_scores.logsumexp(dim=-1, keepdim=True))
+        log_scores = rowwise(nn.functional.logsigmoid, picked)  # (T, k + S)
+        weights = rowwise(
+            lambda s: torch.exp(s - s.logsumexp(dim=-1, keepdim=True)), log_scores, -math.inf
+        )
         weights = weights * self.scale * self.global_scale.float()
         return weights[:, : self.top_k], chosen, weights[:, self.top_k :]
 
@@ -100,6 +107,6 @@ class SharedSinkMoE(nn.Module):
         out = dispatch_experts(x, weights, chosen, self.experts.run, x.dtype)  # (T, H)
         shared = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for s, mlp in enumerate(self.shared_experts):
-            inner = mlp.act(mlp.gate_proj(x)) * mlp.up_proj(x) * gammas[:, s : s + 1]
+            inner = rowwise(mlp.act, mlp.gate_proj(x)) * mlp.up_proj(x) * gammas[:, s : s + 1]
             shared += mlp.down_proj(inner).float()
         return all_reduce(out + shared.to(x.dtype), self.tp)
