@@ -402,7 +402,7 @@ FAMILIES: tuple[Family, ...] = (
             "tie_word_embeddings",
         ),
         # lfm3-gqa's attention layers form 3 KV groups (two of window 16, one full): the
-        # 131 + 20-token prompt alone holds 10 blocks of 16 in each (a window plus a whole
+        # 131 + 16-token prompt alone holds 10 blocks of 16 in each (a window plus a whole
         # prefill chunk spans them all), so 30 blocks admit it and still force preemptions.
         kv_pressure_blocks=30,
     ),
@@ -574,7 +574,7 @@ FAMILIES: tuple[Family, ...] = (
             "n_shared_experts",
             "unpadded_vocab_size",
         ),
-        # inkling-gqa's attention layers form 2 KV groups (window 16, full): the 131 + 20-token
+        # inkling-gqa's attention layers form 2 KV groups (window 16, full): the 131 + 16-token
         # prompt alone holds 10 blocks of 16 in each (a window plus a whole prefill chunk spans
         # them all), so 20 blocks admit it and still force preemptions.
         kv_pressure_blocks=20,

@@ -14,7 +14,7 @@ from tests.tiny_models import tiny_model_dir
 from vllm_mamba import SamplingParams
 
 MODEL = "jamba-gqa"
-GREEDY = SamplingParams(temperature=0, max_tokens=20)
+GREEDY = checks.GREEDY  # the lone runs' (`checks.alone`)
 
 
 def test_aborts_and_preemptions_free_every_block() -> None:
@@ -37,14 +37,14 @@ def test_aborts_and_preemptions_free_every_block() -> None:
 
 
 def test_a_paused_request_holds_still_and_is_preempted_first() -> None:
-    """Six prompts of 1 to 64 tokens plus 20 greedy tokens: with 15 blocks of 16, the fifth,
-    paused after its first token with 2 blocks, is preempted when the others reach their 14,
+    """Six prompts of 1 to 64 tokens plus 16 greedy tokens: with 13 blocks of 16, the fifth,
+    paused after its first token with 2 blocks, is preempted when the others reach their 12,
     although it is not the most recently admitted. Until then it keeps its slot and blocks;
     paused, it never runs (not even readmitted); resumed, it ends with the tokens of a run
     alone. A paused request aborted frees everything."""
     path = tiny_model_dir(MODEL)
     prompts = checks.prompts()
-    with VllmRunner(path, max_num_seqs=6, block_size=16, num_gpu_blocks_override=15) as runner:
+    with VllmRunner(path, max_num_seqs=6, block_size=16, num_gpu_blocks_override=13) as runner:
         engine, sched = runner.engine, runner.engine.scheduler
         for i in range(6):
             engine.add_request(str(i), prompts[i], GREEDY)

@@ -26,7 +26,7 @@ from tests.tiny_models import MODEL_FAMILY, hf_class, tiny_model_dir
 from vllm_mamba import RequestOutput, SamplingParams
 from vllm_mamba.engine.spec_steps import NgramDrafts
 
-GREEDY = SamplingParams(temperature=0, max_tokens=20)
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
 LOGPROB_ATOL = 1e-4  # float32 rounding of two implementations of the same sums
 TP_ATOL = 1e-3  # sums split over ranks and all-reduced, and chunked against whole prefill
 
@@ -90,7 +90,7 @@ def assert_matches_transformers(name: str) -> None:
 
 @functools.cache
 def alone(path: str) -> list[list[int]]:
-    """Each prompt run by itself, 20 greedy tokens."""
+    """Each prompt run by itself, 16 greedy tokens."""
     with VllmRunner(path) as runner:
         return [tokens(runner.generate(p, GREEDY))[0] for p in prompts()]
 
@@ -134,13 +134,16 @@ def assert_speculation_equals_alone(path: str) -> None:
 
 
 def assert_chunked_equals_whole(path: str, budget: int) -> None:
-    """Prefills cut into chunks of at most `budget` tokens (several sequences per step)."""
+    """Prefills cut into chunks of at most `budget` tokens (several sequences per step). At a
+    budget of one token (every chunk a decode-sized step) the prompts of 5 to 31 tokens,
+    longer than every tiny model's window; else those of 5 to 131."""
+    chosen = slice(2, 5) if budget == 1 else slice(2, 8)
     with VllmRunner(path, max_num_batched_tokens=budget) as runner:
-        assert tokens(runner.generate(prompts()[2:8], GREEDY)) == alone(path)[2:8]
+        assert tokens(runner.generate(prompts()[chosen], GREEDY)) == alone(path)[chosen]
 
 
 def assert_kv_pressure_equals_no_pressure(path: str, blocks: int = 14) -> None:
-    """8 prompts of 1..131 tokens + 20 generated need 37 blocks of 16; `blocks` forces
+    """8 prompts of 1..131 tokens + 16 generated need 34 blocks of 16; `blocks` forces
     preemptions (counted, and reported by the stats snapshot), and the outputs stay those of
     each prompt alone."""
     with VllmRunner(path, block_size=16, num_gpu_blocks_override=blocks) as runner:
@@ -174,7 +177,8 @@ def assert_forks_equal_alone(path: str) -> None:
     gives the same samples alone and beside other requests, and its samples differ."""
     sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, n=3, seed=3)
     with VllmRunner(path, max_num_seqs=4) as runner:
-        out = runner.generate(prompts()[5], SamplingParams(temperature=0, max_tokens=20, n=3))[0]
+        greedy_forks = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, n=3)
+        out = runner.generate(prompts()[5], greedy_forks)[0]
         first = runner.generate(prompts()[3], sampled)[0]
         again = runner.generate([prompts()[0], prompts()[3]], [GREEDY, sampled])[1]
     assert [o.token_ids for o in out.outputs] == [alone(path)[5]] * 3

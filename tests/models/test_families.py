@@ -23,64 +23,78 @@ HYBRIDS = [f for f in FAMILIES if f.hybrid]
 GRAPHS = [f for f in FAMILIES if f.cuda_graphs]
 
 
-def _ids(families: list[Family] | tuple[Family, ...]) -> list[str]:
-    return [f.name for f in families]
+def _per_family(families: list[Family]) -> list:
+    """`families` as parameters, each family's tests on one xdist worker (`--dist
+    loadgroup`): the checkpoints and the lone runs (`checks.alone`) are made once per family."""
+    return [pytest.param(f, id=f.name, marks=pytest.mark.xdist_group(f.name)) for f in families]
 
 
-@pytest.mark.parametrize("name", [n for f in FAMILIES for n in f.reference])
+def _per_variant(attr: str) -> list:
+    """The variants each family lists in `attr` (`reference`, `tp`), grouped by family."""
+    return [
+        pytest.param(n, id=n, marks=pytest.mark.xdist_group(f.name))
+        for f in FAMILIES
+        for n in getattr(f, attr)
+    ]
+
+
+@pytest.mark.parametrize("name", _per_variant("reference"))
 def test_greedy_tokens_and_logprobs_equal_transformers(name: str) -> None:
     checks.assert_matches_transformers(name)
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=_ids(FAMILIES))
+@pytest.mark.parametrize("family", _per_family(FAMILIES))
 def test_batched_equals_alone(family: Family) -> None:
     checks.assert_batched_equals_alone(tiny_model_dir(family.main))
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=_ids(FAMILIES))
+@pytest.mark.parametrize("family", _per_family(FAMILIES))
 def test_speculative_decoding_equals_alone(family: Family) -> None:
     checks.assert_speculation_equals_alone(tiny_model_dir(family.main))
 
 
 @pytest.mark.parametrize(
     ("family", "budget"),
-    [(f, b) for f in FAMILIES for b in f.chunk_budgets],
-    ids=[f"{f.name}-{b}" for f in FAMILIES for b in f.chunk_budgets],
+    [
+        pytest.param(f, b, id=f"{f.name}-{b}", marks=pytest.mark.xdist_group(f.name))
+        for f in FAMILIES
+        for b in f.chunk_budgets
+    ],
 )
 def test_chunked_prefill_equals_whole(family: Family, budget: int) -> None:
     checks.assert_chunked_equals_whole(tiny_model_dir(family.main), budget)
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=_ids(FAMILIES))
+@pytest.mark.parametrize("family", _per_family(FAMILIES))
 def test_forks_equal_alone(family: Family) -> None:
     checks.assert_forks_equal_alone(tiny_model_dir(family.main))
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=_ids(FAMILIES))
+@pytest.mark.parametrize("family", _per_family(FAMILIES))
 def test_forks_equal_independent_seeded_runs(family: Family) -> None:
     checks.assert_forks_equal_independent_seeded_runs(tiny_model_dir(family.second))
 
 
-@pytest.mark.parametrize("family", HYBRIDS, ids=_ids(HYBRIDS))
+@pytest.mark.parametrize("family", _per_family(HYBRIDS))
 def test_kv_pressure_preempts_and_equals_no_pressure(family: Family) -> None:
     checks.assert_kv_pressure_equals_no_pressure(
         tiny_model_dir(family.main), family.kv_pressure_blocks
     )
 
 
-@pytest.mark.parametrize("family", HYBRIDS, ids=_ids(HYBRIDS))
+@pytest.mark.parametrize("family", _per_family(HYBRIDS))
 def test_forks_and_chunks_under_kv_pressure(family: Family) -> None:
     checks.assert_forks_and_chunks_under_pressure(
         tiny_model_dir(family.second), family.fork_pressure_blocks
     )
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=_ids(FAMILIES))
+@pytest.mark.parametrize("family", _per_family(FAMILIES))
 def test_prefix_cache_on_equals_off_and_hits(family: Family) -> None:
     checks.assert_prefix_cache_on_equals_off(tiny_model_dir(family.main))
 
 
-@pytest.mark.parametrize("name", [n for f in FAMILIES for n in f.tp])
+@pytest.mark.parametrize("name", _per_variant("tp"))
 def test_tensor_parallel_equals_one_rank(name: str) -> None:
     checks.assert_tensor_parallel_equals_one_rank(tiny_model_dir(name))
 
@@ -88,6 +102,6 @@ def test_tensor_parallel_equals_one_rank(name: str) -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", GRAPHS, ids=_ids(GRAPHS))
+@pytest.mark.parametrize("family", _per_family(GRAPHS))
 def test_gpu_graphs_equal_eager_and_cpu(family: Family, dtype: str) -> None:
     checks.assert_gpu_graphs_equal_eager_and_cpu(tiny_model_dir(family.main), dtype)

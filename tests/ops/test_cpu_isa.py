@@ -11,6 +11,7 @@ rounding, not bit for bit.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import sys
 
 import pytest
 
+from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba.ops import cpu_isa, cpu_kernels
 
@@ -58,12 +60,14 @@ KERNEL_TESTS = [
     "tests/ops/test_mlstm.py",
 ]
 
-GENERATE = """
+# One child per level: the float32 generations of the models given, then `dtype="auto"` on a
+# bfloat16 checkpoint (the last argument); one process pays the imports once.
+PER_LEVEL = """
 import json, sys
 from vllm_mamba import LLM, SamplingParams
-from vllm_mamba.ops import cpu_isa
+from vllm_mamba.ops import cpu_isa, cpu_kernels
 out = {"level": cpu_isa.active_level(), "runs": []}
-for path in sys.argv[1:]:
+for path in sys.argv[1:-1]:
     llm = LLM(path, dtype="float32", seed=0)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
     prompts = [{"prompt_token_ids": ids} for ids in ([5, 17, 300, 2], [11] * 9, [1000, 20, 3])]
@@ -72,8 +76,13 @@ for path in sys.argv[1:]:
         lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]
         out["runs"].append({"model": path, "tokens": list(c.token_ids), "logprobs": lps})
     llm.llm_engine.executor.shutdown()
+llm = LLM(sys.argv[-1], dtype="auto")
+out["auto_dtype"] = str(llm.llm_engine.config.model_config.dtype)
+out["native_bf16"] = bool(cpu_kernels.native_bf16())
+llm.llm_engine.executor.shutdown()
 print("RESULT " + json.dumps(out))
 """
+GENERATED = ("tied", "mamba2-groups", "qwen3_5-gqa", "lfm2-gqa")
 
 
 def _env(level: str) -> dict[str, str]:
@@ -135,55 +144,50 @@ def test_kernels_match_their_references_at_a_forced_level(level: str) -> None:
     assert " passed" in proc.stdout
 
 
-def test_engine_generations_agree_across_levels() -> None:
-    paths = [tiny_model_dir(n) for n in ("tied", "mamba2-groups", "qwen3_5-gqa", "lfm2-gqa")]
+@functools.cache
+def _per_level() -> dict[str, dict]:
+    """`PER_LEVEL`'s result at each level this machine runs (once per process; the two tests
+    below share an xdist group)."""
+    paths = [tiny_model_dir(n) for n in GENERATED]
+    bf16 = os.path.join(make_tmp_dir("tiny-tied-bf16-"), "bf16")
+    shutil.copytree(tiny_model_dir("tied"), bf16)
+    with open(os.path.join(bf16, "config.json")) as f:
+        config = json.load(f)
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    with open(os.path.join(bf16, "config.json"), "w") as f:
+        json.dump(config, f)
     results = {}
     for level in cpu_isa.supported_levels():
         proc = subprocess.run(
-            [sys.executable, "-c", GENERATE, *paths],
+            [sys.executable, "-c", PER_LEVEL, *paths, bf16],
             cwd=ROOT, env=_env(level), capture_output=True, text=True,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
         line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
         results[level] = json.loads(line.removeprefix("RESULT "))
         assert results[level]["level"] == level
+    return results
+
+
+@pytest.mark.xdist_group("cpu-isa-levels")
+def test_engine_generations_agree_across_levels() -> None:
+    results = _per_level()
     ref = results[DEFAULT]["runs"]
     for level, res in results.items():
-        assert len(res["runs"]) == len(ref) == 3 * len(paths)
+        assert len(res["runs"]) == len(ref) == 3 * len(GENERATED)
         for got, want in zip(res["runs"], ref):
             assert got["tokens"] == want["tokens"], (level, got["model"])
             diffs = [abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])]
             assert max(diffs) < 1e-4, (level, got["model"], max(diffs))
 
 
-AUTO_DTYPE = """
-import sys
-from vllm_mamba import LLM
-from vllm_mamba.ops import cpu_kernels
-llm = LLM(sys.argv[1], dtype="auto")
-print("RESULT", llm.llm_engine.config.model_config.dtype, cpu_kernels.native_bf16())
-llm.llm_engine.executor.shutdown()
-"""
-
-
-def test_auto_dtype_of_a_bfloat16_checkpoint_follows_the_cpu(tmp_path) -> None:
+@pytest.mark.xdist_group("cpu-isa-levels")
+def test_auto_dtype_of_a_bfloat16_checkpoint_follows_the_cpu() -> None:
     """`dtype="auto"` keeps a bfloat16 checkpoint's dtype where the kernel build multiplies
     bfloat16 natively and runs float32 where it does not (forced avx2 here, or any CPU
     without AVX512-BF16/AMX)."""
-    src = tiny_model_dir("tied")
-    path = tmp_path / "bf16"
-    shutil.copytree(src, path)
-    config = json.loads((path / "config.json").read_text())
-    config["torch_dtype"] = config["dtype"] = "bfloat16"
-    (path / "config.json").write_text(json.dumps(config))
-    for level in cpu_isa.supported_levels():
-        proc = subprocess.run(
-            [sys.executable, "-c", AUTO_DTYPE, str(path)],
-            cwd=ROOT, env=_env(level), capture_output=True, text=True,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-        _, dtype, native = line.split()
-        assert dtype == ("torch.bfloat16" if native == "True" else "torch.float32"), (level, line)
+    for level, res in _per_level().items():
+        native = res["native_bf16"]
+        assert res["auto_dtype"] == ("torch.bfloat16" if native else "torch.float32"), level
         if level != "avx512":
-            assert native == "False", level
+            assert not native, level

@@ -37,3 +37,26 @@ def test_triton_kernels_in_the_interpreter() -> None:
     assert " passed" in proc.stdout and " skipped" not in proc.stdout.split("\n")[-2], proc.stdout[
         -2000:
     ]
+
+
+def test_dispatch_selects_every_triton_kernel() -> None:
+    """`VLLM_MAMBA_OPS=triton` (in a fresh process, under the interpreter) binds every op that
+    `triton_ops.TRITON_OPS` lists to its Triton launcher."""
+    code = (
+        "import importlib\n"
+        "from vllm_mamba.ops.dispatch import get_mamba_ops\n"
+        "from vllm_mamba.ops.triton_ops import TRITON_OPS\n"
+        "ops = get_mamba_ops('cpu')\n"
+        "for family, kernels in TRITON_OPS.items():\n"
+        "    for op, where in kernels.items():\n"
+        "        module, name = where.split(':')\n"
+        "        want = getattr(importlib.import_module('vllm_mamba.ops.' + module), name)\n"
+        "        assert getattr(ops.family(family), op) is want, (family, op)\n"
+        "print(sum(map(len, TRITON_OPS.values())))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_MAMBA_OPS": "triton"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=HERE.parents[1], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) >= 20  # every family's kernels were checked

@@ -50,8 +50,11 @@ def _unfused(runner: VllmRunner) -> None:
     assert not any(plan_decode(model)), "no Mamba layer may keep a fused plan"
 
 
-def _states_by_length(runner: VllmRunner, prompt: list[int], max_tokens: int) -> dict:
-    """Steps one request alone; after each step, its state keyed by computed tokens."""
+def _states_by_length(
+    runner: VllmRunner, prompt: list[int], max_tokens: int
+) -> tuple[dict[int, list[torch.Tensor]], list[int]]:
+    """Steps one request alone; after each step, its state keyed by computed tokens. Returns
+    them and the request's tokens."""
     engine = runner.engine
     engine.add_request(
         "r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -63,7 +66,7 @@ def _states_by_length(runner: VllmRunner, prompt: list[int], max_tokens: int) ->
         engine.step()
         seq = seq or engine.scheduler.running[0].seqs[0]
         states[seq.num_computed_tokens] = _slot_state(engine, slot if slot is not None else 0)
-    return states
+    return states, list(seq.output_token_ids)
 
 
 @pytest.mark.parametrize(
@@ -107,13 +110,14 @@ def test_state_after_rejections_is_bitwise_the_one_by_one_state(name: str, fused
     with VllmRunner(path, max_num_seqs=2, threads=1) as plain:
         if not fused:
             _unfused(plain)
-        want = _states_by_length(plain, prompt, 16)
-    refs = {tuple(prompt): alone(path)[3]}
+        want, plain_tokens = _states_by_length(plain, prompt, 16)
+    refs = {tuple(prompt): plain_tokens}  # the oracle's drafts: the lone greedy run's
     with VllmRunner(path, max_num_seqs=2, speculative_config=NGRAM, threads=1) as spec:
         if not fused:
             _unfused(spec)
         _oracle(spec, refs)
-        got = _states_by_length(spec, prompt, 16)
+        got, spec_tokens = _states_by_length(spec, prompt, 16)
+        assert spec_tokens == plain_tokens
         assert spec.engine.spec_steps.counters.num_accepted_tokens > 0
     assert len(got) < len(want)  # some steps kept several tokens
     for length, state in got.items():
@@ -129,7 +133,8 @@ def test_chunked_prefill_forks_and_all_right_drafts(name: str) -> None:
     with VllmRunner(path, max_num_batched_tokens=7, speculative_config=NGRAM) as runner:
         _oracle(runner, _refs(path), every=0)
         assert tokens(runner.generate(prompts(), GREEDY)) == want
-        outs = runner.generate(prompts()[:3], SamplingParams(temperature=0, max_tokens=20, n=3))
+        forks = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, n=3)
+        outs = runner.generate(prompts()[:3], forks)
         assert [[c.token_ids for c in o.outputs] for o in outs] == [[w] * 3 for w in want[:3]]
         counters = runner.engine.spec_steps.counters
         assert counters.num_accepted_tokens == counters.num_draft_tokens > 0
@@ -249,7 +254,10 @@ def test_seeded_sampling_reproduces_and_mixes_with_plain_decodes() -> None:
     assert len({tuple(t) for t in runs[0]}) == 4
 
 
-@pytest.mark.parametrize("name", [n for f in FAMILIES for n in f.tp])
+@pytest.mark.parametrize(
+    "name",  # on the worker of the family's own checks (`test_families`): one lone run each
+    [pytest.param(n, id=n, marks=pytest.mark.xdist_group(f.name)) for f in FAMILIES for n in f.tp],
+)
 def test_tensor_parallel_speculation_equals_one_rank(name: str) -> None:
     """Every family's variants that split over 2 ranks (worker processes), with n-gram
     speculation's chains (drafts right and wrong): the same plain-data step on every rank runs
