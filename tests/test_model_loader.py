@@ -1,4 +1,5 @@
-"""Loading checkpoints: formats, tied heads, hub ids from the cache, and bad checkpoints."""
+"""Loading checkpoints: formats, tied heads, hub ids from the cache, skipped MTP layers, and bad
+checkpoints."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers.logs import captured
 from tests.helpers.runners import VllmRunner
+from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, ModelRegistry, SamplingParams
+from vllm_mamba.model_loader import build_model, load_hf_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 PROMPTS = ["Hello world", "The quick brown fox"]
@@ -135,3 +139,26 @@ def test_dtype_option(dtype: str) -> None:
 def test_bad_dtype() -> None:
     with pytest.raises(ValueError, match="dtype"):
         LLM(tiny_model_dir("tied"), dtype="int8")
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-moe", "nemotron-h-moe"])
+def test_mtp_layers_are_skipped(name: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint that ships its multi-token prediction layers (`mtp.*`: Qwen3-Next's and
+    Nemotron 3's releases) loads with those tensors skipped (one log line) into the same
+    parameters as the checkpoint without them."""
+    source = tiny_model_dir(name)
+    path = make_tmp_dir(f"tiny-{name}-mtp-")
+    shutil.copy(os.path.join(source, "config.json"), path)
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    tensors["mtp.layers.0.eh_proj.weight"] = torch.randn(64, 128)  # as the releases name them
+    tensors["mtp.layers.0.enorm.weight"] = torch.randn(64)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cpu = torch.device("cpu")
+    want, _ = build_model(source, load_hf_config(source), torch.float32, cpu)
+    with captured(caplog, "vllm_mamba.model_loader"):
+        got, _ = build_model(path, load_hf_config(path), torch.float32, cpu)
+    skipped = [r.getMessage() for r in caplog.records if "Skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "2 checkpoint tensors under 'mtp.'" in skipped[0]
+    want_params = dict(want.named_parameters())
+    for param_name, param in got.named_parameters():
+        assert torch.equal(param, want_params[param_name]), param_name

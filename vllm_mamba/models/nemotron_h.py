@@ -15,9 +15,10 @@ embedding, no biases), `-` MLP `down(relu(up(x))^2)`, `E` MoE.
 
 Names are the checkpoints' (`backbone.embeddings`, `backbone.layers.N.norm`,
 `backbone.layers.N.mixer.*`, `backbone.norm_f`, `lm_head`; transformers' `model.` prefix is
-accepted too). NVIDIA-Nemotron-Nano-9B-v2: 56 layers of hidden size 4480 (4 attention with 40
-query and 8 key/value heads of 128, 28 MLP of 15680, 24 Mamba2 with 128 heads of 80, 8 groups,
-d_state 128, conv 4).
+accepted too); the multi-token prediction layers of Nemotron 3 checkpoints (`mtp.*`) are
+skipped, as transformers skips them. NVIDIA-Nemotron-Nano-9B-v2: 56 layers of hidden size 4480
+(4 attention with 40 query and 8 key/value heads of 128, 28 MLP of 15680, 24 Mamba2 with 128
+heads of 80, 8 groups, d_state 128, conv 4).
 
 Glossary: T tokens in the step, H hidden size, E experts, k experts per token, F expert size,
 L latent size.
@@ -25,7 +26,7 @@ L latent size.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -130,6 +131,9 @@ class NemotronHForCausalLM(CausalLM):
     """
 
     ties_word_embeddings = False
+    skipped_weights: ClassVar[dict[str, str]] = {
+        "mtp.": "the multi-token prediction layers (Nemotron 3's; not run)"
+    }
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         check_silu(config, "mamba_hidden_act")
