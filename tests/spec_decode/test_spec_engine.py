@@ -94,6 +94,7 @@ def _states_by_length(
         ("minimax-full-top2", True),
         ("minimax-window-top1", True),
         ("zamba-mha-tied", True),
+        ("zamba2-lora-rope", True),
     ],
 )
 def test_state_after_rejections_is_bitwise_the_one_by_one_state(name: str, fused: bool) -> None:

@@ -6,6 +6,8 @@ differently from the vector ones. A row whose width is not a multiple of 32 woul
 path alone and the other among more rows; a speculative chain's rows must get the bits of the
 tokens decoded one by one. Padding the rows to a multiple of 32 columns puts every row in the
 vector loop (up to torch's parallel grain, itself a multiple of 32, far above a decode step).
+A strided view (a `chunk` of a merged projection) is made contiguous first: torch loops over a
+strided tensor's rows differently from a one-row view, which counts as contiguous.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def rowwise(
     """`fn(x)` for a function of `x (..., C)` that is elementwise or reduces each row alone
     (padded with `fill`, a value the reduction ignores: `-inf` for a log-sum-exp), each row
     computed as alone; the result's first `C` columns (a reduced row's one)."""
+    x = x.contiguous()
     pad = -x.shape[-1] % ROW_ALIGN
     if not pad:
         return fn(x)

@@ -68,6 +68,7 @@ from vllm_mamba.layers.parallel_linear import (
     row_linear,
 )
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
+from vllm_mamba.layers.rowwise import rowwise
 from vllm_mamba.models.causal_lm import CausalLM, ReadsEmbeddings, StackNames
 from vllm_mamba.models.mamba2_args import check_mamba2_args
 from vllm_mamba.ops.table import MambaOps
@@ -202,7 +203,7 @@ class Zamba2MLP(nn.Module):
         """`x (T, H)` -> `(T, H)`."""
         gate_up = self.gate_up_proj(x) + self.gate_up_proj_adapter_list[use](x)  # (T, 2F)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(rowwise(self.act, gate) * up)  # each row as alone
 
 
 class Zamba2SharedBlock(nn.Module):
