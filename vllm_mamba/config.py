@@ -12,6 +12,8 @@ from vllm_mamba.spec_decode.config import SpeculativeConfig
 if TYPE_CHECKING:  # torch is imported when a dtype is resolved: the CLI's parsers load none
     import torch
 
+    from vllm_mamba.multimodal.config import MultiModalConfig
+
 DEFAULT_SNAPSHOT_INTERVAL = 512  # prompt tokens between prefix-cache snapshots
 DEFAULT_PREFIX_CACHE_MEMORY_BYTES = 1 << 30  # the snapshot slots' budget
 
@@ -283,6 +285,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
     cpu_threads: int | None = None  # None: the available CPUs (`worker/cpu_threads.py`)
+    multimodal: MultiModalConfig | None = None  # None: the model serves no images
 
     def ranks_per_machine(self) -> int:
         """Tensor-parallel ranks sharing this machine's CPUs (Ray spreads them: one)."""

@@ -18,8 +18,10 @@ from vllm_mamba.engine.llm_engine import LLMEngine, PromptInput
 from vllm_mamba.entrypoints.chat_cache_points import chat_cache_points
 from vllm_mamba.entrypoints.chat_utils import (
     ChatTemplate,
+    ImageRef,
     check_template_kwargs,
     conversation_message,
+    load_images,
 )
 from vllm_mamba.outputs import RequestOutput
 from vllm_mamba.sampling_params import SamplingParams
@@ -101,8 +103,10 @@ class LLM:
 
         Args:
             messages: one conversation (OpenAI-style messages: `role`, `content` as text or
-                text parts, and `name`, `tool_calls`, `tool_call_id` where they apply) or a
-                list of conversations.
+                parts, and `name`, `tool_calls`, `tool_call_id` where they apply) or a list of
+                conversations. An image-text model takes image parts: `image_url` (a
+                `data:` URL, an `http(s)://` URL, a `file://` URL under
+                `allowed_local_media_path`) and `image_pil` (a `PIL.Image.Image`).
             sampling_params: one for all conversations, or one per conversation.
             use_tqdm: show a progress bar.
             chat_template: a template (file or text) instead of the tokenizer's.
@@ -129,8 +133,12 @@ class LLM:
         kwargs = check_template_kwargs(chat_template_kwargs)
         inputs = self.llm_engine.inputs
         prompts: list[PromptInput] = []
+        images_ok = inputs.images is not None
         for conversation in conversations:
-            turns = [conversation_message(m) for m in conversation]
+            refs: list[ImageRef] | None = [] if images_ok else None
+            turns = [
+                conversation_message(m, refs, f"messages[{i}]") for i, m in enumerate(conversation)
+            ]
             text = template.render(
                 turns,
                 add_generation_prompt,
@@ -141,7 +149,10 @@ class LLM:
             )
             ids = inputs.encode(text, add_special_tokens=False)
             prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
-            if self.llm_engine.prefix_cache is not None and len(turns) > 1:
+            if refs:
+                assert inputs.images is not None
+                prompt["multi_modal_data"] = {"image": load_images(refs, inputs.images.media)}
+            elif self.llm_engine.prefix_cache is not None and len(turns) > 1:
                 # Snapshots where messages end: a later conversation sharing them hits.
                 prompt["cache_points"] = chat_cache_points(
                     lambda prefix: template.render(
@@ -169,8 +180,10 @@ class LLM:
 
         Args:
             prompts: a string, a list of strings, token ids (`{"prompt_token_ids": [...]}`),
-                or a list of those. A dict may hold `prompt`, `prompt_token_ids` and
-                `cache_points`; any other field (`multi_modal_data`, ...) is refused.
+                or a list of those. A dict may hold `prompt`, `prompt_token_ids`,
+                `cache_points` and, for an image-text model, `multi_modal_data`
+                (`{"image": PIL image or list}`, one placeholder token per image in the
+                prompt); any other field is refused.
             sampling_params: one for all prompts, or one per prompt.
             use_tqdm: show a progress bar with token throughput.
 

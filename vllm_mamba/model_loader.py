@@ -279,6 +279,7 @@ def build_model(
     tp: TensorParallel = SINGLE,
     *,
     mtp: bool = False,
+    images: bool = False,
 ) -> tuple[nn.Module, str]:
     """Instantiates the registered class for the config and loads its weights.
 
@@ -286,6 +287,8 @@ def build_model(
         tp: with more than one rank, this rank's shard of the model is built and loaded.
         mtp: also build and load the checkpoint's multi-token prediction head as `model.mtp`
             (speculative method `mtp`, `vllm_mamba.models.mtp.SupportsMTP`); skipped otherwise.
+        images: also build and load an image-text model's vision encoder
+            (`vllm_mamba.models.image_text.SupportsImages`); skipped otherwise.
 
     Returns:
         The model in eval mode on `device` with `dtype`, and its architecture name.
@@ -306,6 +309,8 @@ def build_model(
         model = model_cls(hf_config, ops, tp) if tp.size > 1 else model_cls(hf_config, ops)
         if mtp:
             model.enable_mtp(ops, tp)
+        if images and getattr(model_cls, "supports_images", False):
+            model.enable_images(ops)
     method = recorded_quantization(hf_config)
     if method is not None:
         if not model_cls.supports_quantization:

@@ -39,6 +39,9 @@ class StepLayout:
         decode_chain_src / decode_chain_dst: with waves, per decode row the slot its state
             is read from and written to: position w of a chain writes its own spare slot, its
             last position the sequence's slot (`decode_slots`).
+        rope_positions: M-RoPE steps (paged only): the three rows (time, height, width) of
+            rotary positions of every token in flat order; None: each token rotates at its
+            position.
     """
 
     decode_slots: list[int]
@@ -54,6 +57,7 @@ class StepLayout:
     decode_waves: list[int] = field(default_factory=list)
     decode_chain_src: list[int] = field(default_factory=list)
     decode_chain_dst: list[int] = field(default_factory=list)
+    rope_positions: list[list[int]] | None = None
 
 
 class AttentionMetadata:

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,8 @@ from vllm_mamba.config import (
     resolve_dtype,
     resolve_state_dtype,
 )
+from vllm_mamba.multimodal.config import MultiModalConfig, check_limits, json_option
+from vllm_mamba.multimodal.media import MediaConfig
 from vllm_mamba.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:  # imported where used: the CLI's parsers (`add_cli_args`) load no torch
@@ -180,6 +183,31 @@ class EngineArgs:
         choices=EXECUTOR_BACKENDS,
     )
 
+    language_model_only: bool = _opt(
+        "serve an image-text checkpoint text-only: its vision encoder is not loaded and "
+        "images are refused",
+        default=False,
+    )
+    limit_mm_per_prompt: dict[str, Any] | str | None = _opt(
+        'the most images one prompt may carry, as JSON: {"image": N} (default 16)',
+        default=None,
+    )
+    mm_processor_kwargs: dict[str, Any] | str | None = _opt(
+        "overrides of the image processor's settings, as JSON (Qwen3.5: min_pixels, max_pixels)",
+        default=None,
+    )
+    allowed_local_media_path: str | None = _opt(
+        "a directory whose images requests may name as file:// URLs (default: none may)",
+        default=None,
+    )
+    disable_media_fetch: bool = _opt(
+        "refuse http(s) image URLs (data: URLs and allowed file:// URLs still work)",
+        default=False,
+    )
+    media_fetch_timeout: float = _opt(
+        "seconds to fetch one image URL (connecting, redirects and body)", default=10.0
+    )
+
     speculative_config: dict[str, Any] | str | None = _opt(
         "speculative decoding, as a JSON object with vLLM's keys: method (ngram, draft_model "
         "or mtp), num_speculative_tokens, prompt_lookup_min / prompt_lookup_max (ngram), model "
@@ -270,6 +298,17 @@ class EngineArgs:
                 f"tensor_parallel_size {self.tensor_parallel_size}: speculative method 'mtp' "
                 "runs on one rank only (ngram and draft_model run with tensor parallelism)"
             )
+        timeout = self.media_fetch_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"media_fetch_timeout must be a number > 0, got {timeout!r}")
+        check_limits(json_option("limit_mm_per_prompt", self.limit_mm_per_prompt))
+        json_option("mm_processor_kwargs", self.mm_processor_kwargs)
+        if self.allowed_local_media_path is not None and not os.path.isdir(
+            self.allowed_local_media_path
+        ):
+            raise ValueError(
+                f"allowed_local_media_path {self.allowed_local_media_path!r} is not a directory"
+            )
         if self.quantization in ONE_RANK_QUANTIZATION and (self.tensor_parallel_size or 1) > 1:
             raise ValueError(
                 f"tensor_parallel_size {self.tensor_parallel_size}: quantization "
@@ -352,6 +391,27 @@ class EngineArgs:
             ),
             speculative_config=SpeculativeConfig.from_value(self.speculative_config),
             cpu_threads=self.threads,
+            multimodal=self._multimodal(arch),
+        )
+
+    def _multimodal(self, arch: str) -> MultiModalConfig | None:
+        """The image options when `arch` is an image-text model served with images."""
+        from vllm_mamba.models.registry import ModelRegistry
+
+        cls, _ = ModelRegistry.resolve_model_cls(arch)
+        if not getattr(cls, "supports_images", False) or self.language_model_only:
+            return None
+        media = MediaConfig(
+            allow_fetch=not self.disable_media_fetch,
+            allowed_local_media_path=self.allowed_local_media_path,
+            fetch_timeout_s=float(self.media_fetch_timeout),
+        )
+        return MultiModalConfig(
+            limit_per_prompt=check_limits(
+                json_option("limit_mm_per_prompt", self.limit_mm_per_prompt)
+            ),
+            processor_kwargs=json_option("mm_processor_kwargs", self.mm_processor_kwargs),
+            media=media,
         )
 
 

@@ -140,7 +140,9 @@ class AsyncLLMEngine:
         self._grammar_pool: GrammarCompilePool | None = None
         mc = engine.config.model_config
         self.tokenizer = copy.deepcopy(engine.tokenizer)
-        self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
+        self.inputs = InputProcessor(
+            self.tokenizer, mc.vocab_size, mc.max_model_len, engine.inputs.images
+        )
         self.stats: StatsSnapshot = engine.stats_snapshot()
         self._stat_logger = StatLogger() if engine.config.log_stats else None
         self.pause_after_s = pause_after_s
@@ -254,11 +256,12 @@ class AsyncLLMEngine:
         self.start()
         tokenized = []
         for request_id, prompt in requests:
-            text, ids = await self.run_tokenizer(self.inputs.process_prompt, prompt)
+            text, ids, mm = await self.run_tokenizer(self.inputs.process, prompt)
             points = self.inputs.cache_points(prompt, len(ids))
-            tokenized.append(
-                (request_id, {"prompt": text, "prompt_token_ids": ids, "cache_points": points})
-            )
+            processed = {"prompt": text, "prompt_token_ids": ids, "cache_points": points}
+            if mm is not None:  # preprocessed here, off the engine thread
+                processed["multi_modal_data"] = mm
+            tokenized.append((request_id, processed))
         self._check_alive()
         queues: list[_Outputs] = []
         for request_id, _ in requests:

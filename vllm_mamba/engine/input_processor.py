@@ -9,16 +9,23 @@ cache should save a state snapshot while prefilling (where each chat message end
 next request sharing that prefix hits even when this request was alone in the cache
 (`cache_points`).
 
-Those three are the only fields a prompt dict may have: any other (vLLM's `multi_modal_data`,
-`mm_processor_kwargs`, ...) is refused by name rather than dropped, since the engine would
-otherwise generate from the text alone.
+An image-text model's prompt dict may carry `"multi_modal_data": {"image": PIL image or list}`
+(vLLM's field): each image is preprocessed by the model's image processor and the prompt's
+placeholder token for it expanded (`multimodal.prompt`); `process` returns the
+`MultiModalPrompt`, which rides on the request from then on. Those four are the only fields a
+prompt dict may have: any other (`mm_processor_kwargs` per prompt, ...) is refused by name
+rather than dropped, and images sent to a model served text-only are refused.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_mamba.multimodal.inputs import ImageProcessor, ProcessedImage
+from vllm_mamba.multimodal.media import MediaConfig, image_from_pil
+from vllm_mamba.multimodal.prompt import MultiModalPrompt, expand_prompt
 from vllm_mamba.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -27,7 +34,26 @@ PromptInput = str | list[int] | dict[str, Any]
 # slot, so the count is bounded (a chat conversation needs a handful).
 MAX_CACHE_POINTS = 64
 # The fields of a prompt dict the engine uses.
-PROMPT_FIELDS = ("prompt", "prompt_token_ids", "cache_points")
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "cache_points", "multi_modal_data")
+# The most images one prompt may carry unless the engine says otherwise (`limit_mm_per_prompt`).
+DEFAULT_IMAGE_LIMIT = 16
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """What the input processor needs to take images for an image-text model.
+
+    Attributes:
+        processor: the model's image processor.
+        limit: the most images per prompt (`limit_mm_per_prompt`).
+        mrope: image tokens take M-RoPE positions (Qwen3.5).
+        media: the pixel budget of a decoded image (and how URLs are read: `media`).
+    """
+
+    processor: ImageProcessor
+    limit: int = DEFAULT_IMAGE_LIMIT
+    mrope: bool = False
+    media: MediaConfig = field(default_factory=MediaConfig)
 
 
 _longest: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -55,10 +81,19 @@ class InputProcessor:
         tokenizer: the model's Hugging Face tokenizer.
         vocab_size: rows of the model's embedding; token ids must be below it.
         max_model_len: the longest prompt plus output.
+        images: how to take images (an image-text model served with images); None refuses
+            them.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        images: ImageInputs | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.images = images
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # No token spans more characters than the longest vocabulary entry, so a text longer
@@ -66,24 +101,77 @@ class InputProcessor:
         self.max_prompt_chars = max_model_len * longest_token(tokenizer)
 
     def process_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """Returns `(text or None, token ids)` of a prompt, validated.
+        """Returns `(text or None, token ids)` of a prompt without images, validated.
 
         Raises:
-            ValueError: empty, too long, not encodable, with token ids outside the
-                vocabulary, or a dict with a field the engine does not use (naming it:
-                `multi_modal_data`, say; only `PROMPT_FIELDS` are used).
+            ValueError: as `process`, and a prompt with images.
+        """
+        text, ids, mm = self.process(prompt)
+        if mm is not None:
+            raise ValueError("multi_modal_data: use InputProcessor.process for images")
+        return text, ids
+
+    def process(self, prompt: PromptInput) -> tuple[str | None, list[int], MultiModalPrompt | None]:
+        """Returns `(text or None, token ids, images or None)` of a prompt, validated; with
+        images, the ids have each image's placeholder expanded.
+
+        Raises:
+            ValueError: empty, too long (after expanding images), not encodable, with token
+                ids outside the vocabulary, a dict with a field the engine does not use
+                (naming it; only `PROMPT_FIELDS` are used), or bad images (naming
+                `multi_modal_data`).
         """
         text, ids = _split_prompt(prompt)
+        raw_images = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if ids is None:
             ids = self.encode(text)
         if not ids:
             raise ValueError("prompt is empty: it must contain at least one token")
         self.check_token_ids("prompt_token_ids", ids)
+        mm = None
+        if isinstance(raw_images, MultiModalPrompt):  # processed already (the server's thread)
+            mm = raw_images
+        elif raw_images is not None:
+            ids, mm = self._expand_images(ids, raw_images)
         if len(ids) > self.max_model_len:
+            more = " with its images' tokens" if mm is not None else ""
             raise ValueError(
-                f"prompt is {len(ids)} tokens long, more than max_model_len ({self.max_model_len})"
+                f"prompt is {len(ids)} tokens long{more}, more than max_model_len "
+                f"({self.max_model_len})"
             )
-        return text, ids
+        return text, ids, mm
+
+    def _expand_images(self, ids: list[int], data: Any) -> tuple[list[int], MultiModalPrompt]:
+        """`ids` with the images of `multi_modal_data` expanded (see `process`)."""
+        images = check_image_data(data)
+        if self.images is None:
+            raise ValueError(
+                "multi_modal_data: this model is served text-only (a text model, or an "
+                "image-text model started with language_model_only): images are not accepted"
+            )
+        if len(images) > self.images.limit:
+            raise ValueError(
+                f"multi_modal_data: {len(images)} images, more than the {self.images.limit} "
+                "one prompt may carry (limit_mm_per_prompt)"
+            )
+        processed = [self.process_image(image, f"multi_modal_data.image[{i}]")
+                     for i, image in enumerate(images)]  # fmt: skip
+        proc = self.images.processor
+        return expand_prompt(ids, processed, proc.placeholder_token_id, self.images.mrope)
+
+    def process_image(self, image: Any, field: str) -> ProcessedImage:
+        """One decoded image through the model's image processor.
+
+        Raises:
+            ValueError: naming `field`: not an image, too many pixels, or refused by the
+                processor.
+        """
+        assert self.images is not None
+        rgb = image_from_pil(image, self.images.media, field)
+        try:
+            return self.images.processor.process(rgb)
+        except ValueError as err:
+            raise ValueError(f"{field}: {err}") from err
 
     def cache_points(self, prompt: PromptInput, num_tokens: int) -> list[int]:
         """The validated `"cache_points"` of a prompt dict of `num_tokens` tokens: sorted,
@@ -191,6 +279,26 @@ def check_cache_points(prompt: PromptInput, num_tokens: int) -> list[int]:
     return unique
 
 
+def check_image_data(data: Any) -> list[Any]:
+    """The images of a prompt's `multi_modal_data` (`{"image": image or list of images}`).
+
+    Raises:
+        ValueError: not a dict, a modality other than `image`, or no images.
+    """
+    if not isinstance(data, dict):
+        raise ValueError('multi_modal_data must be a dict such as {"image": image}')
+    other = [key for key in data if key != "image"]
+    if other:
+        raise ValueError(
+            f"multi_modal_data: {', '.join(repr(k) for k in other)} not supported (only 'image')"
+        )
+    images = data.get("image")
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if not images or any(image is None for image in images):
+        raise ValueError("multi_modal_data: 'image' needs at least one image")
+    return images
+
+
 def _split_prompt(prompt: PromptInput) -> tuple[Any, list[Any] | None]:
     """`(text, ids or None)` of the accepted prompt shapes."""
     if isinstance(prompt, dict):
@@ -198,8 +306,8 @@ def _split_prompt(prompt: PromptInput) -> tuple[Any, list[Any] | None]:
         if unused:
             names = ", ".join(repr(key) for key in unused)
             raise ValueError(
-                f"prompt field(s) {names} not supported: this engine serves text only and "
-                f"uses only {', '.join(repr(f) for f in PROMPT_FIELDS)}"
+                f"prompt field(s) {names} not supported: the engine uses only "
+                f"{', '.join(repr(f) for f in PROMPT_FIELDS)}"
             )
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]

@@ -40,6 +40,7 @@ from vllm_mamba.engine.structured_outputs import StructuredOutputs, grammar_fail
 from vllm_mamba.errors import EngineStartupError, RequestsFailedError, is_fatal
 from vllm_mamba.executor import make_executor
 from vllm_mamba.kv_cache import KVCacheSizing, plan_num_blocks
+from vllm_mamba.multimodal.config import image_inputs
 from vllm_mamba.ops import cpu_isa
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.outputs import RequestOutput
@@ -117,7 +118,9 @@ class LLMEngine:
             self.max_spec_chains,
         )  # fmt: skip
         self.stats = EngineCounters()
-        self.inputs = InputProcessor(tokenizer, mc.vocab_size, mc.max_model_len)
+        self.inputs = InputProcessor(
+            tokenizer, mc.vocab_size, mc.max_model_len, image_inputs(config, tokenizer)
+        )
         self.outputs = OutputProcessor(tokenizer, self.eos_token_id, mc.max_model_len)
         self.prefix_steps: PrefixCacheSteps | NoPrefixSteps = NoPrefixSteps()
         if self.prefix_cache is not None:
@@ -333,7 +336,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self.inputs.process_prompt(prompt)
+        text, ids, mm = self.inputs.process(prompt)
         cache_points = self.inputs.cache_points(prompt, len(ids))
         self.inputs.check_params(params)
         self.structured_outputs.prepare(params)
@@ -348,6 +351,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self._max_tokens(len(ids), params)
         seq = Sequence(seq_id=self.scheduler.new_seq_id(), index=0, prompt_token_ids=ids)
+        if mm is not None:
+            seq.prompt_keys = mm.cache_keys
         group = SequenceGroup(
             request_id=request_id,
             prompt=text,
@@ -357,6 +362,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             cache_points=cache_points,
+            mm=mm,
         )
         if arrival_time is not None:
             group.arrival_time = arrival_time

@@ -61,7 +61,7 @@ class PrefixScheduling:
     def add_path(self, group: SequenceGroup) -> None:
         """Registers a new request's prompt in the tree, and the prefixes ending at its cache
         points (live node boundaries until `drop_path`)."""
-        prompt = group.prompt_token_ids
+        prompt = group.prompt_keys
         group.path_node = self.cache.add_path(prompt)
         group.cache_point_nodes = [self.cache.add_path(prompt[:p]) for p in group.cache_points]
 
@@ -80,7 +80,7 @@ class PrefixScheduling:
     def chunk_end(self, group: SequenceGroup, seq: Sequence, end: int) -> int:
         """Where a prefill chunk of `seq` planned to end at `end` should end instead."""
         start = seq.num_computed_tokens
-        tokens = seq.token_slice(0, end)
+        tokens = seq.key_slice(0, end)
         return self.cache.next_cut(tokens, start, end, logprobs_owed(group, seq))
 
     def find_hits(self, group: SequenceGroup, seqs: list[Sequence]) -> list[PrefixHit]:
@@ -89,7 +89,7 @@ class PrefixScheduling:
         for seq in seqs:
             if seq.num_computed_tokens:
                 continue
-            tokens = seq.token_slice(0, seq.num_tokens)
+            tokens = seq.key_slice(0, seq.num_tokens)
             snap = self.cache.match(tokens, len(tokens) - 1, logprobs_owed(group, seq))
             if snap is None:
                 continue
@@ -120,7 +120,7 @@ class PrefixScheduling:
         if num == 1 and seq.num_computed_tokens > 0:  # a decode
             return None
         end = seq.num_computed_tokens + num
-        tokens = seq.token_slice(0, end)
+        tokens = seq.key_slice(0, end)
         if not self.cache.wants_snapshot(tokens, end, logprobs_owed(group, seq)):
             return None
         assert seq.slot is not None
@@ -132,13 +132,13 @@ class PrefixScheduling:
         steps, and `group` starts from it then."""
         if len(group.seqs) != 1 or group.seqs[0].num_computed_tokens:
             return False
-        tokens = group.prompt_token_ids
+        tokens = group.prompt_keys
         k = logprobs_owed(group, group.seqs[0])
         snap = self.cache.match(tokens, len(tokens) - 1, k)
         have = snap.num_tokens if snap is not None else 0
         for other in running:
             seq = other.seqs[0]
-            prompt = other.prompt_token_ids
+            prompt = other.prompt_keys
             if seq.num_computed_tokens >= len(prompt) or seq.status.finished:
                 continue
             if k is not None and (other.params.prompt_logprobs or -1) < k:

@@ -106,7 +106,7 @@ class PrefixCacheSteps:
         """
         if seq.slot is None or seq.num_computed_tokens < 1:
             return
-        tokens = seq.token_slice(0, seq.num_computed_tokens)
+        tokens = seq.key_slice(0, seq.num_computed_tokens)
         if self.cache.has_snapshot(tokens):
             return
         pending = self.cache.reserve(seq.seq_id, seq.slot, tokens, group, seq.index)

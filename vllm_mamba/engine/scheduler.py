@@ -413,6 +413,7 @@ class Scheduler:
         for index in range(len(group.seqs), group.params.n):
             if not group.reserved_slots:
                 seq = Sequence(self.new_seq_id(), index, parent.prompt_token_ids)
+                seq.prompt_keys = parent.prompt_keys
                 group.seqs.append(seq)
                 continue
             child = Sequence(
@@ -421,6 +422,7 @@ class Scheduler:
                 prompt_token_ids=parent.prompt_token_ids,
                 slot=group.reserved_slots.pop(),
                 status=SequenceStatus.RUNNING,
+                prompt_keys=parent.prompt_keys,
             )
             self.block_manager.fork(parent.seq_id, child.seq_id)
             group.seqs.append(child)

@@ -59,6 +59,9 @@ class Sequence:
     matcher: object | None = None  # grammar matcher of a request with structured outputs
     grammar_started: bool = False  # its `start_after` text has been generated
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens for the next step
+    # The prefix cache's keys of the prompt when they are not its ids (a prompt with images:
+    # `multimodal.prompt.MultiModalPrompt.cache_keys`); None: the ids.
+    prompt_keys: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +79,15 @@ class Sequence:
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
         head = self.prompt_token_ids[start:] if start < prompt_len else []
+        return head + self.output_token_ids[max(start - prompt_len, 0) : end - prompt_len]
+
+    def key_slice(self, start: int, end: int) -> list[int]:
+        """The prefix cache's keys of tokens `[start, end)`: `token_slice`, with an image's
+        tokens keyed by its content (`prompt_keys`)."""
+        if self.prompt_keys is None:
+            return self.token_slice(start, end)
+        prompt_len = len(self.prompt_token_ids)
+        head = self.prompt_keys[start:end] if start < prompt_len else []
         return head + self.output_token_ids[max(start - prompt_len, 0) : end - prompt_len]
 
     def to_output(self, with_logprobs: bool) -> CompletionOutput:
@@ -113,6 +125,12 @@ class SequenceGroup:
     paused: bool = False  # its consumer is not reading: not scheduled (see `Scheduler`)
     sampling_options: Any = None  # `params` as the step's plain copy, made once (`StepBuilder`)
     matching: Any = None  # its grammar matching work (`structured_outputs.RequestMatching`)
+    mm: Any = None  # its images (`multimodal.prompt.MultiModalPrompt`); None for text
+
+    @property
+    def prompt_keys(self) -> list[int]:
+        """The prefix cache's keys of the prompt (`Sequence.key_slice`)."""
+        return self.mm.cache_keys if self.mm is not None else self.prompt_token_ids
 
     @property
     def pending_forks(self) -> int:

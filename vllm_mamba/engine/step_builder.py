@@ -14,6 +14,10 @@ Between steps the engine queues here what the next step carries for it:
   snapshot);
 - `finish`: a sequence that left the engine (the worker drops its generator);
 - `reset`: after the warm-up, the engine-wide generator restarts from the configured seed.
+
+A request with images (`SequenceGroup.mm`) sends each image with every chunk that covers one
+of its embedding positions (`StepImage`: the worker encodes it once and keeps the output),
+and, on an M-RoPE model, the rotary positions of every token it runs.
 """
 
 from __future__ import annotations
@@ -29,8 +33,22 @@ from vllm_mamba.worker.step import (
     SamplingOptions,
     SnapshotTake,
     Step,
+    StepImage,
     StepSeq,
 )
+
+
+def _images(group: SequenceGroup, start: int, end: int) -> list[StepImage]:
+    """The request's images with an embedding position in `[start, end)`."""
+    if group.mm is None:
+        return []
+    out = []
+    for placed in group.mm.images:
+        positions = placed.positions
+        if positions and positions[0] < end and positions[-1] >= start:
+            image = placed.image
+            out.append(StepImage(image.content_hash, image.features, positions))
+    return out
 
 
 class StepBuilder:
@@ -128,6 +146,12 @@ class StepBuilder:
             samples=samples,
             forks=[(c.seq_id, c.slot) for c in item.children],  # type: ignore[misc]
             prompt_logprobs=self._prompt_logprobs(item),
+            images=_images(group, start, start + len(tokens)),
+            rope_positions=(
+                group.mm.rope_positions(start, start + len(tokens))
+                if group.mm is not None and group.mm.rope_rows is not None
+                else None
+            ),
         )
 
     def _sample(self, group: SequenceGroup, seq: Sequence, drafts: list[int] | None) -> SampleSpec:

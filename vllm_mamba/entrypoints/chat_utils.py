@@ -20,6 +20,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -29,6 +30,12 @@ from vllm_mamba.entrypoints.template_sandbox import (
     RENDER_TIMEOUT_S,
     BoundedEnvironment,
     TemplateBudgetError,
+)
+from vllm_mamba.multimodal.media import (
+    MediaConfig,
+    image_from_pil,
+    load_image,
+    load_image_async,
 )
 
 NO_TEMPLATE_MESSAGE = (
@@ -214,7 +221,11 @@ class ChatTemplate:
         return text
 
 
-MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "file")
+MEDIA_PARTS = (
+    "image_url", "input_image", "image", "image_pil", "input_audio", "audio_url", "video_url",
+    "file",
+)  # fmt: skip
+IMAGE_PARTS = ("image_url", "input_image", "image", "image_pil")
 TEXT_PARTS = ("text", "input_text", "output_text")
 # Names the renderer sets itself: `chat_template_kwargs` may not override them.
 RESERVED_TEMPLATE_VARS = frozenset(
@@ -231,24 +242,115 @@ def content_text(content: Any, field: str = "messages") -> str:
     Raises:
         ValueError: a part that is not text (media parts are named), naming `field`.
     """
+    out = content_parts(content, field, None)
+    assert isinstance(out, str)
+    return out
+
+
+def content_parts(content: Any, field: str, images: list[ImageRef] | None) -> str | list[Any]:
+    """A message's content as the chat template sees it: its text (`content_text`) when it
+    has no image, else its parts in order, text as `{"type": "text", "text": ...}` and each
+    image as `{"type": "image"}` (the form Qwen's and LFM2-VL's templates read), the images'
+    references appended to `images`. `images` None: images are refused.
+
+    Raises:
+        ValueError: naming `field`: a part that is neither text nor an image (nor an image
+            when `images` is None), or a malformed part.
+    """
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise ValueError(f"{field}: content must be a string or a list of parts")
-    pieces = []
-    for part in content:
+    pieces: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        where = f"{field}.content[{i}]"
+        if kind in IMAGE_PARTS and images is not None:
+            images.append(image_ref(part, where))
+            pieces.append({"type": "image"})
+            continue
         if kind in MEDIA_PARTS:
             raise ValueError(
                 f"{field}: {kind} content parts are not supported: this server serves the "
                 "model text-only (images, audio and video are not accepted)"
+                if images is None or kind not in IMAGE_PARTS
+                else f"{where}: {kind} parts are not supported"
             )
         if kind not in TEXT_PARTS:
             raise ValueError(f"{field}: only text content parts are supported, got {kind!r}")
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{field}: a text part needs a string text, got {part!r}")
-        pieces.append(part["text"])
-    return "\n".join(pieces)
+        pieces.append({"type": "text", "text": part["text"]})
+    if not any(p["type"] == "image" for p in pieces):
+        return "\n".join(p["text"] for p in pieces)
+    return pieces
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """An image part of a message: its URL (`data:`, `http(s)://`, `file://`) or, from
+    `LLM.chat`, the image itself; `field` names the part in errors."""
+
+    field: str
+    url: str | None = None
+    image: Any = None
+
+
+def image_ref(part: dict[str, Any], field: str) -> ImageRef:
+    """The image an image part names: `image_url` (`{"url": ...}` or a string),
+    `input_image` (Responses: `image_url` string), `image_pil` / `image` (a PIL image or a
+    URL string, `LLM.chat`).
+
+    Raises:
+        ValueError: naming `field`: no URL or image, or a Responses `file_id`.
+    """
+    kind = part["type"]
+    value = part.get(kind if kind != "input_image" else "image_url")
+    if kind == "input_image" and value is None and part.get("file_id") is not None:
+        raise ValueError(f"{field}: input_image file_id is not supported (send image_url)")
+    if isinstance(value, dict) and kind == "image_url":
+        value = value.get("url")
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f"{field}: the image URL is empty")
+        return ImageRef(field, url=value)
+    if value is None or kind in ("image_url", "input_image"):
+        raise ValueError(f"{field}: an {kind} part needs an image URL")
+    return ImageRef(field, image=value)
+
+
+def load_images(refs: list[ImageRef], media: MediaConfig) -> list[Any]:
+    """The decoded RGB images of `refs`, in order (URLs read under `media`'s rules; call off
+    the event loop).
+
+    Raises:
+        ValueError: naming the part: an image that cannot be read or decoded.
+    """
+    return [
+        load_image(ref.url, media, ref.field)
+        if ref.url is not None
+        else image_from_pil(ref.image, media, ref.field)
+        for ref in refs
+    ]
+
+
+async def load_images_async(refs: list[ImageRef], media: MediaConfig) -> list[Any]:
+    """`load_images` on worker threads, the images fetched concurrently."""
+    import asyncio
+
+    async def one(ref: ImageRef) -> Any:
+        if ref.url is not None:
+            return await load_image_async(ref.url, media, ref.field)
+        return await asyncio.to_thread(image_from_pil, ref.image, media, ref.field)
+
+    return list(await asyncio.gather(*(one(ref) for ref in refs)))
+
+
+def template_content_text(content: str | list[Any]) -> str:
+    """The text of a template message's content (its text parts joined)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
 
 
 def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
@@ -276,19 +378,27 @@ def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def conversation_message(message: dict[str, Any]) -> dict[str, Any]:
+def conversation_message(
+    message: dict[str, Any], images: list[ImageRef] | None = None, field: str = "messages"
+) -> dict[str, Any]:
     """An OpenAI-style message as the chat template sees it (vLLM's rendering): `role`,
-    `content` as text, and, when present, `name`, `tool_calls` (arguments decoded),
-    `tool_call_id` and the reasoning of an earlier assistant turn (as `reasoning_content`
-    and `reasoning`, the names templates use).
+    `content` as text (or, with images, its parts: `content_parts`), and, when present,
+    `name`, `tool_calls` (arguments decoded), `tool_call_id` and the reasoning of an earlier
+    assistant turn (as `reasoning_content` and `reasoning`, the names templates use).
+
+    Args:
+        images: where its image parts' references go; None refuses image parts.
+        field: the message's name in errors (`messages[2]`).
 
     Raises:
-        ValueError: a message without a role, or with a part that is not text.
+        ValueError: a message without a role, or with a part that is not text (or an image
+            when `images` is given).
     """
     role = message.get("role")
     if not isinstance(role, str):
         raise ValueError(f"messages: each message needs a string role, got {message!r}")
-    out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"))}
+    content = content_parts(message.get("content"), field, images)
+    out: dict[str, Any] = {"role": role, "content": content}
     for key in ("name", "tool_call_id"):
         if message.get(key) is not None:
             out[key] = message[key]
@@ -308,7 +418,7 @@ def message_text(message: dict[str, Any]) -> dict[str, str]:
         ValueError: a message without a role, or with a part that is not text.
     """
     out = conversation_message(message)
-    return {"role": out["role"], "content": out["content"]}
+    return {"role": out["role"], "content": template_content_text(out["content"])}
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -341,7 +451,7 @@ def _cut_after_final_message(text: str, turns: list[dict[str, Any]]) -> str:
     Raises:
         ValueError: the last message's content is not found in the prompt.
     """
-    final = turns[-1]["content"] if turns else ""
+    final = template_content_text(turns[-1]["content"]) if turns else ""
     at = text.rfind(final.strip()) if final.strip() else -1
     if at < 0:
         raise TemplateRenderError(

@@ -222,5 +222,5 @@ class CCAttention(nn.Module):
         """`hidden (T, H)` -> `(T, H)`."""
         query, key, value = self.qkv_proj(hidden, meta)
         query, key = self.qk_norm(query, key)
-        q, k = self.rotary(meta.positions, query.flatten(1), key.flatten(1), meta)
+        q, k = self.rotary(meta.rope_positions, query.flatten(1), key.flatten(1), meta)
         return self.o_proj(self.attn(q, k, value.flatten(1), meta))

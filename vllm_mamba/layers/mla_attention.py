@@ -185,7 +185,7 @@ class MLAAttention(KVCacheLayer):
         q_nope, q_rot = q[..., :dn], q[..., dn:]  # (T, Hq, Dn), (T, Hq, Dr)
         if self.rotary is not None and dr:
             q_rot, k_rot = self.rotary(
-                meta.positions, q_rot.reshape(num_tokens, heads * dr), k_rot.contiguous(), meta
+                meta.rope_positions, q_rot.reshape(num_tokens, heads * dr), k_rot.contiguous(), meta
             )
             q_rot = q_rot.view(num_tokens, heads, dr)
         latent = torch.cat([c, k_rot.to(c.dtype)], dim=-1)  # (T, L)

@@ -20,6 +20,13 @@ than `max_position_embeddings`), assisted generation (a chain of drafts at its l
 with `enable_prefix_caching`, a hit reuses the cached keys as they were rotated, at the prompt
 length of the request that computed them.
 
+M-RoPE (Qwen3.5's image-text checkpoints: `mrope_section` in the RoPE parameters) gives each
+token three positions (time, height, width); frequency `j` of the rotated half turns at the
+height row when `j % 3 == 1` and `j < 3 * section[1]`, at the width row when `j % 3 == 2` and
+`j < 3 * section[2]`, else at the time row (transformers' interleaved layout). Text tokens have
+three equal positions, so only a step holding image tokens (the paged metadata's
+`mrope_positions`) takes this path; the others rotate at `rope_positions`.
+
 Glossary: T tokens in the step, H heads, D head dim, R rotated dims per head.
 """
 
@@ -69,7 +76,12 @@ class RotaryEmbedding(nn.Module):
     """Rotates `q (T, Hq * D)` and `k (T, Hkv * D)` at `positions (T,)` (NeoX pairing)."""
 
     def __init__(
-        self, head_dim: int, rot_dim: int, max_position: int, freqs: RopeFrequencies
+        self,
+        head_dim: int,
+        rot_dim: int,
+        max_position: int,
+        freqs: RopeFrequencies,
+        mrope_section: list[int] | None = None,
     ) -> None:
         super().__init__()
         if rot_dim % 2 or not 0 < rot_dim <= head_dim:
@@ -85,11 +97,21 @@ class RotaryEmbedding(nn.Module):
         self.freqs = freqs
         self._cos_sin: torch.Tensor | None = None  # (max_position, R) float32
         self._step_key = _frequency_key(freqs) if freqs.by_length is not None else None
+        # M-RoPE: per rotated frequency, the position row (0 time, 1 height, 2 width) it reads
+        self.mrope_rows = None if mrope_section is None else _mrope_rows(mrope_section, rot_dim)
 
     @classmethod
-    def from_config(cls, config: Any, head_dim: int, rot_dim: int | None = None) -> RotaryEmbedding:
+    def from_config(
+        cls,
+        config: Any,
+        head_dim: int,
+        rot_dim: int | None = None,
+        mrope_section: list[int] | None = None,
+    ) -> RotaryEmbedding:
         """`config`'s RoPE (`rope_parameters`: plain or scaled, `rope_scaling.py`) over
-        `head_dim`-wide heads; `rot_dim` defaults to `partial_rotary_factor * head_dim`."""
+        `head_dim`-wide heads; `rot_dim` defaults to `partial_rotary_factor * head_dim`;
+        M-RoPE by the parameters' `mrope_section`, else by `mrope_section` (the model's
+        default), else none."""
         if rot_dim is None:
             params = rope_parameters(config)
             factor = params.get("partial_rotary_factor") or getattr(
@@ -99,7 +121,8 @@ class RotaryEmbedding(nn.Module):
         freqs = rope_frequencies(config, rot_dim)
         # RecurrentGemma's config names no length: the table grows from the default.
         max_position = getattr(config, "max_position_embeddings", None) or DEFAULT_TABLE_POSITIONS
-        return cls(head_dim, rot_dim, max_position, freqs)
+        section = rope_parameters(config).get("mrope_section") or mrope_section
+        return cls(head_dim, rot_dim, max_position, freqs, list(section) if section else None)
 
     def _table(self, device: torch.device, positions: torch.Tensor) -> torch.Tensor:
         # A position past the table (a max_model_len beyond max_position_embeddings) grows it
@@ -136,6 +159,15 @@ class RotaryEmbedding(nn.Module):
         beyond = torch.cat([angles.cos(), angles.sin()], dim=-1) * self.freqs.attention_factor
         return torch.where(past[:, None], beyond, within)
 
+    def _mrope_table(self, device: torch.device, mrope: torch.Tensor) -> torch.Tensor:
+        """`(T, R)`: each token's cos / sin, frequency `j` at its `mrope_rows[j]` position of
+        `mrope (3, T)`."""
+        assert self.mrope_rows is not None and self.freqs.by_length is None
+        rows = self._table(device, mrope.flatten())[mrope.long()]  # (3, T, R)
+        half = torch.tensor(self.mrope_rows, device=device)  # (R/2,)
+        index = torch.cat([half, half])[None, None, :].expand(1, *rows.shape[1:])  # (1, T, R)
+        return rows.gather(0, index)[0]
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -148,13 +180,17 @@ class RotaryEmbedding(nn.Module):
         num_tokens = q.shape[0]
         q3 = q.view(num_tokens, -1, self.head_dim)  # (T, Hq, D)
         k3 = k.view(num_tokens, -1, self.head_dim)  # (T, Hkv, D)
-        if self.freqs.by_length is None:
+        mrope = getattr(meta, "mrope_positions", None)
+        if mrope is not None and self.mrope_rows is not None:
+            table = self._mrope_table(q.device, mrope)  # (T, R)
+            positions = torch.arange(num_tokens, device=q.device)
+        elif self.freqs.by_length is None:
             table = self._table(q.device, positions)
         else:
             if meta is None:
                 raise ValueError("a dynamic or longrope RoPE needs the step's metadata")
             # One table per step for all layers of the same frequencies (at the step's positions).
-            memo = meta.rope_tables if positions is meta.positions else {}
+            memo = meta.rope_tables if positions is meta.rope_positions else {}
             table = memo.get(self._step_key)
             if table is None or table.device != q.device:
                 table = self._token_table(q.device, positions, step_lengths(meta))
@@ -162,3 +198,17 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(num_tokens, device=q.device)
         q3, k3 = rotary_embedding_ref(positions, q3, k3, table, is_neox=True)
         return q3.reshape(q.shape), k3.reshape(k.shape)
+
+
+def _mrope_rows(section: list[int], rot_dim: int) -> tuple[int, ...]:
+    """The position row of each of the `rot_dim / 2` rotated frequencies in transformers'
+    interleaved M-RoPE layout (see the module docstring; sections past the rotated
+    frequencies are cut off, as transformers' slices are). A tuple: models are built on the
+    meta device."""
+    if len(section) != 3:
+        raise ValueError(f"mrope_section {section} must have three sizes (time, height, width)")
+    rows = [0] * (rot_dim // 2)
+    for row in (1, 2):  # height at 1, 4, 7, ...; width at 2, 5, 8, ...
+        for j in range(row, min(3 * section[row], rot_dim // 2), 3):
+            rows[j] = row
+    return tuple(rows)

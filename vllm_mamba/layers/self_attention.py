@@ -152,7 +152,7 @@ class SelfAttention(nn.Module):
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         if self.rotary is not None:
-            q, k = self.rotary(meta.positions, q, k, meta)
+            q, k = self.rotary(meta.rope_positions, q, k, meta)
         out = self.attn(q, k, v, meta)  # (T, Hq D)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -185,6 +185,8 @@ class FusedAttentionStep:
     def takes(self, hidden: torch.Tensor, meta: PagedMetadata) -> bool:
         """A decode-only step (see `decode_plan.decode_only`; the chains' rows attend as the
         unfused layer's do: every key written first)."""
+        if meta.mrope_positions is not None:  # image tokens of an M-RoPE model
+            return False
         return decode_only(hidden, meta, None, CHAIN_MAX_ROWS)
 
     def __call__(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
@@ -194,8 +196,8 @@ class FusedAttentionStep:
         kv = attn.attn.kv
         assert isinstance(kv, LayerKV), "the KV cache is not bound to this layer"
         rotary = attn.rotary
-        table = rotary.table(meta.positions) if rotary is not None else None
-        rows = meta.positions if rotary is not None else None
+        table = rotary.table(meta.rope_positions) if rotary is not None else None
+        rows = meta.rope_positions if rotary is not None else None
         view = meta.kv_view(kv.group)
         return self.op(
             hidden, self.params, kv.k, kv.v, view.slot_mapping, view.decode_block_tables,

@@ -180,11 +180,21 @@ class CausalLM(nn.Module):
         for attn in kv_cache_layers(self):
             attn.process_weights_after_loading()
 
-    def forward(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
-        """Runs the step's tokens `input_ids (T,)`; returns normed hidden states `(T, H)`."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: Any,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Runs the step's tokens `input_ids (T,)`; returns normed hidden states `(T, H)`.
+        `mm_embeds`: `(rows (M,), embeds (M, H))`, input embeddings that replace the token
+        embeddings of those rows (an image's encoder output at its placeholder tokens)."""
         embeds = self.stack.token_embedding(input_ids)  # (T, H)
         if self.embedding_multiplier != 1.0:
             embeds = embeds * self.embedding_multiplier
+        if mm_embeds is not None:
+            rows, values = mm_embeds
+            embeds = embeds.index_copy(0, rows, values.to(embeds.dtype))  # (T, H)
         hidden = embeds
         for i, layer in enumerate(self.stack.layers):
             hidden = layer(hidden, meta, embeds) if i in self._reads_embeds else layer(hidden, meta)

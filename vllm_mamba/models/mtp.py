@@ -166,7 +166,7 @@ class SupportsMTP:
         count = mtp_num_layers(config, self.mtp_default_layers)
         layers = [self.mtp_layer(i, ops, tp) for i in range(count)]
         self.mtp = MultiTokenPredictor(config, layers, ops, self)  # type: ignore[arg-type]
-        skipped = type(self).skipped_weights  # type: ignore[attr-defined]
+        skipped = self.skipped_weights  # type: ignore[attr-defined]
         self.skipped_weights = {p: w for p, w in skipped.items() if p != MTP_PREFIX}
         return self.mtp
 

@@ -1,5 +1,5 @@
 """Qwen3.5 / Qwen3.6 (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, and the image-text
-`Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` served text-only).
+`Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration`).
 
 A hybrid of Gated DeltaNet and gated-attention layers by `layer_types` (`linear_attention` /
 `full_attention`; three GDN layers to one attention layer in the releases). Each layer is
@@ -21,7 +21,9 @@ pre-norm twice (`input_layernorm`, `post_attention_layernorm`, zero-centred RMSN
 
 The image-text checkpoints keep the language model under `model.language_model.*` (renamed to
 `model.*`), its config under `text_config`, the head at `lm_head` (tied by the top-level
-`tie_word_embeddings`); the vision tower (`model.visual.*`) is skipped. The multi-token
+`tie_word_embeddings`); the vision tower (`model.visual.*`, `models.vision.qwen3_vl`) loads as
+`visual` when images are served (`models.image_text.SupportsImages`), else is skipped; image
+tokens take M-RoPE positions (`layers.rotary_embedding`). The multi-token
 prediction head (`mtp.*`, `mtp_num_hidden_layers` in the text config) is skipped unless asked
 for (speculative method `mtp`: `enable_mtp`, `vllm_mamba.models.mtp`), when it is built as
 one more gated-attention layer with this model's MLP or MoE (fused experts split as above).
@@ -50,13 +52,17 @@ from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, Sparse
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
+from vllm_mamba.models.image_text import SupportsImages
 from vllm_mamba.models.layer_types import layer_types
 from vllm_mamba.models.mtp import SupportsMTP
+from vllm_mamba.models.vision.qwen3_vl import Qwen3VisionEncoder, QwenImageProcessor
 from vllm_mamba.ops.table import MambaOps
 
+# transformers' M-RoPE sections when the config names none (time, height, width frequencies)
+MROPE_SECTION = [11, 11, 10]
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
 SKIPPED = {
-    "model.visual.": "the vision tower (image-text checkpoints are served text-only)",
+    "model.visual.": "the vision tower (served text-only: language_model_only)",
     "mtp.": "the multi-token prediction head",
 }
 
@@ -72,7 +78,7 @@ def _gdn(config: Any, ops: MambaOps, tp: TensorParallel) -> Qwen3_5GatedDeltaNet
 def gated_attention(config: Any, ops: MambaOps, tp: TensorParallel) -> SelfAttention:
     """Gated attention with zero-centred q/k norms per head and partial RoPE."""
     head_dim, eps = config.head_dim, config.rms_norm_eps
-    rotary = RotaryEmbedding.from_config(config, head_dim)
+    rotary = RotaryEmbedding.from_config(config, head_dim, mrope_section=MROPE_SECTION)
     return SelfAttention(
         config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
         bias=config.attention_bias, scale=head_dim**-0.5, rotary=rotary, ops=ops,
@@ -174,15 +180,37 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3.5-MoE language model: every layer's feed-forward is the MoE."""
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The image-text checkpoint served text-only: its `text_config`, the head tied by the
-    top-level `tie_word_embeddings`."""
+class Qwen3_5ForConditionalGeneration(SupportsImages, Qwen3_5ForCausalLM):
+    """The image-text checkpoint: its `text_config`, the head tied by the top-level
+    `tie_word_embeddings`; the Qwen3-VL vision tower (`models.vision.qwen3_vl`) as `visual`
+    unless served text-only (`language_model_only`)."""
+
+    uses_mrope: ClassVar[bool] = True
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         text = copy.copy(config.text_config)
         text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         super().__init__(text, ops, tp)
+        self.vision_config = config.vision_config
+
+    def build_image_encoder(self, ops: MambaOps) -> Qwen3VisionEncoder:
+        """The vision tower, from the checkpoint's `vision_config`."""
+        return Qwen3VisionEncoder(self.vision_config, ops)
+
+    @classmethod
+    def image_processor(
+        cls, model_dir: str, hf_config: Any, tokenizer: Any, overrides: dict[str, Any]
+    ) -> QwenImageProcessor:
+        """The checkpoint's image processor (`preprocessor_config.json`)."""
+        return QwenImageProcessor.from_pretrained(model_dir, hf_config, overrides)
+
+    @staticmethod
+    def remap_weight_name(name: str) -> str:
+        """`model.language_model.*` onto `model.*`, `model.visual.*` onto `visual.*`."""
+        if name.startswith("model.visual."):
+            return name[len("model.") :]
+        return name.replace("model.language_model.", "model.", 1)
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
-    """The Qwen3.5-MoE image-text checkpoint served text-only."""
+    """The Qwen3.5-MoE image-text checkpoint."""

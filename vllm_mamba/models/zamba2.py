@@ -181,7 +181,7 @@ class Zamba2Attention(nn.Module):
             k = k + self.linear_k_adapter_list[use](x)
             v = v + self.linear_v_adapter_list[use](x)
         if self.rotary is not None:
-            q, k = self.rotary(meta.positions, q, k, meta)
+            q, k = self.rotary(meta.rope_positions, q, k, meta)
         return self.o_proj(attn(q, k, v, meta))
 
 

@@ -41,6 +41,7 @@ from vllm_mamba.mamba_cache import MambaCache
 from vllm_mamba.spec_decode.rejection_sampler import Chain, rejection_sample
 from vllm_mamba.worker.caches import CacheCopies
 from vllm_mamba.worker.cuda_graphs import DecodeCudaGraphs
+from vllm_mamba.worker.image_embeds import ImageEmbeddings
 from vllm_mamba.worker.step import (
     MTPDraft,
     PromptLogprobChunk,
@@ -64,8 +65,9 @@ __all__ = [
 class StepModel(Protocol):
     """What the runner calls: the model (under tensor parallelism, this rank's shard)."""
 
-    def __call__(self, input_ids: torch.Tensor, meta: Any) -> torch.Tensor:
-        """Final hidden rows `(T, H)` of the step's flat batch `input_ids (T,)`."""
+    def __call__(self, input_ids: torch.Tensor, meta: Any, mm_embeds: Any = None) -> torch.Tensor:
+        """Final hidden rows `(T, H)` of the step's flat batch `input_ids (T,)` (image rows'
+        input embeddings replaced by `mm_embeds`: `CausalLM.forward`)."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -122,6 +124,8 @@ class ModelRunner:
             step's rows (speculative method `mtp`); None otherwise.
         cuda_graph_max_num_seqs: capture decode CUDA graphs for batches up to this size
             (None: run every step eagerly).
+        images: an image-text model's encoder outputs (`image_embeds`); None for a model
+            served text-only.
     """
 
     def __init__(
@@ -137,8 +141,10 @@ class ModelRunner:
         kv_cache: KVCache | None = None,
         mtp: torch.nn.Module | None = None,
         cuda_graph_max_num_seqs: int | None = None,
+        images: ImageEmbeddings | None = None,
     ) -> None:
         self.model = model
+        self.images = images
         self.cache = cache
         self.kv_cache = kv_cache
         self.backend = backend
@@ -197,12 +203,25 @@ class ModelRunner:
         sampled = [i for i in items if i.sample and not i.is_spec]
         sample_pos = [last_row[i.seq_id] for i in sampled]
         meta = None
-        if self.cuda_graphs is not None and not layout.prefill_lens and not layout.decode_waves:
+        mm = None
+        if any(item.images for item in items):
+            if self.images is None:
+                raise ValueError("this model is served text-only: a step carries images")
+            mm = self.images.step_rows(items, rows, self.device)
+        plain = mm is None and layout.rope_positions is None
+        if (
+            self.cuda_graphs is not None
+            and plain
+            and not layout.prefill_lens
+            and not layout.decode_waves
+        ):
             hidden = self.cuda_graphs.run(token_ids, layout.decode_slots)  # (T, H)
         else:
             input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
             meta = self.backend.build_metadata(layout, self.device)
-            hidden = self.model(input_ids, meta)  # (T, H)
+            hidden = (
+                self.model(input_ids, meta, mm) if mm is not None else self.model(input_ids, meta)
+            )
 
         forks = [(item.slot, slot) for item in items for _, slot in item.forks]
         self.copy_states([s for s, _ in forks], [d for _, d in forks])
@@ -278,6 +297,8 @@ class ModelRunner:
         chain_dst: list[int] = []
         contexts: list[int] = []
         tables: list[list[int]] = []
+        shifted = any(s.rope_positions is not None for s in items)
+        rope: list[list[int]] = [[], [], []]  # M-RoPE rows of every token, when shifted
         chain_index = {s.seq_id: c for c, s in enumerate(i for i in chains if i.is_spec)}
         longest = max((s.num_tokens for s in chains), default=0)
         waves = []
@@ -292,6 +313,8 @@ class ModelRunner:
                 tokens.append(chain[wave])
                 decode_slots.append(slot)
                 contexts.append(item.num_computed_tokens + wave)
+                if shifted:
+                    _add_rope(rope, item, wave, wave + 1)
                 tables.append(item.block_table)
                 if longest > 1:  # position w writes spare slot w, the last one the sequence's
                     c = chain_index.get(item.seq_id, -1)  # -1: a plain decode, one row
@@ -302,12 +325,16 @@ class ModelRunner:
         for item in prefills:
             rows[item.seq_id] = list(range(len(tokens), len(tokens) + item.num_tokens))
             tokens.extend(item.token_ids)
+            if shifted:
+                _add_rope(rope, item, 0, item.num_tokens)
         layout = StepLayout(
             decode_slots=decode_slots,
             prefill_lens=[s.num_tokens for s in prefills],
             prefill_slots=[s.slot for s in prefills],
             prefill_context_lens=[s.num_computed_tokens for s in prefills],
         )
+        if shifted:
+            layout.rope_positions = rope
         if longest > 1:
             layout.decode_waves = waves
             layout.decode_chain_src, layout.decode_chain_dst = chain_src, chain_dst
@@ -484,3 +511,15 @@ class ModelRunner:
             topk_ids=topk_ids.tolist(),
             topk_logprobs=topk_lp.tolist(),
         )
+
+
+def _add_rope(rope: list[list[int]], item: StepSeq, start: int, end: int) -> None:
+    """Appends the M-RoPE rows of `item`'s tokens `[start, end)` to `rope` (its own rows, or
+    its positions in all three)."""
+    if item.rope_positions is None:
+        first = item.num_computed_tokens
+        for row in rope:
+            row.extend(range(first + start, first + end))
+        return
+    for row, own in zip(rope, item.rope_positions):
+        row.extend(own[start:end])

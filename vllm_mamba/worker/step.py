@@ -50,6 +50,7 @@ __all__ = [
     "SnapshotTake",
     "SpecResult",
     "Step",
+    "StepImage",
     "StepResult",
     "StepSeq",
 ]
@@ -139,6 +140,23 @@ class PromptLogprobsWanted:
 
 
 @dataclass(frozen=True)
+class StepImage:
+    """One image of a request, as a step carries it to the worker.
+
+    Attributes:
+        content_hash: identifies the image (the worker caches its encoder output by it).
+        features: the encoder's inputs (`multimodal.inputs.ProcessedImage.features`: CPU
+            tensors).
+        positions: the absolute positions in the sequence whose input embeddings are the
+            encoder's output rows, in row order.
+    """
+
+    content_hash: str
+    features: dict[str, Any]
+    positions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class StepSeq:
     """One scheduled sequence's share of the step.
 
@@ -159,8 +177,12 @@ class StepSeq:
         forks: `(child seq id, child slot)` of the sequences forked from this one after the
             forward (`n > 1`: the prompt's last chunk).
         prompt_logprobs: the prompt logprobs this chunk owes; None when none.
-        mm_inputs: the request's inputs that are not tokens (image embeddings), by name; empty
-            for a text request.
+        images: the images whose encoder output some of `token_ids` take as their input
+            embeddings (empty for a text request, and for chunks outside its images).
+        rope_positions: M-RoPE models: the `(time, height, width)` rotary positions of each of
+            `token_ids`, three rows of `num_tokens` (image tokens differ per row; text tokens
+            after an image sit at their index plus the request's shift); None where each
+            token rotates at its index.
     """
 
     seq_id: int
@@ -176,7 +198,8 @@ class StepSeq:
     samples: list[SampleSpec] = field(default_factory=list)
     forks: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: PromptLogprobsWanted | None = None
-    mm_inputs: dict[str, Any] = field(default_factory=dict)
+    images: list[StepImage] = field(default_factory=list)
+    rope_positions: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -40,6 +40,7 @@ from vllm_mamba.worker.caches import (
     cache_specs_of,
     make_caches,
 )
+from vllm_mamba.worker.image_embeds import ImageEmbeddings
 from vllm_mamba.worker.model_runner import ModelRunner, RunnerConfig
 from vllm_mamba.worker.platform import Platform
 from vllm_mamba.worker.relay import COMMANDS, Command
@@ -94,7 +95,13 @@ class Worker:
             join(tp, device)
         mc = config.model_config
         self.model, _ = build_model(
-            mc.path, mc.hf_config, mc.dtype, device, tp, mtp=config.uses_mtp
+            mc.path,
+            mc.hf_config,
+            mc.dtype,
+            device,
+            tp,
+            mtp=config.uses_mtp,
+            images=config.multimodal is not None,
         )
         self.cache: StateCache | None = None
         self.kv_cache: KVCache | None = None
@@ -129,6 +136,11 @@ class Worker:
             kv_cache=self.kv_cache,
             mtp=self.model.mtp if self.config.uses_mtp else None,
             cuda_graph_max_num_seqs=(self.config.scheduler_config.max_num_seqs if graphs else None),
+            images=(
+                ImageEmbeddings(self.model.encode_images)
+                if getattr(self.model, "serves_images", False)
+                else None
+            ),
         )
         return self.runner
 

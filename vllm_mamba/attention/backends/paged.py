@@ -44,6 +44,10 @@ class PagedMetadata(MambaMetadata):
         prefill_rope_lens: `(num_prefills,)` int32, the sequence length a RoPE that follows
             it (`dynamic`, `longrope`) rotates the chunk's prompt tokens at: the prompt's
             length (the layout's `prefill_prompt_lens`), else the chunk's end.
+        rope_positions: `(T,)` int32, the position each token's RoPE rotates at: `positions`
+            itself (the same tensor) unless an M-RoPE request shifts its text after an image.
+        mrope_positions: `(3, T)` int32 (time, height, width rows) when the step holds image
+            tokens of an M-RoPE model, else None.
         rope_tables: the step's per-token cos / sin of such RoPEs, filled by the first rotary
             layer that needs one and reused by the others (keyed by the frequencies).
         groups: every KV group's slots and tables (the first is the top-level fields').
@@ -56,8 +60,14 @@ class PagedMetadata(MambaMetadata):
     prefill_block_tables: torch.Tensor
     prefill_seq_lens: torch.Tensor
     prefill_rope_lens: torch.Tensor
+    rope_positions: torch.Tensor | None = None
+    mrope_positions: torch.Tensor | None = None
     rope_tables: dict[Any, torch.Tensor] = field(default_factory=dict)
     groups: list[KVGroupView] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.rope_positions is None:
+            self.rope_positions = self.positions
 
     def kv_view(self, group: int) -> KVGroupView:
         """The slots and block tables of KV group `group`."""
@@ -141,6 +151,7 @@ def build_paged_metadata(layout: StepLayout, device: torch.device) -> PagedMetad
     dec_t, pre_t = dec_t.view(nd, dec_width), pre_t.view(np_, pre_width)
     groups = _group_views(layout, device, dec_t, pre_t) if layout.kv_groups > 1 else []
     first = groups[0] if groups else KVGroupView(slots, dec_t, pre_t)
+    rope_pos, mrope = _rope_positions(layout, pos, device)
     return PagedMetadata(
         **vars(base),
         slot_mapping=first.slot_mapping,
@@ -150,8 +161,26 @@ def build_paged_metadata(layout: StepLayout, device: torch.device) -> PagedMetad
         prefill_block_tables=first.prefill_block_tables,
         prefill_seq_lens=pre_l,
         prefill_rope_lens=rope_l,
+        rope_positions=rope_pos,
+        mrope_positions=mrope,
         groups=groups,
     )
+
+
+def _rope_positions(
+    layout: StepLayout, positions: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(rope_positions (T,), mrope_positions (3, T) or None)` of the step: `positions` when
+    no token is shifted; one row when the three M-RoPE rows agree (text only: the plain and
+    fused paths rotate at it); all three when image tokens are in the step."""
+    rows = layout.rope_positions
+    if rows is None:
+        return positions, None
+    t, h, w = rows
+    first = torch.tensor(t, dtype=torch.int32).to(device)
+    if t == h == w:
+        return first, None
+    return first, torch.tensor(rows, dtype=torch.int32).to(device)
 
 
 class PagedAttentionBackend(AttentionBackend):

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from vllm_mamba.entrypoints.chat_utils import conversation_message
+from vllm_mamba.entrypoints.chat_utils import ImageRef, conversation_message
 from vllm_mamba.entrypoints.openai.output_constraints import (
     ResponseFormat,
     StructuredOutputsRequest,
@@ -245,7 +245,8 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    """One message: content is text or a list of `{"type": "text", "text": ...}` parts; an
+    """One message: content is text or a list of `{"type": "text", "text": ...}` parts (and,
+    for an image-text model, `image_url` parts); an
     assistant message may carry its earlier `tool_calls` (and reasoning), a tool message the
     `tool_call_id` it answers."""
 
@@ -257,13 +258,17 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
     reasoning: str | None = None
 
-    def conversation(self) -> dict[str, Any]:
-        """The message as the chat template sees it (`chat_utils.conversation_message`).
+    def conversation(
+        self, images: list[ImageRef] | None = None, field: str = "messages"
+    ) -> dict[str, Any]:
+        """The message as the chat template sees it (`chat_utils.conversation_message`); its
+        image parts' references go to `images` (None refuses them).
 
         Raises:
-            ValueError: a part that is not text, or a malformed tool call.
+            ValueError: a part that is not text (or an image, with `images`), or a malformed
+                tool call.
         """
-        return conversation_message(self.model_dump(exclude_none=True))
+        return conversation_message(self.model_dump(exclude_none=True), images, field)
 
     def text(self) -> str:
         """The message's text, its text parts joined with newlines.

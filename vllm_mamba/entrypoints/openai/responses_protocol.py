@@ -228,7 +228,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ValueError(f"input: unknown message role {role!r}")
             content = item.get("content")
-            text = content if isinstance(content, str) else _parts_text(content)
+            text = content if isinstance(content, str) else _parts_content(content)
             messages.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             call = {
@@ -250,6 +250,23 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             raise ValueError(f"input: items of type {kind!r} are not supported")
     return messages
+
+
+def _parts_content(parts: Any) -> str | list[dict[str, Any]]:
+    """A message's parts as chat content: their text (`_parts_text`), or, with
+    `input_image` parts, chat parts (text parts and the images as they are, which the chat
+    side loads or refuses)."""
+    if not isinstance(parts, list) or not any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in parts
+    ):
+        return _parts_text(parts)
+    out: list[dict[str, Any]] = []
+    for part in parts:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            out.append(part)
+        else:
+            out.append({"type": "text", "text": _parts_text([part])})
+    return out
 
 
 def _parts_text(parts: Any) -> str:

@@ -29,7 +29,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
 from vllm_mamba.engine.input_processor import check_encodable
 from vllm_mamba.entrypoints.chat_cache_points import chat_cache_points
-from vllm_mamba.entrypoints.chat_utils import ChatTemplate, check_template_kwargs
+from vllm_mamba.entrypoints.chat_utils import (
+    ChatTemplate,
+    ImageRef,
+    check_template_kwargs,
+    load_images_async,
+    template_content_text,
+)
 from vllm_mamba.entrypoints.openai.chat_output import (
     OutputParsing,
     ParsedChoice,
@@ -199,12 +205,26 @@ class OpenAIServingChat:
             kwargs = check_template_kwargs(template_kwargs)
         except ValueError as err:
             raise APIError(str(err), 400, "chat_template_kwargs") from err
+        image_side = self.engine.inputs.images
+        refs: list[ImageRef] | None = [] if image_side is not None else None
         try:
-            turns = [m.conversation() for m in messages]
+            turns = [m.conversation(refs, f"messages[{i}]") for i, m in enumerate(messages)]
             for turn in turns:
-                check_encodable("messages", turn["role"] + turn["content"])
+                check_encodable("messages", turn["role"] + template_content_text(turn["content"]))
+            if refs and image_side is not None and len(refs) > image_side.limit:
+                raise ValueError(
+                    f"messages: {len(refs)} images, more than the {image_side.limit} one "
+                    "request may carry (--limit-mm-per-prompt)"
+                )
         except ValueError as err:
             raise APIError(str(err), 400, "messages") from err
+        images: list[Any] = []
+        if refs and want_cache_points:
+            assert image_side is not None
+            try:  # fetched and decoded on worker threads, concurrently
+                images = await load_images_async(refs, image_side.media)
+            except ValueError as err:
+                raise APIError(str(err), 400, "messages") from err
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         render = functools.partial(
             self.template.render,
@@ -223,7 +243,9 @@ class OpenAIServingChat:
             encode = functools.partial(self.engine.inputs.encode, add_special_tokens=False)
             ids = encode(text)
             prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
-            if self.engine.engine.prefix_cache is not None and len(turns) > 1:
+            if images:  # preprocessed with the prompt (`AsyncEngine.add_requests`)
+                prompt["multi_modal_data"] = {"image": images}
+            elif self.engine.engine.prefix_cache is not None and len(turns) > 1:
                 prompt["cache_points"] = chat_cache_points(
                     lambda prefix: render(prefix, False), turns, text, ids, encode
                 )
