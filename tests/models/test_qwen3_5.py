@@ -1,12 +1,13 @@
-"""Qwen3.5's checkpoints as released, beyond the family suite: image-text checkpoints served
-text-only, and MoE checkpoints with fused experts.
+"""Qwen3.5's checkpoints as released, beyond the family suite: image-text checkpoints on text
+(with the vision tower loaded, and served text-only), and MoE checkpoints with fused experts.
 
 A `Qwen3_5ForConditionalGeneration` checkpoint (transformers' class, a tiny vision tower beside
 the language model under `model.language_model.*`, plus a multi-token prediction tensor as the
-releases ship) holding the text weights of the registry's `qwen3_5-gqa` must load with the
-vision and MTP tensors skipped (one log line each) and generate exactly what the text model
-generates. A Qwen3.5-MoE checkpoint whose experts are fused (`experts.gate_up_proj`,
-`experts.down_proj`) must load into the same parameters as the per-expert one transformers saves.
+releases ship) holding the text weights of the registry's `qwen3_5-gqa` must generate exactly
+what the text model generates, with its vision tower loaded and, with `language_model_only`,
+with the vision and MTP tensors skipped (one log line each). A Qwen3.5-MoE checkpoint whose
+experts are fused (`experts.gate_up_proj`, `experts.down_proj`) must load into the same
+parameters as the per-expert one transformers saves.
 """
 
 from __future__ import annotations
@@ -74,8 +75,16 @@ def test_image_text_checkpoint_serves_the_text_model(caplog: pytest.LogCaptureFi
     with VllmRunner(tiny_model_dir(TEXT_MODEL)) as runner:
         want = runner.generate(prompts, params)
     path = _image_text_checkpoint()
-    with captured(caplog, "vllm_mamba.model_loader"), VllmRunner(path) as runner:
+    with VllmRunner(path) as runner:  # the vision tower loaded: the text unchanged
+        assert runner.engine.executor.model.serves_images
+        with_tower = runner.generate(prompts, params)
+    with (
+        captured(caplog, "vllm_mamba.model_loader"),
+        VllmRunner(path, language_model_only=True) as runner,
+    ):
         got = runner.generate(prompts, params)
+    for g, w in zip(with_tower, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
     skipped = [r.getMessage() for r in caplog.records if "Skipped" in r.getMessage()]
     assert len(skipped) == 2 and "'model.visual.'" in skipped[0] and "'mtp.'" in skipped[1]
     for g, w in zip(got, want):
