@@ -7,8 +7,11 @@ engine builds the model's image processor (`image_processor`) on its own side. W
 vision tower's tensors are skipped, as before, and an image is refused at the door.
 
 A class gives `image_prefix` (the encoder's checkpoint prefix, e.g. `model.visual.`, mapped
-onto `image_module` by its `remap_weight_name`), `build_image_encoder` and
-`image_processor`; `uses_mrope` says whether image tokens take 3-D rotary positions.
+onto `image_module` by its `remap_weight_name`), or `image_prefixes` when the encoder's
+tensors lie under several (LFM3-VL's `model.vision_tower.` and `model.multi_modal_projector.`;
+it replaces `image_prefix` when given), `build_image_encoder` and `image_processor`;
+`uses_mrope` says whether image tokens take 3-D rotary positions. The class's
+`skipped_weights` lists the same prefixes, so a text-only model skips them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class SupportsImages:
 
     supports_images: ClassVar[bool] = True
     image_prefix: ClassVar[str] = "model.visual."
+    image_prefixes: ClassVar[tuple[str, ...]] = ()  # several prefixes; empty: `image_prefix`
     image_module: ClassVar[str] = "visual"
     uses_mrope: ClassVar[bool] = False
 
@@ -44,16 +48,23 @@ class SupportsImages:
         """
         raise NotImplementedError
 
+    @classmethod
+    def image_weight_prefixes(cls) -> tuple[str, ...]:
+        """The checkpoint prefixes of the encoder's tensors: `image_prefixes`, else
+        `(image_prefix,)`."""
+        return tuple(cls.image_prefixes) or (cls.image_prefix,)
+
     def enable_images(self, ops: MambaOps) -> VisionEncoder:
         """Builds and attaches the encoder as `image_module`, once; its checkpoint tensors
-        load from then on."""
+        (`image_weight_prefixes`) load from then on."""
         existing = getattr(self, self.image_module, None)
         if existing is not None:
             return existing
         encoder = self.build_image_encoder(ops)
         setattr(self, self.image_module, encoder)
         skipped = self.skipped_weights  # type: ignore[attr-defined]
-        self.skipped_weights = {p: w for p, w in skipped.items() if p != self.image_prefix}
+        prefixes = self.image_weight_prefixes()
+        self.skipped_weights = {p: w for p, w in skipped.items() if p not in prefixes}
         return encoder
 
     @property

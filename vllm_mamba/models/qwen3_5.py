@@ -185,6 +185,7 @@ class Qwen3_5ForConditionalGeneration(SupportsImages, Qwen3_5ForCausalLM):
     `tie_word_embeddings`; the Qwen3-VL vision tower (`models.vision.qwen3_vl`) as `visual`
     unless served text-only (`language_model_only`)."""
 
+    image_prefix: ClassVar[str] = "model.visual."  # skipped text-only (`SKIPPED`)
     uses_mrope: ClassVar[bool] = True
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:

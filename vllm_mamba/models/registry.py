@@ -38,6 +38,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Lfm2ForCausalLM": "vllm_mamba.models.lfm2:Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM": "vllm_mamba.models.lfm2:Lfm2MoeForCausalLM",
     "Lfm3ForCausalLM": "vllm_mamba.models.lfm3:Lfm3ForCausalLM",
+    "Lfm3VlForConditionalGeneration": "vllm_mamba.models.lfm3_vl:Lfm3VlForConditionalGeneration",
     "MiniMaxForCausalLM": "vllm_mamba.models.minimax:MiniMaxForCausalLM",
     "RecurrentGemmaForCausalLM": "vllm_mamba.models.recurrent_gemma:RecurrentGemmaForCausalLM",
     "xLSTMForCausalLM": "vllm_mamba.models.xlstm:XLSTMForCausalLM",

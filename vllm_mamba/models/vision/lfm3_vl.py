@@ -232,13 +232,18 @@ class Lfm3VlVisionRotary:
     angles `[row, col, row, col]` across the whole head (no partial rotation)."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
-        spatial_dim = head_dim // 2
-        exponents = torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim
-        self.inv_freq = 1.0 / (theta**exponents)  # (D / 4,) float32
+        # numbers, not tensors: the engine builds models on the meta device
+        self.head_dim = head_dim
+        self.theta = theta
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`positions (N, 2)` (row, column) -> `cos, sin (N, D)` float32."""
-        inv_freq = self.inv_freq.to(positions.device)
+        spatial_dim = self.head_dim // 2
+        exponents = (
+            torch.arange(0, spatial_dim, 2, dtype=torch.float, device=positions.device)
+            / spatial_dim
+        )
+        inv_freq = 1.0 / (self.theta**exponents)  # (D / 4,) float32
         freqs = positions[..., None].float() * inv_freq  # (N, 2, D / 4)
         freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)  # (N, D / 2)
         freqs = torch.cat([freqs, freqs], dim=-1)  # (N, D)
