@@ -58,6 +58,12 @@ Item = RequestOutput | BaseException
 DEFAULT_PAUSE_AFTER_S = 0.1
 
 
+# Threads that preprocess requests' images (resizing, patches), beside the tokenizer thread.
+IMAGE_THREADS = 2
+# The most seconds a request's images may take to preprocess.
+IMAGE_PREPROCESS_TIMEOUT_S = 30.0
+
+
 class StreamStalledError(RequestsFailedError):
     """A request whose outputs were left unread too long; it was aborted."""
 
@@ -134,6 +140,7 @@ class AsyncLLMEngine:
         self.log_requests = log_requests
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._image_pool = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="images")
         self._grammar_threads = ThreadPoolExecutor(grammar_workers, thread_name_prefix="grammar")
         self._grammar_workers = grammar_workers
         self._grammar_timeout_s = grammar_timeout_s
@@ -194,6 +201,7 @@ class AsyncLLMEngine:
             self._loop_task = None
         self._executor.shutdown(wait=True)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._image_pool.shutdown(wait=False, cancel_futures=True)
         if self._grammar_pool is not None:
             self._grammar_pool.shutdown()
         self._grammar_threads.shutdown(wait=False, cancel_futures=True)
@@ -256,6 +264,7 @@ class AsyncLLMEngine:
         self.start()
         tokenized = []
         for request_id, prompt in requests:
+            prompt = await self._preprocess_images(prompt)
             text, ids, mm = await self.run_tokenizer(self.inputs.process, prompt)
             points = self.inputs.cache_points(prompt, len(ids))
             processed = {"prompt": text, "prompt_token_ids": ids, "cache_points": points}
@@ -369,6 +378,25 @@ class AsyncLLMEngine:
             )
             grammars.put(spec, compiled)
         spec.compiled = compiled
+
+    async def _preprocess_images(self, prompt: PromptInput) -> PromptInput:
+        """The prompt's images through the image processor on the image threads, within
+        `IMAGE_PREPROCESS_TIMEOUT_S` (`InputProcessor.preprocess_images`).
+
+        Raises:
+            ValueError: a bad image, or preprocessing over its time budget.
+        """
+        if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+            return prompt
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._image_pool, self.inputs.preprocess_images, prompt)
+        try:
+            return await asyncio.wait_for(work, IMAGE_PREPROCESS_TIMEOUT_S)
+        except TimeoutError as err:
+            raise ValueError(
+                f"multi_modal_data: preprocessing the images took more than "
+                f"{IMAGE_PREPROCESS_TIMEOUT_S:.0f} s"
+            ) from err
 
     async def run_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs `fn(*args)` on the tokenizer thread (`self.tokenizer`, chat templates)."""

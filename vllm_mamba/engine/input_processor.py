@@ -154,10 +154,33 @@ class InputProcessor:
                 f"multi_modal_data: {len(images)} images, more than the {self.images.limit} "
                 "one prompt may carry (limit_mm_per_prompt)"
             )
-        processed = [self.process_image(image, f"multi_modal_data.image[{i}]")
-                     for i, image in enumerate(images)]  # fmt: skip
+        processed = [
+            image if isinstance(image, ProcessedImage)  # `preprocess_images` did it
+            else self.process_image(image, f"multi_modal_data.image[{i}]")
+            for i, image in enumerate(images)
+        ]  # fmt: skip
         proc = self.images.processor
         return expand_prompt(ids, processed, proc.placeholder_token_id, self.images.mrope)
+
+    def preprocess_images(self, prompt: PromptInput) -> PromptInput:
+        """`prompt` with its `multi_modal_data` images run through the image processor (the
+        rest of `process` is left to it): the server does this on a thread of its own, so
+        preprocessing never holds the tokenizer thread.
+
+        Raises:
+            ValueError: as `process` for the images.
+        """
+        if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+            return prompt
+        data = prompt["multi_modal_data"]
+        if isinstance(data, MultiModalPrompt) or self.images is None:
+            return prompt  # processed already; or refused by `process`
+        images = check_image_data(data)
+        if len(images) > self.images.limit:
+            return prompt  # refused by `process`, before any work
+        processed = [self.process_image(image, f"multi_modal_data.image[{i}]")
+                     for i, image in enumerate(images)]  # fmt: skip
+        return {**prompt, "multi_modal_data": {"image": processed}}
 
     def process_image(self, image: Any, field: str) -> ProcessedImage:
         """One decoded image through the model's image processor.

@@ -87,24 +87,31 @@ class _Attention(nn.Module):
         """`x (N, D)`, rotary `cos`, `sin (N, Hd)`; each image's `lengths` patches attend
         among themselves."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)  # (N, h, Hd) each
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        outs = []
-        for qi, ki, vi in zip(*(t.split(lengths) for t in (q, k, v))):
-            # (h, n_i, Hd) per image; no mask: every patch sees its whole image
-            out = F.scaled_dot_product_attention(
-                qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1)
+        qkv = self.qkv(x).view(n, 3, self.heads, self.head_dim)  # (N, 3, h, Hd)
+        qk = _rotate(qkv[:, :2], cos[:, None, None], sin[:, None, None])  # (N, 2, h, Hd)
+        # (1, h, N, Hd) each: 4-D, so the CPU takes its flash-attention kernel
+        q, k = (t.transpose(0, 1)[None] for t in qk.unbind(1))
+        v = qkv[:, 2].transpose(0, 1)[None]
+        if len(lengths) == 1:  # no mask: every patch sees its whole image
+            out = F.scaled_dot_product_attention(q, k, v)  # (1, h, N, Hd)
+        else:
+            out = torch.cat(
+                [
+                    F.scaled_dot_product_attention(qi, ki, vi)
+                    for qi, ki, vi in zip(*(t.split(lengths, dim=2) for t in (q, k, v)))
+                ],
+                dim=2,
             )
-            outs.append(out.transpose(0, 1))
-        return self.proj(torch.cat(outs).reshape(n, -1))
+        return self.proj(out[0].transpose(0, 1).reshape(n, -1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX rotation of `x (N, h, Hd)` by `cos`, `sin (N, Hd)`, in float32 (as transformers)."""
+    """NeoX rotation of `x (..., Hd)` by `cos`, `sin` (broadcast to it), in float32 (as
+    transformers)."""
     xf = x.float()
     half = xf.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 class _MLP(nn.Module):
