@@ -270,3 +270,57 @@ def test_chat_places_images_as_the_template_says() -> None:
         )[0]
     assert chat.prompt_token_ids == direct.prompt_token_ids
     assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("overrides", [{}, {"max_pixels": 32 * 32}, {"min_pixels": 96 * 96}])
+def test_processor_equals_transformers(overrides: dict) -> None:
+    """The checkpoint's processor settings (and `mm_processor_kwargs`) give transformers'
+    own processor's patches and grid, and one placeholder per merged patch."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from vllm_mamba.model_loader import load_hf_config
+    from vllm_mamba.models.vision.qwen3_vl import QwenImageProcessor
+
+    path = qwen3_5_image_text()
+    ours = QwenImageProcessor.from_pretrained(path, load_hf_config(path), overrides)
+    theirs = Qwen2VLImageProcessorPil.from_pretrained(path, **overrides)
+    for image in [*_images(), random_image(300, 20, 4)]:
+        got = ours.process(image)
+        want = theirs.preprocess([image], return_tensors="pt")
+        assert torch.equal(got.features["pixel_values"], want["pixel_values"])
+        assert torch.equal(got.features["image_grid_thw"], want["image_grid_thw"][0])
+        t, h, w = want["image_grid_thw"][0].tolist()
+        assert len(got.token_ids) == t * h * w // 4 == len(got.embed_offsets)
+        assert got.grid == (t, h // 2, w // 2)
+
+
+def test_mm_processor_kwargs_reach_the_engine() -> None:
+    path = qwen3_5_image_text()
+    kwargs = {"max_pixels": 32 * 32}
+    with VllmRunner(path, max_model_len=512, mm_processor_kwargs=kwargs) as runner:
+        tok = runner.llm.get_tokenizer()
+        out = runner.generate(
+            [
+                {
+                    "prompt_token_ids": tok.encode(f"Look {IMAGE}"),
+                    "multi_modal_data": {"image": random_image(128, 128, 0)},
+                }
+            ],
+            _greedy(),
+        )[0]
+    assert out.prompt_token_ids.count(tok.convert_tokens_to_ids("<|image_pad|>")) == 4
+    with pytest.raises(ValueError, match="mm_processor_kwargs: do_resize"):
+        VllmRunner(path, max_model_len=512, mm_processor_kwargs={"do_resize": False})
+
+
+def test_tensor_parallel_equals_one_rank() -> None:
+    path = qwen3_5_image_text()
+    with VllmRunner(path, max_model_len=512) as runner:
+        prompts = _prompts(runner.llm.get_tokenizer())[:3]
+        want = runner.generate(prompts, _greedy())
+    with VllmRunner(path, max_model_len=512, tensor_parallel_size=2) as runner:
+        got = runner.generate(prompts, _greedy())
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
