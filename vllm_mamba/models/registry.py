@@ -37,6 +37,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "LaraMiniForCausalLM": "vllm_mamba.models.lara_mini:LaraMiniForCausalLM",
     "Lfm2ForCausalLM": "vllm_mamba.models.lfm2:Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM": "vllm_mamba.models.lfm2:Lfm2MoeForCausalLM",
+    "Lfm2VlForConditionalGeneration": "vllm_mamba.models.lfm2_vl:Lfm2VlForConditionalGeneration",
     "Lfm3ForCausalLM": "vllm_mamba.models.lfm3:Lfm3ForCausalLM",
     "Lfm3VlForConditionalGeneration": "vllm_mamba.models.lfm3_vl:Lfm3VlForConditionalGeneration",
     "MiniMaxForCausalLM": "vllm_mamba.models.minimax:MiniMaxForCausalLM",
