@@ -39,8 +39,11 @@ def assert_engine_healthy(llm: VllmRunner, normal_tokens: list[int]) -> None:
         ({"prompt_token_ids": [5, 50280]}, "outside the vocabulary"),
         ({"prompt_token_ids": [-1]}, "outside the vocabulary"),
         # Fields the engine does not use are named, not dropped (it would generate from the
-        # text alone): images are not served.
-        ({"prompt": "What is in it?", "multi_modal_data": {"image": b"png"}}, "'multi_modal_data'"),
+        # text alone); images sent to a text model are refused.
+        (
+            {"prompt": "What is in it?", "multi_modal_data": {"image": b"png"}},
+            "multi_modal_data: this model is served text-only",
+        ),
         ({"prompt_token_ids": [5, 6], "mm_processor_kwargs": {}}, "'mm_processor_kwargs'"),
         ({"prompt": "hi", "prompt_token_ids": [5], "extra": None}, "'extra' not supported"),
     ],

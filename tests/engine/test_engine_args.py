@@ -50,6 +50,12 @@ NON_DEFAULTS: dict[str, tuple[Any, list[str]]] = {
     "gpu_memory_utilization": (0.5, ["0.5"]),
     "tensor_parallel_size": (1, ["1"]),
     "distributed_executor_backend": ("ray", ["ray"]),
+    "language_model_only": (True, []),
+    "limit_mm_per_prompt": ({"image": 2}, ['{"image": 2}']),
+    "mm_processor_kwargs": ({"max_pixels": 1024}, ['{"max_pixels": 1024}']),
+    "allowed_local_media_path": ("/tmp", ["/tmp"]),
+    "disable_media_fetch": (True, []),
+    "media_fetch_timeout": (3.0, ["3.0"]),
     "speculative_config": (
         {"method": "ngram", "num_speculative_tokens": 2},
         ['{"method": "ngram", "num_speculative_tokens": 2}'],

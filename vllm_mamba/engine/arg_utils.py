@@ -223,6 +223,10 @@ class EngineArgs:
                 self.speculative_config = json.loads(self.speculative_config)
             except json.JSONDecodeError as err:
                 raise ValueError(f"speculative_config is not valid JSON: {err}") from err
+        for name in ("limit_mm_per_prompt", "mm_processor_kwargs"):  # JSON text: the dict
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, json_option(name, value))
 
     # ----- the command line -------------------------------------------------------------
     @classmethod
