@@ -152,7 +152,7 @@ class LLM:
             if refs:
                 assert inputs.images is not None
                 prompt["multi_modal_data"] = {"image": load_images(refs, inputs.images.media)}
-            elif self.llm_engine.prefix_cache is not None and len(turns) > 1:
+            if self.llm_engine.prefix_cache is not None and len(turns) > 1:
                 # Snapshots where messages end: a later conversation sharing them hits.
                 prompt["cache_points"] = chat_cache_points(
                     lambda prefix: template.render(

@@ -324,3 +324,31 @@ def test_tensor_parallel_equals_one_rank() -> None:
         got = runner.generate(prompts, _greedy())
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
+
+
+def test_chat_cache_points_move_past_images() -> None:
+    """A multi-turn chat about an image saves its prefix where messages end (points moved past
+    the image's tokens), so a later turn sharing them starts after the image."""
+    path = qwen3_5_image_text()
+    image = random_image(50, 70, 0)
+    history = [
+        {"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                     {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A picture of noise."},
+    ]  # fmt: skip
+    first = [*history, {"role": "user", "content": "Which colour dominates?"}]
+    later = [*history, {"role": "user", "content": "Is it bright?"}]
+    with VllmRunner(path, max_model_len=512) as runner:
+        want = runner.llm.chat([later], _greedy(), use_tqdm=False)[0]
+    with VllmRunner(path, max_model_len=512, enable_prefix_caching=True) as runner:
+        before = runner.llm.chat([first], _greedy(), use_tqdm=False)[0]
+        got = runner.llm.chat([later], _greedy(), use_tqdm=False)[0]
+    shared = 0
+    while before.prompt_token_ids[shared] == got.prompt_token_ids[shared]:
+        shared += 1
+    # the snapshot where the assistant's message ends: short of the shared prefix by at most
+    # the turn's end and the next turn's header (10 tokens with this tokenizer, which splits
+    # `<|im_end|>` and merges it with the text before); unmoved points would fall 11 tokens
+    # (the image's expansion) further back
+    assert shared - 10 <= got.num_cached_tokens <= shared
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

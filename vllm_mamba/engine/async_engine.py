@@ -266,7 +266,7 @@ class AsyncLLMEngine:
         for request_id, prompt in requests:
             prompt = await self._preprocess_images(prompt)
             text, ids, mm = await self.run_tokenizer(self.inputs.process, prompt)
-            points = self.inputs.cache_points(prompt, len(ids))
+            points = self.inputs.cache_points(prompt, len(ids), mm)
             processed = {"prompt": text, "prompt_token_ids": ids, "cache_points": points}
             if mm is not None:  # preprocessed here, off the engine thread
                 processed["multi_modal_data"] = mm

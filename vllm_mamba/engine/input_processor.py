@@ -196,7 +196,9 @@ class InputProcessor:
         except ValueError as err:
             raise ValueError(f"{field}: {err}") from err
 
-    def cache_points(self, prompt: PromptInput, num_tokens: int) -> list[int]:
+    def cache_points(
+        self, prompt: PromptInput, num_tokens: int, mm: MultiModalPrompt | None = None
+    ) -> list[int]:
         """The validated `"cache_points"` of a prompt dict of `num_tokens` tokens: sorted,
         without duplicates; `[]` when the prompt is not a dict or has none (or None).
 
@@ -209,8 +211,18 @@ class InputProcessor:
         Raises:
             ValueError: naming `cache_points`: not a list of integers, a point outside
                 `(0, num_tokens)`, or more than `MAX_CACHE_POINTS` distinct points.
+
+        With images (`mm`, from `process`), the points are offsets into the prompt as given
+        (one placeholder per image) and are moved past each image's expansion; a prompt whose
+        images came processed already (`MultiModalPrompt`) has expanded offsets.
         """
-        return check_cache_points(prompt, num_tokens)
+        if mm is None or not isinstance(prompt, dict):
+            return check_cache_points(prompt, num_tokens)
+        if isinstance(prompt.get("multi_modal_data"), MultiModalPrompt):
+            return check_cache_points(prompt, num_tokens)
+        given = num_tokens - mm.expansion
+        points = check_cache_points(prompt, given)
+        return [mm.expanded_offset(p) for p in points]
 
     def encode(self, text: Any, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`.

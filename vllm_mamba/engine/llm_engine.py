@@ -337,7 +337,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         text, ids, mm = self.inputs.process(prompt)
-        cache_points = self.inputs.cache_points(prompt, len(ids))
+        cache_points = self.inputs.cache_points(prompt, len(ids), mm)
         self.inputs.check_params(params)
         self.structured_outputs.prepare(params)
         if params.n > self.scheduler.slots.num_slots:

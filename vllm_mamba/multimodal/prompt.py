@@ -42,12 +42,26 @@ class MultiModalPrompt:
             prompt token; None otherwise.
         rope_shift: M-RoPE: a token after the prompt at index `i` rotates at `i + rope_shift`.
         cache_keys: the prefix cache's keys of the prompt (see the module docstring).
+        marks: where each image's placeholder was in the prompt as given.
     """
 
     images: list[PromptImage]
     rope_rows: list[list[int]] | None = None
     rope_shift: int = 0
     cache_keys: list[int] = field(default_factory=list)
+    marks: tuple[int, ...] = ()
+
+    @property
+    def expansion(self) -> int:
+        """Tokens the expanded prompt has more than the prompt as given."""
+        return sum(len(p.image.token_ids) - 1 for p in self.images)
+
+    def expanded_offset(self, offset: int) -> int:
+        """An offset into the prompt as given, in the expanded prompt (a placeholder before
+        it counts its image's tokens)."""
+        return offset + sum(
+            len(p.image.token_ids) - 1 for mark, p in zip(self.marks, self.images) if mark < offset
+        )
 
     def rope_positions(self, start: int, end: int) -> list[list[int]]:
         """The three M-RoPE rows of positions `[start, end)` (prompt or after it)."""
@@ -103,7 +117,7 @@ def expand_prompt(
     rows, shift = None, 0
     if mrope:
         rows, shift = mrope_rows(len(out), placed)
-    return out, MultiModalPrompt(placed, rows, shift, keys)
+    return out, MultiModalPrompt(placed, rows, shift, keys, tuple(marks))
 
 
 def mrope_rows(num_tokens: int, images: list[PromptImage]) -> tuple[list[list[int]], int]:

@@ -245,7 +245,7 @@ class OpenAIServingChat:
             prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
             if images:  # preprocessed with the prompt (`AsyncEngine.add_requests`)
                 prompt["multi_modal_data"] = {"image": images}
-            elif self.engine.engine.prefix_cache is not None and len(turns) > 1:
+            if self.engine.engine.prefix_cache is not None and len(turns) > 1:
                 prompt["cache_points"] = chat_cache_points(
                     lambda prefix: render(prefix, False), turns, text, ids, encode
                 )
