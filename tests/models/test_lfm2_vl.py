@@ -306,3 +306,27 @@ def test_older_tower_names(checkpoint, runner, caplog) -> None:  # noqa: ANN001
     for g_step, w_step in zip(got.logprobs, want.logprobs):
         for token, lp in g_step.items():
             assert abs(lp.logprob - w_step[token].logprob) <= 1e-6
+
+
+@pytest.mark.parametrize("budget", [5, 13])
+def test_chunked_prefill_and_prefix_cache_equal_one_pass(checkpoint, runner, budget) -> None:  # noqa: ANN001
+    """Chunks that cut inside the tiles' tokens and between tile markers, and a prefix-cache
+    hit through the image (the second request shares its text and image), give the one-pass
+    outputs."""
+    text, names = CASES["two"]
+    images = [IMAGES[name] for name in names]
+    ids = runner.llm.get_tokenizer().encode(text)
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+    other = {"prompt_token_ids": [*ids[:-1], ids[1]], "multi_modal_data": {"image": images}}
+    want = runner.generate([prompt, other], _greedy())
+    with VllmRunner(
+        checkpoint, max_model_len=512, max_num_batched_tokens=budget, enable_prefix_caching=True
+    ) as chunked:
+        got = chunked.generate([prompt, other], _greedy())
+    # the second waited for the first to save where they part: its last token
+    assert got[1].num_cached_tokens == len(got[1].prompt_token_ids) - 1
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for gs, ws in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            for t, lp in gs.items():
+                assert abs(lp.logprob - ws[t].logprob) <= 1e-4
