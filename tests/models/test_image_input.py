@@ -16,6 +16,11 @@ import pytest
 import torch
 
 from tests.helpers.image_checkpoints import PROCESSOR, qwen3_5_image_text, random_image
+from tests.helpers.image_checks import (
+    check_chat_equals_generate,
+    check_language_model_only,
+    check_the_image_changes_the_output,
+)
 from tests.helpers.runners import VllmRunner
 from vllm_mamba import SamplingParams
 
@@ -117,18 +122,9 @@ def _tokens(image) -> int:  # noqa: ANN001 - a PIL image
 
 def test_the_image_changes_the_output() -> None:
     """A different image (same text) gives different logprobs: the images are used."""
-    path = qwen3_5_image_text()
-    with VllmRunner(path, max_model_len=512) as runner:
-        ids = runner.llm.get_tokenizer().encode(f"Describe {IMAGE} briefly.")
-        a, b = runner.generate(
-            [
-                {"prompt_token_ids": ids, "multi_modal_data": {"image": random_image(50, 70, 0)}},
-                {"prompt_token_ids": ids, "multi_modal_data": {"image": random_image(50, 70, 5)}},
-            ],
-            _greedy(),
-        )
-    first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
-    assert first_a != first_b
+    with VllmRunner(qwen3_5_image_text(), max_model_len=512) as runner:
+        images = (random_image(50, 70, 0), random_image(50, 70, 5))
+        check_the_image_changes_the_output(runner, f"Describe {IMAGE} briefly.", images, _greedy())
 
 
 @pytest.mark.parametrize("budget", [3, 7, 16])
@@ -230,46 +226,17 @@ def test_too_many_image_tokens_for_max_model_len() -> None:
             )
 
 
-def test_language_model_only_refuses_images() -> None:
+def test_language_model_only(caplog: pytest.LogCaptureFixture) -> None:
     path = qwen3_5_image_text()
-    with VllmRunner(path, max_model_len=512, language_model_only=True) as runner:
-        ids = runner.llm.get_tokenizer().encode(f"Look {IMAGE}")
-        with pytest.raises(ValueError, match="served text-only"):
-            runner.generate(
-                [{"prompt_token_ids": ids, "multi_modal_data": {"image": random_image(20, 20, 0)}}],
-                _greedy(),
-            )
-        assert runner.generate([{"prompt_token_ids": ids}], _greedy())[0].outputs[0].token_ids
+    with VllmRunner(path, max_model_len=512) as runner:
+        check_language_model_only(
+            path, runner, IMAGE, random_image(20, 20, 0), _greedy(), ["model.visual."], caplog
+        )
 
 
 def test_chat_places_images_as_the_template_says() -> None:
-    path = qwen3_5_image_text()
-    one, tall, _ = _images()
-    with VllmRunner(path, max_model_len=512) as runner:
-        tok = runner.llm.get_tokenizer()
-        messages = [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "Compare"},
-                    {"type": "image_pil", "image_pil": one},
-                    {"type": "text", "text": "with"},
-                    {"type": "image_pil", "image_pil": tall},
-                ],
-            }
-        ]
-        chat = runner.llm.chat(messages, _greedy(), use_tqdm=False)[0]
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": f"Compare{IMAGE}with{IMAGE}"}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        direct = runner.generate(
-            [{"prompt_token_ids": tok.encode(text), "multi_modal_data": {"image": [one, tall]}}],
-            _greedy(),
-        )[0]
-    assert chat.prompt_token_ids == direct.prompt_token_ids
-    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    with VllmRunner(qwen3_5_image_text(), max_model_len=512) as runner:
+        check_chat_equals_generate(runner, IMAGE, _images()[:2], _greedy())
 
 
 @pytest.mark.parametrize("overrides", [{}, {"max_pixels": 32 * 32}, {"min_pixels": 96 * 96}])

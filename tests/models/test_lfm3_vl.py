@@ -21,7 +21,11 @@ import pytest
 import torch
 
 from tests.helpers.image_checkpoints import QWEN_TEMPLATE, add_special_tokens, random_image
-from tests.helpers.logs import captured
+from tests.helpers.image_checks import (
+    check_chat_equals_generate,
+    check_language_model_only,
+    check_the_image_changes_the_output,
+)
 from tests.helpers.runners import VllmRunner
 from tests.helpers.tiny_configs import LFM3
 from tests.helpers.tmp_dirs import make_tmp_dir
@@ -183,73 +187,17 @@ def test_images_match_transformers(case: str, runner, hf) -> None:  # noqa: ANN0
 
 
 def test_the_image_changes_the_output(runner) -> None:  # noqa: ANN001
-    ids = runner.llm.get_tokenizer().encode(CASES["one"][0])
-    a, b = runner.generate(
-        [
-            {"prompt_token_ids": ids, "multi_modal_data": {"image": random_image(50, 70, 0)}},
-            {"prompt_token_ids": ids, "multi_modal_data": {"image": random_image(50, 70, 5)}},
-        ],
-        _greedy(),
-    )
-    assert a.prompt_token_ids == b.prompt_token_ids
-    first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
-    assert {t: lp.logprob for t, lp in first_a.items()} != {
-        t: lp.logprob for t, lp in first_b.items()
-    }
-    assert a.outputs[0].token_ids != b.outputs[0].token_ids
+    images = (random_image(50, 70, 0), random_image(50, 70, 5))
+    check_the_image_changes_the_output(runner, CASES["one"][0], images, _greedy())
 
 
 def test_chat_equals_generate(runner) -> None:  # noqa: ANN001
-    one, tall = random_image(50, 70, 0), random_image(130, 40, 1)
-    tok = runner.llm.get_tokenizer()
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "Compare"},
-                {"type": "image_pil", "image_pil": one},
-                {"type": "text", "text": "with"},
-                {"type": "image_pil", "image_pil": tall},
-            ],
-        }
-    ]
-    chat = runner.llm.chat(messages, _greedy(), use_tqdm=False)[0]
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": f"Compare{IMAGE}with{IMAGE}"}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
-    direct = runner.generate(
-        [{"prompt_token_ids": tok.encode(text), "multi_modal_data": {"image": [one, tall]}}],
-        _greedy(),
-    )[0]
-    assert chat.prompt_token_ids == direct.prompt_token_ids
-    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+    images = (random_image(50, 70, 0), random_image(130, 40, 1))
+    check_chat_equals_generate(runner, IMAGE, images, _greedy())
 
 
 def test_language_model_only(checkpoint, runner, caplog) -> None:  # noqa: ANN001
-    """Text-only: the vision tensors skipped (logged), images refused, the text unchanged."""
-    tok = runner.llm.get_tokenizer()
-    ids = tok.encode("Plain text, no image at all")
-    assert runner.engine.executor.model.serves_images
-    want = runner.generate([{"prompt_token_ids": ids}], _greedy())[0].outputs[0]
-    with (
-        captured(caplog, "vllm_mamba.model_loader"),
-        VllmRunner(checkpoint, max_model_len=512, language_model_only=True) as text_only,
-    ):
-        assert not text_only.engine.executor.model.serves_images
-        image = {"image": random_image(20, 20, 0)}
-        with pytest.raises(ValueError, match="served text-only"):
-            text_only.generate(
-                [{"prompt_token_ids": tok.encode(f"Look {IMAGE}"), "multi_modal_data": image}],
-                _greedy(),
-            )
-        got = text_only.generate([{"prompt_token_ids": ids}], _greedy())[0].outputs[0]
-    skipped = [r.getMessage() for r in caplog.records if "Skipped" in r.getMessage()]
-    assert len(skipped) == 2
-    assert "'model.vision_tower.'" in skipped[0] and "'model.multi_modal_projector.'" in skipped[1]
-    assert got.token_ids == want.token_ids
-    for g_step, w_step in zip(got.logprobs, want.logprobs):
-        assert g_step.keys() == w_step.keys()
-        for token, lp in g_step.items():
-            assert abs(lp.logprob - w_step[token].logprob) <= 1e-6
+    check_language_model_only(
+        checkpoint, runner, IMAGE, random_image(20, 20, 0), _greedy(),
+        ["model.vision_tower.", "model.multi_modal_projector."], caplog,
+    )  # fmt: skip
