@@ -26,6 +26,7 @@ from tests.helpers.tmp_dirs import make_tmp_dir
 from vllm_mamba import SamplingParams
 
 MAX_TOKENS = 8
+PROMPT_IDS: dict[str, list[int]] = {}  # `LLM.chat`'s prompts, filled by `expected`
 QUESTION = "What is in this picture?"
 pytestmark = pytest.mark.xdist_group("images-served")
 
@@ -106,7 +107,9 @@ def expected(server: RunningServer) -> dict[str, str]:
         for key, images in (("one", ["one.png"]), ("two", ["two.png"]), ("both", list(IMAGES))):
             parts = [{"type": "image_pil", "image_pil": IMAGES[n]} for n in images]
             messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, *parts]}]
-            out[key] = runner.llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+            reply = runner.llm.chat(messages, params, use_tqdm=False)[0]
+            out[key] = reply.outputs[0].text
+            PROMPT_IDS[key] = reply.prompt_token_ids
     assert len(set(out.values())) == len(out), out  # the images change the answer
     return out
 
@@ -150,6 +153,22 @@ def test_responses_input_image(client: openai.OpenAI, expected: dict[str, str]) 
         temperature=0,
     )
     assert reply.output_text == expected["one"]
+
+
+def test_tokenize_expands_images_as_the_engine(
+    server: RunningServer, expected: dict[str, str]
+) -> None:
+    """`/tokenize` of chat messages with images gives the ids the engine runs: each image's
+    placeholder expanded (the count is what counts against `max_model_len`)."""
+    import httpx
+
+    parts = [{"type": "text", "text": QUESTION}]
+    parts += [{"type": "image_url", "image_url": {"url": _data_url(n)}} for n in IMAGES]
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": parts}]}
+    reply = httpx.post(f"{server.url}/tokenize", json=body, headers=server.headers, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["tokens"] == PROMPT_IDS["both"]
+    assert reply.json()["count"] > 2 * len(IMAGES) + 10  # expanded, not one per image
 
 
 def test_bad_images_are_400s_naming_the_part(

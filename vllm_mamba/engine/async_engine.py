@@ -264,7 +264,7 @@ class AsyncLLMEngine:
         self.start()
         tokenized = []
         for request_id, prompt in requests:
-            prompt = await self._preprocess_images(prompt)
+            prompt = await self.preprocess_images(prompt)
             text, ids, mm = await self.run_tokenizer(self.inputs.process, prompt)
             points = self.inputs.cache_points(prompt, len(ids), mm)
             processed = {"prompt": text, "prompt_token_ids": ids, "cache_points": points}
@@ -379,7 +379,7 @@ class AsyncLLMEngine:
             grammars.put(spec, compiled)
         spec.compiled = compiled
 
-    async def _preprocess_images(self, prompt: PromptInput) -> PromptInput:
+    async def preprocess_images(self, prompt: PromptInput) -> PromptInput:
         """The prompt's images through the image processor on the image threads, within
         `IMAGE_PREPROCESS_TIMEOUT_S` (`InputProcessor.preprocess_images`).
 

@@ -178,6 +178,29 @@ class OpenAIServingChat:
         )
         return text
 
+    async def render_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[ChatTool] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+    ) -> dict[str, Any]:
+        """The engine prompt of a conversation as chat completions make it: its text, token
+        ids and, with image parts, the images read (`multi_modal_data`).
+
+        Raises:
+            APIError: as `render`, and an image that cannot be read (400).
+        """
+        _, prompt = await self._render(
+            messages, add_generation_prompt, chat_template, tools, documents, template_kwargs,
+            continue_final_message, want_cache_points=True,
+        )  # fmt: skip
+        assert prompt is not None
+        return prompt
+
     async def _render(
         self,
         messages: list[ChatMessage],

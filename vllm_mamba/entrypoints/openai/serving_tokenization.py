@@ -17,6 +17,7 @@ import functools
 from typing import Any
 
 from vllm_mamba.engine.async_engine import AsyncLLMEngine
+from vllm_mamba.entrypoints.chat_utils import IMAGE_PARTS
 from vllm_mamba.entrypoints.openai.errors import APIError
 from vllm_mamba.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -60,27 +61,43 @@ class OpenAIServingTokenization:
         """
         self.model.resolve(req.model)
         if isinstance(req, TokenizeChatRequest):
-            text = await self.chat.render(
-                req.messages,
-                req.add_generation_prompt,
-                req.chat_template,
-                req.tools,
-                req.documents,
-                req.chat_template_kwargs,
-                req.continue_final_message,
-            )
+            args = (
+                req.messages, req.add_generation_prompt, req.chat_template, req.tools,
+                req.documents, req.chat_template_kwargs, req.continue_final_message,
+            )  # fmt: skip
+            if self.engine.inputs.images is not None and _has_images(req.messages):
+                ids = await self._image_prompt_ids(await self.chat.render_prompt(*args))
+            else:
+                text = await self.chat.render(*args)
+                ids = await self._encode(text, req.add_special_tokens)
         else:
-            text = req.prompt
-        encode = functools.partial(
-            self.engine.inputs.encode, text, add_special_tokens=req.add_special_tokens
-        )
-        ids = await self.engine.run_tokenizer(encode)
+            ids = await self._encode(req.prompt, req.add_special_tokens)
         strs = None
         if req.return_token_strs:
             strs = await self.engine.run_tokenizer(self._tokenizer.convert_ids_to_tokens, ids)
         return TokenizeResponse(
             count=len(ids), max_model_len=self.model.max_model_len, tokens=ids, token_strs=strs
         )
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        encode = functools.partial(
+            self.engine.inputs.encode, text, add_special_tokens=add_special_tokens
+        )
+        return await self.engine.run_tokenizer(encode)
+
+    async def _image_prompt_ids(self, prompt: dict[str, Any]) -> list[int]:
+        """The ids the engine would run for a chat prompt with images: each image's
+        placeholder expanded as the model's processor expands it.
+
+        Raises:
+            APIError: an image the processor refuses (400).
+        """
+        try:
+            prompt = await self.engine.preprocess_images(prompt)
+            _, ids, _ = await self.engine.run_tokenizer(self.engine.inputs.process, prompt)
+        except ValueError as err:
+            raise APIError(str(err), 400, "messages") from err
+        return ids
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         """The text of some token ids (special tokens kept, as vLLM does).
@@ -108,3 +125,13 @@ class OpenAIServingTokenization:
         info["model_max_length"] = getattr(tokenizer, "model_max_length", None)
         info["chat_template"] = self.chat.template.template
         return info
+
+
+def _has_images(messages: list[Any]) -> bool:
+    """Whether a message has an image part."""
+    return any(
+        isinstance(part, dict) and part.get("type") in IMAGE_PARTS
+        for m in messages
+        if isinstance(m.content, list)
+        for part in m.content
+    )
