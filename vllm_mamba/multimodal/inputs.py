@@ -38,6 +38,7 @@ class ProcessedImage:
         grid: `(t, h, w)` of the image in LLM tokens (after merging) for M-RoPE models, else
             None.
         content_hash: hex digest identifying the image and the processor settings.
+        extra: what a processor reports beside (LFM2-VL: the tile rows and columns).
     """
 
     features: dict[str, torch.Tensor]
