@@ -196,6 +196,15 @@ def test_bad_images_are_400s_naming_the_part(
     with pytest.raises(openai.BadRequestError) as info:
         _chat(client, *[_data_url("one.png")] * 3)
     assert "limit-mm-per-prompt" in info.value.body["message"]
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": [audio]}], max_tokens=2
+        )
+    assert (
+        "messages[0].content[0]: input_audio parts are not supported (only images)"
+        in (info.value.body["message"])
+    )
     # the server is unharmed
     reply = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2)
     assert reply.choices[0].finish_reason == "length"

@@ -100,17 +100,6 @@ class InputProcessor:
         # than this cannot fit in max_model_len tokens: it is refused before tokenising it.
         self.max_prompt_chars = max_model_len * longest_token(tokenizer)
 
-    def process_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """Returns `(text or None, token ids)` of a prompt without images, validated.
-
-        Raises:
-            ValueError: as `process`, and a prompt with images.
-        """
-        text, ids, mm = self.process(prompt)
-        if mm is not None:
-            raise ValueError("multi_modal_data: use InputProcessor.process for images")
-        return text, ids
-
     def process(self, prompt: PromptInput) -> tuple[str | None, list[int], MultiModalPrompt | None]:
         """Returns `(text or None, token ids, images or None)` of a prompt, validated; with
         images, the ids have each image's placeholder expanded.

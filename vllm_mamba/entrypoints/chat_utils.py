@@ -269,13 +269,13 @@ def content_parts(content: Any, field: str, images: list[ImageRef] | None) -> st
             images.append(image_ref(part, where))
             pieces.append({"type": "image"})
             continue
-        if kind in MEDIA_PARTS:
+        if kind in MEDIA_PARTS and images is None:
             raise ValueError(
                 f"{field}: {kind} content parts are not supported: this server serves the "
                 "model text-only (images, audio and video are not accepted)"
-                if images is None or kind not in IMAGE_PARTS
-                else f"{where}: {kind} parts are not supported"
             )
+        if kind in MEDIA_PARTS:  # audio, video, files: an image-text model takes images only
+            raise ValueError(f"{where}: {kind} parts are not supported (only images)")
         if kind not in TEXT_PARTS:
             raise ValueError(f"{field}: only text content parts are supported, got {kind!r}")
         if not isinstance(part.get("text"), str):
