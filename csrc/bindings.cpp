@@ -60,10 +60,11 @@ TORCH_LIBRARY(vllm_mamba, m) {
   m.def(
       "kda_varlen(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
       "Tensor dt_bias, Tensor(a!) ssm_states, Tensor query_start_loc, Tensor state_indices, "
-      "Tensor has_initial_state, int chunk_size=12) -> Tensor");
+      "Tensor has_initial_state, int chunk_size=12, float lower_bound=0.0) -> Tensor");
   m.def(
       "kda_update(Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, "
-      "Tensor dt_bias, Tensor(a!) ssm_states, Tensor state_indices) -> Tensor");
+      "Tensor dt_bias, Tensor(a!) ssm_states, Tensor state_indices, "
+      "float lower_bound=0.0) -> Tensor");
   m.def("kda_norm_gate(Tensor o, Tensor gate, Tensor weight, float eps) -> Tensor");
   m.def("mla_cache_write(Tensor latent, Tensor(a!) cache, Tensor slot_mapping) -> ()");
   m.def(

@@ -10,7 +10,9 @@
 // the math): per value head h, reading key head h / (Hv / Hk), with q and k L2-normalised
 // (eps 1e-6) and q scaled by Dk^-1/2,
 //   g = -exp(A_log[h]) softplus(a[h] + dt_bias[h])  ((Dk,): a decay per key channel;
-//       softplus(x) = x above 20), beta = sigmoid(b[h]),
+//       softplus(x) = x above 20; Kimi's gate, lower_bound == 0), or
+//   g = lower_bound sigmoid(exp(A_log[h]) (a[h] + dt_bias[h]))  (the safe gate,
+//       lower_bound < 0; a positive lower_bound is refused), beta = sigmoid(b[h]),
 //   S = diag(exp(g)) S, S += k (beta (v - S^T k))^T, o = S^T q,
 //   y = o_norm_w * rmsnorm(o) * sigmoid(gate[h]),
 // computed as the `kda_update` kernel does: one read pass over the state for (D S)^T k and
@@ -86,6 +88,7 @@ struct Dims : delta::Dims {
 struct Small {  // float32 parameters; nullptr when absent
   const float *norm_w, *conv_w, *A_log, *dt_bias, *gate_w;
   float norm_eps, gate_eps;
+  float lower_bound;  // 0: the softplus gate; < 0: the safe gate
 };
 
 // C: the conv states' dtype; S: the recurrent states' (each float32 or bfloat16).
@@ -130,8 +133,9 @@ struct HeadScratch {
 
 // The KDA rule of value head h of batch row b, then its gated RMSNorm:
 // y[b, h] = gate_w * rmsnorm(o) * sigmoid(gate) with o the rule's read-out (zeros for a
-// padding row).
-template <typename C, typename S>
+// padding row). kSafeGate: the safe gate (s.lower_bound < 0), else Kimi's softplus gate (one
+// instantiation each, so the gate loop has no branch).
+template <bool kSafeGate, typename C, typename S>
 void kda_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t h,
               HeadScratch& w) {
   const int64_t dk = d.dk, dv = d.dv;
@@ -148,16 +152,28 @@ void kda_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int6
     const float* v = row + 2 * d.key_dim + h * dv;
     const float bv = row[d.conv_dim + 2 * d.rank + h];
     const float beta = 1.0f / (1.0f + std::exp(-bv));
-    const float rate = -std::exp(s.A_log[h]);
     const float* a = grow + h * dk;
     const float* bias = s.dt_bias + h * dk;
     float kq = 0.0f;
+    if constexpr (kSafeGate) {
+      const float rate = std::exp(s.A_log[h]);
+      const float bound = s.lower_bound;
 #pragma omp simd reduction(+ : kq)
-    for (int64_t i = 0; i < dk; ++i) {
-      const float x = a[i] + bias[i];
-      const float g = rate * select_f32(x > kSoftplusThreshold, x, softplus_f32(x));
-      w.decay[i] = exp_f32(g);
-      kq += w.kn[i] * w.qn[i];
+      for (int64_t i = 0; i < dk; ++i) {
+        // sigmoid as torch computes it in float32: 1 / (1 + exp(-z)).
+        const float sig = 1.0f / (1.0f + exp_f32(-(rate * (a[i] + bias[i]))));
+        w.decay[i] = exp_f32(bound * sig);
+        kq += w.kn[i] * w.qn[i];
+      }
+    } else {
+      const float rate = -std::exp(s.A_log[h]);
+#pragma omp simd reduction(+ : kq)
+      for (int64_t i = 0; i < dk; ++i) {
+        const float x = a[i] + bias[i];
+        const float g = rate * select_f32(x > kSoftplusThreshold, x, softplus_f32(x));
+        w.decay[i] = exp_f32(g);
+        kq += w.kn[i] * w.qn[i];
+      }
     }
     const int64_t src_slot = io.src_slots ? io.src_slots[b] : slot;
     S* src = io.ssm_states + (src_slot * d.v_heads + h) * dk * dv;
@@ -199,6 +215,17 @@ void kda_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int6
   for (int64_t j = 0; j < dv; ++j) o[j] = s.gate_w[j] * (o[j] * r) / (1.0f + exp_f32(-gate[j]));
 }
 
+// `kda_head` with the layer's gate.
+template <typename C, typename S>
+inline void run_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t h,
+                     HeadScratch& w) {
+  if (s.lower_bound < 0.0f) {
+    kda_head<true>(d, s, io, b, h, w);
+  } else {
+    kda_head<false>(d, s, io, b, h, w);
+  }
+}
+
 template <typename C, typename S>
 void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -221,11 +248,11 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     if (io.src_slots) {  // chains: each head's rows in order on one thread
       split(d.v_heads, 1, tid, nth, lo, hi);
       for (int64_t h = lo; h < hi; ++h) {
-        for (int64_t b = 0; b < d.batch; ++b) kda_head(d, s, io, b, h, scratch);
+        for (int64_t b = 0; b < d.batch; ++b) run_head(d, s, io, b, h, scratch);
       }
     } else {
       split(d.batch * d.v_heads, 1, tid, nth, lo, hi);
-      for (int64_t t = lo; t < hi; ++t) kda_head(d, s, io, t / d.v_heads, t % d.v_heads, scratch);
+      for (int64_t t = lo; t < hi; ++t) run_head(d, s, io, t / d.v_heads, t % d.v_heads, scratch);
     }
 #pragma omp barrier
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
@@ -263,7 +290,7 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<C, S>& io, const at:
   project_into(proj.narrow(1, d.conv_dim + d.rank, d.rank).contiguous(), *io.gb_w, gates, d.a_dim);
   at::parallel_for(0, d.batch * d.v_heads, 1, [&](int64_t lo, int64_t hi) {
     HeadScratch scratch(d.dk, d.dv);
-    for (int64_t t = lo; t < hi; ++t) kda_head(d, s, io, t / d.v_heads, t % d.v_heads, scratch);
+    for (int64_t t = lo; t < hi; ++t) run_head(d, s, io, t / d.v_heads, t % d.v_heads, scratch);
   });
   fused::project(y, *io.out_w, mixed);
   if (s.norm_w) {
@@ -291,7 +318,11 @@ at::Tensor fused_kda_decode(const at::Tensor& hidden_in,
                             at::Tensor& conv_states, at::Tensor& ssm_states,
                             const at::Tensor& state_indices, double norm_eps, double gate_eps,
                             at::ScalarType out_dtype,
-                            const std::optional<at::Tensor>& src_state_indices, bool int_dot) {
+                            const std::optional<at::Tensor>& src_state_indices, bool int_dot,
+                            double lower_bound) {
+  // A ValueError in Python; NaN fails the check too.
+  TORCH_CHECK_VALUE(lower_bound <= 0.0,
+                    "lower_bound must be 0 (softplus gate) or negative, got ", lower_bound);
   Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices);
   const at::Tensor src = fused::src_slots(src_state_indices, d.batch);
   const int64_t n_in = static_cast<int64_t>(params.size() - kFirstIn) / 2;
@@ -330,6 +361,7 @@ at::Tensor fused_kda_decode(const at::Tensor& hidden_in,
               "conv weight, A_log, dt_bias and the gated norm weight are required");
   s.norm_eps = static_cast<float>(norm_eps);
   s.gate_eps = static_cast<float>(gate_eps);
+  s.lower_bound = static_cast<float>(lower_bound);
 
   const at::Tensor hidden = hidden_in.to(at::kFloat).contiguous();
   const at::Tensor slots = as_index(state_indices);
@@ -368,7 +400,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
   m.def(
       "fused_kda_decode(Tensor hidden, Tensor?[] params, Tensor(a!) conv_states, "
       "Tensor(b!) ssm_states, Tensor state_indices, float norm_eps, float gate_eps, "
-      "ScalarType out_dtype, Tensor? src_state_indices=None, bool int_dot=False) -> Tensor");
+      "ScalarType out_dtype, Tensor? src_state_indices=None, bool int_dot=False, "
+      "float lower_bound=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_kda_decode", &fused_kda_decode); }

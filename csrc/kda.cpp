@@ -3,7 +3,10 @@
 // semantics follow `vllm_mamba/ops/kda.py` (its docstring has the math and glossary): per token
 // and value head h (reading key head h / (Hv / Hk)), with q and k L2-normalised (eps 1e-6) and
 // q scaled by Dk^-1/2,
-//   g = -exp(A_log[h]) softplus(a[h] + dt_bias[h])  (a (Dk,) log decay per key channel),
+//   g = -exp(A_log[h]) softplus(a[h] + dt_bias[h])  (a (Dk,) log decay per key channel;
+//       Kimi's gate, lower_bound == 0), or
+//   g = lower_bound sigmoid(exp(A_log[h]) (a[h] + dt_bias[h]))  (the safe gate of Ling-3.0 /
+//       GLM-5-Next, lower_bound < 0; a positive lower_bound is refused),
 //   beta = sigmoid(b[h]),
 //   S = diag(exp(g)) S, S += k (beta (v - S^T k))^T, o = S^T q,
 // each sequence starting from its slot's state `(S, Hv, Dk, Dv)` where it has an initial state
@@ -209,6 +212,7 @@ struct KDAProblem {
   const float* A_log;    // (Hv,)
   const float* dt_bias;  // (Hv * Dk,)
   const int64_t* slots;  // (B,)
+  float lower_bound;     // 0: the softplus gate; < 0: the safe gate
 };
 
 template <typename T, typename S>
@@ -220,18 +224,30 @@ struct KDATensors {
   T* out;      // (T, Hv, Dv), contiguous
 };
 
-// g (Dk,) = -exp(A_log[h]) softplus(a[t, h] + dt_bias[h]) of token t, value head h; returns
+// g (Dk,) of token t, value head h: -exp(A_log[h]) softplus(x) (lower_bound 0) or
+// lower_bound sigmoid(exp(A_log[h]) x) (lower_bound < 0), x = a[t, h] + dt_bias[h]; returns
 // beta = sigmoid(b[t, h]).
 inline float gates(const KDAProblem& p, int64_t t, int64_t h, float* g) {
   const int64_t dk = p.dk;
   const float* a = p.a + (t * p.v_heads + h) * dk;
   const float* bias = p.dt_bias + h * dk;
-  const float rate = -std::exp(p.A_log[h]);
+  const float rate = std::exp(p.A_log[h]);
+  if (p.lower_bound < 0.0f) {
+    const float bound = p.lower_bound;
 #pragma omp simd
-  for (int64_t d = 0; d < dk; ++d) {
-    const float x = a[d] + bias[d];
-    // softplus_f32 already returns x above 20 up to half an ulp; the select makes it exact.
-    g[d] = rate * select_f32(x > kSoftplusThreshold, x, softplus_f32(x));
+    for (int64_t d = 0; d < dk; ++d) {
+      // sigmoid as torch computes it in float32: 1 / (1 + exp(-z)).
+      const float sig = 1.0f / (1.0f + exp_f32(-(rate * (a[d] + bias[d]))));
+      g[d] = bound * sig;
+    }
+  } else {
+    const float neg_rate = -rate;
+#pragma omp simd
+    for (int64_t d = 0; d < dk; ++d) {
+      const float x = a[d] + bias[d];
+      // softplus_f32 already returns x above 20 up to half an ulp; the select makes it exact.
+      g[d] = neg_rate * select_f32(x > kSoftplusThreshold, x, softplus_f32(x));
+    }
   }
   return 1.0f / (1.0f + std::exp(-p.b[t * p.v_heads + h]));
 }
@@ -423,12 +439,16 @@ at::Tensor rows_contiguous(const at::Tensor& t) {
 
 struct KDAArgs {
   at::Tensor q, k, v, a, b, A_log, dt_bias, slots;
+  float lower_bound;
 };
 
 KDAArgs check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log,
                    const at::Tensor& dt_bias, const at::Tensor& ssm_states,
-                   const at::Tensor& state_indices) {
+                   const at::Tensor& state_indices, double lower_bound) {
+  // A ValueError in Python; NaN fails the check too.
+  TORCH_CHECK_VALUE(lower_bound <= 0.0,
+                    "lower_bound must be 0 (softplus gate) or negative, got ", lower_bound);
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes(), "q and k must be (T, Hk, Dk)");
   TORCH_CHECK(v.dim() == 3 && v.size(0) == q.size(0), "v must be (T, Hv, Dv)");
   const int64_t tokens = v.size(0), hv = v.size(1), dk = q.size(2);
@@ -450,7 +470,8 @@ KDAArgs check_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                  b.to(at::kFloat).contiguous(),
                  A_log.to(at::kFloat).reshape({hv}).contiguous(),
                  dt_bias.to(at::kFloat).reshape({hv * dk}).contiguous(),
-                 as_index(state_indices)};
+                 as_index(state_indices),
+                 static_cast<float>(lower_bound)};
 }
 
 KDAProblem make_problem(const KDAArgs& x) {
@@ -465,7 +486,8 @@ KDAProblem make_problem(const KDAArgs& x) {
                     x.b.data_ptr<float>(),
                     x.A_log.data_ptr<float>(),
                     x.dt_bias.data_ptr<float>(),
-                    x.slots.data_ptr<int64_t>()};
+                    x.slots.data_ptr<int64_t>(),
+                    x.lower_bound};
 }
 
 // Calls fn(io) with the typed pointers of q / k / v (type T) and the states (type S).
@@ -485,12 +507,14 @@ at::Tensor kda_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log,
                       const at::Tensor& dt_bias, at::Tensor ssm_states,
                       const at::Tensor& query_start_loc, const at::Tensor& state_indices,
-                      const at::Tensor& has_initial_state, int64_t chunk_size) {
+                      const at::Tensor& has_initial_state, int64_t chunk_size,
+                      double lower_bound) {
   TORCH_CHECK(chunk_size > 0, "chunk_size must be positive");
   const int64_t batch = state_indices.size(0);
   TORCH_CHECK(query_start_loc.numel() == batch + 1 && has_initial_state.numel() == batch,
               "query_start_loc must be (B + 1,) and has_initial_state (B,)");
-  const KDAArgs x = check_args(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices);
+  const KDAArgs x =
+      check_args(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, lower_bound);
   const at::Tensor qsl_t = as_index(query_start_loc);
   const at::Tensor init_t = has_initial_state.to(at::kBool).contiguous();
   const int64_t* qsl = qsl_t.data_ptr<int64_t>();
@@ -585,10 +609,11 @@ void update_task(const KDAProblem& p, const KDATensors<T, S>& io, int64_t r, int
 at::Tensor kda_update(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log,
                       const at::Tensor& dt_bias, at::Tensor ssm_states,
-                      const at::Tensor& state_indices) {
+                      const at::Tensor& state_indices, double lower_bound) {
   const int64_t batch = state_indices.size(0);
   TORCH_CHECK(v.dim() == 3 && v.size(0) == batch, "v must be (B, Hv, Dv)");
-  const KDAArgs x = check_args(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices);
+  const KDAArgs x =
+      check_args(q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, lower_bound);
   at::Tensor out = at::empty(x.v.sizes(), x.v.options());  // (B, Hv, Dv)
   if (batch == 0) return out;
   const KDAProblem p = make_problem(x);

@@ -428,6 +428,21 @@ FAMILIES: tuple[Family, ...] = (
         weight_std=0.15,
     ),
     Family(
+        "ling",
+        "BailingHybridForCausalLM",
+        cfg.LING,
+        mixer="kda",
+        hybrid=True,
+        main="ling-moe",
+        second="ling-qlora",
+        tp=("ling-moe",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=("q_lora_rank", "kda_safe_gate", "short_conv_kernel_size", "mlp_layer_types"),
+        reference=("ling-moe", "ling-qlora"),  # ling-clipped: tests/models/test_bailing_hybrid.py
+        # As Kimi Linear's (the same delta rule).
+        weight_std=0.15,
+    ),
+    Family(
         "lara_mini",
         "LaraMiniForCausalLM",
         cfg.LARA_MINI,

@@ -696,6 +696,96 @@ KIMI_LINEAR: dict[str, dict] = {
     ),
 }
 
+# Ling 3 (BailingHybrid): Kimi Linear's skeleton with full-rank KDA gates (the safe gate or
+# Kimi's), MLA with interleaved RoPE and a sigmoid gate per head, and MoEs whose SwiGLUs clip.
+_COMMON_LING = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-5)
+LING: dict[str, dict] = {
+    # 4 layers (KDA, KDA, MLA, KDA); KDA 4 heads of 16 (`head_dim`; transformers then sets
+    # `head_dim` to the rope dim), conv 4, the safe gate at -5; MLA 4 heads (q from hidden,
+    # latent 32 + k_rot 8, nope 16, v 16, rope theta 10000); the first layer dense (96), the
+    # others MoEs of 8 experts of 32 in 2 groups (1 kept), top-2 renormalised, scaled by 2.5,
+    # one shared expert; one MTP layer named.
+    "ling-moe": dict(
+        _COMMON_LING,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        short_conv_kernel_size=4,
+        kda_safe_gate=True,
+        kda_lower_bound=-5.0,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_theta=10000.0,
+        num_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        moe_intermediate_size=32,
+        num_shared_experts=1,
+        num_nextn_predict_layers=1,
+        tie_word_embeddings=False,
+    ),
+    # 3 layers (KDA, MLA, KDA); KDA 2 heads of 32, conv 3, Kimi's softplus gate; MLA 2 heads
+    # with a low-rank query (rank 24), latent 48 + k_rot 4, nope 24, v 32, YaRN RoPE (factor 4,
+    # `mscale_all_dim` 1, so the softmax scale grows); the middle layer dense (80), the others
+    # MoEs of 4 experts of 24 in 1 group, top-1 not renormalised, 2 shared experts, unclipped.
+    "ling-qlora": dict(
+        _COMMON_LING,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["sparse", "dense", "sparse"],
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        short_conv_kernel_size=3,
+        kda_safe_gate=False,
+        q_lora_rank=24,
+        kv_lora_rank=48,
+        qk_nope_head_dim=24,
+        qk_rope_head_dim=4,
+        v_head_dim=32,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            original_max_position_embeddings=256,
+        ),
+        num_experts=4,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+        moe_intermediate_size=24,
+        num_shared_experts=2,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+    ),
+}
+# ling-moe with the releases' SwiGLU clips (transformers 5.24 reads no limits; its reference for
+# this variant adds transformers 5.25's clip, `tests/models/test_bailing_hybrid.py`): routed
+# experts at 0.05 on layers 1 and 3, the shared expert at 0.08 on layer 2 (the tiny weights'
+# activations pass those often).
+LING["ling-clipped"] = dict(
+    LING["ling-moe"],
+    expert_swiglu_limit_list=[0, 0.05, 0, 0.05],
+    share_expert_swiglu_limit_list=[0, 0, 0.08, 0],
+)
+
 _COMMON_OLMO = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-6)
 OLMO_HYBRID: dict[str, dict] = {
     # 3 layers (GDN, attention, GDN); GDN 2 key heads of 16 to 4 value heads of 32, beta in

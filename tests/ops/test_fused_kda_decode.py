@@ -6,7 +6,8 @@ merged weight, value heads per key head 1 and 2, odd head dims and ranks, conv w
 padding rows (`PAD_SLOT_ID`), the block norm and residual or the mixer alone, float32 (1e-5)
 and bfloat16 weights, int8 and 4-bit weights in float32 and bfloat16 models, integer dot
 products (w8a8 / w4a8), bfloat16 states, 1, 3 and 8 rows (weight-streaming products) and 9
-(GEMMs), and speculative chains in one call, bit for bit the rows decoded one by one. The
+(GEMMs), speculative chains in one call, bit for bit the rows decoded one by one, and both
+forget gates (Kimi's softplus gate, `lower_bound` 0, and the safe gate, `lower_bound` -5). The
 weights, tolerances, slots and chains are those of the GDN kernel's tests
 (`tests/ops/test_fused_gdn_decode.py`).
 """
@@ -46,6 +47,7 @@ SHAPES = [(64, 2, 2, 32, 32, 32, 4), (48, 1, 2, 16, 24, 16, 3), (40, 2, 2, 7, 9,
 # How the [q | k | v | f_a | g_a | b] rows are split into input projections, by section.
 LAYOUTS = {"kimi": [[0], [1], [2], [3], [4], [5]], "merged": [[0, 1, 2, 3, 4, 5]]}
 INT_DOT_TOL = dict(rtol=2e-3, atol=2e-3)
+LOWER_BOUNDS = [0.0, -5.0]  # Kimi's softplus gate, the safe gate
 
 
 def _case(g, shape, layout, dtype, norm):  # noqa: ANN001, ANN202
@@ -77,12 +79,16 @@ def _case(g, shape, layout, dtype, norm):  # noqa: ANN001, ANN202
     return params, conv, rec
 
 
-def _fns(params, args, int_dot=False):  # noqa: ANN001, ANN202
+def _fns(params, args, int_dot=False, lower_bound=0.0):  # noqa: ANN001, ANN202
     def run(h, c, s, i, src=None):  # noqa: ANN001, ANN202
-        return cpu_kernels.fused_kda_decode(h, params, c, s, i, *args, src, int_dot)
+        return cpu_kernels.fused_kda_decode(
+            h, params, c, s, i, *args, src, int_dot, lower_bound=lower_bound
+        )
 
     def ref(h, c, s, i, src=None):  # noqa: ANN001, ANN202
-        return kda.fused_kda_decode_ref(h, params, c, s, i, *args, src, int_dot)
+        return kda.fused_kda_decode_ref(
+            h, params, c, s, i, *args, src, int_dot, lower_bound=lower_bound
+        )
 
     return run, ref
 
@@ -92,13 +98,14 @@ def _fns(params, args, int_dot=False):  # noqa: ANN001, ANN202
 @pytest.mark.parametrize(
     "batch,pad,norm", [(1, False, True), (3, True, True), (8, True, False), (9, True, True)]
 )
-def test_fused_kda_decode_matches_reference(dtype, shape, batch, pad, norm) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("lower_bound", LOWER_BOUNDS)
+def test_fused_kda_decode_matches_reference(dtype, shape, batch, pad, norm, lower_bound) -> None:  # noqa: ANN001
     layout = list(LAYOUTS)[(shape + batch) % len(LAYOUTS)]
     g = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, batch, dtype)).encode()))
     params, conv, rec = _case(g, SHAPES[shape], layout, dtype, norm)
     x = torch.randn(batch, SHAPES[shape][0], generator=g)
     out_dtype = torch.float32 if norm else _model(dtype)
-    run, ref = _fns(params, (1e-5, 1e-5, out_dtype))
+    run, ref = _fns(params, (1e-5, 1e-5, out_dtype), lower_bound=lower_bound)
     _check(run, ref, x, conv, rec, _indices(batch, pad), _tol(dtype, batch))
 
 
@@ -130,13 +137,16 @@ def test_strong_gates_past_the_softplus_threshold() -> None:
 
 @pytest.mark.parametrize("chain", list(CHAINS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, INT8_F32, INT4_F32, STATE_BF16])
-def test_fused_kda_chains_equal_one_row_at_a_time(chain: str, dtype: torch.dtype | str) -> None:
+@pytest.mark.parametrize("lower_bound", LOWER_BOUNDS)
+def test_fused_kda_chains_equal_one_row_at_a_time(
+    chain: str, dtype: torch.dtype | str, lower_bound: float
+) -> None:
     """A chain in one call: each position's state in its own slot, bit for bit what the kernel
     gives running the rows one by one (after copying the source slot in), and close to the
     reference's chained rows."""
     g = torch.Generator().manual_seed(5)
     params, conv, rec = _case(g, SHAPES[0], "kimi", dtype, True)
-    run, ref = _fns(params, (1e-5, 1e-5, torch.float32))
+    run, ref = _fns(params, (1e-5, 1e-5, torch.float32), lower_bound=lower_bound)
     x = torch.randn(len(CHAINS[chain][0]), SHAPES[0][0], generator=g)
     check_chain(run, ref, x, conv, rec, chain, _tol(dtype, 1))
 
@@ -170,3 +180,6 @@ def test_fused_kda_decode_rejects_bad_inputs() -> None:
         cpu_kernels.fused_kda_decode(x, params, conv, rec, torch.tensor([0, SLOTS]), *args)
     with pytest.raises(RuntimeError, match=r"src_state_indices\[0\] = -2"):
         cpu_kernels.fused_kda_decode(x, params, conv, rec, idx, *args, torch.tensor([-2, 0]))
+    for fn in (cpu_kernels.fused_kda_decode, kda.fused_kda_decode_ref):
+        with pytest.raises(ValueError, match="lower_bound"):
+            fn(x, params, conv, rec, idx, *args, lower_bound=0.5)

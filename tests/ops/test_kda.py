@@ -1,6 +1,8 @@
 """The Kimi Delta Attention ops: the references against a token-by-token float64 recurrence and
 against transformers' own Kimi Linear functions, and the C++ kernels
-(`vllm_mamba.ops.cpu_kernels`, `csrc/kda.cpp`) against the references."""
+(`vllm_mamba.ops.cpu_kernels`, `csrc/kda.cpp`) against the references; both with Kimi's
+softplus gate (`lower_bound` 0) and with the bounded safe gate (`lower_bound` -5, Ling-3.0 /
+GLM-5-Next), whose reference is checked against transformers' formula written out here."""
 
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ CHUNKS = [1, 8, 16, 64]
 # the kernels' exp within a few ulps of torch's): a few float32 ulps of outputs of order 1,
 # amplified by the chunk's triangular solve and its products over up to 64 tokens.
 F32_TOL = {"rtol": 1e-4, "atol": 2e-5}
+# The gates: Kimi's softplus gate, and the safe gate with the releases' `kda_lower_bound`.
+LOWER_BOUNDS = [0.0, -5.0]
+SAFE = LOWER_BOUNDS[1]
 # bfloat16 outputs and states are rounded once from float32 values that differ by the float32
 # tolerance above; where those straddle a rounding boundary they land one bfloat16 ulp apart
 # (at most 2^-7 relative), never more.
@@ -119,19 +124,20 @@ def make_case(
     )
 
 
-def run_varlen(fn, c: KDACase, chunk_size: int) -> torch.Tensor:
+def run_varlen(fn, c: KDACase, chunk_size: int, lower_bound: float = 0.0) -> torch.Tensor:
     return fn(
         *c.inputs(), c.ssm_states, c.query_start_loc, c.state_indices, c.has_initial_state,
-        chunk_size,
+        chunk_size, lower_bound=lower_bound,
     )  # fmt: skip
 
 
-def run_update(fn, c: KDACase) -> torch.Tensor:
-    return fn(*c.inputs(), c.ssm_states, c.state_indices)
+def run_update(fn, c: KDACase, lower_bound: float = 0.0) -> torch.Tensor:
+    return fn(*c.inputs(), c.ssm_states, c.state_indices, lower_bound=lower_bound)
 
 
-def recurrence(c: KDACase) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule token by token in float64, from the module docstring's definition.
+def recurrence(c: KDACase, lower_bound: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token in float64, from the module docstring's definition (the softplus
+    gate for `lower_bound` 0, the safe gate below).
 
     Returns:
         `(T, Hv, Dv)` outputs and the `(S, Hv, Dk, Dv)` states after the batch.
@@ -152,7 +158,11 @@ def recurrence(c: KDACase) -> tuple[torch.Tensor, torch.Tensor]:
             q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() / math.sqrt(dk)
             k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
             x = (c.a[t].double() + c.dt_bias.double()).view(hv, dk)
-            g = -c.A_log.double().exp()[:, None] * F.softplus(x)  # (Hv, Dk)
+            rate = c.A_log.double().exp()[:, None]  # (Hv, 1)
+            if lower_bound < 0:
+                g = lower_bound * torch.sigmoid(rate * x)  # (Hv, Dk)
+            else:
+                g = -rate * F.softplus(x)  # (Hv, Dk)
             beta = torch.sigmoid(c.b[t].double())  # (Hv,)
             state = state * g.exp()[:, :, None]  # (Hv, Dk, Dv)
             u = beta[:, None] * (c.v[t].double() - torch.einsum("hkv,hk->hv", state, k))
@@ -173,15 +183,16 @@ def chunk_lens(chunk: int) -> list[int]:
 
 @pytest.mark.parametrize("heads", HEADS[:3])
 @pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("strong_decay", [False, True])
-def test_varlen_refs_match_recurrence(heads, chunk, strong_decay):
+# The safe gate's strong decays only saturate it at the bound (the C++ tests check those).
+@pytest.mark.parametrize("strong_decay,lower_bound", [(False, 0.0), (True, 0.0), (False, SAFE)])
+def test_varlen_refs_match_recurrence(heads, chunk, strong_decay, lower_bound):
     case = make_case(
         chunk_lens(chunk), heads, seed=chunk, pad=(2,), extra_tokens=2, strong_decay=strong_decay
     )
-    want_out, want_states = recurrence(case)
+    want_out, want_states = recurrence(case, lower_bound)
     for fn in (kda_varlen_ref, kda_varlen_recurrent_ref):
         c = case.clone()
-        out = run_varlen(fn, c, chunk)
+        out = run_varlen(fn, c, chunk, lower_bound)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.double(), want_out, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(c.ssm_states.double(), want_states, rtol=1e-4, atol=1e-5)
@@ -198,12 +209,49 @@ def test_chunked_ref_matches_recurrent_ref(chunk):
 
 
 @pytest.mark.parametrize("heads", HEADS[:3])
-def test_update_ref_matches_recurrence(heads):
+@pytest.mark.parametrize("lower_bound", LOWER_BOUNDS)
+def test_update_ref_matches_recurrence(heads, lower_bound):
     case = make_case([1] * 5, heads, seed=11, pad=(3,), init=[True] * 5)
-    want_out, want_states = recurrence(case)
-    out = run_update(kda_update_ref, case)
+    want_out, want_states = recurrence(case, lower_bound)
+    out = run_update(kda_update_ref, case, lower_bound)
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(case.ssm_states.double(), want_states, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strong_decay", [False, True])
+def test_safe_gate_ref_matches_transformers_formula(strong_decay):
+    """`kda_gates_ref(..., lower_bound=-5)` is transformers' safe gate, computed in float32 as
+    transformers does (from bfloat16 projections too); the default is the softplus gate."""
+    tokens, heads, dk, lower_bound = 7, 3, 16, -5.0
+    case = make_case([tokens], (heads, heads, dk, dk), seed=23, strong_decay=strong_decay)
+    for a in (case.a, case.a.bfloat16()):
+        g, beta = kda_gates_ref(a, case.b, case.A_log, case.dt_bias, lower_bound=lower_bound)
+        # transformers: f_proj(x).float().view(T, H, Dk) + dt_bias.view(H, Dk), then
+        # lower_bound * sigmoid(A_log.exp().view(H, 1) * gate_input)
+        gate_input = a.float().view(tokens, heads, dk) + case.dt_bias.view(heads, dk)
+        want = lower_bound * torch.sigmoid(case.A_log.exp().view(heads, 1) * gate_input)
+        assert g.dtype == torch.float32 and g.shape == (tokens, heads, dk)
+        assert torch.equal(g, want)
+        assert (g >= lower_bound).all() and (g <= 0).all()
+        torch.testing.assert_close(beta, torch.sigmoid(case.b.float()))
+    softplus = -case.A_log.exp().view(heads, 1) * F.softplus(
+        case.a.view(tokens, heads, dk) + case.dt_bias.view(heads, dk)
+    )
+    torch.testing.assert_close(kda_gates_ref(case.a, case.b, case.A_log, case.dt_bias)[0], softplus)
+
+
+@pytest.mark.parametrize("backend", ["ref", pytest.param("cpp", marks=needs_cpp)])
+@pytest.mark.parametrize("lower_bound", [0.5, float("nan")])
+def test_positive_lower_bound_is_refused(backend, lower_bound):
+    ops = family_ops(FAMILY, backend)
+    case = make_case([2, 1], HEADS[0], seed=1)
+    with pytest.raises(ValueError, match="lower_bound"):
+        run_varlen(ops.varlen, case.clone(), 16, lower_bound)
+    with pytest.raises(ValueError, match="lower_bound"):
+        run_update(ops.update, make_case([1], HEADS[0]), lower_bound)
+    if backend == "ref":
+        with pytest.raises(ValueError, match="lower_bound"):
+            kda_gates_ref(case.a, case.b, case.A_log, case.dt_bias, lower_bound)
 
 
 def test_refs_match_transformers_kimi_linear():
@@ -266,12 +314,12 @@ def test_refs_match_transformers_kimi_linear():
 # ---- the C++ kernels against the references ----
 
 
-def check_varlen(case: KDACase, chunk: int, tol: dict) -> None:
+def check_varlen(case: KDACase, chunk: int, tol: dict, lower_bound: float = 0.0) -> None:
     """Runs the kernel and the reference on copies of `case`; outputs and states agree, the
     unused slots are untouched."""
     ref_case, cpp_case = case.clone(), case.clone()
-    want = run_varlen(kda_varlen_ref, ref_case, chunk)
-    got = run_varlen(cpu_kernels.kda_varlen, cpp_case, chunk)
+    want = run_varlen(kda_varlen_ref, ref_case, chunk, lower_bound)
+    got = run_varlen(cpu_kernels.kda_varlen, cpp_case, chunk, lower_bound)
     assert got.dtype == case.q.dtype and got.shape == want.shape
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), **tol)
@@ -283,20 +331,26 @@ def check_varlen(case: KDACase, chunk: int, tol: dict) -> None:
 
 @needs_cpp
 @pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("chunk", CHUNKS + [12, 32])
-def test_varlen_cpp_matches_ref(heads, chunk):
+# The gate is the same code at every chunk size: the safe gate at three of them.
+@pytest.mark.parametrize(
+    "chunk,lower_bound",
+    [(c, 0.0) for c in CHUNKS + [12, 32]] + [(c, SAFE) for c in (1, 12, 64)],
+)
+def test_varlen_cpp_matches_ref(heads, chunk, lower_bound):
     case = make_case(chunk_lens(chunk), heads, seed=chunk + 1, pad=(2,), extra_tokens=3)
-    check_varlen(case, chunk, F32_TOL)
+    check_varlen(case, chunk, F32_TOL, lower_bound)
 
 
 @needs_cpp
 @pytest.mark.parametrize("heads", HEADS[:4])
-@pytest.mark.parametrize("chunk", [8, 12, 16, 64])
-def test_varlen_cpp_strong_decay(heads, chunk):
-    """Log decays of hundreds per token in some channels: every exp is of a non-positive
-    number, nothing overflows."""
+@pytest.mark.parametrize(
+    "chunk,lower_bound", [(c, 0.0) for c in (8, 12, 16, 64)] + [(c, SAFE) for c in (12, 64)]
+)
+def test_varlen_cpp_strong_decay(heads, chunk, lower_bound):
+    """Log decays of hundreds per token in some channels (the softplus gate; the safe gate's
+    saturate at the bound): every exp is of a non-positive number, nothing overflows."""
     case = make_case(chunk_lens(chunk), heads, seed=3, pad=(2,), strong_decay=True)
-    check_varlen(case, chunk, F32_TOL)
+    check_varlen(case, chunk, F32_TOL, lower_bound)
 
 
 @needs_cpp
@@ -309,7 +363,7 @@ def test_varlen_cpp_bfloat16(dtype, state_dtype, chunk):
     case = make_case(
         chunk_lens(chunk), HEADS[1], seed=5, pad=(2,), dtype=dtype, state_dtype=state_dtype
     )
-    check_varlen(case, chunk, BF16_TOL)
+    check_varlen(case, chunk, BF16_TOL, LOWER_BOUNDS[chunk // 4 % 2])  # both gates
 
 
 @needs_cpp
@@ -336,13 +390,15 @@ def test_varlen_cpp_empty_batch():
 @pytest.mark.parametrize("chunk", [8, 12, 16])
 def test_cpp_cut_sequence_equals_one_pass(cuts, chunk):
     """A sequence split at arbitrary positions (each piece from the previous one's saved state),
-    then two decode steps, equals one call over the whole sequence."""
+    then two decode steps, equals one call over the whole sequence (the softplus gate for some
+    cuts, the safe gate for the others)."""
     total = sum(cuts)
+    lower_bound = LOWER_BOUNDS[len(cuts) % 2]
     case = make_case([total + 2], HEADS[3], seed=6, init=[False])
     whole = case.clone()
-    want = run_varlen(cpu_kernels.kda_varlen, whole, chunk)
+    want = run_varlen(cpu_kernels.kda_varlen, whole, chunk, lower_bound)
     ref = case.clone()
-    want_ref = run_varlen(kda_varlen_ref, ref, chunk)
+    want_ref = run_varlen(kda_varlen_ref, ref, chunk, lower_bound)
     torch.testing.assert_close(want, want_ref, **F32_TOL)
     params = (case.A_log, case.dt_bias, case.ssm_states)
     outs, lo = [], 0
@@ -350,11 +406,15 @@ def test_cpp_cut_sequence_equals_one_pass(cuts, chunk):
         part = [t[lo : lo + n] for t in case.inputs()[:5]]
         qsl = torch.tensor([0, n], dtype=torch.int32)
         init = torch.tensor([i > 0])
-        outs.append(cpu_kernels.kda_varlen(*part, *params, qsl, case.state_indices, init, chunk))
+        outs.append(
+            cpu_kernels.kda_varlen(
+                *part, *params, qsl, case.state_indices, init, chunk, lower_bound=lower_bound
+            )
+        )
         lo += n
     for t in range(total, total + 2):
         step = [x[t : t + 1] for x in case.inputs()[:5]]
-        outs.append(cpu_kernels.kda_update(*step, *params, case.state_indices))
+        outs.append(cpu_kernels.kda_update(*step, *params, case.state_indices, lower_bound))
     torch.testing.assert_close(torch.cat(outs), want, **F32_TOL)
     torch.testing.assert_close(case.ssm_states, whole.ssm_states, **F32_TOL)
 
@@ -386,10 +446,10 @@ def test_cpp_non_contiguous_inputs(transposed_qk):
     check_update(rows, F32_TOL)
 
 
-def check_update(case: KDACase, tol: dict) -> None:
+def check_update(case: KDACase, tol: dict, lower_bound: float = 0.0) -> None:
     ref_case, cpp_case = case.clone(), case.clone()
-    want = run_update(kda_update_ref, ref_case)
-    got = run_update(cpu_kernels.kda_update, cpp_case)
+    want = run_update(kda_update_ref, ref_case, lower_bound)
+    got = run_update(cpu_kernels.kda_update, cpp_case, lower_bound)
     assert got.dtype == case.q.dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), **tol)
     torch.testing.assert_close(cpp_case.ssm_states.float(), ref_case.ssm_states.float(), **tol)
@@ -405,12 +465,14 @@ def check_update(case: KDACase, tol: dict) -> None:
     [(torch.float32,) * 2, (torch.bfloat16, torch.float32), (torch.bfloat16,) * 2],
 )
 @pytest.mark.parametrize("strong_decay", [False, True])
-def test_update_cpp_matches_ref(heads, dtype, state_dtype, strong_decay):
+@pytest.mark.parametrize("lower_bound", LOWER_BOUNDS)
+def test_update_cpp_matches_ref(heads, dtype, state_dtype, strong_decay, lower_bound):
     case = make_case(
         [1] * 7, heads, seed=13, pad=(0, 4), init=[True] * 7, dtype=dtype,
         state_dtype=state_dtype, strong_decay=strong_decay,
     )  # fmt: skip
-    check_update(case, F32_TOL if dtype == state_dtype == torch.float32 else BF16_TOL)
+    tol = F32_TOL if dtype == state_dtype == torch.float32 else BF16_TOL
+    check_update(case, tol, lower_bound)
 
 
 @needs_cpp
@@ -420,7 +482,8 @@ def test_update_cpp_empty_batch():
 
 @pytest.mark.parametrize("backend", ["ref", pytest.param("cpp", marks=needs_cpp)])
 @pytest.mark.parametrize("heads", HEADS)
-def test_update_equals_varlen_on_one_token_sequences(backend, heads):
+@pytest.mark.parametrize("lower_bound", LOWER_BOUNDS)
+def test_update_equals_varlen_on_one_token_sequences(backend, heads, lower_bound):
     """A decode step is a one-token prefill from the slot's state: both forms agree."""
     ops = family_ops(FAMILY, backend)
     case = make_case([1] * 6, heads, seed=17, pad=(1,), init=[True] * 6)
@@ -429,11 +492,12 @@ def test_update_equals_varlen_on_one_token_sequences(backend, heads):
         q=case.q, k=case.k, v=case.v, a=case.a, b=case.b, A_log=case.A_log,
         dt_bias=case.dt_bias, ssm_states=varlen_case.ssm_states,
         query_start_loc=case.query_start_loc, state_indices=case.state_indices,
-        has_initial_state=case.has_initial_state, chunk_size=16,
+        has_initial_state=case.has_initial_state, chunk_size=16, lower_bound=lower_bound,
     )  # fmt: skip
     got = ops.update(
         q=case.q, k=case.k, v=case.v, a=case.a, b=case.b, A_log=case.A_log,
         dt_bias=case.dt_bias, ssm_states=update_case.ssm_states, state_indices=case.state_indices,
+        lower_bound=lower_bound,
     )  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(update_case.ssm_states, varlen_case.ssm_states, rtol=1e-5, atol=1e-6)

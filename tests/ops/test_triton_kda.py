@@ -1,4 +1,5 @@
-"""The Triton Kimi Delta Attention kernels against the `kda` references.
+"""The Triton Kimi Delta Attention kernels against the `kda` references, with Kimi's softplus
+gate (`lower_bound` 0) and the bounded safe gate (`lower_bound` -5).
 
 On the CPU the kernels run in the Triton interpreter, in a child pytest process started with
 `TRITON_INTERPRET=1` when this process imported triton without it (see `test_triton_interpreter`).
@@ -39,6 +40,7 @@ CHUNK = 16  # the reference's chunk (the kernel runs token by token)
 SHAPES = [(2, 2, 16, 32), (1, 2, 32, 16), (1, 2, 8, 20)]
 # Shorter than a chunk, one token, longer than two chunks; the third row is padding.
 LENS = [5, 1, 4, 2 * CHUNK + 7]
+LOWER_BOUNDS = [0.0, -5.0]  # Kimi's softplus gate, the safe gate
 
 
 @dataclasses.dataclass
@@ -110,21 +112,22 @@ def _assert_states(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor) 
     assert torch.equal(got[~written], before[~written])
 
 
-def _check_varlen(case: KDACase) -> None:
+def _check_varlen(case: KDACase, lower_bound: float = 0.0) -> None:
     """Kernel and reference on copies of the same states: outputs (every token) and states."""
     meta = (case.query_start_loc, case.state_indices, case.has_initial_state, CHUNK)
     before = case.ssm_states.clone()
     want_states = before.clone()
-    want = kda_varlen_ref(*case.inputs(), want_states, *meta)
-    got = kda_varlen(*case.inputs(), case.ssm_states, *meta)
+    want = kda_varlen_ref(*case.inputs(), want_states, *meta, lower_bound=lower_bound)
+    got = kda_varlen(*case.inputs(), case.ssm_states, *meta, lower_bound=lower_bound)
     assert got.dtype == case.q.dtype and case.ssm_states.dtype == before.dtype
     torch.testing.assert_close(got.float(), want.float(), **_tol(got.dtype, before.dtype))
     _assert_states(case.ssm_states, want_states, before)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_varlen(device: torch.device, shape: tuple[int, int, int, int]) -> None:
-    _check_varlen(make_case(LENS, device, shape))
+@pytest.mark.parametrize("lower_bound", LOWER_BOUNDS)
+def test_varlen(device: torch.device, shape: tuple[int, int, int, int], lower_bound: float) -> None:
+    _check_varlen(make_case(LENS, device, shape), lower_bound)
 
 
 @pytest.mark.parametrize("initial", [False, True])
@@ -147,12 +150,17 @@ def test_varlen_padding_and_empty_rows(device: torch.device) -> None:
     _check_varlen(case)
 
 
-def test_varlen_strong_decay(device: torch.device) -> None:
-    """Log decays of hundreds per token in some channels: no inf or nan, same result."""
+# The safe gate's sigmoid of a large negative input: exp overflows to inf (in the interpreter's
+# numpy, which warns) and the sigmoid is 0, as torch's.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("lower_bound", LOWER_BOUNDS)
+def test_varlen_strong_decay(device: torch.device, lower_bound: float) -> None:
+    """Log decays of hundreds per token in some channels (the safe gate's saturate at the
+    bound): no inf or nan, same result."""
     case = make_case([4, 2 * CHUNK + 3], device, pads=())
     case.A_log += 4.0
     case.a.mul_(15.0).add_(5.0)
-    _check_varlen(case)
+    _check_varlen(case, lower_bound)
 
 
 def test_varlen_strided_inputs(device: torch.device) -> None:
@@ -171,8 +179,12 @@ def test_varlen_strided_inputs(device: torch.device) -> None:
     assert torch.equal(layers[[0, 2]], others)
 
 
-@pytest.mark.parametrize("cuts", [[CHUNK + 5, 2, 9], [1, 2 * CHUNK - 1, 4]])
-def test_chunked_prefill_then_decode_equal_one_pass(device: torch.device, cuts) -> None:
+@pytest.mark.parametrize(
+    "cuts,lower_bound", [([CHUNK + 5, 2, 9], 0.0), ([1, 2 * CHUNK - 1, 4], -5.0)]
+)
+def test_chunked_prefill_then_decode_equal_one_pass(
+    device: torch.device, cuts, lower_bound: float
+) -> None:
     """One sequence in pieces cut anywhere, then two decode steps, against one reference pass."""
     total = sum(cuts)
     case = make_case([total + 2], device, (1, 2, 16, 32), pads=(), seed=1)
@@ -180,7 +192,7 @@ def test_chunked_prefill_then_decode_equal_one_pass(device: torch.device, cuts) 
     want_states = case.ssm_states.clone()
     want = kda_varlen_ref(
         *case.inputs(), want_states, case.query_start_loc, case.state_indices,
-        case.has_initial_state, CHUNK,
+        case.has_initial_state, CHUNK, lower_bound,
     )  # fmt: skip
     params = (case.A_log, case.dt_bias, case.ssm_states)
     outs, lo = [], 0
@@ -188,21 +200,21 @@ def test_chunked_prefill_then_decode_equal_one_pass(device: torch.device, cuts) 
         part = [t[lo : lo + n] for t in case.inputs()[:5]]
         qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
         init = torch.tensor([i > 0], device=device)
-        outs.append(kda_varlen(*part, *params, qsl, case.state_indices, init, CHUNK))
+        outs.append(kda_varlen(*part, *params, qsl, case.state_indices, init, CHUNK, lower_bound))
         lo += n
     for t in range(total, total + 2):
         step = [x[t : t + 1] for x in case.inputs()[:5]]
-        outs.append(kda_update(*step, *params, case.state_indices))
+        outs.append(kda_update(*step, *params, case.state_indices, lower_bound))
     torch.testing.assert_close(torch.cat(outs), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(case.ssm_states, want_states, rtol=1e-4, atol=1e-4)
 
 
-def _check_update(case: KDACase) -> torch.Tensor:
+def _check_update(case: KDACase, lower_bound: float = 0.0) -> torch.Tensor:
     """Kernel and reference for one decode step (one token per row); returns the outputs."""
     before = case.ssm_states.clone()
     want_states = before.clone()
-    want = kda_update_ref(*case.inputs(), want_states, case.state_indices)
-    got = kda_update(*case.inputs(), case.ssm_states, case.state_indices)
+    want = kda_update_ref(*case.inputs(), want_states, case.state_indices, lower_bound)
+    got = kda_update(*case.inputs(), case.ssm_states, case.state_indices, lower_bound)
     assert got.dtype == case.q.dtype and case.ssm_states.dtype == before.dtype
     torch.testing.assert_close(got.float(), want.float(), **_tol(got.dtype, before.dtype))
     _assert_states(case.ssm_states, want_states, before)
@@ -210,8 +222,18 @@ def _check_update(case: KDACase) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_update(device: torch.device, shape: tuple[int, int, int, int]) -> None:
-    _check_update(make_case([1] * 5, device, shape, pads=(0, 3)))
+@pytest.mark.parametrize("lower_bound", LOWER_BOUNDS)
+def test_update(device: torch.device, shape: tuple[int, int, int, int], lower_bound: float) -> None:
+    _check_update(make_case([1] * 5, device, shape, pads=(0, 3)), lower_bound)
+
+
+def test_positive_lower_bound_is_refused(device: torch.device) -> None:
+    case = make_case([2, 1], device, pads=())
+    meta = (case.query_start_loc, case.state_indices, case.has_initial_state, CHUNK)
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_varlen(*case.inputs(), case.ssm_states, *meta, lower_bound=0.5)
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_update(*case.inputs(), case.ssm_states, case.state_indices, lower_bound=0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -26,12 +26,15 @@ count, speculative chains of up to `CHAIN_MAX_ROWS` rows included (`decode_plan.
 (C++: `fused_kda_decode`, `csrc/fused_decode_kda.cpp`; the reference
 `ops.kda.fused_kda_decode_ref`): its first-stage projections in the order of their outputs
 `[q | k | v | f_a | g_a | b]` (`FUSED_INPUTS`), the gates' second stages `f_b_proj` and
-`g_b_proj` (`FUSED_GATES`), under the same conditions.
+`g_b_proj` (`FUSED_GATES`), under the same conditions, with the mixer's forget gate
+(`lower_bound`: 0 for Kimi's softplus gate, negative for the safe gate; a mixer without the
+attribute has Kimi's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -59,9 +62,10 @@ class FusedDeltaStep(FusedMambaStep):
     """A delta-rule mixer's decode-only step in one call of `op` (see `FusedMambaStep`), over
     the mixer's `conv` and `recurrent` states; `args` are the block norm's and the gated norm's
     epsilons (then GDN's `beta_scale`); `int_dot`: the integer weights multiply int8-quantised
-    activations."""
+    activations; `kwargs`: the op's keyword arguments after those (KDA's `lower_bound`)."""
 
     int_dot: bool = False
+    kwargs: Mapping[str, float] = field(default_factory=dict)
 
     def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)` as the unfused block (or mixer) returns it; the mixer's
@@ -71,7 +75,7 @@ class FusedDeltaStep(FusedMambaStep):
         dst, src = decode_slots(meta)
         return self.op(
             hidden, self.params, state["conv"], state["recurrent"], dst, *self.args, out_dtype,
-            src, self.int_dot,
+            src, self.int_dot, **self.kwargs,
         )  # fmt: skip
 
 
@@ -124,16 +128,19 @@ def _step(
     args: tuple[float, ...],
     norm: nn.Module | None,
     residual_in_fp32: bool,
+    kwargs: Mapping[str, float] | None = None,
 ) -> FusedDeltaStep:
     """The step calling `parts.op` with `fixed` then the input projections' (weight, scale)
-    pairs; `args` the op's constants after the block norm's epsilon."""
+    pairs; `args` the op's constants after the block norm's epsilon, `kwargs` its keyword
+    arguments."""
     w = parts.weights
     params = gdn_decode_params(fixed, [(w[f"{n}_w"], w[f"{n}_scale"]) for n in inputs])
     norm_eps = norm.variance_epsilon if norm is not None else 0.0
     out_dtype = _out_dtype(parts.dtype, norm, residual_in_fp32)
     return FusedDeltaStep(
-        parts.op, mixer, params, (norm_eps, *args), parts.dtype, out_dtype, None, parts.int_dot
-    )
+        parts.op, mixer, params, (norm_eps, *args), parts.dtype, out_dtype, None, parts.int_dot,
+        dict(kwargs or {}),
+    )  # fmt: skip
 
 
 def plan_gdn(
@@ -167,7 +174,8 @@ def plan_kda(
 ) -> FusedDeltaStep | None:
     """A `KimiDeltaAttention`'s fused decode step, or None where the kernel does not apply.
 
-    Args: as `plan_gdn` (the mixer's output norm the sigmoid-gated `kda.norm_gate`).
+    Args: as `plan_gdn` (the mixer's output norm the sigmoid-gated `kda.norm_gate`); the
+    step passes the mixer's `lower_bound` (its forget gate; 0, Kimi's, without one).
     """
     inputs, (f_b, g_b) = tuple(mixer.FUSED_INPUTS), mixer.FUSED_GATES
     parts = _plan_parts(mixer, kda.FAMILY, (*inputs, f_b, g_b, mixer.OUT), norm)
@@ -181,4 +189,7 @@ def plan_kda(
         f_b_w=w[f"{f_b}_w"], f_b_scale=w[f"{f_b}_scale"], g_b_w=w[f"{g_b}_w"],
         g_b_scale=w[f"{g_b}_scale"],
     )  # fmt: skip
-    return _step(mixer, parts, fixed, inputs, (gate.variance_epsilon,), norm, residual_in_fp32)
+    kwargs = {"lower_bound": float(getattr(mixer, "lower_bound", 0.0))}
+    return _step(
+        mixer, parts, fixed, inputs, (gate.variance_epsilon,), norm, residual_in_fp32, kwargs
+    )

@@ -9,6 +9,11 @@ per key channel, over one flat varlen batch.
                                                    # beta = sigmoid(b), the delta rule over S
     y = o_proj(rmsnorm_per_head(o) * sigmoid(g_b_proj(g_a_proj(x))))
 
+The decay above is Kimi's softplus gate (`lower_bound` 0); a mixer with transformers' bounded
+safe gate (Ling-3.0, GLM-5-Next: `kda_safe_gate`, `kda_lower_bound < 0`) sets `lower_bound`,
+and g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias)); every op that computes g (prefill,
+decode, the fused decode step) takes it.
+
 Checkpoint names (`model.layers.N.self_attn.*`): `q_proj`, `k_proj`, `v_proj`, `q_conv1d`,
 `k_conv1d`, `v_conv1d` (concatenated after loading, as OLMo Hybrid's), `f_a_proj`, `f_b_proj`,
 `dt_bias (Hv Dk,)`, `A_log (1, 1, Hv, 1)`, `b_proj`, `g_a_proj`, `g_b_proj`, `o_norm (Dv,)`,
@@ -59,6 +64,11 @@ class KimiDeltaAttention(OlmoHybridGatedDeltaNet):
     FAMILY = kda.FAMILY
     FUSED_INPUTS = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")
     FUSED_GATES = ("f_b_proj", "g_b_proj")
+    # The forget gate (`ops.kda.kda_gates_ref`): 0 for Kimi's softplus gate; a subclass with
+    # transformers' bounded safe gate (`kda_safe_gate`) sets its `kda_lower_bound` (< 0), and
+    # g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias)).
+    lower_bound: float = 0.0
+    A_LOG_SHAPE: tuple[int, ...] = (1, 1, -1, 1)  # Kimi's `(1, 1, Hv, 1)`
 
     def _build_projections(
         self, hidden_size: int, shard: GatedDeltaShard, ops: MambaOps, tp: TensorParallel
@@ -79,17 +89,24 @@ class KimiDeltaAttention(OlmoHybridGatedDeltaNet):
         self.g_b_proj = column_linear(rank, [value_total], False, ops, tp, values)
 
     def _build_gates(self, shard: GatedDeltaShard, tp: TensorParallel) -> None:
-        """`A_log (1, 1, Hv, 1)` per head and `dt_bias (Hv Dk,)` per key channel."""
-        self.A_log = nn.Parameter(torch.empty(1, 1, self.num_v_heads, 1))
+        """`A_log` per head in the checkpoint's shape (`A_LOG_SHAPE`, -1 where the heads go)
+        and `dt_bias (Hv Dk,)` per key channel."""
+        head_dim = self.A_LOG_SHAPE.index(-1)
+        shape = [self.num_v_heads if n == -1 else n for n in self.A_LOG_SHAPE]
+        self.A_log = nn.Parameter(torch.empty(shape))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads * self.head_k_dim))
         if tp.size > 1:
             first, count = shard.v_heads
-            shard_param(self, "A_log", 2, [shard.v_heads], shard.num_v_heads)
+            shard_param(self, "A_log", head_dim, [shard.v_heads], shard.num_v_heads)
             channels = [(first * self.head_k_dim, count * self.head_k_dim)]
             shard_param(self, "dt_bias", 0, channels, shard.num_v_heads * self.head_k_dim)
 
     def _gate_args(self) -> dict[str, object]:
-        return {"A_log": self.A_log.view(-1), "dt_bias": self.dt_bias}
+        return {
+            "A_log": self.A_log.view(-1),
+            "dt_bias": self.dt_bias,
+            "lower_bound": self.lower_bound,
+        }
 
     def _project(self, hidden: torch.Tensor) -> Projected:
         qkv = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1)

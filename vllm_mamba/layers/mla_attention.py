@@ -7,6 +7,7 @@ Per token, with transformers' names (so checkpoints load as an identity mapping)
     [c | k_rot] = kv_a_proj_with_mqa(x);  c = kv_a_layernorm(c)    (R), (Dr) shared by all heads
     kv_b_proj(c) = [k_nope (Dn) | v (Dv)] per head;  keys [k_nope | k_rot]
     out = o_proj(causal softmax(scale q . k) v),  scale = (Dn + Dr) ** -0.5
+    (Ling 3: out per head times sigmoid(g_proj(x)) before o_proj, `head_gate`)
 
 Kimi applies no rotary embedding; DeepSeek rotates `q_rot` and `k_rot` (the `rotary` module,
 called as `rotary(positions, q_rot (T, Hq * Dr), k_rot (T, Dr), meta)`) before the latent is
@@ -89,6 +90,7 @@ class MLAAttention(KVCacheLayer):
         rotary: nn.Module | None = None,
         scale: float | None = None,
         prefill_form: str = "expanded",
+        head_gate: bool = False,
     ) -> None:
         """Builds the layer (this rank's heads).
 
@@ -105,6 +107,8 @@ class MLAAttention(KVCacheLayer):
             rotary: rotates `(positions, q_rot (T, Hq * Dr), k_rot (T, Dr))`, or None (Kimi).
             scale: the softmax scale; default `(Dn + Dr) ** -0.5`.
             prefill_form: "expanded" (the default, see the module docstring) or "absorbed".
+            head_gate: a sigmoid gate per head on the attention's output, `g_proj (Hq, H)`
+                (Ling 3's MLA), split by head over the ranks.
 
         Raises:
             ValueError: the heads do not divide over the ranks.
@@ -130,6 +134,7 @@ class MLAAttention(KVCacheLayer):
         kv_b_out = num_heads * (qk_nope_head_dim + v_head_dim)
         self.kv_b_proj = column_linear(kv_lora_rank, [kv_b_out], False, ops, tp)
         self.o_proj = row_linear(num_heads * v_head_dim, hidden_size, bias, ops, tp)
+        self.g_proj = column_linear(hidden_size, [num_heads], False, ops, tp) if head_gate else None
         self.rotary = rotary
         self.mla = ops.family(mla_ops.FAMILY)
         if prefill_form not in ("expanded", "absorbed"):
@@ -203,7 +208,10 @@ class MLAAttention(KVCacheLayer):
         if not parts:
             return self.o_proj(hidden.new_zeros(num_tokens, heads * self.v_head_dim))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, Hq, Dv) float32
-        return self.o_proj(out.reshape(num_tokens, heads * self.v_head_dim).to(hidden.dtype))
+        out = out.to(hidden.dtype)
+        if self.g_proj is not None:  # per head, in the model dtype as transformers
+            out = out * torch.sigmoid(self.g_proj(hidden).float()).to(hidden.dtype)[..., None]
+        return self.o_proj(out.reshape(num_tokens, heads * self.v_head_dim))
 
     def _absorbed(
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, kernel: Callable[..., torch.Tensor],

@@ -140,6 +140,18 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def mla_softmax_scale(config: Any, qk_head_dim: int) -> float:
+    """DeepSeek's MLA softmax scale: `qk_head_dim ** -0.5`, times `mscale(factor,
+    mscale_all_dim) ** 2` under a scaled RoPE that names `mscale_all_dim` (transformers'
+    `yarn_apply_mscale`)."""
+    scale = qk_head_dim**-0.5
+    params = rope_parameters(config)
+    mscale_all = params.get("mscale_all_dim")
+    if params.get("rope_type", "default") != "default" and mscale_all:
+        scale *= _yarn_mscale(float(params["factor"]), float(mscale_all)) ** 2
+    return scale
+
+
 def _yarn(params: dict[str, Any], base: float, rot_dim: int, config: Any) -> RopeFrequencies:
     old_len = _original_length(params, config)
     factor = params.get("factor") or config.max_position_embeddings / old_len

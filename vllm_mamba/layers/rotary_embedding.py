@@ -73,7 +73,10 @@ DEFAULT_TABLE_POSITIONS = 8192  # the CPU table's first size (and a config witho
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates `q (T, Hq * D)` and `k (T, Hkv * D)` at `positions (T,)` (NeoX pairing)."""
+    """Rotates `q (T, Hq * D)` and `k (T, Hkv * D)` at `positions (T,)`: NeoX pairing (dims
+    `i` and `i + R/2`), or GPT-J's interleaved pairing (dims `2i` and `2i + 1`) when
+    `interleaved` (DeepSeek's `rope_interleave`, Ling's MLA: transformers de-interleaves and
+    rotates NeoX-style, which permutes q and k alike, so the dot products are the same)."""
 
     def __init__(
         self,
@@ -82,8 +85,11 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         freqs: RopeFrequencies,
         mrope_section: list[int] | None = None,
+        *,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
+        self.interleaved = interleaved
         if rot_dim % 2 or not 0 < rot_dim <= head_dim:
             raise ValueError(f"rotary dims ({rot_dim}) must be even and at most head_dim")
         if freqs.inv_freq.shape != (rot_dim // 2,):
@@ -107,6 +113,8 @@ class RotaryEmbedding(nn.Module):
         head_dim: int,
         rot_dim: int | None = None,
         mrope_section: list[int] | None = None,
+        *,
+        interleaved: bool = False,
     ) -> RotaryEmbedding:
         """`config`'s RoPE (`rope_parameters`: plain or scaled, `rope_scaling.py`) over
         `head_dim`-wide heads; `rot_dim` defaults to `partial_rotary_factor * head_dim`;
@@ -122,7 +130,8 @@ class RotaryEmbedding(nn.Module):
         # RecurrentGemma's config names no length: the table grows from the default.
         max_position = getattr(config, "max_position_embeddings", None) or DEFAULT_TABLE_POSITIONS
         section = rope_parameters(config).get("mrope_section") or mrope_section
-        return cls(head_dim, rot_dim, max_position, freqs, list(section) if section else None)
+        section = list(section) if section else None
+        return cls(head_dim, rot_dim, max_position, freqs, section, interleaved=interleaved)
 
     def _table(self, device: torch.device, positions: torch.Tensor) -> torch.Tensor:
         # A position past the table (a max_model_len beyond max_position_embeddings) grows it
@@ -196,7 +205,7 @@ class RotaryEmbedding(nn.Module):
                 table = self._token_table(q.device, positions, step_lengths(meta))
                 memo[self._step_key] = table
             positions = torch.arange(num_tokens, device=q.device)
-        q3, k3 = rotary_embedding_ref(positions, q3, k3, table, is_neox=True)
+        q3, k3 = rotary_embedding_ref(positions, q3, k3, table, is_neox=not self.interleaved)
         return q3.reshape(q.shape), k3.reshape(k.shape)
 
 

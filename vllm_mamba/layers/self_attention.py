@@ -115,8 +115,10 @@ class SelfAttention(nn.Module):
             or len({n.variance_epsilon for n in (self.q_norm, self.k_norm) if n}) > 1
         ):
             return None  # fmt: skip
-        if self.rotary is not None and self.rotary.freqs.by_length is not None:
-            return None
+        if self.rotary is not None and (
+            self.rotary.freqs.by_length is not None or self.rotary.interleaved
+        ):
+            return None  # the kernel rotates NeoX pairs at fixed frequencies
         found = fused_weights(self, ("q_proj", "k_proj", "v_proj", "o_proj"))
         if found is None:
             return None

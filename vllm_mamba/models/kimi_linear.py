@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.clamped_swiglu import gated_mlp
 from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
 from vllm_mamba.layers.kimi_delta_attention import KimiDeltaAttention
 from vllm_mamba.layers.layernorm import RMSNorm
@@ -76,8 +77,11 @@ def _mla(config: Any, ops: MambaOps, tp: TensorParallel) -> MLAAttention:
     )  # fmt: skip
 
 
-def _moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
-    """DeepSeek-V3's routed experts plus the shared ones."""
+def deepseek_moe(
+    config: Any, ops: MambaOps, tp: TensorParallel, limits: tuple[float, float] = (0.0, 0.0)
+) -> SparseMoE:
+    """DeepSeek-V3's routed experts plus the shared ones; `limits` the routed and the shared
+    experts' SwiGLU clips (Ling 3's; zero: none, `layers.clamped_swiglu`)."""
     hidden, num_experts = config.hidden_size, config.num_local_experts
     route = RouterConfig(
         "sigmoid_grouped", num_experts, config.num_experts_per_tok,
@@ -85,14 +89,14 @@ def _moe(config: Any, ops: MambaOps, tp: TensorParallel) -> SparseMoE:
         topk_group=config.topk_group, scaling=float(config.routed_scaling_factor),
         score_bias=True,
     )  # fmt: skip
+    size = config.moe_intermediate_size
     experts = ExpertList(
-        GatedMLP(hidden, config.moe_intermediate_size, False, ops, tp, reduce=False)
+        gated_mlp(hidden, size, False, ops, tp, reduce=False, limit=limits[0])
         for _ in range(num_experts)
     )
     shared = None
     if config.n_shared_experts:
-        size = config.moe_intermediate_size * config.n_shared_experts
-        shared = GatedMLP(hidden, size, False, ops, tp)
+        shared = gated_mlp(hidden, size * config.n_shared_experts, False, ops, tp, limit=limits[1])
     return SparseMoE(
         ExpertRouter(hidden, route, ops), experts, tp, shared=shared,
         names=("gate", "experts", "shared_experts"),
@@ -107,7 +111,7 @@ def _layer(config: Any, kind: str, ffn: str, ops: MambaOps, tp: TensorParallel) 
     else:
         mixer = MixerPart("self_attn", _mla(config, ops, tp))
     if ffn == "sparse":
-        mlp: nn.Module = _moe(config, ops, tp)
+        mlp: nn.Module = deepseek_moe(config, ops, tp)
     else:
         mlp = GatedMLP(hidden, config.intermediate_size, False, ops, tp)
     return DecoderLayer(

@@ -34,6 +34,7 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Qwen3NextForCausalLM": "vllm_mamba.models.qwen3_next:Qwen3NextForCausalLM",
     "OlmoHybridForCausalLM": "vllm_mamba.models.olmo_hybrid:OlmoHybridForCausalLM",
     "KimiLinearForCausalLM": "vllm_mamba.models.kimi_linear:KimiLinearForCausalLM",
+    "BailingHybridForCausalLM": "vllm_mamba.models.bailing_hybrid:BailingHybridForCausalLM",
     "LaraMiniForCausalLM": "vllm_mamba.models.lara_mini:LaraMiniForCausalLM",
     "Lfm2ForCausalLM": "vllm_mamba.models.lfm2:Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM": "vllm_mamba.models.lfm2:Lfm2MoeForCausalLM",

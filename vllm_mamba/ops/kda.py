@@ -8,7 +8,10 @@ signatures (`cpp`: `csrc/kda.cpp`, `triton`: `vllm_mamba.ops.triton_kda`).
 
 KDA is Kimi Linear's linear-attention mixer (transformers' `KimiLinearDeltaAttention`): Gated
 DeltaNet (`vllm_mamba.ops.gated_delta`) whose log decay `g` is a `(Dk,)` vector per head and
-token instead of a scalar, so the state decays row by row, `S = diag(exp(g)) S`.
+token instead of a scalar, so the state decays row by row, `S = diag(exp(g)) S`. Ling-3.0
+(`BailingHybrid`) and GLM-5-Next run the same rule with transformers' bounded "safe gate"
+(`kda_safe_gate`, `kda_lower_bound`) in place of Kimi's softplus gate: every op that computes
+`g` takes `lower_bound`, 0 (the default) for Kimi's gate, negative for the safe gate.
 
 Glossary (token-major layout):
     T: tokens; B: sequences (or decode rows); S: state slots; Hk: key heads; Hv: value heads
@@ -24,6 +27,9 @@ Per token and value head h, with q and k L2-normalised in float32 (`x / sqrt(|x|
 and q scaled by `Dk ** -0.5`:
 
     g = -exp(A_log[h]) * softplus(a[h] + dt_bias[h])      (Dk,), softplus = x above 20
+        (lower_bound == 0: Kimi's gate), or
+    g = lower_bound * sigmoid(exp(A_log[h]) * (a[h] + dt_bias[h]))
+        (lower_bound < 0: the safe gate, `lower_bound <= g <= 0`)
     beta = sigmoid(b[h])                                  scalar
     S = diag(exp(g)) S ;  S += k (beta (v - S^T k))^T ;  o = S^T q
 
@@ -65,6 +71,7 @@ Tensor = torch.Tensor
 __all__ = [
     "FAMILY",
     "CHUNK_SIZE",
+    "check_lower_bound",
     "kda_gates_ref",
     "kda_varlen_ref",
     "kda_varlen_recurrent_ref",
@@ -92,25 +99,53 @@ assert L2_EPS == 1e-6
 Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+def check_lower_bound(lower_bound: float) -> float:
+    """`lower_bound` as a float, checked: 0 (Kimi's softplus gate) or negative (the safe gate).
+
+    Raises:
+        ValueError: a positive (or NaN) lower bound.
+    """
+    lower_bound = float(lower_bound)
+    if not lower_bound <= 0.0:
+        raise ValueError(f"lower_bound must be 0 (softplus gate) or negative, got {lower_bound}")
+    return lower_bound
+
+
 def kda_gates_ref(
-    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-channel log decay and beta of each token and value head.
+
+    With `x = a + dt_bias` in float32, `g = -exp(A_log) * softplus(x)` (softplus = x above 20;
+    Kimi's gate) where `lower_bound == 0`, else `g = lower_bound * sigmoid(exp(A_log) * x)`
+    (transformers' safe gate, `kda_lower_bound`), all in float32.
 
     Args:
         a: `(T, Hv * Dk)` (or `(T, Hv, Dk)`); b: `(T, Hv)`; A_log: `(Hv,)` (any shape of Hv
             elements); dt_bias: `(Hv * Dk,)`.
+        lower_bound: 0 for the softplus gate, negative for the safe gate (`g >= lower_bound`).
 
     Returns:
         float32 `g (T, Hv, Dk)` (`<= 0`) and `beta (T, Hv)`.
+
+    Raises:
+        ValueError: a positive `lower_bound`.
     """
+    lower_bound = check_lower_bound(lower_bound)
     tokens, num_v_heads = b.shape
     width = dt_bias.numel()  # Hv * Dk
     x = (a.float().reshape(tokens, width) + dt_bias.float().reshape(width)).view(
         tokens, num_v_heads, width // num_v_heads
     )  # (T, Hv, Dk)
-    softplus = torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x)))
-    g = -torch.exp(A_log.float().reshape(num_v_heads, 1)) * softplus
+    rate = torch.exp(A_log.float().reshape(num_v_heads, 1))  # (Hv, 1)
+    if lower_bound < 0.0:
+        g = lower_bound * torch.sigmoid(rate * x)
+    else:
+        g = -rate * torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x)))
     return g, torch.sigmoid(b.float())
 
 
@@ -209,11 +244,12 @@ def _varlen(
     query_start_loc: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
+    lower_bound: float,
 ) -> torch.Tensor:
     """Runs `rule` over each packed sequence from its slot's state (or zeros); see
     `kda_varlen_ref`."""
     num_v_heads = v.shape[1]
-    g, beta = kda_gates_ref(a, b, A_log, dt_bias)  # (T, Hv, Dk), (T, Hv)
+    g, beta = kda_gates_ref(a, b, A_log, dt_bias, lower_bound)  # (T, Hv, Dk), (T, Hv)
     qf, kf = _heads_qk(q, k, num_v_heads)  # (T, Hv, Dk)
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     starts = query_start_loc.tolist()
@@ -244,6 +280,7 @@ def kda_varlen_ref(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     chunk_size: int = CHUNK_SIZE,
+    lower_bound: float = 0.0,
 ) -> torch.Tensor:
     """The chunked KDA rule over packed sequences, each from its slot's state (or zeros).
 
@@ -256,6 +293,8 @@ def kda_varlen_ref(
             rows skipped; has_initial_state: `(B,)` bool.
         chunk_size: tokens per chunk (any length is cut at the sequence's own end); the result
             equals `kda_varlen_recurrent_ref`'s for every chunk size, up to rounding.
+        lower_bound: the gate (`kda_gates_ref`): 0 for Kimi's softplus gate, negative for the
+            safe gate `g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))`.
 
     Returns:
         `(T, Hv, Dv)` outputs in q's dtype (zeros for padding rows' tokens).
@@ -263,7 +302,7 @@ def kda_varlen_ref(
     return _varlen(
         lambda *x: _chunk_rule(*x, chunk_size),
         q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices,
-        has_initial_state,
+        has_initial_state, lower_bound,
     )  # fmt: skip
 
 
@@ -280,6 +319,7 @@ def kda_varlen_recurrent_ref(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     chunk_size: int = CHUNK_SIZE,
+    lower_bound: float = 0.0,
 ) -> torch.Tensor:
     """`kda_varlen_ref` computed token by token (the recurrent form; `chunk_size` is unused).
 
@@ -290,7 +330,7 @@ def kda_varlen_recurrent_ref(
     return _varlen(
         _recurrent_rule,
         q, k, v, a, b, A_log, dt_bias, ssm_states, query_start_loc, state_indices,
-        has_initial_state,
+        has_initial_state, lower_bound,
     )  # fmt: skip
 
 
@@ -304,6 +344,7 @@ def kda_update_ref(
     dt_bias: torch.Tensor,
     ssm_states: torch.Tensor,
     state_indices: torch.Tensor,
+    lower_bound: float = 0.0,
 ) -> torch.Tensor:
     """Advances each row's slot state by one token, in place (the recurrent form).
 
@@ -312,13 +353,15 @@ def kda_update_ref(
             A_log: `(Hv,)`; dt_bias: `(Hv * Dk,)`.
         ssm_states: `(S, Hv, Dk, Dv)`, updated in place for non-padding rows.
         state_indices: `(B,)` int32 slot per row, `PAD_SLOT_ID` rows are skipped.
+        lower_bound: the gate (`kda_gates_ref`): 0 for Kimi's softplus gate, negative for the
+            safe gate.
 
     Returns:
         `(B, Hv, Dv)` outputs in q's dtype (zeros for padding rows).
     """
     valid = state_indices != PAD_SLOT_ID  # (B,)
     slots = state_indices.long().clamp(min=0)
-    g, beta = kda_gates_ref(a, b, A_log, dt_bias)  # (B, Hv, Dk), (B, Hv)
+    g, beta = kda_gates_ref(a, b, A_log, dt_bias, lower_bound)  # (B, Hv, Dk), (B, Hv)
     qf, kf = _heads_qk(q, k, v.shape[1])  # (B, Hv, Dk)
     old = ssm_states[slots].float() * torch.exp(g)[..., None]  # (B, Hv, Dk, Dv)
     kv_mem = torch.einsum("bhkv,bhk->bhv", old, kf)  # (B, Hv, Dv)
@@ -368,6 +411,7 @@ def fused_kda_decode_ref(
     out_dtype: torch.dtype,
     src_state_indices: torch.Tensor | None = None,
     int_dot: bool = False,
+    lower_bound: float = 0.0,
 ) -> torch.Tensor:
     """One KDA layer's decode step from the reference ops (the unfused mixer's ops in float32);
     states advanced in place.
@@ -392,15 +436,18 @@ def fused_kda_decode_ref(
             the rows in order: `ops.fused_decode._chained`).
         int_dot: the integer weights multiply int8-quantised activations (as the unfused
             layer's `w8a8_linear` / `w4a8_linear` do); float weights ignore it.
+        lower_bound: the forget gate (`kda_gates_ref`): 0 for Kimi's softplus gate, negative
+            for the safe gate.
 
     Returns:
         `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
     """
+    check_lower_bound(lower_bound)
     if src_state_indices is not None:
         return _chained(
             fused_kda_decode_ref, hidden, (conv_states, ssm_states), state_indices,
             src_state_indices, params, conv_states, ssm_states, norm_eps=norm_eps,
-            gate_eps=gate_eps, out_dtype=out_dtype, int_dot=int_dot,
+            gate_eps=gate_eps, out_dtype=out_dtype, int_dot=int_dot, lower_bound=lower_bound,
         )  # fmt: skip
     fixed = len(KDA_DECODE_PARAMS)
     if len(params) <= fixed or (len(params) - fixed) % 2:
@@ -422,7 +469,7 @@ def fused_kda_decode_ref(
     gate = _linear(g_a, p.g_b_w, None, p.g_b_scale, int_dot)  # (B, VD)
     o = kda_update_ref(
         q.reshape(batch, -1, dk), k.reshape(batch, -1, dk), v.reshape(batch, v_heads, dv), a, b,
-        p.A_log, p.dt_bias, ssm_states, state_indices,
+        p.A_log, p.dt_bias, ssm_states, state_indices, lower_bound,
     )  # fmt: skip
     y = kda_norm_gate_ref(o, gate.reshape(o.shape), p.gate_norm_w, gate_eps)
     mixed = _linear(y.reshape(batch, value_dim), p.out_proj_w, None, p.out_proj_scale, int_dot)
@@ -433,14 +480,14 @@ class VarlenOp(Protocol):
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
         ssm_states: Tensor, query_start_loc: Tensor, state_indices: Tensor,
-        has_initial_state: Tensor, chunk_size: int = CHUNK_SIZE,
+        has_initial_state: Tensor, chunk_size: int = CHUNK_SIZE, lower_bound: float = 0.0,
     ) -> Tensor: ...  # fmt: skip
 
 
 class UpdateOp(Protocol):
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
-        ssm_states: Tensor, state_indices: Tensor,
+        ssm_states: Tensor, state_indices: Tensor, lower_bound: float = 0.0,
     ) -> Tensor: ...  # fmt: skip
 
 
@@ -453,6 +500,7 @@ class DecodeLayerOp(Protocol):
         self, hidden: Tensor, params: list[Tensor | None], conv_states: Tensor,
         ssm_states: Tensor, state_indices: Tensor, norm_eps: float, gate_eps: float,
         out_dtype: torch.dtype, src_state_indices: Tensor | None = None, int_dot: bool = False,
+        lower_bound: float = 0.0,
     ) -> Tensor: ...  # fmt: skip
 
 

@@ -2,8 +2,10 @@
 the sigmoid-gated RMSNorm, registered as the `triton` backend's versions of the `kda` family.
 
 Same signatures and semantics as `kda_varlen_ref`, `kda_update_ref` and `kda_norm_gate_ref` in
-`vllm_mamba.ops.kda` (read its docstring for the math). The gates (softplus, exp, sigmoid), the
-L2 norms of q and k and the query scale are computed in the kernels; math is float32, inputs
+`vllm_mamba.ops.kda` (read its docstring for the math). The gates (Kimi's softplus gate where
+`lower_bound == 0`, the safe gate `lower_bound * sigmoid(exp(A_log) * (a + dt_bias))` where it
+is negative; beta's sigmoid), the L2 norms of q and k and the query scale are computed in the
+kernels (the gate chosen at compile time, `SAFE_GATE`); math is float32, inputs
 may be float32, bfloat16 or float16, `ssm_states` float32 or bfloat16. No launcher reads device
 data on the host, so each can be captured in a CUDA graph.
 
@@ -30,7 +32,7 @@ import triton
 import triton.language as tl
 
 from vllm_mamba.cache_specs import PAD_SLOT_ID
-from vllm_mamba.ops.kda import CHUNK_SIZE
+from vllm_mamba.ops.kda import CHUNK_SIZE, check_lower_bound
 from vllm_mamba.ops.triton_gated_delta import _l2_normalise
 from vllm_mamba.ops.triton_ssd import _softplus
 
@@ -41,12 +43,14 @@ _BLOCK_ROWS_NORM = 16
 @triton.jit
 def _kda_token(
     S, t, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, offs_k, mask_k, offs_v, mask_v, key_head, head,
-    neg_rate, dt_bias, q_scale,
+    rate, dt_bias, q_scale, lower_bound,
     stride_q_t, stride_q_h, stride_q_d, stride_k_t, stride_k_h, stride_k_d,
     stride_v_t, stride_v_h, stride_v_d, stride_a_t, stride_a_c, stride_b_t, stride_b_h,
-    key_dim,
+    key_dim, SAFE_GATE: tl.constexpr,
 ):  # fmt: skip
-    """One token of the rule on the `(BLOCK_K, BLOCK_V)` state: returns `(S, o (BLOCK_V,))`."""
+    """One token of the rule on the `(BLOCK_K, BLOCK_V)` state: returns `(S, o (BLOCK_V,))`.
+    `rate` is `exp(A_log[head])`; `SAFE_GATE` selects `lower_bound * sigmoid(rate * x)` over
+    `-rate * softplus(x)`."""
     q = tl.load(q_ptr + t * stride_q_t + key_head * stride_q_h + offs_k * stride_q_d,
                 mask=mask_k, other=0.0).to(tl.float32)  # fmt: skip
     k = tl.load(k_ptr + t * stride_k_t + key_head * stride_k_h + offs_k * stride_k_d,
@@ -58,7 +62,12 @@ def _kda_token(
     b = tl.load(b_ptr + t * stride_b_t + head * stride_b_h).to(tl.float32)
     q = _l2_normalise(q, q_scale)  # (BLOCK_K,)
     k = _l2_normalise(k, 1.0)  # (BLOCK_K,)
-    g = tl.where(mask_k, neg_rate * _softplus(a + dt_bias), 0.0)  # (BLOCK_K,) log decay
+    x = a + dt_bias
+    if SAFE_GATE:
+        g = lower_bound * tl.sigmoid(rate * x)
+    else:
+        g = -rate * _softplus(x)
+    g = tl.where(mask_k, g, 0.0)  # (BLOCK_K,) log decay
     beta = tl.sigmoid(b)
     S = S * tl.exp(g)[:, None]
     delta = (v - tl.sum(S * k[:, None], axis=0)) * beta  # (BLOCK_V,)
@@ -74,8 +83,9 @@ def _kda_varlen_kernel(
     stride_q_t, stride_q_h, stride_q_d, stride_k_t, stride_k_h, stride_k_d,
     stride_v_t, stride_v_h, stride_v_d, stride_a_t, stride_a_c, stride_b_t, stride_b_h,
     stride_alog, stride_bias, stride_s_s, stride_s_h, stride_s_k, stride_s_v,
-    stride_o_t, stride_o_h, stride_o_v,
+    stride_o_t, stride_o_h, stride_o_v, lower_bound,
     PAD_SLOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
 ):  # fmt: skip
     """Runs the rule over tokens [start, end) of one sequence and value head, token by token."""
     seq = tl.program_id(0)
@@ -91,7 +101,7 @@ def _kda_varlen_kernel(
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
     mask_k = offs_k < key_dim
     mask_v = offs_v < value_dim
-    neg_rate = -tl.exp(tl.load(A_log_ptr + head * stride_alog).to(tl.float32))
+    rate = tl.exp(tl.load(A_log_ptr + head * stride_alog).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + (head * key_dim + offs_k) * stride_bias, mask=mask_k,
                       other=0.0).to(tl.float32)  # fmt: skip
 
@@ -106,10 +116,10 @@ def _kda_varlen_kernel(
     for t in range(start, end):
         S, o = _kda_token(
             S, t, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, offs_k, mask_k, offs_v, mask_v, key_head,
-            head, neg_rate, dt_bias, q_scale,
+            head, rate, dt_bias, q_scale, lower_bound,
             stride_q_t, stride_q_h, stride_q_d, stride_k_t, stride_k_h, stride_k_d,
             stride_v_t, stride_v_h, stride_v_d, stride_a_t, stride_a_c, stride_b_t, stride_b_h,
-            key_dim,
+            key_dim, SAFE_GATE,
         )  # fmt: skip
         tl.store(out_cols + t * stride_o_t, o.to(out_ptr.dtype.element_ty), mask=mask_v)
 
@@ -125,8 +135,9 @@ def _kda_update_kernel(
     stride_q_t, stride_q_h, stride_q_d, stride_k_t, stride_k_h, stride_k_d,
     stride_v_t, stride_v_h, stride_v_d, stride_a_t, stride_a_c, stride_b_t, stride_b_h,
     stride_alog, stride_bias, stride_s_s, stride_s_h, stride_s_k, stride_s_v,
-    stride_o_t, stride_o_h, stride_o_v,
+    stride_o_t, stride_o_h, stride_o_v, lower_bound,
     PAD_SLOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
 ):  # fmt: skip
     """Advances the state of one decode row and value head by its token."""
     row = tl.program_id(0)
@@ -139,7 +150,7 @@ def _kda_update_kernel(
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
     mask_k = offs_k < key_dim
     mask_v = offs_v < value_dim
-    neg_rate = -tl.exp(tl.load(A_log_ptr + head * stride_alog).to(tl.float32))
+    rate = tl.exp(tl.load(A_log_ptr + head * stride_alog).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + (head * key_dim + offs_k) * stride_bias, mask=mask_k,
                       other=0.0).to(tl.float32)  # fmt: skip
 
@@ -152,10 +163,10 @@ def _kda_update_kernel(
     S = tl.load(state_ptrs, mask=mask_slot, other=0.0).to(tl.float32)  # (BLOCK_K, BLOCK_V)
     S, o = _kda_token(
         S, row, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, offs_k, mask_k, offs_v, mask_v, key_head,
-        head, neg_rate, dt_bias, q_scale,
+        head, rate, dt_bias, q_scale, lower_bound,
         stride_q_t, stride_q_h, stride_q_d, stride_k_t, stride_k_h, stride_k_d,
         stride_v_t, stride_v_h, stride_v_d, stride_a_t, stride_a_c, stride_b_t, stride_b_h,
-        key_dim,
+        key_dim, SAFE_GATE,
     )  # fmt: skip
     o = tl.where(valid, o, 0.0)  # (BLOCK_V,) zeros for padding
     tl.store(out_ptr + row * stride_o_t + head * stride_o_h + offs_v * stride_o_v,
@@ -184,14 +195,15 @@ def _kda_norm_gate_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_args(q, k, v, a, b, A_log, dt_bias, ssm_states, out) -> tuple:
+def _launch_args(q, k, v, a, b, A_log, dt_bias, ssm_states, out, lower_bound) -> tuple:
     """The value and stride arguments both rule kernels take, in their order (a `(T, Hv * Dk)`,
-    A_log and dt_bias flat)."""
+    A_log and dt_bias flat; `lower_bound` checked)."""
     key_dim = q.shape[2]
     return (
         key_dim, v.shape[2], v.shape[1] // q.shape[1], key_dim**-0.5,
         *q.stride(), *k.stride(), *v.stride(), *a.stride(), *b.stride(),
         A_log.stride(0), dt_bias.stride(0), *ssm_states.stride(), *out.stride(),
+        check_lower_bound(lower_bound),
     )  # fmt: skip
 
 
@@ -206,16 +218,21 @@ def kda_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor,
     query_start_loc: torch.Tensor, state_indices: torch.Tensor, has_initial_state: torch.Tensor,
-    chunk_size: int = CHUNK_SIZE,
+    chunk_size: int = CHUNK_SIZE, lower_bound: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """Triton twin of `kda_varlen_ref` (see there for the arguments); the kernel runs the
-    recurrent form, so `chunk_size` is accepted and ignored.
+    recurrent form, so `chunk_size` is accepted and ignored. `lower_bound`: 0 for Kimi's
+    softplus gate, negative for the safe gate.
 
     Returns:
         `(T, Hv, Dv)` outputs in q's dtype (zeros for padding rows' tokens); `ssm_states` is
         updated in place.
+
+    Raises:
+        ValueError: a positive `lower_bound`.
     """
     del chunk_size
+    lower_bound = check_lower_bound(lower_bound)
     num_v_heads, value_dim = v.shape[1:]
     batch = state_indices.shape[0]
     out = torch.zeros(v.shape, dtype=q.dtype, device=v.device)  # (T, Hv, Dv)
@@ -227,8 +244,9 @@ def kda_varlen(
     _kda_varlen_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, ssm_states,
         query_start_loc, state_indices, has_initial_state, out,
-        *_launch_args(q, k, v, a, b, A_log, dt_bias, ssm_states, out),
+        *_launch_args(q, k, v, a, b, A_log, dt_bias, ssm_states, out, lower_bound),
         PAD_SLOT=PAD_SLOT_ID, BLOCK_K=triton.next_power_of_2(q.shape[2]), BLOCK_V=block_v,
+        SAFE_GATE=lower_bound < 0.0,
     )  # fmt: skip
     return out
 
@@ -236,14 +254,19 @@ def kda_varlen(
 def kda_update(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor,
-    state_indices: torch.Tensor,
+    state_indices: torch.Tensor, lower_bound: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
-    """Triton twin of `kda_update_ref` (see there for the arguments).
+    """Triton twin of `kda_update_ref` (see there for the arguments); `lower_bound`: 0 for
+    Kimi's softplus gate, negative for the safe gate.
 
     Returns:
         `(B, Hv, Dv)` outputs in q's dtype (zeros for padding rows); `ssm_states` is updated in
         place.
+
+    Raises:
+        ValueError: a positive `lower_bound`.
     """
+    lower_bound = check_lower_bound(lower_bound)
     batch, num_v_heads, value_dim = v.shape
     out = torch.empty(v.shape, dtype=q.dtype, device=v.device)  # (B, Hv, Dv)
     if batch == 0:
@@ -253,8 +276,9 @@ def kda_update(
     grid = (batch, num_v_heads, triton.cdiv(value_dim, block_v))
     _kda_update_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, ssm_states, state_indices, out,
-        *_launch_args(q, k, v, a, b, A_log, dt_bias, ssm_states, out),
+        *_launch_args(q, k, v, a, b, A_log, dt_bias, ssm_states, out, lower_bound),
         PAD_SLOT=PAD_SLOT_ID, BLOCK_K=triton.next_power_of_2(q.shape[2]), BLOCK_V=block_v,
+        SAFE_GATE=lower_bound < 0.0,
     )  # fmt: skip
     return out
 

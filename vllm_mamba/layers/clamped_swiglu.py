@@ -1,0 +1,51 @@
+"""`ClampedGatedMLP`: a SwiGLU whose factors are clipped after the activation (Ling 3's routed
+and shared experts, transformers' `Step3p7` experts with `limit_after_act`).
+
+    y = down(min(act(g), limit) * clamp(u, -limit, limit))      g, u = gate_proj(x), up_proj(x)
+
+in the model dtype, as transformers. A layer whose limit is zero is not clipped and is built as
+a plain `GatedMLP` (so it keeps the fused decode and the stacked experts); this class is only
+for a positive limit, and the fused paths decline it (they check for `GatedMLP` exactly). The
+elementwise part runs row by row (`layers.rowwise`), so a speculative chain's rows equal the
+tokens decoded alone. Parameters and tensor parallelism are `layers.mlp.GatedMLP`'s.
+
+Glossary: T tokens, H hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_mamba.layers.mlp import GatedMLP
+from vllm_mamba.layers.rowwise import rowwise
+
+
+class ClampedGatedMLP(GatedMLP):
+    """`down(min(act(g), limit) * clamp(u, -limit, limit))` (see the module docstring)."""
+
+    def __init__(self, *args: Any, limit: float, **kwargs: Any) -> None:
+        """Args: `GatedMLP`'s; `limit` the clip (positive).
+
+        Raises:
+            ValueError: `limit` is not positive.
+        """
+        if not limit > 0:
+            raise ValueError(f"a SwiGLU clip limit must be positive, got {limit}")
+        super().__init__(*args, **kwargs)
+        self.limit = float(limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x (T, H)` -> `(T, H)`."""
+        limit = self.limit
+        gate = rowwise(lambda g: self.act(g).clamp(max=limit), self.gate_proj(x))
+        return self.down_proj(gate * self.up_proj(x).clamp(min=-limit, max=limit))
+
+
+def gated_mlp(*args: Any, limit: float | None = None, **kwargs: Any) -> GatedMLP:
+    """A `GatedMLP`, or a `ClampedGatedMLP` where `limit` is set and not zero (a zero limit
+    disables the clip, as in the checkpoints' per-layer lists)."""
+    if limit:
+        return ClampedGatedMLP(*args, limit=limit, **kwargs)
+    return GatedMLP(*args, **kwargs)
