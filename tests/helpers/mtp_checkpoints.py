@@ -14,6 +14,10 @@ full-attention decoder layer `layers.0` (gated `q_proj (2 Hq D, H)`, `k_proj`, `
 - `qwen3_next` (`qwen3-next-moe`): the MoE with per-expert tensors `mlp.experts.E.*`, as the
   Qwen3-Next releases store them.
 
+`save_tiny_nemotron_with_mtp` does the same for the tiny Nemotron-H MoE model with Nemotron 3's
+head (`nemotron_mtp_tensors`: `enorm`, `hnorm`, `eh_proj`, an attention and a MoE block,
+`final_layernorm`).
+
 Qwen3.5's config gets `mtp_num_hidden_layers: 1` (the releases' text config has it); Qwen3-Next's
 names no depth, as its releases (one layer is assumed). Zero-centred norm weights are drawn
 from N(0, 0.1^2), the matrices from N(0, std^2) with the family's weight scale.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -107,24 +112,84 @@ def mtp_tensors(family: str, config: dict, seed: int = 0) -> dict[str, torch.Ten
     return out
 
 
-def save_tiny_with_mtp(family: str, path: str, seed: int = 0) -> str:
-    """Saves the tiny model of `family` (`qwen3_5`, `qwen3_5_moe` or `qwen3_next`) with a random
-    MTP head into directory `path` (created if needed) and returns `path`."""
-    if family not in VARIANTS:
-        raise ValueError(f"family {family!r}: one of {sorted(VARIANTS)}")
-    source = tiny_model_dir(VARIANTS[family])
+def _save_with(source: str, path: str, edit: dict, head: Callable[[dict, dict], dict]) -> str:
+    """Copies checkpoint `source` into `path` (created if needed) with `edit` in its config
+    and the tensors `head(config, tensors)` added; returns `path`."""
     os.makedirs(path, exist_ok=True)
     for name in os.listdir(source):
         shutil.copy(os.path.join(source, name), path)
     config_file = os.path.join(path, "config.json")
     with open(config_file) as f:
         config = json.load(f)
-    if family != "qwen3_next":
-        config["mtp_num_hidden_layers"] = 1
+    if edit:
+        config.update(edit)
         with open(config_file, "w") as f:
             json.dump(config, f, indent=2)
     weights = os.path.join(path, "model.safetensors")
     tensors = load_file(weights)
-    tensors.update(mtp_tensors(family, config, seed))
+    tensors.update(head(config, tensors))
     save_file(tensors, weights, metadata={"format": "pt"})
     return path
+
+
+def save_tiny_with_mtp(family: str, path: str, seed: int = 0) -> str:
+    """Saves the tiny model of `family` (`qwen3_5`, `qwen3_5_moe` or `qwen3_next`) with a random
+    MTP head into directory `path` (created if needed) and returns `path`."""
+    if family not in VARIANTS:
+        raise ValueError(f"family {family!r}: one of {sorted(VARIANTS)}")
+    edit = {} if family == "qwen3_next" else {"mtp_num_hidden_layers": 1}
+    return _save_with(
+        tiny_model_dir(VARIANTS[family]), path, edit,
+        lambda config, _: mtp_tensors(family, config, seed),
+    )  # fmt: skip
+
+
+NEMOTRON = "nemotron-h-moe"
+# Nemotron 3's MTP step, as the releases (`mtp_layers_block_type`): an attention block then a
+# MoE block, drawn in the shapes of the tiny model's own blocks of those kinds.
+NEMOTRON_MTP_BLOCKS = (("full_attention", 2), ("moe", 1))  # (kind, the target's block index)
+
+
+def nemotron_mtp_tensors(tensors: dict[str, torch.Tensor], hidden: int, seed: int = 0) -> dict:
+    """Random `mtp.*` tensors of a Nemotron-H MTP head under the releases' names:
+    `layers.0.{enorm,hnorm}`, `layers.0.eh_proj (H, 2H)`, each block's `norm` and `mixer.*` in
+    the shapes of the target's block of that kind (`tensors`, the tiny checkpoint's), and the
+    last block's `final_layernorm`. Plain norms are drawn from N(1, 0.1^2), score-correction
+    biases from N(0, 0.1^2), the rest from N(0, std^2)."""
+    g = torch.Generator().manual_seed(seed + 2000)
+    std = MODEL_FAMILY[NEMOTRON].weight_std
+
+    def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        noise = torch.randn(shape, generator=g)
+        if name.endswith("norm.weight"):
+            return 1.0 + 0.1 * noise
+        return noise * (0.1 if name.endswith("e_score_correction_bias") else std)
+
+    last = len(NEMOTRON_MTP_BLOCKS) - 1
+    out = {
+        "mtp.layers.0.enorm.weight": draw("enorm.weight", (hidden,)),
+        "mtp.layers.0.hnorm.weight": draw("hnorm.weight", (hidden,)),
+        "mtp.layers.0.eh_proj.weight": draw("eh_proj.weight", (hidden, 2 * hidden)),
+        f"mtp.layers.{last}.final_layernorm.weight": draw("final_layernorm.weight", (hidden,)),
+    }
+    for i, (_, source) in enumerate(NEMOTRON_MTP_BLOCKS):
+        prefix = f"backbone.layers.{source}."
+        for name, t in tensors.items():
+            if name.startswith(prefix):
+                mtp_name = f"mtp.layers.{i}." + name[len(prefix) :]
+                out[mtp_name] = draw(mtp_name, tuple(t.shape))
+    return out
+
+
+def save_tiny_nemotron_with_mtp(path: str, seed: int = 0) -> str:
+    """Saves the tiny Nemotron-H MoE model with a random MTP head (`nemotron_mtp_tensors`) and
+    `num_nextn_predict_layers: 1`, `mtp_layers_block_type` in its config, into directory
+    `path` (created if needed); returns `path`."""
+    edit = {
+        "num_nextn_predict_layers": 1,
+        "mtp_layers_block_type": [kind for kind, _ in NEMOTRON_MTP_BLOCKS],
+    }
+    return _save_with(
+        tiny_model_dir(NEMOTRON), path, edit,
+        lambda config, tensors: nemotron_mtp_tensors(tensors, config["hidden_size"], seed),
+    )  # fmt: skip

@@ -88,17 +88,30 @@ class MultiTokenPredictor(nn.Module):
     the checkpoint's names relative to `mtp.`; the target is referenced, not a submodule."""
 
     def __init__(
-        self, config: Any, layers: Sequence[nn.Module], ops: MambaOps, target: nn.Module
+        self,
+        config: Any,
+        layers: Sequence[nn.Module],
+        ops: MambaOps,
+        target: nn.Module,
+        *,
+        norm_cls: type[nn.Module] = ZeroCenteredRMSNorm,
+        eps: float | None = None,
+        chain: bool = False,
     ) -> None:
         """Args: `config` the text config; `layers` the MTP decoder layers (`layers.i`);
-        `target` the model whose embedding and LM head the head shares."""
+        `target` the model whose embedding and LM head the head shares; `norm_cls` the class
+        of the four norms (Qwen's zero-centred, Nemotron's plain) and `eps` their epsilon
+        (default `rms_norm_eps`); `chain`: every draft runs all `layers` in order (Nemotron's
+        MTP step is a pattern of blocks), else draft `i` runs layer `i % len(layers)`."""
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
+        hidden = config.hidden_size
+        eps = config.rms_norm_eps if eps is None else eps
+        self.chain = chain
         self.fc = Linear(2 * hidden, hidden, False, ops)
         self.layers = nn.ModuleList(layers)
-        self.norm = ZeroCenteredRMSNorm(hidden, eps=eps)
-        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, eps=eps)
-        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, eps=eps)
+        self.norm = norm_cls(hidden, eps=eps)
+        self.pre_fc_norm_hidden = norm_cls(hidden, eps=eps)
+        self.pre_fc_norm_embedding = norm_cls(hidden, eps=eps)
         # Not registered: the embedding and head stay the target's (quantisation may replace
         # them after this is built, so they are looked up at each call).
         object.__setattr__(self, "_target", target)
@@ -113,7 +126,8 @@ class MultiTokenPredictor(nn.Module):
                 previous pass's output for a further draft.
             next_token_ids: `(T,)` the token that follows each row's token.
             meta: the step metadata of those rows (the target's, for the first pass).
-            spec_step: the draft's index; layer `spec_step % len(layers)` runs.
+            spec_step: the draft's index; layer `spec_step % len(layers)` runs (all of them,
+                in order, for a `chain` head).
 
         Returns:
             `(T, H)` after `mtp.norm`: the input of `compute_logits` and the next `hidden`.
@@ -124,7 +138,11 @@ class MultiTokenPredictor(nn.Module):
             dim=-1,
         )  # (T, 2H)
         x = self.fc(x)
-        x = self.layers[spec_step % len(self.layers)](x, meta)
+        if self.chain:
+            for layer in self.layers:
+                x = layer(x, meta)
+        else:
+            x = self.layers[spec_step % len(self.layers)](x, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -139,7 +157,9 @@ class SupportsMTP:
     `self.mtp` and stops skipping `mtp.*` for this instance, before the weights load;
     `opt_in_weights` tells the loader what to say when the checkpoint lacks the head's tensors.
     A class gives `mtp_layer` (its full-attention decoder layer) and `mtp_default_layers` (the
-    number of layers when the config names none; None: the config must name it).
+    number of layers when the config names none; None: the config must name it), or overrides
+    `mtp_head_layers` (all the head's layers) and `mtp_head_options` (`MultiTokenPredictor`'s
+    keyword arguments) where its head differs from Qwen's.
     """
 
     supports_mtp: ClassVar[bool] = True
@@ -153,6 +173,14 @@ class SupportsMTP:
         """MTP decoder layer `index` (`mtp.layers.{index}`)."""
         raise NotImplementedError
 
+    def mtp_head_layers(self, count: int, ops: MambaOps, tp: TensorParallel) -> list[nn.Module]:
+        """The head's layers for `count` MTP layers in the config (`mtp_layer` each)."""
+        return [self.mtp_layer(i, ops, tp) for i in range(count)]
+
+    def mtp_head_options(self) -> dict[str, Any]:
+        """`MultiTokenPredictor`'s keyword arguments (Qwen's head: none)."""
+        return {}
+
     def enable_mtp(self, ops: MambaOps, tp: TensorParallel = SINGLE) -> MultiTokenPredictor:
         """Builds and attaches `self.mtp` (on the current default device), once.
 
@@ -164,8 +192,14 @@ class SupportsMTP:
             return existing
         config = self.config  # type: ignore[attr-defined]
         count = mtp_num_layers(config, self.mtp_default_layers)
-        layers = [self.mtp_layer(i, ops, tp) for i in range(count)]
-        self.mtp = MultiTokenPredictor(config, layers, ops, self)  # type: ignore[arg-type]
+        layers = self.mtp_head_layers(count, ops, tp)
+        self.mtp = MultiTokenPredictor(
+            config,
+            layers,
+            ops,
+            self,
+            **self.mtp_head_options(),  # type: ignore[arg-type]
+        )
         skipped = self.skipped_weights  # type: ignore[attr-defined]
         self.skipped_weights = {p: w for p, w in skipped.items() if p != MTP_PREFIX}
         return self.mtp

@@ -15,10 +15,25 @@ embedding, no biases), `-` MLP `down(relu(up(x))^2)`, `E` MoE.
 
 Names are the checkpoints' (`backbone.embeddings`, `backbone.layers.N.norm`,
 `backbone.layers.N.mixer.*`, `backbone.norm_f`, `lm_head`; transformers' `model.` prefix is
-accepted too); the multi-token prediction layers of Nemotron 3 checkpoints (`mtp.*`) are
-skipped, as transformers skips them. NVIDIA-Nemotron-Nano-9B-v2: 56 layers of hidden size 4480
-(4 attention with 40 query and 8 key/value heads of 128, 28 MLP of 15680, 24 Mamba2 with 128
-heads of 80, 8 groups, d_state 128, conv 4).
+accepted too).
+
+The multi-token prediction head of Nemotron 3 checkpoints (`mtp.*`, `num_nextn_predict_layers`
+1) is skipped unless speculative method `mtp` asks for it (`models.mtp`). As vLLM's
+`NemotronHMultiTokenPredictor`, one draft runs the blocks of `mtp_layers_block_type` (the
+releases': attention then MoE, `mtp.layers.0`, `mtp.layers.1`) in order:
+
+    x = eh_proj(cat([enorm(embed(next_token)), hnorm(hidden)]))   # mtp.layers.0.{enorm,...}
+    x = x + mixer_i(norm_i(x))  for each block i                  # mtp.layers.i.{norm,mixer}
+    out = final_layernorm(x)                                      # the last block's
+    logits = lm_head(out)                                         # the target's, shared
+
+with plain RMSNorms, `hidden` the target's output after `norm_f`, the embedding the target's.
+The head's first and last norms and its projection load as `MultiTokenPredictor`'s
+`pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `fc` and `norm`.
+
+NVIDIA-Nemotron-Nano-9B-v2: 56 layers of hidden size 4480 (4 attention with 40 query and 8
+key/value heads of 128, 28 MLP of 15680, 24 Mamba2 with 128 heads of 80, 8 groups, d_state 128,
+conv 4).
 
 Glossary: T tokens in the step, H hidden size, E experts, k experts per token, F expert size,
 L latent size.
@@ -26,6 +41,7 @@ L latent size.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 from torch import nn
@@ -40,10 +56,18 @@ from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, Sparse
 from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.mamba2_args import attention_head_dim, check_silu
+from vllm_mamba.models.mtp import MTP_PREFIX, SupportsMTP
 from vllm_mamba.ops.table import MambaOps
 
 _PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _NAMES = {"linear_attention": "mamba", "full_attention": "attention"}
+# The MTP head's own tensors under the first / last block, onto `MultiTokenPredictor`'s names.
+_MTP_NAMES = (
+    (re.compile(r"^mtp\.layers\.\d+\.enorm\."), "mtp.pre_fc_norm_embedding."),
+    (re.compile(r"^mtp\.layers\.\d+\.hnorm\."), "mtp.pre_fc_norm_hidden."),
+    (re.compile(r"^mtp\.layers\.\d+\.eh_proj\."), "mtp.fc."),
+    (re.compile(r"^mtp\.layers\.\d+\.final_layernorm\."), "mtp.norm."),
+)
 NAMES = StackNames(prefix="backbone", embeddings="embeddings", final_norm="norm_f")
 
 
@@ -123,8 +147,9 @@ def _layer(config: Any, kind: str, ops: MambaOps, tp: TensorParallel) -> nn.Modu
     return DecoderLayer(norm=norm, mixers=[MixerPart("mixer", mixer)])
 
 
-class NemotronHForCausalLM(CausalLM):
-    """Nemotron-H language model: Mamba2, attention, MLP and MoE blocks by pattern.
+class NemotronHForCausalLM(SupportsMTP, CausalLM):
+    """Nemotron-H language model: Mamba2, attention, MLP and MoE blocks by pattern; the MTP
+    head on request (`enable_mtp`).
 
     Never ties: transformers keeps Nemotron-H's `lm_head` apart from the embeddings even when
     the config says `tie_word_embeddings` (the checkpoints carry both).
@@ -132,7 +157,8 @@ class NemotronHForCausalLM(CausalLM):
 
     ties_word_embeddings = False
     skipped_weights: ClassVar[dict[str, str]] = {
-        "mtp.": "the multi-token prediction layers (Nemotron 3's; not run)"
+        MTP_PREFIX: "the multi-token prediction head (Nemotron 3's; run by speculative method "
+        "'mtp')"
     }
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
@@ -148,7 +174,35 @@ class NemotronHForCausalLM(CausalLM):
             norm_eps=config.layer_norm_epsilon,
         )  # fmt: skip
 
+    def mtp_head_layers(self, count: int, ops: MambaOps, tp: TensorParallel) -> list[nn.Module]:
+        """The blocks of one MTP step (`mtp_layers_block_type`).
+
+        Raises:
+            ValueError: more than one MTP layer, or a Mamba2 block in the pattern (the
+                releases have one layer of attention and MoE blocks, as vLLM requires).
+        """
+        if count != 1:
+            raise ValueError(f"num_nextn_predict_layers {count}: Nemotron-H's MTP has one layer")
+        config = self.config  # type: ignore[attr-defined]
+        kinds = [_NAMES.get(t, t) for t in (config.mtp_layers_block_type or [])]
+        if not kinds or not set(kinds) <= {"attention", "mlp", "moe"}:
+            raise ValueError(
+                f"mtp_layers_block_type {config.mtp_layers_block_type}: the MTP blocks must be "
+                "full_attention, mlp or moe"
+            )
+        return [_layer(config, kind, ops, tp) for kind in kinds]
+
+    def mtp_head_options(self) -> dict[str, Any]:
+        """Plain RMSNorms of `layer_norm_epsilon`; every block per draft."""
+        eps = self.config.layer_norm_epsilon  # type: ignore[attr-defined]
+        return {"norm_cls": RMSNorm, "eps": eps, "chain": True}
+
     @staticmethod
     def remap_weight_name(name: str) -> str:
-        """transformers' `model.` prefix is the checkpoints' `backbone.`."""
+        """transformers' `model.` prefix is the checkpoints' `backbone.`; the MTP head's
+        `enorm`, `hnorm`, `eh_proj` and `final_layernorm` are `MultiTokenPredictor`'s."""
+        if name.startswith(MTP_PREFIX):
+            for pattern, repl in _MTP_NAMES:
+                name = pattern.sub(repl, name, count=1)
+            return name
         return "backbone." + name[len("model.") :] if name.startswith("model.") else name

@@ -5,8 +5,8 @@ keys:
 
 - `method`: `ngram` (prompt lookup), `draft_model` (a smaller model with the same tokenizer;
   implied when `model` is given without a method) or `mtp` (the target's own multi-token
-  prediction head: Qwen3.5 / Qwen3.6 and Qwen3-Next; vLLM's per-model names such as
-  `qwen3_next_mtp` are accepted as `mtp`).
+  prediction head: Qwen3.5 / Qwen3.6, Qwen3-Next and Nemotron 3; vLLM's per-model names such as
+  `qwen3_next_mtp`, `nemotron_h_mtp` are accepted as `mtp`).
 - `num_speculative_tokens` (k): draft tokens proposed per step, 1 to `MAX_SPECULATIVE_TOKENS`.
 - `prompt_lookup_min` / `prompt_lookup_max` (ngram): the n-gram lengths tried, longest first;
   one given alone sets both, neither gives 5 and 5 (vLLM's defaults).
@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "mtp")
-MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp", "mtp")
+MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp", "nemotron_h_mtp", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP = 5
 
