@@ -1,8 +1,9 @@
-"""Kimi Linear (KDA + MLA over the latent cache), LFM2 (short convs + GQA), LFM3 (short convs,
-sliding-window and full attention in three KV groups) and ZAYA1 (compressed convolutional
-attention, conv state beside windowed KV) through the OpenAI server with the official `openai`
-client, under KV pressure: concurrent completions and a chat (streamed and
-not) give `LLM.generate`'s greedy text, and the KV blocks drain afterwards."""
+"""Kimi Linear (KDA + MLA over the latent cache), Ling 3 (safe-gated KDA, gated MLA with RoPE),
+LFM2 (short convs + GQA), LFM3 (short convs, sliding-window and full attention in three KV
+groups) and ZAYA1 (compressed convolutional attention, conv state beside windowed KV) through
+the OpenAI server with the official `openai` client, under KV pressure: concurrent completions
+and a chat (streamed and not) give `LLM.generate`'s greedy text, and the KV blocks drain
+afterwards."""
 
 from __future__ import annotations
 
@@ -35,7 +36,10 @@ PROMPTS = [
 CHAT = "user: What is a recurrent state?\nassistant:"  # the test servers' role: content template
 
 
-@pytest.fixture(scope="module", params=["kimi-linear-moe", "lfm2-gqa", "lfm3-gqa", "zaya-gqa"])
+SERVED = ["kimi-linear-moe", "ling-moe", "lfm2-gqa", "lfm3-gqa", "zaya-gqa"]
+
+
+@pytest.fixture(scope="module", params=SERVED)
 def server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
     flags = ("--num-gpu-blocks-override", str(BLOCKS), "--block-size", "16")
     with launch_server(*flags, model_dir=tiny_model_dir(request.param)) as running:
