@@ -4,6 +4,9 @@
 // second stages f_b(f_a) (the forget gate's input a) and g_b(g_a) (the output gate) -> the KDA
 // rule per value head (L2 norms, per-channel decay, beta, the state update and read-out) -> the
 // per-head sigmoid-gated RMSNorm -> o_proj (+ the residual when the block norm is given).
+// Single-stage gates (Ling 3's full-rank f_proj and g_proj): f_b and g_b absent (None in
+// `params`, with their scales), the input projections' outputs are [q | k | v | a | gate | b]
+// (a of AD, the gate of VD) and the rule reads a and the gate from them directly.
 //
 // Semantics are those of the unfused path (`vllm_mamba/layers/kimi_delta_attention.py`) with
 // the ops `causal_conv1d_update`, `kda.update` and `kda.norm_gate` (`vllm_mamba/ops/kda.py` has
@@ -31,14 +34,15 @@
 //
 // Up to `kGemvMaxBatch` rows, or a chain of any length, one OpenMP region per call: the rows of
 // all input projections (one range over their concatenated outputs, with the conv fused per
-// channel), then the rows of f_b and g_b, then the value heads (with the gated norm), then the
-// o_proj rows are split over the threads, with a barrier between the stages. More rows without
-// chains run the projections as GEMMs (`fused::project`) between parallel stages.
+// channel), then the rows of f_b and g_b (two-stage gates), then the value heads (with the
+// gated norm), then the o_proj rows are split over the threads, with a barrier between the
+// stages. More rows without chains run the projections as GEMMs (`fused::project`) between
+// parallel stages.
 //
 // Glossary: B batch rows, H hidden, Hk / Hv key / value heads of Dk / Dv, KD = Hk Dk,
-// VD = Hv Dv, CD = 2 KD + VD conv channels, K conv width, R the gates' low rank,
-// NIN = CD + 2 R + Hv first-stage outputs per row, AD = Hv Dk forget-gate channels,
-// NG = AD + VD second-stage outputs per row, S state slots.
+// VD = Hv Dv, CD = 2 KD + VD conv channels, K conv width, R the gates' low rank (0 for
+// single-stage gates), AD = Hv Dk forget-gate channels, NG = AD + VD gate values per row,
+// NIN = CD + 2 R + Hv first-stage outputs per row (CD + NG + Hv single-stage), S state slots.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -62,7 +66,7 @@ using fused::Weight;
 
 // Index of each entry of the `params` list (`vllm_mamba/ops/kda.py`: KDA_DECODE_PARAMS), then
 // one (weight, scale) pair per input projection, in the order of their outputs
-// ([q | k | v | f_a | g_a | b] concatenated).
+// ([q | k | v | f_a | g_a | b] concatenated; [q | k | v | a | gate | b] without kFbW, kGbW).
 enum Param : size_t {
   kNormW,
   kConvW,
@@ -79,10 +83,11 @@ enum Param : size_t {
 };
 constexpr float kSoftplusThreshold = 20.0f;
 
-// `delta::Dims`, plus R the gates' low rank, AD = Hv Dk the decay gate's width and
-// NG = AD + VD the second-stage gate outputs.
+// `delta::Dims`, plus R the gates' low rank (0: single-stage gates), AD = Hv Dk the decay
+// gate's width, NG = AD + VD the gate values [a | gate] of a row and gate_stride the distance
+// between two rows' (NG in the second stages' scratch, NIN in the first stage's outputs).
 struct Dims : delta::Dims {
-  int64_t rank, a_dim, ngate;
+  int64_t rank, a_dim, ngate, gate_stride;
 };
 
 struct Small {  // float32 parameters; nullptr when absent
@@ -97,17 +102,20 @@ struct Io {
   const Weight* in_w;     // n_in input projections
   const int64_t* in_off;  // (n_in + 1,) first output of each in the concatenation
   int64_t n_in;
-  const Weight *fb_w, *gb_w, *out_w;  // (AD, R), (VD, R), (H, VD)
+  const Weight *fb_w, *gb_w, *out_w;  // (AD, R), (VD, R) (nullptr: single-stage), (H, VD)
   C* conv_states;                     // (S, CD, K - 1)
   S* ssm_states;                      // (S, Hv, Dk, Dv)
   const int64_t* slots;               // (B,) where row b writes its state
   const int64_t* src_slots;           // where row b's state is read from (nullptr: `slots`)
   const float* hidden;                // (B, H)
-  float *xn, *proj, *gates, *y, *mixed;  // (B, H), (B, NIN), (B, NG), (B, VD), (B, H) scratch
+  float *xn, *proj, *y, *mixed;       // (B, H), (B, NIN), (B, VD), (B, H) scratch
+  // Row b's gate values [a (AD) | gate (VD)] at gates + b * gate_stride: the second stages'
+  // (B, NG) scratch, or (single-stage) the first stage's outputs after the conv channels.
+  float* gates;
 };
 
 // Outputs [lo, hi) of the second stage [f_b(f_a) (AD) | g_b(g_a) (VD)] for every row (into
-// io.gates), reading the first stage's f_a and g_a outputs from io.proj.
+// io.gates), reading the first stage's f_a and g_a outputs from io.proj (two-stage gates).
 template <typename C, typename S>
 void gate_rows(const Dims& d, const Io<C, S>& io, int64_t lo, int64_t hi) {
   const float* fa = io.proj + d.conv_dim;
@@ -140,7 +148,7 @@ void kda_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int6
               HeadScratch& w) {
   const int64_t dk = d.dk, dv = d.dv;
   const float* row = io.proj + b * d.nin;
-  const float* grow = io.gates + b * d.ngate;
+  const float* grow = io.gates + b * d.gate_stride;
   float* o = io.y + b * d.value_dim + h * dv;
   const int64_t slot = io.slots[b];
   if (slot < 0) {
@@ -150,7 +158,7 @@ void kda_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int6
     delta::l2norm(row + d.key_dim + kh * dk, dk, 1.0f, w.kn);
     delta::l2norm(row + kh * dk, dk, 1.0f / std::sqrt(static_cast<float>(dk)), w.qn);
     const float* v = row + 2 * d.key_dim + h * dv;
-    const float bv = row[d.conv_dim + 2 * d.rank + h];
+    const float bv = row[d.nin - d.v_heads + h];
     const float beta = 1.0f / (1.0f + std::exp(-bv));
     const float* a = grow + h * dk;
     const float* bias = s.dt_bias + h * dk;
@@ -242,9 +250,11 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     const int64_t c1 = std::min(hi, d.conv_dim);
     for (int64_t b = 0; lo < c1 && b < d.batch; ++b) delta::conv_rows(d, s.conv_w, io, b, lo, c1);
 #pragma omp barrier
-    split(d.ngate, fused::kRowBlock, tid, nth, lo, hi);
-    gate_rows(d, io, lo, hi);
+    if (io.fb_w) {
+      split(d.ngate, fused::kRowBlock, tid, nth, lo, hi);
+      gate_rows(d, io, lo, hi);
 #pragma omp barrier
+    }
     if (io.src_slots) {  // chains: each head's rows in order on one thread
       split(d.v_heads, 1, tid, nth, lo, hi);
       for (int64_t h = lo; h < hi; ++h) {
@@ -286,8 +296,11 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<C, S>& io, const at:
   at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) delta::conv_rows(d, s.conv_w, io, b, 0, d.conv_dim);
   });
-  project_into(proj.narrow(1, d.conv_dim, d.rank).contiguous(), *io.fb_w, gates, 0);
-  project_into(proj.narrow(1, d.conv_dim + d.rank, d.rank).contiguous(), *io.gb_w, gates, d.a_dim);
+  if (io.fb_w) {
+    project_into(proj.narrow(1, d.conv_dim, d.rank).contiguous(), *io.fb_w, gates, 0);
+    project_into(proj.narrow(1, d.conv_dim + d.rank, d.rank).contiguous(), *io.gb_w, gates,
+                 d.a_dim);
+  }
   at::parallel_for(0, d.batch * d.v_heads, 1, [&](int64_t lo, int64_t hi) {
     HeadScratch scratch(d.dk, d.dv);
     for (int64_t t = lo; t < hi; ++t) run_head(d, s, io, t / d.v_heads, t % d.v_heads, scratch);
@@ -338,17 +351,33 @@ at::Tensor fused_kda_decode(const at::Tensor& hidden_in,
                                     int_dot));
     in_off.push_back(in_off.back() + rows);
   }
-  const int64_t low_rank2 = in_off.back() - d.conv_dim - d.v_heads;  // 2 R
-  TORCH_CHECK(low_rank2 > 0 && low_rank2 % 2 == 0,
-              "the input projections must have 2 Hk Dk + Hv Dv + 2 R + Hv rows together ([q | "
-              "k | v | f_a | g_a | b], R > 0 the gates' rank), got ",
-              in_off.back(), " with 2 Hk Dk + Hv Dv + Hv = ", d.conv_dim + d.v_heads);
-  d.rank = low_rank2 / 2;
   d.nin = in_off.back();
-  const Weight fb_w =
-      fused::weight_of(params, kFbW, kFbScale, d.a_dim, d.rank, "f_b_proj weight", int_dot);
-  const Weight gb_w =
-      fused::weight_of(params, kGbW, kGbScale, d.value_dim, d.rank, "g_b_proj weight", int_dot);
+  const bool two_stage = params.get(kFbW).has_value();
+  TORCH_CHECK(two_stage == params.get(kGbW).has_value(),
+              "f_b_proj and g_b_proj weights must both be given (two-stage gates) or both be "
+              "None (single-stage gates)");
+  Weight fb_w, gb_w;
+  if (two_stage) {
+    const int64_t low_rank2 = d.nin - d.conv_dim - d.v_heads;  // 2 R
+    TORCH_CHECK(low_rank2 > 0 && low_rank2 % 2 == 0,
+                "the input projections must have 2 Hk Dk + Hv Dv + 2 R + Hv rows together ([q "
+                "| k | v | f_a | g_a | b], R > 0 the gates' rank), got ",
+                d.nin, " with 2 Hk Dk + Hv Dv + Hv = ", d.conv_dim + d.v_heads);
+    d.rank = low_rank2 / 2;
+    d.gate_stride = d.ngate;
+    fb_w = fused::weight_of(params, kFbW, kFbScale, d.a_dim, d.rank, "f_b_proj weight", int_dot);
+    gb_w = fused::weight_of(params, kGbW, kGbScale, d.value_dim, d.rank, "g_b_proj weight",
+                            int_dot);
+  } else {
+    TORCH_CHECK(!params.get(kFbScale).has_value() && !params.get(kGbScale).has_value(),
+                "single-stage gates (no f_b_proj, g_b_proj weights) take no f_b / g_b scales");
+    TORCH_CHECK(d.nin == d.conv_dim + d.ngate + d.v_heads,
+                "with single-stage gates the input projections must have 2 Hk Dk + Hv Dv + "
+                "Hv Dk + Hv Dv + Hv rows together ([q | k | v | a | gate | b]), got ",
+                d.nin, ", want ", d.conv_dim + d.ngate + d.v_heads);
+    d.rank = 0;
+    d.gate_stride = d.nin;
+  }
   const Weight out_w =
       fused::weight_of(params, kOutW, kOutScale, d.hidden, d.value_dim, "o_proj weight", int_dot);
   Small s{};
@@ -370,18 +399,20 @@ at::Tensor fused_kda_decode(const at::Tensor& hidden_in,
   const auto f32 = hidden.options();
   at::Tensor xn = s.norm_w ? at::empty({d.batch, d.hidden}, f32) : hidden;
   at::Tensor proj = at::empty({d.batch, d.nin}, f32);
-  at::Tensor gates = at::empty({d.batch, d.ngate}, f32);
+  at::Tensor gates = at::empty({d.batch, two_stage ? d.ngate : 0}, f32);
   at::Tensor y = at::empty({d.batch, d.value_dim}, f32);
   at::Tensor mixed = at::empty({d.batch, d.hidden}, f32);
   if (d.batch == 0) return mixed.to(out_dtype);
   auto run = [&](auto* c_tag, auto* s_tag) {
     using C = std::remove_pointer_t<decltype(c_tag)>;
     using S = std::remove_pointer_t<decltype(s_tag)>;
-    Io<C, S> io{in_w.data(), in_off.data(), n_in, &fb_w, &gb_w, &out_w,
-                conv_states.data_ptr<C>(), ssm_states.data_ptr<S>(), slots.data_ptr<int64_t>(),
+    float* gate_values = two_stage ? gates.data_ptr<float>() : proj.data_ptr<float>() + d.conv_dim;
+    Io<C, S> io{in_w.data(), in_off.data(), n_in, two_stage ? &fb_w : nullptr,
+                two_stage ? &gb_w : nullptr, &out_w, conv_states.data_ptr<C>(),
+                ssm_states.data_ptr<S>(), slots.data_ptr<int64_t>(),
                 src.defined() ? src.data_ptr<int64_t>() : nullptr, hidden.data_ptr<float>(),
-                xn.data_ptr<float>(), proj.data_ptr<float>(), gates.data_ptr<float>(),
-                y.data_ptr<float>(), mixed.data_ptr<float>()};
+                xn.data_ptr<float>(), proj.data_ptr<float>(), y.data_ptr<float>(),
+                mixed.data_ptr<float>(), gate_values};
     if (d.batch <= fused::kGemvMaxBatch || io.src_slots != nullptr) {  // chains: rows in order
       run_layer(d, s, io);
     } else {

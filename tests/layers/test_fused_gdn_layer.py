@@ -1,11 +1,11 @@
 """The fused delta-rule decode layers in the engine (`layers.fused_delta_decode`): planned on
-the GDN layers of Qwen3.5, Qwen3-Next and OLMo Hybrid and the KDA layers of Kimi Linear
-(`fused_kda_decode`) with the block's norm, the same greedy tokens and float32 logprobs (1e-4)
-as the unfused layers (`VLLM_MAMBA_FUSED_DECODE=0`, read at plan time) at float32, int8 and
-4-bit weights (KDA also integer dot products, w8a8) and bfloat16 states, decode batches
-of 9 rows (GEMMs) down to 1 (weight-streaming products); and speculative decoding whose chains
-run through the fused layer in one call (rows with source slots) with the tokens and states of
-decoding without speculation.
+the GDN layers of Qwen3.5, Qwen3-Next and OLMo Hybrid and the KDA layers of Kimi Linear and
+Ling 3 (`fused_kda_decode`, two-stage and single-stage gates) with the block's norm, the same
+greedy tokens and float32 logprobs (1e-4) as the unfused layers (`VLLM_MAMBA_FUSED_DECODE=0`,
+read at plan time) at float32, int8 and 4-bit weights (KDA also integer dot products, w8a8)
+and bfloat16 states, decode batches of 9 rows (GEMMs) down to 1 (weight-streaming products);
+and speculative decoding whose chains run through the fused layer in one call (rows with
+source slots) with the tokens and states of decoding without speculation.
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ def _generate(
         ("kimi-linear-qlora", "int4", "auto"),
         ("kimi-linear-qlora", "w8a8", "auto"),
         ("kimi-linear-moe", None, "bfloat16"),
+        ("ling-qlora", None, "auto"),
+        ("ling-moe", "w8a8", "auto"),
     ],
 )
 def test_engine_outputs_equal_with_and_without_fused_gdn(
@@ -122,7 +124,9 @@ def test_engine_outputs_equal_with_and_without_fused_gdn(
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("name", ["qwen3_5-gqa", "qwen3-next-mlp-only", "kimi-linear-moe"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_5-gqa", "qwen3-next-mlp-only", "kimi-linear-moe", "ling-qlora"]
+)
 def test_speculative_chains_run_fused_and_equal_no_speculation(
     name: str, fused_calls: dict[str, int]
 ) -> None:

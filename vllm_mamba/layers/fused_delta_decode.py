@@ -28,7 +28,9 @@ count, speculative chains of up to `CHAIN_MAX_ROWS` rows included (`decode_plan.
 `[q | k | v | f_a | g_a | b]` (`FUSED_INPUTS`), the gates' second stages `f_b_proj` and
 `g_b_proj` (`FUSED_GATES`), under the same conditions, with the mixer's forget gate
 (`lower_bound`: 0 for Kimi's softplus gate, negative for the safe gate; a mixer without the
-attribute has Kimi's).
+attribute has Kimi's). A mixer with single-stage gates (Ling 3's full-rank `f_proj`, `g_proj`)
+names no second stages (`FUSED_GATES` empty) and its first-stage outputs are
+`[q | k | v | a | gate | b]`.
 """
 
 from __future__ import annotations
@@ -175,19 +177,28 @@ def plan_kda(
     """A `KimiDeltaAttention`'s fused decode step, or None where the kernel does not apply.
 
     Args: as `plan_gdn` (the mixer's output norm the sigmoid-gated `kda.norm_gate`); the
-    step passes the mixer's `lower_bound` (its forget gate; 0, Kimi's, without one).
+    step passes the mixer's `lower_bound` (its forget gate; 0, Kimi's, without one). The mixer's
+    `FUSED_GATES` name the gates' second stages `(f_b, g_b)`, or are empty for single-stage
+    gates (the first stage gives the forget gate's input and the output gate themselves).
     """
-    inputs, (f_b, g_b) = tuple(mixer.FUSED_INPUTS), mixer.FUSED_GATES
-    parts = _plan_parts(mixer, kda.FAMILY, (*inputs, f_b, g_b, mixer.OUT), norm)
+    inputs, second = tuple(mixer.FUSED_INPUTS), tuple(mixer.FUSED_GATES)
+    if not inputs or len(second) not in (0, 2):
+        return None
+    parts = _plan_parts(mixer, kda.FAMILY, (*inputs, *second, mixer.OUT), norm)
     if parts is None:
         return None
     w, gate = parts.weights, getattr(mixer, mixer.NORM)
+    gates = dict.fromkeys(("f_b_w", "f_b_scale", "g_b_w", "g_b_scale"))
+    if second:
+        f_b, g_b = second
+        gates = {
+            "f_b_w": w[f"{f_b}_w"], "f_b_scale": w[f"{f_b}_scale"],
+            "g_b_w": w[f"{g_b}_w"], "g_b_scale": w[f"{g_b}_scale"],
+        }  # fmt: skip
     fixed = kda.KdaDecodeParams(
         norm_w=parts.norm_w, conv_w=_f32(mixer.conv_weight), A_log=_f32(mixer.A_log.reshape(-1)),
         dt_bias=_f32(mixer.dt_bias), gate_norm_w=_f32(gate.weight),
-        out_proj_w=w[f"{mixer.OUT}_w"], out_proj_scale=w[f"{mixer.OUT}_scale"],
-        f_b_w=w[f"{f_b}_w"], f_b_scale=w[f"{f_b}_scale"], g_b_w=w[f"{g_b}_w"],
-        g_b_scale=w[f"{g_b}_scale"],
+        out_proj_w=w[f"{mixer.OUT}_w"], out_proj_scale=w[f"{mixer.OUT}_scale"], **gates,
     )  # fmt: skip
     kwargs = {"lower_bound": float(getattr(mixer, "lower_bound", 0.0))}
     return _step(

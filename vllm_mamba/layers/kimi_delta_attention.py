@@ -26,7 +26,8 @@ float32 unless `ssm_state_dtype` says otherwise.
 A layer's decode-only steps may run as one fused call (`fused_mixer_step`, planned once:
 `layers.fused_delta_decode.plan_kda`), with the block's norm and residual: the first-stage
 projections in the order of their outputs `[q | k | v | f_a | g_a | b]` (`FUSED_INPUTS`), the
-gates' second stages `f_b_proj`, `g_b_proj` (`FUSED_GATES`).
+gates' second stages `f_b_proj`, `g_b_proj` (`FUSED_GATES`; empty for single-stage gates, as
+Ling 3's full-rank `f_proj`, `g_proj`: `layers.ling_delta_attention`).
 
 With tensor parallelism each rank holds its heads: their rows of q, k, v, `f_b_proj`,
 `g_b_proj` and `b_proj`, their conv channels, `dt_bias` and `A_log`; the low-rank `f_a_proj`

@@ -15,8 +15,10 @@ Checkpoint names (`model.layers.N.attention.*`, loaded as `self_attn.*`): `q_pro
 in-memory names (`forget_gate.f_proj`, the fused `conv1d`) are mapped by the model.
 
 Per-sequence state and tensor parallelism are `KimiDeltaAttention`'s (the full-rank gates are
-split by head as q, k, v). The fused KDA decode kernel takes two-stage gates only, so decode runs
-through the family's `update` op.
+split by head as q, k, v). Decode-only steps run fused as Kimi's (`fused_mixer_step`,
+`layers.fused_delta_decode.plan_kda`), with single-stage gates: the first-stage projections
+`[q | k | v | f | g | b]` (`FUSED_INPUTS`) give the forget gate's input and the output gate
+themselves, no second stages (`FUSED_GATES` empty).
 
 Glossary: T tokens in the step, H hidden size, Hv value heads, Dk / Dv their head dims.
 """
@@ -24,10 +26,8 @@ Glossary: T tokens in the step, H hidden size, Hv value heads, Dk / Dv their hea
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from vllm_mamba.distributed.parallel_state import TensorParallel
-from vllm_mamba.layers.decode_plan import FusedStep
 from vllm_mamba.layers.gated_deltanet import GatedDeltaShard, Projected
 from vllm_mamba.layers.kimi_delta_attention import KimiDeltaAttention
 from vllm_mamba.layers.parallel_linear import column_linear
@@ -37,8 +37,8 @@ from vllm_mamba.ops.table import MambaOps
 class LingDeltaAttention(KimiDeltaAttention):
     """KDA with full-rank `f_proj` / `g_proj` and, when `lower_bound < 0`, the safe gate."""
 
-    FUSED_INPUTS = ()
-    FUSED_GATES = ()
+    FUSED_INPUTS = ("q_proj", "k_proj", "v_proj", "f_proj", "g_proj", "b_proj")
+    FUSED_GATES = ()  # single-stage gates
     A_LOG_SHAPE = (-1,)  # `(Hv,)`
 
     def __init__(self, *args: object, lower_bound: float = 0.0, **kwargs: object) -> None:
@@ -71,7 +71,3 @@ class LingDeltaAttention(KimiDeltaAttention):
     def _project(self, hidden: torch.Tensor) -> Projected:
         qkv = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1)
         return qkv, self.g_proj(hidden), self.b_proj(hidden), self.f_proj(hidden)
-
-    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
-        """None: the fused KDA kernel's gates are two-stage (`f_a`/`f_b`, `g_a`/`g_b`)."""
-        return None

@@ -18,7 +18,8 @@ Glossary (token-major layout):
     (a multiple of Hk: value head `h` reads key head `h // (Hv / Hk)`; Kimi has Hk == Hv);
     Dk, Dv: key and value head dims; Q: chunk size.
     q, k: `(T, Hk, Dk)` after the conv, before their L2 normalisation; v: `(T, Hv, Dv)`;
-    a: `(T, Hv * Dk)` the low-rank forget gate's output (`f_b_proj(f_a_proj(x))`);
+    a: `(T, Hv * Dk)` the forget gate's input (Kimi's low-rank `f_b_proj(f_a_proj(x))`, Ling's
+    full-rank `f_proj(x)`);
     b: `(T, Hv)` the beta projection; A_log: `(Hv,)` (the checkpoint's `(1, 1, Hv, 1)`
     flattened); dt_bias: `(Hv * Dk,)`.
     ssm_states: `(S, Hv, Dk, Dv)` per-slot state (float32 or bfloat16, math in float32).
@@ -396,7 +397,8 @@ KDA_DECODE_PARAMS = (
 )  # fmt: skip
 # The fixed head of the `decode_layer` op's `params` by name, in the order of the C++ index
 # constants (`csrc/fused_decode_kda.cpp`: `Param`); `gated_delta.gdn_decode_params` appends the
-# input projections (`[q | k | v | f_a | g_a | b]`).
+# input projections (`[q | k | v | f_a | g_a | b]`, or `[q | k | v | a | gate | b]` for
+# single-stage gates: f_b_w, g_b_w and their scales None).
 KdaDecodeParams = NamedTuple("KdaDecodeParams", [(n, "Tensor | None") for n in KDA_DECODE_PARAMS])
 
 
@@ -424,7 +426,9 @@ def fused_kda_decode_ref(
             gate_norm_w `(Dv,)` (all float32), out_proj_w `(H, VD)`, f_b_w `(Hv Dk, R)`,
             g_b_w `(VD, R)` with their scales, then the input projections' weights `(rows, H)`
             and scales, whose outputs concatenated are
-            `[q (KD) | k (KD) | v (VD) | f_a (R) | g_a (R) | b (Hv)]`. A scale is None for a
+            `[q (KD) | k (KD) | v (VD) | f_a (R) | g_a (R) | b (Hv)]`. Single-stage gates
+            (Ling's full-rank `f_proj`, `g_proj`): f_b_w, g_b_w and their scales None, and the
+            outputs are `[q | k | v | a (Hv Dk) | gate (VD) | b]`. A scale is None for a
             float32 / bfloat16 weight, `(rows,)` float32 for int8, `(rows, cols/32)` float16
             for 4-bit.
         conv_states: `(S, CD, K - 1)` (CD = 2 Hk Dk + Hv Dv); ssm_states: `(S, Hv, Dk, Dv)`;
@@ -441,6 +445,10 @@ def fused_kda_decode_ref(
 
     Returns:
         `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
+
+    Raises:
+        ValueError: a malformed params list (one of f_b_w, g_b_w given without the other) or a
+            positive `lower_bound`.
     """
     check_lower_bound(lower_bound)
     if src_state_indices is not None:
@@ -453,6 +461,9 @@ def fused_kda_decode_ref(
     if len(params) <= fixed or (len(params) - fixed) % 2:
         raise ValueError(f"params must hold {fixed} entries and (weight, scale) pairs")
     p = KdaDecodeParams(*params[:fixed])
+    two_stage = p.f_b_w is not None
+    if (p.g_b_w is not None) != two_stage:
+        raise ValueError("f_b_w and g_b_w must both be given (two-stage gates) or both be None")
     batch = hidden.shape[0]
     _, v_heads, dk, dv = ssm_states.shape
     conv_dim, value_dim = conv_states.shape[1], v_heads * dv
@@ -461,12 +472,19 @@ def fused_kda_decode_ref(
     xn = _rms_norm(x, p.norm_w, norm_eps) if p.norm_w is not None else x
     pairs = zip(params[fixed::2], params[fixed + 1 :: 2], strict=True)
     proj = torch.cat([_linear(xn, w, None, scale, int_dot) for w, scale in pairs], dim=-1)
-    rank = (proj.shape[-1] - conv_dim - v_heads) // 2
-    qkv, f_a, g_a, b = proj.split([conv_dim, rank, rank, v_heads], dim=-1)
+    if two_stage:
+        rank = (proj.shape[-1] - conv_dim - v_heads) // 2
+        widths = [rank, rank]
+    else:
+        widths = [v_heads * dk, value_dim]
+    qkv, f, g, b = proj.split([conv_dim, *widths, v_heads], dim=-1)
     qkv = causal_conv1d_update_ref(qkv, conv_states, p.conv_w, None, state_indices)
     q, k, v = qkv.split([key_dim, key_dim, value_dim], dim=-1)
-    a = _linear(f_a, p.f_b_w, None, p.f_b_scale, int_dot)  # (B, Hv Dk)
-    gate = _linear(g_a, p.g_b_w, None, p.g_b_scale, int_dot)  # (B, VD)
+    if two_stage:  # the low-rank gates' second stages
+        a = _linear(f, p.f_b_w, None, p.f_b_scale, int_dot)  # (B, Hv Dk)
+        gate = _linear(g, p.g_b_w, None, p.g_b_scale, int_dot)  # (B, VD)
+    else:
+        a, gate = f, g
     o = kda_update_ref(
         q.reshape(batch, -1, dk), k.reshape(batch, -1, dk), v.reshape(batch, v_heads, dv), a, b,
         p.A_log, p.dt_bias, ssm_states, state_indices, lower_bound,
