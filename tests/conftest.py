@@ -62,6 +62,18 @@ def pytest_configure(config: pytest.Config) -> None:
     pin_worker_cpus()
 
 
+def pytest_ignore_collect(collection_path: object, config: pytest.Config) -> bool | None:
+    """`-m whole_machine` alone (`make test`'s second run) imports only the test modules that
+    name the mark (every such test is marked in its own module), not all of them again."""
+    path = str(collection_path)
+    if config.getoption("markexpr", "") != "whole_machine" or not path.endswith(".py"):
+        return None
+    if not os.path.basename(path).startswith("test_"):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return "whole_machine" not in f.read()
+
+
 def shares_module_fixture(item: pytest.Item) -> bool:
     """Whether `item` uses a fixture set up once per module, class or package (a server, an
     engine), which its module's other tests reuse."""
