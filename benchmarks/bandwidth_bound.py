@@ -17,6 +17,7 @@ MoE expert tensors count `top_k / num_experts` of their bytes (the experts one t
 
 from __future__ import annotations
 
+import bisect
 import time
 
 import torch
@@ -67,7 +68,8 @@ def module_bytes_per_token(model: nn.Module, config: object = None) -> int:
     rows the experts' weights view): tensors only `nn.Embedding` modules hold (a lookup reads
     one row) are left out; a tied output head shares the embedding's tensor and so counts it.
     Tensors under a module path containing `experts` (not `shared_expert`) count
-    `top_k / num_experts` of their bytes, from `config` (default `model.config`)."""
+    `top_k / num_experts` of their bytes, from `config` (default `model.config`); a tensor those
+    experts' weights view (their stacked copy for the fused MoE decode) is not counted again."""
     fraction = _moe_fraction(config if config is not None else getattr(model, "config", None))
     holders: dict[tuple[int, int], list[tuple[str, nn.Module]]] = {}  # tensor -> users
     for module_name, module in model.named_modules():
@@ -80,11 +82,21 @@ def module_bytes_per_token(model: nn.Module, config: object = None) -> int:
                 continue
             key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
             holders.setdefault(key, []).append((f"{module_name}.{name}", module))
+
+    def is_routed(users: list[tuple[str, nn.Module]]) -> bool:
+        return all("experts" in n and "shared_expert" not in n for n, _ in users)
+
+    # A stacked tensor that the routed experts' weights view (held by a decode plan, under a
+    # name without `experts`) is read through those views: counted there, not again whole.
+    routed_ptrs = sorted(ptr for (ptr, _), users in holders.items() if is_routed(users))
     total = 0.0
-    for (_, nbytes), users in holders.items():
+    for (ptr, nbytes), users in holders.items():
         if all(isinstance(m, nn.Embedding) for _, m in users):
             continue
-        routed = all("experts" in n and "shared_expert" not in n for n, _ in users)
+        routed = is_routed(users)
+        first = bisect.bisect_left(routed_ptrs, ptr)
+        if not routed and first < len(routed_ptrs) and routed_ptrs[first] < ptr + nbytes:
+            continue
         total += nbytes * (fraction if routed else 1.0)
     return int(total)
 

@@ -1,6 +1,6 @@
 """CPU speed of this engine against `transformers` and llama.cpp on a hybrid model, in one run.
 
-Nine models (random weights, saved once to `--model`; shapes in `hybrid_configs.py`), chosen by
+Ten models (random weights, saved once to `--model`; shapes in `hybrid_configs.py`), chosen by
 `--arch`: `jamba` (about 310M parameters, default model `/tmp/jamba-300m-random`),
 `granitemoehybrid` (the dense Granite 4.0-H shape, about 306M, `/tmp/granite-4.0-h-300m-random`),
 `qwen3_5` (Qwen3.5-0.8B's text model, Gated DeltaNet and gated attention,
@@ -10,7 +10,8 @@ about 1B, `/tmp/qwen3-next-1b-random`), `lfm2` (LFM2-1.2B, short convolutions an
 `/tmp/lfm3-1.7b-random`), `zaya` (ZAYA1-8B's layer shapes, 4 of its 40 layers: CCA attention
 and a top-1 MoE of 16 experts, saved in bfloat16, `/tmp/zaya1-8b-4layers-random`),
 `kimi_linear` (Kimi Linear's KDA, MLA and 64-expert layout scaled to about 1B,
-`/tmp/kimi-linear-1b-random`) and `qwen3_6_moe` (Qwen3.6-35B-A3B's real layer shapes,
+`/tmp/kimi-linear-1b-random`), `ling` (Ling-3.0-Flash's layout scaled the same way,
+`/tmp/ling-1b-random`) and `qwen3_6_moe` (Qwen3.6-35B-A3B's real layer shapes,
 256 experts, four of its layers, saved in bfloat16: run it with `--dtype bfloat16`,
 `/tmp/qwen3.6-35b-a3b-4layers-random`). `--dtype bfloat16` runs the engine and transformers in
 bfloat16; `--quantization int8` / `int4` the engine with int8 / int4 weights. The run starts
@@ -77,6 +78,7 @@ from hybrid_configs import (
     KIMI_SHIPPED_KEYS,
     LFM2_CONFIG,
     LFM3_CONFIG,
+    LING_CONFIG,
     QWEN3_5_CONFIG,
     QWEN3_6_MOE_CONFIG,
     QWEN3_NEXT_CONFIG,
@@ -100,6 +102,7 @@ ARCHS = {  # --arch: (transformers class, config, default model directory)
     "lfm2": ("Lfm2ForCausalLM", LFM2_CONFIG, "/tmp/lfm2-1.2b-random"),
     "lfm3": ("Lfm3ForCausalLM", LFM3_CONFIG, "/tmp/lfm3-1.7b-random"),
     "kimi_linear": ("KimiLinearForCausalLM", KIMI_LINEAR_CONFIG, "/tmp/kimi-linear-1b-random"),
+    "ling": ("BailingHybridForCausalLM", LING_CONFIG, "/tmp/ling-1b-random"),
     "zaya": ("ZayaForCausalLM", ZAYA_CONFIG, "/tmp/zaya1-8b-4layers-random"),
 }
 SHIPPED_KEYS = {"kimi_linear": KIMI_SHIPPED_KEYS}  # config.json keys the releases carry

@@ -26,6 +26,12 @@ model).
   of 256 with top-8 sigmoid routing (scaled by 2.446) and a shared expert, vocabulary 163,840,
   untied head. Saved with the checkpoints' own `linear_attn_config` and `first_k_dense_replace`
   (which llama.cpp's converter reads; `KIMI_SHIPPED_KEYS`).
+- `LING_CONFIG`: Ling-3.0-Flash's layout scaled to about 1B as Kimi's: hidden 1024, 12 layers
+  in groups of 6 (MLA last in each: 8 heads, latent 512 + 64 with interleaved RoPE at theta 6e6,
+  nope 128, v 128, a sigmoid gate per head), KDA with the safe gate (bound -5) in the others (8
+  heads of 128, conv 4), two dense first layers (SwiGLU of 4096), then MoEs of 64 experts of 256
+  in 8 groups (4 kept) with top-8 sigmoid routing (scaled by 2.5) and a shared expert,
+  vocabulary 157,184, untied head.
 """
 
 from __future__ import annotations
@@ -238,4 +244,39 @@ KIMI_SHIPPED_KEYS = dict(
     first_k_dense_replace=1,
     moe_router_activation_func="sigmoid",
     mla_use_nope=True,
+)
+LING_CONFIG = dict(
+    vocab_size=157184,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=12,
+    layer_group_size=6,
+    first_k_dense_replace=2,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=128,
+    short_conv_kernel_size=4,
+    kda_safe_gate=True,
+    kda_lower_bound=-5.0,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    rope_theta=6_000_000.0,
+    num_experts=64,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    moe_intermediate_size=256,
+    num_shared_experts=1,
+    num_nextn_predict_layers=0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_position_embeddings=8192,
+    pad_token_id=0,
+    bos_token_id=0,
+    eos_token_id=0,
 )
