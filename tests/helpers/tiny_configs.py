@@ -304,13 +304,15 @@ NEMOTRON_H: dict[str, dict] = {
         layer_norm_epsilon=1e-5,
         tie_word_embeddings=False,
     ),
-    # 6 blocks "ME*M-E": MoE of 8 squared-ReLU experts in 2 groups (top-2 of the best group),
-    # shared expert, scaled and renormalised weights; MQA; 3 SSD heads of 32, one group,
-    # chunks of 8, conv 3; biases, no conv bias; tie_word_embeddings, which transformers ignores
-    # for Nemotron-H (its checkpoints carry both matrices).
+    # 6 blocks "ME*M-E": MoE of 8 squared-ReLU experts in 2 groups (top-2 of the best group)
+    # in a latent space of 24 (Nemotron 3 Super's `moe_latent_size`: `fc1_latent_proj` in,
+    # `fc2_latent_proj` out), shared expert, scaled and renormalised weights; MQA; 3 SSD heads
+    # of 32, one group, chunks of 8, conv 3; biases, no conv bias; tie_word_embeddings, which
+    # transformers ignores for Nemotron-H (its checkpoints carry both matrices).
     "nemotron-h-moe": dict(
         _COMMON,
         hidden_size=48,
+        moe_latent_size=24,
         hybrid_override_pattern="ME*M-E",
         num_hidden_layers=6,
         num_attention_heads=6,
@@ -338,10 +340,11 @@ NEMOTRON_H: dict[str, dict] = {
         tie_word_embeddings=True,
     ),
     # The "nemotron-h-moe" shape with 4 Mamba2 heads of 24 (split over 2 ranks) and one KV head
-    # (replicated on both ranks).
+    # (replicated on both ranks); the latent projections replicated, the experts split.
     "nemotron-h-mqa-even": dict(
         _COMMON,
         hidden_size=48,
+        moe_latent_size=24,
         hybrid_override_pattern="ME*M-E",
         num_hidden_layers=6,
         num_attention_heads=6,

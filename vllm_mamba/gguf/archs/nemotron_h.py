@@ -5,7 +5,9 @@ block per layer: a Mamba2 mixer (`Mamba2Model`'s transforms, `_common.mamba2_ten
 attention (q / k rows permuted for llama.cpp's rotary layout, undone row-wise, though the
 model has no position embedding), a squared-ReLU MLP (`ffn_up`, `ffn_down`) or the MoE
 (`ffn_{up,down}_exps (E, ...)` stacked, per-expert tensors here in float; the router with its
-`e_score_correction_bias` as `exp_probs_b.bias`; the shared expert as `ffn_*_shexp`).
+`e_score_correction_bias` as `exp_probs_b.bias`; the shared expert as `ffn_*_shexp`; Nemotron 3
+Super's latent projections as `ffn_latent_down` / `ffn_latent_up`, their width in
+`moe_latent_size`).
 
 Each layer's kind comes from its tensors (`ssm_in`, `attn_q`, `ffn_gate_inp`, `ffn_up`), the
 MLP width from `feed_forward_length` of an MLP layer, else from its `ffn_up` rows (the
@@ -57,6 +59,11 @@ _BLOCK = {
     "ffn_up_shexp.bias": "mixer.shared_experts.up_proj.bias",
     "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight",
     "ffn_down_shexp.bias": "mixer.shared_experts.down_proj.bias",
+    # Nemotron 3 Super's latent MoE: the experts run in `moe_latent_size` dims between these
+    "ffn_latent_down.weight": "mixer.fc1_latent_proj.weight",
+    "ffn_latent_down.bias": "mixer.fc1_latent_proj.bias",
+    "ffn_latent_up.weight": "mixer.fc2_latent_proj.weight",
+    "ffn_latent_up.bias": "mixer.fc2_latent_proj.bias",
 }
 _KIND = {"ssm_in.weight": "M", "attn_q.weight": "*", "ffn_gate_inp.weight": "E"}
 
@@ -129,6 +136,9 @@ def _config(metadata: dict[str, Any], arch: str) -> dict[str, Any]:
             norm_topk_prob=bool(m.get("expert_weights_norm", False)),
             routed_scaling_factor=m.float("expert_weights_scale", 1.0),
         )
+        latent = m.get("moe_latent_size")
+        if latent:
+            config["moe_latent_size"] = int(latent)
     return config
 
 
