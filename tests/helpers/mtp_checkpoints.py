@@ -193,3 +193,71 @@ def save_tiny_nemotron_with_mtp(path: str, seed: int = 0) -> str:
         tiny_model_dir(NEMOTRON), path, edit,
         lambda config, tensors: nemotron_mtp_tensors(tensors, config["hidden_size"], seed),
     )  # fmt: skip
+
+
+LING = "ling-moe"
+LING_MTP_SOURCE = 2  # ling-moe's MLA + MoE layer: the MTP layer's shapes
+
+
+def save_tiny_ling_with_mtp(path: str, seed: int = 0) -> str:
+    """Saves the tiny Ling 3 model with one random MTP layer under the releases' names
+    (`model.layers.{num_hidden_layers}.`: `enorm`, `hnorm`, `eh_proj (H, 2H)`, an MLA and MoE
+    decoder layer in the shapes of the target's layer `LING_MTP_SOURCE`, `final_layernorm`, and
+    `shared_head.head`, the head again) into directory `path`; returns `path`. Plain norms
+    are drawn from N(1, 0.1^2), score-correction biases from N(0, 0.1^2), the rest from
+    N(0, std^2)."""
+    g = torch.Generator().manual_seed(seed + 3000)
+    std = MODEL_FAMILY[LING].weight_std
+
+    def draw(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        noise = torch.randn(shape, generator=g)
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            return 1.0 + 0.1 * noise
+        return noise * (0.1 if name.endswith("expert_bias") else std)
+
+    def head(config: dict, tensors: dict) -> dict:
+        layer, hidden = f"model.layers.{config['num_hidden_layers']}.", config["hidden_size"]
+        source = f"model.layers.{LING_MTP_SOURCE}."
+        out = {
+            layer + "enorm.weight": draw("enorm.weight", (hidden,)),
+            layer + "hnorm.weight": draw("hnorm.weight", (hidden,)),
+            layer + "eh_proj.weight": draw("eh_proj.weight", (hidden, 2 * hidden)),
+            layer + "final_layernorm.weight": draw("final_layernorm.weight", (hidden,)),
+            layer + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+        }
+        for name, t in tensors.items():
+            if name.startswith(source):
+                mtp_name = layer + name[len(source) :]
+                out[mtp_name] = draw(mtp_name, tuple(t.shape))
+        return out
+
+    return _save_with(tiny_model_dir(LING), path, {"num_nextn_predict_layers": 1}, head)
+
+
+def first_drafts(
+    path: str, prompts: list[list[int]], method: str = "mtp"
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Per prompt, alone on an engine on `path` drafting one token with `method`: the first
+    draft after the prompt's prefill, the target's hidden rows of the prompt `(P, H)`, and the
+    tokens that follow each row `(P,)` (the prompt's next ones, then the sampled one)."""
+    from tests.helpers.runners import VllmRunner
+    from vllm_mamba import SamplingParams
+
+    out = []
+    spec = {"method": method, "num_speculative_tokens": 1}
+    with VllmRunner(path, speculative_config=spec) as runner:
+        engine = runner.engine
+        for i, prompt in enumerate(prompts):
+            captured: list[torch.Tensor] = []
+            hook = engine.model.register_forward_hook(
+                lambda m, a, rows, kept=captured: kept.append(rows.clone())
+            )
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, SamplingParams(temperature=0))
+            engine.step()  # the whole prompt: hidden rows of positions 0 .. P - 1
+            hook.remove()
+            seq = engine.scheduler.running[0].seqs[0]
+            draft = seq.spec_token_ids[0]
+            engine.abort_request(f"r{i}")
+            following = torch.tensor(prompt[1:] + seq.output_token_ids[:1])
+            out.append((draft, captured[0][: len(prompt)], following))
+    return out

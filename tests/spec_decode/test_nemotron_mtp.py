@@ -21,11 +21,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.family_checks import GREEDY, alone, prompts, tokens
-from tests.helpers.mtp_checkpoints import NEMOTRON, save_tiny_nemotron_with_mtp
+from tests.helpers.mtp_checkpoints import NEMOTRON, first_drafts, save_tiny_nemotron_with_mtp
 from tests.helpers.runners import VllmRunner
 from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import tiny_model_dir
-from vllm_mamba import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("nemotron_h")  # the family's checkpoint and lone runs
 
@@ -108,24 +107,10 @@ def test_drafts_are_the_reference_heads_predictions() -> None:
     the target's hidden rows and the following tokens (the sampled one last)."""
     path = _checkpoint()
     ref = Reference(path)
-    spec = {"method": "nemotron_h_mtp", "num_speculative_tokens": 1}  # vLLM's name for `mtp`
-    with VllmRunner(path, speculative_config=spec) as runner:
-        engine = runner.engine
-        for i, p in enumerate(prompts()[3:7]):  # 13 to 100 tokens
-            prompt = p["prompt_token_ids"]
-            captured: list[torch.Tensor] = []
-            hook = engine.model.register_forward_hook(
-                lambda m, a, out, rows=captured: rows.append(out.clone())
-            )
-            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, SamplingParams(temperature=0))
-            engine.step()  # the whole prompt: hidden rows of positions 0 .. P - 1
-            hook.remove()
-            seq = engine.scheduler.running[0].seqs[0]
-            draft = seq.spec_token_ids[0]
-            engine.abort_request(f"r{i}")
-            following = torch.tensor(prompt[1:] + seq.output_token_ids[:1])
-            _, logits = ref(captured[0][: len(prompt)], following)
-            assert draft == int(logits[-1].argmax()), i
+    sequences = [p["prompt_token_ids"] for p in prompts()[3:7]]  # 13 to 100 tokens
+    for i, (draft, hidden, following) in enumerate(first_drafts(path, sequences, "nemotron_h_mtp")):
+        logits = ref(hidden, following)[1]
+        assert draft == int(logits[-1].argmax()), i
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,20 @@ Checkpoint names: the releases' `model.word_embeddings`, `attention.*` (`dense` 
 projection), the KDA's `f_proj` / `A_log` / `dt_bias` under the layer, separate `q/k/v_conv1d`,
 per-expert `experts.E.{gate,up,down}_proj` and `gate.expert_bias`, map onto transformers'
 in-memory names, which load too (`forget_gate.*`, the fused `conv1d`, stacked experts,
-`e_score_correction_bias`). The multi-token prediction layers stored after the decoder
-(`model.layers.{num_hidden_layers + i}`, `num_nextn_predict_layers` of them) are skipped.
-The head is untied.
+`e_score_correction_bias`). The head is untied.
+
+The multi-token prediction layers stored after the decoder (`model.layers.{num_hidden_layers +
+i}`, `num_nextn_predict_layers` of them) are skipped unless speculative method `mtp` asks for
+them (`models.mtp`). As vLLM's `BailingMoeV3MultiTokenPredictorLayer`, draft `i` runs layer
+`i % n`, an MLA and MoE decoder layer between its own projections and norms:
+
+    x = eh_proj(cat([enorm(embed(next_token)), hnorm(hidden)]))
+    x = layer(x)                         # input_layernorm, MLA, post_attention_layernorm, MoE
+    out = final_layernorm(x);  logits = lm_head(out)       # the target's head (`shared_head`)
+
+with plain RMSNorms of `rms_norm_eps`; their names load as `MultiTokenPredictor`'s
+(`checkpoint_weights` renames them to `mtp.*`). A `model.mtp.*` part some exports carry is
+skipped.
 
 Ling-3.0-Flash: 42 layers of hidden size 2560 (every 6th MLA), KDA 32 heads of 128 (conv 4),
 MLA 32 heads (latent 512, nope 128, rope 64, v 128), 512 experts of 768, top-8 in 8 groups (4
@@ -37,6 +48,7 @@ Glossary: E experts.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from torch import nn
@@ -57,6 +69,7 @@ from vllm_mamba.models.kimi_linear import (
     deepseek_moe,
 )
 from vllm_mamba.models.layer_types import layer_types
+from vllm_mamba.models.mtp import MTP_PREFIX, SupportsMTP
 from vllm_mamba.ops.table import MambaOps
 
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
@@ -69,12 +82,21 @@ _RENAMES = (
 )
 
 
+# The MTP layer's own parts (under `mtp.layers.{i}.` once renamed) onto `MultiTokenPredictor`'s.
+_MTP_PARTS = {
+    "enorm.": "pre_fc_norm_embedding.",
+    "hnorm.": "pre_fc_norm_hidden.",
+    "eh_proj.": "fc.",
+    "final_layernorm.": "norm.",
+}
+
+
 def _limits(config: Any, name: str) -> list[float]:
     """The per-layer SwiGLU clip limits `name` (`expert_swiglu_limit_list` /
     `share_expert_swiglu_limit_list`), zeros where the config names none.
 
     Raises:
-        ValueError: the list does not name every layer.
+        ValueError: the list does not name every layer (an MTP layer past them takes none).
     """
     limits = list(getattr(config, name, None) or [0.0] * config.num_hidden_layers)
     if len(limits) != config.num_hidden_layers:
@@ -112,10 +134,10 @@ def _layer(
     else:
         mixer = MixerPart("self_attn", _mla(config, ops, tp))
     if ffn == "sparse":
-        limits = (
-            _limits(config, "expert_swiglu_limit_list")[index],
-            _limits(config, "share_expert_swiglu_limit_list")[index],
-        )
+        routed = _limits(config, "expert_swiglu_limit_list")
+        shared = _limits(config, "share_expert_swiglu_limit_list")
+        inside = index < len(routed)
+        limits = (routed[index], shared[index]) if inside else (0.0, 0.0)
         mlp: nn.Module = deepseek_moe(config, ops, tp, limits)
     else:  # transformers builds the dense MLPs without a layer index: never clipped
         mlp = gated_mlp(hidden, config.intermediate_size, False, ops, tp)
@@ -127,10 +149,15 @@ def _layer(
     )
 
 
-class BailingHybridForCausalLM(CausalLM):
-    """Ling 3: KDA and gated MLA layers, dense MLPs or clipped DeepSeek-V3 MoEs."""
+class BailingHybridForCausalLM(SupportsMTP, CausalLM):
+    """Ling 3: KDA and gated MLA layers, dense MLPs or clipped DeepSeek-V3 MoEs; the MTP
+    layers on request (`enable_mtp`)."""
 
     ties_word_embeddings: ClassVar[bool] = False
+    skipped_weights: ClassVar[dict[str, str]] = {
+        MTP_PREFIX: "the multi-token prediction layers (Ling's; run by speculative method 'mtp')",
+        "model.mtp.": "a multi-token prediction part outside the decoder's layers (not run)",
+    }
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
         if config.hidden_act not in ("silu", "swish"):
@@ -143,17 +170,43 @@ class BailingHybridForCausalLM(CausalLM):
             ],
             norm_eps=config.rms_norm_eps,
         )  # fmt: skip
-        first = config.num_hidden_layers
-        extra = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
-        self.skipped_weights = {
-            f"model.layers.{i}.": "a multi-token prediction layer (Ling's; not run)"
-            for i in range(first, first + extra)
-        }
+
+    def mtp_layer(self, index: int, ops: MambaOps, tp: TensorParallel) -> nn.Module:
+        """MTP layer `index`: an MLA and MoE decoder layer (vLLM's Bailing V3 MTP layer)."""
+        config = self.config  # type: ignore[attr-defined]
+        return _layer(config, config.num_hidden_layers + index, "full_attention", "sparse", ops, tp)
+
+    def mtp_head_options(self) -> dict[str, Any]:
+        """Plain RMSNorms (`enorm`, `hnorm`, `final_layernorm`)."""
+        return {"norm_cls": RMSNorm, "eps": self.config.rms_norm_eps}  # type: ignore[attr-defined]
+
+    def checkpoint_weights(self, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The MTP layers' tensors (`model.layers.{num_hidden_layers + i}.*`) as `mtp.layers.{i}.*`
+        and their projections and norms as `MultiTokenPredictor`'s; their `shared_head.head`
+        (the target's head again) dropped."""
+        first = self.config.num_hidden_layers  # type: ignore[attr-defined]
+        pattern = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+        for name, tensor in weights:
+            match = pattern.match(name)
+            if match is None or int(match[1]) < first:
+                yield name, tensor
+                continue
+            index, rest = int(match[1]) - first, match[2]
+            if rest.startswith("shared_head."):
+                continue
+            part = next((p for p in _MTP_PARTS if rest.startswith(p)), None)
+            if part is not None:
+                yield MTP_PREFIX + _MTP_PARTS[part] + rest[len(part) :], tensor
+            else:
+                yield f"{MTP_PREFIX}layers.{index}.{rest}", tensor
 
     @staticmethod
     def remap_weight_name(name: str) -> str:
         """The releases' names (and transformers' `forget_gate.*`) onto this model's; per-expert
-        `experts.E.*` and stacked experts as Kimi Linear's."""
+        `experts.E.*` and stacked experts as Kimi Linear's (the MTP layers' too)."""
+        if name.startswith(MTP_PREFIX):
+            body = BailingHybridForCausalLM.remap_weight_name("model." + name[len(MTP_PREFIX) :])
+            return MTP_PREFIX + body[len("model.") :]
         for pattern, repl in _RENAMES:
             name = pattern.sub(repl, name, count=1)
         return KimiLinearForCausalLM.remap_weight_name(name)

@@ -5,8 +5,8 @@ keys:
 
 - `method`: `ngram` (prompt lookup), `draft_model` (a smaller model with the same tokenizer;
   implied when `model` is given without a method) or `mtp` (the target's own multi-token
-  prediction head: Qwen3.5 / Qwen3.6, Qwen3-Next and Nemotron 3; vLLM's per-model names such as
-  `qwen3_next_mtp`, `nemotron_h_mtp` are accepted as `mtp`).
+  prediction head: Qwen3.5 / Qwen3.6, Qwen3-Next, Nemotron 3 and Ling 3; vLLM's per-model
+  names such as `qwen3_next_mtp`, `nemotron_h_mtp` are accepted as `mtp`).
 - `num_speculative_tokens` (k): draft tokens proposed per step, 1 to `MAX_SPECULATIVE_TOKENS`.
 - `prompt_lookup_min` / `prompt_lookup_max` (ngram): the n-gram lengths tried, longest first;
   one given alone sets both, neither gives 5 and 5 (vLLM's defaults).
