@@ -27,10 +27,9 @@ count, speculative chains of up to `CHAIN_MAX_ROWS` rows included (`decode_plan.
 `ops.kda.fused_kda_decode_ref`): its first-stage projections in the order of their outputs
 `[q | k | v | f_a | g_a | b]` (`FUSED_INPUTS`), the gates' second stages `f_b_proj` and
 `g_b_proj` (`FUSED_GATES`), under the same conditions, with the mixer's forget gate
-(`lower_bound`: 0 for Kimi's softplus gate, negative for the safe gate; a mixer without the
-attribute has Kimi's). A mixer with single-stage gates (Ling 3's full-rank `f_proj`, `g_proj`)
-names no second stages (`FUSED_GATES` empty) and its first-stage outputs are
-`[q | k | v | a | gate | b]`.
+(`lower_bound`: 0 for Kimi's softplus gate, negative for the safe gate). A mixer with
+single-stage gates (Ling 3's full-rank `f_proj`, `g_proj`) names no second stages
+(`FUSED_GATES` empty) and its first-stage outputs are `[q | k | v | a | gate | b]`.
 """
 
 from __future__ import annotations
@@ -177,7 +176,7 @@ def plan_kda(
     """A `KimiDeltaAttention`'s fused decode step, or None where the kernel does not apply.
 
     Args: as `plan_gdn` (the mixer's output norm the sigmoid-gated `kda.norm_gate`); the
-    step passes the mixer's `lower_bound` (its forget gate; 0, Kimi's, without one). The mixer's
+    step passes the mixer's `lower_bound` (its forget gate; 0 for Kimi's). The mixer's
     `FUSED_GATES` name the gates' second stages `(f_b, g_b)`, or are empty for single-stage
     gates (the first stage gives the forget gate's input and the output gate themselves).
     """
@@ -200,7 +199,7 @@ def plan_kda(
         dt_bias=_f32(mixer.dt_bias), gate_norm_w=_f32(gate.weight),
         out_proj_w=w[f"{mixer.OUT}_w"], out_proj_scale=w[f"{mixer.OUT}_scale"], **gates,
     )  # fmt: skip
-    kwargs = {"lower_bound": float(getattr(mixer, "lower_bound", 0.0))}
+    kwargs = {"lower_bound": float(mixer.lower_bound)}
     return _step(
         mixer, parts, fixed, inputs, (gate.variance_epsilon,), norm, residual_in_fp32, kwargs
     )

@@ -55,7 +55,6 @@ from torch import nn
 
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.clamped_swiglu import gated_mlp
-from vllm_mamba.layers.decoder_layer import DecoderLayer, MixerPart
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.ling_delta_attention import LingDeltaAttention
 from vllm_mamba.layers.mla_attention import MLAAttention
@@ -67,6 +66,7 @@ from vllm_mamba.models.kimi_linear import (
     KimiLinearForCausalLM,
     _mlp_layer_types,
     deepseek_moe,
+    pre_norm_layer,
 )
 from vllm_mamba.models.layer_types import layer_types
 from vllm_mamba.models.mtp import MTP_PREFIX, SupportsMTP
@@ -91,17 +91,21 @@ _MTP_PARTS = {
 }
 
 
-def _limits(config: Any, name: str) -> list[float]:
-    """The per-layer SwiGLU clip limits `name` (`expert_swiglu_limit_list` /
-    `share_expert_swiglu_limit_list`), zeros where the config names none.
+def _clip_limits(config: Any, index: int) -> tuple[float, float]:
+    """Layer `index`'s SwiGLU clips of the routed and the shared experts
+    (`expert_swiglu_limit_list`, `share_expert_swiglu_limit_list`; zero: none). A list the
+    config omits, and an MTP layer past the decoder's, clip nothing.
 
     Raises:
-        ValueError: the list does not name every layer (an MTP layer past them takes none).
+        ValueError: a list does not name every decoder layer.
     """
-    limits = list(getattr(config, name, None) or [0.0] * config.num_hidden_layers)
-    if len(limits) != config.num_hidden_layers:
-        raise ValueError(f"{name} must name {config.num_hidden_layers} layers, got {limits}")
-    return [float(x) for x in limits]
+    layers, limits = config.num_hidden_layers, []
+    for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
+        values = list(getattr(config, name, None) or [0.0] * layers)
+        if len(values) != layers:
+            raise ValueError(f"{name} must name {layers} layers, got {values}")
+        limits.append(float(values[index]) if index < layers else 0.0)
+    return limits[0], limits[1]
 
 
 def _kda(config: Any, ops: MambaOps, tp: TensorParallel) -> LingDeltaAttention:
@@ -127,26 +131,13 @@ def _mla(config: Any, ops: MambaOps, tp: TensorParallel) -> MLAAttention:
 def _layer(
     config: Any, index: int, kind: str, ffn: str, ops: MambaOps, tp: TensorParallel
 ) -> nn.Module:
-    """Norm, KDA or MLA, residual; norm, MoE or dense MLP, residual."""
-    hidden, eps = config.hidden_size, config.rms_norm_eps
-    if kind == "linear_attention":
-        mixer = MixerPart("self_attn", _kda(config, ops, tp))
-    else:
-        mixer = MixerPart("self_attn", _mla(config, ops, tp))
+    """KDA or MLA; clipped MoE or dense MLP (`kimi_linear.pre_norm_layer`)."""
+    mixer = _kda(config, ops, tp) if kind == "linear_attention" else _mla(config, ops, tp)
     if ffn == "sparse":
-        routed = _limits(config, "expert_swiglu_limit_list")
-        shared = _limits(config, "share_expert_swiglu_limit_list")
-        inside = index < len(routed)
-        limits = (routed[index], shared[index]) if inside else (0.0, 0.0)
-        mlp: nn.Module = deepseek_moe(config, ops, tp, limits)
+        mlp: nn.Module = deepseek_moe(config, ops, tp, _clip_limits(config, index))
     else:  # transformers builds the dense MLPs without a layer index: never clipped
-        mlp = gated_mlp(hidden, config.intermediate_size, False, ops, tp)
-    return DecoderLayer(
-        norm=("input_layernorm", RMSNorm(hidden, eps=eps)),
-        mixers=[mixer],
-        ffn_norm=("post_attention_layernorm", RMSNorm(hidden, eps=eps)),
-        ffns=[("mlp", mlp)],
-    )
+        mlp = gated_mlp(config.hidden_size, config.intermediate_size, False, ops, tp)
+    return pre_norm_layer(config, mixer, mlp)
 
 
 class BailingHybridForCausalLM(SupportsMTP, CausalLM):

@@ -103,23 +103,26 @@ def deepseek_moe(
     )  # fmt: skip
 
 
-def _layer(config: Any, kind: str, ffn: str, ops: MambaOps, tp: TensorParallel) -> nn.Module:
-    """Norm, KDA or MLA, residual; norm, MoE or dense MLP, residual."""
+def pre_norm_layer(config: Any, mixer: nn.Module, mlp: nn.Module) -> nn.Module:
+    """Norm, `mixer` (`self_attn`), residual; norm, `mlp`, residual (plain RMSNorms,
+    `input_layernorm` / `post_attention_layernorm`): Kimi Linear's and Ling 3's layer."""
     hidden, eps = config.hidden_size, config.rms_norm_eps
-    if kind == "linear_attention":
-        mixer = MixerPart("self_attn", _kda(config, ops, tp))
-    else:
-        mixer = MixerPart("self_attn", _mla(config, ops, tp))
-    if ffn == "sparse":
-        mlp: nn.Module = deepseek_moe(config, ops, tp)
-    else:
-        mlp = GatedMLP(hidden, config.intermediate_size, False, ops, tp)
     return DecoderLayer(
         norm=("input_layernorm", RMSNorm(hidden, eps=eps)),
-        mixers=[mixer],
+        mixers=[MixerPart("self_attn", mixer)],
         ffn_norm=("post_attention_layernorm", RMSNorm(hidden, eps=eps)),
         ffns=[("mlp", mlp)],
     )
+
+
+def _layer(config: Any, kind: str, ffn: str, ops: MambaOps, tp: TensorParallel) -> nn.Module:
+    """KDA or MLA; MoE or dense MLP (`pre_norm_layer`)."""
+    mixer = _kda(config, ops, tp) if kind == "linear_attention" else _mla(config, ops, tp)
+    if ffn == "sparse":
+        mlp: nn.Module = deepseek_moe(config, ops, tp)
+    else:
+        mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, ops, tp)
+    return pre_norm_layer(config, mixer, mlp)
 
 
 def _mlp_layer_types(config: Any) -> list[str]:
