@@ -79,6 +79,7 @@ def _states_by_length(
         ("qwen3_5-gqa", True),
         ("lfm2-gqa", True),
         ("kimi-linear-moe", True),
+        ("ling-moe", True),  # single-stage KDA gates, the safe gate, gated MLA
         ("jamba-gqa", True),
         ("zaya-gqa", True),
         ("xlstm-dk16", True),
