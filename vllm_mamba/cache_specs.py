@@ -15,6 +15,10 @@ A leaf module (torch dtypes only, no tensors): layers declare their specs, the s
   sliding window if it has one.
 - `MLASpec`: a Multi-head Latent Attention layer's blocks: one latent row per token (the
   normed compressed KV `c` and the shared rope key), one tensor per layer, no V tensor.
+- `IndexerSpec`: the keys of a sparse-attention indexer (GLM-5-Next's DSA), the third cache
+  kind: per token its indexer key and pooling gate, per complete pool of `kpool` tokens the
+  pooled key. They live beside the KV of the same MLA layer (`MLASpec.indexer`), in the same
+  blocks, so admission, preemption, forks and prefix caching move them with the latents.
 - `KVSpec`: either of the two, what the paged KV cache (`kv_cache`) allocates from.
 
 Specs are read off the built model (under tensor parallelism, each rank's shard), layer by
@@ -36,6 +40,7 @@ __all__ = [
     "StateSpec",
     "AttentionSpec",
     "MLASpec",
+    "IndexerSpec",
     "KVSpec",
     "LayerCacheSpec",
 ]
@@ -118,6 +123,22 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class IndexerSpec:
+    """A sparse-attention indexer's cache: per token a row `[key (D) | gate (D)]`, per complete
+    pool of `kpool` tokens its pooled key `(D)`, in `dtype`. A pool never straddles a block
+    (the block size is a multiple of `kpool`), so each block holds `block_size // kpool`
+    pooled keys."""
+
+    index_dim: int
+    kpool: int
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        """Indexer bytes of one token (its row and its share of a pooled key)."""
+        return self.index_dim * self.dtype.itemsize * (2 * self.kpool + 1) // self.kpool
+
+
+@dataclass(frozen=True)
 class MLASpec:
     """A Multi-head Latent Attention layer: blocks of one `latent_dim` row per token in `dtype`.
 
@@ -128,10 +149,12 @@ class MLASpec:
 
     latent_dim: int
     dtype: torch.dtype
+    indexer: IndexerSpec | None = None  # the indexer keys beside the latents (DSA layers)
 
     def bytes_per_token(self) -> int:
-        """Latent bytes of one token in this layer."""
-        return self.latent_dim * self.dtype.itemsize
+        """Latent (and indexer) bytes of one token in this layer."""
+        extra = self.indexer.bytes_per_token() if self.indexer is not None else 0
+        return self.latent_dim * self.dtype.itemsize + extra
 
 
 KVSpec = AttentionSpec | MLASpec  # a layer's blocks in the paged KV cache

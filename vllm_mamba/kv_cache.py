@@ -7,7 +7,9 @@ share one pool of `num_blocks` blocks of `block_size` tokens: block `b` holds to
 attention layer has its own tensors over the pool: K and V `(num_blocks, block_size,
 num_kv_heads, head_dim)` for an `AttentionSpec` (the layout of `vllm_mamba.ops.paged_attention`),
 one latent tensor `(num_blocks, block_size, latent_dim)` for an `MLASpec` (the layout of
-`vllm_mamba.ops.mla_attention`). The slot of a token is `block_id * block_size + offset` in
+`vllm_mamba.ops.mla_attention`), and with its `IndexerSpec` the indexer's rows `(num_blocks,
+block_size, 2 D)` and pooled keys `(num_blocks, block_size // kpool, D)` (so the block size
+must be a multiple of `kpool`). The slot of a token is `block_id * block_size + offset` in
 either; a block copy (fork, prefix caching) copies every tensor of every layer.
 
 Sliding-window layers (`AttentionSpec.sliding_window`) need only the blocks their window still
@@ -248,6 +250,13 @@ class KVCache:
         self.sizing = sizing
         self.block_size = sizing.block_size
         self.num_blocks = sizing.num_blocks
+        for spec in specs:
+            indexer = spec.indexer if isinstance(spec, MLASpec) else None
+            if indexer is not None and sizing.block_size % indexer.kpool:
+                raise ValueError(
+                    f"block_size {sizing.block_size} must be a multiple of the sparse-attention "
+                    f"indexer's pool of {indexer.kpool} tokens (index_kpool)"
+                )
         # Per tensor set (a layer, or the j-th layer of every KV group): (K, V) for an
         # AttentionSpec, (latent,) for an MLASpec. Zeroed so that no kernel ever reads
         # uninitialised memory (NaN) in a masked lane; on the CPU the zero pages are mapped
@@ -257,7 +266,13 @@ class KVCache:
     def _allocate(self, spec: KVSpec, device: torch.device) -> tuple[torch.Tensor, ...]:
         shape = (self.sizing.num_blocks, self.sizing.block_size)
         if isinstance(spec, MLASpec):
-            return (huge_page_zeros((*shape, spec.latent_dim), spec.dtype, device),)
+            latent = huge_page_zeros((*shape, spec.latent_dim), spec.dtype, device)
+            index = spec.indexer
+            if index is None:
+                return (latent,)
+            rows = huge_page_zeros((*shape, 2 * index.index_dim), index.dtype, device)
+            pools = (shape[0], shape[1] // index.kpool, index.index_dim)
+            return latent, rows, huge_page_zeros(pools, index.dtype, device)
         assert isinstance(spec, AttentionSpec), spec
         k = huge_page_zeros((*shape, spec.num_kv_heads, spec.head_dim), spec.dtype, device)
         return k, huge_page_zeros(k.shape, k.dtype, device)
@@ -271,7 +286,9 @@ class KVCache:
         tensors = self.layer_tensors[self.groups.layer_tensor[index]]
         spec = self.specs[index]
         if isinstance(spec, MLASpec):
-            return LatentKV(latent=tensors[0])
+            if spec.indexer is None:
+                return LatentKV(latent=tensors[0])
+            return LatentKV(latent=tensors[0], index_rows=tensors[1], pooled=tensors[2])
         assert isinstance(spec, AttentionSpec), spec
         heads = (spec.num_kv_heads, spec.head_dim)
         k, v = (

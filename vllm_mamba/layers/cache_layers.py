@@ -43,9 +43,13 @@ class LayerKV:
 
 @dataclass
 class LatentKV:
-    """One MLA layer's view of the pool: `latent (num_blocks, block_size, latent_dim)`."""
+    """One MLA layer's view of the pool: `latent (num_blocks, block_size, latent_dim)`; with an
+    indexer (`IndexerSpec`) its rows `index_rows (num_blocks, block_size, 2 D)` and pooled keys
+    `pooled (num_blocks, block_size // kpool, D)`."""
 
     latent: torch.Tensor
+    index_rows: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
 
 
 LayerKVView = LayerKV | LatentKV  # what `KVCache.layer` hands a layer, by its spec's kind

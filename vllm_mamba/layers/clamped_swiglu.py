@@ -1,7 +1,9 @@
 """`ClampedGatedMLP`: a SwiGLU whose factors are clipped after the activation (Ling 3's routed
-and shared experts, transformers' `Step3p7` experts with `limit_after_act`).
+and shared experts, transformers' `Step3p7` experts with `limit_after_act`) or before it
+(`before_act`: GLM-5-Next's MLPs and experts).
 
     y = down(min(act(g), limit) * clamp(u, -limit, limit))      g, u = gate_proj(x), up_proj(x)
+    y = down(act(min(g, limit)) * clamp(u, -limit, limit))      (before_act)
 
 in the model dtype, as transformers. A layer whose limit is zero is not clipped and is built as
 a plain `GatedMLP` (so it keeps the fused decode and the stacked experts); this class is only
@@ -25,8 +27,9 @@ from vllm_mamba.layers.rowwise import rowwise
 class ClampedGatedMLP(GatedMLP):
     """`down(min(act(g), limit) * clamp(u, -limit, limit))` (see the module docstring)."""
 
-    def __init__(self, *args: Any, limit: float, **kwargs: Any) -> None:
-        """Args: `GatedMLP`'s; `limit` the clip (positive).
+    def __init__(self, *args: Any, limit: float, before_act: bool = False, **kwargs: Any) -> None:
+        """Args: `GatedMLP`'s; `limit` the clip (positive); `before_act` clips the gate before
+        the activation instead of after it.
 
         Raises:
             ValueError: `limit` is not positive.
@@ -35,17 +38,24 @@ class ClampedGatedMLP(GatedMLP):
             raise ValueError(f"a SwiGLU clip limit must be positive, got {limit}")
         super().__init__(*args, **kwargs)
         self.limit = float(limit)
+        self.before_act = before_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x (T, H)` -> `(T, H)`."""
         limit = self.limit
-        gate = rowwise(lambda g: self.act(g).clamp(max=limit), self.gate_proj(x))
+        if self.before_act:
+            gate = rowwise(lambda g: self.act(g.clamp(max=limit)), self.gate_proj(x))
+        else:
+            gate = rowwise(lambda g: self.act(g).clamp(max=limit), self.gate_proj(x))
         return self.down_proj(gate * self.up_proj(x).clamp(min=-limit, max=limit))
 
 
-def gated_mlp(*args: Any, limit: float | None = None, **kwargs: Any) -> GatedMLP:
+def gated_mlp(
+    *args: Any, limit: float | None = None, before_act: bool = False, **kwargs: Any
+) -> GatedMLP:
     """A `GatedMLP`, or a `ClampedGatedMLP` where `limit` is set and not zero (a zero limit
-    disables the clip, as in the checkpoints' per-layer lists)."""
+    disables the clip, as in the checkpoints' per-layer lists), clipping the gate `before_act`
+    or after."""
     if limit:
-        return ClampedGatedMLP(*args, limit=limit, **kwargs)
+        return ClampedGatedMLP(*args, limit=limit, before_act=before_act, **kwargs)
     return GatedMLP(*args, **kwargs)

@@ -44,7 +44,13 @@ multipliers are in the kernel). Its step takes decode-only steps of up to 8 rows
 with a `NormedResidual` is planned as its mixer alone (the mixer stage) or not at all (the
 feed-forward stage).
 
-Glossary: T tokens in the step, H hidden size.
+A layer with several residual streams (GLM-5-Next's mHC) carries `h (T, N, H)` and takes
+one `HyperConnection` per stage (`hyper`, under the checkpoint's names `attn_hc` / `ffn_hc`):
+each stage collapses the streams to its input, `x = hc.collapse(h)`, and mixes its output back,
+`h = hc.expand(f(norm(x)), h)` (`layers.hyper_connection`); such a layer runs its mixer's fused
+step alone (scope `MIXER`), never the block, layer or feed-forward plans.
+
+Glossary: T tokens in the step, H hidden size, N residual streams.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from torch import nn
 
 from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.decode_plan import DecodePlan, DecodeScope, PlannedLayer
+from vllm_mamba.layers.hyper_connection import HyperConnection
 from vllm_mamba.layers.mlp import plan_mlp
 from vllm_mamba.layers.moe import SparseMoE, plan_moe
 
@@ -97,6 +104,7 @@ class DecoderLayer(PlannedLayer):
         ffn_post_norm: Named | None = None,
         pre_norm: Named | None = None,
         normed_residuals: tuple[NormedResidual | None, NormedResidual | None] = (None, None),
+        hyper: tuple[Named, Named] | None = None,
     ) -> None:
         super().__init__()
         for parts, norms in ((mixers, (norm, post_norm)), (ffns, (ffn_norm, ffn_post_norm))):
@@ -123,9 +131,23 @@ class DecoderLayer(PlannedLayer):
         self.residual_in_fp32 = residual_in_fp32
         assert not residual_in_fp32 or normed_residuals[0] is None, "one residual rule"
         self._mixer_residual, self._ffn_residual = normed_residuals
+        self._hyper_names: tuple[str, str] | None = None
+        if hyper is not None:
+            assert not residual_in_fp32 and normed_residuals == (None, None), "one residual rule"
+            assert pre_norm is None and residual_multiplier == 1.0, "mHC streams: plain stages"
+            for named in hyper:
+                assert isinstance(named[1], HyperConnection), named
+                self.add_module(*named)
+            self._hyper_names = (hyper[0][0], hyper[1][0])
+
+    def _hyper(self, stage: int) -> HyperConnection | None:
+        """The mHC weights of stage `stage` (0 the mixer's, 1 the feed-forward's), if any."""
+        return None if self._hyper_names is None else getattr(self, self._hyper_names[stage])
 
     def _whole_layer_fusable(self) -> bool:
         """Whether the layer's shape lets its one mixer run the whole layer's decode steps."""
+        if self._hyper_names is not None:
+            return False
         if len(self._mixers) != 1 or len(self._ffn_names) != 1 or self.residual_multiplier != 1:
             return False
         if self._post_norm_name or self._ffn_post_norm_name or self.residual_in_fp32:
@@ -137,6 +159,8 @@ class DecoderLayer(PlannedLayer):
 
     def _block_fusable(self) -> bool:
         """Whether the layer's shape lets its one mixer run the mixer stage with its norm."""
+        if self._hyper_names is not None:
+            return False
         if len(self._mixers) != 1 or self.residual_multiplier != 1.0 or self._pre_norm_name:
             return False
         if self._norm_name is None or self._post_norm_name is not None:
@@ -173,6 +197,8 @@ class DecoderLayer(PlannedLayer):
         (see the module docstring), from the weights now; None: unfused."""
         if not self._ffn_names or self._ffn_with_state or self._ffn_norm_name is None:
             return None
+        if self._hyper_names is not None:
+            return None
         if self._ffn_post_norm_name is not None or self.residual_in_fp32 or self._ffn_residual:
             return None
         norm = getattr(self, self._ffn_norm_name)
@@ -198,7 +224,7 @@ class DecoderLayer(PlannedLayer):
         return next(getattr(self, n) for n in self._ffn_names if n in self._ffn_with_state)
 
     def forward(self, hidden: torch.Tensor, meta: object) -> torch.Tensor:
-        """`hidden (T, H)` -> `(T, H)`."""
+        """`hidden (T, H)` -> `(T, H)` (with mHC streams `(T, N, H)` -> `(T, N, H)`)."""
         plan = self.decode_plan
         if plan is not None and not plan.step.takes(hidden, meta):
             plan = None  # not a step the fused kernel takes: the parts, unfused
@@ -211,6 +237,10 @@ class DecoderLayer(PlannedLayer):
         if ffn_plan is not None and ffn_plan.step.takes(hidden, meta):
             return ffn_plan.step(hidden, meta)
         if self._ffn_names:
+            hc = self._hyper(1)
+            streams = hidden
+            if hc is not None:
+                hidden, post, comb = hc.collapse(streams)  # (T, H) the stage's input
             x = self._normed(self._ffn_norm_name, hidden)
             ff = None
             for name in self._ffn_names:
@@ -218,6 +248,8 @@ class DecoderLayer(PlannedLayer):
                 y = part(x, meta) if name in self._ffn_with_state else part(x)
                 ff = y if ff is None else ff + y
             ff = self._scaled(self._normed(self._ffn_post_norm_name, ff))
+            if hc is not None:
+                return hc.expand(ff, post, comb, streams)  # (T, N, H)
             hidden = _added(self._ffn_residual, hidden, x, ff)
         return hidden
 
@@ -227,6 +259,9 @@ class DecoderLayer(PlannedLayer):
         if fused is not None and fused.scope is DecodeScope.BLOCK:
             return fused.step(hidden, meta)
         fused_part = fused.part if fused is not None else None
+        hc, streams = self._hyper(0), hidden
+        if hc is not None:
+            hidden, post, comb = hc.collapse(streams)  # (T, H) the stage's input
         if self.residual_in_fp32:
             norm = getattr(self, self._norm_name)
             residual, x = hidden.float(), norm(hidden.to(norm.weight.dtype))
@@ -239,6 +274,8 @@ class DecoderLayer(PlannedLayer):
             y = y if out_scale == 1.0 else y * out_scale
             mixed = y if mixed is None else mixed + y
         mixed = self._scaled(self._normed(self._post_norm_name, mixed))
+        if hc is not None:
+            return hc.expand(mixed, post, comb, streams)  # (T, N, H)
         return _added(self._mixer_residual, residual, x, mixed)
 
     def _normed(self, name: str | None, x: torch.Tensor) -> torch.Tensor:

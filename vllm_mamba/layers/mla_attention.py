@@ -174,15 +174,36 @@ class MLAAttention(KVCacheLayer):
 
     def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`."""
+        q_nope, q_rot, _ = self._queries(hidden, meta)
+        nd, parts = meta.num_decodes, []
+        if nd:
+            parts.append(
+                self._absorbed(
+                    q_nope[:nd], q_rot[:nd], self.mla.decode_attention,
+                    block_tables=meta.decode_block_tables, seq_lens=meta.decode_seq_lens,
+                )
+            )  # fmt: skip
+        if meta.num_prefills:
+            parts.append(self._prefill(q_nope[nd:], q_rot[nd:], meta))
+        return self._output(parts, hidden)
+
+    def _queries(
+        self, hidden: torch.Tensor, meta: PagedMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Writes the step's latents into the cache; returns the queries `q_nope (T, Hq, Dn)`,
+        `q_rot (T, Hq, Dr)` (rotated) and the normed low-rank query `(T, q_lora_rank)` (None
+        without one)."""
         assert isinstance(self.kv, LatentKV), "the latent cache is not bound to this layer"
         if self.w_kv is None:
             self.process_weights_after_loading()
         num_tokens, heads = hidden.shape[0], self.num_heads
         dn, dr, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        q_resid = None
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         q = q.view(num_tokens, heads, dn + dr)
         ckv = self.kv_a_proj_with_mqa(hidden)  # (T, R + Dr)
         c, k_rot = ckv.split([rank, dr], dim=-1)
@@ -195,16 +216,12 @@ class MLAAttention(KVCacheLayer):
             q_rot = q_rot.view(num_tokens, heads, dr)
         latent = torch.cat([c, k_rot.to(c.dtype)], dim=-1)  # (T, L)
         self.mla.cache_write(latent=latent, cache=self.kv.latent, slot_mapping=meta.slot_mapping)
-        nd, parts = meta.num_decodes, []
-        if nd:
-            parts.append(
-                self._absorbed(
-                    q_nope[:nd], q_rot[:nd], self.mla.decode_attention,
-                    block_tables=meta.decode_block_tables, seq_lens=meta.decode_seq_lens,
-                )
-            )  # fmt: skip
-        if meta.num_prefills:
-            parts.append(self._prefill(q_nope[nd:], q_rot[nd:], meta))
+        return q_nope, q_rot, q_resid
+
+    def _output(self, parts: list[torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        """The attention outputs of the decode rows and the prefill chunks `(.., Hq, Dv)`
+        float32, in step order -> the layer's output `(T, H)` (head gates, `o_proj`)."""
+        num_tokens, heads = hidden.shape[0], self.num_heads
         if not parts:
             return self.o_proj(hidden.new_zeros(num_tokens, heads * self.v_head_dim))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, Hq, Dv) float32
@@ -215,17 +232,18 @@ class MLAAttention(KVCacheLayer):
 
     def _absorbed(
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, kernel: Callable[..., torch.Tensor],
-        **rows: torch.Tensor,
+        cache: torch.Tensor | None = None, **rows: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """Absorbed attention of `q_nope (N, Hq, Dn)`, `q_rot (N, Hq, Dr)` through `kernel`
-        (the family's decode or prefill op, with its row tensors `rows`) -> `(N, Hq, Dv)`
-        float32."""
+        (the family's decode or prefill op, with its row tensors `rows`) over `cache` (the
+        layer's latents unless given) -> `(N, Hq, Dv)` float32."""
         assert isinstance(self.kv, LatentKV)
         w_uk, w_uv = self._w_uk_uv()
         q_lat = _per_row(q_nope.float(), w_uk)  # (N, Hq, R)
         query = torch.cat([q_lat, q_rot.float()], dim=-1)  # (N, Hq, L)
+        cache = self.kv.latent if cache is None else cache
         out_lat = kernel(
-            query=query, cache=self.kv.latent, scale=self.scale, v_dim=self.kv_lora_rank, **rows
+            query=query, cache=cache, scale=self.scale, v_dim=self.kv_lora_rank, **rows
         )  # (N, Hq, R)
         out = _per_row_t(out_lat, w_uv)  # (N, Hq, Dv)
         if self.b_kv is not None:
@@ -263,10 +281,12 @@ class MLAAttention(KVCacheLayer):
         return out
 
     def _expanded(
-        self, q_nope: torch.Tensor, q_rot: torch.Tensor, table: torch.Tensor, length: int
-    ) -> torch.Tensor:
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, table: torch.Tensor, length: int,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """One sequence's chunk `q_nope (Q, Hq, Dn)`, `q_rot (Q, Hq, Dr)` over its `length`
-        cached latents expanded to per-head keys and values -> `(Q, Hq, Dv)` float32."""
+        cached latents expanded to per-head keys and values -> `(Q, Hq, Dv)` float32; `allowed
+        (Q, length)` the keys each query sees (default: causal)."""
         assert isinstance(self.kv, LatentKV) and self.w_kv is not None
         cache, heads = self.kv.latent, self.num_heads
         dn, rank = self.qk_nope_head_dim, self.kv_lora_rank
@@ -278,7 +298,8 @@ class MLAAttention(KVCacheLayer):
         keys = torch.cat([kv[..., :dn], k_rot], dim=-1)  # (S, Hq, Dn + Dr)
         values = kv[..., dn:]  # (S, Hq, Dv)
         query = torch.cat([q_nope, q_rot], dim=-1).float()  # (Q, Hq, Dn + Dr)
-        allowed = pos[None, :] <= pos[length - num_q :, None]  # (Q, S) causal
+        if allowed is None:
+            allowed = pos[None, :] <= pos[length - num_q :, None]  # (Q, S) causal
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
             attn_mask=allowed, scale=self.scale,

@@ -27,6 +27,10 @@ the checkpoint lacks their tensors: the MTP head of `models.mtp.SupportsMTP`). W
 model has attention (hence a KV cache and the paged backend) is read off its built layers.
 Checkpoint formats other than Hugging Face's are declared in `models.formats`, not here.
 
+A model with several residual streams (mHC, `streams = N > 1`) runs its layers on
+`hidden (T, N, H)`: the embeddings copied into every stream before the first layer, the
+streams merged by `merge_streams` (their mean, GLM-5-Next's head) before the final norm.
+
 A layer is called `layer(hidden, meta)`; one that also reads the step's embeddings (Zamba2's
 hybrid layers) declares it by being a `ReadsEmbeddings` and is called `layer(hidden, meta,
 embeds)`, decided once when the model is built.
@@ -112,10 +116,12 @@ class CausalLM(nn.Module):
         norm_eps: float,
         embedding_multiplier: float = 1.0,
         final_norm_cls: type[nn.Module] = RMSNorm,
+        streams: int = 1,
     ) -> None:
         """Args: `layers` the decoder layers; `norm_eps` the final norm's epsilon;
-        `final_norm_cls` its class (`(hidden_size, eps=...)`); the embedding is
-        vocabulary-parallel under tensor parallelism."""
+        `final_norm_cls` its class (`(hidden_size, eps=...)`); `streams` the residual streams
+        between the layers (see the module docstring); the embedding is vocabulary-parallel
+        under tensor parallelism."""
         super().__init__()
         self.config = config
         self._stack_name = names.prefix
@@ -127,6 +133,7 @@ class CausalLM(nn.Module):
             i for i, layer in enumerate(layers) if isinstance(layer, ReadsEmbeddings)
         )
         self.embedding_multiplier = float(embedding_multiplier)
+        self.streams = int(streams)
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, ops, tp)
         self.tie_weights()
 
@@ -196,9 +203,17 @@ class CausalLM(nn.Module):
             rows, values = mm_embeds
             embeds = embeds.index_copy(0, rows, values.to(embeds.dtype))  # (T, H)
         hidden = embeds
+        if self.streams > 1:
+            hidden = embeds.unsqueeze(1).expand(-1, self.streams, -1).contiguous()  # (T, N, H)
         for i, layer in enumerate(self.stack.layers):
             hidden = layer(hidden, meta, embeds) if i in self._reads_embeds else layer(hidden, meta)
+        if self.streams > 1:
+            hidden = self.merge_streams(hidden)  # (T, H)
         return self.stack.last_norm(hidden)
+
+    def merge_streams(self, streams: torch.Tensor) -> torch.Tensor:
+        """The residual streams `(T, N, H)` -> `(T, H)` before the final norm: their mean."""
+        return streams.mean(dim=1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden (R, H)` of the sampled positions -> float32 logits `(R, V)`."""

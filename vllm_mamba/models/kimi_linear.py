@@ -78,10 +78,12 @@ def _mla(config: Any, ops: MambaOps, tp: TensorParallel) -> MLAAttention:
 
 
 def deepseek_moe(
-    config: Any, ops: MambaOps, tp: TensorParallel, limits: tuple[float, float] = (0.0, 0.0)
-) -> SparseMoE:
+    config: Any, ops: MambaOps, tp: TensorParallel, limits: tuple[float, float] = (0.0, 0.0),
+    before_act: bool = False,
+) -> SparseMoE:  # fmt: skip
     """DeepSeek-V3's routed experts plus the shared ones; `limits` the routed and the shared
-    experts' SwiGLU clips (Ling 3's; zero: none, `layers.clamped_swiglu`)."""
+    experts' SwiGLU clips (Ling 3's after the activation, GLM-5-Next's `before_act`; zero:
+    none, `layers.clamped_swiglu`)."""
     hidden, num_experts = config.hidden_size, config.num_local_experts
     route = RouterConfig(
         "sigmoid_grouped", num_experts, config.num_experts_per_tok,
@@ -91,12 +93,17 @@ def deepseek_moe(
     )  # fmt: skip
     size = config.moe_intermediate_size
     experts = ExpertList(
-        gated_mlp(hidden, size, False, ops, tp, reduce=False, limit=limits[0])
+        gated_mlp(
+            hidden, size, False, ops, tp, reduce=False, limit=limits[0], before_act=before_act
+        )
         for _ in range(num_experts)
     )
     shared = None
     if config.n_shared_experts:
-        shared = gated_mlp(hidden, size * config.n_shared_experts, False, ops, tp, limit=limits[1])
+        shared = gated_mlp(
+            hidden, size * config.n_shared_experts, False, ops, tp, limit=limits[1],
+            before_act=before_act,
+        )  # fmt: skip
     return SparseMoE(
         ExpertRouter(hidden, route, ops), experts, tp, shared=shared,
         names=("gate", "experts", "shared_experts"),

@@ -35,6 +35,9 @@ _BUILTIN_MODELS: dict[str, str] = {
     "OlmoHybridForCausalLM": "vllm_mamba.models.olmo_hybrid:OlmoHybridForCausalLM",
     "KimiLinearForCausalLM": "vllm_mamba.models.kimi_linear:KimiLinearForCausalLM",
     "BailingHybridForCausalLM": "vllm_mamba.models.bailing_hybrid:BailingHybridForCausalLM",
+    "Glm5NextForConditionalGeneration": (
+        "vllm_mamba.models.glm5_next:Glm5NextForConditionalGeneration"
+    ),
     "LaraMiniForCausalLM": "vllm_mamba.models.lara_mini:LaraMiniForCausalLM",
     "Lfm2ForCausalLM": "vllm_mamba.models.lfm2:Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM": "vllm_mamba.models.lfm2:Lfm2MoeForCausalLM",

@@ -1,0 +1,181 @@
+"""`IndexedMLAAttention`: MLA whose queries attend only to the tokens a sparse-attention indexer
+selects (GLM-5-Next's DSA layers).
+
+A "full" layer owns a `PoolIndexer` (`indexer.*`, `layers.pool_indexer`): it writes the
+indexer's keys beside its latents (`MLASpec.indexer`) and selects `(T, W)` token positions per
+query; a "shared" layer has no indexer and reuses the selection of the full layer before it in
+the same step (`share_from`, GLM's cross-layer top-k sharing). The attention over the selected
+tokens is MLA's with the causal mask replaced by the selection:
+
+- decode rows: the selected latents are gathered (ascending positions) into a small cache of
+  one block per row and the family's absorbed decode kernel runs on it, so a decode step reads
+  `W` latents whatever the context (`_sparse`);
+- prefill chunks: expanded attention with the selection as mask (transformers' form), or for
+  a sequence too long to expand (`expand_max_bytes`) the gathered form per query, in batches
+  of `SPARSE_BATCH` queries.
+
+Everything else (projections, latents, tensor parallelism) is `MLAAttention`'s.
+
+Glossary: T tokens, Q a chunk's queries, W the selection width, L the latent dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_mamba.attention.backends.paged import PagedMetadata
+from vllm_mamba.cache_specs import IndexerSpec, KVSpec, MLASpec
+from vllm_mamba.layers.cache_layers import LatentKV
+from vllm_mamba.layers.mla_attention import MLAAttention
+from vllm_mamba.layers.pool_indexer import PoolIndexer
+
+SPARSE_BATCH = 64  # queries per gathered batch of a long prefill
+
+
+class IndexedMLAAttention(MLAAttention):
+    """MLA over the tokens an indexer selects (see the module docstring)."""
+
+    def __init__(self, *args: object, indexer: PoolIndexer | None, **kwargs: object) -> None:
+        """Args: `MLAAttention`'s; `indexer` this layer's indexer, or None for a shared layer
+        (then `share_from` must name its source before the first step)."""
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.indexer = indexer
+        self._source: list[IndexedMLAAttention] = []  # a shared layer's (not a submodule)
+        self.selection: torch.Tensor | None = None  # (T, W) of the current step
+
+    def share_from(self, source: IndexedMLAAttention) -> None:
+        """Makes this (shared) layer reuse `source`'s selection.
+
+        Raises:
+            ValueError: this layer has its own indexer, or `source` has none.
+        """
+        if self.indexer is not None or source.indexer is None:
+            raise ValueError("a shared DSA layer reuses the selection of a full indexer layer")
+        self._source = [source]
+
+    def kv_spec(self, dtype: torch.dtype) -> KVSpec:
+        """The latent row per token and, for a full layer, the indexer's keys beside it."""
+        if self.indexer is None:
+            return MLASpec(self.latent_dim, dtype)
+        index = IndexerSpec(self.indexer.head_dim, self.indexer.kpool, dtype)
+        return MLASpec(self.latent_dim, dtype, indexer=index)
+
+    def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
+        """`hidden (T, H)` -> `(T, H)`."""
+        q_nope, q_rot, q_resid = self._queries(hidden, meta)
+        selection = self._select(hidden, q_resid, meta)  # (T, W)
+        self.selection = selection
+        nd, parts = meta.num_decodes, []
+        if nd:
+            live = meta.decode_seq_lens > 0  # padding rows read nothing
+            parts.append(
+                self._sparse(
+                    q_nope[:nd], q_rot[:nd], selection[:nd], meta.decode_block_tables, live
+                )
+            )
+        if meta.num_prefills:
+            parts.append(self._prefill_sparse(q_nope[nd:], q_rot[nd:], selection[nd:], meta))
+        return self._output(parts, hidden)
+
+    def _select(
+        self, hidden: torch.Tensor, q_resid: torch.Tensor | None, meta: PagedMetadata
+    ) -> torch.Tensor:
+        """Writes the indexer's keys and selects `(T, W)` positions per token (a shared layer:
+        its source's selection of this step)."""
+        if self.indexer is None:
+            assert self._source, "a shared DSA layer needs its source (share_from)"
+            selection = self._source[0].selection
+            assert selection is not None and selection.shape[0] == hidden.shape[0]
+            return selection
+        assert isinstance(self.kv, LatentKV) and self.kv.index_rows is not None
+        assert q_resid is not None, "DSA needs the low-rank query (q_lora_rank)"
+        index, pooled = self.indexer, self.kv.pooled
+        index.write(hidden, self.kv.index_rows, pooled, meta.slot_mapping, meta.positions)
+        nd, parts = meta.num_decodes, []
+        if nd:
+            parts.append(
+                index.select(
+                    hidden[:nd], q_resid[:nd], pooled, meta.decode_block_tables,
+                    meta.positions[:nd],
+                )
+            )  # fmt: skip
+        starts = meta.prefill_query_start_loc.tolist()
+        for p in range(meta.num_prefills):
+            begin, end = nd + starts[p], nd + starts[p + 1]
+            if end > begin:
+                table = meta.prefill_block_tables[p : p + 1]  # (1, max_blocks): all its queries
+                parts.append(
+                    index.select(
+                        hidden[begin:end], q_resid[begin:end], pooled, table,
+                        meta.positions[begin:end],
+                    )
+                )  # fmt: skip
+        if not parts:
+            return torch.full((hidden.shape[0], index.width), -1, device=hidden.device)
+        selection = torch.cat(parts)
+        if selection.shape[0] < hidden.shape[0]:  # padding tokens past the chunks select none
+            pad = selection.new_full((hidden.shape[0] - selection.shape[0], index.width), -1)
+            selection = torch.cat([selection, pad])
+        return selection
+
+    def _sparse(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, selection: torch.Tensor,
+        tables: torch.Tensor, live: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Absorbed attention of `N` queries over their selected latents, gathered into a
+        cache of one block per query -> `(N, Hq, Dv)` float32.
+
+        Args:
+            q_nope, q_rot: `(N, Hq, Dn)`, `(N, Hq, Dr)`.
+            selection: `(N, W)` positions, `-1` padded.
+            tables: `(N or 1, max_blocks)` the queries' block tables.
+            live: `(N,)` rows that attend (padding rows do not); default all.
+        """
+        assert isinstance(self.kv, LatentKV)
+        latent = self.kv.latent
+        block_size, num = latent.shape[1], selection.shape[0]
+        valid = selection >= 0
+        far = torch.iinfo(torch.int64).max
+        ordered = torch.where(valid, selection, far).sort(dim=1).values  # valid first
+        counts = valid.sum(dim=1)
+        if live is not None:
+            counts = counts * live
+        pos = torch.where(ordered == far, 0, ordered)
+        blocks = tables.long().expand(num, -1).gather(1, pos // block_size)
+        rows = latent.view(-1, latent.shape[-1])[blocks * block_size + pos % block_size]
+        own = torch.arange(num, dtype=torch.int32, device=latent.device).view(num, 1)
+        return self._absorbed(
+            q_nope, q_rot, self.mla.decode_attention, cache=rows,
+            block_tables=own, seq_lens=counts.to(torch.int32),
+        )  # fmt: skip
+
+    def _prefill_sparse(
+        self, q_nope: torch.Tensor, q_rot: torch.Tensor, selection: torch.Tensor,
+        meta: PagedMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        """The prefill chunks' attention over their selections -> `(Tp, Hq, Dv)` float32."""
+        heads, dn, dv = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
+        out = torch.zeros(q_nope.shape[0], heads, dv, device=q_nope.device)
+        starts = meta.prefill_query_start_loc.tolist()
+        per_token = heads * (dn + self.qk_rope_head_dim + dv) * 4  # expanded K and V bytes
+        for p, length in enumerate(meta.prefill_seq_lens.tolist()):
+            begin, end = starts[p], starts[p + 1]
+            if end == begin:
+                continue
+            table, chosen = meta.prefill_block_tables[p], selection[begin:end]
+            if length * per_token <= self.expand_max_bytes:
+                allowed = torch.zeros(end - begin, length + 1, dtype=torch.bool, device=out.device)
+                allowed.scatter_(1, torch.where(chosen >= 0, chosen, length), True)
+                out[begin:end] = self._expanded(
+                    q_nope[begin:end], q_rot[begin:end], table, length, allowed[:, :length]
+                )
+                continue
+            for first in range(begin, end, SPARSE_BATCH):
+                last = min(first + SPARSE_BATCH, end)
+                out[first:last] = self._sparse(
+                    q_nope[first:last], q_rot[first:last], selection[first:last], table[None]
+                )
+        return out
+
+
+__all__ = ["IndexedMLAAttention", "SPARSE_BATCH"]
