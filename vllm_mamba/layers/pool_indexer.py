@@ -5,7 +5,7 @@ Per token, with transformers' names (`indexer.*` under the attention layer):
 
     key  = k_norm(wk(x))                         (D)   LayerNorm with bias, eps 1e-6
     gate = x @ index_kpool_compress_gate^T       (D)
-    q    = wq_b(q_resid)                         (Hi, D)  q_resid: the MLA's q_a_layernorm(q_a_proj(x))
+    q    = wq_b(q_resid)                         (Hi, D)  q_resid = q_a_layernorm(q_a_proj(x))
     w    = weights_proj(x) * Hi^-1/2             (Hi,)
 
 Tokens are grouped in pools of `kpool` from position 0. A complete pool `j` (tokens
