@@ -443,6 +443,20 @@ FAMILIES: tuple[Family, ...] = (
         weight_std=0.15,
     ),
     Family(
+        "glm5_next",
+        "Glm5NextForConditionalGeneration",
+        cfg.GLM5_NEXT,
+        mixer="kda",
+        hybrid=True,
+        main="glm5-next-moe",
+        second="glm5-next-dense",
+        tp=("glm5-next-moe",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=("hc_mult", "index_kpool", "linear_lower_bound", "mlp_layer_types", "swiglu_limit"),
+        # As Kimi Linear's (the same delta rule).
+        weight_std=0.15,
+    ),
+    Family(
         "lara_mini",
         "LaraMiniForCausalLM",
         cfg.LARA_MINI,

@@ -789,6 +789,109 @@ LING["ling-clipped"] = dict(
     share_expert_swiglu_limit_list=[0, 0, 0.08, 0],
 )
 
+# GLM-5-Next: KDA and DSA layers (NoPE MLA over the tokens a k-pool indexer selects) inside mHC
+# residual streams, SwiGLUs clipped before the activation. The indexer budgets are small, so the
+# longer prompts drop pools; 16 indexer heads keep its scores off exact ties (a query whose heads
+# all score negative scores 0 for every pool, and the top-k of tied pools is arbitrary).
+_COMMON_GLM = dict(
+    vocab_size=50280,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    index_head_dim=8,
+    index_n_heads=16,
+    qk_rope_head_dim=0,
+    tie_word_embeddings=False,
+    # A tiny vision tower: the image-text checkpoint's, skipped by the engine (served text-only).
+    vision_config=dict(
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=32,
+        out_hidden_size=64,
+        projection_intermediate_size=32,
+    ),
+)
+GLM5_NEXT: dict[str, dict] = {
+    # 4 layers (KDA, DSA full, DSA shared, KDA), 3 streams (20 Sinkhorn iterations); KDA 4 heads
+    # of 16 (conv 4) with the safe gate at -5; MLA 4 heads (q rank 24, latent 32, nope 16, v 16);
+    # the indexer keeps 2 pools of 4 tokens and the tail; the first layer dense (96), the others
+    # MoEs of 8 experts of 32 in 2 groups (1 kept), top-2 renormalised, scaled by 2.5, one shared;
+    # SwiGLU clip 1.0.
+    "glm5-next-moe": dict(
+        _COMMON_GLM,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        layer_types=[
+            "linear_attention",
+            "indexed_attention",
+            "indexed_attention",
+            "linear_attention",
+        ],
+        indexer_types=["full", "full", "shared", "full"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        hc_mult=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_topk=8,
+        index_kpool=4,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+        linear_lower_bound=-5.0,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        swiglu_limit=1.0,
+    ),
+    # 3 layers (DSA, KDA, DSA), both DSA layers with their own indexer, 2 streams (5 Sinkhorn
+    # iterations); KDA 2 heads of 32 (conv 3) with Kimi's softplus gate; MLA 2 heads (q rank
+    # 16, latent 48, nope 24, v 32); the indexer keeps 3 pools of 2 tokens and the tail; the
+    # middle layer a MoE of 4 experts of 24 (top-1, not renormalised, 2 shared), the others
+    # dense (80); SwiGLU clip 0.5.
+    "glm5-next-dense": dict(
+        _COMMON_GLM,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        layer_types=["indexed_attention", "linear_attention", "indexed_attention"],
+        indexer_types=["full", "full", "full"],
+        mlp_layer_types=["dense", "sparse", "dense"],
+        hc_mult=2,
+        hc_sinkhorn_iters=5,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=16,
+        kv_lora_rank=48,
+        qk_nope_head_dim=24,
+        v_head_dim=32,
+        index_topk=6,
+        index_kpool=2,
+        linear_head_dim=32,
+        linear_num_heads=2,
+        linear_conv_kernel_dim=3,
+        linear_lower_bound=None,
+        n_routed_experts=4,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+        moe_intermediate_size=24,
+        n_shared_experts=2,
+        swiglu_limit=0.5,
+    ),
+}
+
 _COMMON_OLMO = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-6)
 OLMO_HYBRID: dict[str, dict] = {
     # 3 layers (GDN, attention, GDN); GDN 2 key heads of 16 to 4 value heads of 32, beta in
