@@ -11,7 +11,10 @@ about 1B, `/tmp/qwen3-next-1b-random`), `lfm2` (LFM2-1.2B, short convolutions an
 and a top-1 MoE of 16 experts, saved in bfloat16, `/tmp/zaya1-8b-4layers-random`),
 `kimi_linear` (Kimi Linear's KDA, MLA and 64-expert layout scaled to about 1B,
 `/tmp/kimi-linear-1b-random`), `ling` (Ling-3.0-Flash's layout scaled the same way,
-`/tmp/ling-1b-random`) and `qwen3_6_moe` (Qwen3.6-35B-A3B's real layer shapes,
+`/tmp/ling-1b-random`), `glm5_next` (GLM-5.3-Flash's real layer shapes, 2 of its layers,
+saved in bfloat16: its sparse attention reads at most 2048 tokens a step, so the `step @ C` rows
+at `--steps 1024,8192,32768` show a decode step flat in the context,
+`/tmp/glm-5.3-flash-2layers-random`) and `qwen3_6_moe` (Qwen3.6-35B-A3B's real layer shapes,
 256 experts, four of its layers, saved in bfloat16: run it with `--dtype bfloat16`,
 `/tmp/qwen3.6-35b-a3b-4layers-random`). `--dtype bfloat16` runs the engine and transformers in
 bfloat16; `--quantization int8` / `int4` the engine with int8 / int4 weights. The run starts
@@ -25,8 +28,10 @@ to them):
 - `decode bN`: N sequences of 16 prompt tokens, aggregate tokens/s of 32 decode steps (engine:
   `LLMEngine.step` after every prompt has its first token; transformers: `generate` of 33
   tokens minus `generate` of 1).
-- `step @ C`: one sequence with a C-token context, milliseconds per decode step (16 steps);
-  `--no-steps` leaves these rows out.
+- `step @ C`: one sequence with a C-token context, milliseconds per decode step (16 steps), at
+  the contexts of `--steps` (default 128,4096); `--no-steps` leaves these rows out.
+  transformers runs no row above `--transformers-max-context` (its dense attention over a long
+  context does not fit the machine's memory).
 
 With `--gguf` (the model converted by llama.cpp's `convert_hf_to_gguf.py`, see
 `setup_llama_cpp.sh`) llama.cpp runs in the same repetitions through `compare_systems`'
@@ -72,6 +77,7 @@ from bandwidth_bound import (
 )
 from compare_systems import failure_reason
 from hybrid_configs import (
+    GLM5_NEXT_CONFIG,
     GRANITE_CONFIG,
     JAMBA_CONFIG,
     KIMI_LINEAR_CONFIG,
@@ -104,10 +110,15 @@ ARCHS = {  # --arch: (transformers class, config, default model directory)
     "kimi_linear": ("KimiLinearForCausalLM", KIMI_LINEAR_CONFIG, "/tmp/kimi-linear-1b-random"),
     "ling": ("BailingHybridForCausalLM", LING_CONFIG, "/tmp/ling-1b-random"),
     "zaya": ("ZayaForCausalLM", ZAYA_CONFIG, "/tmp/zaya1-8b-4layers-random"),
+    "glm5_next": (
+        "Glm5NextForConditionalGeneration",
+        GLM5_NEXT_CONFIG,
+        "/tmp/glm-5.3-flash-2layers-random",
+    ),
 }
 SHIPPED_KEYS = {"kimi_linear": KIMI_SHIPPED_KEYS}  # config.json keys the releases carry
 # Made and saved in bfloat16 (float32: up to 6.8 GB of disk each).
-SAVED_BF16 = {"qwen3_6_moe", "lfm3", "zaya"}
+SAVED_BF16 = {"qwen3_6_moe", "lfm3", "zaya", "glm5_next"}
 TOKENIZER_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests/data/gpt-neox-20b-tokenizer"
 )
@@ -185,7 +196,8 @@ class Engine:
         # count the system run just before it as another process and drop a thread for a
         # second or more of its own run (b1 measured 20% low that way).
         self.llm = LLM(
-            path, max_model_len=4200, max_num_seqs=max(args.batches), disable_log_stats=True,
+            path, max_model_len=max(4200, max(args.steps) + 64), max_num_seqs=max(args.batches),
+            disable_log_stats=True,
             dtype=args.dtype, quantization=args.quantization, threads=args.threads,
         )  # fmt: skip
 
@@ -271,10 +283,13 @@ class Transformers:
 
     name = "transformers"
 
-    def __init__(self, path: str, cls_name: str, vocab: int, dtype: str) -> None:
+    def __init__(
+        self, path: str, cls_name: str, vocab: int, dtype: str, max_context: int | None = None
+    ) -> None:
         import transformers
 
         self.vocab = vocab
+        self.max_context = max_context
         model_cls = getattr(transformers, cls_name)
         self.model = model_cls.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
 
@@ -301,6 +316,8 @@ class Transformers:
         return batch * DECODE_TOKENS / seconds
 
     def step_ms(self, context: int) -> float:
+        if self.max_context is not None and context > self.max_context:
+            raise RuntimeError(f"context {context} is over --transformers-max-context")
         ids = torch.tensor(prompts(self.vocab, 1, context, seed=1))
         return 1000 * (self._generate(ids, 17) - self._generate(ids, 1)) / 16
 
@@ -328,6 +345,17 @@ def main() -> None:
         "--gguf-label", default="F32", help="the GGUF's type, for the table (F32, BF16, Q8_0)"
     )
     p.add_argument("--no-steps", action="store_true", help="leave out the step @ C rows")
+    p.add_argument(
+        "--steps",
+        type=lambda v: [int(c) for c in v.split(",")],
+        default=[128, 4096],
+        help="the contexts of the step @ C rows, comma-separated (default 128,4096)",
+    )
+    p.add_argument(
+        "--transformers-max-context",
+        type=int,
+        help="the longest step @ C context transformers runs (longer rows: not run)",
+    )
     p.add_argument("--gguf", help="the model as llama.cpp GGUF: adds llama.cpp to the run")
     p.add_argument(
         "--llama-cpp-home",
@@ -360,7 +388,11 @@ def main() -> None:
     print(f"state per sequence: {state / 2**10:,.1f} KiB ({2**30 // state:,} sequences per GiB)")
     systems: list = [engine]
     if not args.skip_transformers:
-        systems.append(Transformers(path, cls_name, config["vocab_size"], args.dtype))
+        systems.append(
+            Transformers(
+                path, cls_name, config["vocab_size"], args.dtype, args.transformers_max_context
+            )
+        )
     if args.gguf and not args.skip_llama_cpp:
         systems.append(LlamaCpp(args.llama_cpp_home, args.gguf, args.gguf_label, args.threads))
     if args.gguf and args.ik_llama_cpp_home:
@@ -374,8 +406,8 @@ def main() -> None:
     for b in args.batches:
         rows[f"decode b{b} (tok/s)"] = lambda s, b=b: s.decode(b)
     if not args.no_steps:
-        rows["step @ 128 (ms)"] = lambda s: s.step_ms(128)
-        rows["step @ 4096 (ms)"] = lambda s: s.step_ms(4096)
+        for c in args.steps:
+            rows[f"step @ {c} (ms)"] = lambda s, c=c: s.step_ms(c)
     results: dict[str, dict[str, list[float]]] = {r: {s.name: [] for s in systems} for r in rows}
     failed: dict[tuple[str, str], str] = {}  # (row, system) -> a llama.cpp tool's failure
     for rep in range(args.reps):

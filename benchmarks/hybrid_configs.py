@@ -32,6 +32,11 @@ model).
   heads of 128, conv 4), two dense first layers (SwiGLU of 4096), then MoEs of 64 experts of 256
   in 8 groups (4 kept) with top-8 sigmoid routing (scaled by 2.5) and a shared expert,
   vocabulary 157,184, untied head.
+- `GLM5_NEXT_CONFIG`: GLM-5.3-Flash's real layer shapes with 2 of its 45 layers (a KDA and a
+  DSA layer, both with the dense SwiGLU of 12,288 of its first layers): hidden 4096, KDA 64 heads
+  of 128 with the safe gate, MLA 64 heads (q rank 1536, latent 512, nope 256, v 256, no RoPE),
+  an indexer of 32 heads of 128 selecting 2048 tokens in pools of 16 plus the tail, 4 mHC
+  streams, vocabulary 154,880, untied head: about 2.4B parameters, saved in bfloat16.
 """
 
 from __future__ import annotations
@@ -279,4 +284,40 @@ LING_CONFIG = dict(
     pad_token_id=0,
     bos_token_id=0,
     eos_token_id=0,
+)
+GLM5_NEXT_CONFIG = dict(
+    vocab_size=154880,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=2,
+    layer_types=["linear_attention", "indexed_attention"],
+    indexer_types=["full", "full"],
+    mlp_layer_types=["dense", "dense"],
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=256,
+    qk_rope_head_dim=0,
+    v_head_dim=256,
+    index_topk=2048,
+    index_head_dim=128,
+    index_n_heads=32,
+    index_kpool=16,
+    linear_head_dim=128,
+    linear_num_heads=64,
+    linear_conv_kernel_dim=4,
+    linear_lower_bound=-5.0,
+    hc_mult=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=2048,
+    swiglu_limit=10.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    max_position_embeddings=65536,
+    pad_token_id=0,
+    bos_token_id=0,
+    eos_token_id=0,
+    vision_config=dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=64),
 )
