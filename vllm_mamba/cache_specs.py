@@ -15,10 +15,11 @@ A leaf module (torch dtypes only, no tensors): layers declare their specs, the s
   sliding window if it has one.
 - `MLASpec`: a Multi-head Latent Attention layer's blocks: one latent row per token (the
   normed compressed KV `c` and the shared rope key), one tensor per layer, no V tensor.
-- `IndexerSpec`: the keys of a sparse-attention indexer (GLM-5-Next's DSA), the third cache
-  kind: per token its indexer key and pooling gate, per complete pool of `kpool` tokens the
-  pooled key. They live beside the KV of the same MLA layer (`MLASpec.indexer`), in the same
-  blocks, so admission, preemption, forks and prefix caching move them with the latents.
+- `IndexerSpec`: the keys of a sparse-attention indexer (GLM-5-Next's DSA, Qwen4-Exp's QSA),
+  the third cache kind: per token a row (its indexer key, and GLM's pooling gate), per complete
+  pool of `kpool` tokens the pooled key. They live beside the KV of the same layer
+  (`MLASpec.indexer`, `AttentionSpec.indexer`), in the same blocks, so admission, preemption,
+  forks and prefix caching move them with the keys and values.
 - `KVSpec`: either of the two, what the paged KV cache (`kv_cache`) allocates from.
 
 Specs are read off the built model (under tensor parallelism, each rank's shard), layer by
@@ -107,6 +108,24 @@ class StateSpec:
 
 
 @dataclass(frozen=True)
+class IndexerSpec:
+    """A sparse-attention indexer's cache: per token a row of `row_dim` values, per complete
+    pool of `kpool` tokens its pooled key `(index_dim)`, in `dtype`. A pool never straddles a
+    block (the block size is a multiple of `kpool`), so each block holds `block_size // kpool`
+    pooled keys."""
+
+    row_dim: int
+    index_dim: int
+    kpool: int
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        """Indexer bytes of one token (its row and its share of a pooled key)."""
+        per_pool = self.row_dim * self.kpool + self.index_dim
+        return per_pool * self.dtype.itemsize // self.kpool
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """An attention layer: KV blocks of `num_kv_heads x head_dim` per token in `dtype`;
     `sliding_window` (tokens, None for full attention): a query at position p reads only
@@ -116,26 +135,12 @@ class AttentionSpec:
     head_dim: int
     dtype: torch.dtype
     sliding_window: int | None = None
+    indexer: IndexerSpec | None = None  # the indexer keys beside K and V (QSA layers)
 
     def bytes_per_token(self) -> int:
-        """K and V bytes of one token in this layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class IndexerSpec:
-    """A sparse-attention indexer's cache: per token a row `[key (D) | gate (D)]`, per complete
-    pool of `kpool` tokens its pooled key `(D)`, in `dtype`. A pool never straddles a block
-    (the block size is a multiple of `kpool`), so each block holds `block_size // kpool`
-    pooled keys."""
-
-    index_dim: int
-    kpool: int
-    dtype: torch.dtype
-
-    def bytes_per_token(self) -> int:
-        """Indexer bytes of one token (its row and its share of a pooled key)."""
-        return self.index_dim * self.dtype.itemsize * (2 * self.kpool + 1) // self.kpool
+        """K and V (and indexer) bytes of one token in this layer."""
+        extra = self.indexer.bytes_per_token() if self.indexer is not None else 0
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize + extra
 
 
 @dataclass(frozen=True)

@@ -251,7 +251,7 @@ class KVCache:
         self.block_size = sizing.block_size
         self.num_blocks = sizing.num_blocks
         for spec in specs:
-            indexer = spec.indexer if isinstance(spec, MLASpec) else None
+            indexer = spec.indexer
             if indexer is not None and sizing.block_size % indexer.kpool:
                 raise ValueError(
                     f"block_size {sizing.block_size} must be a multiple of the sparse-attention "
@@ -266,16 +266,17 @@ class KVCache:
     def _allocate(self, spec: KVSpec, device: torch.device) -> tuple[torch.Tensor, ...]:
         shape = (self.sizing.num_blocks, self.sizing.block_size)
         if isinstance(spec, MLASpec):
-            latent = huge_page_zeros((*shape, spec.latent_dim), spec.dtype, device)
-            index = spec.indexer
-            if index is None:
-                return (latent,)
-            rows = huge_page_zeros((*shape, 2 * index.index_dim), index.dtype, device)
-            pools = (shape[0], shape[1] // index.kpool, index.index_dim)
-            return latent, rows, huge_page_zeros(pools, index.dtype, device)
-        assert isinstance(spec, AttentionSpec), spec
-        k = huge_page_zeros((*shape, spec.num_kv_heads, spec.head_dim), spec.dtype, device)
-        return k, huge_page_zeros(k.shape, k.dtype, device)
+            tensors = (huge_page_zeros((*shape, spec.latent_dim), spec.dtype, device),)
+        else:
+            assert isinstance(spec, AttentionSpec), spec
+            k = huge_page_zeros((*shape, spec.num_kv_heads, spec.head_dim), spec.dtype, device)
+            tensors = (k, huge_page_zeros(k.shape, k.dtype, device))
+        index = spec.indexer
+        if index is None:
+            return tensors
+        rows = huge_page_zeros((*shape, index.row_dim), index.dtype, device)
+        pools = (shape[0], shape[1] // index.kpool, index.index_dim)
+        return (*tensors, rows, huge_page_zeros(pools, index.dtype, device))
 
     def _all_tensors(self) -> list[torch.Tensor]:
         return [t for tensors in self.layer_tensors for t in tensors]
@@ -295,9 +296,14 @@ class KVCache:
             t
             if t.shape[2:] == heads
             else t.flatten(2)[:, :, : _token_width(spec)].unflatten(2, heads)
-            for t in tensors
+            for t in tensors[:2]
         )  # (NB, BS, Hkv, D), tokens `widest` apart in a padded tensor
-        return LayerKV(k=k, v=v, group=self.groups.layer_group[index])
+        if spec.indexer is None:
+            return LayerKV(k=k, v=v, group=self.groups.layer_group[index])
+        return LayerKV(
+            k=k, v=v, group=self.groups.layer_group[index], index_rows=tensors[2],
+            pooled=tensors[3],
+        )  # fmt: skip
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copies blocks `src[i]` into `dst[i]` in every layer (copy-on-write of a fork)."""

@@ -129,7 +129,7 @@ def test_layer_equals_transformers(impl: str, max_bytes: int) -> None:
     layer = _layer(hf, impl)
     layer.expand_max_bytes = max_bytes
     assert layer.kv_spec(torch.bfloat16) == MLASpec(
-        RANK, torch.bfloat16, IndexerSpec(INDEX_DIM, KPOOL, torch.bfloat16)
+        RANK, torch.bfloat16, IndexerSpec(2 * INDEX_DIM, INDEX_DIM, KPOOL, torch.bfloat16)
     )
 
     _bind([layer])
@@ -239,10 +239,10 @@ def test_hyper_connection_equals_transformers() -> None:
         want = post.unsqueeze(-1) * out[None].unsqueeze(-2) + torch.matmul(
             comb.transpose(-1, -2), streams[None]
         )
-        x, ours_post, ours_comb = ours.collapse(streams)
+        x, ctx = ours.collapse(streams)
     torch.testing.assert_close(x, collapsed[0], atol=0, rtol=0)
-    torch.testing.assert_close(ours.expand(out, ours_post, ours_comb, streams), want[0])
-    sums = ours_comb.sum(dim=-1)  # rows (and columns) of the Sinkhorn mix sum to ~1
+    torch.testing.assert_close(ours.expand(out, ctx, streams), want[0])
+    sums = ctx[1].sum(dim=-1)  # rows (and columns) of the Sinkhorn mix sum to ~1
     torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-3, rtol=0)
 
 

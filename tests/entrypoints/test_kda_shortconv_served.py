@@ -1,9 +1,9 @@
 """Kimi Linear (KDA + MLA over the latent cache), Ling 3 (safe-gated KDA, gated MLA with RoPE),
-GLM-5-Next (KDA and sparse MLA over the tokens its indexer selects, in mHC streams), LFM2 (short convs + GQA), LFM3 (short convs, sliding-window and full attention in three KV
-groups) and ZAYA1 (compressed convolutional attention, conv state beside windowed KV) through
-the OpenAI server with the official `openai` client, under KV pressure: concurrent completions
-and a chat (streamed and not) give `LLM.generate`'s greedy text, and the KV blocks drain
-afterwards."""
+GLM-5-Next (KDA and sparse MLA over the tokens its indexer selects, in mHC streams), LFM2 (short
+convs + GQA), LFM3 (short convs, sliding-window and full attention in three KV groups) and ZAYA1
+(compressed convolutional attention, conv state beside windowed KV) through the OpenAI server
+with the official `openai` client, under KV pressure: concurrent completions and a chat
+(streamed and not) give `LLM.generate`'s greedy text, and the KV blocks drain afterwards."""
 
 from __future__ import annotations
 

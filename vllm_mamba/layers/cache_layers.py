@@ -34,17 +34,21 @@ LayerState = dict[str, torch.Tensor]  # state name -> (S, *shape) over all slots
 class LayerKV:
     """One attention layer's view of the pool: `k`, `v (num_blocks, block_size, Hkv, D)`, and
     the KV group whose block tables and slots it reads (`kv_cache.KVGroups`; 0 when the
-    model's attention layers form one group)."""
+    model's attention layers form one group); with an indexer (`IndexerSpec`) its rows
+    `index_rows (num_blocks, block_size, row_dim)` and pooled keys `pooled (num_blocks,
+    block_size // kpool, D)`."""
 
     k: torch.Tensor
     v: torch.Tensor
     group: int = 0
+    index_rows: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
 
 
 @dataclass
 class LatentKV:
     """One MLA layer's view of the pool: `latent (num_blocks, block_size, latent_dim)`; with an
-    indexer (`IndexerSpec`) its rows `index_rows (num_blocks, block_size, 2 D)` and pooled keys
+    indexer (`IndexerSpec`) its rows `index_rows (num_blocks, block_size, row_dim)` and pooled keys
     `pooled (num_blocks, block_size // kpool, D)`."""
 
     latent: torch.Tensor

@@ -45,10 +45,12 @@ with a `NormedResidual` is planned as its mixer alone (the mixer stage) or not a
 feed-forward stage).
 
 A layer with several residual streams (GLM-5-Next's mHC) carries `h (T, N, H)` and takes
-one `HyperConnection` per stage (`hyper`, under the checkpoint's names `attn_hc` / `ffn_hc`):
-each stage collapses the streams to its input, `x = hc.collapse(h)`, and mixes its output back,
-`h = hc.expand(f(norm(x)), h)` (`layers.hyper_connection`); such a layer runs its mixer's fused
-step alone (scope `MIXER`), never the block, layer or feed-forward plans.
+one `StreamConnection` per stage (`hyper`, under the checkpoint's names: GLM-5-Next's mHC
+`attn_hc` / `ffn_hc`, Qwen4-Exp's gated `attn_hyper_connection` / `mlp_hyper_connection`):
+each stage collapses the streams to its input, `x, ctx = c.collapse(h)`, and mixes its output
+back, `h = c.expand(f(norm(x)), ctx, h)` (`layers.hyper_connection`); its norms are optional
+(Qwen4-Exp's connections norm the streams themselves). Such a layer runs its mixer's fused step
+alone (scope `MIXER`), never the block, layer or feed-forward plans.
 
 Glossary: T tokens in the step, H hidden size, N residual streams.
 """
@@ -63,7 +65,7 @@ from torch import nn
 
 from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.decode_plan import DecodePlan, DecodeScope, PlannedLayer
-from vllm_mamba.layers.hyper_connection import HyperConnection
+from vllm_mamba.layers.hyper_connection import StreamConnection
 from vllm_mamba.layers.mlp import plan_mlp
 from vllm_mamba.layers.moe import SparseMoE, plan_moe
 
@@ -108,7 +110,8 @@ class DecoderLayer(PlannedLayer):
     ) -> None:
         super().__init__()
         for parts, norms in ((mixers, (norm, post_norm)), (ffns, (ffn_norm, ffn_post_norm))):
-            if bool(parts) != any(n is not None for n in norms):
+            normed = any(n is not None for n in norms) or (hyper is not None and bool(parts))
+            if bool(parts) != normed:
                 raise ValueError(
                     "each stage of a decoder layer needs its parts and a norm before or after them"
                 )
@@ -136,11 +139,11 @@ class DecoderLayer(PlannedLayer):
             assert not residual_in_fp32 and normed_residuals == (None, None), "one residual rule"
             assert pre_norm is None and residual_multiplier == 1.0, "mHC streams: plain stages"
             for named in hyper:
-                assert isinstance(named[1], HyperConnection), named
+                assert isinstance(named[1], StreamConnection), named
                 self.add_module(*named)
             self._hyper_names = (hyper[0][0], hyper[1][0])
 
-    def _hyper(self, stage: int) -> HyperConnection | None:
+    def _hyper(self, stage: int) -> StreamConnection | None:
         """The mHC weights of stage `stage` (0 the mixer's, 1 the feed-forward's), if any."""
         return None if self._hyper_names is None else getattr(self, self._hyper_names[stage])
 
@@ -240,7 +243,7 @@ class DecoderLayer(PlannedLayer):
             hc = self._hyper(1)
             streams = hidden
             if hc is not None:
-                hidden, post, comb = hc.collapse(streams)  # (T, H) the stage's input
+                hidden, ctx = hc.collapse(streams)  # (T, H) the stage's input
             x = self._normed(self._ffn_norm_name, hidden)
             ff = None
             for name in self._ffn_names:
@@ -249,7 +252,7 @@ class DecoderLayer(PlannedLayer):
                 ff = y if ff is None else ff + y
             ff = self._scaled(self._normed(self._ffn_post_norm_name, ff))
             if hc is not None:
-                return hc.expand(ff, post, comb, streams)  # (T, N, H)
+                return hc.expand(ff, ctx, streams)  # (T, N, H)
             hidden = _added(self._ffn_residual, hidden, x, ff)
         return hidden
 
@@ -261,7 +264,7 @@ class DecoderLayer(PlannedLayer):
         fused_part = fused.part if fused is not None else None
         hc, streams = self._hyper(0), hidden
         if hc is not None:
-            hidden, post, comb = hc.collapse(streams)  # (T, H) the stage's input
+            hidden, ctx = hc.collapse(streams)  # (T, H) the stage's input
         if self.residual_in_fp32:
             norm = getattr(self, self._norm_name)
             residual, x = hidden.float(), norm(hidden.to(norm.weight.dtype))
@@ -275,7 +278,7 @@ class DecoderLayer(PlannedLayer):
             mixed = y if mixed is None else mixed + y
         mixed = self._scaled(self._normed(self._post_norm_name, mixed))
         if hc is not None:
-            return hc.expand(mixed, post, comb, streams)  # (T, N, H)
+            return hc.expand(mixed, ctx, streams)  # (T, N, H)
         return _added(self._mixer_residual, residual, x, mixed)
 
     def _normed(self, name: str | None, x: torch.Tensor) -> torch.Tensor:

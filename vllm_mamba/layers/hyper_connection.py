@@ -1,8 +1,13 @@
-"""`HyperConnection`: manifold-constrained hyper-connections (mHC) around one stage of a decoder
-layer with `N` residual streams (GLM-5-Next's `attn_hc` / `ffn_hc`).
+"""Residual streams around the stages of a decoder layer: the `StreamConnection` interface and
+its two kinds, `HyperConnection` (GLM-5-Next's mHC) and `GatedResidual` (Qwen4-Exp's gated
+hyper-connections).
 
-The layer's input and output are `N` streams per token, `h (T, N, H)`. Around a stage `f`
-(the mixer with its norm, or the feed-forward with its norm):
+A layer with `N` residual streams carries `h (T, N, H)`. Around each stage `f` (the mixer with
+its norm, or the feed-forward with its norm) a connection collapses the streams into the
+stage's input and mixes the stage's output back: `x, ctx = c.collapse(h)`, `h = c.expand(f(x),
+ctx, h)`.
+
+`HyperConnection` (manifold-constrained hyper-connections, `attn_hc` / `ffn_hc`):
 
     z = rms(flatten(h)) @ fn^T                       (T, (2 + N) N), float32, unweighted RMS
     pre  = sigmoid(z_pre  * scale_0 + base_pre) + eps                          (T, N)
@@ -14,8 +19,18 @@ The layer's input and output are `N` streams per token, `h (T, N, H)`. Around a 
 `sinkhorn` normalises the columns, then `iters - 1` times the rows and the columns (each sum
 plus eps), so `comb` is (nearly) doubly stochastic. Parameters under the checkpoint's names as
 transformers loads them (`fn ((2 + N) N, N H)`, `base ((2 + N) N,)`, `scale (3,)`; the
-releases' `hc_attn_fn` / `hc_ffn_base` ... are renamed by the model). Replicated under tensor
-parallelism (the streams are whole on every rank).
+releases' `hc_attn_fn` / `hc_ffn_base` ... are renamed by the model).
+
+`GatedResidual` (`attn_hyper_connection` / `mlp_hyper_connection`, and the model's final
+`hyper_connection_mixer` without the injection):
+
+    n = rms_per_stream(h) * (1 + hc_norm)                    (T, N, H), float32 statistics
+    w = sigmoid(up(silu(down(n) / N)))                       (T, N, H): a low-rank input mixer
+    x = mean_n(w_n * n_n)                                    (T, H): the stage's input
+    inject = 2 sigmoid(block_inject(n) / N)                  (T, N)
+    h'_i = h_i + inject_i f(x)
+
+Both are replicated under tensor parallelism (the streams are whole on every rank).
 
 Glossary: T tokens, N streams (`hc_mult`), H hidden size.
 """
@@ -23,10 +38,25 @@ Glossary: T tokens, N streams (`hc_mult`), H hidden size.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+Context = tuple[torch.Tensor, ...]  # what `collapse` hands `expand`
 
-class HyperConnection(nn.Module):
+
+class StreamConnection(nn.Module):
+    """Collapses a layer's residual streams into a stage's input and mixes its output back."""
+
+    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, Context]:
+        """`streams (T, N, H)` -> the stage's input `(T, H)` and what `expand` needs."""
+        raise NotImplementedError
+
+    def expand(self, out: torch.Tensor, ctx: Context, streams: torch.Tensor) -> torch.Tensor:
+        """The stage's output `out (T, H)` and the input `streams` -> the new streams."""
+        raise NotImplementedError
+
+
+class HyperConnection(StreamConnection):
     """The mHC weights of one stage: collapse the streams, then expand and mix them back."""
 
     def __init__(
@@ -44,9 +74,9 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty(width))
         self.scale = nn.Parameter(torch.empty(3))
 
-    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`streams (T, N, H)` -> `(x (T, H), post (T, N), comb (T, N, N))`: the stage's input
-        and the weights `expand` takes (float32)."""
+    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, Context]:
+        """`streams (T, N, H)` -> `(x (T, H), (post (T, N), comb (T, N, N)))`: the stage's
+        input and the float32 weights `expand` takes."""
         n = self.streams
         flat = streams.reshape(streams.shape[0], -1).float()  # (T, N H)
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
@@ -63,17 +93,70 @@ class HyperConnection(nn.Module):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
         x = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)  # (T, H)
-        return x, post, comb
+        return x, (post, comb)
 
-    @staticmethod
-    def expand(
-        out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor
-    ) -> torch.Tensor:
+    def expand(self, out: torch.Tensor, ctx: Context, streams: torch.Tensor) -> torch.Tensor:
         """The new streams `post_i out + sum_j comb_ji streams_j` -> `(T, N, H)` in the streams'
         dtype, from the stage's output `out (T, H)` and the input `streams (T, N, H)`."""
+        post, comb = ctx
         dtype = streams.dtype
         expanded = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)  # (T, N, H)
         return expanded + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
-__all__ = ["HyperConnection"]
+class GatedResidual(StreamConnection):
+    """Qwen4-Exp's gated hyper-connection of one stage (or, with `inject=False`, the model's
+    final merge of the streams, `merge`)."""
+
+    def __init__(
+        self, hidden_size: int, streams: int, rank: int, eps: float, inject: bool = True
+    ) -> None:
+        """Args: `hidden_size` H; `streams` N (`hc_count`); `rank` the input mixer's rank
+        (`hc_lowrank`); `eps` the norm's epsilon; `inject` whether the stage's output is mixed
+        back (`block_inject_weight`)."""
+        super().__init__()
+        self.hidden_size, self.streams, self.eps = hidden_size, streams, eps
+        width = streams * hidden_size
+        self.hc_norm = _GroupedNormWeight(width)
+        self.input_mix_weight_down = nn.Linear(width, rank, bias=False)
+        self.input_mix_weight_up = nn.Linear(rank, width, bias=False)
+        self.block_inject_weight = nn.Linear(width, streams, bias=False) if inject else None
+
+    def _normed(self, streams: torch.Tensor) -> torch.Tensor:
+        """Each stream RMS-normed, times `1 + hc_norm` -> `(T, N H)` in the streams' dtype."""
+        xf = streams.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)  # (T, N, H)
+        return (normed.flatten(1) * (1.0 + self.hc_norm.weight.float())).to(streams.dtype)
+
+    def merge(self, streams: torch.Tensor) -> torch.Tensor:
+        """`streams (T, N, H)` -> the mixed input `(T, H)`."""
+        return self._mix(self._normed(streams))
+
+    def _mix(self, normed: torch.Tensor) -> torch.Tensor:
+        n = self.streams
+        w = torch.sigmoid(self.input_mix_weight_up(F.silu(self.input_mix_weight_down(normed) / n)))
+        mixed = w.unflatten(-1, (n, self.hidden_size)) * normed.unflatten(-1, (n, self.hidden_size))
+        return mixed.mean(dim=-2)  # (T, H)
+
+    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, Context]:
+        """`streams (T, N, H)` -> `(x (T, H), (inject (T, N),))`."""
+        assert self.block_inject_weight is not None, "a merge-only connection has no stage"
+        normed = self._normed(streams)
+        inject = 2 * torch.sigmoid(self.block_inject_weight(normed) / self.streams)
+        return self._mix(normed), (inject,)
+
+    def expand(self, out: torch.Tensor, ctx: Context, streams: torch.Tensor) -> torch.Tensor:
+        """`streams_i + inject_i out` -> `(T, N, H)`."""
+        (inject,) = ctx
+        return streams + out.unsqueeze(-2) * inject.unsqueeze(-1)
+
+
+class _GroupedNormWeight(nn.Module):
+    """Holds `hc_norm.weight (N H,)` under the checkpoint's name (zero-centred: `1 + w`)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+
+
+__all__ = ["GatedResidual", "HyperConnection", "StreamConnection"]

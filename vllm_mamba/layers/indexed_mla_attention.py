@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
-from vllm_mamba.cache_specs import IndexerSpec, KVSpec, MLASpec
+from vllm_mamba.cache_specs import KVSpec, MLASpec
+from vllm_mamba.layers.block_indexer import gather_selected, select_step
 from vllm_mamba.layers.cache_layers import LatentKV
 from vllm_mamba.layers.mla_attention import MLAAttention
 from vllm_mamba.layers.pool_indexer import PoolIndexer
@@ -57,7 +58,7 @@ class IndexedMLAAttention(MLAAttention):
         """The latent row per token and, for a full layer, the indexer's keys beside it."""
         if self.indexer is None:
             return MLASpec(self.latent_dim, dtype)
-        index = IndexerSpec(self.indexer.head_dim, self.indexer.kpool, dtype)
+        index = self.indexer.cache_spec(dtype)
         return MLASpec(self.latent_dim, dtype, indexer=index)
 
     def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
@@ -90,33 +91,9 @@ class IndexedMLAAttention(MLAAttention):
         assert isinstance(self.kv, LatentKV) and self.kv.index_rows is not None
         assert q_resid is not None, "DSA needs the low-rank query (q_lora_rank)"
         index, pooled = self.indexer, self.kv.pooled
-        index.write(hidden, self.kv.index_rows, pooled, meta.slot_mapping, meta.positions)
-        nd, parts = meta.num_decodes, []
-        if nd:
-            parts.append(
-                index.select(
-                    hidden[:nd], q_resid[:nd], pooled, meta.decode_block_tables,
-                    meta.positions[:nd],
-                )
-            )  # fmt: skip
-        starts = meta.prefill_query_start_loc.tolist()
-        for p in range(meta.num_prefills):
-            begin, end = nd + starts[p], nd + starts[p + 1]
-            if end > begin:
-                table = meta.prefill_block_tables[p : p + 1]  # (1, max_blocks): all its queries
-                parts.append(
-                    index.select(
-                        hidden[begin:end], q_resid[begin:end], pooled, table,
-                        meta.positions[begin:end],
-                    )
-                )  # fmt: skip
-        if not parts:
-            return torch.full((hidden.shape[0], index.width), -1, device=hidden.device)
-        selection = torch.cat(parts)
-        if selection.shape[0] < hidden.shape[0]:  # padding tokens past the chunks select none
-            pad = selection.new_full((hidden.shape[0] - selection.shape[0], index.width), -1)
-            selection = torch.cat([selection, pad])
-        return selection
+        rows = index.rows(hidden)
+        index.write(rows, self.kv.index_rows, pooled, meta.slot_mapping, meta.positions)
+        return select_step(index, hidden, q_resid, pooled, meta)
 
     def _sparse(
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, selection: torch.Tensor,
@@ -132,18 +109,11 @@ class IndexedMLAAttention(MLAAttention):
             live: `(N,)` rows that attend (padding rows do not); default all.
         """
         assert isinstance(self.kv, LatentKV)
-        latent = self.kv.latent
-        block_size, num = latent.shape[1], selection.shape[0]
-        valid = selection >= 0
-        far = torch.iinfo(torch.int64).max
-        ordered = torch.where(valid, selection, far).sort(dim=1).values  # valid first
-        counts = valid.sum(dim=1)
+        rows, counts = gather_selected(self.kv.latent, selection, tables)  # (N, W, L)
         if live is not None:
             counts = counts * live
-        pos = torch.where(ordered == far, 0, ordered)
-        blocks = tables.long().expand(num, -1).gather(1, pos // block_size)
-        rows = latent.view(-1, latent.shape[-1])[blocks * block_size + pos % block_size]
-        own = torch.arange(num, dtype=torch.int32, device=latent.device).view(num, 1)
+        num = selection.shape[0]
+        own = torch.arange(num, dtype=torch.int32, device=rows.device).view(num, 1)
         return self._absorbed(
             q_nope, q_rot, self.mla.decode_attention, cache=rows,
             block_tables=own, seq_lens=counts.to(torch.int32),
