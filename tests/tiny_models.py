@@ -457,6 +457,20 @@ FAMILIES: tuple[Family, ...] = (
         weight_std=0.15,
     ),
     Family(
+        "qwen4_exp",
+        "Qwen4ExpForCausalLM",
+        cfg.QWEN4_EXP,
+        mixer="gated_delta",
+        hybrid=True,
+        main="qwen4-exp-ple",
+        second="qwen4-exp-plain",
+        tp=("qwen4-exp-ple",),
+        chunk_budgets=_HYBRID_BUDGETS,
+        differ=("hc_count", "ple_layer_ids", "indexer_compress_ratio", "num_key_value_heads"),
+        # As the other Gated DeltaNet families (lara_mini's note).
+        weight_std=0.1,
+    ),
+    Family(
         "lara_mini",
         "LaraMiniForCausalLM",
         cfg.LARA_MINI,

@@ -892,6 +892,88 @@ GLM5_NEXT: dict[str, dict] = {
     ),
 }
 
+# Qwen4-Exp: Gated DeltaNet and indexed (QSA) attention inside gated hyper-connections, softmax
+# MoEs with a gated shared expert, per-layer n-gram embeddings on chosen layers. The indexer
+# budgets are small, so the longer prompts drop blocks; 16 indexer heads keep its block scores
+# off exact ties (see GLM5_NEXT's note).
+_COMMON_QWEN4 = dict(
+    vocab_size=50280,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    hidden_size=64,
+    head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    indexer_n_heads=16,
+    indexer_kv_heads=1,
+    indexer_head_dim=8,
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        mrope_section=[1, 1, 0],
+        mrope_interleaved=True,
+    ),
+    tie_word_embeddings=False,
+)
+QWEN4_EXP: dict[str, dict] = {
+    # 4 layers (GDN, QSA, GDN, QSA), 3 streams (rank 16); GQA 4 heads of 16 over 2 KV heads,
+    # GDN 2 key and 4 value heads of 16 (conv 4); 4 experts of 32, top-2; the indexer keeps 2
+    # blocks of 4 tokens and the tail; n-gram embeddings on both GDN layers (trigrams, 2 heads
+    # per order over tables of ~1000 rows in 2 checkpoint shards, conv 3 dilated by 3).
+    "qwen4-exp-ple": dict(
+        _COMMON_QWEN4,
+        num_hidden_layers=4,
+        layer_types=[
+            "linear_attention",
+            "indexed_attention",
+            "linear_attention",
+            "indexed_attention",
+        ],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_conv_kernel_dim=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        hc_count=3,
+        hc_lowrank=16,
+        ple_layer_ids=[1, 3],
+        ple_embed_dim=32,
+        ple_conv_kernel_size=3,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=1000,
+        split_ngram_parts=2,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+    ),
+    # 3 layers (QSA, GDN, QSA), 2 streams (rank 8); MQA 2 heads of 16, GDN 1 key and 2 value
+    # heads (conv 3); 6 experts of 32, top-1 not renormalised; the indexer keeps 3 blocks of 2
+    # tokens and the tail; no n-gram embeddings.
+    "qwen4-exp-plain": dict(
+        _COMMON_QWEN4,
+        num_hidden_layers=3,
+        layer_types=["indexed_attention", "linear_attention", "indexed_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        linear_conv_kernel_dim=3,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        num_experts=6,
+        num_experts_per_tok=1,
+        norm_topk_prob=False,
+        hc_count=2,
+        hc_lowrank=8,
+        ple_layer_ids=[],
+        indexer_budget=6,
+        indexer_compress_ratio=2,
+    ),
+}
+
 _COMMON_OLMO = dict(vocab_size=50280, max_position_embeddings=1024, rms_norm_eps=1e-6)
 OLMO_HYBRID: dict[str, dict] = {
     # 3 layers (GDN, attention, GDN); GDN 2 key heads of 16 to 4 value heads of 32, beta in

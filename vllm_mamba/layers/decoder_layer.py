@@ -50,7 +50,10 @@ one `StreamConnection` per stage (`hyper`, under the checkpoint's names: GLM-5-N
 each stage collapses the streams to its input, `x, ctx = c.collapse(h)`, and mixes its output
 back, `h = c.expand(f(norm(x)), ctx, h)` (`layers.hyper_connection`); its norms are optional
 (Qwen4-Exp's connections norm the streams themselves). Such a layer runs its mixer's fused step
-alone (scope `MIXER`), never the block, layer or feed-forward plans.
+alone (scope `MIXER`), never the block, layer or feed-forward plans. It may take an
+`injection` before its first stage that reads the step's token ids (Qwen4-Exp's per-layer
+n-gram embeddings, a stateful layer): `h = h + injection(h, tokens, meta)`; such a layer
+`reads_tokens` and the model calls it `layer(hidden, meta, tokens=input_ids)`.
 
 Glossary: T tokens in the step, H hidden size, N residual streams.
 """
@@ -107,6 +110,7 @@ class DecoderLayer(PlannedLayer):
         pre_norm: Named | None = None,
         normed_residuals: tuple[NormedResidual | None, NormedResidual | None] = (None, None),
         hyper: tuple[Named, Named] | None = None,
+        injection: Named | None = None,
     ) -> None:
         super().__init__()
         for parts, norms in ((mixers, (norm, post_norm)), (ffns, (ffn_norm, ffn_post_norm))):
@@ -142,6 +146,15 @@ class DecoderLayer(PlannedLayer):
                 assert isinstance(named[1], StreamConnection), named
                 self.add_module(*named)
             self._hyper_names = (hyper[0][0], hyper[1][0])
+        assert injection is None or hyper is not None, "an injection goes with the streams"
+        self._injection_name = injection[0] if injection is not None else None
+        if injection is not None:
+            self.add_module(*injection)
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether the layer's injection reads the step's token ids."""
+        return self._injection_name is not None
 
     def _hyper(self, stage: int) -> StreamConnection | None:
         """The mHC weights of stage `stage` (0 the mixer's, 1 the feed-forward's), if any."""
@@ -226,8 +239,14 @@ class DecoderLayer(PlannedLayer):
         """The layer's first feed-forward part that keeps per-sequence state."""
         return next(getattr(self, n) for n in self._ffn_names if n in self._ffn_with_state)
 
-    def forward(self, hidden: torch.Tensor, meta: object) -> torch.Tensor:
-        """`hidden (T, H)` -> `(T, H)` (with mHC streams `(T, N, H)` -> `(T, N, H)`)."""
+    def forward(
+        self, hidden: torch.Tensor, meta: object, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`hidden (T, H)` -> `(T, H)` (with streams `(T, N, H)` -> `(T, N, H)`); `tokens (T,)`
+        the step's token ids, for a layer that `reads_tokens`."""
+        if self._injection_name is not None:
+            assert tokens is not None, "this layer reads the step's token ids"
+            hidden = hidden + getattr(self, self._injection_name)(hidden, tokens, meta)
         plan = self.decode_plan
         if plan is not None and not plan.step.takes(hidden, meta):
             plan = None  # not a step the fused kernel takes: the parts, unfused

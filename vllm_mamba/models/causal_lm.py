@@ -33,7 +33,8 @@ streams merged by `merge_streams` (their mean, GLM-5-Next's head) before the fin
 
 A layer is called `layer(hidden, meta)`; one that also reads the step's embeddings (Zamba2's
 hybrid layers) declares it by being a `ReadsEmbeddings` and is called `layer(hidden, meta,
-embeds)`, decided once when the model is built.
+embeds)`; one whose `reads_tokens` is true (Qwen4-Exp's n-gram layers) is called
+`layer(hidden, meta, tokens=input_ids)`; decided once when the model is built.
 
 Glossary: T tokens in the step, H hidden size, R sampled rows, V vocabulary.
 """
@@ -132,6 +133,10 @@ class CausalLM(nn.Module):
         self._reads_embeds = frozenset(
             i for i, layer in enumerate(layers) if isinstance(layer, ReadsEmbeddings)
         )
+        # the layers given the token ids (an injection that reads them: `DecoderLayer`)
+        self._reads_tokens = frozenset(
+            i for i, layer in enumerate(layers) if getattr(layer, "reads_tokens", False)
+        )
         self.embedding_multiplier = float(embedding_multiplier)
         self.streams = int(streams)
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, ops, tp)
@@ -206,7 +211,12 @@ class CausalLM(nn.Module):
         if self.streams > 1:
             hidden = embeds.unsqueeze(1).expand(-1, self.streams, -1).contiguous()  # (T, N, H)
         for i, layer in enumerate(self.stack.layers):
-            hidden = layer(hidden, meta, embeds) if i in self._reads_embeds else layer(hidden, meta)
+            if i in self._reads_embeds:
+                hidden = layer(hidden, meta, embeds)
+            elif i in self._reads_tokens:
+                hidden = layer(hidden, meta, tokens=input_ids)
+            else:
+                hidden = layer(hidden, meta)
         if self.streams > 1:
             hidden = self.merge_streams(hidden)  # (T, H)
         return self.stack.last_norm(hidden)

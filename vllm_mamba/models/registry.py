@@ -38,6 +38,10 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Glm5NextForConditionalGeneration": (
         "vllm_mamba.models.glm5_next:Glm5NextForConditionalGeneration"
     ),
+    "Qwen4ExpForCausalLM": "vllm_mamba.models.qwen4_exp:Qwen4ExpForCausalLM",
+    "Qwen4ExpForConditionalGeneration": (
+        "vllm_mamba.models.qwen4_exp:Qwen4ExpForConditionalGeneration"
+    ),
     "LaraMiniForCausalLM": "vllm_mamba.models.lara_mini:LaraMiniForCausalLM",
     "Lfm2ForCausalLM": "vllm_mamba.models.lfm2:Lfm2ForCausalLM",
     "Lfm2MoeForCausalLM": "vllm_mamba.models.lfm2:Lfm2MoeForCausalLM",
