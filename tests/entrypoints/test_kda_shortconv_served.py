@@ -1,5 +1,6 @@
 """Kimi Linear (KDA + MLA over the latent cache), Ling 3 (safe-gated KDA, gated MLA with RoPE),
-GLM-5-Next (KDA and sparse MLA over the tokens its indexer selects, in mHC streams), LFM2 (short
+GLM-5-Next (KDA and sparse MLA over the tokens its indexer selects, in mHC streams), Qwen4-Exp
+(GDN and indexed attention in gated hyper-connections, per-layer n-gram embeddings), LFM2 (short
 convs + GQA), LFM3 (short convs, sliding-window and full attention in three KV groups) and ZAYA1
 (compressed convolutional attention, conv state beside windowed KV) through the OpenAI server
 with the official `openai` client, under KV pressure: concurrent completions and a chat
@@ -36,7 +37,15 @@ PROMPTS = [
 CHAT = "user: What is a recurrent state?\nassistant:"  # the test servers' role: content template
 
 
-SERVED = ["kimi-linear-moe", "ling-moe", "glm5-next-moe", "lfm2-gqa", "lfm3-gqa", "zaya-gqa"]
+SERVED = [
+    "kimi-linear-moe",
+    "ling-moe",
+    "glm5-next-moe",
+    "qwen4-exp-ple",
+    "lfm2-gqa",
+    "lfm3-gqa",
+    "zaya-gqa",
+]
 
 
 @pytest.fixture(scope="module", params=SERVED)
