@@ -14,9 +14,11 @@ and a top-1 MoE of 16 experts, saved in bfloat16, `/tmp/zaya1-8b-4layers-random`
 `/tmp/ling-1b-random`), `glm5_next` (GLM-5.3-Flash's real layer shapes, 2 of its layers,
 saved in bfloat16: its sparse attention reads at most 2048 tokens a step, so the `step @ C` rows
 at `--steps 1024,8192,32768` show a decode step flat in the context,
-`/tmp/glm-5.3-flash-2layers-random`) and `qwen3_6_moe` (Qwen3.6-35B-A3B's real layer shapes,
-256 experts, four of its layers, saved in bfloat16: run it with `--dtype bfloat16`,
-`/tmp/qwen3.6-35b-a3b-4layers-random`). `--dtype bfloat16` runs the engine and transformers in
+`/tmp/glm-5.3-flash-2layers-random`), `qwen4_exp` (Qwen3.8-Flash-Next's real layer shapes, 4 of
+its layers, 64 of its experts, saved in bfloat16, `/tmp/qwen3.8-flash-next-4layers-random`: its
+indexed attention reads at most 2048 tokens a step too) and `qwen3_6_moe` (Qwen3.6-35B-A3B's
+real layer shapes, 256 experts, four of its layers, saved in bfloat16: run it with `--dtype
+bfloat16`, `/tmp/qwen3.6-35b-a3b-4layers-random`). `--dtype bfloat16` runs the engine and transformers in
 bfloat16; `--quantization int8` / `int4` the engine with int8 / int4 weights. The run starts
 by printing the recurrent state bytes one sequence holds and how many sequences fit a GiB.
 
@@ -88,6 +90,7 @@ from hybrid_configs import (
     QWEN3_5_CONFIG,
     QWEN3_6_MOE_CONFIG,
     QWEN3_NEXT_CONFIG,
+    QWEN4_EXP_CONFIG,
     ZAYA_CONFIG,
 )
 
@@ -115,10 +118,15 @@ ARCHS = {  # --arch: (transformers class, config, default model directory)
         GLM5_NEXT_CONFIG,
         "/tmp/glm-5.3-flash-2layers-random",
     ),
+    "qwen4_exp": (
+        "Qwen4ExpForCausalLM",
+        QWEN4_EXP_CONFIG,
+        "/tmp/qwen3.8-flash-next-4layers-random",
+    ),
 }
 SHIPPED_KEYS = {"kimi_linear": KIMI_SHIPPED_KEYS}  # config.json keys the releases carry
 # Made and saved in bfloat16 (float32: up to 6.8 GB of disk each).
-SAVED_BF16 = {"qwen3_6_moe", "lfm3", "zaya", "glm5_next"}
+SAVED_BF16 = {"qwen3_6_moe", "lfm3", "zaya", "glm5_next", "qwen4_exp"}
 TOKENIZER_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests/data/gpt-neox-20b-tokenizer"
 )

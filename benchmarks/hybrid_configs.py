@@ -37,6 +37,13 @@ model).
   of 128 with the safe gate, MLA 64 heads (q rank 1536, latent 512, nope 256, v 256, no RoPE),
   an indexer of 32 heads of 128 selecting 2048 tokens in pools of 16 plus the tail, 4 mHC
   streams, vocabulary 154,880, untied head: about 2.4B parameters, saved in bfloat16.
+- `QWEN4_EXP_CONFIG`: Qwen3.8-Flash-Next's real layer shapes (transformers' Qwen4-Exp defaults)
+  with 4 of its 40 layers (3 GDN, then indexed attention) and 64 of its 512 experts: hidden 2048,
+  GDN 16 key and 32 value heads of 128, attention 16 query and 2 key/value heads of 256 (partial
+  RoPE 0.25), a QSA indexer of 32 heads of 128 keeping 2048 tokens in blocks of 16 plus the tail,
+  experts of 512 (top-10) and a gated shared expert of 512, 4 streams (rank 320), n-gram
+  embeddings on the first layer with tables of 100,000 rows per head instead of the release's
+  20,000,000 (the release's tables alone hold 41B parameters a layer), vocabulary 248,320.
 """
 
 from __future__ import annotations
@@ -320,4 +327,48 @@ GLM5_NEXT_CONFIG = dict(
     bos_token_id=0,
     eos_token_id=0,
     vision_config=dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=64),
+)
+QWEN4_EXP_CONFIG = dict(
+    vocab_size=248320,
+    hidden_size=2048,
+    num_hidden_layers=4,
+    layer_types=["linear_attention"] * 3 + ["indexed_attention"],
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    num_experts=64,
+    num_experts_per_tok=10,
+    hc_count=4,
+    hc_lowrank=320,
+    ple_layer_ids=[1],
+    ple_embed_dim=2048,
+    ngram_size=3,
+    heads_per_ngram=8,
+    ngram_vocab_size_base=100_000,
+    split_ngram_parts=1,
+    indexer_n_heads=32,
+    indexer_kv_heads=1,
+    indexer_head_dim=128,
+    indexer_budget=2048,
+    indexer_compress_ratio=16,
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+        mrope_section=[11, 11, 10],
+        mrope_interleaved=True,
+    ),
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_position_embeddings=65536,
+    pad_token_id=0,
+    bos_token_id=0,
+    eos_token_id=0,
 )
