@@ -20,7 +20,8 @@ indexed attention reads at most 2048 tokens a step too) and `qwen3_6_moe` (Qwen3
 real layer shapes, 256 experts, four of its layers, saved in bfloat16: run it with `--dtype
 bfloat16`, `/tmp/qwen3.6-35b-a3b-4layers-random`). `--dtype bfloat16` runs the engine and
 transformers in bfloat16; `--quantization int8` / `int4` the engine with int8 / int4 weights.
-The run starts by printing the recurrent state bytes one sequence holds and how many sequences fit a GiB.
+The run starts by printing the recurrent state bytes one sequence holds and how many sequences
+fit a GiB.
 
 Workloads, medians of `--reps` interleaved repetitions, `--threads` threads (every system pinned
 to them):
