@@ -19,6 +19,7 @@ import types
 import pytest
 import torch
 
+from tests.helpers.mixed_steps import LENGTHS, NUM_BLOCKS, run_mixed_steps, step_two_rows
 from vllm_mamba.attention.backend import StepLayout
 from vllm_mamba.attention.backends.paged import PagedMetadata, build_paged_metadata
 from vllm_mamba.cache_specs import IndexerSpec, MLASpec
@@ -177,29 +178,12 @@ def test_mixed_step_equals_transformers(impl: str) -> None:
     """One step with two decode rows and two prefill chunks (one continuing a cached context)
     equals transformers per sequence."""
     hf = _hf_attention()
-    seqs = [_hidden(10 + i, n) for i, n in enumerate((23, 9, 26, 17))]
+    seqs = [_hidden(10 + i, n) for i, n in enumerate(LENGTHS)]
     wants = [_hf_forward(hf, x)[0] for x in seqs]
     layer = _layer(hf, impl)
-    tables = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9, 10, 11]]
-    _bind([layer], num_blocks=12)
-    step1 = StepLayout(
-        decode_slots=[], prefill_lens=[22, 8, 10], prefill_slots=[0, 1, 3],
-        prefill_context_lens=[0, 0, 0], block_size=BLOCK_SIZE,
-        prefill_block_tables=[tables[0], tables[1], tables[3]],
-    )  # fmt: skip
-    with torch.no_grad():
-        layer(
-            torch.cat([seqs[0][:22], seqs[1][:8], seqs[3][:10]]), build_paged_metadata(step1, CPU)
-        )
-    step2 = StepLayout(
-        decode_slots=[0, 1], prefill_lens=[26, 7], prefill_slots=[2, 3],
-        prefill_context_lens=[0, 10], decode_context_lens=[22, 8], block_size=BLOCK_SIZE,
-        decode_block_tables=[tables[0], tables[1]], prefill_block_tables=[tables[2], tables[3]],
-    )  # fmt: skip
-    hidden = torch.cat([seqs[0][22:], seqs[1][8:], seqs[2], seqs[3][10:]])
-    with torch.no_grad():
-        got = layer(hidden, build_paged_metadata(step2, CPU)).split([1, 1, 26, 7])
-    for out, want in zip(got, [wants[0][22:], wants[1][8:], wants[2], wants[3][10:]]):
+    _bind([layer], num_blocks=NUM_BLOCKS)
+    got = run_mixed_steps(layer, seqs, BLOCK_SIZE)
+    for out, want in zip(got, step_two_rows(wants)):
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 

@@ -3,12 +3,13 @@ hyper-connections (`GatedResidual`) against transformers' `Qwen4ExpTextAttention
 `Qwen4ExpTextGatedResidual`.
 
 A tiny config (hidden 64, 4 query heads and 2 key/value heads of 32 with partial RoPE; an
-indexer of 8 heads of 16 keeping 2 blocks of 4 tokens and the tail) over 30-token sequences, so
-the selection drops blocks: the layer, given transformers' weights, equals transformers' forward
-over the whole sequence in one step, and chunked with cuts inside a block then decoded token by
-token (the gathered decode against transformers' dense attention restricted to the selection),
-with the reference and the C++ ops; a step mixing decode rows and prefill chunks equals
-transformers per sequence; the cached block keys equal transformers' pooling.
+indexer of 8 heads of 16 keeping 2 blocks of 4 tokens and the tail) over 30-token sequences,
+so the selection drops blocks: the layer, given transformers' weights, equals transformers'
+forward over the whole sequence in one step, and chunked with cuts inside a block then decoded
+token by token (the gathered decode against transformers' dense attention restricted to the
+selection), with the prefill gathered or masked, with the reference and the C++ ops; a step
+mixing decode rows and prefill chunks equals transformers per sequence; the cached block keys
+equal transformers' pooling.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.mixed_steps import LENGTHS, NUM_BLOCKS, run_mixed_steps, step_two_rows
 from vllm_mamba.attention.backend import StepLayout
 from vllm_mamba.attention.backends.paged import PagedMetadata, build_paged_metadata
 from vllm_mamba.cache_specs import AttentionSpec, IndexerSpec
 from vllm_mamba.kv_cache import KVCache, plan_num_blocks
+from vllm_mamba.layers import qsa_attention
 from vllm_mamba.layers.hyper_connection import GatedResidual
 from vllm_mamba.layers.layernorm import ZeroCenteredRMSNorm
 from vllm_mamba.layers.qsa_attention import IndexedSelfAttention, QSAIndexer
@@ -124,9 +127,13 @@ def hf() -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_layer_equals_transformers(hf: torch.nn.Module, impl: str) -> None:
+@pytest.mark.parametrize("dense_factor", [0, 100])  # prefill gathered per query / masked dense
+def test_layer_equals_transformers(
+    hf: torch.nn.Module, impl: str, dense_factor: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Whole prefill, and chunks cut inside blocks followed by decode steps, equal
     transformers; the selection drops blocks."""
+    monkeypatch.setattr(qsa_attention, "DENSE_FACTOR", dense_factor)
     hidden = _hidden(1)
     want = _hf_forward(hf, hidden)
     layer = _layer(hf, impl)
@@ -172,29 +179,12 @@ def test_block_keys_equal_transformers(hf: torch.nn.Module) -> None:
 def test_mixed_step_equals_transformers(hf: torch.nn.Module, impl: str) -> None:
     """Two decode rows and two prefill chunks (one continuing its context) in one step equal
     transformers per sequence."""
-    seqs = [_hidden(10 + i, n) for i, n in enumerate((23, 9, 26, 17))]
+    seqs = [_hidden(10 + i, n) for i, n in enumerate(LENGTHS)]
     wants = [_hf_forward(hf, x) for x in seqs]
     layer = _layer(hf, impl)
-    tables = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9, 10, 11]]
-    _bind(layer, num_blocks=12)
-    step1 = StepLayout(
-        decode_slots=[], prefill_lens=[22, 8, 10], prefill_slots=[0, 1, 3],
-        prefill_context_lens=[0, 0, 0], block_size=BLOCK_SIZE,
-        prefill_block_tables=[tables[0], tables[1], tables[3]],
-    )  # fmt: skip
-    with torch.no_grad():
-        layer(
-            torch.cat([seqs[0][:22], seqs[1][:8], seqs[3][:10]]), build_paged_metadata(step1, CPU)
-        )
-    step2 = StepLayout(
-        decode_slots=[0, 1], prefill_lens=[26, 7], prefill_slots=[2, 3],
-        prefill_context_lens=[0, 10], decode_context_lens=[22, 8], block_size=BLOCK_SIZE,
-        decode_block_tables=[tables[0], tables[1]], prefill_block_tables=[tables[2], tables[3]],
-    )  # fmt: skip
-    hidden = torch.cat([seqs[0][22:], seqs[1][8:], seqs[2], seqs[3][10:]])
-    with torch.no_grad():
-        got = layer(hidden, build_paged_metadata(step2, CPU)).split([1, 1, 26, 7])
-    for out, want in zip(got, [wants[0][22:], wants[1][8:], wants[2], wants[3][10:]]):
+    _bind(layer, num_blocks=NUM_BLOCKS)
+    got = run_mixed_steps(layer, seqs, BLOCK_SIZE)
+    for out, want in zip(got, step_two_rows(wants)):
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 

@@ -39,6 +39,7 @@ from vllm_mamba.layers.self_attention import SelfAttention
 from vllm_mamba.ops.table import MambaOps
 
 SPARSE_BATCH = 64  # queries per gathered batch
+DENSE_FACTOR = 2  # a prefill chunk of a sequence up to this many selection widths: dense
 
 
 class QSAIndexer(BlockIndexer):
@@ -154,11 +155,15 @@ class IndexedSelfAttention(SelfAttention):
         out = q.new_zeros(num_tokens, heads, d)
         nd = meta.num_decodes
         rows = [(slice(0, nd), view.decode_block_tables, meta.decode_seq_lens > 0)] if nd else []
-        starts = meta.prefill_query_start_loc.tolist()
+        starts, lengths = meta.prefill_query_start_loc.tolist(), meta.prefill_seq_lens.tolist()
         for p in range(meta.num_prefills):
-            if starts[p + 1] > starts[p]:
-                span = slice(nd + starts[p], nd + starts[p + 1])
-                rows.append((span, view.prefill_block_tables[p : p + 1], None))
+            if starts[p + 1] == starts[p]:
+                continue
+            span, table = slice(nd + starts[p], nd + starts[p + 1]), view.prefill_block_tables[p]
+            if lengths[p] <= DENSE_FACTOR * self.indexer.width:
+                out[span] = self._masked(q[span], selection[span], table, lengths[p])
+            else:
+                rows.append((span, table[None], None))
         for span, tables, live in rows:
             for first in range(span.start, span.stop, SPARSE_BATCH):
                 last = min(first + SPARSE_BATCH, span.stop)
@@ -167,6 +172,26 @@ class IndexedSelfAttention(SelfAttention):
                 alive = None if live is None else live[local]
                 out[first:last] = self._gathered(q[first:last], selection[first:last], table, alive)
         return out.reshape(num_tokens, heads * d)
+
+    def _masked(
+        self, q: torch.Tensor, selection: torch.Tensor, table: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        """One sequence's chunk `q (Q, Hq, D)` over its `length` cached keys and values, each
+        query seeing only its selection -> `(Q, Hq, D)`."""
+        attn, kv = self.attn, self.attn.kv
+        assert isinstance(kv, LayerKV)
+        pos = torch.arange(length, device=q.device)
+        blocks, offsets = table[pos // kv.k.shape[1]].long(), pos % kv.k.shape[1]
+        group = attn.num_heads // attn.num_kv_heads
+        keys = kv.k[blocks, offsets].repeat_interleave(group, dim=1)  # (S, Hq, D)
+        values = kv.v[blocks, offsets].repeat_interleave(group, dim=1)
+        allowed = torch.zeros(q.shape[0], length + 1, dtype=torch.bool, device=q.device)
+        allowed.scatter_(1, torch.where(selection >= 0, selection, length), True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
+            attn_mask=allowed[:, :length], scale=attn.scale,
+        )  # fmt: skip
+        return out.transpose(0, 1)
 
     def _gathered(
         self, q: torch.Tensor, selection: torch.Tensor, tables: torch.Tensor,
@@ -188,4 +213,4 @@ class IndexedSelfAttention(SelfAttention):
         )  # fmt: skip
 
 
-__all__ = ["IndexedSelfAttention", "QSAIndexer", "SPARSE_BATCH"]
+__all__ = ["DENSE_FACTOR", "IndexedSelfAttention", "QSAIndexer", "SPARSE_BATCH"]
