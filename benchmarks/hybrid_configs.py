@@ -36,14 +36,15 @@ model).
   DSA layer, both with the dense SwiGLU of 12,288 of its first layers): hidden 4096, KDA 64 heads
   of 128 with the safe gate, MLA 64 heads (q rank 1536, latent 512, nope 256, v 256, no RoPE),
   an indexer of 32 heads of 128 selecting 2048 tokens in pools of 16 plus the tail, 4 mHC
-  streams, vocabulary 154,880, untied head: about 2.4B parameters, saved in bfloat16.
+  streams, vocabulary 154,880, untied head: 1.9B parameters, saved in bfloat16.
 - `QWEN4_EXP_CONFIG`: Qwen3.8-Flash-Next's real layer shapes (transformers' Qwen4-Exp defaults)
   with 4 of its 40 layers (3 GDN, then indexed attention) and 64 of its 512 experts: hidden 2048,
   GDN 16 key and 32 value heads of 128, attention 16 query and 2 key/value heads of 256 (partial
   RoPE 0.25), a QSA indexer of 32 heads of 128 keeping 2048 tokens in blocks of 16 plus the tail,
   experts of 512 (top-10) and a gated shared expert of 512, 4 streams (rank 320), n-gram
   embeddings on the first layer with tables of 100,000 rows per head instead of the release's
-  20,000,000 (the release's tables alone hold 41B parameters a layer), vocabulary 248,320.
+  20,000,000 (the release's tables alone hold 41B parameters a layer), vocabulary 248,320: 2.2B
+  parameters.
 """
 
 from __future__ import annotations
