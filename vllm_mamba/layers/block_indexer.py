@@ -15,9 +15,12 @@ flat pooled tensor (a pool never straddles a block). A speculative token written
 rewrites its row and its pool's key.
 
 The selection (`select`) is `(T, W)` token positions per query, `-1` padded, `W = topk + kpool
-- 1`. Ties between pool scores (exactly equal floats) are broken by `torch.topk`, as in
-transformers, which runs the same top-k over a differently laid out score vector: a tie at the
-budget's edge may select another pool than transformers does.
+- 1`. The attention reads it through a block table of one-token blocks (`selected_slots`,
+`one_token_blocks`): each query's selected slots, so the layer's paged kernels (reference, C++
+or Triton) read exactly those tokens, with no copy. Ties between pool scores (exactly equal
+floats) are broken by `torch.topk`, as in transformers, which runs the same top-k over a
+differently laid out score vector: a tie at the budget's edge may select another pool than
+transformers does.
 
 Glossary: T tokens, Q a group of queries, P pools, D the pooled key's dim, W selection width.
 """
@@ -177,27 +180,35 @@ def select_step(
     return selection
 
 
-def gather_selected(
-    cache: torch.Tensor, selection: torch.Tensor, tables: torch.Tensor
+def selected_slots(
+    selection: torch.Tensor, tables: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's selected cache rows, in ascending positions, packed at the front.
+    """Each query's selected cache slots, in ascending positions, packed at the front: the
+    block table of a cache viewed as blocks of one token (`(NB BS, 1, ...)`), so a paged
+    attention kernel reads exactly the selected tokens through it (no copy).
 
     Args:
-        cache: `(NB, BS, ...)` a paged cache tensor.
         selection: `(N, W)` positions, `-1` padded.
         tables: `(N or 1, max_blocks)` the queries' block tables.
+        block_size: tokens per block of the cache.
 
     Returns:
-        `(rows (N, W, ...), counts (N,))`: the rows past a query's count are filler.
+        `(slots (N, W) int32, counts (N,) int32)`: the slots past a query's count are filler.
     """
-    block_size, num = cache.shape[1], selection.shape[0]
+    num = selection.shape[0]
     valid = selection >= 0
     far = torch.iinfo(torch.int64).max
     ordered = torch.where(valid, selection, far).sort(dim=1).values  # valid first
     pos = torch.where(ordered == far, 0, ordered)
     blocks = tables.long().expand(num, -1).gather(1, pos // block_size)
-    flat = cache.reshape(-1, *cache.shape[2:])
-    return flat[blocks * block_size + pos % block_size], valid.sum(dim=1)
+    slots = blocks * block_size + pos % block_size
+    return slots.to(torch.int32), valid.sum(dim=1).to(torch.int32)
 
 
-__all__ = ["BlockIndexer", "gather_selected", "select_step"]
+def one_token_blocks(cache: torch.Tensor) -> torch.Tensor:
+    """A paged cache `(NB, BS, ...)` viewed as `(NB BS, 1, ...)` (the layout `selected_slots`
+    indexes)."""
+    return cache.view(-1, 1, *cache.shape[2:])
+
+
+__all__ = ["BlockIndexer", "one_token_blocks", "select_step", "selected_slots"]

@@ -7,12 +7,12 @@ query; a "shared" layer has no indexer and reuses the selection of the full laye
 the same step (`share_from`, GLM's cross-layer top-k sharing). The attention over the selected
 tokens is MLA's with the causal mask replaced by the selection:
 
-- decode rows: the selected latents are gathered (ascending positions) into a small cache of
-  one block per row and the family's absorbed decode kernel runs on it, so a decode step reads
-  `W` latents whatever the context (`_sparse`);
+- decode rows: the family's absorbed decode kernel reads the selected latents (ascending
+  positions) through a block table of one-token blocks (`layers.block_indexer.selected_slots`),
+  so a decode step reads `W` latents whatever the context (`_sparse`);
 - prefill chunks: expanded attention with the selection as mask (transformers' form), or for
-  a sequence too long to expand (`expand_max_bytes`) the gathered form per query, in batches
-  of `SPARSE_BATCH` queries.
+  a sequence too long to expand (`expand_max_bytes`) every query as a decode row of that
+  kind.
 
 Everything else (projections, latents, tensor parallelism) is `MLAAttention`'s.
 
@@ -25,12 +25,10 @@ import torch
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.cache_specs import KVSpec, MLASpec
-from vllm_mamba.layers.block_indexer import gather_selected, select_step
+from vllm_mamba.layers.block_indexer import one_token_blocks, select_step, selected_slots
 from vllm_mamba.layers.cache_layers import LatentKV
 from vllm_mamba.layers.mla_attention import MLAAttention
 from vllm_mamba.layers.pool_indexer import PoolIndexer
-
-SPARSE_BATCH = 64  # queries per gathered batch of a long prefill
 
 
 class IndexedMLAAttention(MLAAttention):
@@ -99,8 +97,8 @@ class IndexedMLAAttention(MLAAttention):
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, selection: torch.Tensor,
         tables: torch.Tensor, live: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Absorbed attention of `N` queries over their selected latents, gathered into a
-        cache of one block per query -> `(N, Hq, Dv)` float32.
+        """Absorbed attention of `N` queries over their selected latents, read through a block
+        table of one-token blocks -> `(N, Hq, Dv)` float32.
 
         Args:
             q_nope, q_rot: `(N, Hq, Dn)`, `(N, Hq, Dr)`.
@@ -109,14 +107,13 @@ class IndexedMLAAttention(MLAAttention):
             live: `(N,)` rows that attend (padding rows do not); default all.
         """
         assert isinstance(self.kv, LatentKV)
-        rows, counts = gather_selected(self.kv.latent, selection, tables)  # (N, W, L)
+        latent = self.kv.latent
+        slots, counts = selected_slots(selection, tables, latent.shape[1])  # (N, W), (N,)
         if live is not None:
             counts = counts * live
-        num = selection.shape[0]
-        own = torch.arange(num, dtype=torch.int32, device=rows.device).view(num, 1)
         return self._absorbed(
-            q_nope, q_rot, self.mla.decode_attention, cache=rows,
-            block_tables=own, seq_lens=counts.to(torch.int32),
+            q_nope, q_rot, self.mla.decode_attention, cache=one_token_blocks(latent),
+            block_tables=slots, seq_lens=counts,
         )  # fmt: skip
 
     def _prefill_sparse(
@@ -140,12 +137,10 @@ class IndexedMLAAttention(MLAAttention):
                     q_nope[begin:end], q_rot[begin:end], table, length, allowed[:, :length]
                 )
                 continue
-            for first in range(begin, end, SPARSE_BATCH):
-                last = min(first + SPARSE_BATCH, end)
-                out[first:last] = self._sparse(
-                    q_nope[first:last], q_rot[first:last], selection[first:last], table[None]
-                )
+            out[begin:end] = self._sparse(
+                q_nope[begin:end], q_rot[begin:end], selection[begin:end], table[None]
+            )
         return out
 
 
-__all__ = ["IndexedMLAAttention", "SPARSE_BATCH"]
+__all__ = ["IndexedMLAAttention"]
