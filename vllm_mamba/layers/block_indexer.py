@@ -205,10 +205,17 @@ def selected_slots(
     return slots.to(torch.int32), valid.sum(dim=1).to(torch.int32)
 
 
+def selection_mask(selection: torch.Tensor, length: int) -> torch.Tensor:
+    """The keys each query sees: `(Q, length)` bool from `selection (Q, W)` (`-1` padded)."""
+    allowed = torch.zeros(selection.shape[0], length + 1, dtype=torch.bool, device=selection.device)
+    allowed.scatter_(1, torch.where(selection >= 0, selection, length), True)  # -1: a spare column
+    return allowed[:, :length]
+
+
 def one_token_blocks(cache: torch.Tensor) -> torch.Tensor:
     """A paged cache `(NB, BS, ...)` viewed as `(NB BS, 1, ...)` (the layout `selected_slots`
     indexes)."""
     return cache.view(-1, 1, *cache.shape[2:])
 
 
-__all__ = ["BlockIndexer", "one_token_blocks", "select_step", "selected_slots"]
+__all__ = ["BlockIndexer", "one_token_blocks", "select_step", "selected_slots", "selection_mask"]

@@ -25,7 +25,12 @@ import torch
 
 from vllm_mamba.attention.backends.paged import PagedMetadata
 from vllm_mamba.cache_specs import KVSpec, MLASpec
-from vllm_mamba.layers.block_indexer import one_token_blocks, select_step, selected_slots
+from vllm_mamba.layers.block_indexer import (
+    one_token_blocks,
+    select_step,
+    selected_slots,
+    selection_mask,
+)
 from vllm_mamba.layers.cache_layers import LatentKV
 from vllm_mamba.layers.mla_attention import MLAAttention
 from vllm_mamba.layers.pool_indexer import PoolIndexer
@@ -131,11 +136,10 @@ class IndexedMLAAttention(MLAAttention):
                 continue
             table, chosen = meta.prefill_block_tables[p], selection[begin:end]
             if length * per_token <= self.expand_max_bytes:
-                allowed = torch.zeros(end - begin, length + 1, dtype=torch.bool, device=out.device)
-                allowed.scatter_(1, torch.where(chosen >= 0, chosen, length), True)
                 out[begin:end] = self._expanded(
-                    q_nope[begin:end], q_rot[begin:end], table, length, allowed[:, :length]
-                )
+                    q_nope[begin:end], q_rot[begin:end], table, length,
+                    selection_mask(chosen, length),
+                )  # fmt: skip
                 continue
             out[begin:end] = self._sparse(
                 q_nope[begin:end], q_rot[begin:end], selection[begin:end], table[None]

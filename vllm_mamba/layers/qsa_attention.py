@@ -39,6 +39,7 @@ from vllm_mamba.layers.block_indexer import (
     one_token_blocks,
     select_step,
     selected_slots,
+    selection_mask,
 )
 from vllm_mamba.layers.cache_layers import LayerKV
 from vllm_mamba.layers.layernorm import ZeroCenteredRMSNorm
@@ -188,11 +189,9 @@ class IndexedSelfAttention(SelfAttention):
         group = attn.num_heads // attn.num_kv_heads
         keys = kv.k[blocks, offsets].repeat_interleave(group, dim=1)  # (S, Hq, D)
         values = kv.v[blocks, offsets].repeat_interleave(group, dim=1)
-        allowed = torch.zeros(q.shape[0], length + 1, dtype=torch.bool, device=q.device)
-        allowed.scatter_(1, torch.where(selection >= 0, selection, length), True)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
-            attn_mask=allowed[:, :length], scale=attn.scale,
+            attn_mask=selection_mask(selection, length), scale=attn.scale,
         )  # fmt: skip
         return out.transpose(0, 1)
 
