@@ -192,7 +192,7 @@ def test_mixed_step_equals_transformers(hf: torch.nn.Module, impl: str) -> None:
 def test_gated_residual_equals_transformers(inject: bool) -> None:
     """Collapse / expand (and the final merge without injection) equal transformers'."""
     hf = _randomized(qwen4.Qwen4ExpTextGatedResidual(_config(), use_combine=inject), seed=3)
-    ours = GatedResidual(HIDDEN, 3, 8, _config().rms_norm_eps, inject=inject)
+    ours = GatedResidual(HIDDEN, 3, 8, _config().rms_norm_eps, REF_OPS, inject=inject)
     ours.load_state_dict(hf.state_dict())
     streams = torch.randn(5, 3, HIDDEN, generator=torch.Generator().manual_seed(4))
     out = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(5))

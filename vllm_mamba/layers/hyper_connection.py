@@ -41,6 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_mamba.layers.linear import Linear
+from vllm_mamba.ops.table import MambaOps
+
 Context = tuple[torch.Tensor, ...]  # what `collapse` hands `expand`
 
 
@@ -109,18 +112,20 @@ class GatedResidual(StreamConnection):
     final merge of the streams, `merge`)."""
 
     def __init__(
-        self, hidden_size: int, streams: int, rank: int, eps: float, inject: bool = True
-    ) -> None:
+        self, hidden_size: int, streams: int, rank: int, eps: float, ops: MambaOps,
+        inject: bool = True,
+    ) -> None:  # fmt: skip
         """Args: `hidden_size` H; `streams` N (`hc_count`); `rank` the input mixer's rank
-        (`hc_lowrank`); `eps` the norm's epsilon; `inject` whether the stage's output is mixed
-        back (`block_inject_weight`)."""
+        (`hc_lowrank`); `eps` the norm's epsilon; `ops` the ops table (its `linear` runs the
+        projections); `inject` whether the stage's output is mixed back
+        (`block_inject_weight`)."""
         super().__init__()
         self.hidden_size, self.streams, self.eps = hidden_size, streams, eps
         width = streams * hidden_size
         self.hc_norm = _GroupedNormWeight(width)
-        self.input_mix_weight_down = nn.Linear(width, rank, bias=False)
-        self.input_mix_weight_up = nn.Linear(rank, width, bias=False)
-        self.block_inject_weight = nn.Linear(width, streams, bias=False) if inject else None
+        self.input_mix_weight_down = Linear(width, rank, False, ops)
+        self.input_mix_weight_up = Linear(rank, width, False, ops)
+        self.block_inject_weight = Linear(width, streams, False, ops) if inject else None
 
     def _normed(self, streams: torch.Tensor) -> torch.Tensor:
         """Each stream RMS-normed, times `1 + hc_norm` -> `(T, N H)` in the streams' dtype."""

@@ -109,9 +109,9 @@ def _ple(config: Any, ple_index: int, ops: MambaOps) -> PerLayerEmbedding:
     )  # fmt: skip
 
 
-def _connection(config: Any, inject: bool = True) -> GatedResidual:
+def _connection(config: Any, ops: MambaOps, inject: bool = True) -> GatedResidual:
     return GatedResidual(
-        config.hidden_size, config.hc_count, config.hc_lowrank, config.rms_norm_eps, inject
+        config.hidden_size, config.hc_count, config.hc_lowrank, config.rms_norm_eps, ops, inject
     )
 
 
@@ -128,8 +128,8 @@ def _layer(config: Any, index: int, ops: MambaOps, tp: TensorParallel) -> Decode
     return DecoderLayer(
         mixers=[mixer],
         ffns=[("mlp", sparse_moe(config, ops, tp))],
-        hyper=(("attn_hyper_connection", _connection(config)),
-               ("mlp_hyper_connection", _connection(config))),
+        hyper=(("attn_hyper_connection", _connection(config, ops)),
+               ("mlp_hyper_connection", _connection(config, ops))),
         injection=ple,
     )  # fmt: skip
 
@@ -156,7 +156,7 @@ class Qwen4ExpForCausalLM(CausalLM):
             layers=[_layer(config, i, ops, tp) for i in range(config.num_hidden_layers)],
             norm_eps=config.rms_norm_eps, final_norm_cls=_NoNorm, streams=config.hc_count,
         )  # fmt: skip
-        self.stack.add_module("hyper_connection_mixer", _connection(config, inject=False))
+        self.stack.add_module("hyper_connection_mixer", _connection(config, ops, inject=False))
 
     def merge_streams(self, streams: torch.Tensor) -> torch.Tensor:
         """The streams `(T, N, H)` merged by the `hyper_connection_mixer` -> `(T, H)`."""
