@@ -8,7 +8,7 @@ attention layer has its own tensors over the pool: K and V `(num_blocks, block_s
 num_kv_heads, head_dim)` for an `AttentionSpec` (the layout of `vllm_mamba.ops.paged_attention`),
 one latent tensor `(num_blocks, block_size, latent_dim)` for an `MLASpec` (the layout of
 `vllm_mamba.ops.mla_attention`), and with its `IndexerSpec` the indexer's rows `(num_blocks,
-block_size, 2 D)` and pooled keys `(num_blocks, block_size // kpool, D)` (so the block size
+block_size, row_dim)` and pooled keys `(num_blocks, block_size // kpool, D)` (so the block size
 must be a multiple of `kpool`). The slot of a token is `block_id * block_size + offset` in
 either; a block copy (fork, prefix caching) copies every tensor of every layer.
 
@@ -286,10 +286,9 @@ class KVCache:
         padded tensor, the layer's heads at the start of each token's row."""
         tensors = self.layer_tensors[self.groups.layer_tensor[index]]
         spec = self.specs[index]
+        indexer = tuple(tensors[-2:]) if spec.indexer is not None else (None, None)
         if isinstance(spec, MLASpec):
-            if spec.indexer is None:
-                return LatentKV(latent=tensors[0])
-            return LatentKV(latent=tensors[0], index_rows=tensors[1], pooled=tensors[2])
+            return LatentKV(tensors[0], *indexer)
         assert isinstance(spec, AttentionSpec), spec
         heads = (spec.num_kv_heads, spec.head_dim)
         k, v = (
@@ -298,12 +297,7 @@ class KVCache:
             else t.flatten(2)[:, :, : _token_width(spec)].unflatten(2, heads)
             for t in tensors[:2]
         )  # (NB, BS, Hkv, D), tokens `widest` apart in a padded tensor
-        if spec.indexer is None:
-            return LayerKV(k=k, v=v, group=self.groups.layer_group[index])
-        return LayerKV(
-            k=k, v=v, group=self.groups.layer_group[index], index_rows=tensors[2],
-            pooled=tensors[3],
-        )  # fmt: skip
+        return LayerKV(k, v, self.groups.layer_group[index], *indexer)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copies blocks `src[i]` into `dst[i]` in every layer (copy-on-write of a fork)."""

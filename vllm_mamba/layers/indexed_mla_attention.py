@@ -126,24 +126,18 @@ class IndexedMLAAttention(MLAAttention):
         meta: PagedMetadata,
     ) -> torch.Tensor:  # fmt: skip
         """The prefill chunks' attention over their selections -> `(Tp, Hq, Dv)` float32."""
-        heads, dn, dv = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
-        out = torch.zeros(q_nope.shape[0], heads, dv, device=q_nope.device)
-        starts = meta.prefill_query_start_loc.tolist()
-        per_token = heads * (dn + self.qk_rope_head_dim + dv) * 4  # expanded K and V bytes
-        for p, length in enumerate(meta.prefill_seq_lens.tolist()):
-            begin, end = starts[p], starts[p + 1]
-            if end == begin:
-                continue
+        out = torch.zeros(q_nope.shape[0], self.num_heads, self.v_head_dim, device=q_nope.device)
+        for p, begin, end, length, expandable in self._prefill_spans(meta):
             table, chosen = meta.prefill_block_tables[p], selection[begin:end]
-            if length * per_token <= self.expand_max_bytes:
+            if expandable:
                 out[begin:end] = self._expanded(
                     q_nope[begin:end], q_rot[begin:end], table, length,
                     selection_mask(chosen, length),
                 )  # fmt: skip
-                continue
-            out[begin:end] = self._sparse(
-                q_nope[begin:end], q_rot[begin:end], selection[begin:end], table[None]
-            )
+            else:
+                out[begin:end] = self._sparse(
+                    q_nope[begin:end], q_rot[begin:end], chosen, table[None]
+                )
         return out
 
 

@@ -49,7 +49,7 @@ Dn qk_nope_head_dim, Dr qk_rope_head_dim, Dv v_head_dim, L = R + Dr the latent d
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -260,15 +260,9 @@ class MLAAttention(KVCacheLayer):
                 block_tables=meta.prefill_block_tables,
                 query_start_loc=meta.prefill_query_start_loc, seq_lens=meta.prefill_seq_lens,
             )  # fmt: skip
-        heads, dn, dv = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
-        out = torch.zeros(q_nope.shape[0], heads, dv, device=q_nope.device)
-        starts = meta.prefill_query_start_loc.tolist()
-        per_token = heads * (dn + self.qk_rope_head_dim + dv) * 4  # expanded K and V bytes
-        for p, length in enumerate(meta.prefill_seq_lens.tolist()):
-            begin, end = starts[p], starts[p + 1]
-            if end == begin:
-                continue
-            if length * per_token > self.expand_max_bytes:  # too long to expand: absorbed
+        out = torch.zeros(q_nope.shape[0], self.num_heads, self.v_head_dim, device=q_nope.device)
+        for p, begin, end, length, expandable in self._prefill_spans(meta):
+            if not expandable:  # too long to expand: absorbed
                 out[begin:end] = self._absorbed(
                     q_nope[begin:end], q_rot[begin:end], self.mla.prefill_attention,
                     block_tables=meta.prefill_block_tables[p : p + 1],
@@ -279,6 +273,23 @@ class MLAAttention(KVCacheLayer):
             table = meta.prefill_block_tables[p]
             out[begin:end] = self._expanded(q_nope[begin:end], q_rot[begin:end], table, length)
         return out
+
+    def _prefill_spans(self, meta: PagedMetadata) -> Iterator[tuple[int, int, int, int, bool]]:
+        """`(p, begin, end, length, expandable)` of each non-empty prefill chunk: its rows among
+        the prefill tokens, its sequence's length and whether that sequence's expanded keys and
+        values fit `expand_max_bytes`."""
+        dims = self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
+        per_token = self.num_heads * dims * 4  # expanded K and V bytes
+        starts = meta.prefill_query_start_loc.tolist()
+        for p, length in enumerate(meta.prefill_seq_lens.tolist()):
+            if starts[p + 1] > starts[p]:
+                yield (
+                    p,
+                    starts[p],
+                    starts[p + 1],
+                    length,
+                    length * per_token <= self.expand_max_bytes,
+                )
 
     def _expanded(
         self, q_nope: torch.Tensor, q_rot: torch.Tensor, table: torch.Tensor, length: int,

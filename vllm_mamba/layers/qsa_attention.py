@@ -125,19 +125,9 @@ class IndexedSelfAttention(SelfAttention):
 
     def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`."""
-        num_tokens = hidden.shape[0]
         kv = self.attn.kv
         assert isinstance(kv, LayerKV) and kv.index_rows is not None, "no indexed cache bound"
-        q, gate = self.q_proj(hidden), None
-        if self.output_gate:
-            qg = q.view(num_tokens, -1, 2 * self.head_dim)  # (T, Hq, 2 D): [query | gate]
-            q = qg[..., : self.head_dim].reshape(num_tokens, -1)  # (T, Hq D)
-            gate = qg[..., self.head_dim :].reshape(num_tokens, -1)  # (T, Hq D)
-        k, v = self.k_proj(hidden), self.v_proj(hidden)
-        if self.q_norm is not None:
-            q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
-        if self.rotary is not None:
-            q, k = self.rotary(meta.rope_positions, q, k, meta)
+        q, gate, k, v = self._project(hidden, meta)
         index_q, index_k = self.indexer.project(hidden, meta.rope_positions)
         self.indexer.write(index_k, kv.index_rows, kv.pooled, meta.slot_mapping, meta.positions)
         selection = select_step(self.indexer, hidden, index_q, kv.pooled, meta)  # (T, W)

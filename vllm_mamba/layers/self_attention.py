@@ -143,6 +143,21 @@ class SelfAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`."""
         num_tokens = hidden.shape[0]
+        q, gate, k, v = self._project(hidden, meta)
+        out = self.attn(q, k, v, meta)  # (T, Hq D)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        if self.g_proj is not None:
+            heads = torch.sigmoid(self.g_proj(hidden))  # (T, Hq)
+            out = (out.view(num_tokens, -1, self.head_dim) * heads[..., None]).flatten(1)
+        return self.o_proj(out)
+
+    def _project(
+        self, hidden: torch.Tensor, meta: PagedMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """`hidden (T, H)` -> the normed, scaled and rotated `q (T, Hq D)`, the output gate
+        `(T, Hq D)` (None without one), `k` and `v (T, Hkv D)`."""
+        num_tokens = hidden.shape[0]
         q, gate = self.q_proj(hidden), None
         if self.output_gate:
             qg = q.view(num_tokens, -1, 2 * self.head_dim)  # (T, Hq, 2 D): [query | gate]
@@ -155,13 +170,7 @@ class SelfAttention(nn.Module):
             k = k * self.key_multiplier
         if self.rotary is not None:
             q, k = self.rotary(meta.rope_positions, q, k, meta)
-        out = self.attn(q, k, v, meta)  # (T, Hq D)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        if self.g_proj is not None:
-            heads = torch.sigmoid(self.g_proj(hidden))  # (T, Hq)
-            out = (out.view(num_tokens, -1, self.head_dim) * heads[..., None]).flatten(1)
-        return self.o_proj(out)
+        return q, gate, k, v
 
     def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """`norm` of `x (T, heads D)`, per head or over the whole row."""

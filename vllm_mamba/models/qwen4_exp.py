@@ -179,7 +179,8 @@ class Qwen4ExpForCausalLM(CausalLM):
             if len(table) == parts:
                 yield f"{match[1]}.weight", torch.cat([table[i] for i in range(parts)])
                 del shards[match[1]]
-        for base, table in shards.items():
+        if shards:
+            base, table = next(iter(shards.items()))
             raise ValueError(
                 f"{base}: {len(table)} of its {parts} shards (split_ngram_parts) are stored"
             )
