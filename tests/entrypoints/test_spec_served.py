@@ -1,6 +1,7 @@
 """Speculative decoding through the OpenAI server (`--speculative-config` JSON) with the
 official `openai` client: the shipped trained model (n-gram lookup pays on code), a tiny
-hybrid drafted by a tiny Mamba and a tiny Nemotron-H drafting with its own MTP head give
+hybrid drafted by a tiny Mamba, and a tiny Nemotron-H and a tiny Qwen4-Exp (its head over the
+hyper-connection streams, asked for by SGLang's method name) drafting with their own MTP heads give
 `LLM.generate`'s greedy text without speculation, streamed or not, concurrently; `/metrics`
 reports vLLM's speculative-decoding counters."""
 
@@ -23,7 +24,7 @@ from tests.entrypoints.conftest import (
     greedy_completions,
     launch_server,
 )
-from tests.helpers.mtp_checkpoints import save_tiny_nemotron_with_mtp
+from tests.helpers.mtp_checkpoints import save_tiny_nemotron_with_mtp, save_tiny_qwen4_with_mtp
 from tests.helpers.runners import VllmRunner
 from tests.helpers.tmp_dirs import make_tmp_dir
 from tests.tiny_models import tiny_model_dir
@@ -32,18 +33,22 @@ from vllm_mamba.model_zoo import DEFAULT_MODEL
 
 MAX_TOKENS = 24
 MTP_MODEL = "nemotron-h-moe with its MTP head"  # `save_tiny_nemotron_with_mtp`
+STREAMS_MTP_MODEL = "qwen4-exp-ple with its MTP head"  # `save_tiny_qwen4_with_mtp`
 CODE = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
 PROMPTS = [CODE, "import os\nimport sys\n\n\nclass Foo:\n    def __init__(self):\n", "for i in"]
 CASES = {
     "ngram": (DEFAULT_MODEL, {"method": "ngram", "num_speculative_tokens": 4}),
     "draft": ("jamba-gqa", {"method": "draft_model", "num_speculative_tokens": 3}),
     "mtp": (MTP_MODEL, {"method": "mtp", "num_speculative_tokens": 2}),
+    "mtp-streams": (STREAMS_MTP_MODEL, {"method": "qwen4_exp_mtp", "num_speculative_tokens": 2}),
 }
 
 
 def _model(name: str) -> str:
     if name == MTP_MODEL:
         return save_tiny_nemotron_with_mtp(make_tmp_dir("tiny-nemotron-mtp-served-"))
+    if name == STREAMS_MTP_MODEL:
+        return save_tiny_qwen4_with_mtp(make_tmp_dir("tiny-qwen4-mtp-served-"))
     return name if name.startswith("vllm-mamba/") else tiny_model_dir(name)
 
 

@@ -234,6 +234,107 @@ def save_tiny_ling_with_mtp(path: str, seed: int = 0) -> str:
     return _save_with(tiny_model_dir(LING), path, {"num_nextn_predict_layers": 1}, head)
 
 
+GLM5 = "glm5-next-moe"
+GLM5_MTP_SOURCE = 1  # glm5-next-moe's full DSA + MoE layer: the MTP layer's shapes
+
+
+def _drawer(variant: str, seed: int) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
+    """Draws a random tensor by name: plain norm weights from N(1, 0.1^2), zero-centred ones
+    (`zero_centred`) and score-correction biases from N(0, 0.1^2), the rest from N(0, std^2)
+    with the variant's weight scale."""
+    g = torch.Generator().manual_seed(seed)
+    std = MODEL_FAMILY[variant].weight_std
+
+    def draw(name: str, shape: tuple[int, ...], zero_centred: bool = False) -> torch.Tensor:
+        noise = torch.randn(shape, generator=g)
+        if name.endswith(("norm.weight", "layernorm.weight")) and not zero_centred:
+            return 1.0 + 0.1 * noise
+        small = zero_centred or name.endswith(("e_score_correction_bias", "norm.bias"))
+        return noise * (0.1 if small else std)
+
+    return draw
+
+
+def save_tiny_glm5_with_mtp(path: str, seed: int = 0) -> str:
+    """Saves the tiny GLM-5-Next model with one random MTP layer under the release's names
+    (`model.language_model.layers.{num_hidden_layers}.`: `enorm`, `hnorm`, `eh_proj (H, 2H)`,
+    `shared_head.norm`, `shared_head.head` (the head again), and a DSA + MoE decoder layer
+    without hyper-connections in the shapes of the target's layer `GLM5_MTP_SOURCE`) into
+    directory `path`; returns `path`."""
+    draw = _drawer(GLM5, seed + 4000)
+
+    def head(config: dict, tensors: dict) -> dict:
+        text = config["text_config"]
+        prefix = "model.language_model.layers."
+        layer, hidden = f"{prefix}{text['num_hidden_layers']}.", text["hidden_size"]
+        source = f"{prefix}{GLM5_MTP_SOURCE}."
+        out = {
+            layer + "enorm.weight": draw("enorm.weight", (hidden,)),
+            layer + "hnorm.weight": draw("hnorm.weight", (hidden,)),
+            layer + "eh_proj.weight": draw("eh_proj.weight", (hidden, 2 * hidden)),
+            layer + "shared_head.norm.weight": draw("shared_head.norm.weight", (hidden,)),
+            layer + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+        }
+        for name, t in tensors.items():
+            if name.startswith(source) and ".hc_" not in name:
+                mtp_name = layer + name[len(source) :]
+                out[mtp_name] = draw(mtp_name, tuple(t.shape))
+        return out
+
+    return _save_with(tiny_model_dir(GLM5), path, {}, head)
+
+
+QWEN4 = "qwen4-exp-ple"
+QWEN4_MTP_SOURCE = 3  # qwen4-exp-ple's indexed attention layer (no n-gram embeddings)
+
+
+def save_tiny_qwen4_with_mtp(path: str, seed: int = 0) -> str:
+    """Saves the tiny Qwen4-Exp model with a random MTP head under the release's names
+    (`mtp.`: `pre_fc_norm_embedding (H)`, `pre_fc_norm_hidden (N * H)`, `fc_embedding`,
+    `fc_hidden (H, H)`, `hyper_connection_mixer.*`, and `layers.0`, the target's layer
+    `QWEN4_MTP_SOURCE`'s shapes with the experts stacked, `experts.gate_up_proj (E, 2F, H)`
+    and `experts.down_proj (E, H, F)`, as the release stores them) and
+    `mtp_num_hidden_layers: 1` into directory `path`; returns `path`. The zero-centred norms
+    are drawn from N(0, 0.1^2)."""
+    draw = _drawer(QWEN4, seed + 5000)
+
+    def head(config: dict, tensors: dict) -> dict:
+        hidden, streams = config["hidden_size"], config["hc_count"]
+        out = {
+            "mtp.pre_fc_norm_embedding.weight": draw("e", (hidden,), zero_centred=True),
+            "mtp.pre_fc_norm_hidden.weight": draw("h", (streams * hidden,), zero_centred=True),
+            "mtp.fc_embedding.weight": draw("fc_embedding", (hidden, hidden)),
+            "mtp.fc_hidden.weight": draw("fc_hidden", (hidden, hidden)),
+        }
+        for name, t in tensors.items():
+            if name.startswith("model.hyper_connection_mixer."):
+                mtp_name = "mtp." + name[len("model.") :]
+                out[mtp_name] = draw(mtp_name, tuple(t.shape), zero_centred="norm" in name)
+        source = f"model.layers.{QWEN4_MTP_SOURCE}."
+        experts: dict[int, dict[str, torch.Tensor]] = {}
+        for name, t in tensors.items():
+            if not name.startswith(source):
+                continue
+            rest = name[len(source) :]
+            zero_centred = "norm" in rest  # every norm of the model is zero-centred
+            value = draw(rest, tuple(t.shape), zero_centred=zero_centred)
+            if rest.startswith("mlp.experts."):
+                e, part = rest[len("mlp.experts.") :].split(".", 1)
+                experts.setdefault(int(e), {})[part.split(".")[0]] = value
+            else:
+                out["mtp.layers.0." + rest] = value
+        order = sorted(experts)
+        out["mtp.layers.0.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in order]
+        )
+        out["mtp.layers.0.mlp.experts.down_proj"] = torch.stack(
+            [experts[e]["down_proj"] for e in order]
+        )
+        return out
+
+    return _save_with(tiny_model_dir(QWEN4), path, {"mtp_num_hidden_layers": 1}, head)
+
+
 def first_drafts(
     path: str, prompts: list[list[int]], method: str = "mtp"
 ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:

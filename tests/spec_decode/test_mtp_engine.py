@@ -1,7 +1,8 @@
 """Speculative method `mtp` through the engine: Qwen3.5 (dense, MoE), Qwen3-Next (and, for the
-greedy check, Nemotron-H and Ling 3) targets with random MTP heads (most drafts rejected, so
-rollbacks run), against runs without speculation, and the head's first draft against the
-independent dense reference of `test_mtp_head` fed the target's own hidden rows."""
+greedy check, Nemotron-H, Ling 3, GLM-5-Next and Qwen4-Exp) targets with random MTP heads (most
+drafts rejected, so rollbacks run), against runs without speculation, and the head's first
+draft against the independent dense reference of `test_mtp_head` fed the target's own hidden
+rows."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 from tests.helpers.family_checks import GREEDY, prompts, tokens
 from tests.helpers.mtp_checkpoints import (
     VARIANTS,
+    save_tiny_glm5_with_mtp,
     save_tiny_ling_with_mtp,
     save_tiny_nemotron_with_mtp,
+    save_tiny_qwen4_with_mtp,
     save_tiny_with_mtp,
 )
 from tests.helpers.runners import VllmRunner
@@ -30,10 +33,14 @@ def _checkpoint(family: str) -> str:
         return save_tiny_nemotron_with_mtp(path)
     if family == "ling":  # Ling 3's MTP layer: tests/spec_decode/test_ling_mtp.py
         return save_tiny_ling_with_mtp(path)
+    if family == "glm5_next":  # GLM-5-Next's: tests/spec_decode/test_frontier_mtp.py
+        return save_tiny_glm5_with_mtp(path)
+    if family == "qwen4_exp":  # Qwen4-Exp's streams head: tests/spec_decode/test_frontier_mtp.py
+        return save_tiny_qwen4_with_mtp(path)
     return save_tiny_with_mtp(family, path)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "nemotron_h", "ling"])
+@pytest.mark.parametrize("family", [*FAMILIES, "nemotron_h", "ling", "glm5_next", "qwen4_exp"])
 def test_mtp_greedy_equals_no_speculation(family: str) -> None:
     """k = 1 and k = 3 (further drafts fed the head's own output, their KV written ahead),
     with chunked prefill and prefix caching on: the tokens of the run without speculation."""

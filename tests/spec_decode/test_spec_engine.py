@@ -23,6 +23,7 @@ from vllm_mamba.layers.mixer_base import StateSpaceMixer
 from vllm_mamba.sampling_params import StructuredOutputsParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+WITH_KV = {"glm5-next-moe", "qwen4-exp-ple"}  # their KV cache holds an indexer's keys
 
 
 def _oracle(runner: VllmRunner, refs: dict, every: int = 3) -> OracleProposer:
@@ -40,6 +41,23 @@ def _slot_state(engine: object, slot: int) -> list[torch.Tensor]:
     return [t[:, slot].clone() for group in engine.cache.tensors for t in group.values()]
 
 
+def _seq_kv(engine: object, seq: Sequence) -> list[torch.Tensor]:
+    """The KV cache rows of `seq`'s computed tokens, every layer's tensors (keys, values, and
+    an indexer's rows and its pooled keys of complete pools), gathered through its blocks."""
+    kv = engine.kv_cache
+    if kv is None:
+        return []
+    assert kv.groups.num_groups == 1
+    table = engine.scheduler.block_manager.block_table(seq.seq_id)
+    out = []
+    for tensors in kv.layer_tensors:
+        for t in tensors:  # (NB, R, ...): R rows of block_size / R tokens each
+            per_row = kv.block_size // t.shape[1]
+            rows = t[table].flatten(0, 1)
+            out.append(rows[: seq.num_computed_tokens // per_row].clone())
+    return out
+
+
 def _unfused(runner: VllmRunner) -> None:
     """Switches off the fused Mamba decode layers of the runner's model (read when the layers'
     decode plans are made, so they are made again)."""
@@ -51,10 +69,10 @@ def _unfused(runner: VllmRunner) -> None:
 
 
 def _states_by_length(
-    runner: VllmRunner, prompt: list[int], max_tokens: int
+    runner: VllmRunner, prompt: list[int], max_tokens: int, with_kv: bool = False
 ) -> tuple[dict[int, list[torch.Tensor]], list[int]]:
-    """Steps one request alone; after each step, its state keyed by computed tokens. Returns
-    them and the request's tokens."""
+    """Steps one request alone; after each step, its state (and with `with_kv` its KV rows,
+    `_seq_kv`) keyed by computed tokens. Returns them and the request's tokens."""
     engine = runner.engine
     engine.add_request(
         "r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -65,7 +83,8 @@ def _states_by_length(
         slot = seq.slot if seq is not None else None
         engine.step()
         seq = seq or engine.scheduler.running[0].seqs[0]
-        states[seq.num_computed_tokens] = _slot_state(engine, slot if slot is not None else 0)
+        kv = _seq_kv(engine, seq) if with_kv and engine.has_unfinished_requests() else []
+        states[seq.num_computed_tokens] = _slot_state(engine, slot if slot is not None else 0) + kv
     return states, list(seq.output_token_ids)
 
 
@@ -96,11 +115,15 @@ def _states_by_length(
         ("minimax-window-top1", True),
         ("zamba-mha-tied", True),
         ("zamba2-lora-rope", True),
+        ("glm5-next-moe", True),
+        ("qwen4-exp-ple", True),  # the n-gram context with the state
     ],
 )
 def test_state_after_rejections_is_bitwise_the_one_by_one_state(name: str, fused: bool) -> None:
-    """After every speculative step, whatever was accepted, the sequence's state equals bit
-    for bit the state of decoding the accepted tokens one by one.
+    """After every speculative step, whatever was accepted, the sequence's state (and for the
+    sparse-attention models `WITH_KV` the KV cache rows of its computed tokens, the indexer's
+    rows and pooled keys included) equals bit for bit the state of decoding the accepted tokens
+    one by one.
 
     With the fused Mamba / Mamba2 decode layers (the default) a chain runs through them in one
     call per layer, each row as a one-row call would; without them (`fused=False`, both
@@ -109,16 +132,17 @@ def test_state_after_rejections_is_bitwise_the_one_by_one_state(name: str, fused
     on how many threads split them."""
     path = tiny_model_dir(name)
     prompt = prompts()[3]["prompt_token_ids"]
+    with_kv = name in WITH_KV
     with VllmRunner(path, max_num_seqs=2, threads=1) as plain:
         if not fused:
             _unfused(plain)
-        want, plain_tokens = _states_by_length(plain, prompt, 16)
+        want, plain_tokens = _states_by_length(plain, prompt, 16, with_kv)
     refs = {tuple(prompt): plain_tokens}  # the oracle's drafts: the lone greedy run's
     with VllmRunner(path, max_num_seqs=2, speculative_config=NGRAM, threads=1) as spec:
         if not fused:
             _unfused(spec)
         _oracle(spec, refs)
-        got, spec_tokens = _states_by_length(spec, prompt, 16)
+        got, spec_tokens = _states_by_length(spec, prompt, 16, with_kv)
         assert spec_tokens == plain_tokens
         assert spec.engine.spec_steps.counters.num_accepted_tokens > 0
     assert len(got) < len(want)  # some steps kept several tokens

@@ -30,7 +30,9 @@ releases' `hc_attn_fn` / `hc_ffn_base` ... are renamed by the model).
     inject = 2 sigmoid(block_inject(n) / N)                  (T, N)
     h'_i = h_i + inject_i f(x)
 
-Both are replicated under tensor parallelism (the streams are whole on every rank).
+Both are replicated under tensor parallelism (the streams are whole on every rank). Their
+transcendental functions run `rowwise`, so a speculative chain's rows get the bits of the tokens
+decoded one by one.
 
 Glossary: T tokens, N streams (`hc_mult`), H hidden size.
 """
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_mamba.layers.linear import Linear
+from vllm_mamba.layers.rowwise import rowwise
 from vllm_mamba.ops.table import MambaOps
 
 Context = tuple[torch.Tensor, ...]  # what `collapse` hands `expand`
@@ -63,12 +66,15 @@ class HyperConnection(StreamConnection):
     """The mHC weights of one stage: collapse the streams, then expand and mix them back."""
 
     def __init__(
-        self, hidden_size: int, streams: int, iters: int, eps: float, norm_eps: float
+        self, hidden_size: int, streams: int, iters: int, eps: float, norm_eps: float, ops: MambaOps
     ) -> None:
         """Args: `hidden_size` H; `streams` N (`hc_mult`); `iters` the Sinkhorn iterations
         (`hc_sinkhorn_iters`); `eps` the floor of the weights and the sums (`hc_eps`);
-        `norm_eps` the unweighted RMS norm's epsilon (`rms_norm_eps`)."""
+        `norm_eps` the unweighted RMS norm's epsilon (`rms_norm_eps`); `ops` the table whose
+        `linear` projects the streams (each row as alone: a speculative chain's rows are
+        bitwise the one-token steps')."""
         super().__init__()
+        self.linear_op = ops.linear
         if streams < 1 or iters < 1:
             raise ValueError(f"hc_mult and hc_sinkhorn_iters must be >= 1, got {streams}, {iters}")
         self.streams, self.iters, self.eps, self.norm_eps = streams, iters, eps, norm_eps
@@ -83,14 +89,14 @@ class HyperConnection(StreamConnection):
         n = self.streams
         flat = streams.reshape(streams.shape[0], -1).float()  # (T, N H)
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        z = flat @ self.fn.float().t()  # (T, (2 + N) N)
+        z = self.linear_op(flat, self.fn.float(), None)  # (T, (2 + N) N)
         pre_w, post_w, comb_w = z.split([n, n, n * n], dim=-1)
         base, scale = self.base.float(), self.scale.float()
         pre_b, post_b, comb_b = base.split([n, n, n * n])
-        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + self.eps  # (T, N)
-        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)  # (T, N)
+        pre = rowwise(torch.sigmoid, pre_w * scale[0] + pre_b) + self.eps  # (T, N)
+        post = 2 * rowwise(torch.sigmoid, post_w * scale[1] + post_b)  # (T, N)
         comb_logits = comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n)
-        comb = torch.softmax(comb_logits, dim=-1) + self.eps  # (T, N, N)
+        comb = torch.softmax(comb_logits, dim=-1) + self.eps  # (T, N, N): row by row
         comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
@@ -139,7 +145,8 @@ class GatedResidual(StreamConnection):
 
     def _mix(self, normed: torch.Tensor) -> torch.Tensor:
         n = self.streams
-        w = torch.sigmoid(self.input_mix_weight_up(F.silu(self.input_mix_weight_down(normed) / n)))
+        low = rowwise(F.silu, self.input_mix_weight_down(normed) / n)  # (T, rank)
+        w = rowwise(torch.sigmoid, self.input_mix_weight_up(low))  # (T, N H)
         mixed = w.unflatten(-1, (n, self.hidden_size)) * normed.unflatten(-1, (n, self.hidden_size))
         return mixed.mean(dim=-2)  # (T, H)
 
@@ -147,7 +154,7 @@ class GatedResidual(StreamConnection):
         """`streams (T, N, H)` -> `(x (T, H), (inject (T, N),))`."""
         assert self.block_inject_weight is not None, "a merge-only connection has no stage"
         normed = self._normed(streams)
-        inject = 2 * torch.sigmoid(self.block_inject_weight(normed) / self.streams)
+        inject = 2 * rowwise(torch.sigmoid, self.block_inject_weight(normed) / self.streams)
         return self._mix(normed), (inject,)
 
     def expand(self, out: torch.Tensor, ctx: Context, streams: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,7 @@ from vllm_mamba.layers.cache_layers import StatefulLayer
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mixer_base import Conv1dWeights
 from vllm_mamba.layers.recurrent_step import recurrent_step
+from vllm_mamba.layers.rowwise import rowwise
 from vllm_mamba.ops.table import MambaOps
 
 __all__ = ["CHECKPOINT_BUFFERS", "NGramHashEmbedding", "PerLayerEmbedding"]
@@ -401,7 +402,8 @@ class PerLayerEmbedding(StatefulLayer):
         query = self.norm_query(streams.reshape(rows, -1)).view(shape)  # (L, N, H)
         gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)  # (L, N, 1)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gated = torch.sigmoid(gate) * value.unsqueeze(-2)  # (L, N, H)
+        gate = rowwise(torch.sigmoid, gate.view(rows, -1)).view(gate.shape)  # each row as alone
+        gated = gate * value.unsqueeze(-2)  # (L, N, H)
         u = self.norm_conv(gated.flatten(-2))  # (L, C)
 
         weight = self.conv1d.weight.float()  # (C, 1, K)
@@ -409,7 +411,7 @@ class PerLayerEmbedding(StatefulLayer):
         for k in range(self.kernel - 1):
             back = (self.kernel - 1 - k) * n
             acc = acc + _look_back(u, prior, seg, pos, back).float() * weight[:, 0, k]
-        out = gated + F.silu(acc.to(u.dtype)).view(shape)  # (L, N, H)
+        out = gated + rowwise(F.silu, acc.to(u.dtype)).view(shape)  # (L, N, H)
 
         write = valid & (lens > 0)  # (B,)
         _write_slots(tokens, idx, write, _tails(tok, ctx, starts, lens))

@@ -63,11 +63,13 @@ class PoolIndexer(BlockIndexer):
         self.weights_proj = Linear(hidden_size, num_heads, False, ops)
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(kpool, head_dim))
         self.index_kpool_compress_gate = nn.Parameter(torch.empty(head_dim, hidden_size))
+        self.linear_op = ops.linear  # each row as alone (a chain's rows: the one-token steps')
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """`[key | gate]` per token -> `(T, 2 D)`."""
         key = self.k_norm(self.wk(x))  # (T, D)
-        return torch.cat([key, F.linear(x, self.index_kpool_compress_gate)], dim=-1)
+        gate = self.linear_op(x, self.index_kpool_compress_gate, None)  # (T, D)
+        return torch.cat([key, gate], dim=-1)
 
     def pool(self, group: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """The per-channel softmax of `gate + ape` over each pool's tokens -> `(M, D)`."""

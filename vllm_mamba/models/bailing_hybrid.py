@@ -69,7 +69,7 @@ from vllm_mamba.models.kimi_linear import (
     pre_norm_layer,
 )
 from vllm_mamba.models.layer_types import layer_types
-from vllm_mamba.models.mtp import MTP_PREFIX, SupportsMTP
+from vllm_mamba.models.mtp import MTP_PREFIX, SupportsMTP, nextn_weight_name
 from vllm_mamba.ops.table import MambaOps
 
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
@@ -176,20 +176,10 @@ class BailingHybridForCausalLM(SupportsMTP, CausalLM):
         and their projections and norms as `MultiTokenPredictor`'s; their `shared_head.head`
         (the target's head again) dropped."""
         first = self.config.num_hidden_layers  # type: ignore[attr-defined]
-        pattern = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
         for name, tensor in weights:
-            match = pattern.match(name)
-            if match is None or int(match[1]) < first:
-                yield name, tensor
-                continue
-            index, rest = int(match[1]) - first, match[2]
-            if rest.startswith("shared_head."):
-                continue
-            part = next((p for p in _MTP_PARTS if rest.startswith(p)), None)
-            if part is not None:
-                yield MTP_PREFIX + _MTP_PARTS[part] + rest[len(part) :], tensor
-            else:
-                yield f"{MTP_PREFIX}layers.{index}.{rest}", tensor
+            renamed = nextn_weight_name(name, first, _MTP_PARTS)
+            if renamed is not None:
+                yield renamed, tensor
 
     @staticmethod
     def remap_weight_name(name: str) -> str:

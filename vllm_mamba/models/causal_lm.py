@@ -29,7 +29,9 @@ Checkpoint formats other than Hugging Face's are declared in `models.formats`, n
 
 A model with several residual streams (mHC, `streams = N > 1`) runs its layers on
 `hidden (T, N, H)`: the embeddings copied into every stream before the first layer, the
-streams merged by `merge_streams` (their mean, GLM-5-Next's head) before the final norm.
+streams merged by `merge_streams` (their mean, GLM-5-Next's head) before the final norm. With
+`keep_streams` set (by an MTP head that reads them, Qwen4-Exp's) the last forward's streams
+before the merge stay in `last_streams (T, N, H)`.
 
 A layer is called `layer(hidden, meta)`; one that also reads the step's embeddings (Zamba2's
 hybrid layers) declares it by being a `ReadsEmbeddings` and is called `layer(hidden, meta,
@@ -139,6 +141,8 @@ class CausalLM(nn.Module):
         )
         self.embedding_multiplier = float(embedding_multiplier)
         self.streams = int(streams)
+        self.keep_streams = False
+        self.last_streams: torch.Tensor | None = None
         self.lm_head = lm_head(config.hidden_size, config.vocab_size, ops, tp)
         self.tie_weights()
 
@@ -218,6 +222,8 @@ class CausalLM(nn.Module):
             else:
                 hidden = layer(hidden, meta)
         if self.streams > 1:
+            if self.keep_streams:
+                self.last_streams = hidden  # (T, N, H)
             hidden = self.merge_streams(hidden)  # (T, H)
         return self.stack.last_norm(hidden)
 

@@ -22,8 +22,21 @@ Checkpoint names: the image-text release's `model.language_model.*` (or a text-o
 `model.*`), the KDA's `f_a_proj` / `f_b_proj` / `dt_bias` / `A_log` under `self_attn`, separate
 `q/k/v_conv1d`, `hc_attn_fn` / `hc_attn_base` / `hc_attn_scale` (and `hc_ffn_*`), per-expert
 `experts.E.{gate,up,down}_proj`; transformers' in-memory names load too. The vision tower
-(`model.visual.*`) and the multi-token prediction layer stored after the decoder
-(`layers.{num_hidden_layers}`) are skipped.
+(`model.visual.*`) is skipped.
+
+The multi-token prediction layer stored after the decoder (`layers.{num_hidden_layers + i}`,
+`num_nextn_predict_layers` of them, one when the config names none) is skipped unless
+speculative method `mtp` asks for it (`models.mtp`). As vLLM's `Glm5NextMTP` (the GLM-4.5 MTP
+layer's arithmetic), the layer has no hyper-connections and reads the target's collapsed state:
+
+    e = enorm(embed(t + 1)), zeroed at position 0      x = eh_proj(cat([e, hnorm(h_t)]))
+    x = x + attn(input_layernorm(x))                   a DSA layer with its own (full) indexer
+    x = x + moe(post_attention_layernorm(x))           the last decoder layer's feed-forward kind
+    out = shared_head.norm(x)                           fed back; logits: the target's head
+
+`h_t` is the target's output (the streams' mean after the final norm). `shared_head.head`, the
+head again, is not loaded; `index_share_for_mtp_iteration` (reusing a draft's selection in the
+next) is not done: every draft runs its indexer.
 
 GLM-5.3-Flash: 45 layers of hidden size 4096 (every 4th DSA), KDA 64 heads of 128, MLA 64 heads
 (q rank 1536, latent 512, nope 256, v 256), indexer 32 heads of 128 over pools of 16, top-2048,
@@ -51,11 +64,18 @@ from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.pool_indexer import PoolIndexer
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
 from vllm_mamba.models.kimi_linear import KimiLinearForCausalLM, _mlp_layer_types, deepseek_moe
+from vllm_mamba.models.mtp import MTP_PREFIX, SupportsMTP, nextn_weight_name
 from vllm_mamba.ops.table import MambaOps
 
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
 _HC = re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$")
-_MTP_PREFIX = "mtp."
+# The MTP layer's own parts (under `mtp.layers.{i}.` once renamed) onto `MultiTokenPredictor`'s.
+_MTP_PARTS = {
+    "enorm.": "pre_fc_norm_embedding.",
+    "hnorm.": "pre_fc_norm_hidden.",
+    "eh_proj.": "fc.",
+    "shared_head.norm.": "norm.",
+}
 
 
 class GlmDeltaAttention(KimiDeltaAttention):
@@ -140,17 +160,22 @@ def _dsa(config: Any, full: bool, ops: MambaOps, tp: TensorParallel) -> IndexedM
     )  # fmt: skip
 
 
-def _hc(config: Any) -> HyperConnection:
+def _hc(config: Any, ops: MambaOps) -> HyperConnection:
     return HyperConnection(
         config.hidden_size, config.hc_mult, config.hc_sinkhorn_iters, config.hc_eps,
-        config.rms_norm_eps,
+        config.rms_norm_eps, ops,
     )  # fmt: skip
 
 
 def _layer(
-    config: Any, kind: tuple[str, str], ffn: str, ops: MambaOps, tp: TensorParallel
+    config: Any,
+    kind: tuple[str, str],
+    ffn: str,
+    ops: MambaOps,
+    tp: TensorParallel,
+    hyper: bool = True,
 ) -> DecoderLayer:
-    """KDA or DSA; clipped MoE or dense MLP; both stages inside hyper-connections."""
+    """KDA or DSA; clipped MoE or dense MLP; both stages inside hyper-connections (`hyper`)."""
     if kind[0] == "linear_attention":
         mixer: nn.Module = _kda(config, ops, tp)
     else:
@@ -167,17 +192,19 @@ def _layer(
         mixers=[MixerPart("self_attn", mixer)],
         ffn_norm=("post_attention_layernorm", RMSNorm(hidden, eps=eps)),
         ffns=[("mlp", mlp)],
-        hyper=(("attn_hc", _hc(config)), ("ffn_hc", _hc(config))),
+        hyper=(("attn_hc", _hc(config, ops)), ("ffn_hc", _hc(config, ops))) if hyper else None,
     )
 
 
-class Glm5NextForConditionalGeneration(CausalLM):
-    """GLM-5-Next's language model (see the module docstring); images are not served."""
+class Glm5NextForConditionalGeneration(SupportsMTP, CausalLM):
+    """GLM-5-Next's language model (see the module docstring); images are not served; the MTP
+    layers on request (`enable_mtp`)."""
 
     ties_word_embeddings: ClassVar[bool] = False
+    mtp_default_layers: ClassVar[int | None] = 1
     skipped_weights: ClassVar[dict[str, str]] = {
         "model.visual.": "the vision tower (served text-only)",
-        _MTP_PREFIX: "the multi-token prediction layer (GLM's; not run)",
+        MTP_PREFIX: "the multi-token prediction layer (GLM's; run by speculative method 'mtp')",
     }
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
@@ -193,22 +220,47 @@ class Glm5NextForConditionalGeneration(CausalLM):
             if kind == "indexed_attention" and mode == "shared":
                 self.layers[i].self_attn.share_from(self.layers[i - 1].self_attn)
 
+    def mtp_head_layers(self, count: int, ops: MambaOps, tp: TensorParallel) -> list[nn.Module]:
+        """The one MTP layer (its norms and projection are the head's own).
+
+        Raises:
+            ValueError: the config names more than one (`num_nextn_predict_layers`).
+        """
+        if count != 1:
+            raise ValueError(f"num_nextn_predict_layers {count}: one MTP layer is supported")
+        return [self.mtp_layer(0, ops, tp)]
+
+    def mtp_layer(self, index: int, ops: MambaOps, tp: TensorParallel) -> nn.Module:
+        """MTP layer `index`: a DSA layer with its own indexer and the last decoder layer's
+        feed-forward kind, without hyper-connections (vLLM's GLM-5-Next MTP layer)."""
+        config = self.config  # type: ignore[attr-defined]
+        ffn = _mlp_layer_types(config)[-1]
+        return _layer(config, ("indexed_attention", "full"), ffn, ops, tp, hyper=False)
+
+    def mtp_head_options(self) -> dict[str, Any]:
+        """Plain RMSNorms (`enorm`, `hnorm`, `shared_head.norm`); the embedding zeroed at
+        position 0."""
+        return {"norm_cls": RMSNorm, "eps": self.config.rms_norm_eps, "mask_first": True}  # type: ignore[attr-defined]
+
     def checkpoint_weights(self, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The decoder's names without `language_model.`; the layers past the decoder (the MTP
-        layer) under `mtp.`, so they are skipped."""
+        layers) as `mtp.layers.{i}.*` and their projections and norms as
+        `MultiTokenPredictor`'s; their `shared_head.head` (the target's head again) dropped."""
         first = self.config.num_hidden_layers  # type: ignore[attr-defined]
-        pattern = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
         for name, tensor in weights:
             name = name.replace("model.language_model.", "model.", 1)
-            match = pattern.match(name)
-            if match is not None and int(match[1]) >= first:
-                name = f"{_MTP_PREFIX}layers.{int(match[1]) - first}.{match[2]}"
-            yield name, tensor
+            renamed = nextn_weight_name(name, first, _MTP_PARTS)
+            if renamed is not None:
+                yield renamed, tensor
 
     @staticmethod
     def remap_weight_name(name: str) -> str:
         """`hc_attn_fn` ... onto `attn_hc.fn` ...; the KDA's and the experts' names as Kimi
-        Linear's (transformers' `forget_gate.*` under the layer)."""
+        Linear's (transformers' `forget_gate.*` under the layer); the MTP layers' alike."""
+        if name.startswith(MTP_PREFIX):
+            rest = "model." + name[len(MTP_PREFIX) :]
+            body = Glm5NextForConditionalGeneration.remap_weight_name(rest)
+            return MTP_PREFIX + body[len("model.") :]
         name = _HC.sub(lambda m: f".{m[1]}_hc.{m[2]}", name)
         return KimiLinearForCausalLM.remap_weight_name(name)
 

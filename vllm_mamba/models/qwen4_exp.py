@@ -22,8 +22,16 @@ own), and the model's `hyper_connection_mixer` merging the streams for the head 
 Checkpoint names: `model.layers.*` (`model.language_model.*` in the image-text release),
 per-expert `experts.E.*` or transformers' stacked experts, the n-gram tables in
 `split_ngram_parts` shards (`ngram_embedding.shard_{i}.weight`, concatenated here) and the hash
-constants transformers saves (derived here, skipped). The vision tower (`model.visual.*`) and
-the multi-token prediction head (`mtp.*`) are skipped.
+constants transformers saves (derived here, skipped). The vision tower (`model.visual.*`) is
+skipped.
+
+The multi-token prediction head (`mtp.*`, `mtp_num_hidden_layers` layers, one when the config
+names none) is skipped unless speculative method `mtp` asks for it (`models.mtp`). As SGLang's
+`Qwen4ExpForCausalLMMTP` it is a one-layer Qwen4-Exp over the target's streams
+(`models.mtp.StreamsMultiTokenPredictor`): `pre_fc_norm_embedding`, `fc_embedding`,
+`pre_fc_norm_hidden` (over all streams), `fc_hidden` (per stream), `layers.0` (an indexed
+attention layer with the MoE inside its two hyper-connections, no n-gram embeddings) and its own
+`hyper_connection_mixer` before the target's head.
 
 Tensor parallelism: the GDN and attention heads and the experts split as Qwen3.5's; the
 indexer, the hyper-connections and the n-gram layers replicated.
@@ -46,6 +54,7 @@ from vllm_mamba.layers.ngram_embedding import CHECKPOINT_BUFFERS, PerLayerEmbedd
 from vllm_mamba.layers.qsa_attention import IndexedSelfAttention, QSAIndexer
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
 from vllm_mamba.models.causal_lm import CausalLM, StackNames
+from vllm_mamba.models.mtp import MTP_PREFIX, StreamsMultiTokenPredictor, SupportsMTP
 from vllm_mamba.models.qwen3_5 import MROPE_SECTION, Qwen3_5ForCausalLM, _gdn, sparse_moe
 from vllm_mamba.ops.table import MambaOps
 
@@ -115,13 +124,16 @@ def _connection(config: Any, ops: MambaOps, inject: bool = True) -> GatedResidua
     )
 
 
-def _layer(config: Any, index: int, ops: MambaOps, tp: TensorParallel) -> DecoderLayer:
-    kind = config.layer_types[index]
+def _layer(
+    config: Any, index: int, ops: MambaOps, tp: TensorParallel, kind: str | None = None
+) -> DecoderLayer:
+    """Layer `index` of `layer_types` (or of `kind`, with no n-gram embeddings: the MTP's)."""
+    ple_ids = list(config.ple_layer_ids or []) if kind is None else []
+    kind = config.layer_types[index] if kind is None else kind
     if kind == "linear_attention":
         mixer = MixerPart("linear_attn", _gdn(config, ops, tp))
     else:
         mixer = MixerPart("self_attn", _attention(config, ops, tp))
-    ple_ids = list(config.ple_layer_ids or [])
     ple = None
     if index + 1 in ple_ids:
         ple = ("ple", _ple(config, ple_ids.index(index + 1), ops))
@@ -141,12 +153,15 @@ class _NoNorm(nn.Identity):
         super().__init__()
 
 
-class Qwen4ExpForCausalLM(CausalLM):
-    """Qwen4-Exp's language model (see the module docstring)."""
+class Qwen4ExpForCausalLM(SupportsMTP, CausalLM):
+    """Qwen4-Exp's language model (see the module docstring); the MTP head on request
+    (`enable_mtp`)."""
 
+    mtp_default_layers: ClassVar[int | None] = 1
+    mtp_head_cls = StreamsMultiTokenPredictor
     skipped_weights: ClassVar[dict[str, str]] = {
         "model.visual.": "the vision tower (served text-only)",
-        "mtp.": "the multi-token prediction head (not run)",
+        MTP_PREFIX: "the multi-token prediction head (run by speculative method 'mtp')",
     }
 
     def __init__(self, config: Any, ops: MambaOps, tp: TensorParallel = SINGLE) -> None:
@@ -161,6 +176,10 @@ class Qwen4ExpForCausalLM(CausalLM):
     def merge_streams(self, streams: torch.Tensor) -> torch.Tensor:
         """The streams `(T, N, H)` merged by the `hyper_connection_mixer` -> `(T, H)`."""
         return self.stack.hyper_connection_mixer.merge(streams)
+
+    def mtp_layer(self, index: int, ops: MambaOps, tp: TensorParallel) -> nn.Module:
+        """The MTP's layer: indexed attention and the MoE, no n-gram embeddings."""
+        return _layer(self.config, index, ops, tp, kind="indexed_attention")
 
     def checkpoint_weights(self, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The n-gram tables' shards concatenated (once all are read); transformers' saved hash

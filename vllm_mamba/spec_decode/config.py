@@ -25,7 +25,14 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "mtp")
-MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp", "nemotron_h_mtp", "mtp")
+MTP_ALIASES = (
+    "qwen3_next_mtp",
+    "qwen3_5_mtp",
+    "nemotron_h_mtp",
+    "glm5_next_mtp",
+    "qwen4_exp_mtp",
+    "mtp",
+)
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP = 5
 

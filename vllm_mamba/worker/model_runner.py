@@ -434,7 +434,7 @@ class ModelRunner:
                 if not item.forks:  # forks draft from their second step on
                     last[seq_id] = seq_rows[-1]
         ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)
-        out_rows = self.mtp(hidden, ids, meta)  # (T, H)
+        out_rows = self.mtp(self.mtp.from_target(hidden), ids, meta)  # (T, H) or (T, N * H)
         if not last:
             return
         picked = list(last.values())
