@@ -1,6 +1,7 @@
 // One decoder layer's feed-forward stage for a few rows in one call:
 // `out = h + rm * ffn(rms_norm(h))`, with `ffn` a gated MLP (`fused_mlp_decode`) or a sparse
-// mixture of experts with an optional shared expert (`fused_moe_decode`).
+// mixture of experts with an optional shared expert (`fused_moe_decode`; inside a layer's
+// residual streams it may run without the norm and return `rm * ffn(h)` alone, `residual`).
 //
 // Gated MLP: down(act(gate(x) * gm) * up(x)) * dm. The gate and up products are separate
 // weights (`layers.mlp.GatedMLP`'s gate_proj / up_proj, nothing copied at load) or one merged
@@ -289,7 +290,8 @@ struct MoeDims {
   int64_t batch, hidden, inter, experts, shared;  // shared: S, 0 without a shared expert
   int64_t act;
   float eps, rm;
-  const float* norm_w;
+  const float* norm_w;  // null: no norm (the stage's input is already normed)
+  bool residual;        // false: out = rm * ffn, without h (a stage inside residual streams)
 };
 
 // The experts chosen by any row, ascending, each with the rows that chose it.
@@ -351,7 +353,11 @@ void run_moe(const MoeDims& d, const Router& r, const MoeIo& io) {
     const int tid = fused::thread_id(), nth = fused::num_threads();
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < d.batch; ++b) {
-      fused::rms_norm_row(io.h + b * H, d.norm_w, H, d.eps, io.xn + b * H);
+      if (d.norm_w) {
+        fused::rms_norm_row(io.h + b * H, d.norm_w, H, d.eps, io.xn + b * H);
+      } else {
+        std::copy(io.h + b * H, io.h + (b + 1) * H, io.xn + b * H);
+      }
     }
     // The router's rows, the shared expert's gate/up channels and its gate's row.
     int64_t lo, hi;
@@ -426,7 +432,8 @@ void run_moe(const MoeDims& d, const Router& r, const MoeIo& io) {
         const float* hb = io.h + b * H;
         float* ob = io.out + b * H;
         for (int64_t r2 = lo; r2 < hi; ++r2) {
-          ob[r2] = hb[r2] + (d.rm == 1.0f ? acc[r2 - lo] : acc[r2 - lo] * d.rm);
+          const float y = d.rm == 1.0f ? acc[r2 - lo] : acc[r2 - lo] * d.rm;
+          ob[r2] = d.residual ? hb[r2] + y : y;
         }
       }
     }
@@ -437,7 +444,7 @@ at::Tensor fused_moe_decode(
     const at::Tensor& hidden_in, const c10::List<std::optional<at::Tensor>>& params,
     int64_t top_k, int64_t router_kind, bool renormalize, int64_t n_group, int64_t topk_group,
     double scaling, double renorm_eps, double norm_eps, int64_t act, double residual_multiplier,
-    at::ScalarType out_dtype, bool int_dot) {
+    at::ScalarType out_dtype, bool int_dot, bool residual) {
   TORCH_CHECK(params.size() == kNumMoeParams, "params must hold ", kNumMoeParams, " entries");
   TORCH_CHECK(hidden_in.dim() == 2, "hidden must be (B, H)");
   TORCH_CHECK(hidden_in.size(0) <= fused::kGemvMaxBatch, "fused_moe_decode takes at most ",
@@ -468,7 +475,7 @@ at::Tensor fused_moe_decode(
   d.eps = static_cast<float>(norm_eps);
   d.rm = static_cast<float>(residual_multiplier);
   d.norm_w = fused::param_f32(params, kNormW, d.hidden, "norm weight");
-  TORCH_CHECK(d.norm_w, "norm weight is required");
+  d.residual = residual;
   Router r{};
   r.kind = router_kind;
   r.top_k = top_k;
@@ -548,7 +555,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
       "fused_moe_decode(Tensor hidden, Tensor?[] params, int top_k, int router_kind, "
       "bool renormalize, int n_group, int topk_group, float scaling, float renorm_eps, "
       "float norm_eps, int act, float residual_multiplier, ScalarType out_dtype, "
-      "bool int_dot=False) -> Tensor");
+      "bool int_dot=False, bool residual=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {

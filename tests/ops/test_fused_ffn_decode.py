@@ -163,6 +163,34 @@ def test_moe_kernel_matches_reference(rows: int, dtype: str, router: str, shared
     _rows_alone(got, hidden, cpu_kernels.fused_moe_decode, params, *args)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int4"])
+@pytest.mark.parametrize("normed", [True, False])
+def test_moe_stage_inside_streams_matches_reference(rows: int, dtype: str, normed: bool) -> None:
+    """Without the residual (`rm * ffn(x)` alone) and, without a norm weight, on the input
+    itself (a stage between a residual-stream connection's ends): the reference's, which is
+    the residual form minus the input (the form with a norm)."""
+    g = torch.Generator().manual_seed(rows * 7 + len(dtype))
+    params = _moe_params(g, dtype, "gated", bias=False)
+    if not normed:
+        params[ffn.MOE_PARAMS.index("norm_w")] = None
+    hidden = _hidden(g, rows)
+    args = (*ROUTERS["softmax-renorm"], 1e-6, 0, 0.5, torch.float32, False, False)
+    want = ffn.fused_moe_decode_ref(hidden, params, *args)
+    got = cpu_kernels.fused_moe_decode(hidden, params, *args)
+    _close(got, want)
+    _rows_alone(got, hidden, cpu_kernels.fused_moe_decode, params, *args)
+    if normed:  # the same stage with its residual, less the input
+        full = ffn.fused_moe_decode_ref(hidden, params, *args[:-1])
+        _close(want, full - hidden)
+    else:  # no norm: the reference on the input, as the normed form on an RMS-1 input
+        unit = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+        ones = list(params)
+        ones[ffn.MOE_PARAMS.index("norm_w")] = torch.ones(H)
+        _close(ffn.fused_moe_decode_ref(unit, params, *args),
+               ffn.fused_moe_decode_ref(unit, ones, *args))  # fmt: skip
+
+
 @pytest.mark.parametrize("router", ["softmax-renorm", "sigmoid"])
 def test_moe_ties_choose_the_lower_expert(router: str) -> None:
     """Experts 2 and 5 (and 3 and 6) have equal logits: top-k breaks ties by ascending id."""

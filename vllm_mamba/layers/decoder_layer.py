@@ -50,7 +50,9 @@ one `StreamConnection` per stage (`hyper`, under the checkpoint's names: GLM-5-N
 each stage collapses the streams to its input, `x, ctx = c.collapse(h)`, and mixes its output
 back, `h = c.expand(f(norm(x)), ctx, h)` (`layers.hyper_connection`); its norms are optional
 (Qwen4-Exp's connections norm the streams themselves). Such a layer runs its mixer's fused step
-alone (scope `MIXER`), never the block, layer or feed-forward plans. It may take an
+alone (scope `MIXER`), never the block or layer plans; its feed-forward plan, when the stage is
+one MoE, is the stage alone between the connection's ends (`moe_decode` without the residual,
+and without a norm where the stage has none). It may take an
 `injection` before its first stage that reads the step's token ids (Qwen4-Exp's per-layer
 n-gram embeddings, a stateful layer): `h = h + injection(h, tokens, meta)`; such a layer
 `reads_tokens` and the model calls it `layer(hidden, meta, tokens=input_ids)`.
@@ -211,15 +213,21 @@ class DecoderLayer(PlannedLayer):
     def make_ffn_plan(self) -> DecodePlan | None:
         """The feed-forward stage's fused step where its shape allows and its parts offer it
         (see the module docstring), from the weights now; None: unfused."""
-        if not self._ffn_names or self._ffn_with_state or self._ffn_norm_name is None:
-            return None
-        if self._hyper_names is not None:
+        if not self._ffn_names or self._ffn_with_state:
             return None
         if self._ffn_post_norm_name is not None or self.residual_in_fp32 or self._ffn_residual:
             return None
-        norm = getattr(self, self._ffn_norm_name)
         parts = [getattr(self, n) for n in self._ffn_names]
         rm = self.residual_multiplier
+        if self._hyper_names is not None:  # the stage alone, between its connection's ends
+            if len(parts) != 1 or not isinstance(parts[0], SparseMoE):
+                return None
+            norm = None if self._ffn_norm_name is None else getattr(self, self._ffn_norm_name)
+            step = plan_moe(parts[0], norm, rm, residual=False)
+            return DecodePlan(DecodeScope.FFN, step, self._ffn_names[0]) if step else None
+        if self._ffn_norm_name is None:
+            return None
+        norm = getattr(self, self._ffn_norm_name)
         step = None
         if len(parts) == 1 and not isinstance(parts[0], SparseMoE):
             step = plan_mlp(parts[0], norm, rm)
@@ -256,13 +264,15 @@ class DecoderLayer(PlannedLayer):
         if self._mixers:
             hidden = self._mix(hidden, meta, plan)
         ffn_plan = self.ffn_plan
-        if ffn_plan is not None and ffn_plan.step.takes(hidden, meta):
+        hc = self._hyper(1)
+        if hc is None and ffn_plan is not None and ffn_plan.step.takes(hidden, meta):
             return ffn_plan.step(hidden, meta)
         if self._ffn_names:
-            hc = self._hyper(1)
             streams = hidden
             if hc is not None:
                 hidden, ctx = hc.collapse(streams)  # (T, H) the stage's input
+                if ffn_plan is not None and ffn_plan.step.takes(hidden, meta):
+                    return hc.expand(ffn_plan.step(hidden, meta), ctx, streams)  # (T, N, H)
             x = self._normed(self._ffn_norm_name, hidden)
             ff = None
             for name in self._ffn_names:

@@ -214,6 +214,7 @@ class FusedFfnStep:
     dtype: torch.dtype
     int_dot: bool
     keep: object = None
+    residual: bool = True  # False: `rm * ffn(norm(h))` alone (a `moe_decode` inside streams)
 
     def takes(self, hidden: torch.Tensor, meta: object) -> bool:
         """A decode-only step (`decode_plan.decode_only`) of at most `MAX_ROWS` rows, chains
@@ -227,7 +228,9 @@ class FusedFfnStep:
     def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`; a chain's rows each computed as alone (the kernels'
         rows never depend on the batch)."""
-        return self.op(hidden, self.params, *self.args, hidden.dtype, self.int_dot)
+        if self.residual:
+            return self.op(hidden, self.params, *self.args, hidden.dtype, self.int_dot)
+        return self.op(hidden, self.params, *self.args, hidden.dtype, self.int_dot, False)
 
 
 def plan_mlp(mlp: nn.Module, norm: nn.Module, residual_multiplier: float) -> FusedFfnStep | None:

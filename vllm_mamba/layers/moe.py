@@ -457,17 +457,23 @@ def _stacked_gated(experts: StackedGatedExperts, dtype: torch.dtype) -> StackedE
 
 
 def plan_moe(
-    moe: nn.Module, norm: nn.Module, residual_multiplier: float, shared: nn.Module | None = None
+    moe: nn.Module,
+    norm: nn.Module | None,
+    residual_multiplier: float,
+    shared: nn.Module | None = None,
+    residual: bool = True,
 ) -> FusedFfnStep | None:
     """`h + rm * (moe(norm(h)) + shared(norm(h)))` as one `moe_decode` call, or None where the
     kernel does not apply (see the module docstring).
 
     Args:
         moe: the layer's `SparseMoE`.
-        norm: the feed-forward stage's norm.
+        norm: the feed-forward stage's norm (None: the stage has none).
         residual_multiplier: the layer's `rm`.
         shared: a second feed-forward part summed after the MoE (an ungated `GatedMLP`; the MoE
             then has no shared expert of its own), or None.
+        residual: False for the stage's output alone, `rm * (...)` without `h` (a stage inside
+            residual streams, whose connection mixes it back).
     """
     if type(moe) is not SparseMoE or moe.tp.size != 1 or moe._latent_names is not None:
         return None
@@ -475,7 +481,7 @@ def plan_moe(
     if type(router) is not ExpertRouter or router.ops is None:
         return None
     op = own_op("ffn", router.ops.name, "moe_decode")
-    normed = ffn_norm_vector(norm)
+    normed = (None, 0.0) if norm is None else ffn_norm_vector(norm)
     if op is None or normed is None or (shared is not None and moe._has_shared):
         return None
     gate = None
@@ -527,7 +533,9 @@ def plan_moe(
         c.top_k, kind, renormalize, c.n_group if grouped else 1, c.topk_group if grouped else 1,
         float(c.scaling), float(c.renorm_eps), normed[1], stacked.act, float(residual_multiplier),
     )  # fmt: skip
-    return FusedFfnStep(op, list(params), args, stacked.dtype, stacked.int_dot, stacked)
+    return FusedFfnStep(
+        op, list(params), args, stacked.dtype, stacked.int_dot, stacked, residual=residual
+    )
 
 
 def _f32_or_none(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -183,9 +183,11 @@ def fused_moe_decode_ref(
     residual_multiplier: float,
     out_dtype: torch.dtype,
     int_dot: bool = False,
+    residual: bool = True,
 ) -> torch.Tensor:
     """`hidden + rm * (sum_k w_k expert_k(x) + g * shared(x))`, `x = rms_norm(hidden)`, for
-    `hidden (B, H)`, math in float32.
+    `hidden (B, H)`, math in float32; without `residual` the sum alone (`rm * ...`), and with
+    no norm weight `x = hidden` (a stage inside residual streams: its input comes normed).
 
     Args:
         params: `MOE_PARAMS`: norm_w `(H,)`, router_w `(E, H)`, router_bias `(E,)` or None,
@@ -199,7 +201,7 @@ def fused_moe_decode_ref(
     _no_int_dot(int_dot)
     p = MoeParams(*params)
     x = hidden.float()
-    xn = _rms_norm(x, p.norm_w, norm_eps)
+    xn = x if p.norm_w is None else _rms_norm(x, p.norm_w, norm_eps)
     logits = _linear(xn, p.router_w, None, p.router_scale)  # (B, E)
     weights, chosen = route_ref(
         logits, top_k, router_kind, renormalize, n_group, topk_group, scaling, renorm_eps,
@@ -227,7 +229,8 @@ def fused_moe_decode_ref(
             gate = _linear(xn, p.shared_expert_gate_w, None, p.shared_expert_gate_scale)
             shared = torch.sigmoid(gate) * shared
         out = out + shared
-    return (x + (out if residual_multiplier == 1.0 else out * residual_multiplier)).to(out_dtype)
+    out = out if residual_multiplier == 1.0 else out * residual_multiplier
+    return (x + out if residual else out).to(out_dtype)
 
 
 class FusedMlpDecodeOp(Protocol):
@@ -243,6 +246,7 @@ class FusedMoeDecodeOp(Protocol):
         self, hidden: Tensor, params: Params, top_k: int, router_kind: int, renormalize: bool,
         n_group: int, topk_group: int, scaling: float, renorm_eps: float, norm_eps: float,
         act: int, residual_multiplier: float, out_dtype: torch.dtype, int_dot: bool = False,
+        residual: bool = True,
     ) -> Tensor: ...  # fmt: skip
 
 
