@@ -1,7 +1,8 @@
 // One decoder layer's feed-forward stage for a few rows in one call:
 // `out = h + rm * ffn(rms_norm(h))`, with `ffn` a gated MLP (`fused_mlp_decode`) or a sparse
 // mixture of experts with an optional shared expert (`fused_moe_decode`; inside a layer's
-// residual streams it may run without the norm and return `rm * ffn(h)` alone, `residual`).
+// residual streams either may run without the norm and return `rm * ffn(h)` alone,
+// `residual`), the SwiGLUs optionally clipped (`Clip`).
 //
 // Gated MLP: down(act(gate(x) * gm) * up(x)) * dm. The gate and up products are separate
 // weights (`layers.mlp.GatedMLP`'s gate_proj / up_proj, nothing copied at load) or one merged
@@ -84,12 +85,20 @@ struct Gated {
   int64_t inter = 0;
 };
 
-// z[b, i] = act(gate_b[i] * gm) * up_b[i] for channels [i0, i1) of expert rows starting at
-// gate_row0 / up_row0 of the weights; x (m, H) row stride ldx; g, u scratch (m, ldz).
+// A SwiGLU clip (`layers.clamped_swiglu`): limit > 0 clips the up factor to +-limit and the
+// gate to at most limit, before the activation (`before`) or after it; limit 0: none.
+struct Clip {
+  float limit = 0.0f;
+  bool before = false;
+};
+
+// z[b, i] = act(gate_b[i] * gm) * up_b[i] (clipped by `clip`) for channels [i0, i1) of expert
+// rows starting at gate_row0 / up_row0 of the weights; x (m, H) row stride ldx; g, u scratch
+// (m, ldz).
 inline void gate_up_rows(const Weight& gw, int64_t gate_row0, const Weight& uw,
                          int64_t up_row0, const float* x, int64_t ldx, int64_t m, int64_t i0,
                          int64_t i1, float* g, float* u, float* z, int64_t ldz, int64_t act,
-                         float gm) {
+                         float gm, Clip clip = Clip{}) {
   if (i0 >= i1) return;
   gemv(gw, x, ldx, m, gate_row0 + i0, gate_row0 + i1, g + i0, ldz);
   gemv(uw, x, ldx, m, up_row0 + i0, up_row0 + i1, u + i0, ldz);
@@ -97,7 +106,15 @@ inline void gate_up_rows(const Weight& gw, int64_t gate_row0, const Weight& uw,
     const float* gb = g + b * ldz;
     const float* ub = u + b * ldz;
     float* zb = z + b * ldz;
-    if (act == kSilu && gm == 1.0f) {
+    if (clip.limit > 0.0f) {
+      const float l = clip.limit;
+      for (int64_t i = i0; i < i1; ++i) {
+        const float gv = gb[i] * gm;
+        const float a = clip.before ? activate(std::min(gv, l), act)
+                                    : std::min(activate(gv, act), l);
+        zb[i] = a * std::min(std::max(ub[i], -l), l);
+      }
+    } else if (act == kSilu && gm == 1.0f) {
 #pragma omp simd
       for (int64_t i = i0; i < i1; ++i) zb[i] = silu_f32(gb[i]) * ub[i];
     } else {
@@ -115,7 +132,9 @@ enum MlpParam : size_t { kMNormW, kMGateW, kMUpW, kMDownW, kMGateScale, kMUpScal
 struct MlpArgs {
   int64_t batch, hidden, inter, act;
   float eps, gm, dm, rm;
-  const float* norm_w;
+  const float* norm_w;  // null: no norm (the stage's input is already normed)
+  bool residual;        // false: out = rm * mlp, without h (a stage inside residual streams)
+  Clip clip;
 };
 
 void run_mlp(const MlpArgs& a, const Gated& w, const float* h, float* xn, float* g, float* u,
@@ -125,13 +144,17 @@ void run_mlp(const MlpArgs& a, const Gated& w, const float* h, float* xn, float*
     const int tid = fused::thread_id(), nth = fused::num_threads();
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < a.batch; ++b) {
-      fused::rms_norm_row(h + b * a.hidden, a.norm_w, a.hidden, a.eps, xn + b * a.hidden);
+      if (a.norm_w) {
+        fused::rms_norm_row(h + b * a.hidden, a.norm_w, a.hidden, a.eps, xn + b * a.hidden);
+      } else {
+        std::copy(h + b * a.hidden, h + (b + 1) * a.hidden, xn + b * a.hidden);
+      }
     }
     int64_t lo, hi;
     const int64_t up0 = w.up == w.gate ? a.inter : 0;
     split(a.inter, fused::kRowBlock, tid, nth, lo, hi);
     gate_up_rows(*w.gate, 0, *w.up, up0, xn, a.hidden, a.batch, lo, hi, g, u, z, a.inter, a.act,
-                 a.gm);
+                 a.gm, a.clip);
 #pragma omp barrier
     split(a.hidden, fused::kRowBlock, tid, nth, lo, hi);
     if (lo < hi) gemv(*w.down, z, a.inter, a.batch, lo, hi, d + lo, a.hidden);
@@ -141,7 +164,8 @@ void run_mlp(const MlpArgs& a, const Gated& w, const float* h, float* xn, float*
       float* ob = out + b * a.hidden;
       for (int64_t r = lo; r < hi; ++r) {
         const float y = a.dm == 1.0f ? db[r] : db[r] * a.dm;
-        ob[r] = hb[r] + (a.rm == 1.0f ? y : y * a.rm);
+        const float s = a.rm == 1.0f ? y : y * a.rm;
+        ob[r] = a.residual ? hb[r] + s : s;
       }
     }
   }
@@ -150,7 +174,8 @@ void run_mlp(const MlpArgs& a, const Gated& w, const float* h, float* xn, float*
 at::Tensor fused_mlp_decode(const at::Tensor& hidden_in,
                             const c10::List<std::optional<at::Tensor>>& params, double norm_eps,
                             int64_t act, double gate_multiplier, double down_multiplier,
-                            double residual_multiplier, at::ScalarType out_dtype, bool int_dot) {
+                            double residual_multiplier, at::ScalarType out_dtype, bool int_dot,
+                            bool residual, double clip, bool clip_before_act) {
   TORCH_CHECK(params.size() == kMNumParams, "params must hold ", kMNumParams, " entries");
   TORCH_CHECK(hidden_in.dim() == 2, "hidden must be (B, H)");
   TORCH_CHECK(hidden_in.size(0) <= fused::kGemvMaxBatch, "fused_mlp_decode takes at most ",
@@ -172,7 +197,9 @@ at::Tensor fused_mlp_decode(const at::Tensor& hidden_in,
   a.dm = static_cast<float>(down_multiplier);
   a.rm = static_cast<float>(residual_multiplier);
   a.norm_w = fused::param_f32(params, kMNormW, a.hidden, "norm weight");
-  TORCH_CHECK(a.norm_w, "norm weight is required");
+  a.residual = residual;
+  TORCH_CHECK(clip >= 0.0, "the SwiGLU clip must be >= 0 (0: none)");
+  a.clip = Clip{static_cast<float>(clip), clip_before_act};
   const Weight gate = fused::weight_of(params, kMGateW, kMGateScale,
                                        merged ? 2 * a.inter : a.inter, a.hidden, "gate_w", int_dot);
   const Weight up = merged ? gate
@@ -292,6 +319,7 @@ struct MoeDims {
   float eps, rm;
   const float* norm_w;  // null: no norm (the stage's input is already normed)
   bool residual;        // false: out = rm * ffn, without h (a stage inside residual streams)
+  Clip clip, shared_clip;  // the routed and the shared experts' SwiGLU clips
 };
 
 // The experts chosen by any row, ascending, each with the rows that chose it.
@@ -367,7 +395,7 @@ void run_moe(const MoeDims& d, const Router& r, const MoeIo& io) {
       const Gated& s = io.shared;
       split(d.shared, fused::kRowBlock, tid, nth, lo, hi);
       gate_up_rows(*s.gate, 0, *s.up, s.up == s.gate ? d.shared : 0, io.xn, H, d.batch, lo, hi,
-                   io.sg, io.su, io.sz, d.shared, d.act, 1.0f);
+                   io.sg, io.su, io.sz, d.shared, d.act, 1.0f, d.shared_clip);
       if (io.shared_gate && tid == nth - 1) {
         gemv(*io.shared_gate, io.xn, H, d.batch, 0, 1, io.sgate, 1);
       }
@@ -396,7 +424,7 @@ void run_moe(const MoeDims& d, const Router& r, const MoeIo& io) {
       const int64_t s0 = c.first[u], m = c.first[u + 1] - s0, e = c.expert[u];
       const float* x = d.batch > 1 ? io.xg + s0 * H : io.xn;
       gate_up_rows(*io.gate_up, e * 2 * I, *io.gate_up, e * 2 * I + I, x, H, m, i0, i1,
-                   io.g + s0 * I, io.u + s0 * I, io.z + s0 * I, I, d.act, 1.0f);
+                   io.g + s0 * I, io.u + s0 * I, io.z + s0 * I, I, d.act, 1.0f, d.clip);
     }
 #pragma omp barrier
     // Down rows [lo, hi) of every chosen expert and of the shared expert, then the sums.
@@ -444,7 +472,8 @@ at::Tensor fused_moe_decode(
     const at::Tensor& hidden_in, const c10::List<std::optional<at::Tensor>>& params,
     int64_t top_k, int64_t router_kind, bool renormalize, int64_t n_group, int64_t topk_group,
     double scaling, double renorm_eps, double norm_eps, int64_t act, double residual_multiplier,
-    at::ScalarType out_dtype, bool int_dot, bool residual) {
+    at::ScalarType out_dtype, bool int_dot, bool residual, double clip, double shared_clip,
+    bool clip_before_act) {
   TORCH_CHECK(params.size() == kNumMoeParams, "params must hold ", kNumMoeParams, " entries");
   TORCH_CHECK(hidden_in.dim() == 2, "hidden must be (B, H)");
   TORCH_CHECK(hidden_in.size(0) <= fused::kGemvMaxBatch, "fused_moe_decode takes at most ",
@@ -476,6 +505,9 @@ at::Tensor fused_moe_decode(
   d.rm = static_cast<float>(residual_multiplier);
   d.norm_w = fused::param_f32(params, kNormW, d.hidden, "norm weight");
   d.residual = residual;
+  TORCH_CHECK(clip >= 0.0 && shared_clip >= 0.0, "the SwiGLU clips must be >= 0 (0: none)");
+  d.clip = Clip{static_cast<float>(clip), clip_before_act};
+  d.shared_clip = Clip{static_cast<float>(shared_clip), clip_before_act};
   Router r{};
   r.kind = router_kind;
   r.top_k = top_k;
@@ -550,12 +582,14 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
   m.def(
       "fused_mlp_decode(Tensor hidden, Tensor?[] params, float norm_eps, int act, "
       "float gate_multiplier, float down_multiplier, float residual_multiplier, "
-      "ScalarType out_dtype, bool int_dot=False) -> Tensor");
+      "ScalarType out_dtype, bool int_dot=False, bool residual=True, float clip=0.0, "
+      "bool clip_before_act=False) -> Tensor");
   m.def(
       "fused_moe_decode(Tensor hidden, Tensor?[] params, int top_k, int router_kind, "
       "bool renormalize, int n_group, int topk_group, float scaling, float renorm_eps, "
       "float norm_eps, int act, float residual_multiplier, ScalarType out_dtype, "
-      "bool int_dot=False, bool residual=True) -> Tensor");
+      "bool int_dot=False, bool residual=True, float clip=0.0, float shared_clip=0.0, "
+      "bool clip_before_act=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {

@@ -1,10 +1,10 @@
 """The fused feed-forward stage in the engine (`DecoderLayer.ffn_plan`): planned where the stage is
 a dense gated MLP or an MoE (softmax or sigmoid router, with or without its shared expert, or an
-MoE plus a shared MLP; an MoE between the ends of a layer's residual-stream connection, as the
-stage alone), the kernel runs on decode steps, and the tokens and logprobs equal those
-of the same model with `VLLM_MAMBA_FUSED_DECODE=0` (greedy equal, logprobs within 1e-4 in
-float32), also with int8 and 4-bit weights (the experts stacked quantised) and with the plans
-dropped again (the unfused layers then read the stacked experts).
+MoE plus a shared MLP; an MLP or MoE between the ends of a layer's residual-stream connection,
+as the stage alone; clipped SwiGLUs), the kernel runs on decode steps, and the tokens and
+logprobs equal those of the same model with `VLLM_MAMBA_FUSED_DECODE=0` (greedy equal,
+logprobs within 1e-4 in float32), also with int8 and 4-bit weights (the experts stacked
+quantised) and with the plans dropped again (the unfused layers then read the stacked experts).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ CASES = [
     # MoEs inside gated hyper-connections: the stage alone, without a norm or the residual
     ("qwen4-exp-ple", None, {"moe": 4}),
     ("qwen4-exp-ple", "int8", {"moe": 4}),
-    ("glm5-next-moe", None, {}),  # clipped SwiGLUs: no kernel, every stage unfused
+    # SwiGLUs clipped before the activation, inside mHC streams: a dense layer, then MoEs
+    ("glm5-next-moe", None, {"mlp": 1, "moe": 3}),
+    ("ling-clipped", None, {"mlp": 1, "moe": 3}),  # clipped after the activation, per layer
 ]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_mamba.layers.clamped_swiglu import gated_mlp
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.mlp import GatedMLP
@@ -79,6 +80,40 @@ def test_mlp_kernel_matches_reference(rows: int, dtype: str, merged: bool) -> No
         got = cpu_kernels.fused_mlp_decode(hidden, params, *args)
         _close(got, want)
         _rows_alone(got, hidden, cpu_kernels.fused_mlp_decode, params, *args)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+@pytest.mark.parametrize("form", ["clip-before", "clip-after", "streams"])
+def test_mlp_clips_and_stage_alone_match_reference(rows: int, dtype: str, form: str) -> None:
+    """A clipped SwiGLU (`ClampedGatedMLP`, before or after the activation), and the stage
+    inside residual streams (no norm weight, no residual): kernel against reference, and the
+    reference against the unfused layer."""
+    g = torch.Generator().manual_seed(rows * 3 + len(dtype) + len(form))
+    ops = bind_ops("ref")
+    limit = 0.0 if form == "streams" else 0.6
+    mlp = gated_mlp(H, I, False, ops, limit=limit, before_act=form == "clip-before")
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(_w(g, *p.shape))
+    (gate_w, gate_s), (up_w, up_s) = (_weight(mlp.gate_proj.weight.detach(), dtype),
+                                      _weight(mlp.up_proj.weight.detach(), dtype))  # fmt: skip
+    down_w, down_s = _weight(mlp.down_proj.weight.detach(), dtype)
+    streams = form == "streams"
+    norm = None if streams else torch.ones(H)
+    params = list(ffn.MlpParams(norm, gate_w, up_w, down_w, gate_s, up_s, down_s))
+    hidden = _hidden(g, rows) * (1.0 if streams else 4.0)  # the clips bind on large products
+    args = (1e-6, 0, 1.0, 1.0, 0.5, torch.float32, False, not streams, limit, mlp.before_act
+            if limit else False)  # fmt: skip
+    want = ffn.fused_mlp_decode_ref(hidden, params, *args)
+    got = cpu_kernels.fused_mlp_decode(hidden, params, *args)
+    _close(got, want)
+    _rows_alone(got, hidden, cpu_kernels.fused_mlp_decode, params, *args)
+    if dtype == "float32":  # the layer: `h + 0.5 mlp(rms(h))`, or `0.5 mlp(h)` in streams
+        with torch.no_grad():
+            x = hidden if streams else hidden * torch.rsqrt(hidden.pow(2).mean(-1, True) + 1e-6)
+            layer = 0.5 * mlp(x) + (0.0 if streams else hidden)
+        _close(want, layer)
 
 
 def test_mlp_bfloat16_activations() -> None:
@@ -237,14 +272,22 @@ def test_route_reference_is_the_router(kind: str) -> None:
     _close(got_w.gather(1, got_order.indices), weights.gather(1, order.indices))
 
 
-def test_moe_reference_is_the_layer() -> None:
+# SwiGLU clips (`ClampedGatedMLP`): (routed, shared, before the activation); 0 none.
+CLIPS = {"none": (0.0, 0.0, False), "after": (0.8, 0.5, False), "before": (0.8, 0.0, True)}
+
+
+@pytest.mark.parametrize("clip", sorted(CLIPS))
+def test_moe_reference_is_the_layer(clip: str) -> None:
     """The reference equals `h + SparseMoE(RMSNorm(h))` (experts of `GatedMLP`s, a gated shared
-    expert), the unfused layers."""
+    expert; with SwiGLU clips `ClampedGatedMLP`s), the unfused layers."""
     g = torch.Generator().manual_seed(2)
     ops = bind_ops("ref")
     config = RouterConfig("softmax_topk", E, 3, renormalize=True)
-    experts = ExpertList(GatedMLP(H, I, False, ops, reduce=False) for _ in range(E))
-    shared = GatedMLP(H, S, False, ops)
+    limit, shared_limit, before = CLIPS[clip]
+    experts = ExpertList(
+        gated_mlp(H, I, False, ops, reduce=False, limit=limit, before_act=before) for _ in range(E)
+    )
+    shared = gated_mlp(H, S, False, ops, limit=shared_limit, before_act=before)
     moe = SparseMoE(ExpertRouter(H, config, ops), experts, shared=shared,
                     shared_gate=Linear(H, 1, False, ops))  # fmt: skip
     norm = RMSNorm(H)
@@ -263,9 +306,34 @@ def test_moe_reference_is_the_layer() -> None:
         shared_down_w=shared.down_proj.weight.detach(),
         shared_expert_gate_w=moe.shared_expert_gate.weight.detach(),
     )  # fmt: skip
-    got = ffn.fused_moe_decode_ref(hidden, list(ffn.MoeParams(**p)), *ROUTERS["softmax-renorm"],
-                                   1e-6, 0, 1.0, torch.float32)  # fmt: skip
+    args = (*ROUTERS["softmax-renorm"], 1e-6, 0, 1.0, torch.float32, False, True, *CLIPS[clip])
+    got = ffn.fused_moe_decode_ref(hidden, list(ffn.MoeParams(**p)), *args)
     _close(got, want)
+    if clip != "none":  # the clips bind
+        unclipped = ffn.fused_moe_decode_ref(
+            hidden,
+            list(ffn.MoeParams(**p)),
+            *ROUTERS["softmax-renorm"],
+            1e-6,
+            0,
+            1.0,
+            torch.float32,
+        )
+        assert (unclipped - got).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+@pytest.mark.parametrize("clip", ["after", "before"])
+def test_moe_clipped_kernel_matches_reference(rows: int, dtype: str, clip: str) -> None:
+    g = torch.Generator().manual_seed(rows * 5 + len(dtype) + len(clip))
+    params = _moe_params(g, dtype, "gated", bias=False)
+    hidden = _hidden(g, rows) * 4.0  # products large enough for the clips to bind
+    args = (*ROUTERS["softmax-renorm"], 1e-6, 0, 0.5, torch.float32, False, True, *CLIPS[clip])
+    want = ffn.fused_moe_decode_ref(hidden, params, *args)
+    got = cpu_kernels.fused_moe_decode(hidden, params, *args)
+    _close(got, want)
+    _rows_alone(got, hidden, cpu_kernels.fused_moe_decode, params, *args)
 
 
 def test_bad_input_is_refused() -> None:

@@ -6,8 +6,8 @@ and shared experts, transformers' `Step3p7` experts with `limit_after_act`) or b
     y = down(act(min(g, limit)) * clamp(u, -limit, limit))      (before_act)
 
 in the model dtype, as transformers. A layer whose limit is zero is not clipped and is built as
-a plain `GatedMLP` (so it keeps the fused decode and the stacked experts); this class is only
-for a positive limit, and the fused paths decline it (they check for `GatedMLP` exactly). The
+a plain `GatedMLP`; this class is only for a positive limit. The fused `mlp_decode` /
+`moe_decode` kernels take the clip (`layers.mlp.swiglu_clip`). The
 elementwise part runs row by row (`layers.rowwise`), so a speculative chain's rows equal the
 tokens decoded alone. Parameters and tensor parallelism are `layers.mlp.GatedMLP`'s.
 
@@ -26,6 +26,8 @@ from vllm_mamba.layers.rowwise import rowwise
 
 class ClampedGatedMLP(GatedMLP):
     """`down(min(act(g), limit) * clamp(u, -limit, limit))` (see the module docstring)."""
+
+    kernel_clips = True  # the `ffn` kernels compute it (`layers.mlp.kernel_computes`)
 
     def __init__(self, *args: Any, limit: float, before_act: bool = False, **kwargs: Any) -> None:
         """Args: `GatedMLP`'s; `limit` the clip (positive); `before_act` clips the gate before

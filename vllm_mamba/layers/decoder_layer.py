@@ -51,8 +51,8 @@ each stage collapses the streams to its input, `x, ctx = c.collapse(h)`, and mix
 back, `h = c.expand(f(norm(x)), ctx, h)` (`layers.hyper_connection`); its norms are optional
 (Qwen4-Exp's connections norm the streams themselves). Such a layer runs its mixer's fused step
 alone (scope `MIXER`), never the block or layer plans; its feed-forward plan, when the stage is
-one MoE, is the stage alone between the connection's ends (`moe_decode` without the residual,
-and without a norm where the stage has none). It may take an
+one MoE or gated MLP, is the stage alone between the connection's ends (`moe_decode` /
+`mlp_decode` without the residual, and without a norm where the stage has none). It may take an
 `injection` before its first stage that reads the step's token ids (Qwen4-Exp's per-layer
 n-gram embeddings, a stateful layer): `h = h + injection(h, tokens, meta)`; such a layer
 `reads_tokens` and the model calls it `layer(hidden, meta, tokens=input_ids)`.
@@ -220,10 +220,13 @@ class DecoderLayer(PlannedLayer):
         parts = [getattr(self, n) for n in self._ffn_names]
         rm = self.residual_multiplier
         if self._hyper_names is not None:  # the stage alone, between its connection's ends
-            if len(parts) != 1 or not isinstance(parts[0], SparseMoE):
+            if len(parts) != 1:
                 return None
             norm = None if self._ffn_norm_name is None else getattr(self, self._ffn_norm_name)
-            step = plan_moe(parts[0], norm, rm, residual=False)
+            if isinstance(parts[0], SparseMoE):
+                step = plan_moe(parts[0], norm, rm, residual=False)
+            else:
+                step = plan_mlp(parts[0], norm, rm, residual=False)
             return DecodePlan(DecodeScope.FFN, step, self._ffn_names[0]) if step else None
         if self._ffn_norm_name is None:
             return None

@@ -189,10 +189,24 @@ class Projections:
         return True in self.int_dots
 
 
+def kernel_computes(mlp: nn.Module) -> bool:
+    """Whether the `ffn` kernels compute `mlp`'s forward: a `GatedMLP`, or a subclass that
+    declares itself so (`kernel_clips`: `layers.clamped_swiglu.ClampedGatedMLP`, whose clip
+    the kernels take); other subclasses (softcapped, scaled) are not."""
+    return type(mlp) is GatedMLP or bool(type(mlp).__dict__.get("kernel_clips", False))
+
+
+def swiglu_clip(mlp: nn.Module) -> tuple[float, bool]:
+    """A `GatedMLP`'s SwiGLU clip as the `ffn` kernels take it: `(limit, before_act)`, `(0.0,
+    False)` for none (`layers.clamped_swiglu.ClampedGatedMLP` has one)."""
+    return float(getattr(mlp, "limit", 0.0)), bool(getattr(mlp, "before_act", False))
+
+
 def gated_projections(mlp: nn.Module, got: Projections) -> tuple[Projection, ...] | None:
-    """A `GatedMLP`'s gate, up (None for a merged `[gate | up]`) and down projections through
-    `got`, or None when it has multipliers (see `plan_mlp`, which takes them)."""
-    if type(mlp) is not GatedMLP:
+    """A `GatedMLP`'s (or a clipped one's: `swiglu_clip`) gate, up (None for a merged
+    `[gate | up]`) and down projections through `got`, or None when it has multipliers (see
+    `plan_mlp`, which takes them)."""
+    if not kernel_computes(mlp):
         return None
     if mlp._merged is None:
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
@@ -214,7 +228,7 @@ class FusedFfnStep:
     dtype: torch.dtype
     int_dot: bool
     keep: object = None
-    residual: bool = True  # False: `rm * ffn(norm(h))` alone (a `moe_decode` inside streams)
+    tail: tuple[float | bool, ...] = ()  # the arguments after `int_dot` (residual, clips)
 
     def takes(self, hidden: torch.Tensor, meta: object) -> bool:
         """A decode-only step (`decode_plan.decode_only`) of at most `MAX_ROWS` rows, chains
@@ -228,18 +242,21 @@ class FusedFfnStep:
     def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`; a chain's rows each computed as alone (the kernels'
         rows never depend on the batch)."""
-        if self.residual:
-            return self.op(hidden, self.params, *self.args, hidden.dtype, self.int_dot)
-        return self.op(hidden, self.params, *self.args, hidden.dtype, self.int_dot, False)
+        return self.op(hidden, self.params, *self.args, hidden.dtype, self.int_dot, *self.tail)
 
 
-def plan_mlp(mlp: nn.Module, norm: nn.Module, residual_multiplier: float) -> FusedFfnStep | None:
+def plan_mlp(
+    mlp: nn.Module, norm: nn.Module | None, residual_multiplier: float, residual: bool = True
+) -> FusedFfnStep | None:
     """`h + rm * mlp(norm(h))` as one `mlp_decode` call, or None where the kernel does not
-    apply (see the module docstring)."""
-    if type(mlp) is not GatedMLP:
+    apply (see the module docstring). `norm` None: the stage has none; `residual` False: the
+    stage's output alone, `rm * mlp(...)` (a stage inside residual streams). A clipped SwiGLU
+    (`swiglu_clip`) is clipped in the kernel."""
+    if not kernel_computes(mlp):
         return None
     op = own_op("ffn", mlp.ops.name, "mlp_decode")
-    normed, code = ffn_norm_vector(norm), act_code(mlp.act)
+    normed = (None, 0.0) if norm is None else ffn_norm_vector(norm)
+    code = act_code(mlp.act)
     if op is None or normed is None or code is None:
         return None
     got = Projections(mlp.ops.linear)
@@ -250,4 +267,5 @@ def plan_mlp(mlp: nn.Module, norm: nn.Module, residual_multiplier: float) -> Fus
     (gate_w, gate_s), (up_w, up_s), (down_w, down_s) = found
     params = ffn_ops.MlpParams(normed[0], gate_w, up_w, down_w, gate_s, up_s, down_s)
     args = (normed[1], code, mlp.gate_multiplier, mlp.down_multiplier, float(residual_multiplier))
-    return FusedFfnStep(op, list(params), args, dtype, got.int_dot)
+    tail = (residual, *swiglu_clip(mlp))
+    return FusedFfnStep(op, list(params), args, dtype, got.int_dot, tail=tail)

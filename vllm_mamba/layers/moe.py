@@ -58,11 +58,12 @@ from vllm_mamba.distributed.communication import all_reduce
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.mlp import (
     FusedFfnStep,
-    GatedMLP,
     Projections,
     act_code,
     ffn_norm_vector,
     gated_projections,
+    kernel_computes,
+    swiglu_clip,
 )
 from vllm_mamba.layers.parallel_linear import even_ranges, shard_param
 from vllm_mamba.layers.rowwise import rowwise
@@ -219,7 +220,9 @@ class ExpertList(nn.ModuleList):
         old stacking has no views left).
         """
         experts = list(self)
-        if not experts or any(type(m) is not GatedMLP or m._merged is not None for m in experts):
+        if not experts or any(not kernel_computes(m) or m._merged is not None for m in experts):
+            return None
+        if len({swiglu_clip(m) for m in experts}) != 1:
             return None
         if len({act_code(m.act) for m in experts}) != 1 or act_code(experts[0].act) is None:
             return None
@@ -262,6 +265,7 @@ class StackedExperts:
     dtype: torch.dtype
     act: int
     int_dot: bool
+    clip: tuple[float, bool] = (0.0, False)  # the experts' SwiGLU clip (`swiglu_clip`)
 
 
 def _stack(
@@ -312,6 +316,7 @@ def _stack(
         dtype,
         act_code(experts[0].act),
         int_dot,
+        swiglu_clip(experts[0]),
     )  # type: ignore[arg-type]
 
 
@@ -484,12 +489,15 @@ def plan_moe(
     normed = (None, 0.0) if norm is None else ffn_norm_vector(norm)
     if op is None or normed is None or (shared is not None and moe._has_shared):
         return None
+    if shared is not None and swiglu_clip(shared)[0]:
+        return None  # a second feed-forward part is summed unclipped
     gate = None
     if moe._has_shared:
         shared = getattr(moe, moe._names[2])
         gate = getattr(moe, moe._names[3]) if moe._has_gate else None
     got = Projections(router.ops.linear)
     shared_found = ((None, None),) * 3
+    shared_clip = (0.0, False) if shared is None else swiglu_clip(shared)
     if shared is not None:
         found = gated_projections(shared, got)
         if found is None or shared.gate_multiplier != 1.0 or shared.down_multiplier != 1.0:
@@ -511,6 +519,10 @@ def plan_moe(
         return None
     if shared is not None and act_code(shared.act) != stacked.act:
         return None
+    clips = [c for c in (stacked.clip, shared_clip) if c[0]]
+    if len({before for _, before in clips}) > 1:
+        return None  # one clip position for both
+    before = clips[0][1] if clips else False
     weight = router.weight.detach()
     if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous():
         return None
@@ -533,9 +545,8 @@ def plan_moe(
         c.top_k, kind, renormalize, c.n_group if grouped else 1, c.topk_group if grouped else 1,
         float(c.scaling), float(c.renorm_eps), normed[1], stacked.act, float(residual_multiplier),
     )  # fmt: skip
-    return FusedFfnStep(
-        op, list(params), args, stacked.dtype, stacked.int_dot, stacked, residual=residual
-    )
+    tail = (residual, stacked.clip[0], shared_clip[0], before)
+    return FusedFfnStep(op, list(params), args, stacked.dtype, stacked.int_dot, stacked, tail)
 
 
 def _f32_or_none(t: torch.Tensor | None) -> torch.Tensor | None:

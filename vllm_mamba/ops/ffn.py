@@ -84,8 +84,12 @@ def _gated(
     scales: tuple[torch.Tensor | None, ...],
     act: int,
     gate_multiplier: float = 1.0,
+    clip: float = 0.0,
+    clip_before_act: bool = False,
 ) -> torch.Tensor:
-    """`down(act(gate(x) * gm) * up(x))` in float32; `up_w` None: `gate_w` is `[gate | up]`."""
+    """`down(act(gate(x) * gm) * up(x))` in float32; `up_w` None: `gate_w` is `[gate | up]`;
+    `clip` > 0: `up` clipped to +-clip and the gate to at most `clip` before the activation
+    (`clip_before_act`) or after it (`layers.clamped_swiglu`)."""
     gate_scale, up_scale, down_scale = scales
     if up_w is None:
         gate, up = _linear(x, gate_w, None, gate_scale).chunk(2, dim=-1)
@@ -93,7 +97,13 @@ def _gated(
         gate, up = _linear(x, gate_w, None, gate_scale), _linear(x, up_w, None, up_scale)
     if gate_multiplier != 1.0:
         gate = gate * gate_multiplier
-    return _linear(_ACTS[act](gate) * up, down_w, None, down_scale)
+    if not clip:
+        return _linear(_ACTS[act](gate) * up, down_w, None, down_scale)
+    if clip_before_act:
+        activated = _ACTS[act](gate.clamp(max=clip))
+    else:
+        activated = _ACTS[act](gate).clamp(max=clip)
+    return _linear(activated * up.clamp(-clip, clip), down_w, None, down_scale)
 
 
 def fused_mlp_decode_ref(
@@ -106,8 +116,13 @@ def fused_mlp_decode_ref(
     residual_multiplier: float,
     out_dtype: torch.dtype,
     int_dot: bool = False,
+    residual: bool = True,
+    clip: float = 0.0,
+    clip_before_act: bool = False,
 ) -> torch.Tensor:
-    """`hidden + rm * GatedMLP(rms_norm(hidden))` for `hidden (B, H)`, math in float32.
+    """`hidden + rm * GatedMLP(rms_norm(hidden))` for `hidden (B, H)`, math in float32; without
+    `residual` `rm * GatedMLP(...)` alone, with no norm weight on `hidden` itself, the SwiGLU
+    clipped by `clip` (before the activation with `clip_before_act`; 0: none) as `_gated`.
 
     Args:
         params: `MLP_PARAMS`: norm_w `(H,)`, gate_w `(I, H)` (or `(2I, H)` `[gate | up]` with
@@ -121,11 +136,13 @@ def fused_mlp_decode_ref(
     p = MlpParams(*params)
     x = hidden.float()
     scales = (p.gate_scale, p.up_scale, p.down_scale)
-    y = _gated(_rms_norm(x, p.norm_w, norm_eps), p.gate_w, p.up_w, p.down_w, scales, act,
-               gate_multiplier)  # fmt: skip
+    xn = x if p.norm_w is None else _rms_norm(x, p.norm_w, norm_eps)
+    y = _gated(xn, p.gate_w, p.up_w, p.down_w, scales, act, gate_multiplier, clip,
+               clip_before_act)  # fmt: skip
     if down_multiplier != 1.0:
         y = y * down_multiplier
-    return (x + (y if residual_multiplier == 1.0 else y * residual_multiplier)).to(out_dtype)
+    y = y if residual_multiplier == 1.0 else y * residual_multiplier
+    return (x + y if residual else y).to(out_dtype)
 
 
 def route_ref(
@@ -184,10 +201,15 @@ def fused_moe_decode_ref(
     out_dtype: torch.dtype,
     int_dot: bool = False,
     residual: bool = True,
+    clip: float = 0.0,
+    shared_clip: float = 0.0,
+    clip_before_act: bool = False,
 ) -> torch.Tensor:
     """`hidden + rm * (sum_k w_k expert_k(x) + g * shared(x))`, `x = rms_norm(hidden)`, for
     `hidden (B, H)`, math in float32; without `residual` the sum alone (`rm * ...`), and with
-    no norm weight `x = hidden` (a stage inside residual streams: its input comes normed).
+    no norm weight `x = hidden` (a stage inside residual streams: its input comes normed);
+    `clip` / `shared_clip` the routed / shared experts' SwiGLU clips (`_gated`; 0: none),
+    before the activation with `clip_before_act`.
 
     Args:
         params: `MOE_PARAMS`: norm_w `(H,)`, router_w `(E, H)`, router_bias `(E,)` or None,
@@ -219,12 +241,23 @@ def fused_moe_decode_ref(
             y = _gated(
                 xn[b : b + 1], p.experts_gate_up_w[gu], None, p.experts_down_w[dn],
                 (gu_scale[gu] if gu_scale is not None else None, None,
-                 dn_scale[dn] if dn_scale is not None else None), act,
+                 dn_scale[dn] if dn_scale is not None else None), act, 1.0, clip,
+                clip_before_act,
             )  # fmt: skip
             out[b] += y[0] * weights[b, k]
     if p.shared_gate_w is not None:
         scales = (p.shared_gate_scale, p.shared_up_scale, p.shared_down_scale)
-        shared = _gated(xn, p.shared_gate_w, p.shared_up_w, p.shared_down_w, scales, act)
+        shared = _gated(
+            xn,
+            p.shared_gate_w,
+            p.shared_up_w,
+            p.shared_down_w,
+            scales,
+            act,
+            1.0,
+            shared_clip,
+            clip_before_act,
+        )
         if p.shared_expert_gate_w is not None:
             gate = _linear(xn, p.shared_expert_gate_w, None, p.shared_expert_gate_scale)
             shared = torch.sigmoid(gate) * shared
@@ -237,7 +270,8 @@ class FusedMlpDecodeOp(Protocol):
     def __call__(
         self, hidden: Tensor, params: Params, norm_eps: float, act: int, gate_multiplier: float,
         down_multiplier: float, residual_multiplier: float, out_dtype: torch.dtype,
-        int_dot: bool = False,
+        int_dot: bool = False, residual: bool = True, clip: float = 0.0,
+        clip_before_act: bool = False,
     ) -> Tensor: ...  # fmt: skip
 
 
@@ -246,7 +280,8 @@ class FusedMoeDecodeOp(Protocol):
         self, hidden: Tensor, params: Params, top_k: int, router_kind: int, renormalize: bool,
         n_group: int, topk_group: int, scaling: float, renorm_eps: float, norm_eps: float,
         act: int, residual_multiplier: float, out_dtype: torch.dtype, int_dot: bool = False,
-        residual: bool = True,
+        residual: bool = True, clip: float = 0.0, shared_clip: float = 0.0,
+        clip_before_act: bool = False,
     ) -> Tensor: ...  # fmt: skip
 
 
