@@ -56,6 +56,7 @@ KERNEL_TESTS = [
     "tests/ops/test_fused_gdn_decode.py",
     "tests/ops/test_fused_kda_decode.py",
     "tests/ops/test_fused_ffn_decode.py",
+    "tests/ops/test_hyper_connection_op.py",
     "tests/ops/test_rglru.py",
     "tests/ops/test_mlstm.py",
 ]

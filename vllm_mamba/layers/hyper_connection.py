@@ -30,8 +30,10 @@ releases' `hc_attn_fn` / `hc_ffn_base` ... are renamed by the model).
     inject = 2 sigmoid(block_inject(n) / N)                  (T, N)
     h'_i = h_i + inject_i f(x)
 
-Both are replicated under tensor parallelism (the streams are whole on every rank). Their
-transcendental functions run `rowwise`, so a speculative chain's rows get the bits of the tokens
+`HyperConnection`'s `pre`, `post` and `comb` come from the `hyper_connection` op family's
+`mhc_weights` (one C++ call a stage; `vllm_mamba.ops.hyper_connection`). Both are replicated
+under tensor parallelism (the streams are whole on every rank). Their transcendental functions
+run `rowwise` (or per row in C++), so a speculative chain's rows get the bits of the tokens
 decoded one by one.
 
 Glossary: T tokens, N streams (`hc_mult`), H hidden size.
@@ -45,6 +47,7 @@ from torch import nn
 
 from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.rowwise import rowwise
+from vllm_mamba.ops import hyper_connection as hc_ops
 from vllm_mamba.ops.table import MambaOps
 
 Context = tuple[torch.Tensor, ...]  # what `collapse` hands `expand`
@@ -75,6 +78,7 @@ class HyperConnection(StreamConnection):
         bitwise the one-token steps')."""
         super().__init__()
         self.linear_op = ops.linear
+        self.weights_op = ops.family(hc_ops.FAMILY).mhc_weights
         if streams < 1 or iters < 1:
             raise ValueError(f"hc_mult and hc_sinkhorn_iters must be >= 1, got {streams}, {iters}")
         self.streams, self.iters, self.eps, self.norm_eps = streams, iters, eps, norm_eps
@@ -90,17 +94,9 @@ class HyperConnection(StreamConnection):
         flat = streams.reshape(streams.shape[0], -1).float()  # (T, N H)
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
         z = self.linear_op(flat, self.fn.float(), None)  # (T, (2 + N) N)
-        pre_w, post_w, comb_w = z.split([n, n, n * n], dim=-1)
-        base, scale = self.base.float(), self.scale.float()
-        pre_b, post_b, comb_b = base.split([n, n, n * n])
-        pre = rowwise(torch.sigmoid, pre_w * scale[0] + pre_b) + self.eps  # (T, N)
-        post = 2 * rowwise(torch.sigmoid, post_w * scale[1] + post_b)  # (T, N)
-        comb_logits = comb_w.view(-1, n, n) * scale[2] + comb_b.view(n, n)
-        comb = torch.softmax(comb_logits, dim=-1) + self.eps  # (T, N, N): row by row
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        pre, post, comb = self.weights_op(
+            z, self.base, self.scale, n, self.iters, self.eps
+        )  # (T, N), (T, N), (T, N, N) float32
         x = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)  # (T, H)
         return x, (post, comb)
 

@@ -110,6 +110,8 @@ CPP_OPS: tuple[CppOp, ...] = (
     CppOp("paged_attention", "decode_layer", "fused_attention_decode", required=False),
     CppOp("ffn", "mlp_decode", "fused_mlp_decode", required=False),
     CppOp("ffn", "moe_decode", "fused_moe_decode", required=False),
+    # `csrc/hyper_connection.cpp`: GLM-5-Next's mHC weights (the reference without it).
+    CppOp("hyper_connection", "mhc_weights", "mhc_weights", required=False),
 )  # fmt: skip
 # The kernels Python calls by name outside the families: `linear`'s, the int8 / 4-bit / grouped
 # linear wrappers' (`vllm_mamba.ops.int8_linear`, `int4_linear`, `grouped_linear`,

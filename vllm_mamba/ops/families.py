@@ -53,7 +53,7 @@ BACKEND_MODULES = {"cpp": "vllm_mamba.ops.cpu_kernels", "triton": "vllm_mamba.op
 _BUILTIN_MODULES = (
     "causal_conv1d", "selective_scan", "ssd", "gated_rms_norm", "paged_attention", "linear",
     "fused_decode", "gated_delta", "kda", "mla_attention", "short_conv", "rwkv7", "rwkv4", "ffn",
-    "rglru", "lightning_attention", "mlstm", "cca", "dynamic_conv",
+    "rglru", "lightning_attention", "mlstm", "cca", "dynamic_conv", "hyper_connection",
 )  # fmt: skip
 
 
