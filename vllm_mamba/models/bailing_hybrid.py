@@ -82,15 +82,6 @@ _RENAMES = (
 )
 
 
-# The MTP layer's own parts (under `mtp.layers.{i}.` once renamed) onto `MultiTokenPredictor`'s.
-_MTP_PARTS = {
-    "enorm.": "pre_fc_norm_embedding.",
-    "hnorm.": "pre_fc_norm_hidden.",
-    "eh_proj.": "fc.",
-    "final_layernorm.": "norm.",
-}
-
-
 def _clip_limits(config: Any, index: int) -> tuple[float, float]:
     """Layer `index`'s SwiGLU clips of the routed and the shared experts
     (`expert_swiglu_limit_list`, `share_expert_swiglu_limit_list`; zero: none). A list the
@@ -177,7 +168,7 @@ class BailingHybridForCausalLM(SupportsMTP, CausalLM):
         (the target's head again) dropped."""
         first = self.config.num_hidden_layers  # type: ignore[attr-defined]
         for name, tensor in weights:
-            renamed = nextn_weight_name(name, first, _MTP_PARTS)
+            renamed = nextn_weight_name(name, first, "final_layernorm.")
             if renamed is not None:
                 yield renamed, tensor
 

@@ -69,13 +69,6 @@ from vllm_mamba.ops.table import MambaOps
 
 NAMES = StackNames(prefix="model", embeddings="embed_tokens", final_norm="norm")
 _HC = re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$")
-# The MTP layer's own parts (under `mtp.layers.{i}.` once renamed) onto `MultiTokenPredictor`'s.
-_MTP_PARTS = {
-    "enorm.": "pre_fc_norm_embedding.",
-    "hnorm.": "pre_fc_norm_hidden.",
-    "eh_proj.": "fc.",
-    "shared_head.norm.": "norm.",
-}
 
 
 class GlmDeltaAttention(KimiDeltaAttention):
@@ -249,7 +242,7 @@ class Glm5NextForConditionalGeneration(SupportsMTP, CausalLM):
         first = self.config.num_hidden_layers  # type: ignore[attr-defined]
         for name, tensor in weights:
             name = name.replace("model.language_model.", "model.", 1)
-            renamed = nextn_weight_name(name, first, _MTP_PARTS)
+            renamed = nextn_weight_name(name, first, "shared_head.norm.")
             if renamed is not None:
                 yield renamed, tensor
 

@@ -88,17 +88,23 @@ def mtp_num_layers(config: Any, default: int | None = None) -> int:
 
 
 _DECODER_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+# A nextn layer's input parts onto `MultiTokenPredictor`'s; each model adds its final norm.
+NEXTN_PARTS = {
+    "enorm.": "pre_fc_norm_embedding.",
+    "hnorm.": "pre_fc_norm_hidden.",
+    "eh_proj.": "fc.",
+}
 
 
-def nextn_weight_name(name: str, first: int, parts: dict[str, str]) -> str | None:
+def nextn_weight_name(name: str, first: int, final_norm: str) -> str | None:
     """A checkpoint name under the MTP head's, for heads stored as decoder layers past the last
     one (DeepSeek's "nextn" layers: Ling 3's, GLM-5-Next's).
 
-    `model.layers.{first + i}.{rest}`: a part of the head's own (`parts`: `enorm.` ... onto
-    `MultiTokenPredictor`'s `pre_fc_norm_embedding.` ...) under `mtp.`, any other
-    `shared_head.*` (the target's head again) None (dropped), the rest under `mtp.layers.{i}.`;
-    other names as they are.
+    `model.layers.{first + i}.{rest}`: a part of the head's own (`NEXTN_PARTS`, and the final
+    norm `final_norm` onto `norm.`) under `mtp.`, any other `shared_head.*` (the target's head
+    again) None (dropped), the rest under `mtp.layers.{i}.`; other names as they are.
     """
+    parts = {**NEXTN_PARTS, final_norm: "norm."}
     match = _DECODER_LAYER.match(name)
     if match is None or int(match[1]) < first:
         return name
@@ -319,6 +325,7 @@ __all__ = [
     "MultiTokenPredictor",
     "StreamsMultiTokenPredictor",
     "SupportsMTP",
+    "NEXTN_PARTS",
     "mtp_num_layers",
     "nextn_weight_name",
 ]
