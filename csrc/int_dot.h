@@ -165,6 +165,25 @@ inline int strip_lanes(int64_t n, int64_t s) {
   return static_cast<int>(std::min<int64_t>(kLanes, n - s * kLanes));
 }
 
+// The strip two ahead of the one being computed, prefetched (into L2) block by block while this
+// one is read: a strip's compute per block grows with the rows of x (5 rows of a speculative
+// chain take 40 vpdpbusd per block of an int8 strip), and without prefetches the hardware
+// prefetchers' lead no longer hides the memory latency, so a 5-row pass took 1.6-1.9x one row
+// on a 256 MiB weight (2 threads, Zen 4) where it is bound by the same reads. `p` null: none.
+struct Ahead {
+  const uint8_t* p = nullptr;      // the weight bytes of the strip ahead
+  const uint16_t* scales = nullptr;  // 4-bit: its block scales
+  int64_t block_bytes = 0;           // weight bytes per block of 32 columns of that strip
+
+  // Prefetches the ahead strip's block j (its weight lines and, for 4-bit, its scales).
+  inline void block(int64_t j, int lanes) const {
+    if (!p) return;
+    const uint8_t* b = p + j * block_bytes;
+    for (int64_t off = 0; off < block_bytes; off += 64) vec::prefetch_l2(b + off);
+    if (scales) vec::prefetch_l2(scales + j * lanes);
+  }
+};
+
 // Whether the kernels may use VNNI where the CPU has it: unless VLLM_MAMBA_INT_DOT_VNNI=0 (read
 // once per process), which runs the maddubs kernels instead (the tests compare both).
 inline bool vnni_allowed() {
@@ -228,7 +247,7 @@ struct Kernels {
 
   template <int B>
   static void strip_i8(const uint8_t* w, int lanes, int64_t nb, const QRow* xs,
-                       float (*out)[kLanes]) {
+                       float (*out)[kLanes], const Ahead& ahead) {
     const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1u);
     const int64_t gs = 4 * lanes;  // bytes per group of the strip
     __m512 acc[B][kGroup];
@@ -238,6 +257,7 @@ struct Kernels {
       for (int p = 0; p < kGroup; ++p) {
         const int64_t j = j0 + p;
         if (j >= nb) break;
+        ahead.block(j, lanes);
         const uint8_t* wj = w + j * 8 * gs;
         __m512i wv[8];
         __mmask64 neg[8];
@@ -271,7 +291,7 @@ struct Kernels {
 
   template <int B>
   static void strip_q4(const uint8_t* w, const uint16_t* scales, int lanes, int64_t nb,
-                       const QRow* xs, float (*out)[kLanes]) {
+                       const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
     const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1u);
     const int64_t gs = 4 * lanes;
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -282,6 +302,7 @@ struct Kernels {
       for (int p = 0; p < kGroup; ++p) {
         const int64_t j = j0 + p;
         if (j >= nb) break;
+        ahead.block(j, lanes);
         const uint8_t* wj = w + j * 4 * gs;
         __m512i lo[4], hi[4];
         for (int i = 0; i < 4; ++i) {
@@ -361,13 +382,14 @@ struct Kernels {
 
   template <int B>
   static void strip_i8(const uint8_t* w, int lanes, int64_t nb, const QRow* xs,
-                       float (*out)[kLanes]) {
+                       float (*out)[kLanes], const Ahead& ahead) {
     const int64_t gs = 4 * lanes;
     for (int h = 0; h < lanes; h += 8) {
       const __m256i m = lane_mask(lanes, h);
       __m256 acc[B][kGroup];
       zero_partials(acc);
       for (int64_t j = 0; j < nb; ++j) {
+        if (h == 0) ahead.block(j, lanes);
         const uint8_t* wj = w + j * 8 * gs + 4 * h;
         __m256i wv[8], sv[8];
         for (int i = 0; i < 8; ++i) {
@@ -400,7 +422,7 @@ struct Kernels {
 
   template <int B>
   static void strip_q4(const uint8_t* w, const uint16_t* scales, int lanes, int64_t nb,
-                       const QRow* xs, float (*out)[kLanes]) {
+                       const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
     const int64_t gs = 4 * lanes;
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int h = 0; h < lanes; h += 8) {
@@ -409,6 +431,7 @@ struct Kernels {
       __m256 acc[B][kGroup];
       zero_partials(acc);
       for (int64_t j = 0; j < nb; ++j) {
+        if (h == 0) ahead.block(j, lanes);
         const uint8_t* wj = w + j * 4 * gs + 4 * h;
         __m256i lo[4], hi[4];
         for (int i = 0; i < 4; ++i) {
@@ -453,12 +476,13 @@ inline float tree16(const float* p) {
   return t[0] + t[1];
 }
 
-// The product and the sum round separately here (no FMA).
+// The product and the sum round separately here (no FMA). The scalar loops are bound by their
+// arithmetic: `ahead` is not used.
 template <bool kVnni>
 struct Kernels {
   template <int B>
   static void strip_i8(const uint8_t* w, int lanes, int64_t nb, const QRow* xs,
-                       float (*out)[kLanes]) {
+                       float (*out)[kLanes], const Ahead& ahead) {
     const int64_t gs = 4 * lanes;
     for (int l = 0; l < lanes; ++l) {
       for (int b = 0; b < B; ++b) {
@@ -480,7 +504,7 @@ struct Kernels {
 
   template <int B>
   static void strip_q4(const uint8_t* w, const uint16_t* scales, int lanes, int64_t nb,
-                       const QRow* xs, float (*out)[kLanes]) {
+                       const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
     const int64_t gs = 4 * lanes;
     for (int l = 0; l < lanes; ++l) {
       for (int b = 0; b < B; ++b) {
@@ -526,7 +550,8 @@ inline const char* instruction() {
 // The strips that hold rows [lo, hi) are read in order, each once per kMaxRows rows of x (with
 // up to kMaxRows rows, decode, the weight is read from memory once); a strip only partly in
 // the range is computed whole and stored in part (the callers split ranges on whole strips:
-// `gemv::kRowBlock`). `strip(s, lanes, nbx, xs, o)` computes strip s.
+// `gemv::kRowBlock`). `strip(s, lanes, nbx, xs, o, ahead)` computes strip s, prefetching strip
+// `ahead` (`Ahead`; -1: none).
 template <typename Strip>
 inline void run_strips(const QActs& x, int64_t n, int64_t lo, int64_t hi, float* out,
                        int64_t ldo, Strip&& strip) {
@@ -535,10 +560,12 @@ inline void run_strips(const QActs& x, int64_t n, int64_t lo, int64_t hi, float*
   for (int64_t s = lo / kLanes; s * kLanes < hi; ++s) {
     const int lanes = strip_lanes(n, s);
     const int64_t r0 = std::max(lo, s * kLanes), r1 = std::min(hi, s * kLanes + lanes);
+    // The strip two ahead, while it is in the range (the first pass over this one fetches it).
+    const int64_t ahead = (s + 2) * kLanes < hi ? s + 2 : -1;
     for (int64_t b0 = 0; b0 < x.rows; b0 += kMaxRows) {
       const int nbx = static_cast<int>(std::min<int64_t>(kMaxRows, x.rows - b0));
       for (int b = 0; b < nbx; ++b) xs[b] = x.row(b0 + b);
-      strip(s, lanes, nbx, xs, o);
+      strip(s, lanes, nbx, xs, o, b0 == 0 ? ahead : -1);
       for (int b = 0; b < nbx; ++b)
         for (int64_t r = r0; r < r1; ++r) out[(b0 + b) * ldo + (r - lo)] = o[b][r - s * kLanes];
     }
@@ -562,9 +589,12 @@ inline void rows_i8_with(const I8Rows& w, const QActs& x, int64_t lo, int64_t hi
                          int64_t ldo) {
   const int64_t nb = w.k / kBlock;
   run_strips(x, w.n, lo, hi, out, ldo,
-             [&](int64_t s, int lanes, int nbx, const QRow* xs, float (*o)[kLanes]) {
-               const uint8_t* ws = reinterpret_cast<const uint8_t*>(w.q) + s * kLanes * w.k;
-#define CALL(B) K::template strip_i8<B>(ws, lanes, nb, xs, o)
+             [&](int64_t s, int lanes, int nbx, const QRow* xs, float (*o)[kLanes], int64_t a) {
+               const uint8_t* base = reinterpret_cast<const uint8_t*>(w.q);
+               const uint8_t* ws = base + s * kLanes * w.k;
+               Ahead ahead;
+               if (a >= 0) ahead = {base + a * kLanes * w.k, nullptr, kLanes * kBlock};
+#define CALL(B) K::template strip_i8<B>(ws, lanes, nb, xs, o, ahead)
                VLLM_MAMBA_INT_DOT_BY_ROWS(nbx, CALL)
 #undef CALL
                for (int b = 0; b < nbx; ++b)
@@ -588,10 +618,15 @@ inline void rows_q4_with(const Q4Rows& w, const QActs& x, int64_t lo, int64_t hi
                          int64_t ldo) {
   const int64_t nb = w.k / kBlock;
   run_strips(x, w.n, lo, hi, out, ldo,
-             [&](int64_t s, int lanes, int nbx, const QRow* xs, float (*o)[kLanes]) {
+             [&](int64_t s, int lanes, int nbx, const QRow* xs, float (*o)[kLanes], int64_t a) {
                const uint8_t* ws = w.q + s * kLanes * (w.k / 2);
                const uint16_t* ss = w.scales + s * kLanes * nb;
-#define CALL(B) K::template strip_q4<B>(ws, ss, lanes, nb, xs, o)
+               Ahead ahead;
+               if (a >= 0) {
+                 ahead = {w.q + a * kLanes * (w.k / 2), w.scales + a * kLanes * nb,
+                          kLanes * kBlock / 2};
+               }
+#define CALL(B) K::template strip_q4<B>(ws, ss, lanes, nb, xs, o, ahead)
                VLLM_MAMBA_INT_DOT_BY_ROWS(nbx, CALL)
 #undef CALL
              });

@@ -67,3 +67,29 @@ def test_cache_allocates_every_slot_of_the_layout() -> None:
     cache.layer(0)["h"][0] = 1.0
     cache.copy_slots([0], [layout.spare_slot(0, 1)])
     assert torch.equal(cache.layer(0)["h"][layout.spare_slot(0, 1)], torch.ones(3))
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        ([3, 0], [1, 2]),  # disjoint: a rollback's spare slots into sequences' slots
+        ([0, 1], [1, 0]),  # a swap: every source read before any is written
+        ([0, 1], [1, 2]),  # a chain of copies
+    ],
+)
+def test_copy_slots_copies_as_if_all_sources_were_read_first(src: list, dst: list) -> None:
+    specs = [
+        StateSpec((StateTensor("h", (2, 3), "recurrent", torch.float32),)),
+        StateSpec((StateTensor("conv", (4,), "conv", torch.bfloat16),)),
+    ]
+    cache = StateCache(specs, 4, torch.device("cpu"))
+    for i in range(2):
+        for t in cache.layer(i).values():
+            t.copy_(torch.randn(t.shape).to(t.dtype))
+    before = [{n: t.clone() for n, t in cache.layer(i).items()} for i in range(2)]
+    cache.copy_slots(src, dst)
+    for i in range(2):
+        for n, t in cache.layer(i).items():
+            want = before[i][n].clone()
+            want[dst] = before[i][n][src]
+            assert torch.equal(t, want), (i, n)

@@ -196,6 +196,16 @@ class StateCache:
         snapshot taken or restored)."""
         if not src:
             return
+        if not set(src) & set(dst) and len(set(dst)) == len(dst):
+            # One pass per slot, no gathered copy: a speculative chain's rollback copies a
+            # spare slot's state back at every rejecting step (Qwen3.5-0.8B: 18 MiB, 2.7 ms
+            # through the gather and scatter below, half that as one copy).
+            for s, d in zip(src, dst):
+                for group in self.tensors:
+                    for t in group.values():
+                        t[:, d].copy_(t[:, s])
+            return
+        # Sources that are also destinations: every source read before any is written.
         src_t = torch.tensor(src, dtype=torch.long, device=self.device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
         for group in self.tensors:
