@@ -94,11 +94,13 @@ TORCH_LIBRARY(vllm_mamba, m) {
       "rwkv4_update(Tensor w, Tensor u, Tensor k, Tensor v, Tensor(a!) num_states, "
       "Tensor(b!) den_states, Tensor(c!) max_states, Tensor state_indices) -> Tensor");
   m.def(
-      "rwkv7_shift_mix(Tensor x, Tensor(a!) shift, Tensor state_indices, Tensor mixes) -> Tensor");
+      "rwkv7_shift_mix(Tensor x, Tensor(a!) shift, Tensor state_indices, Tensor mixes, "
+      "Tensor? src_state_indices=None) -> Tensor");
   m.def(
       "rwkv7_fused_update(Tensor r, Tensor w, Tensor k, Tensor v, Tensor a, Tensor g, "
       "Tensor? v_first, Tensor? v_gate, Tensor k_k, Tensor k_a, Tensor r_k, Tensor gn_weight, "
-      "Tensor gn_bias, float gn_eps, Tensor(a!) states, Tensor state_indices) -> Tensor");
+      "Tensor gn_bias, float gn_eps, Tensor(a!) states, Tensor state_indices, "
+      "Tensor? src_state_indices=None) -> Tensor");
 }
 
 #define VLLM_MAMBA_CONCAT_(a, b) a##b

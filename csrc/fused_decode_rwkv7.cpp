@@ -19,7 +19,10 @@
 // outputs, the mixes, each projection's output, the LoRAs' activations, the squared ReLU, the
 // residual stream), so that a bfloat16 model decodes as the unfused layer does up to orders of
 // summation. The token shifts go through the `rwkv7_shift_mix` op, so the shift states keep
-// their own dtype rules. Up to `kMaxRows` rows the projections stream the weights; more rows
+// their own dtype rules. Speculative chains (`src_state_indices`: row b reads the states of slot
+// src[b], writes slot state_indices[b]) pass through to the two stateful ops, which run the
+// rows in order; the products stream the weights once for every row, each row's bits a one-row
+// call's (`gemv.h`), so a chain's states equal its tokens decoded one by one. Up to `kMaxRows` rows the projections stream the weights; more rows
 // run them as GEMMs (`fused::project`: oneDNN for float32, bfloat16 GEMMs where the CPU has
 // bfloat16 instructions, the int8 / 4-bit ops), with the elementwise stages over the threads.
 //
@@ -127,10 +130,11 @@ struct Proj {
 };
 
 // The projections of one stage; biases added and the outputs rounded after. Up to `kMaxRows`
-// rows they run in one parallel region, each weight's rows split over the threads (in whole
-// blocks of `gemv.h`'s rows); more rows run each projection as a GEMM (`fused::project`).
-void project_stage(const std::vector<Proj>& stage, int64_t batch, bool round) {
-  if (batch > kMaxRows) {
+// rows, and a speculative chain's rows (`chain`: each row's bits a one-row call's), they run in
+// one parallel region, each weight's rows split over the threads (in whole blocks of `gemv.h`'s
+// rows); more rows run each projection as a GEMM (`fused::project`).
+void project_stage(const std::vector<Proj>& stage, int64_t batch, bool round, bool chain) {
+  if (batch > kMaxRows && !chain) {
     for (const Proj& p : stage) {
       at::Tensor out = p.out;
       fused::project(p.x, p.w, out);
@@ -170,19 +174,19 @@ void project_stage(const std::vector<Proj>& stage, int64_t batch, bool round) {
 }
 
 at::Tensor shift_mix(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& slots,
-                     const at::Tensor& mixes) {
+                     const at::Tensor& mixes, const std::optional<at::Tensor>& src) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("vllm_mamba::rwkv7_shift_mix", "")
-          .typed<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&,
-                            const at::Tensor&)>();
-  return op.call(x, shift, slots, mixes);
+          .typed<at::Tensor(const at::Tensor&, at::Tensor, const at::Tensor&, const at::Tensor&,
+                            const std::optional<at::Tensor>&)>();
+  return op.call(x, shift, slots, mixes, src);
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
     const at::Tensor& hidden, const Params& params, at::Tensor tm_shift, at::Tensor wkv_states,
     at::Tensor cm_shift, const at::Tensor& state_indices, const std::optional<at::Tensor>& v_first,
-    double norm_eps, double gn_eps) {
+    double norm_eps, double gn_eps, const std::optional<at::Tensor>& src_state_indices) {
   TORCH_CHECK(params.size() == kNumParams, "params must hold ", kNumParams, " entries");
   TORCH_CHECK(hidden.dim() == 2, "hidden must be (B, H)");
   const at::ScalarType dtype = hidden.scalar_type();
@@ -194,6 +198,7 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
   const int64_t heads = wkv_states.size(1), dv = wkv_states.size(2), dk = wkv_states.size(3);
   const int64_t keys = heads * dk, values = heads * dv;
   const bool first_layer = !v_first.has_value();
+  const bool chain = src_state_indices.has_value();
   const float eps = static_cast<float>(norm_eps);
   auto weight = [&](size_t i, size_t si, int64_t rows, int64_t cols, const char* what) {
     return fused::weight_of(params, i, si, rows, cols, what);
@@ -217,7 +222,8 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
   at::Tensor x = at::empty({batch, hid}, f32);
   layer_norm(hp, params, kAttnW, kAttnB, batch, hid, eps, bf16, x.data_ptr<float>());
   const at::Tensor mixed =
-      shift_mix(x.to(dtype), tm_shift, state_indices, tensor_of(params, kMixes, "mixes"))
+      shift_mix(x.to(dtype), tm_shift, state_indices, tensor_of(params, kMixes, "mixes"),
+                src_state_indices)
           .to(at::kFloat)
           .contiguous();  // (6, B, H): x_r, x_w, x_k, x_v, x_a, x_g
   auto mix = [&](int m) { return mixed.select(0, m); };
@@ -236,7 +242,7 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
       {weight(kG1, kG1S, rg, hid, "g_lora.0"), mix(5), gd, nullptr},
   };
   if (!first_layer) stage.push_back({weight(kV1, kV1S, rv, hid, "v_lora.0"), mix(3), vd, nullptr});
-  project_stage(stage, batch, bf16);
+  project_stage(stage, batch, bf16, chain);
   {
     float* p = wd.data_ptr<float>();
     for (int64_t i = 0; i < batch * rw; ++i) p[i] = std::tanh(p[i]);
@@ -260,7 +266,7 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
     stage.push_back({weight(kV2, kV2S, values, rv, "v_lora.2"), vd, vg,
                      fused::param_f32(params, kV2B, values, "v_lora.2.bias")});
   }
-  project_stage(stage, batch, bf16);
+  project_stage(stage, batch, bf16, chain);
 
   // The glue around the rule, in the model dtype.
   static const auto glue =
@@ -271,7 +277,7 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, double, at::Tensor,
-                            const at::Tensor&)>();
+                            const at::Tensor&, const std::optional<at::Tensor>&)>();
   const at::Tensor v_model = v.to(dtype);
   std::optional<at::Tensor> gate;
   if (!first_layer) gate = vg.to(dtype);
@@ -279,13 +285,13 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
       r.to(dtype), w.to(dtype), k.to(dtype), v_model, a.to(dtype), g.to(dtype), v_first, gate,
       tensor_of(params, kKk, "k_k"), tensor_of(params, kKa, "k_a"), tensor_of(params, kRk, "r_k"),
       tensor_of(params, kGnW, "g_norm.weight"), tensor_of(params, kGnB, "g_norm.bias"), gn_eps,
-      wkv_states, state_indices);
+      wkv_states, state_indices, src_state_indices);
   const at::Tensor of = o.to(at::kFloat).contiguous();
 
   // o_proj and the residual.
   at::Tensor out = at::empty({batch, hid}, f32);
   project_stage({{weight(kOW, kOS, hid, values, "o_proj"), of, out, nullptr}},
-                batch, bf16);
+                batch, bf16, chain);
   const float* op = out.data_ptr<float>();
   add_rows(hp, op, batch, hid, bf16);
 
@@ -293,12 +299,13 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
   at::Tensor y = at::empty({batch, hid}, f32);
   layer_norm(hp, params, kFfnW, kFfnB, batch, hid, eps, bf16, y.data_ptr<float>());
   const at::Tensor xk =
-      shift_mix(y.to(dtype), cm_shift, state_indices, tensor_of(params, kCmXk, "ffn.x_k"))
+      shift_mix(y.to(dtype), cm_shift, state_indices, tensor_of(params, kCmXk, "ffn.x_k"),
+                src_state_indices)
           .to(at::kFloat)
           .contiguous();  // (B, H)
   at::Tensor key = at::empty({batch, ffn}, f32);
   project_stage({{weight(kKeyW, kKeyS, ffn, hid, "ffn.key"), xk, key, nullptr}},
-                batch, bf16);
+                batch, bf16, chain);
   float* kp = key.data_ptr<float>();
   each_row(batch, [&](int64_t r) {
     float* kr = kp + r * ffn;
@@ -309,7 +316,7 @@ std::tuple<at::Tensor, at::Tensor> fused_rwkv7_decode(
     round_all(kr, ffn, bf16);
   });
   project_stage({{weight(kValW, kValS, hid, ffn, "ffn.value"), key, out, nullptr}},
-                batch, bf16);
+                batch, bf16, chain);
   add_rows(hp, op, batch, hid, bf16);
   return {h.to(dtype), v_model};
 }
@@ -320,7 +327,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
   m.def(
       "fused_rwkv7_decode(Tensor hidden, Tensor?[] params, Tensor(a!) tm_shift, "
       "Tensor(b!) wkv_states, Tensor(c!) cm_shift, Tensor state_indices, Tensor? v_first, "
-      "float norm_eps, float gn_eps) -> (Tensor, Tensor)");
+      "float norm_eps, float gn_eps, Tensor? src_state_indices=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_rwkv7_decode", &fused_rwkv7_decode); }

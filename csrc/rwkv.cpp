@@ -733,6 +733,11 @@ at::Tensor rwkv4_update(const at::Tensor& w, const at::Tensor& u, const at::Tens
 // a padding row) is read and x saved in its place, then out[m] = x + (x' - x) * mixes[m] for the
 // M mixes; tasks are (row, block of kShiftChannels channels).
 //
+// Speculative chains (`src_state_indices`, both ops): row b reads the state of slot src[b] and
+// writes slot state_indices[b], the rows in order (a task takes every row of its channels, or of
+// its head), so a chain's positions run in one call, each reading what the position before
+// wrote, and each row's arithmetic is a one-row call's.
+//
 // `rwkv7_fused_update` (see `fused_update_ref`): one task per (row, head) does everything for its
 // head: the decay exp(-exp(-0.5) sigmoid(w_raw)), sigmoid(a_raw), kk = l2norm(k * k_k), the k_a
 // update of k, the v_first lerp, the wkv one-token update (the same row-by-row step as
@@ -785,8 +790,22 @@ Data rows_of(const at::Tensor& t, int64_t rows, int64_t n, const char* what,
   return data_of(keep.back(), what);
 }
 
+// The source slots of a call's rows (`src_state_indices`): every live row's (slots[b] >= 0) a
+// slot of the state; absent: none.
+std::optional<SlotIndex> source_slots(const std::optional<at::Tensor>& src, const SlotIndex& slots,
+                                      int64_t rows, int64_t num_slots) {
+  if (!src.has_value()) return std::nullopt;
+  SlotIndex s = slot_index(*src, rows);
+  for (int64_t b = 0; b < rows; ++b) {
+    TORCH_CHECK(slots[b] < 0 || (s[b] >= 0 && s[b] < num_slots), "src_state_indices[", b,
+                "] = ", s[b], " is not a slot of the state");
+  }
+  return s;
+}
+
 at::Tensor rwkv7_shift_mix(const at::Tensor& x, at::Tensor shift, const at::Tensor& state_indices,
-                           const at::Tensor& mixes) {
+                           const at::Tensor& mixes,
+                           const std::optional<at::Tensor>& src_state_indices) {
   TORCH_CHECK(x.dim() == 2, "x must be (B, H)");
   const int64_t batch = x.size(0), chans = x.size(1);
   TORCH_CHECK(shift.dim() == 2 && shift.size(1) == chans, "shift must be (S, ", chans, ")");
@@ -805,6 +824,7 @@ at::Tensor rwkv7_shift_mix(const at::Tensor& x, at::Tensor shift, const at::Tens
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(slots[b] < shift.size(0), "state index ", slots[b], " out of range");
   }
+  const std::optional<SlotIndex> src = source_slots(src_state_indices, slots, batch, shift.size(0));
   at::Tensor out = mixes.dim() == 1 ? at::empty({batch, chans}, x.options())
                                     : at::empty({m_count, batch, chans}, x.options());
   Data od = data_of(out, "x");
@@ -812,40 +832,49 @@ at::Tensor rwkv7_shift_mix(const at::Tensor& x, at::Tensor shift, const at::Tens
   const int64_t chunks = (chans + kShiftChannels - 1) / kShiftChannels;
   const int64_t work = kShiftChannels * (m_count + 2);
   const int64_t grain = std::max<int64_t>(1, kShiftParallelWork / work);
-  at::parallel_for(0, batch * chunks, grain, [&](int64_t lo, int64_t hi) {
-    alignas(64) float xb[kShiftChannels], pb[kShiftChannels], mb[kShiftChannels],
-        ob[kShiftChannels];
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = task / chunks, c0 = (task % chunks) * kShiftChannels;
-      const int64_t n = std::min(kShiftChannels, chans - c0);
-      const int64_t slot = slots[b];
-      xd.load(b, c0, xb, n);
-      if (slot >= 0) {
-        sd.load(slot, c0, pb, n);
-        // x' in x's dtype, as the reference reads it.
-        if (xd.bf16 && !sd.bf16) {
-          convert(pb, reinterpret_cast<at::BFloat16*>(ob), n);
-          convert(reinterpret_cast<const at::BFloat16*>(ob), pb, n);
-        }
-        sd.store(slot, c0, xb, n);
-      } else {
-        std::fill(pb, pb + n, 0.0f);
-      }
-      for (int64_t j = 0; j < n; j += L) {  // pb = x' - x
-        const int64_t w = std::min(L, n - j);
-        vstore(pb + j, vec::fma(vload(xb + j, w), vec::set1(-1.0f), vload(pb + j, w)), w);
-      }
-      if (xd.bf16) {  // x' - x in x's dtype, as the reference computes it
+  // One (row, block of channels) piece, with the thread's buffers.
+  auto piece = [&](int64_t b, int64_t c0, float* xb, float* pb, float* mb, float* ob) {
+    const int64_t n = std::min(kShiftChannels, chans - c0);
+    const int64_t slot = slots[b];
+    xd.load(b, c0, xb, n);
+    if (slot >= 0) {
+      sd.load(src ? (*src)[b] : slot, c0, pb, n);
+      // x' in x's dtype, as the reference reads it.
+      if (xd.bf16 && !sd.bf16) {
         convert(pb, reinterpret_cast<at::BFloat16*>(ob), n);
         convert(reinterpret_cast<const at::BFloat16*>(ob), pb, n);
       }
-      for (int64_t m = 0; m < m_count; ++m) {
-        md.load(m, c0, mb, n);
-        for (int64_t j = 0; j < n; j += L) {
-          const int64_t w = std::min(L, n - j);
-          vstore(ob + j, vec::fma(vload(pb + j, w), vload(mb + j, w), vload(xb + j, w)), w);
-        }
-        od.store(m * batch + b, c0, ob, n);
+      sd.store(slot, c0, xb, n);
+    } else {
+      std::fill(pb, pb + n, 0.0f);
+    }
+    for (int64_t j = 0; j < n; j += L) {  // pb = x' - x
+      const int64_t w = std::min(L, n - j);
+      vstore(pb + j, vec::fma(vload(xb + j, w), vec::set1(-1.0f), vload(pb + j, w)), w);
+    }
+    if (xd.bf16) {  // x' - x in x's dtype, as the reference computes it
+      convert(pb, reinterpret_cast<at::BFloat16*>(ob), n);
+      convert(reinterpret_cast<const at::BFloat16*>(ob), pb, n);
+    }
+    for (int64_t m = 0; m < m_count; ++m) {
+      md.load(m, c0, mb, n);
+      for (int64_t j = 0; j < n; j += L) {
+        const int64_t w = std::min(L, n - j);
+        vstore(ob + j, vec::fma(vload(pb + j, w), vload(mb + j, w), vload(xb + j, w)), w);
+      }
+      od.store(m * batch + b, c0, ob, n);
+    }
+  };
+  // Tasks: (row, block) pairs; with chains a block of channels over every row in order.
+  const int64_t tasks = src ? chunks : batch * chunks;
+  at::parallel_for(0, tasks, src ? 1 : grain, [&](int64_t lo, int64_t hi) {
+    alignas(64) float xb[kShiftChannels], pb[kShiftChannels], mb[kShiftChannels],
+        ob[kShiftChannels];
+    for (int64_t task = lo; task < hi; ++task) {
+      if (src) {
+        for (int64_t b = 0; b < batch; ++b) piece(b, task * kShiftChannels, xb, pb, mb, ob);
+      } else {
+        piece(task / chunks, (task % chunks) * kShiftChannels, xb, pb, mb, ob);
       }
     }
   });
@@ -885,7 +914,9 @@ inline void round_bf16_if(float* x, int64_t n, bool round) {
   }
 }
 
-void glue_task(const Glue7& p, int64_t b, int64_t h, int64_t slot, StepFn step, GlueScratch& s) {
+// Row b, head h: the state read from slot `src` and written to `slot` (the same outside chains).
+void glue_task(const Glue7& p, int64_t b, int64_t h, int64_t slot, int64_t src, StepFn step,
+               GlueScratch& s) {
   const int64_t dk = p.dk, dv = p.dv, dkp = p.dkp;
   float *ew = s.coef.data(), *an = ew + dkp, *bn = ew + 2 * dkp, *kn = ew + 3 * dkp;
   float* rn = ew + 4 * dkp;
@@ -962,13 +993,14 @@ void glue_task(const Glue7& p, int64_t b, int64_t h, int64_t slot, StepFn step, 
   // A float32 state whose rows are whole vectors is stepped in place; others through the
   // zero-padded float32 buffer.
   const int64_t st0 = slot >= 0 ? (slot * p.heads + h) * dv * dk : 0;
-  const bool in_place = slot >= 0 && !p.states.bf16 && dk == dkp;
+  const int64_t src0 = slot >= 0 ? (src * p.heads + h) * dv * dk : 0;
+  const bool in_place = slot >= 0 && src == slot && !p.states.bf16 && dk == dkp;
   float* st = in_place ? static_cast<float*>(p.states.ptr) + st0 : s.state.data();
   if (!in_place) {
     for (int64_t i = 0; i < dv; ++i) {
       float* si = st + i * dkp;
       if (slot >= 0) {
-        p.states.load(0, st0 + i * dk, si, dk);
+        p.states.load(0, src0 + i * dk, si, dk);
       } else {
         std::fill(si, si + dk, 0.0f);
       }
@@ -1018,7 +1050,8 @@ at::Tensor rwkv7_fused_update(const at::Tensor& r, const at::Tensor& w, const at
                               const std::optional<at::Tensor>& v_gate, const at::Tensor& k_k,
                               const at::Tensor& k_a, const at::Tensor& r_k,
                               const at::Tensor& gn_weight, const at::Tensor& gn_bias,
-                              double gn_eps, at::Tensor states, const at::Tensor& state_indices) {
+                              double gn_eps, at::Tensor states, const at::Tensor& state_indices,
+                              const std::optional<at::Tensor>& src_state_indices) {
   TORCH_CHECK(r_k.dim() == 2, "r_k must be (NH, Dk)");
   TORCH_CHECK(r.dim() == 2 && v.dim() == 2, "r and v must be (B, C) and (B, CV)");
   const int64_t heads = r_k.size(0), dk = r_k.size(1), batch = r.size(0);
@@ -1062,15 +1095,26 @@ at::Tensor rwkv7_fused_update(const at::Tensor& r, const at::Tensor& w, const at
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(slots[b] < states.size(0), "state index ", slots[b], " out of range");
   }
+  const std::optional<SlotIndex> src = source_slots(src_state_indices, slots, batch, states.size(0));
   at::Tensor out = at::empty({batch, vchans}, g.options());
   p.out = data_of(out, "g");
   const StepFn step = pick_step(p.nv, std::make_integer_sequence<int64_t, kMaxTemplateNV>{});
-  // (row, head) tasks, split evenly over the threads (one row's heads over both threads at B=1).
+  // (row, head) tasks, split evenly over the threads (one row's heads over both threads at B=1);
+  // with chains, head tasks over every row in order.
+  if (src) {
+    at::parallel_for(0, heads, 1, [&](int64_t lo, int64_t hi) {
+      GlueScratch s(dk, p.dkp, dv);
+      for (int64_t h = lo; h < hi; ++h) {
+        for (int64_t b = 0; b < batch; ++b) glue_task(p, b, h, slots[b], (*src)[b], step, s);
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, batch * heads, 1, [&](int64_t lo, int64_t hi) {
     GlueScratch s(dk, p.dkp, dv);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / heads;
-      glue_task(p, b, task % heads, slots[b], step, s);
+      glue_task(p, b, task % heads, slots[b], slots[b], step, s);
     }
   });
   return out;

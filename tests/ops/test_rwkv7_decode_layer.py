@@ -124,6 +124,51 @@ def test_padding_rows_touch_no_state() -> None:
         assert changed.tolist() == [i == 4 for i in range(SLOTS)]
 
 
+# Speculative chains in waves (dst, src): short: rows [a0, b0, plain, pad, a1, b1, a2], chain a
+# 7 -> 10 -> 11 -> 7, b 2 -> 12 -> 2; long: 11 rows, more than the weight-streaming path's 8
+# (chains of 3 from 0, 3 and 6, two plain rows), which chains keep.
+CHAINS = {
+    "short": ([10, 12, 9, PAD_SLOT_ID, 11, 2, 7], [7, 2, 9, PAD_SLOT_ID, 10, 12, 11]),
+    "long": ([1, 4, 7, 9, 10, 2, 5, 8, 0, 3, 6], [0, 3, 6, 9, 10, 1, 4, 7, 2, 5, 8]),
+}
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+@pytest.mark.parametrize(
+    "dtype,int8,state_dtype,hidden,head_dim", [CASES[0], CASES[2], CASES[4]], ids=str
+)
+@pytest.mark.parametrize("first", [True, False])
+def test_chains_equal_one_row_at_a_time(chain, dtype, int8, state_dtype, hidden, head_dim, first):  # noqa: ANN001
+    """A chain in one call (`src_state_indices`): each position's three states in its own slot
+    and its output bit for bit what the kernel gives running the rows one by one after copying
+    the source slot in, and close to the reference's chained rows."""
+    params = layer_params(hidden, head_dim, 2 * hidden + 32, first, dtype, int8, seed=3)
+    dst, src = (torch.tensor(t) for t in CHAINS[chain])
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(len(dst), hidden, generator=g).to(dtype)
+    v_first = None if first else torch.randn(len(dst), hidden, generator=g).to(dtype)
+    start = states(hidden, head_dim, dtype, state_dtype, seed=6)
+    got_states, ref_states, one_states = ([s.clone() for s in start] for _ in range(3))
+    args = (1e-5, 64e-5)
+    got_h, got_v = cpu_kernels.fused_rwkv7_decode(x, params, *got_states, dst, v_first, *args, src)
+    want_h, want_v = decode_layer_ref(x, params, *ref_states, dst, v_first, *args, src)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=4e-2, atol=4e-2)
+    torch.testing.assert_close(got_h, want_h, **tol)
+    torch.testing.assert_close(got_v, want_v, **tol)
+    for got, want in zip(got_states, ref_states):
+        torch.testing.assert_close(got, want, **tol)
+    for b in range(len(dst)):  # one row per call, the source slot copied in first
+        if dst[b] != PAD_SLOT_ID:
+            for state in one_states:
+                state[dst[b]] = state[src[b]].clone()
+        vf = None if first else v_first[b : b + 1]
+        row, slot = x[b : b + 1], dst[b : b + 1]
+        h, v = cpu_kernels.fused_rwkv7_decode(row, params, *one_states, slot, vf, *args)
+        assert torch.equal(h[0], got_h[b]) and torch.equal(v[0], got_v[b]), b
+    for got, one in zip(got_states, one_states):
+        assert torch.equal(got, one)
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 def test_many_rows_match_each_row_alone(int8: bool) -> None:
     """33 rows at once (the GEMM path; with int8 weights on an AMX CPU, the tile products of

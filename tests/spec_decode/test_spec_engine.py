@@ -117,6 +117,7 @@ def _states_by_length(
         ("zamba2-lora-rope", True),
         ("glm5-next-moe", True),
         ("qwen4-exp-ple", True),  # the n-gram context with the state
+        ("rwkv7-h64", True),  # the three states of the fused layer's chains
     ],
 )
 def test_state_after_rejections_is_bitwise_the_one_by_one_state(name: str, fused: bool) -> None:

@@ -30,8 +30,8 @@ Decided at plan time, once per layer:
 
 Decided per step (`FusedStep.takes`, `decode_only`), the one question a step asks: is every
 row a decode the kernel takes? No prefill rows, no autograd, at least one row; speculative
-chains only where the kernel runs them (Mamba, Mamba2: up to `CHAIN_MAX_ROWS` rows with their
-source slots; RWKV-7: none); Mamba at most `MAMBA_MAX_ROWS` rows outside chains; RWKV-7 an input
+chains only where the kernel runs them (Mamba, Mamba2, RWKV-7: up to `CHAIN_MAX_ROWS` rows with
+their source slots); Mamba at most `MAMBA_MAX_ROWS` rows outside chains; RWKV-7 an input
 in the model dtype; the feed-forward stage at most 8 rows (chains included, each row computed
 as alone) with an input in the model dtype. The step's slots and, for the Mamba block without
 a float32 residual, its input's dtype are read per step; the states through the mixer's

@@ -9,7 +9,8 @@ definition), where the op does not apply: a backend without its own op, tensor-p
 otherwise modified projections, integer-dot projections (`quantization="w8a8"` / `"w4a8"`:
 the kernel's products are weight-only), norms that are not plain `nn.LayerNorm`s of one
 epsilon, float16 states. Per step `FusedRwkv7Step.takes` asks only whether the step is decode-only
-(no prefill, no speculative chains, no autograd) with an input in the model dtype.
+(no prefill, no autograd; speculative chains up to `CHAIN_MAX_ROWS` rows, which the op runs in
+order, each row reading the states the row before wrote) with an input in the model dtype.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
-from vllm_mamba.layers.decode_plan import decode_only
+from vllm_mamba.layers.decode_plan import CHAIN_MAX_ROWS, decode_only, decode_slots
 from vllm_mamba.layers.fused_decode_layer import _f32, plain_weight
 from vllm_mamba.layers.quantization import uses_int_dot
 from vllm_mamba.ops.rwkv7 import DecodeLayerParams
@@ -98,18 +99,20 @@ class FusedRwkv7Step:
     first: bool
 
     def takes(self, hidden: torch.Tensor, meta: MambaMetadata) -> bool:
-        """A decode-only step without chains, its input in the model dtype."""
-        return hidden.dtype == self.mix.mixes.dtype and decode_only(hidden, meta)
+        """A decode-only step (speculative chains included), its input in the model dtype."""
+        return hidden.dtype == self.mix.mixes.dtype and decode_only(
+            hidden, meta, chain_rows=CHAIN_MAX_ROWS
+        )
 
     def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """The layer on `hidden (B, H)` -> `(B, H)`, its three states advanced in place."""
         mix = self.mix
         states = (mix.state["shift"], mix.state["wkv"], self.ffn.state["shift"])
         v_first = None if self.first else mix.value_first.value
+        slots, src = decode_slots(meta)
         out, v = mix.wkv.decode_layer(
-            hidden, self.params, *states, meta.decode_state_indices, v_first, self.eps,
-            self.gn_eps,
-        )  # fmt: skip
+            hidden, self.params, *states, slots, v_first, self.eps, self.gn_eps, src
+        )
         if self.first:
             mix.value_first.value = v
         return out

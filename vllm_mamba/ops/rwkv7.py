@@ -163,8 +163,21 @@ def wkv7_update_ref(
     return out.to(r.dtype)
 
 
+def _copied(state: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, b: int) -> torch.Tensor:
+    """Row b of a chain: slot `src[b]`'s state copied into its slot `dst[b]` (a live row's),
+    and that slot as a one-row index."""
+    d, s = int(dst[b]), int(src[b])
+    if d != PAD_SLOT_ID and s != d:
+        state[d] = state[s]
+    return dst[b : b + 1]
+
+
 def shift_mix_ref(
-    x: torch.Tensor, shift: torch.Tensor, state_indices: torch.Tensor, mixes: torch.Tensor
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    state_indices: torch.Tensor,
+    mixes: torch.Tensor,
+    src_state_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode rows' token shift and mixes: `out[m] = x + (x' - x) * mixes[m]` with `x'` each
     row's saved input (zeros for padding rows), then `x` saved in its place.
@@ -172,11 +185,20 @@ def shift_mix_ref(
     Args:
         x: `(B, H)` one token per row; shift: `(S, H)` every slot's last input (updated in
             place); state_indices: `(B,)`, `PAD_SLOT_ID` rows neither read nor write;
-        mixes: `(M, 1, H)` (or `(H,)` for one mix).
+        mixes: `(M, 1, H)` (or `(H,)` for one mix);
+        src_state_indices: `(B,)` the slot each row reads `x'` from (speculative chains: the
+            rows in order, a row reading what an earlier one saved); None: its own.
 
     Returns:
         `(M, B, H)` in x's dtype (`(B, H)` for `(H,)` mixes).
     """
+    if src_state_indices is not None:
+        rows = [
+            shift_mix_ref(x[b : b + 1], shift, _copied(shift, state_indices, src_state_indices, b),
+                          mixes)
+            for b in range(x.shape[0])
+        ]  # fmt: skip
+        return torch.cat(rows, dim=-2)
     valid = state_indices != PAD_SLOT_ID  # (B,)
     slots = state_indices.long().clamp(min=0)
     prev = (shift[slots] * valid[:, None].to(shift.dtype)).to(x.dtype)  # (B, H)
@@ -267,16 +289,28 @@ def fused_update_ref(
     gn_eps: float,
     states: torch.Tensor,
     state_indices: torch.Tensor,
+    src_state_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode token per row of the whole time mix between its projections and `o_proj`:
     `glue_inputs`, the rule's one-token update (`wkv7_update_ref`), `glue_output`.
 
     Args: as `glue_inputs` and `glue_output`, one row per sequence (`(B, ...)`); states:
-        `(S, NH, Dv, Dk)` advanced in place; state_indices: `(B,)`, `PAD_SLOT_ID` skipped.
+        `(S, NH, Dv, Dk)` advanced in place; state_indices: `(B,)`, `PAD_SLOT_ID` skipped;
+        src_state_indices: `(B,)` the slot each row's state is read from (speculative chains,
+        the rows in order); None: its own.
 
     Returns:
         `(B, CV)` in g's dtype.
     """
+    if src_state_indices is not None:
+        per_row = (r, w, k, v, a, g, v_first, v_gate)
+        outs = []
+        for b in range(r.shape[0]):
+            one = [None if t is None else t[b : b + 1] for t in per_row]
+            slot = _copied(states, state_indices, src_state_indices, b)
+            consts = (k_k, k_a, r_k, gn_weight, gn_bias, gn_eps)
+            outs.append(fused_update_ref(*one, *consts, states, slot))  # type: ignore[arg-type]
+        return torch.cat(outs)
     head_dim = r_k.shape[-1]
     rh, wh, kh, vh, ah, bh = glue_inputs(r, w, k, v, a, v_first, v_gate, k_k, k_a, head_dim)
     o = wkv7_update_ref(rh, wh, kh, vh, ah, bh, states, state_indices)
@@ -327,6 +361,7 @@ def decode_layer_ref(
     v_first: torch.Tensor | None,
     norm_eps: float,
     gn_eps: float,
+    src_state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One whole RWKV-7 decoder layer for one decode token per row (`models/rwkv7.py`'s
     layer: `pre_norm` in layer 0, the time mix and the channel mix with their norms and
@@ -337,7 +372,9 @@ def decode_layer_ref(
         hidden: `(B, H)` the layer's input; params: `DECODE_LAYER_PARAMS`;
         tm_shift, cm_shift: `(S, H)` the two token shifts; wkv_states: `(S, NH, Dv, Dk)`;
         state_indices: `(B,)`, `PAD_SLOT_ID` rows neither read nor write;
-        v_first: `(B, CV)` layer 0's value (None in layer 0).
+        v_first: `(B, CV)` layer 0's value (None in layer 0);
+        src_state_indices: `(B,)` the slot each row reads its three states from (speculative
+            chains: the rows in order, a row reading what an earlier one wrote); None: its own.
 
     Returns:
         `(hidden (B, H), v (B, CV))`: the layer's output and its value before the v_first lerp
@@ -353,7 +390,8 @@ def decode_layer_ref(
         return _project(x, p[f"{name}_w"], p[f"{name}_s"], p.get(f"{name}_b"))
 
     h = norm(hidden, "pre") if p["pre_w"] is not None else hidden
-    mixed = shift_mix_ref(norm(h, "attn"), tm_shift, state_indices, p["mixes"])
+    src = src_state_indices
+    mixed = shift_mix_ref(norm(h, "attn"), tm_shift, state_indices, p["mixes"], src)
     xr, xw, xk, xv, xa, xg = mixed.unbind(0)
     r, k, v = proj(xr, "r"), proj(xk, "k"), proj(xv, "v")
     w = proj(torch.tanh(proj(xw, "w1")), "w2")
@@ -362,10 +400,10 @@ def decode_layer_ref(
     gate = None if v_first is None else proj(proj(xv, "v1"), "v2")
     o = fused_update_ref(
         r, w, k, v, a, g, v_first, gate, p["k_k"], p["k_a"], p["r_k"], p["gn_w"], p["gn_b"],
-        gn_eps, wkv_states, state_indices,
+        gn_eps, wkv_states, state_indices, src,
     )  # fmt: skip
     h = h + proj(o, "o")
-    xk = shift_mix_ref(norm(h, "ffn"), cm_shift, state_indices, p["cm_x_k"])
+    xk = shift_mix_ref(norm(h, "ffn"), cm_shift, state_indices, p["cm_x_k"], src)
     return h + proj(torch.relu(proj(xk, "key")).square(), "value"), v
 
 
@@ -386,6 +424,7 @@ class UpdateOp(Protocol):
 class ShiftMixOp(Protocol):
     def __call__(
         self, x: Tensor, shift: Tensor, state_indices: Tensor, mixes: Tensor,
+        src_state_indices: Tensor | None = None,
     ) -> Tensor: ...  # fmt: skip
 
 
@@ -394,6 +433,7 @@ class FusedUpdateOp(Protocol):
         self, r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, g: Tensor,
         v_first: Tensor | None, v_gate: Tensor | None, k_k: Tensor, k_a: Tensor, r_k: Tensor,
         gn_weight: Tensor, gn_bias: Tensor, gn_eps: float, states: Tensor, state_indices: Tensor,
+        src_state_indices: Tensor | None = None,
     ) -> Tensor: ...  # fmt: skip
 
 
@@ -401,7 +441,7 @@ class DecodeLayerOp(Protocol):
     def __call__(
         self, hidden: Tensor, params: list[Tensor | None], tm_shift: Tensor, wkv_states: Tensor,
         cm_shift: Tensor, state_indices: Tensor, v_first: Tensor | None, norm_eps: float,
-        gn_eps: float,
+        gn_eps: float, src_state_indices: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]: ...  # fmt: skip
 
 
