@@ -5,9 +5,10 @@ One engine (`--model`, `--dtype`, `--quantization`, pinned to `--threads`) with 
 interleaved: once with a proposer that drafts nothing (every forward a plain b1 step) and once
 with one that drafts `--k` random token ids at every step (`spec_decode_bench.RejectedDrafts`:
 every forward verifies a chain of k + 1 rows, which is almost always rejected), with the
-engine's back-off after rejected chains switched off. Printed: milliseconds per forward of
-each (the median over `--reps`) and their ratio, the cost of a chain in plain steps (issue 48's
-target: at most 1.3 for k = 4).
+engine's back-off after rejected chains switched off. Timed: the engine steps after the
+prompt's (one forward each). Printed: milliseconds per forward of each (the median over
+`--reps`) and their ratio, the cost of a chain in plain steps (issue 48's target: at most 1.3
+for k = 4).
 
     python benchmarks/chain_cost.py --model /tmp/qwen3.5-0.8b-random --quantization w4a8
 """
@@ -15,6 +16,7 @@ target: at most 1.3 for k = 4).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -61,23 +63,25 @@ def main() -> None:
     engine = llm.llm_engine
     vocab = engine.config.model_config.hf_config.vocab_size
     spec_steps.MAX_BACKOFF_STEPS = 0  # a chain at every step of the rejected runs
-    prompt = {"prompt_token_ids": list(range(3, 3 + args.prompt_len))}
+    prompt = list(range(3, 3 + args.prompt_len))
+    ids = itertools.count()
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     proposers = {"plain": NoDrafts(), f"k={args.k} rejected": RejectedDrafts(vocab)}
 
     def ms_per_forward(proposer) -> float:  # noqa: ANN001
-        """One generation; its decode forwards' milliseconds (the prompt's step left out)."""
+        """One sequence's decode steps after its prompt's: milliseconds per engine step (one
+        forward each: a plain step or a chain's verification)."""
         engine.spec_steps.proposer = proposer
-        engine.spec_steps.reset()
-        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-        start = time.perf_counter()
-        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-        seconds = time.perf_counter() - start
-        c = engine.spec_steps.counters
-        drafts = c.num_drafts if c is not None else 0
-        accepted = c.num_accepted_tokens if c is not None else 0
-        forwards = drafts + (len(out) - drafts - accepted)  # chains + plain steps
-        return 1000 * seconds / forwards
+        engine.add_request(f"r{next(ids)}", prompt, params)
+        while (
+            not engine.scheduler.running or not engine.scheduler.running[0].seqs[0].output_token_ids
+        ):
+            engine.step()  # the prompt's step, left out
+        steps, start = 0, time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        return 1000 * (time.perf_counter() - start) / steps
 
     times: dict[str, list[float]] = {name: [] for name in proposers}
     ms_per_forward(proposers["plain"])  # warm-up
