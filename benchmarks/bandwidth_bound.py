@@ -55,7 +55,11 @@ def _moe_fraction(config: object) -> float:
              if getattr(cfg, k, None)),
             None,
         )  # fmt: skip
-        top_k = getattr(cfg, "num_experts_per_tok", None)
+        top_k = next(  # Kimi Linear's released config names it `num_experts_per_token`
+            (getattr(cfg, k) for k in ("num_experts_per_tok", "num_experts_per_token")
+             if getattr(cfg, k, None)),
+            None,
+        )  # fmt: skip
         if experts and top_k:
             return top_k / experts
     return 1.0
