@@ -22,9 +22,10 @@
 // their own dtype rules. Speculative chains (`src_state_indices`: row b reads the states of slot
 // src[b], writes slot state_indices[b]) pass through to the two stateful ops, which run the
 // rows in order; the products stream the weights once for every row, each row's bits a one-row
-// call's (`gemv.h`), so a chain's states equal its tokens decoded one by one. Up to `kMaxRows` rows the projections stream the weights; more rows
-// run them as GEMMs (`fused::project`: oneDNN for float32, bfloat16 GEMMs where the CPU has
-// bfloat16 instructions, the int8 / 4-bit ops), with the elementwise stages over the threads.
+// call's (`gemv.h`), so a chain's states equal its tokens decoded one by one. Up to `kMaxRows`
+// rows (and chains of any length) the projections stream the weights; more rows run them as
+// GEMMs (`fused::project`: oneDNN for float32, bfloat16 GEMMs where the CPU has bfloat16
+// instructions, the int8 / 4-bit ops), with the elementwise stages over the threads.
 //
 // Glossary: B rows, H hidden, C = NH * Dk keys, CV values, F the channel mix's width, r* the
 // LoRA ranks.

@@ -824,7 +824,8 @@ at::Tensor rwkv7_shift_mix(const at::Tensor& x, at::Tensor shift, const at::Tens
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(slots[b] < shift.size(0), "state index ", slots[b], " out of range");
   }
-  const std::optional<SlotIndex> src = source_slots(src_state_indices, slots, batch, shift.size(0));
+  const std::optional<SlotIndex> src =
+      source_slots(src_state_indices, slots, batch, shift.size(0));
   at::Tensor out = mixes.dim() == 1 ? at::empty({batch, chans}, x.options())
                                     : at::empty({m_count, batch, chans}, x.options());
   Data od = data_of(out, "x");
@@ -1095,26 +1096,22 @@ at::Tensor rwkv7_fused_update(const at::Tensor& r, const at::Tensor& w, const at
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(slots[b] < states.size(0), "state index ", slots[b], " out of range");
   }
-  const std::optional<SlotIndex> src = source_slots(src_state_indices, slots, batch, states.size(0));
+  const std::optional<SlotIndex> src =
+      source_slots(src_state_indices, slots, batch, states.size(0));
   at::Tensor out = at::empty({batch, vchans}, g.options());
   p.out = data_of(out, "g");
   const StepFn step = pick_step(p.nv, std::make_integer_sequence<int64_t, kMaxTemplateNV>{});
   // (row, head) tasks, split evenly over the threads (one row's heads over both threads at B=1);
   // with chains, head tasks over every row in order.
-  if (src) {
-    at::parallel_for(0, heads, 1, [&](int64_t lo, int64_t hi) {
-      GlueScratch s(dk, p.dkp, dv);
-      for (int64_t h = lo; h < hi; ++h) {
-        for (int64_t b = 0; b < batch; ++b) glue_task(p, b, h, slots[b], (*src)[b], step, s);
-      }
-    });
-    return out;
-  }
-  at::parallel_for(0, batch * heads, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, src ? heads : batch * heads, 1, [&](int64_t lo, int64_t hi) {
     GlueScratch s(dk, p.dkp, dv);
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = task / heads;
-      glue_task(p, b, task % heads, slots[b], slots[b], step, s);
+      if (src) {
+        for (int64_t b = 0; b < batch; ++b) glue_task(p, b, task, slots[b], (*src)[b], step, s);
+      } else {
+        const int64_t b = task / heads;
+        glue_task(p, b, task % heads, slots[b], slots[b], step, s);
+      }
     }
   });
   return out;

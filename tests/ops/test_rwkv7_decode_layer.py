@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.ops.test_fused_gdn_decode import CHAINS  # (dst, src) layouts of chains in waves
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.cache_specs import PAD_SLOT_ID
@@ -122,15 +123,6 @@ def test_padding_rows_touch_no_state() -> None:
     for now, old in zip((tm, wkv, cm), before):
         changed = (now != old).flatten(1).any(1)
         assert changed.tolist() == [i == 4 for i in range(SLOTS)]
-
-
-# Speculative chains in waves (dst, src): short: rows [a0, b0, plain, pad, a1, b1, a2], chain a
-# 7 -> 10 -> 11 -> 7, b 2 -> 12 -> 2; long: 11 rows, more than the weight-streaming path's 8
-# (chains of 3 from 0, 3 and 6, two plain rows), which chains keep.
-CHAINS = {
-    "short": ([10, 12, 9, PAD_SLOT_ID, 11, 2, 7], [7, 2, 9, PAD_SLOT_ID, 10, 12, 11]),
-    "long": ([1, 4, 7, 9, 10, 2, 5, 8, 0, 3, 6], [0, 3, 6, 9, 10, 1, 4, 7, 2, 5, 8]),
-}
 
 
 @pytest.mark.parametrize("chain", list(CHAINS))
