@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 
+from vllm_mamba.config import QUANTIZATION_CHOICES
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "w4a8"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)

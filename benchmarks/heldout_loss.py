@@ -27,6 +27,7 @@ CONFIGS = {
     "int4": dict(dtype="float32", quantization="int4"),
     "w8a8": dict(dtype="float32", quantization="w8a8"),
     "w4a8": dict(dtype="float32", quantization="w4a8"),
+    "w4a8_k": dict(dtype="float32", quantization="w4a8_k"),
     "bfloat16": dict(dtype="bfloat16"),
     "bfloat16 + int8": dict(dtype="bfloat16", quantization="int8"),
 }

@@ -95,6 +95,8 @@ from hybrid_configs import (
     ZAYA_CONFIG,
 )
 
+from vllm_mamba.config import QUANTIZATION_CHOICES
+
 ARCHS = {  # --arch: (transformers class, config, default model directory)
     "jamba": ("JambaForCausalLM", JAMBA_CONFIG, "/tmp/jamba-300m-random"),
     "granitemoehybrid": (
@@ -341,7 +343,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument(
         "--quantization",
-        choices=["int8", "int4", "w8a8", "w4a8"],
+        choices=QUANTIZATION_CHOICES,
         help="the engine's weights (not transformers')",
     )
     p.add_argument(

@@ -103,13 +103,15 @@ inline void rms_norm_row(const float* x, const float* weight, int64_t n, float e
 
 // A projection weight (rows, k) as the kernels read it: float32 or bfloat16, int8 with one
 // float32 scale per row (row r stands for w[r] * scale[r]), or 4-bit (dtype uint8: `tensor`
-// (rows, k / 2) packed as `gemv::Q4Rows`, `scale` (rows, k / 32) float16).
+// (rows, k / 2) packed as `gemv::Q4Rows`, `scale` (rows, k / 32) float16; or, with integer dot
+// products only, Q4_K-style: `scale` (rows, ceil(k / 256) * 16) uint8, `int_dot::Q4KRows`).
 struct Weight {
   at::Tensor tensor;  // (rows, k), contiguous; (rows, k / 2) uint8 for 4-bit
   at::Tensor scale;   // (rows,) float32 for int8, (rows, k / 32) float16 for 4-bit, else undefined
   const void* data = nullptr;
   const float* scales = nullptr;
   const uint16_t* q4_scales = nullptr;  // 4-bit: the float16 scales' bits
+  const uint8_t* q4k_scales = nullptr;  // Q4_K-style 4-bit: the super-blocks' scale bytes
   at::ScalarType dtype = at::kFloat;
   int64_t k = 0;
   // Integer dot products (`quantization="w8a8"` / `"w4a8"`): an int8 or 4-bit weight whose
@@ -139,7 +141,10 @@ inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, in
     if (lo >= hi) return;
     const int_dot::QActs& q = quantized_rows(x, ldx, batch, w.k);
     const int64_t n = w.tensor.size(0);
-    if (w.dtype == at::kByte) {
+    if (w.q4k_scales) {
+      const int_dot::Q4KRows q4k{static_cast<const uint8_t*>(w.data), w.q4k_scales, w.k, n};
+      int_dot::rows_q4k(q4k, q, lo, hi, out, ldo);
+    } else if (w.dtype == at::kByte) {
       const int_dot::Q4Rows q4{static_cast<const uint8_t*>(w.data), w.q4_scales, w.k, n};
       int_dot::rows_q4(q4, q, lo, hi, out, ldo);
     } else {
@@ -373,6 +378,19 @@ inline Weight weight_of(const c10::List<std::optional<at::Tensor>>& params, size
                     w.tensor.size(1) * 2 == cols && w.tensor.is_contiguous(),
                 what, " is 4-bit: it must be contiguous uint8 (", rows, ", ", cols / 2,
                 ") with ", cols, " a multiple of 32, got ", w.tensor.sizes());
+    if (scale.has_value() && scale->scalar_type() == at::kByte) {  // Q4_K-style
+      const int64_t sbytes = int_dot::super_blocks(cols) * int_dot::kSuperBytes;
+      TORCH_CHECK(int_dot, what, " is Q4_K-style 4-bit: it needs integer dot products");
+      TORCH_CHECK(scale->is_contiguous() && scale->dim() == 2 && scale->size(0) == rows &&
+                      scale->size(1) == sbytes,
+                  what, " is Q4_K-style 4-bit: its scales must be contiguous uint8 (", rows, ", ",
+                  sbytes, ")");
+      w.scale = *scale;
+      w.q4k_scales = w.scale.data_ptr<uint8_t>();
+      w.data = w.tensor.data_ptr();
+      w.int_dot = true;
+      return w;
+    }
     TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kHalf &&
                     scale->is_contiguous() && scale->dim() == 2 && scale->size(0) == rows &&
                     scale->size(1) == cols / gemv::kQ4Group,

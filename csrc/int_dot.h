@@ -6,11 +6,18 @@
 //   x block j:  d_j = amax_j / 127,  q_i = round_half_even(x_i / d_j)  (all zero when amax_j = 0)
 //   int8:   out = scale_row * sum_j (d_j * dot_j),   dot_j = sum_i q_i w_i  (int32, exact)
 //   4-bit:  out = sum_j ((d_j * s_j) * dot_j),       dot_j = sum_i q_i c_i  (c_i in [-8, 7])
+//   4-bit, Q4_K-style (`quantization="w4a8_k"`): super-blocks of 8 blocks (256 weights) per
+//           row, each with float16 d and dmin and 6-bit sc_j, m_j per block; weight i of block
+//           j is (d sc_j) c_i - (dmin m_j), c_i in [0, 15]:
+//           out = sum_j ((d_j * ds_j) * dot_j - dm_j * (d_j * sum_j(q))),  dot_j = sum_i q_i c_i
+//           with ds_j = d sc_j and dm_j = dmin m_j (exact in float32: a float16 times an
+//           integer under 64)
 //
 // The block sums are exact integers (|dot_j| <= 32 * 127 * 128); only the float sum over blocks
 // rounds. Its order is fixed, the same for every number of rows of x (so a row's result never
 // depends on the batch) and on the AVX2 and AVX-512 levels: block j is added (by a fused
-// multiply-add) into partial sum j % 16, in block order, and the 16 partial sums are added as
+// multiply-add) into partial sum j % 16, in block order (Q4_K-style: then the min term
+// dm_j * (d_j * sum_j(q)) subtracted by a second one), and the 16 partial sums are added as
 // a tree (p_i + p_(i+8), then + 4, + 2, + 1). The generic level rounds the product and the sum
 // separately (no FMA there). `vllm_mamba/ops/int_dot_linear.py` is the reference.
 //
@@ -160,6 +167,42 @@ struct Q4Rows {
   int64_t n;
 };
 
+// A Q4_K-style 4-bit weight of n rows in the strip layout: codes c in [0, 15] packed as
+// `Q4Rows`' (no offset), and per row and super-block of kSuper blocks (the last one of a row
+// may be partial) kSuperBytes scale bytes: d (float16, bytes 0-1, little-endian), dmin
+// (bytes 2-3), byte 4 + i = sc_i & 15 | (m_i & 15) << 4 for block i of the super-block, byte
+// 12 + i / 2 the high two bits of sc and m of blocks 2 (i / 2) (bits 0-1, 2-3) and 2 (i / 2) + 1
+// (bits 4-5, 6-7). The scale bytes (rows, S * 16), S = ceil(k / 256), are interleaved in strips
+// with groups of one byte: byte b of super-block t of lane l at (t * 16 + b) * L + l.
+struct Q4KRows {
+  const uint8_t* q;
+  const uint8_t* scales;
+  int64_t k;
+  int64_t n;
+};
+
+constexpr int64_t kSuper = 8;         // blocks per super-block (256 weights)
+constexpr int64_t kSuperBytes = 16;   // scale bytes per row and super-block
+
+inline int64_t super_blocks(int64_t k) { return (k / kBlock + kSuper - 1) / kSuper; }
+
+// The scale and min of block i (0..7) of a super-block of lane l, from the super-block's strip
+// bytes p (byte b of lane l at p[b * lanes + l]): ds = d * sc_i, dm = dmin * m_i (exact).
+inline void q4k_lane_scales(const uint8_t* p, int lanes, int l, int i, float& ds, float& dm) {
+  const uint16_t d = static_cast<uint16_t>(p[l] | p[lanes + l] << 8);
+  const uint16_t dmin = static_cast<uint16_t>(p[2 * lanes + l] | p[3 * lanes + l] << 8);
+  const int lo = p[(4 + i) * lanes + l];
+  const int hi = p[(12 + i / 2) * lanes + l] >> (4 * (i & 1));
+  const int sc = (lo & 15) | (hi & 3) << 4;
+  const int m = (lo >> 4) | (hi >> 2 & 3) << 4;
+  ds = vec::f16_to_f32(d) * static_cast<float>(sc);
+  dm = vec::f16_to_f32(dmin) * static_cast<float>(m);
+}
+
+// The Q4_K-style min term's x factor of block j of x row r: d_j * sum_j(q) (float32, exact
+// product rounded once: the same in every kernel).
+inline float x_block_sum(const QRow& r, int64_t j) { return r.d[j] * static_cast<float>(r.s[j]); }
+
 // Rows in strip s of n rows (1..16).
 inline int strip_lanes(int64_t n, int64_t s) {
   return static_cast<int>(std::min<int64_t>(kLanes, n - s * kLanes));
@@ -172,7 +215,8 @@ inline int strip_lanes(int64_t n, int64_t s) {
 // on a 256 MiB weight (2 threads, Zen 4) where it is bound by the same reads. `p` null: none.
 struct Ahead {
   const uint8_t* p = nullptr;      // the weight bytes of the strip ahead
-  const uint16_t* scales = nullptr;  // 4-bit: its block scales
+  const uint8_t* scales = nullptr;  // 4-bit: its scale bytes (2 per row and block on average
+                                     // in both layouts: a float16, or 16 per 8 blocks)
   int64_t block_bytes = 0;           // weight bytes per block of 32 columns of that strip
 
   // Prefetches the ahead strip's block j (its weight lines and, for 4-bit, its scales).
@@ -180,7 +224,7 @@ struct Ahead {
     if (!p) return;
     const uint8_t* b = p + j * block_bytes;
     for (int64_t off = 0; off < block_bytes; off += 64) vec::prefetch_l2(b + off);
-    if (scales) vec::prefetch_l2(scales + j * lanes);
+    if (scales) vec::prefetch_l2(scales + j * 2 * lanes);
   }
 };
 
@@ -201,7 +245,7 @@ inline int32_t x_group(const int8_t* q, int64_t g) {
 // ---------------------------------------------------------------------------------------------
 // The strip kernels: one strip (L lanes) times B rows of x; out[b][l] = row l's result with x
 // row xs[b] (lanes past L undefined). Each level defines `Kernels<kVnni>::strip_i8<B>` and
-// `strip_q4<B>`.
+// `strip_4bit<B, kK>` (Q4_0-style, or Q4_K-style with kK).
 
 #if defined(VLLM_MAMBA_VEC_AVX512)
 
@@ -222,6 +266,29 @@ inline void zero_partials(__m512 (&acc)[B][kGroup]) {
 template <int B>
 inline void store_trees(__m512 (&acc)[B][kGroup], float (*out)[kLanes]) {
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out[b], tree16(acc[b]));
+}
+
+// The block scales ds[i] = d * sc_i and mins dm[i] = dmin * m_i of the L lanes of a Q4_K-style
+// super-block (`Q4KRows`; p its strip bytes, byte b of lane l at p[b * lanes + l]; lanes past
+// L zero).
+inline void decode_q4k(const uint8_t* p, int lanes, __mmask16 m, __m512 (&ds)[kSuper],
+                       __m512 (&dm)[kSuper]) {
+  auto bytes = [&](int b) { return _mm_maskz_loadu_epi8(m, p + b * lanes); };
+  auto half = [&](int b) {  // the float16 of bytes b, b + 1
+    const __m256i lo = _mm256_cvtepu8_epi16(bytes(b)), hi = _mm256_cvtepu8_epi16(bytes(b + 1));
+    return _mm512_cvtph_ps(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 8)));
+  };
+  const __m512 d = half(0), dmin = half(2);
+  const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
+  for (int i = 0; i < kSuper; ++i) {
+    const __m128i lo = bytes(4 + i);
+    const __m128i hi = _mm_srli_epi16(bytes(12 + i / 2), 4 * (i & 1));
+    const __m128i sc = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(_mm_and_si128(hi, m2), 4));
+    const __m128i mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), m4),
+                                    _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, 2), m2), 4));
+    ds[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+    dm[i] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
+  }
 }
 
 // The region is compiled with AVX512-VNNI enabled so that `Kernels<true>` may use it (the
@@ -289,19 +356,27 @@ struct Kernels {
     store_trees(acc, out);
   }
 
-  template <int B>
-  static void strip_q4(const uint8_t* w, const uint16_t* scales, int lanes, int64_t nb,
-                       const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
+  // A 4-bit strip: Q4_0-style (`Q4Rows`: codes c + 8, float16 block scales; 8 * sum(q)
+  // subtracted per block) or, with kK, Q4_K-style (`Q4KRows`: codes c, the block scales and
+  // mins of a super-block decoded by `decode_q4k` at its first block). `scales`: the strip's
+  // scale bytes.
+  template <int B, bool kK>
+  static void strip_4bit(const uint8_t* w, const uint8_t* scales, int lanes, int64_t nb,
+                         const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
     const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1u);
     const int64_t gs = 4 * lanes;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[B][kGroup];
+    __m512 ds[kSuper], dm[kSuper];  // kK: the super-block's block scales and mins
     zero_partials(acc);
     for (int64_t j0 = 0; j0 < nb; j0 += kGroup) {
 #pragma GCC unroll 16
       for (int p = 0; p < kGroup; ++p) {
         const int64_t j = j0 + p;
         if (j >= nb) break;
+        if constexpr (kK) {
+          if (p % kSuper == 0) decode_q4k(scales + j / kSuper * kSuperBytes * lanes, lanes, m, ds, dm);
+        }
         ahead.block(j, lanes);
         const uint8_t* wj = w + j * 4 * gs;
         __m512i lo[4], hi[4];
@@ -310,16 +385,26 @@ struct Kernels {
           lo[i] = _mm512_and_si512(v, low);
           hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
-        const __m512 ws = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, scales + j * lanes));
+        __m512 ws;
+        if constexpr (kK) {
+          ws = ds[p % kSuper];
+        } else {
+          ws = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+              m, reinterpret_cast<const uint16_t*>(scales) + j * lanes));
+        }
         for (int b = 0; b < B; ++b) {
           __m512i s = _mm512_setzero_si512();
           for (int i = 0; i < 4; ++i) {
             s = dot(s, lo[i], _mm512_set1_epi32(x_group(xs[b].q, 8 * j + i)));
             s = dot(s, hi[i], _mm512_set1_epi32(x_group(xs[b].q, 8 * j + 4 + i)));
           }
-          s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * xs[b].s[j]));
+          if constexpr (!kK) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * xs[b].s[j]));
           const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(xs[b].d[j]), ws);
-          acc[b][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[b][p]);
+          __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[b][p]);
+          if constexpr (kK) {
+            a = _mm512_fnmadd_ps(dm[p % kSuper], _mm512_set1_ps(x_block_sum(xs[b], j)), a);
+          }
+          acc[b][p] = a;
         }
       }
     }
@@ -359,6 +444,34 @@ inline void store_trees(__m256 (&acc)[B][kGroup], float (*out)[kLanes], int h) {
 inline __m256i lane_mask(int lanes, int h) {
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes - h), idx);
+}
+
+// The block scales and mins of lanes [h, h + n) (n <= 8) of a Q4_K-style super-block (as the
+// AVX-512 `decode_q4k`; lanes past n zero).
+inline void decode_q4k(const uint8_t* p, int lanes, int h, int n, __m256 (&ds)[kSuper],
+                       __m256 (&dm)[kSuper]) {
+  auto bytes = [&](int b) {
+    const uint8_t* q = p + b * lanes + h;
+    if (n == 8) return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+    alignas(16) uint8_t t[16] = {};
+    std::memcpy(t, q, static_cast<size_t>(n));
+    return _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+  };
+  auto half = [&](int b) {  // the float16 of bytes b, b + 1
+    const __m128i lo = _mm_cvtepu8_epi16(bytes(b)), hi = _mm_cvtepu8_epi16(bytes(b + 1));
+    return _mm256_cvtph_ps(_mm_or_si128(lo, _mm_slli_epi16(hi, 8)));
+  };
+  const __m256 d = half(0), dmin = half(2);
+  const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
+  for (int i = 0; i < kSuper; ++i) {
+    const __m128i lo = bytes(4 + i);
+    const __m128i hi = _mm_srli_epi16(bytes(12 + i / 2), 4 * (i & 1));
+    const __m128i sc = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(_mm_and_si128(hi, m2), 4));
+    const __m128i mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), m4),
+                                    _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, 2), m2), 4));
+    ds[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+    dm[i] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
+  }
 }
 
 #pragma GCC push_options
@@ -420,17 +533,23 @@ struct Kernels {
     }
   }
 
-  template <int B>
-  static void strip_q4(const uint8_t* w, const uint16_t* scales, int lanes, int64_t nb,
-                       const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
+  template <int B, bool kK>
+  static void strip_4bit(const uint8_t* w, const uint8_t* scales, int lanes, int64_t nb,
+                         const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
     const int64_t gs = 4 * lanes;
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int h = 0; h < lanes; h += 8) {
       const __m256i m = lane_mask(lanes, h);
       const int n = std::min(8, lanes - h);
       __m256 acc[B][kGroup];
+      __m256 ds[kSuper], dm[kSuper];  // kK: the super-block's block scales and mins
       zero_partials(acc);
       for (int64_t j = 0; j < nb; ++j) {
+        if constexpr (kK) {
+          if (j % kSuper == 0) {
+            decode_q4k(scales + j / kSuper * kSuperBytes * lanes, lanes, h, n, ds, dm);
+          }
+        }
         if (h == 0) ahead.block(j, lanes);
         const uint8_t* wj = w + j * 4 * gs + 4 * h;
         __m256i lo[4], hi[4];
@@ -439,19 +558,28 @@ struct Kernels {
           lo[i] = _mm256_and_si256(v, low);
           hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         }
-        alignas(16) uint16_t hs[8] = {};
-        std::memcpy(hs, scales + j * lanes + h, static_cast<size_t>(n) * 2);
-        const __m256 ws = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
+        __m256 ws;
+        if constexpr (kK) {
+          ws = ds[j % kSuper];
+        } else {
+          alignas(16) uint16_t hs[8] = {};
+          std::memcpy(hs, reinterpret_cast<const uint16_t*>(scales) + j * lanes + h,
+                      static_cast<size_t>(n) * 2);
+          ws = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
+        }
         for (int b = 0; b < B; ++b) {
           __m256i s = _mm256_setzero_si256();
           for (int i = 0; i < 4; ++i) {
             s = dot(s, lo[i], _mm256_set1_epi32(x_group(xs[b].q, 8 * j + i)));
             s = dot(s, hi[i], _mm256_set1_epi32(x_group(xs[b].q, 8 * j + 4 + i)));
           }
-          s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * xs[b].s[j]));
+          if constexpr (!kK) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * xs[b].s[j]));
           const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(xs[b].d[j]), ws);
           __m256& a = acc[b][j % kGroup];
           a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sc, a);
+          if constexpr (kK) {
+            a = _mm256_fnmadd_ps(dm[j % kSuper], _mm256_set1_ps(x_block_sum(xs[b], j)), a);
+          }
         }
       }
       store_trees(acc, out, h);
@@ -502,10 +630,11 @@ struct Kernels {
     }
   }
 
-  template <int B>
-  static void strip_q4(const uint8_t* w, const uint16_t* scales, int lanes, int64_t nb,
-                       const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
+  template <int B, bool kK>
+  static void strip_4bit(const uint8_t* w, const uint8_t* scales, int lanes, int64_t nb,
+                         const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
     const int64_t gs = 4 * lanes;
+    const int32_t offset = kK ? 0 : 8;  // Q4_0-style codes are c + 8
     for (int l = 0; l < lanes; ++l) {
       for (int b = 0; b < B; ++b) {
         float acc[kGroup] = {};
@@ -515,13 +644,21 @@ struct Kernels {
             const uint8_t* wg = w + (j * 4 + i) * gs + 4 * l;
             const int8_t* xg = xs[b].q + j * kBlock + 4 * i;
             for (int e = 0; e < 4; ++e) {
-              dot += (static_cast<int32_t>(wg[e] & 0x0F) - 8) * xg[e];
-              dot += (static_cast<int32_t>(wg[e] >> 4) - 8) * xg[e + kBlock / 2];
+              dot += (static_cast<int32_t>(wg[e] & 0x0F) - offset) * xg[e];
+              dot += (static_cast<int32_t>(wg[e] >> 4) - offset) * xg[e + kBlock / 2];
             }
           }
-          const float sc = xs[b].d[j] * vec::f16_to_f32(scales[j * lanes + l]);
-          const float prod = static_cast<float>(dot) * sc;
-          acc[j % kGroup] = acc[j % kGroup] + prod;
+          float& a = acc[j % kGroup];
+          if constexpr (kK) {
+            float ds, dm;
+            q4k_lane_scales(scales + j / kSuper * kSuperBytes * lanes, lanes, l,
+                            static_cast<int>(j % kSuper), ds, dm);
+            a = a + static_cast<float>(dot) * (xs[b].d[j] * ds);
+            a = a - dm * x_block_sum(xs[b], j);
+          } else {
+            const uint16_t s = reinterpret_cast<const uint16_t*>(scales)[j * lanes + l];
+            a = a + static_cast<float>(dot) * (xs[b].d[j] * vec::f16_to_f32(s));
+          }
         }
         out[b][l] = tree16(acc);
       }
@@ -614,34 +751,50 @@ inline void rows_i8(const I8Rows& w, const QActs& x, int64_t lo, int64_t hi, flo
   }
 }
 
-// The same for a 4-bit weight (`Q4Rows`): the w4a8 product.
-template <typename K>
-inline void rows_q4_with(const Q4Rows& w, const QActs& x, int64_t lo, int64_t hi, float* out,
-                         int64_t ldo) {
-  const int64_t nb = w.k / kBlock;
-  run_strips(x, w.n, lo, hi, out, ldo,
+// The same for a 4-bit weight: Q4_0-style (`rows_q4`, the w4a8 product) or, with kK,
+// Q4_K-style (`rows_q4k`, w4a8_k); `scale_row_bytes` scale bytes per weight row.
+template <typename K, bool kK>
+inline void rows_4bit_with(const uint8_t* q, const uint8_t* scales, int64_t scale_row_bytes,
+                           int64_t k, int64_t n, const QActs& x, int64_t lo, int64_t hi,
+                           float* out, int64_t ldo) {
+  const int64_t nb = k / kBlock;
+  run_strips(x, n, lo, hi, out, ldo,
              [&](int64_t s, int lanes, int nbx, const QRow* xs, float (*o)[kLanes], int64_t a) {
-               const uint8_t* ws = w.q + s * kLanes * (w.k / 2);
-               const uint16_t* ss = w.scales + s * kLanes * nb;
+               const uint8_t* ws = q + s * kLanes * (k / 2);
+               const uint8_t* ss = scales + s * kLanes * scale_row_bytes;
                Ahead ahead;
                if (a >= 0) {
-                 ahead = {w.q + a * kLanes * (w.k / 2), w.scales + a * kLanes * nb,
+                 ahead = {q + a * kLanes * (k / 2), scales + a * kLanes * scale_row_bytes,
                           kLanes * kBlock / 2};
                }
-#define CALL(B) K::template strip_q4<B>(ws, ss, lanes, nb, xs, o, ahead)
+#define CALL(B) K::template strip_4bit<B, kK>(ws, ss, lanes, nb, xs, o, ahead)
                VLLM_MAMBA_INT_DOT_BY_ROWS(nbx, CALL)
 #undef CALL
              });
 }
 
-inline void rows_q4(const Q4Rows& w, const QActs& x, int64_t lo, int64_t hi, float* out,
-                    int64_t ldo) {
+template <bool kK>
+inline void rows_4bit(const uint8_t* q, const uint8_t* scales, int64_t scale_row_bytes,
+                      int64_t k, int64_t n, const QActs& x, int64_t lo, int64_t hi, float* out,
+                      int64_t ldo) {
   if (lo >= hi) return;
   if (has_vnni()) {
-    rows_q4_with<Kernels<true>>(w, x, lo, hi, out, ldo);
+    rows_4bit_with<Kernels<true>, kK>(q, scales, scale_row_bytes, k, n, x, lo, hi, out, ldo);
   } else {
-    rows_q4_with<Kernels<false>>(w, x, lo, hi, out, ldo);
+    rows_4bit_with<Kernels<false>, kK>(q, scales, scale_row_bytes, k, n, x, lo, hi, out, ldo);
   }
+}
+
+inline void rows_q4(const Q4Rows& w, const QActs& x, int64_t lo, int64_t hi, float* out,
+                    int64_t ldo) {
+  rows_4bit<false>(w.q, reinterpret_cast<const uint8_t*>(w.scales), 2 * (w.k / kBlock), w.k,
+                   w.n, x, lo, hi, out, ldo);
+}
+
+inline void rows_q4k(const Q4KRows& w, const QActs& x, int64_t lo, int64_t hi, float* out,
+                     int64_t ldo) {
+  rows_4bit<true>(w.q, w.scales, super_blocks(w.k) * kSuperBytes, w.k, w.n, x, lo, hi, out,
+                  ldo);
 }
 
 #undef VLLM_MAMBA_INT_DOT_BY_ROWS

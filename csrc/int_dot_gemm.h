@@ -16,8 +16,8 @@
 // of x in turn (`block_strips`), so that the group is read from memory once per block.
 //
 // The float side is the contract of `int_dot.h`, lane by lane: block j's sum (converted to
-// float) times d_j (w4a8: times d_j * s_j) is added by a fused multiply-add into partial sum
-// p = j % 16, the padding blocks of the last group of 16 add +0, and the 16 partials are added
+// float) times d_j (w4a8: times d_j * s_j; w4a8_k: times d_j * ds_j, then dm_j * d_j * sum(q)
+// subtracted by a second one) is added by a fused multiply-add into partial sum p = j % 16, the padding blocks of the last group of 16 add +0, and the 16 partials are added
 // as the same tree (p_i + p_(i+8), then + 4, + 2, + 1), then times the row scale (w8a8). The
 // micro-kernel computes the partials in registers two at a time (p and p + 8, whose sum is the
 // tree's first level), the pairs in the order 0 4 2 6 1 5 3 7, so that the tree's other levels
@@ -53,17 +53,22 @@ constexpr int64_t kMinRows = 16;  // rows of x from which the ops take the GEMM
 
 // A packed strip of L weight rows: `w` holds, for the block in position `slot` (`for_each_slot`),
 // group i and lane l, the 4 bytes w[(slot * 8 + i) * L + l]; `ws` (4-bit) the group scales as
-// float32 at [slot * L + l]; `scale` (int8) the row scales at [l]. The lanes past the weight's
-// N repeat its last row (computed, never stored).
+// float32 at [slot * L + l] (Q4_K-style: d * sc, and `wm` the mins dmin * m); `scale` (int8)
+// the row scales at [l]. The lanes past the weight's N repeat its last row (computed, never
+// stored).
 struct Strip {
   std::vector<uint32_t> w;
-  std::vector<float> ws, scale;
+  std::vector<float> ws, wm, scale;
   int64_t index = -1;  // the strip packed here, -1 for none
 };
 
 // How the micro-kernel multiplies bytes: vpdpbusd on unsigned (offset) weights, vpmaddubsw +
 // vpmaddwd on unsigned 4-bit codes, or on |w| with w's sign moved to x (int8 without VNNI).
 enum class Mul { kVnni, kMaddubs, kMaddubsSigned };
+
+// The weight's layout: int8 with row scales, 4-bit with float16 group scales (Q4_0-style), or
+// Q4_K-style 4-bit (block scales and mins from super-blocks, `Q4KRows`).
+enum class Fmt { kI8, kQ4, kQ4K };
 
 #if defined(VLLM_MAMBA_VEC_AVX512) || defined(VLLM_MAMBA_VEC_AVX2)
 constexpr bool kAvailable = true;
@@ -120,6 +125,7 @@ struct Isa {
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   // packing: L float16 values (raw bits) widened as `row_q4` does
   static void halves(const uint16_t* h, float* out) {
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))));
@@ -177,6 +183,7 @@ struct Isa {
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static void halves(const uint16_t* h, float* out) {
     _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
   }
@@ -244,11 +251,12 @@ inline void for_each_slot(int64_t nb, Fn&& f) {
 // The rows of x in groups of C (the last padded with zero rows), each group interleaved by
 // block in the micro-kernel's order (`for_each_slot`), so that it reads them in order: for
 // group g, the block in position `slot`, row c: codes q[((g * nb + slot) * C + c) * 32 + ...],
-// scale d[(g * nb + slot) * C + c] and the block's correction corr[...] = -shift * sum(q) (the
-// weights' offset times the x codes, `Strip`).
+// scale d[(g * nb + slot) * C + c], the block's correction corr[...] = -shift * sum(q) (the
+// weights' offset times the x codes, `Strip`) and its d * sum(q) in xsum[...] (`x_block_sum`,
+// the Q4_K-style min term's factor).
 struct XPanels {
   std::vector<int8_t> q;
-  std::vector<float> d;
+  std::vector<float> d, xsum;
   std::vector<int32_t> corr;
   int64_t rows = 0, groups = 0, nb = 0;
 
@@ -259,6 +267,7 @@ struct XPanels {
     groups = (rows + C - 1) / C;
     q.resize(groups * nb * C * kBlock);
     d.resize(groups * nb * C);
+    xsum.resize(groups * nb * C);
     corr.resize(groups * nb * C);
   }
   // Quantises rows [g0 * C, g1 * C) of x (row stride ldx; padding rows past `rows` zero) into
@@ -279,6 +288,7 @@ struct XPanels {
           std::memset(q.data() + at * kBlock, 0, kBlock);
         }
         d[at] = real ? rd[j] : 0.0f;
+        xsum[at] = real ? x_block_sum(QRow{rq.data(), rd.data(), rs.data()}, j) : 0.0f;
         corr[at] = real ? -shift * rs[j] : 0;
       });
     }
@@ -287,9 +297,10 @@ struct XPanels {
 
 // The micro-kernel: x group g (its first `rows` rows real) times one packed strip; writes
 // out[(g * C + c) * ldo + l] for c < rows and the strip's first `cols` (1..L) channels l.
-// kQ4: the strip holds 4-bit codes + 8 and group scales, else int8 weights and row scales.
-// kCorr: the weights are offset (the x panels hold the corrections), else not (kMaddubsSigned).
-template <Mul kMul, bool kQ4, bool kCorr>
+// kFmt: the strip holds int8 weights and row scales, 4-bit codes + 8 and group scales (kQ4), or
+// 4-bit codes with block scales and mins (kQ4K). kCorr: the weights are offset (the x panels
+// hold the corrections), else not (kMaddubsSigned, kQ4K).
+template <Mul kMul, Fmt kFmt, bool kCorr>
 void micro(const Strip& s, const XPanels& x, int64_t g, int rows, float* out, int64_t ldo,
            int cols) {
   using I = Isa::I;
@@ -298,16 +309,20 @@ void micro(const Strip& s, const XPanels& x, int64_t g, int rows, float* out, in
   const int64_t tail = nb % kGroup == 0 ? kGroup : nb % kGroup;  // partials p >= tail: + 0
   // the strip's and the x group's blocks, in order (`for_each_slot`)
   const uint32_t* wj = s.w.data();
+  constexpr bool kQ4 = kFmt != Fmt::kI8;
   const float* wsj = s.ws.data();
+  const float* wmj = s.wm.data();
   const int8_t* xj = x.q.data() + g * nb * C * kBlock;
   const float* xd = x.d.data() + g * nb * C;
+  const float* xsm = x.xsum.data() + g * nb * C;
   const int32_t* xc = x.corr.data() + g * nb * C;
   // f (C vectors) = partial sum p: blocks p, p + 16, ... (the next in order)
   auto chain = [&](int64_t p, F* f) __attribute__((always_inline)) {
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) f[c] = Isa::zerof();
     for (int64_t j = p; j < nb;
-         j += kGroup, wj += 8 * L, wsj += L, xj += C * kBlock, xd += C, xc += C) {
+         j += kGroup, wj += 8 * L, wsj += L, wmj += L, xj += C * kBlock, xd += C, xsm += C,
+         xc += C) {
       I acc[C];
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) acc[c] = kCorr ? Isa::set1i(xc[c]) : Isa::zero();
@@ -318,13 +333,15 @@ void micro(const Strip& s, const XPanels& x, int64_t g, int rows, float* out, in
         for (int c = 0; c < C; ++c)
           acc[c] = Isa::dot<kMul>(acc[c], w, Isa::bcast4(xj + c * kBlock + 4 * i));
       }
-      F ws;
+      F ws, wm;
       if constexpr (kQ4) ws = Isa::load(wsj);
+      if constexpr (kFmt == Fmt::kQ4K) wm = Isa::load(wmj);
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
         const F d = Isa::set1(xd[c]);
         const F sc = kQ4 ? Isa::mul(d, ws) : d;
         f[c] = Isa::fmadd(Isa::cvt(acc[c]), sc, f[c]);
+        if constexpr (kFmt == Fmt::kQ4K) f[c] = Isa::fnmadd(wm, Isa::set1(xsm[c]), f[c]);
       }
     }
     if (p >= tail) {
@@ -347,7 +364,7 @@ void micro(const Strip& s, const XPanels& x, int64_t g, int rows, float* out, in
       if (level < 3) {
         Isa::store(stack[level][c], v);
       } else if (c < rows) {
-        if constexpr (!kQ4) v = Isa::mul(v, Isa::load(s.scale.data()));
+        if constexpr (kFmt == Fmt::kI8) v = Isa::mul(v, Isa::load(s.scale.data()));
         float* o = out + (g * C + c) * ldo;
         if (cols == L) {
           Isa::store(o, v);
@@ -361,14 +378,14 @@ void micro(const Strip& s, const XPanels& x, int64_t g, int rows, float* out, in
 
 // x groups [g0, g1) times the packed strips [s0, s1) of n output channels (`s[i]`: strip
 // s0 + i), a group at a time against every strip of the block.
-template <Mul kMul, bool kQ4, bool kCorr>
+template <Mul kMul, Fmt kFmt, bool kCorr>
 void block_groups(const std::vector<Strip>& s, int64_t s0, int64_t s1, int64_t n,
                   const XPanels& x, int64_t g0, int64_t g1, float* out, int64_t ldo) {
   for (int64_t g = g0; g < g1; ++g) {
     const int rows = static_cast<int>(std::min<int64_t>(C, x.rows - g * C));
     for (int64_t i = s0; i < s1; ++i) {
       const int cols = static_cast<int>(std::min<int64_t>(L, n - i * L));
-      micro<kMul, kQ4, kCorr>(s[i - s0], x, g, rows, out + i * L, ldo, cols);
+      micro<kMul, kFmt, kCorr>(s[i - s0], x, g, rows, out + i * L, ldo, cols);
     }
   }
 }
@@ -432,6 +449,20 @@ inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, bool offset, Stri
 // Packs strip `index` of a 4-bit weight: the codes c + 8 (one byte each, in the order of the
 // block's 32 activations: stored byte i of a block holds activation i in its low nibble, i + 16
 // in its high one) and the group scales as float32.
+// The 4-bit codes of block j of the L rows `rows` (k columns, of n), one byte each in the order
+// of the block's 32 activations, into dst[i * L + l] for the 8 groups i.
+inline void pack_nibbles(const uint8_t* q, int64_t k, int64_t n, const int64_t (&rows)[L],
+                         int64_t j, uint32_t* dst) {
+  gather_groups(q, k / 2, n, rows, j * 4, 4, 0u, dst);
+  for (int i = 0; i < 4; ++i) {
+    for (int l = 0; l < L; ++l) {
+      const uint32_t v = dst[i * L + l];
+      dst[i * L + l] = v & 0x0F0F0F0Fu;
+      dst[(i + 4) * L + l] = (v >> 4) & 0x0F0F0F0Fu;
+    }
+  }
+}
+
 inline void pack_q4(const Q4Rows& w, int64_t n, int64_t index, Strip& s) {
   const int64_t nb = w.k / kBlock;
   s.w.resize(nb * L * 8);
@@ -439,21 +470,35 @@ inline void pack_q4(const Q4Rows& w, int64_t n, int64_t index, Strip& s) {
   int64_t rows[L];
   strip_rows_of(n, index, rows);
   for_each_slot(nb, [&](int64_t j, int64_t slot) {
-    uint32_t* dst = s.w.data() + slot * 8 * L;
-    gather_groups(w.q, w.k / 2, n, rows, j * 4, 4, 0u, dst);
-    for (int i = 0; i < 4; ++i) {
-      for (int l = 0; l < L; ++l) {
-        const uint32_t v = dst[i * L + l];
-        dst[i * L + l] = v & 0x0F0F0F0Fu;
-        dst[(i + 4) * L + l] = (v >> 4) & 0x0F0F0F0Fu;
-      }
-    }
+    pack_nibbles(w.q, w.k, n, rows, j, s.w.data() + slot * 8 * L);
     alignas(32) uint16_t hs[L];
     for (int l = 0; l < L; ++l) {
       const int64_t r = rows[l], st = r / kLanes;
       hs[l] = w.scales[st * kLanes * nb + j * strip_lanes(n, st) + r % kLanes];
     }
     Isa::halves(hs, s.ws.data() + slot * L);
+  });
+  s.index = index;
+}
+
+// Packs strip `index` of a Q4_K-style weight: the codes as `pack_q4`'s (without an offset),
+// the block scales d * sc into `ws` and the mins dmin * m into `wm` (`q4k_lane_scales`).
+inline void pack_q4k(const Q4KRows& w, int64_t n, int64_t index, Strip& s) {
+  const int64_t nb = w.k / kBlock, sbytes = super_blocks(w.k) * kSuperBytes;
+  s.w.resize(nb * L * 8);
+  s.ws.resize(nb * L);
+  s.wm.resize(nb * L);
+  int64_t rows[L];
+  strip_rows_of(n, index, rows);
+  for_each_slot(nb, [&](int64_t j, int64_t slot) {
+    pack_nibbles(w.q, w.k, n, rows, j, s.w.data() + slot * 8 * L);
+    for (int l = 0; l < L; ++l) {
+      const int64_t r = rows[l], st = r / kLanes;
+      const int lanes = strip_lanes(n, st);
+      const uint8_t* p = w.scales + st * kLanes * sbytes + j / kSuper * kSuperBytes * lanes;
+      q4k_lane_scales(p, lanes, static_cast<int>(r % kLanes), static_cast<int>(j % kSuper),
+                      s.ws[slot * L + l], s.wm[slot * L + l]);
+    }
   });
   s.index = index;
 }
@@ -484,23 +529,39 @@ inline void block_i8(const I8Rows& w, int64_t n, const XPanels& x, int64_t s0, i
   for (int64_t i = s0; i < s1; ++i)
     if (s[i - s0].index != i) pack_i8(w, n, i, vnni, s[i - s0]);
   if (vnni) {
-    block_groups<Mul::kVnni, false, true>(s, s0, s1, n, x, g0, g1, out, ldo);
+    block_groups<Mul::kVnni, Fmt::kI8, true>(s, s0, s1, n, x, g0, g1, out, ldo);
   } else {
-    block_groups<Mul::kMaddubsSigned, false, false>(s, s0, s1, n, x, g0, g1, out, ldo);
+    block_groups<Mul::kMaddubsSigned, Fmt::kI8, false>(s, s0, s1, n, x, g0, g1, out, ldo);
   }
 }
 
-// The same for a 4-bit weight (`Q4Rows`, `XPanels` built with kQ4Shift): the w4a8 product.
-inline void block_q4(const Q4Rows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
-                     int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s) {
+// The same for a 4-bit weight: strips [s0, s1) packed by `pack(i, strip)` where `s` does not
+// hold them yet, then multiplied as kFmt (kCorr: the x panels hold the codes' offset).
+template <Fmt kFmt, bool kCorr, typename Pack>
+inline void block_4bit(int64_t n, const XPanels& x, int64_t s0, int64_t s1, int64_t g0,
+                       int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s, Pack&& pack) {
   if (static_cast<int64_t>(s.size()) < s1 - s0) s.resize(s1 - s0);
   for (int64_t i = s0; i < s1; ++i)
-    if (s[i - s0].index != i) pack_q4(w, n, i, s[i - s0]);
+    if (s[i - s0].index != i) pack(i, s[i - s0]);
   if (has_vnni()) {
-    block_groups<Mul::kVnni, true, true>(s, s0, s1, n, x, g0, g1, out, ldo);
+    block_groups<Mul::kVnni, kFmt, kCorr>(s, s0, s1, n, x, g0, g1, out, ldo);
   } else {
-    block_groups<Mul::kMaddubs, true, true>(s, s0, s1, n, x, g0, g1, out, ldo);
+    block_groups<Mul::kMaddubs, kFmt, kCorr>(s, s0, s1, n, x, g0, g1, out, ldo);
   }
+}
+
+// A Q4_0-style weight (`Q4Rows`, `XPanels` built with kQ4Shift): the w4a8 product.
+inline void block_q4(const Q4Rows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
+                     int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s) {
+  block_4bit<Fmt::kQ4, true>(n, x, s0, s1, g0, g1, out, ldo, s,
+                             [&](int64_t i, Strip& st) { pack_q4(w, n, i, st); });
+}
+
+// A Q4_K-style weight (`Q4KRows`, `XPanels` built with shift 0): the w4a8_k product.
+inline void block_q4k(const Q4KRows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
+                      int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s) {
+  block_4bit<Fmt::kQ4K, false>(n, x, s0, s1, g0, g1, out, ldo, s,
+                               [&](int64_t i, Strip& st) { pack_q4k(w, n, i, st); });
 }
 
 #else  // generic (and NEON): no GEMM, the ops keep rows_i8 / rows_q4
@@ -521,6 +582,8 @@ inline void block_i8(const I8Rows&, int64_t, const XPanels&, int64_t, int64_t, i
                      float*, int64_t, std::vector<Strip>&) {}
 inline void block_q4(const Q4Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t,
                      int64_t, float*, int64_t, std::vector<Strip>&) {}
+inline void block_q4k(const Q4KRows&, int64_t, const XPanels&, int64_t, int64_t, int64_t,
+                      int64_t, float*, int64_t, std::vector<Strip>&) {}
 
 #endif
 

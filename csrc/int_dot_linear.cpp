@@ -2,7 +2,9 @@
 //
 //   w8a8_linear: out (M, N) = Q8(x) (M, K) @ (qweight (N, K) int8 * scale (N,))^T + bias
 //   w4a8_linear: out (M, N) = Q8(x) (M, K) @ W^T + bias, W the 4-bit groups of `int4_linear`
-//                (qweight (N, K / 2) uint8, scales (N, K / 32) float16)
+//                (qweight (N, K / 2) uint8, scales (N, K / 32) float16), or the Q4_K-style
+//                super-blocks of `quantization="w4a8_k"` (scales (N, ceil(K / 256) * 16)
+//                uint8: `int_dot::Q4KRows`), told apart by the scales' dtype
 //
 // Q8(x): each row of x quantised to int8 in blocks of 32 with a float32 scale per block
 // (llama.cpp's Q8_0). K must be a multiple of 32. x is float32 or bfloat16; the result has x's
@@ -168,9 +170,25 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
               "w4a8_linear: qweight must be contiguous uint8");
   const int64_t n = qweight.size(0);
+  if (scales.scalar_type() == at::kByte) {  // Q4_K-style super-blocks
+    const int64_t sbytes = int_dot::super_blocks(k) * int_dot::kSuperBytes;
+    TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == n &&
+                    scales.size(1) == sbytes,
+                "w4a8_linear: Q4_K-style scales must be contiguous uint8 (N, ceil(K / 256) * 16) ",
+                "= (", n, ", ", sbytes, "), got ", scales.sizes());
+    const int_dot::Q4KRows w{qweight.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), k, n};
+    return run(x, n, k / 2, bias_of(bias, n, "w4a8_linear"), 0,
+               [&](const int_dot::QActs& q, int64_t lo, int64_t hi, float* out, int64_t ldo) {
+                 int_dot::rows_q4k(w, q, lo, hi, out, ldo);
+               },
+               [&](const int_dot::gemm::XPanels& xp, int64_t s0, int64_t s1, int64_t g0,
+                   int64_t g1, float* out, int64_t ldo, std::vector<int_dot::gemm::Strip>& s) {
+                 int_dot::gemm::block_q4k(w, n, xp, s0, s1, g0, g1, out, ldo, s);
+               });
+  }
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == n && scales.size(1) == k / int_dot::kBlock,
-              "w4a8_linear: scales must be contiguous float16 (N, K / 32)");
+              "w4a8_linear: scales must be contiguous float16 (N, K / 32) or Q4_K-style uint8");
   const int_dot::Q4Rows w{qweight.data_ptr<uint8_t>(),
                           reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), k, n};
   return run(x, n, k / 2, bias_of(bias, n, "w4a8_linear"), int_dot::gemm::kQ4Shift,

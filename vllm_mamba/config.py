@@ -27,9 +27,10 @@ _DTYPE_NAMES = {  # name -> the torch dtype's attribute
 DTYPE_CHOICES = ("auto", *_DTYPE_NAMES)
 STATE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # Load-time quantisation: int8 / int4 weight-only; w8a8 / w4a8 the same weights multiplied with
-# activations quantised to int8 blocks (integer dot products, `vllm_mamba.ops.int_dot_linear`).
-QUANTIZATION_CHOICES = ("int8", "int4", "w8a8", "w4a8")
-ONE_RANK_QUANTIZATION = ("int4", "w4a8")  # 4-bit weights: tensor_parallel_size 1 only
+# activations quantised to int8 blocks (integer dot products, `vllm_mamba.ops.int_dot_linear`);
+# w4a8_k as w4a8 with the 4-bit weights in the Q4_K-style layout (`vllm_mamba.ops.q4k`).
+QUANTIZATION_CHOICES = ("int8", "int4", "w8a8", "w4a8", "w4a8_k")
+ONE_RANK_QUANTIZATION = ("int4", "w4a8", "w4a8_k")  # 4-bit weights: tensor_parallel_size 1 only
 DEFAULT_MAX_MODEL_LEN = 2048
 
 

@@ -36,6 +36,7 @@ from vllm_mamba.model_loader import build_model, load_hf_config
 from vllm_mamba.model_zoo import DEFAULT_MODEL, shipped_model_path
 from vllm_mamba.ops.int4_linear import dequantize_int4
 from vllm_mamba.ops.int8_linear import dequantize_int8, int8_linear_ref
+from vllm_mamba.ops.q4k import dequantize_q4k
 
 MODELS = {
     "mamba-tied": lambda: tiny_model_dir("tied"),
@@ -122,8 +123,11 @@ def _dequantised_checkpoint(path: str, method: str = "int8") -> str:
             isinstance(module, Linear) and module.weight.dtype in (torch.int8, torch.uint8)
         )
         if quantised:
-            dequantise = dequantize_int4 if module.weight.dtype == torch.uint8 else dequantize_int8
-            w = dequantise(*plain_weight(module), torch.float32)
+            weight, scale = plain_weight(module)
+            dequantise = dequantize_int4 if weight.dtype == torch.uint8 else dequantize_int8
+            if scale.dtype == torch.uint8:  # Q4_K-style scale bytes (w4a8_k)
+                dequantise = dequantize_q4k
+            w = dequantise(weight, scale, torch.float32)
             dequantised[f"{name}.weight"] = w
     remap = getattr(model, "remap_weight_name", lambda n: n)
     out = make_tmp_dir("tiny-dequantised-")

@@ -1,4 +1,4 @@
-"""`quantization="w8a8"` / `"w4a8"`: integer dot products in the engine.
+"""`quantization="w8a8"` / `"w4a8"` / `"w4a8_k"`: integer dot products in the engine.
 
 - End to end against transformers: the same checkpoint with the quantised weights replaced by
   their dequantised values (`_dequantised_checkpoint`), and each `Linear` that the engine runs
@@ -70,7 +70,7 @@ def _fake_quantised_reference(path: str, method: str) -> HfRunner:
     return hf
 
 
-@pytest.mark.parametrize("method", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("method", ["w8a8", "w4a8", "w4a8_k"])
 @pytest.mark.parametrize("name", ["mamba-tied", "mamba2"])
 def test_engine_matches_fake_quantised_transformers(name: str, method: str) -> None:
     path = MODELS[name]()
@@ -89,7 +89,7 @@ def test_engine_matches_fake_quantised_transformers(name: str, method: str) -> N
     assert float(diff.max()) <= FLIP_ATOL and int((diff > LOGPROB_ATOL).sum()) <= FLIPS
 
 
-@pytest.mark.parametrize("method", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("method", ["w8a8", "w4a8", "w4a8_k"])
 @pytest.mark.parametrize("name", ["tied", "mamba2-groups"])
 def test_fused_decode_equals_unfused(
     name: str,
@@ -131,15 +131,34 @@ def test_layers_and_the_weight_only_fallback() -> None:
     assert set(report.weight_only) == {*layers, "lm_head"} and not report.int8_fallbacks
 
 
-def test_w4a8_with_tensor_parallelism_is_a_value_error() -> None:
-    args = EngineArgs(model=tiny_model_dir("tied"), quantization="w4a8", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size 2.*w4a8"):
+def test_w4a8_k_layers_hold_q4k_super_blocks() -> None:
+    """Under w4a8_k every 4-bit `Linear` holds the Q4_K-style scale bytes (`ops.q4k`: 16 per
+    row and super-block of 256, the last one partial), runs integer dots, and the layers take
+    them fused; the LM head stays int8."""
+    with VllmRunner(tiny_model_dir("qwen3_5-gqa"), quantization="w4a8_k", max_num_seqs=1) as run:
+        model = run.engine.model
+        four_bit = [
+            m for m in model.modules() if isinstance(m, Linear) and m.weight.dtype == torch.uint8
+        ]
+        assert len(four_bit) >= 4
+        for linear in four_bit:
+            n, k = linear.weight.shape[0], 2 * linear.weight.shape[1]
+            assert linear.weight_scale.dtype == torch.uint8 and uses_int_dot(linear)
+            assert tuple(linear.weight_scale.shape) == (n, -(-k // 256) * 16)
+        assert model.lm_head.weight.dtype == torch.int8 and uses_int_dot(model.lm_head)
+        assert all(layer.decode_plan is not None for layer in model.layers)
+
+
+@pytest.mark.parametrize("method", ["w4a8", "w4a8_k"])
+def test_4bit_int_dots_with_tensor_parallelism_are_a_value_error(method: str) -> None:
+    args = EngineArgs(model=tiny_model_dir("tied"), quantization=method, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size 2.*{method}"):
         args.create_engine_config()
     with pytest.raises(ValueError, match="quantization 'w4'"):
         EngineArgs(model=tiny_model_dir("tied"), quantization="w4").create_engine_config()
 
 
-@pytest.mark.parametrize("method", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("method", ["w8a8", "w4a8", "w4a8_k"])
 def test_cli_flag(method: str) -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--quantization", method])
@@ -173,7 +192,14 @@ def test_rwkv7_layers_with_integer_dots_run_unfused() -> None:
         assert all(layer.decode_plan is not None for layer in runner.engine.model.layers)
 
 
-@pytest.mark.parametrize(("name", "method"), [("qwen3_5-gqa", "w8a8"), ("lfm2-gqa", "w4a8")])
+@pytest.mark.parametrize(
+    ("name", "method"),
+    [
+        ("qwen3_5-gqa", "w8a8"),
+        ("lfm2-gqa", "w4a8"),
+        ("qwen3_5-gqa", "w4a8_k"),
+    ],
+)
 def test_fused_hybrid_blocks_equal_unfused(
     name: str, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -207,6 +233,7 @@ def test_tied_tables_read_their_rows_from_the_strip_layout() -> None:
     from vllm_mamba.ops.int4_linear import quantize_int4
     from vllm_mamba.ops.int8_linear import quantize_int8
     from vllm_mamba.ops.int_dot_linear import pack_w4a8, pack_w8a8
+    from vllm_mamba.ops.q4k import dequantize_q4k, quantize_q4k
 
     table = torch.randn(37, 64, generator=torch.Generator().manual_seed(0))
     ids = torch.tensor([36, 0, 17, 15, 16, 36])
@@ -217,6 +244,9 @@ def test_tied_tables_read_their_rows_from_the_strip_layout() -> None:
     want4 = Int4Embedding(q4, s4, torch.float32)(ids)
     got4 = Int4Embedding(*pack_w4a8(q4, s4), torch.float32, strips=True)(ids)
     assert torch.equal(got4, want4)
+    qk, sk = quantize_q4k(table)  # Q4_K-style: the rows of the dequantised table
+    got_k = Int4Embedding(*pack_w4a8(qk, sk), torch.float32, strips=True)(ids)
+    assert torch.equal(got_k, dequantize_q4k(qk, sk, torch.float32)[ids])
     vocab = VocabParallelEmbedding(37, 64, SINGLE)
     stored = torch.nn.Parameter(pack_w8a8(q8), requires_grad=False)
     vocab.use_int8_table(stored, s8, torch.float32, strips=True)

@@ -6,7 +6,10 @@ Kernel cases: 1, 3 and 8 rows; float32 and bfloat16 weights, int8 and 4-bit weig
 merged gate and up weights; activations and multipliers; the MoE with softmax (renormalised or
 not) and sigmoid routers (bias, groups), with and without a shared expert and its gate, and
 top-k ties (the lower expert id wins, in kernel and reference alike). The references are checked
-against `GatedMLP`, `ExpertRouter` and `SparseMoE` themselves (tie-free routing).
+against `GatedMLP`, `ExpertRouter` and `SparseMoE` themselves (tie-free routing). With integer
+dot products (`int_dot`: int8, Q4_0- and Q4_K-style 4-bit weights in the strip layout) the
+kernels against the references' quantised-input products, as `tests/ops/test_int_dot_linear.py`
+holds the fused Mamba layers.
 """
 
 from __future__ import annotations
@@ -14,6 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.ops.test_int_dot_linear import (
+    FLIP_ATOL,
+    FMTS,
+    FUSED_TOL,
+    _rows_near_a_rounding_boundary,
+)
 from vllm_mamba.layers.clamped_swiglu import gated_mlp
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.linear import Linear
@@ -22,6 +31,8 @@ from vllm_mamba.layers.moe import ROUTER_KINDS, ExpertList, ExpertRouter, Router
 from vllm_mamba.ops import cpu_kernels, ffn
 from vllm_mamba.ops.int4_linear import quantize_int4
 from vllm_mamba.ops.int8_linear import quantize_int8
+from vllm_mamba.ops.int_dot_linear import pack_w4a8, pack_w8a8
+from vllm_mamba.ops.q4k import quantize_q4k
 from vllm_mamba.ops.table import bind_ops
 
 pytestmark = pytest.mark.skipif(
@@ -346,6 +357,46 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(RuntimeError, match="top_k"):
         cpu_kernels.fused_moe_decode(hidden[:1], params, 0, 0, True, 1, 1, 1.0, 0.0, 1e-6, 0,
                                      1.0, torch.float32)  # fmt: skip
-    with pytest.raises(NotImplementedError, match="int_dot"):
-        ffn.fused_mlp_decode_ref(hidden, [None] * 7, 1e-6, 0, 1.0, 1.0, 1.0, torch.float32,
-                                 int_dot=True)  # fmt: skip
+
+
+def _int_dot_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` quantised for integer dot products (`fmt` a `FMTS` entry), in the strip layout."""
+    if fmt == "w8a8":
+        qweight, scale = quantize_int8(w)
+        return pack_w8a8(qweight), scale
+    return pack_w4a8(*(quantize_q4k(w) if fmt == "w4a8_k" else quantize_int4(w)))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("kind", ["mlp", "moe"])
+def test_kernels_with_integer_dots_match_reference(rows: int, fmt: str, kind: str) -> None:
+    """The MLP (merged gate and up) and the MoE (softmax router, gated shared expert) with
+    integer-dot weights against the references' products on quantised inputs (FUSED_TOL; a
+    row with an input at a rounding boundary of its block within FLIP_ATOL); rows alone."""
+    g = torch.Generator().manual_seed(rows * 7 + len(fmt) + len(kind))
+    if kind == "mlp":
+        params = [1.0 + 0.1 * torch.randn(H, generator=g), *_int_dot_weight(_w(g, 2 * I, H), fmt)]
+        down = _int_dot_weight(_w(g, H, I), fmt)
+        p = dict(zip(ffn.MLP_PARAMS, [params[0], params[1], None, down[0], params[2], None,
+                                      down[1]]))  # fmt: skip
+        params = list(ffn.MlpParams(**p))
+        args = (1e-6, 0, 1.0, 1.0, 1.0, torch.float32, True)
+        kernel, ref = cpu_kernels.fused_mlp_decode, ffn.fused_mlp_decode_ref
+    else:
+        p = dict(zip(ffn.MOE_PARAMS, _moe_params(g, "float32", "gated", bias=False)))
+        for name in ("experts_gate_up", "experts_down", "shared_gate", "shared_up",
+                     "shared_down", "shared_expert_gate"):  # fmt: skip
+            p[f"{name}_w"], p[f"{name}_scale"] = _int_dot_weight(p[f"{name}_w"], fmt)
+        params = list(ffn.MoeParams(**p))
+        args = (*ROUTERS["softmax-renorm"], 1e-6, 0, 0.5, torch.float32, True)
+        kernel, ref = cpu_kernels.fused_moe_decode, ffn.fused_moe_decode_ref
+    hidden = _hidden(g, rows)
+    got, want = kernel(hidden, params, *args), ref(hidden, params, *args)
+    near = _rows_near_a_rounding_boundary(ffn, lambda: ref(hidden, params, *args))
+    far = [b for b in range(rows) if b not in near]
+    assert 2 * len(far) >= rows, near  # the tight comparison keeps its power
+    torch.testing.assert_close(got[far], want[far], **FUSED_TOL)
+    for b in near:
+        assert float((got[b] - want[b]).abs().max()) <= FLIP_ATOL, b
+    _rows_alone(got, hidden, kernel, params, *args)

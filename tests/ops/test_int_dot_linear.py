@@ -1,4 +1,5 @@
-"""`w8a8_linear` / `w4a8_linear` (integer dot products) against independent formulas.
+"""`w8a8_linear` / `w4a8_linear` (integer dot products) against independent formulas, for the
+int8, Q4_0-style and Q4_K-style (`ops.q4k`, `quantization="w4a8_k"`) weights.
 
 - The activation quantiser (`quantize_activations_q8`) equals a per-block loop written here.
 - The kernels quantise x exactly as it does: with one-hot weight rows each output is one
@@ -6,7 +7,8 @@
 - The kernels' results against the exact value (float64) of the same integer products: the
   block sums are exact integers, so the only error is float32's rounding of the K / 32 scaled
   block terms and their sum. Bound per output: `(NB + 8) * 2^-24 * sum_j |d_j D_j|` (times
-  the row scale; NB block terms summed, the scale products, the final scale), plus the output
+  the row scale; NB block terms summed, the scale products, the final scale; Q4_K-style: 2 NB
+  + 8 over both terms of a block, `d_j ds_j D_j` and `d_j dm_j sum(q)`), plus the output
   rounding (2^-24 float32, 2^-8 bfloat16) of `|out|`. An activation code off by one would be
   `d * |w|`, far above it. The references (`w8a8_linear_ref`, float32 `F.linear` over K
   products) are held to `(K + 8) * 2^-24 * sum_i |x_i w_i|` (dequantised values).
@@ -29,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_mamba.ops.grouped_linear import pack_nibbles, unpack_nibbles
 from vllm_mamba.ops.int4_linear import quantize_int4, unpack_int4
 from vllm_mamba.ops.int8_linear import quantize_int8
 from vllm_mamba.ops.int_dot_linear import (
@@ -44,8 +47,16 @@ from vllm_mamba.ops.int_dot_linear import (
     w4a8_linear_ref,
     w8a8_linear_ref,
 )
+from vllm_mamba.ops.q4k import quantize_q4k, unpack_scales
 
 needs_kernel = pytest.mark.skipif(not has_int_dot_kernels(), reason="C++ extension not built")
+FMTS = ["w8a8", "w4a8", "w4a8_k"]  # int8, Q4_0-style 4-bit, Q4_K-style 4-bit weights
+
+
+def _kernel(fmt: str):  # noqa: ANN202
+    return torch.ops.vllm_mamba.w8a8_linear if fmt == "w8a8" else torch.ops.vllm_mamba.w4a8_linear
+
+
 U = 2.0**-24
 
 
@@ -118,6 +129,17 @@ def _one_hot_int8(k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return pack_w8a8(torch.eye(k, dtype=torch.int8)), torch.ones(k)
 
 
+def _one_hot_q4k(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K-style rows e_i: code 1 at i, 0 elsewhere, every block's scale 1 and min 0."""
+    codes = torch.zeros(k, k, dtype=torch.uint8)
+    codes.fill_diagonal_(1)
+    ns = -(-k // 256)
+    scales = torch.zeros(k, ns, 16, dtype=torch.uint8)
+    scales[..., 1] = 0x3C  # d = 1.0 (float16 0x3C00)
+    scales[..., 4:12] = 1  # sc = 1, m = 0
+    return pack_w4a8(pack_nibbles(codes), scales.reshape(k, ns * 16))
+
+
 def _one_hot_int4(k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """4-bit rows e_i: code 0 (-8) at i, code 8 (0) elsewhere, scales -1/8: weight 1 at i."""
     codes = torch.full((k, k), 8, dtype=torch.uint8)
@@ -136,28 +158,40 @@ def test_kernels_quantise_x_as_the_reference(m: int) -> None:
     want = dequantize_activations_q8(*quantize_activations_q8(x))
     assert torch.equal(torch.ops.vllm_mamba.w8a8_linear(x, *_one_hot_int8(96), None), want)
     assert torch.equal(torch.ops.vllm_mamba.w4a8_linear(x, *_one_hot_int4(96), None), want)
+    assert torch.equal(torch.ops.vllm_mamba.w4a8_linear(x, *_one_hot_q4k(96), None), want)
 
 
-def _exact(x: torch.Tensor, w_int: torch.Tensor, w_scale: torch.Tensor, four_bit: bool):  # noqa: ANN202
+def _exact(x: torch.Tensor, w_int: torch.Tensor, w_scale, fmt: str):  # noqa: ANN001, ANN202
     """The exact result (float64) of the integer products, the magnitude of its block terms
-    (`sum_j |d_j D_j [* s_j]|`, times the row scale for int8) and of its K products."""
+    (`sum_j |d_j D_j [* s_j]|`, times the row scale for int8; Q4_K-style `sum_j |d_j ds_j D_j|
+    + |d_j dm_j sum(q)|`) and of its K products (the dequantised weights)."""
     q, d = _q8_loop(x)
     m, k = q.shape
     nb = k // 32
     qb = torch.from_numpy(q).double().reshape(m, 1, nb, 32)
     wb = w_int.double().reshape(1, -1, nb, 32)
     dots = (qb * wb).sum(-1)  # (M, N, NB) exact integers
+    dx = torch.from_numpy(d).double()[:, None, :]  # (M, 1, NB)
+    if fmt == "w4a8_k":
+        ds, dm = (t.double()[None] for t in w_scale)  # (1, N, NB) each
+        mins = dx * dm * qb.sum(-1)  # (M, N, NB)
+        terms = dots * dx * ds - mins
+        products = (qb * (wb * ds[..., None] - dm[..., None])).abs().sum(-1) * dx
+        return terms.sum(-1), (dots * dx * ds).abs().sum(-1) + mins.abs().sum(-1), products.sum(-1)
     products = (qb * wb).abs().sum(-1)  # (M, N, NB)
-    scales = torch.from_numpy(d).double()[:, None, :]  # (M, 1, NB)
-    scales = scales * (w_scale.double()[None] if four_bit else w_scale.double()[None, :, None])
+    scales = dx * (w_scale.double()[None] if fmt == "w4a8" else w_scale.double()[None, :, None])
     terms = dots * scales  # (M, N, NB)
     return terms.sum(-1), terms.abs().sum(-1), (products * scales.abs()).sum(-1)
 
 
-def _weights(n: int, k: int, four_bit: bool, seed: int):  # noqa: ANN202
+def _weights(n: int, k: int, fmt: str, seed: int):  # noqa: ANN202
+    """Stored weights (strip layout) and scales, then the plain integers and scales."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * k**-0.5
-    if four_bit:  # stored (strip layout), then the plain integers and scales
+    w = torch.randn(n, k, generator=g) * k**-0.5 + 0.3 * k**-0.5  # rows off centre
+    if fmt == "w4a8_k":
+        codes, scales = quantize_q4k(w)
+        return *pack_w4a8(codes, scales), unpack_nibbles(codes), unpack_scales(scales, k)
+    if fmt == "w4a8":
         qweight, scales = quantize_int4(w)
         return *pack_w4a8(qweight, scales), unpack_int4(qweight), scales.float()
     qweight, scale = quantize_int8(w)
@@ -165,25 +199,26 @@ def _weights(n: int, k: int, four_bit: bool, seed: int):  # noqa: ANN202
 
 
 @needs_kernel
-@pytest.mark.parametrize("four_bit", [False, True], ids=["w8a8", "w4a8"])
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [1, 3, 9, 17, 70])
-@pytest.mark.parametrize("k,n", [(32, 13), (64, 40), (1024, 21)])
+@pytest.mark.parametrize("k,n", [(32, 13), (64, 40), (1024, 21), (800, 19)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernels_and_references_against_the_exact_products(
-    four_bit: bool, m: int, k: int, n: int, dtype: torch.dtype, bias: bool
+    fmt: str, m: int, k: int, n: int, dtype: torch.dtype, bias: bool
 ) -> None:
+    """k 800: 25 blocks, a partial super-block (Q4_K-style) and a partial group of 16."""
     seed = m * 1000 + k + n
-    qweight, scale, w_int, w_scale = _weights(n, k, four_bit, seed)
+    qweight, scale, w_int, w_scale = _weights(n, k, fmt, seed)
     x = _x(m, k, seed + 1, dtype)
     b = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2)) if bias else None
-    exact, mag_blocks, mag_products = _exact(x, w_int, w_scale, four_bit)
+    exact, mag_blocks, mag_products = _exact(x, w_int, w_scale, fmt)
     if b is not None:
         exact = exact + b.double()
     out_round = U if dtype == torch.float32 else 2.0**-8
-    kernel = torch.ops.vllm_mamba.w4a8_linear if four_bit else torch.ops.vllm_mamba.w8a8_linear
-    ref = w4a8_linear_ref if four_bit else w8a8_linear_ref
-    for fn, terms, mag in ((kernel, k // 32 + 8, mag_blocks), (ref, k + 8, mag_products)):
+    ref = w8a8_linear_ref if fmt == "w8a8" else w4a8_linear_ref
+    block_terms = (2 if fmt == "w4a8_k" else 1) * (k // 32) + 8
+    for fn, terms, mag in ((_kernel(fmt), block_terms, mag_blocks), (ref, k + 8, mag_products)):
         got = fn(x, qweight, scale, b)
         assert got.dtype == dtype and got.shape == (m, n)
         bound = terms * U * mag + out_round * exact.abs() * 1.01 + 1e-30
@@ -192,11 +227,11 @@ def test_kernels_and_references_against_the_exact_products(
 
 
 @needs_kernel
-@pytest.mark.parametrize("four_bit", [False, True], ids=["w8a8", "w4a8"])
-def test_a_rows_result_does_not_depend_on_the_batch(four_bit: bool) -> None:
-    qweight, scale, _, _ = _weights(37, 544, four_bit, 9)  # 17 blocks: a partial group
+@pytest.mark.parametrize("fmt", FMTS)
+def test_a_rows_result_does_not_depend_on_the_batch(fmt: str) -> None:
+    qweight, scale, _, _ = _weights(37, 544, fmt, 9)  # 17 blocks: a partial group
     x = _x(70, 544, 10)
-    kernel = torch.ops.vllm_mamba.w4a8_linear if four_bit else torch.ops.vllm_mamba.w8a8_linear
+    kernel = _kernel(fmt)
     batched = kernel(x, qweight, scale, None)
     for i in (0, 5, 33, 69):
         assert torch.equal(kernel(x[i : i + 1], qweight, scale, None), batched[i : i + 1])
@@ -204,22 +239,22 @@ def test_a_rows_result_does_not_depend_on_the_batch(four_bit: bool) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("four_bit", [False, True], ids=["w8a8", "w4a8"])
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("m", [17, 64, 200])
 @pytest.mark.parametrize(
     "k,n",
     [(96, 16), (544, 37), (1024, 70)],  # 3 blocks, 17 (a partial group of 16), 32; N vs 16
 )
-def test_many_rows_equal_one_row_at_a_time(four_bit: bool, m: int, k: int, n: int) -> None:
+def test_many_rows_equal_one_row_at_a_time(fmt: str, m: int, k: int, n: int) -> None:
     """The many-row path (a GEMM from 16 rows) gives every row, bit for bit, what a call with
     that row alone gives (the one-row path), with bias, at 1 and 2 threads; rows holding an
     infinity or a NaN too (NaN where it gives NaN)."""
-    qweight, scale, _, _ = _weights(n, k, four_bit, m + k + n)
+    qweight, scale, _, _ = _weights(n, k, fmt, m + k + n)
     x = _x(m, k, m + k)
     x[m // 2] = 0  # a row of zeros
     x[m // 3, 5], x[m // 4, k - 1] = float("inf"), float("nan")  # rows the engine can't quantise
     b = torch.randn(n, generator=torch.Generator().manual_seed(m))
-    kernel = torch.ops.vllm_mamba.w4a8_linear if four_bit else torch.ops.vllm_mamba.w8a8_linear
+    kernel = _kernel(fmt)
     one = torch.cat([kernel(x[i : i + 1], qweight, scale, b) for i in range(m)])
     threads = torch.get_num_threads()
     try:
@@ -257,6 +292,10 @@ def test_empty_inputs_and_bad_inputs() -> None:
         w4a8(x, qweight, s4, None)
     with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
         w4a8(x, q4, s4.float(), None)
+    qk, sk = quantize_q4k(torch.randn(8, 64))
+    assert torch.equal(w4a8(torch.zeros(0, 64), qk, sk, None), torch.zeros(0, 8))
+    with pytest.raises(RuntimeError, match="Q4_K-style scales must be contiguous uint8"):
+        w4a8(x, qk, sk[:, :8].contiguous(), None)
 
 
 @needs_kernel

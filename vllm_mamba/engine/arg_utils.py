@@ -118,7 +118,9 @@ class EngineArgs:
         "with a float16 scale each; about a seventh; one rank only); w8a8 / w4a8: the int8 / "
         "int4 weights multiplied in integers with activations quantised to int8 blocks of 32 "
         "(llama.cpp's Q8_0; faster on CPUs with VNNI, slightly less accurate: "
-        "docs/quantization.md); unset: float weights",
+        "docs/quantization.md); w4a8_k: w4a8 with the 4-bit weights in a Q4_K-style layout "
+        "(a 6-bit scale and min per group of 32 under super-blocks of 256: the same 4.5 bits "
+        "a weight, closer to the float weights); unset: float weights",
         default=None,
         choices=QUANTIZATION_CHOICES,
     )

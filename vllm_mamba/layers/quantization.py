@@ -1,5 +1,5 @@
 """Load-time quantisation of a float model: weight-only (`quantization="int8"` or `"int4"`) or
-with integer dot products (`"w8a8"`, `"w4a8"`).
+with integer dot products (`"w8a8"`, `"w4a8"`, `"w4a8_k"`).
 
 `quantize_model(model, ops, method)` turns every `Linear` of the model (mixer projections,
 attention and MLP projections of hybrids, the LM head, and their tensor-parallel subclasses)
@@ -23,6 +23,9 @@ add communication (row-parallel all-reduce) still work.
   scale each (llama.cpp's Q8_0) and multiplied in integers (`vllm_mamba.ops.int_dot_linear`).
   A layer whose K is not a multiple of 32 stays int8 weight-only (logged and counted in the
   report's `weight_only`).
+- w4a8_k: as w4a8, the 4-bit weights in the Q4_K-style layout (`vllm_mamba.ops.q4k`: codes in
+  [0, 15] with a 6-bit scale and min per block of 32 under float16 super-block scales, 4.5
+  bits a weight as Q4_0, lower error on asymmetric rows), through the same `w4a8_linear`.
 
 What stays float, and why:
 - `dt_proj` of the Mamba mixers: the mixers multiply by `dt_proj.weight` directly (its bias
@@ -62,6 +65,7 @@ from vllm_mamba.ops.int_dot_linear import (
     unpack_w4a8,
     unpack_w8a8,
 )
+from vllm_mamba.ops.q4k import dequantize_q4k, quantize_q4k
 from vllm_mamba.ops.table import MambaOps
 
 logger = logging.getLogger(__name__)
@@ -70,9 +74,11 @@ FLOAT_LINEARS = ("dt_proj", "kv_b_proj")  # `Linear`s whose weight the layers re
 # (MLA keeps float32 `W_UK` / `W_UV` copies of `kv_b_proj` for decode: an int8 `kv_b_proj` would
 # save no memory and make the prefill's expansion disagree with decode)
 INT8_UNDER_INT4 = ("lm_head",)  # `Linear`s that int4 quantises to int8 (see the docstring)
-# Each method: the weight format ("int8" or "int4") and whether products use integer dots.
+# Each method: the weight format ("int8", "int4" or the Q4_K-style "int4_k") and whether
+# products use integer dots.
 METHODS = {"int8": ("int8", False), "int4": ("int4", False), "w8a8": ("int8", True),
-           "w4a8": ("int4", True)}  # fmt: skip
+           "w4a8": ("int4", True), "w4a8_k": ("int4_k", True)}  # fmt: skip
+FOUR_BIT = ("int4", "int4_k")
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,8 @@ class Int4Embedding(nn.Module):
         """`input_ids (T,)` -> `(T, H)` in the model dtype (only the looked-up rows widened)."""
         codes = table_rows(self.weight, input_ids, self.strips, GROUP_BYTES)
         scales = table_rows(self.weight_scale, input_ids, self.strips, 1)
+        if scales.dtype == torch.uint8:  # Q4_K-style scale bytes (`ops.q4k`)
+            return dequantize_q4k(codes, scales, self.dtype)
         return dequantize_int4(codes, scales, self.dtype)
 
 
@@ -220,10 +228,16 @@ def quantize_linear_int8(linear: Linear, ops: MambaOps, int_dot: bool = False) -
     linear.linear_op = types.MethodType(_int8_product, linear)
 
 
-def quantize_linear_int4(linear: Linear, ops: MambaOps, int_dot: bool = False) -> None:
+def quantize_linear_int4(
+    linear: Linear, ops: MambaOps, int_dot: bool = False, fmt: str = "int4"
+) -> None:
     """Makes `linear`'s weight 4-bit in place (K a multiple of 32; see the module docstring);
-    `int_dot`: its products run `w4a8_linear`."""
-    use_int4_weight(linear, *quantize_int4(linear.weight), ops, int_dot)
+    `int_dot`: its products run `w4a8_linear`; `fmt` "int4_k": the Q4_K-style layout (integer
+    dots only)."""
+    if fmt == "int4_k":
+        use_int4_weight(linear, *quantize_q4k(linear.weight), ops, int_dot=True)
+    else:
+        use_int4_weight(linear, *quantize_int4(linear.weight), ops, int_dot)
 
 
 def use_int4_weight(
@@ -234,7 +248,8 @@ def use_int4_weight(
     int_dot: bool = False,
 ) -> None:
     """Puts the 4-bit `qweight (N, K/2)` uint8 with its `scales (N, K/32)` float16 on `linear`
-    in place of its float weight (`quantize_int4`'s layout; also a checkpoint's Q4_0 blocks),
+    in place of its float weight (`quantize_int4`'s layout; also a checkpoint's Q4_0 blocks; or
+    the Q4_K-style `(N, S * 16)` uint8 scale bytes of `quantize_q4k`, with `int_dot` only),
     so that it runs `int4_linear` (`w4a8_linear` with `int_dot`) and the fused decode layers
     take it (`is_int4_linear`)."""
     if int_dot:
@@ -255,9 +270,9 @@ def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> Quantization
     Args:
         model: the model after its weights are loaded and processed.
         ops: the ops table whose `int8_linear` / `int4_linear` the layers call.
-        method: "int8", "int4", "w8a8" or "w4a8" (`METHODS`; under int4 / w4a8 the LM head and
-            layers whose K is not a multiple of 32 get int8; under w8a8 / w4a8 the layers whose
-            K is not a multiple of 32 stay weight-only).
+        method: "int8", "int4", "w8a8", "w4a8" or "w4a8_k" (`METHODS`; under int4 / w4a8 /
+            w4a8_k the LM head and layers whose K is not a multiple of 32 get int8; under the
+            integer-dot methods the layers whose K is not a multiple of 32 stay weight-only).
 
     Returns:
         How many layers were quantised, the weight bytes before and after, the fallbacks to
@@ -288,10 +303,10 @@ def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> Quantization
         dots = int_dot and int_dot_supported(module.weight.shape[1])
         if int_dot and not dots:
             weight_only.append(name)
-        if fmt == "int4" and int4_supported(module.weight) and leaf not in INT8_UNDER_INT4:
-            quantize_linear_int4(module, ops, dots)
+        if fmt in FOUR_BIT and int4_supported(module.weight) and leaf not in INT8_UNDER_INT4:
+            quantize_linear_int4(module, ops, dots, fmt)
         else:
-            if fmt == "int4" and leaf not in INT8_UNDER_INT4:
+            if fmt in FOUR_BIT and leaf not in INT8_UNDER_INT4:
                 fallbacks.append(name)
             quantize_linear_int8(module, ops, dots)
         quantised += 1

@@ -27,8 +27,8 @@ The chosen experts are summed in ascending expert id (`layers.moe.dispatch_exper
 
 `act` is a code of `ACT_CODES`. Every row's products are independent of the other rows (a
 speculative chain's rows equal its tokens decoded one by one); `int_dot` asks for integer dot
-products of int8 / 4-bit weights (`fused::Weight::int_dot`; the references compute weight-only
-products and refuse it).
+products of int8 / 4-bit weights (`fused::Weight::int_dot`; the references multiply the same
+weights with x quantised to int8 blocks, `fused_decode._linear`; float weights ignore it).
 
 Glossary: B rows, H hidden, I expert (or MLP) width, S shared-expert width, E experts, k experts
 per token.
@@ -71,11 +71,6 @@ def _relu2(x: torch.Tensor) -> torch.Tensor:
 _ACTS = (F.silu, partial(F.gelu, approximate="tanh"), F.gelu, F.relu, _relu2)
 
 
-def _no_int_dot(int_dot: bool) -> None:
-    if int_dot:
-        raise NotImplementedError("int_dot: the references compute weight-only products")
-
-
 def _gated(
     x: torch.Tensor,
     gate_w: torch.Tensor,
@@ -86,24 +81,27 @@ def _gated(
     gate_multiplier: float = 1.0,
     clip: float = 0.0,
     clip_before_act: bool = False,
+    int_dot: bool = False,
 ) -> torch.Tensor:
     """`down(act(gate(x) * gm) * up(x))` in float32; `up_w` None: `gate_w` is `[gate | up]`;
     `clip` > 0: `up` clipped to +-clip and the gate to at most `clip` before the activation
-    (`clip_before_act`) or after it (`layers.clamped_swiglu`)."""
+    (`clip_before_act`) or after it (`layers.clamped_swiglu`); `int_dot`: the int8 / 4-bit
+    products on int8-quantised inputs (`fused_decode._linear`)."""
     gate_scale, up_scale, down_scale = scales
     if up_w is None:
-        gate, up = _linear(x, gate_w, None, gate_scale).chunk(2, dim=-1)
+        gate, up = _linear(x, gate_w, None, gate_scale, int_dot).chunk(2, dim=-1)
     else:
-        gate, up = _linear(x, gate_w, None, gate_scale), _linear(x, up_w, None, up_scale)
+        gate = _linear(x, gate_w, None, gate_scale, int_dot)
+        up = _linear(x, up_w, None, up_scale, int_dot)
     if gate_multiplier != 1.0:
         gate = gate * gate_multiplier
     if not clip:
-        return _linear(_ACTS[act](gate) * up, down_w, None, down_scale)
+        return _linear(_ACTS[act](gate) * up, down_w, None, down_scale, int_dot)
     if clip_before_act:
         activated = _ACTS[act](gate.clamp(max=clip))
     else:
         activated = _ACTS[act](gate).clamp(max=clip)
-    return _linear(activated * up.clamp(-clip, clip), down_w, None, down_scale)
+    return _linear(activated * up.clamp(-clip, clip), down_w, None, down_scale, int_dot)
 
 
 def fused_mlp_decode_ref(
@@ -132,13 +130,12 @@ def fused_mlp_decode_ref(
             layer's (`rm`).
         out_dtype: the result's dtype.
     """
-    _no_int_dot(int_dot)
     p = MlpParams(*params)
     x = hidden.float()
     scales = (p.gate_scale, p.up_scale, p.down_scale)
     xn = x if p.norm_w is None else _rms_norm(x, p.norm_w, norm_eps)
     y = _gated(xn, p.gate_w, p.up_w, p.down_w, scales, act, gate_multiplier, clip,
-               clip_before_act)  # fmt: skip
+               clip_before_act, int_dot)  # fmt: skip
     if down_multiplier != 1.0:
         y = y * down_multiplier
     y = y if residual_multiplier == 1.0 else y * residual_multiplier
@@ -220,7 +217,6 @@ def fused_moe_decode_ref(
         top_k ... renorm_eps: the router (see the module docstring).
         norm_eps, act, residual_multiplier, out_dtype: as `fused_mlp_decode_ref`.
     """
-    _no_int_dot(int_dot)
     p = MoeParams(*params)
     x = hidden.float()
     xn = x if p.norm_w is None else _rms_norm(x, p.norm_w, norm_eps)
@@ -242,7 +238,7 @@ def fused_moe_decode_ref(
                 xn[b : b + 1], p.experts_gate_up_w[gu], None, p.experts_down_w[dn],
                 (gu_scale[gu] if gu_scale is not None else None, None,
                  dn_scale[dn] if dn_scale is not None else None), act, 1.0, clip,
-                clip_before_act,
+                clip_before_act, int_dot,
             )  # fmt: skip
             out[b] += y[0] * weights[b, k]
     if p.shared_gate_w is not None:
@@ -257,9 +253,10 @@ def fused_moe_decode_ref(
             1.0,
             shared_clip,
             clip_before_act,
+            int_dot,
         )
         if p.shared_expert_gate_w is not None:
-            gate = _linear(xn, p.shared_expert_gate_w, None, p.shared_expert_gate_scale)
+            gate = _linear(xn, p.shared_expert_gate_w, None, p.shared_expert_gate_scale, int_dot)
             shared = torch.sigmoid(gate) * shared
         out = out + shared
     out = out if residual_multiplier == 1.0 else out * residual_multiplier

@@ -2,15 +2,18 @@
 
 `quantization="w8a8"` / `"w4a8"` keep the weights of `"int8"` / `"int4"` (the int8 rows with
 their float32 scales, `vllm_mamba.ops.int8_linear`; the 4-bit groups of 32 with float16 scales,
-`vllm_mamba.ops.int4_linear`) and quantise each row of the activations too, as llama.cpp's Q8_0:
+`vllm_mamba.ops.int4_linear`), `"w4a8_k"` the Q4_K-style 4-bit super-blocks of
+`vllm_mamba.ops.q4k` (through `w4a8_linear` too, told apart by their uint8 scales), and quantise
+each row of the activations too, as llama.cpp's Q8_0:
 
     per block of 32 values of a row:  d = max|x| / 127,  q = round_half_even(x / d)  (int8)
 
-(a block of zeros: d = 0, q = 0). A block's products are then exact integers
-(`sum q_i w_i`, int32) scaled by `d` (int8 weights: times the row's scale at the end) or by
-`d * s` (4-bit weights, `s` the group's scale); only the float sum over the K / 32 blocks
-rounds. The references compute the same values in float32 from the dequantised activations
-(`dequantize_activations_q8`) and weights, and differ from the kernels only by that rounding.
+(a block of zeros: d = 0, q = 0). A block's products are then exact integers (`sum q_i w_i`,
+int32) scaled by `d` (int8 weights: times the row's scale at the end) or by `d * s` (4-bit
+weights, `s` the group's scale; Q4_K-style: `d * ds` minus the block's min `dm` times `d * sum
+q_i`); only the float sum over the K / 32 blocks rounds. The references compute the same values
+in float32 from the dequantised activations (`dequantize_activations_q8`) and weights, and
+differ from the kernels only by that rounding.
 
 The weights of these layers are stored in the strip layout (`to_strips`, made at load time by
 `pack_w8a8` / `pack_w4a8`): the same shapes and bytes as the plain layouts, permuted so that
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from vllm_mamba.ops import cpu_isa
 from vllm_mamba.ops.int4_linear import dequantize_int4
 from vllm_mamba.ops.int8_linear import dequantize_int8, kernel_rows
+from vllm_mamba.ops.q4k import dequantize_q4k
 
 Q8_BLOCK = 32  # activations sharing one scale
 Q8_MAX = 127
@@ -92,7 +96,8 @@ def pack_w8a8(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_w4a8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 4-bit weight `(N, K/2)` uint8 with its `(N, K/32)` float16 scales in the strip layout."""
+    """A 4-bit weight `(N, K/2)` uint8 with its `(N, K/32)` float16 scales (or Q4_K-style
+    `(N, S * 16)` uint8 scale bytes, `ops.q4k`) in the strip layout."""
     return to_strips(qweight, GROUP_BYTES), to_strips(scales, 1)
 
 
@@ -178,15 +183,24 @@ def w4a8_linear_ref(
 
     Args:
         x: `(..., K)` float32 or bfloat16 activations, K a multiple of 32.
-        qweight: `(N, K/2)` uint8, 4-bit weights (`int4_linear`'s codes) in the strip layout.
-        scales: `(N, K/32)` float16 group scales in the strip layout (`pack_w4a8`).
+        qweight: `(N, K/2)` uint8, 4-bit weights (`int4_linear`'s codes, or `ops.q4k`'s) in
+            the strip layout.
+        scales: `(N, K/32)` float16 group scales, or Q4_K-style `(N, ceil(K/256) * 16)` uint8
+            scale bytes (`ops.q4k`), in the strip layout (`pack_w4a8`).
         bias: `(N,)` or None.
 
     Returns:
         `(..., N)` in the dtype of `x`, computed in float32 and rounded once.
     """
+    return _q8_linear(x, dequantize_w4a8(qweight, scales), bias)
+
+
+def dequantize_w4a8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 `(N, K)` weight of a strip-layout 4-bit one (Q4_0- or Q4_K-style)."""
     plain, plain_scales = unpack_w4a8(qweight, scales)
-    return _q8_linear(x, dequantize_int4(plain, plain_scales, torch.float32), bias)
+    if plain_scales.dtype == torch.uint8:
+        return dequantize_q4k(plain, plain_scales, torch.float32)
+    return dequantize_int4(plain, plain_scales, torch.float32)
 
 
 def w8a8_linear_cpp(
