@@ -42,6 +42,10 @@
 # attention kernels for every quantised KV cache type are left out (GGML_IQK_FA_ALL_QUANTS=OFF:
 # a third of the build time, unused with the default F16 cache).
 #
+# CONVERT_ARGS adds options to convert_hf_to_gguf.py: `--no-mtp` for a Qwen3.5 / 3.6 checkpoint
+# without MTP weights (the random models of make_model.py / hybrid_bench.py), which the
+# converter otherwise refuses.
+#
 # Set INSTALL_PYTHON_PACKAGE=1 to also `pip install llama-cpp-python` (builds llama.cpp once
 # more, about 5+ minutes on 2 cores). Steps already done are skipped.
 set -euo pipefail
@@ -137,7 +141,7 @@ GGUF_DIR="$LLAMA_CPP_BASE/gguf"
 for TYPE in f32 bf16 f16 q8_0; do
     OUT="$GGUF_DIR/$STEM-$TYPE.gguf"
     [ -f "$OUT" ] || PYTHONPATH="$LLAMA_DIR/gguf-py" "$PYTHON" "$LLAMA_DIR/convert_hf_to_gguf.py" \
-        "$MODEL_DIR" --outtype "$TYPE" --outfile "$OUT"
+        "$MODEL_DIR" --outtype "$TYPE" --outfile "$OUT" ${CONVERT_ARGS:-}
 done
 for TYPE in q4_0 q4_k_m; do
     OUT="$GGUF_DIR/$STEM-$TYPE.gguf"

@@ -335,7 +335,7 @@ def build_model(
     else:
         stream.finish()
     if packed:
-        install_packed_weights(model, packed, get_mamba_ops(device))
+        install_packed_weights(model, packed, get_mamba_ops(device), method)
     if method is not None:
         report = _quietly(quantize_model, model, get_mamba_ops(device), method)
         _log_quantization(method, report, stream.reports if stream is not None else [])

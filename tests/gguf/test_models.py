@@ -363,3 +363,50 @@ def test_q4_0_layers_run_in_the_fused_decode_layer(files: dict[str, str]) -> Non
         llm.llm_engine.executor.shutdown()
     want = _run(files["q4_0_ref"], PROMPTS, dtype="float32")
     assert [list(o.outputs[0].token_ids) for o in got] == [t for t, _ in want]
+
+
+@pytest.mark.parametrize(("kind", "method"), [("k_quants", "w4a8_k"), ("q4_0", "w4a8")])
+def test_4bit_layers_take_integer_dots_on_their_own_codes(
+    files: dict[str, str], kind: str, method: str
+) -> None:
+    """Under `quantization="w4a8_k"` a Q4_K layer (under w4a8 and w4a8_k a Q4_0 one) runs the
+    integer-dot kernels on the file's own codes and scales, repacked: its weight dequantises
+    to exactly the GGUF's values. Other layouts keep their grouped kernels, and a head tied to
+    the token table stays weight-only (the table held once). The engine generates with it."""
+    from safetensors.torch import load_file
+
+    from vllm_mamba.config import record_quantization
+    from vllm_mamba.layers.linear import Linear
+    from vllm_mamba.layers.quantization import uses_int_dot
+    from vllm_mamba.model_loader import build_model, load_hf_config
+    from vllm_mamba.ops.int_dot_linear import dequantize_w4a8
+
+    want = load_file(os.path.join(files[f"{kind}_ref"], "model.safetensors"))
+    path = files[kind]
+    hf_config = load_hf_config(path)
+    record_quantization(hf_config, method)
+    model, _ = build_model(path, hf_config, torch.float32, torch.device("cpu"))
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    dots = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or module.weight.dtype != torch.uint8:
+            continue
+        if id(module.weight) in tables or getattr(module, "bits", None) is not None:
+            assert not uses_int_dot(module), name
+            continue
+        assert uses_int_dot(module), name
+        weight = dequantize_w4a8(module.weight, module.weight_scale)
+        assert torch.equal(weight, want[f"{name}.weight"]), name
+        assert (module.weight_scale.dtype == torch.uint8) == (kind == "k_quants"), name
+        dots.add(name)
+    if kind == "k_quants":
+        assert dots == {"backbone.layers.0.mixer.in_proj"}
+    else:
+        layers = {f"backbone.layers.{i}.mixer.{p}" for i in (0, 1) for p in ("in_proj", "out_proj")}
+        assert dots == {*layers, "lm_head"}  # the file's head is its own tensor
+    llm = LLM(model=path, max_num_seqs=4, dtype="float32", quantization=method)
+    try:
+        out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    finally:
+        llm.llm_engine.executor.shutdown()
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)

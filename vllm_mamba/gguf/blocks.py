@@ -17,7 +17,9 @@ group, scale, offset).
 - Q5_1: d, m, qh:u32, qs[16] / 32; `d * (nib + 16 b) + m`: bits 8, G32, (d, m).
 - Q8_0: d, qs:i8[32] / 32; `d * q`: bits 8, G32, (d, none).
 - Q4_K: d, dmin:f16, scales[12], qs[128] / 256; sub-block s of 32: `d sc_s nib - dmin m_s`:
-  bits 4, G32, (d sc_s, -dmin m_s).
+  bits 4, G32, (d sc_s, -dmin m_s), and the super-blocks' d, dmin, sc, m repacked as
+  `vllm_mamba.ops.q4k`'s scale bytes (`GroupedWeight.super_scales`: the same 4.5 bits a weight
+  in the integer-dot kernels of `quantization="w4a8_k"`).
 - Q5_K: d, dmin, scales[12], qh[32], qs[128] / 256; `d sc_s (nib + 16 b) - dmin m_s`:
   bits 8, G32, (d sc_s, -dmin m_s).
 - Q6_K: ql[128], qh[64], sc:i8[16], d:f16 / 256; sub-block of 16: `d sc (q6 - 32)`:
@@ -46,6 +48,7 @@ import torch
 
 from vllm_mamba.layers.packed_weights import attach_packed
 from vllm_mamba.ops.grouped_linear import GroupedWeight, pack_nibbles
+from vllm_mamba.ops.q4k import pack_scales
 
 __all__ = ["FLOAT_TYPES", "KEPT_TYPES", "decode_tensor", "decode_blocks"]
 
@@ -115,8 +118,10 @@ def decode_blocks(type_name: str, blocks: np.ndarray) -> GroupedWeight:
         q = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(n, nb, 8, 32)  # sub-blocks
         scales = (d[..., None] * sc.float()).reshape(n, nb * 8)
         offsets = (-(dmin[..., None] * m.float())).reshape(n, nb * 8)
-        if type_name == "Q4_K":
-            return GroupedWeight(pack_nibbles(q.reshape(n, nb * 256)), scales, offsets, 4, 32)
+        if type_name == "Q4_K":  # with its super-blocks as the w4a8_k kernels read them
+            supers = pack_scales(d.half(), dmin.half(), sc, m)
+            codes = pack_nibbles(q.reshape(n, nb * 256))
+            return GroupedWeight(codes, scales, offsets, 4, 32, supers)
         qh = _u8(blocks[..., 16:48])  # (N, B, 32): bit s is sub-block s's 5th bit
         bits = (qh[:, :, None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
         q = q | (bits << 4)

@@ -16,7 +16,9 @@ split set), `vllm-mamba serve file.gguf`.
   would silently multiply its memory).
 - `quantization=` with a quantised GGUF: the file's integer layers stay as they are; the
   load-time quantisation applies to the layers the file stores in float (`quantize_model`
-  skips integer layers). Tensor parallelism (more than one rank) with a quantised GGUF is a
+  skips integer layers). Under `"w4a8"` / `"w4a8_k"` the file's Q4_0 layers, and under
+  `"w4a8_k"` its Q4_K ones, multiply with integer dot products on their own codes
+  (`layers.packed_weights`). Tensor parallelism (more than one rank) with a quantised GGUF is a
   ValueError: integer layouts load on one rank.
 - **Tokenizer**: the file's own (`vllm_mamba.gguf.tokenizer`), unless `tokenizer=` is given.
 """

@@ -9,6 +9,11 @@ puts each recorded layout on its `Linear`, where the float weight was:
 
 - a 4-bit layout that is the engine's own int4 (groups of 32, offsets -8 times scales that
   float16 holds exactly: GGUF's Q4_0) runs through `int4_linear` with float16 scales;
+- under `quantization="w4a8"` / `"w4a8_k"` those Q4_0 layers, and under `"w4a8_k"` GGUF's
+  Q4_K layers (their super-blocks: `GroupedWeight.super_scales`), multiply int8-quantised
+  activations with integer dots on their own codes (`w4a8_linear`: the file's weights at its
+  4.5 bits a weight, as llama.cpp runs them); a `Linear` sharing its weight with a token
+  embedding (a tied head) stays weight-only, so that the table is held once;
 - any other layout runs through `grouped_linear` (`vllm_mamba.ops.grouped_linear`).
 
 A token embedding whose table has a layout is replaced by a `GroupedEmbedding` reading it (a
@@ -33,6 +38,7 @@ from vllm_mamba.layers.linear import Linear
 from vllm_mamba.layers.parallel_linear import VocabParallelEmbedding
 from vllm_mamba.layers.quantization import use_int4_weight
 from vllm_mamba.ops.grouped_linear import NIBBLE_BLOCK, GroupedWeight
+from vllm_mamba.ops.int_dot_linear import int_dot_supported
 from vllm_mamba.ops.table import MambaOps
 
 __all__ = [
@@ -48,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 _ATTRIBUTE = "_vllm_mamba_packed"
 _SAMPLE_ROWS = 8  # rows compared between a layout and the processed float weight
+# Load-time methods under which layouts take integer dots: Q4_0 ("q4_0"), Q4_K ("q4_k").
+_INT_DOT_LAYOUTS = {"w4a8": ("q4_0",), "w4a8_k": ("q4_0", "q4_k")}
 
 
 def attach_packed(tensor: torch.Tensor, packed: GroupedWeight) -> torch.Tensor:
@@ -94,11 +102,18 @@ def _grouped_product(
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def install_packed(linear: Linear, packed: GroupedWeight, ops: MambaOps) -> None:
-    """Replaces `linear`'s float weight by `packed` (see the module docstring)."""
+def install_packed(
+    linear: Linear, packed: GroupedWeight, ops: MambaOps, int_dot: tuple[str, ...] = ()
+) -> None:
+    """Replaces `linear`'s float weight by `packed` (see the module docstring); `int_dot`: the
+    layouts ("q4_0", "q4_k") that take integer dot products."""
+    dots = int_dot_supported(packed.shape[1])
     scales16 = _as_int4(packed)
     if scales16 is not None:  # the engine's own int4 (Q4_0): its kernel and fused decode
-        use_int4_weight(linear, packed.codes, scales16, ops)
+        use_int4_weight(linear, packed.codes, scales16, ops, dots and "q4_0" in int_dot)
+        return
+    if packed.super_scales is not None and dots and "q4_k" in int_dot:
+        use_int4_weight(linear, packed.codes, packed.super_scales, ops, int_dot=True)
         return
     device = linear.weight.device
     linear.activation_dtype = linear.weight.dtype
@@ -153,7 +168,10 @@ def _embeddings(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 
 
 def install_packed_weights(
-    model: nn.Module, packed: dict[str, GroupedWeight], ops: MambaOps
+    model: nn.Module,
+    packed: dict[str, GroupedWeight],
+    ops: MambaOps,
+    method: str | None = None,
 ) -> PackedReport:
     """Puts the recorded integer layouts on the model's `Linear`s and token embeddings (see
     the module docstring); an LM head tied to the embedding gets the embedding's layout.
@@ -162,6 +180,8 @@ def install_packed_weights(
         model: the model after `process_weights_after_loading`.
         packed: parameter name -> the layout of the tensor the loader copied into it.
         ops: the table whose `grouped_linear` / `int4_linear` the layers call.
+        method: the load-time `quantization` asked for, if any ("w4a8" / "w4a8_k": the
+            layouts those kernels take run with integer dots).
 
     Returns:
         The layers installed, their bytes, and the parameters left in float with why.
@@ -172,6 +192,7 @@ def install_packed_weights(
     drop_decode_plans(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     layouts = {id(params[n]): (n, lay) for n, lay in packed.items() if n in params}  # by object
+    tables = {id(embedding.weight) for _, _, embedding in _embeddings(model)}
     done: set[str] = set()
     for module in model.modules():
         entry = layouts.get(id(module.weight)) if isinstance(module, Linear) else None
@@ -181,7 +202,8 @@ def install_packed_weights(
         if not _matches(module.weight, layout):
             report.widened[name] = "the model transformed it after loading"
             continue
-        install_packed(module, layout, ops)  # a tied head: the embedding's layout
+        dots = () if id(module.weight) in tables else _INT_DOT_LAYOUTS.get(method or "", ())
+        install_packed(module, layout, ops, dots)  # a tied head: the embedding's layout
         done.add(name)
         report.installed += 1
         report.bytes_packed += layout.nbytes

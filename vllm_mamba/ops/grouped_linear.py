@@ -71,6 +71,10 @@ class GroupedWeight:
     offsets: torch.Tensor | None  # (N, K/G) float32, or None for zero
     bits: int  # 4 or 8
     group: int  # G
+    # A 4-bit weight read from Q4_K blocks: their super-block scale bytes `(N, K/256 * 16)`
+    # uint8 in `vllm_mamba.ops.q4k`'s layout (the same d, dmin and 6-bit sc, m), which the
+    # integer-dot kernels take with the codes as they are (`quantization="w4a8_k"`); else None.
+    super_scales: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -86,6 +90,12 @@ class GroupedWeight:
             self.offsets is not None and tuple(self.offsets.shape) != want
         ):
             raise ValueError(f"GroupedWeight scales / offsets must be {want}")
+        if self.super_scales is not None and (
+            self.bits != 4
+            or self.group != NIBBLE_BLOCK
+            or tuple(self.super_scales.shape) != (n, -(-k // 256) * 16)
+        ):
+            raise ValueError("GroupedWeight.super_scales: 4-bit groups of 32, (N, K/256 * 16)")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -111,12 +121,14 @@ class GroupedWeight:
     def rows(self, index: slice | torch.Tensor) -> GroupedWeight:
         """The weight of the selected rows (a slice or an index tensor), same layout."""
         offsets = None if self.offsets is None else self.offsets[index].contiguous()
+        supers = None if self.super_scales is None else self.super_scales[index].contiguous()
         return GroupedWeight(
             self.codes[index].contiguous(),
             self.scales[index].contiguous(),
             offsets,
             self.bits,
             self.group,
+            supers,
         )
 
     @staticmethod
@@ -140,12 +152,14 @@ class GroupedWeight:
             if with_offsets
             else None
         )
+        supers = [p.super_scales for p in parts]
         return GroupedWeight(
             torch.cat([p.codes for p in parts]),
             torch.cat([p.scales for p in parts]),
             offsets,
             first.bits,
             first.group,
+            torch.cat(supers) if all(t is not None for t in supers) else None,  # type: ignore[misc]
         )
 
     @property
