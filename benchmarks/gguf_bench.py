@@ -42,15 +42,19 @@ from compare_systems import (  # noqa: E402
     random_prompts,
 )
 
+from vllm_mamba.config import QUANTIZATION_CHOICES  # noqa: E402
+
 PROMPT_LEN = 32
 
 
-def engine_run(gguf: str, tokens: int, threads: int) -> dict[str, float]:
+def engine_run(
+    gguf: str, tokens: int, threads: int, quantization: str | None = None
+) -> dict[str, float]:
     """One fresh engine on `gguf`: load seconds, peak RSS MiB, b1 and b32 decode tok/s."""
     from compare_systems import EngineSystem
 
     start = time.perf_counter()
-    system = EngineSystem(gguf, "auto", max_batch=32, threads=threads)
+    system = EngineSystem(gguf, "auto", max_batch=32, threads=threads, quantization=quantization)
     load_s = time.perf_counter() - start
     system.warm_up(PROMPT_LEN)
     b1 = system.decode(random_prompts(1, PROMPT_LEN, seed=1), tokens)
@@ -59,9 +63,13 @@ def engine_run(gguf: str, tokens: int, threads: int) -> dict[str, float]:
     return {"load_s": load_s, "peak_mib": peak_mib, "b1": b1, "b32": b32}
 
 
-def _engine_in_subprocess(gguf: str, tokens: int, threads: int) -> dict[str, float]:
+def _engine_in_subprocess(
+    gguf: str, tokens: int, threads: int, quantization: str | None
+) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--engine-child", gguf, "--tokens", str(tokens)]
     cmd += ["--threads", str(threads)]
+    if quantization:
+        cmd += ["--quantization", quantization]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         raise RuntimeError(f"engine run failed:\n{done.stderr[-3000:]}")
@@ -81,10 +89,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_CHOICES,
+        help="the engine's load-time quantization (w4a8 / w4a8_k: the file's Q4_0 / Q4_K "
+        "layers take integer dots)",
+    )
     parser.add_argument("--engine-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine_child:
-        print(json.dumps(engine_run(args.files[0], args.tokens, args.threads)))
+        print(json.dumps(engine_run(args.files[0], args.tokens, args.threads, args.quantization)))
         return
 
     from vllm_mamba.ops import cpu_isa
@@ -106,7 +120,8 @@ def main() -> None:
             )  # fmt: skip
         runs: dict[str, list[float]] = {}
         for _ in range(args.reps):
-            for key, value in _engine_in_subprocess(gguf, args.tokens, args.threads).items():
+            run = _engine_in_subprocess(gguf, args.tokens, args.threads, args.quantization)
+            for key, value in run.items():
                 runs.setdefault(key, []).append(value)
             for name, system in others.items():
                 for b, seed in ((1, 1), (32, 2)):

@@ -130,6 +130,17 @@ struct Isa {
   static void halves(const uint16_t* h, float* out) {
     _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))));
   }
+  // packing: the block scales and mins of lanes [h, h + L) of a whole Q4_K-style super-block
+  // (`decode_q4k`), into ds[i * L + l] and dm[i * L + l]
+  static void q4k_super(const uint8_t* p, int lanes, int h, float* ds, float* dm) {
+    (void)h;  // 0: a GEMM strip is a stored strip
+    F vs[kSuper], vm[kSuper];
+    decode_q4k(p, lanes, static_cast<__mmask16>((1u << lanes) - 1u), vs, vm);
+    for (int i = 0; i < kSuper; ++i) {
+      store(ds + i * L, vs[i]);
+      store(dm + i * L, vm[i]);
+    }
+  }
 };
 
 #else  // AVX2
@@ -186,6 +197,14 @@ struct Isa {
   static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static void halves(const uint16_t* h, float* out) {
     _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+  }
+  static void q4k_super(const uint8_t* p, int lanes, int h, float* ds, float* dm) {
+    F vs[kSuper], vm[kSuper];
+    decode_q4k(p, lanes, h, L, vs, vm);
+    for (int i = 0; i < kSuper; ++i) {
+      store(ds + i * L, vs[i]);
+      store(dm + i * L, vm[i]);
+    }
   }
 };
 
@@ -469,12 +488,21 @@ inline void pack_q4(const Q4Rows& w, int64_t n, int64_t index, Strip& s) {
   s.ws.resize(nb * L);
   int64_t rows[L];
   strip_rows_of(n, index, rows);
+  const int64_t st = rows[0] / kLanes;
+  const int lanes = strip_lanes(n, st);
+  const int64_t h = rows[0] % kLanes;
+  // L rows of one stored strip: each block's L scales lie together
+  const bool whole = rows[L - 1] == rows[0] + L - 1 && h + L <= lanes;
   for_each_slot(nb, [&](int64_t j, int64_t slot) {
     pack_nibbles(w.q, w.k, n, rows, j, s.w.data() + slot * 8 * L);
+    if (whole) {
+      Isa::halves(w.scales + st * kLanes * nb + j * lanes + h, s.ws.data() + slot * L);
+      return;
+    }
     alignas(32) uint16_t hs[L];
     for (int l = 0; l < L; ++l) {
-      const int64_t r = rows[l], st = r / kLanes;
-      hs[l] = w.scales[st * kLanes * nb + j * strip_lanes(n, st) + r % kLanes];
+      const int64_t r = rows[l], sr = r / kLanes;
+      hs[l] = w.scales[sr * kLanes * nb + j * strip_lanes(n, sr) + r % kLanes];
     }
     Isa::halves(hs, s.ws.data() + slot * L);
   });
@@ -482,23 +510,44 @@ inline void pack_q4(const Q4Rows& w, int64_t n, int64_t index, Strip& s) {
 }
 
 // Packs strip `index` of a Q4_K-style weight: the codes as `pack_q4`'s (without an offset),
-// the block scales d * sc into `ws` and the mins dmin * m into `wm` (`q4k_lane_scales`).
+// the block scales d * sc into `ws` and the mins dmin * m into `wm`: decoded a super-block at
+// a time for L consecutive rows of one stored strip (`Isa::q4k_super`; a decode per block and
+// lane cost as much as the products of a 32-row call), else lane by lane (`q4k_lane_scales`,
+// the same exact values).
 inline void pack_q4k(const Q4KRows& w, int64_t n, int64_t index, Strip& s) {
-  const int64_t nb = w.k / kBlock, sbytes = super_blocks(w.k) * kSuperBytes;
+  const int64_t nb = w.k / kBlock, ns = super_blocks(w.k), sbytes = ns * kSuperBytes;
   s.w.resize(nb * L * 8);
   s.ws.resize(nb * L);
   s.wm.resize(nb * L);
   int64_t rows[L];
   strip_rows_of(n, index, rows);
+  static thread_local std::vector<float> ds, dm;  // block j's at [j * L, j * L + L)
+  ds.resize(ns * kSuper * L);
+  dm.resize(ns * kSuper * L);
+  const int64_t st = rows[0] / kLanes;
+  const int lanes = strip_lanes(n, st);
+  const int h = static_cast<int>(rows[0] % kLanes);
+  const uint8_t* strip = w.scales + st * kLanes * sbytes;
+  if (rows[L - 1] == rows[0] + L - 1 && h + L <= lanes) {  // L rows of one stored strip
+    for (int64_t t = 0; t < ns; ++t) {
+      Isa::q4k_super(strip + t * kSuperBytes * lanes, lanes, h, ds.data() + t * kSuper * L,
+                     dm.data() + t * kSuper * L);
+    }
+  } else {
+    for (int64_t j = 0; j < nb; ++j) {
+      for (int l = 0; l < L; ++l) {
+        const int64_t r = rows[l], sr = r / kLanes;
+        const int lr = strip_lanes(n, sr);
+        const uint8_t* p = w.scales + sr * kLanes * sbytes + j / kSuper * kSuperBytes * lr;
+        q4k_lane_scales(p, lr, static_cast<int>(r % kLanes), static_cast<int>(j % kSuper),
+                        ds[j * L + l], dm[j * L + l]);
+      }
+    }
+  }
   for_each_slot(nb, [&](int64_t j, int64_t slot) {
     pack_nibbles(w.q, w.k, n, rows, j, s.w.data() + slot * 8 * L);
-    for (int l = 0; l < L; ++l) {
-      const int64_t r = rows[l], st = r / kLanes;
-      const int lanes = strip_lanes(n, st);
-      const uint8_t* p = w.scales + st * kLanes * sbytes + j / kSuper * kSuperBytes * lanes;
-      q4k_lane_scales(p, lanes, static_cast<int>(r % kLanes), static_cast<int>(j % kSuper),
-                      s.ws[slot * L + l], s.wm[slot * L + l]);
-    }
+    std::memcpy(s.ws.data() + slot * L, ds.data() + j * L, L * sizeof(float));
+    std::memcpy(s.wm.data() + slot * L, dm.data() + j * L, L * sizeof(float));
   });
   s.index = index;
 }
