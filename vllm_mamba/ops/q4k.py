@@ -194,7 +194,7 @@ def unpack_scales(scales: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
     lo = b[..., 4:12]  # (N, S, 8)
     high = b[..., 12:16].repeat_interleave(2, dim=-1)  # (N, S, 8): block i's byte 12 + i // 2
-    high = high >> (4 * (torch.arange(Q4K_SUPER) % 2))
+    high = high >> (4 * (torch.arange(Q4K_SUPER, device=scales.device) % 2))
     sc = (lo & 15) | ((high & 3) << 4)
     m = (lo >> 4) | (((high >> 2) & 3) << 4)
     ds = (half(0)[..., None] * sc.float()).reshape(n, ns * Q4K_SUPER)[:, :nb]
