@@ -20,7 +20,7 @@ Storage (the kernels' `int_dot::Q4KRows`, `csrc/int_dot.h`):
   (bits 0-1, 2-3) and 2i + 1 (bits 4-5, 6-7).
 Both are put in the integer-dot strip layout at load (`int_dot_linear.pack_w4a8`).
 
-`quantize_q4k` searches each block's scale and min as llama.cpp's `make_qkx2_quants` does (a
+`quantize_q4k_ref` searches each block's scale and min as llama.cpp's `make_qkx2_quants` does (a
 grid of candidate scales, each refined by weighted least squares, importance |w| plus the
 super-block's RMS; the errors from the weighted moments), then quantises the 8 scales and mins
 of a super-block to 6 bits under float16 `d` / `dmin` and recomputes the codes with the
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_mamba.ops import cpu_isa
 from vllm_mamba.ops.grouped_linear import pack_nibbles, unpack_nibbles
 from vllm_mamba.ops.int8_linear import QUANTIZE_BLOCK
 
@@ -60,7 +61,18 @@ def super_blocks(k: int) -> int:
 
 
 def quantize_q4k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K-style quantisation of a float weight (see the module docstring).
+    """Q4_K-style quantisation of a float weight: the C++ quantiser for a CPU weight where the
+    extension is loaded (`csrc/q4k_quantize.cpp`, rows in parallel; the same algorithm, its
+    sums in another order), else `quantize_q4k_ref`. Arguments and results as the reference's.
+    """
+    if weight.dim() == 2 and q4k_supported(weight.shape[1]) and weight.device.type == "cpu":
+        if cpu_isa.has_op("q4k_quantize"):
+            return torch.ops.vllm_mamba.q4k_quantize(weight.detach().float().contiguous())
+    return quantize_q4k_ref(weight)
+
+
+def quantize_q4k_ref(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K-style quantisation of a float weight (see the module docstring), in PyTorch.
 
     Args:
         weight: `(N, K)` float32 or bfloat16, K a multiple of 32.
@@ -146,7 +158,7 @@ def _six_bits(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_q4k` of a block of rows `(n, K)`."""
+    """`quantize_q4k_ref` of a block of rows `(n, K)`."""
     n, k = weight.shape
     nb, ns = k // Q4K_BLOCK, super_blocks(k)
     w = torch.zeros(n, ns * Q4K_SUPER, Q4K_BLOCK)  # (n, S * 8, 32), padding blocks zero
