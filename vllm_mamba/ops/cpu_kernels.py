@@ -115,7 +115,7 @@ CPP_OPS: tuple[CppOp, ...] = (
 )  # fmt: skip
 # The kernels Python calls by name outside the families: `linear`'s, the int8 / 4-bit / grouped
 # linear wrappers' (`vllm_mamba.ops.int8_linear`, `int4_linear`, `grouped_linear`,
-# `int_dot_linear`) and the build's switches.
+# `int_dot_linear`), the Q4_K-style quantiser (`vllm_mamba.ops.q4k`) and the build's switches.
 LINEAR_OPS = ("linear_small_batch", "bf16_linear")
 OTHER_OPS = (
     "int8_linear",
@@ -124,6 +124,7 @@ OTHER_OPS = (
     "w8a8_linear",
     "w4a8_linear",
     "int_dot_instruction",
+    "q4k_quantize",
     "native_bf16",
     "amx_int8",
     "set_flush_denormal_all_threads",
