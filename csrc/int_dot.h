@@ -247,6 +247,18 @@ inline int32_t x_group(const int8_t* q, int64_t g) {
 // row xs[b] (lanes past L undefined). Each level defines `Kernels<kVnni>::strip_i8<B>` and
 // `strip_4bit<B, kK>` (Q4_0-style, or Q4_K-style with kK).
 
+#if defined(VLLM_MAMBA_VEC_AVX512) || defined(VLLM_MAMBA_VEC_AVX2)
+// The 6-bit scales `sc` and mins `mn` of block i (0..7) of a Q4_K-style super-block, a byte per
+// lane, from the lanes' scale bytes 4 + i (`lo`) and 12 + i / 2 (`hi`) (`Q4KRows`).
+inline void q4k_six_bits(__m128i lo, __m128i hi, int i, __m128i& sc, __m128i& mn) {
+  const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
+  hi = _mm_srli_epi16(hi, 4 * (i & 1));
+  sc = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(_mm_and_si128(hi, m2), 4));
+  mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), m4),
+                    _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, 2), m2), 4));
+}
+#endif
+
 #if defined(VLLM_MAMBA_VEC_AVX512)
 
 // The fixed tree over 16 partials, lane by lane: (p_i + p_(i+8)), then + 4, + 2, + 1.
@@ -279,13 +291,9 @@ inline void decode_q4k(const uint8_t* p, int lanes, __mmask16 m, __m512 (&ds)[kS
     return _mm512_cvtph_ps(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 8)));
   };
   const __m512 d = half(0), dmin = half(2);
-  const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
   for (int i = 0; i < kSuper; ++i) {
-    const __m128i lo = bytes(4 + i);
-    const __m128i hi = _mm_srli_epi16(bytes(12 + i / 2), 4 * (i & 1));
-    const __m128i sc = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(_mm_and_si128(hi, m2), 4));
-    const __m128i mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), m4),
-                                    _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, 2), m2), 4));
+    __m128i sc, mn;
+    q4k_six_bits(bytes(4 + i), bytes(12 + i / 2), i, sc, mn);
     ds[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
     dm[i] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
   }
@@ -462,13 +470,9 @@ inline void decode_q4k(const uint8_t* p, int lanes, int h, int n, __m256 (&ds)[k
     return _mm256_cvtph_ps(_mm_or_si128(lo, _mm_slli_epi16(hi, 8)));
   };
   const __m256 d = half(0), dmin = half(2);
-  const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
   for (int i = 0; i < kSuper; ++i) {
-    const __m128i lo = bytes(4 + i);
-    const __m128i hi = _mm_srli_epi16(bytes(12 + i / 2), 4 * (i & 1));
-    const __m128i sc = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(_mm_and_si128(hi, m2), 4));
-    const __m128i mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), m4),
-                                    _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, 2), m2), 4));
+    __m128i sc, mn;
+    q4k_six_bits(bytes(4 + i), bytes(12 + i / 2), i, sc, mn);
     ds[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
     dm[i] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
   }
