@@ -57,11 +57,15 @@ install-dev: $(DEV) $(VENV)/.kernels-supported $(LLAMA_CONVERT)
 
 # llama.cpp's converter (convert_hf_to_gguf.py, its conversion/ package and gguf-py/), from the
 # llama-cpp-python source package, for the GGUF tests (tests/gguf): they write tiny models as
-# GGUF files with it. Only those paths are extracted; nothing is built.
+# GGUF files with it. Only those paths are extracted; nothing is built. pip prepares the source
+# package's metadata with its build backend installed in the venv (--no-build-isolation): in an
+# isolated environment `--no-binary :all:` builds the backend's own dependencies from source
+# first (more than ten minutes on 2 cores).
 $(LLAMA_CONVERT): | $(TOOLS)
 	@echo "==> llama.cpp's GGUF converter (llama-cpp-python $(LLAMA_CPP_PYTHON) source) into .cache/llama-cpp-convert"
 	rm -rf .cache/llama-cpp-convert .cache/llama-cpp-sdist && mkdir -p .cache/llama-cpp-sdist .cache/llama-cpp-convert
-	$(VPY) -m pip download --no-deps --no-binary :all: --progress-bar off -d .cache/llama-cpp-sdist llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	$(VPY) -m pip install --progress-bar off scikit-build-core
+	$(VPY) -m pip download --no-deps --no-binary :all: --no-build-isolation --progress-bar off -d .cache/llama-cpp-sdist llama-cpp-python==$(LLAMA_CPP_PYTHON)
 	tar -xzf .cache/llama-cpp-sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C .cache/llama-cpp-convert --strip-components=3 $(LLAMA_SRC)/convert_hf_to_gguf.py $(LLAMA_SRC)/conversion $(LLAMA_SRC)/gguf-py
 	rm -rf .cache/llama-cpp-sdist
 

@@ -104,10 +104,15 @@ if [ ! -f "$MODEL_DIR/config.json" ]; then
     "$PYTHON" "$REPO_ROOT/benchmarks/make_model.py" "$MODEL_DIR" --arch "$ARCH"
 fi
 
-# 2. The llama-cpp-python source package, which vendors llama.cpp.
+# 2. The llama-cpp-python source package, which vendors llama.cpp. Its metadata is prepared
+#    with the build backend installed here where there is one (--no-build-isolation): in an
+#    isolated environment `--no-binary :all:` makes pip build scikit-build-core's own
+#    dependencies from source first, which took more than ten minutes on 2 cores.
+NO_ISOLATION=()
+"$PYTHON" -c "import scikit_build_core" 2>/dev/null && NO_ISOLATION=(--no-build-isolation)
 cd "$LLAMA_CPP_BASE"
 if ! ls llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
-    "$PYTHON" -m pip download --no-deps --no-binary :all: llama-cpp-python -d .
+    "$PYTHON" -m pip download --no-deps --no-binary :all: "${NO_ISOLATION[@]}" llama-cpp-python -d .
 fi
 SDIST="$(ls llama_cpp_python-*.tar.gz | sort -V | tail -1)"
 SRC_DIR="${SDIST%.tar.gz}"
@@ -163,7 +168,8 @@ if [ "${IK_LLAMA_CPP:-1}" = 1 ]; then
     [ -e "$IK_LLAMA_CPP_HOME/gguf" ] || ln -s "$LLAMA_CPP_BASE/gguf" "$IK_LLAMA_CPP_HOME/gguf"
     cd "$IK_LLAMA_CPP_BASE"
     if ! ls ik_llama_cpp_python-*.tar.gz >/dev/null 2>&1; then
-        "$PYTHON" -m pip download --no-deps --no-binary :all: ik-llama-cpp-python -d .
+        "$PYTHON" -m pip download --no-deps --no-binary :all: "${NO_ISOLATION[@]}" \
+            ik-llama-cpp-python -d .
     fi
     IK_SDIST="$(ls ik_llama_cpp_python-*.tar.gz | sort -V | tail -1)"
     IK_SRC_DIR="${IK_SDIST%.tar.gz}"
