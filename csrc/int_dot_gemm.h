@@ -114,6 +114,10 @@ struct Isa {
       return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
     }
   }
+  // kMaddubs (4-bit codes): the int16 pair sums of a block's 8 groups, added in int16
+  // (`kCodeSumBound`), then widened into acc once
+  static I pairs(I acc16, const W& w, I x) { return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w.u, x)); }
+  static I widen(I acc, I acc16) { return _mm512_add_epi32(acc, _mm512_madd_epi16(acc16, _mm512_set1_epi16(1))); }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F zerof() { return _mm512_setzero_ps(); }
@@ -181,6 +185,10 @@ struct Isa {
       return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
     }
   }
+  // kMaddubs (4-bit codes): the int16 pair sums of a block's 8 groups, added in int16
+  // (`kCodeSumBound`), then widened into acc once
+  static I pairs(I acc16, const W& w, I x) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w.u, x)); }
+  static I widen(I acc, I acc16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, _mm256_set1_epi16(1))); }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F zerof() { return _mm256_setzero_ps(); }
@@ -345,12 +353,27 @@ void micro(const Strip& s, const XPanels& x, int64_t g, int rows, float* out, in
       I acc[C];
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) acc[c] = kCorr ? Isa::set1i(xc[c]) : Isa::zero();
+      if constexpr (kMul == Mul::kMaddubs) {
+        I acc16[C];
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) {
-        const typename Isa::W w = Isa::load_w<kMul>(wj + i * L);
+        for (int c = 0; c < C; ++c) acc16[c] = Isa::zero();
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c)
-          acc[c] = Isa::dot<kMul>(acc[c], w, Isa::bcast4(xj + c * kBlock + 4 * i));
+        for (int i = 0; i < 8; ++i) {
+          const typename Isa::W w = Isa::load_w<kMul>(wj + i * L);
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c)
+            acc16[c] = Isa::pairs(acc16[c], w, Isa::bcast4(xj + c * kBlock + 4 * i));
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[c] = Isa::widen(acc[c], acc16[c]);
+      } else {
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const typename Isa::W w = Isa::load_w<kMul>(wj + i * L);
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c)
+            acc[c] = Isa::dot<kMul>(acc[c], w, Isa::bcast4(xj + c * kBlock + 4 * i));
+        }
       }
       F ws, wm;
       if constexpr (kQ4) ws = Isa::load(wsj);

@@ -228,6 +228,42 @@ def test_kernels_and_references_against_the_exact_products(
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_the_largest_block_sums_are_exact(fmt: str, m: int) -> None:
+    """Every weight at its largest code (4-bit: 15, int8: 127 or -127) times activation codes
+    of +-127: the block sums at their bounds, where the maddubs kernels add a 4-bit block's
+    8 pair sums in int16 (16 * 15 * 127 = 30480 per lane, `kCodeSumBound`), through the
+    one-row path (m 1, 5) and the GEMM (m 20)."""
+    n, k = 19, 544
+    g = torch.Generator().manual_seed(m)
+    sign = torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
+    sign[0] = 1.0  # a row of +127 codes only
+    x = sign * torch.rand(m, k // 32, 1, generator=g).add(0.5).repeat_interleave(32, 1).view(m, k)
+    if fmt == "w8a8":
+        w_int = torch.full((n, k), 127, dtype=torch.int8)
+        w_int[1::2] = -127
+        w_scale = torch.rand(n, generator=g) + 0.5
+        qweight, scale = pack_w8a8(w_int), w_scale
+    else:
+        codes = torch.full((n, k), 15, dtype=torch.uint8)
+        if fmt == "w4a8_k":  # any valid scale bytes: those of a random weight
+            scales = quantize_q4k(torch.randn(n, k, generator=g))[1]
+            w_scale = unpack_scales(scales, k)
+        else:
+            scales = (torch.rand(n, k // 32, generator=g) + 0.5).half()
+            w_scale = scales.float()
+        qweight, scale = pack_w4a8(pack_nibbles(codes), scales)
+        w_int = codes.int() - (0 if fmt == "w4a8_k" else 8)
+    q, _ = _q8_loop(x)
+    assert np.abs(q).min() == 127  # every activation code at +-127
+    exact, mag_blocks, _ = _exact(x, w_int, w_scale, fmt)
+    got = _kernel(fmt)(x, qweight, scale, None).double()
+    terms = (2 if fmt == "w4a8_k" else 1) * (k // 32) + 8
+    assert bool(((got - exact).abs() <= terms * U * mag_blocks + U * exact.abs() * 1.01).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FMTS)
 def test_a_rows_result_does_not_depend_on_the_batch(fmt: str) -> None:
     qweight, scale, _, _ = _weights(37, 544, fmt, 9)  # 17 blocks: a partial group
     x = _x(70, 544, 10)
