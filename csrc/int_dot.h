@@ -611,10 +611,14 @@ struct Kernels {
         if constexpr (kK) {
           ws = ds[j % kSuper];
         } else {
-          alignas(16) uint16_t hs[8] = {};
-          std::memcpy(hs, reinterpret_cast<const uint16_t*>(scales) + j * lanes + h,
-                      static_cast<size_t>(n) * 2);
-          ws = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
+          const uint16_t* sj = reinterpret_cast<const uint16_t*>(scales) + j * lanes + h;
+          if (n == 8) {  // a whole half: one load (the copy below cost a third of a call)
+            ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sj)));
+          } else {
+            alignas(16) uint16_t hs[8] = {};
+            std::memcpy(hs, sj, static_cast<size_t>(n) * 2);
+            ws = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
+          }
         }
         for (int b = 0; b < B; ++b) {
           __m256i s = dot4(lo, hi, xs[b].q, j);
@@ -727,6 +731,16 @@ inline const char* instruction() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Whether one row of x prefetches the strip ahead too. On AVX-512 (Zen 4) one row's pass kept
+// the hardware prefetchers' lead, and the prefetches slowed a 4-bit Qwen3.5-0.8B's b1 step by
+// 5-20%; on AVX2 (Zen 3, no VNNI) a 4-bit one-row call streamed its weight at 18-20 GB/s
+// without them and 23-30 with them (int8 unchanged: it does less work a byte).
+#if defined(VLLM_MAMBA_VEC_AVX2)
+constexpr bool kAheadOneRow = true;
+#else
+constexpr bool kAheadOneRow = false;
+#endif
+
 // Rows [lo, hi) of a weight times rows [0, x.rows) of x: out[b * ldo + (r - lo)].
 //
 // The strips that hold rows [lo, hi) are read in order, each once per kMaxRows rows of x (with
@@ -743,9 +757,9 @@ inline void run_strips(const QActs& x, int64_t n, int64_t lo, int64_t hi, float*
     const int lanes = strip_lanes(n, s);
     const int64_t r0 = std::max(lo, s * kLanes), r1 = std::min(hi, s * kLanes + lanes);
     // The strip two ahead, while it is in the range (the first pass over this one fetches it),
-    // for several rows of x only: one row's pass keeps the hardware prefetchers' lead, and the
-    // prefetches slowed a 4-bit Qwen3.5-0.8B's b1 step by 5-20% (Zen 4).
-    const int64_t ahead = x.rows > 1 && (s + 2) * kLanes < hi ? s + 2 : -1;
+    // for several rows of x, and for one row where `kAheadOneRow`.
+    const bool prefetch = x.rows > 1 || kAheadOneRow;
+    const int64_t ahead = prefetch && (s + 2) * kLanes < hi ? s + 2 : -1;
     for (int64_t b0 = 0; b0 < x.rows; b0 += kMaxRows) {
       const int nbx = static_cast<int>(std::min<int64_t>(kMaxRows, x.rows - b0));
       for (int b = 0; b < nbx; ++b) xs[b] = x.row(b0 + b);
