@@ -61,6 +61,7 @@ from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
 from vllm_mamba.layers.cache_layers import KVCacheLayer, LatentKV
 from vllm_mamba.layers.layernorm import RMSNorm
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
+from vllm_mamba.layers.rowwise import rowwise
 from vllm_mamba.ops import mla_attention as mla_ops
 from vllm_mamba.ops.table import MambaOps
 
@@ -227,7 +228,10 @@ class MLAAttention(KVCacheLayer):
         out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (T, Hq, Dv) float32
         out = out.to(hidden.dtype)
         if self.g_proj is not None:  # per head, in the model dtype as transformers
-            out = out * torch.sigmoid(self.g_proj(hidden).float()).to(hidden.dtype)[..., None]
+            out = (
+                out
+                * rowwise(torch.sigmoid, self.g_proj(hidden).float()).to(hidden.dtype)[..., None]
+            )
         return self.o_proj(out.reshape(num_tokens, heads * self.v_head_dim))
 
     def _absorbed(

@@ -46,6 +46,7 @@ Glossary: T tokens, H hidden size, E experts, k experts per token, F expert size
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,7 +127,7 @@ class ExpertRouter(nn.Module):
                 logits = self._linear(x.float(), self.weight.float(), None)  # (T, E)
             else:
                 logits = self._linear(x, self.weight, None)  # (T, E)
-            probs = logits.softmax(dim=-1, dtype=torch.float32)
+            probs = rowwise(lambda t: t.softmax(dim=-1, dtype=torch.float32), logits, -math.inf)
             weights, chosen = probs.topk(c.top_k, dim=-1)
             if c.renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -383,7 +384,8 @@ class StackedGatedExperts(nn.Module):
     def run(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert` on rows `x (M, H)`."""
         gate, up = F.linear(x, self.input_linear.weight[expert]).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.output_linear.weight[expert])  # (M, H)
+        act = rowwise(self.act, gate)  # each row as alone: M is the tokens routed here
+        return F.linear(act * up, self.output_linear.weight[expert])  # (M, H)
 
 
 class _Stacked(nn.Module):
@@ -443,7 +445,7 @@ class SparseMoE(nn.Module):
         if self._has_shared:
             shared = getattr(self, self._names[2])(x)
             if self._has_gate:
-                shared = torch.sigmoid(getattr(self, self._names[3])(x)) * shared
+                shared = rowwise(torch.sigmoid, getattr(self, self._names[3])(x)) * shared
             out = out + shared
         return out
 

@@ -44,6 +44,7 @@ from vllm_mamba.layers.mixer_sharding import kv_head_ranges
 from vllm_mamba.layers.parallel_linear import column_linear, row_linear
 from vllm_mamba.layers.quantization import uses_int_dot
 from vllm_mamba.layers.rotary_embedding import RotaryEmbedding
+from vllm_mamba.layers.rowwise import rowwise
 from vllm_mamba.ops.families import own_op
 from vllm_mamba.ops.paged_attention import AttentionParams
 from vllm_mamba.ops.table import MambaOps
@@ -146,9 +147,9 @@ class SelfAttention(nn.Module):
         q, gate, k, v = self._project(hidden, meta)
         out = self.attn(q, k, v, meta)  # (T, Hq D)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = out * rowwise(torch.sigmoid, gate)  # each row as alone
         if self.g_proj is not None:
-            heads = torch.sigmoid(self.g_proj(hidden))  # (T, Hq)
+            heads = rowwise(torch.sigmoid, self.g_proj(hidden))  # (T, Hq)
             out = (out.view(num_tokens, -1, self.head_dim) * heads[..., None]).flatten(1)
         return self.o_proj(out)
 
