@@ -472,6 +472,23 @@ inline void store_trees(__m256 (&acc)[B][kGroup], float (*out)[kLanes], int h) {
   for (int b = 0; b < B; ++b) _mm256_storeu_ps(out[b] + h, tree16(acc[b]));
 }
 
+// The same for a whole strip's two halves (`acc[b][p][h]`: partial p of half h).
+template <int B>
+inline void zero_partials(__m256 (&acc)[B][kGroup][2]) {
+  for (int b = 0; b < B; ++b)
+    for (int p = 0; p < kGroup; ++p) acc[b][p][0] = acc[b][p][1] = _mm256_setzero_ps();
+}
+template <int B>
+inline void store_trees(__m256 (&acc)[B][kGroup][2], float (*out)[kLanes]) {
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 t[kGroup];
+      for (int p = 0; p < kGroup; ++p) t[p] = acc[b][p][h];
+      _mm256_storeu_ps(out[b] + 8 * h, tree16(t));
+    }
+  }
+}
+
 // The int32 lane mask of lanes [h, lanes) of 8 starting at lane h (for maskload).
 inline __m256i lane_mask(int lanes, int h) {
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -561,8 +578,7 @@ struct Kernels {
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[B][kGroup][2];
     __m256 ds[2][kSuper], dm[2][kSuper];  // kK: the super-block's block scales and mins
-    for (int b = 0; b < B; ++b)
-      for (int p = 0; p < kGroup; ++p) acc[b][p][0] = acc[b][p][1] = _mm256_setzero_ps();
+    zero_partials(acc);
     for (int64_t j = 0; j < nb; ++j) {
       if constexpr (kK) {
         if (j % kSuper == 0) {
@@ -605,13 +621,7 @@ struct Kernels {
         }
       }
     }
-    for (int b = 0; b < B; ++b) {
-      for (int h = 0; h < 2; ++h) {
-        __m256 t[kGroup];
-        for (int p = 0; p < kGroup; ++p) t[p] = acc[b][p][h];
-        _mm256_storeu_ps(out[b] + 8 * h, tree16(t));
-      }
-    }
+    store_trees(acc, out);
   }
 
   static inline __m256i group(const uint8_t* p, int lanes, int h, __m256i m) {
@@ -624,8 +634,7 @@ struct Kernels {
                              const Ahead& ahead) {
     constexpr int64_t gs = 4 * kLanes;
     __m256 acc[B][kGroup][2];
-    for (int b = 0; b < B; ++b)
-      for (int p = 0; p < kGroup; ++p) acc[b][p][0] = acc[b][p][1] = _mm256_setzero_ps();
+    zero_partials(acc);
     for (int64_t j = 0; j < nb; ++j) {
       ahead.block(j, kLanes);
       const uint8_t* wj = w + j * 8 * gs;
@@ -651,13 +660,7 @@ struct Kernels {
         }
       }
     }
-    for (int b = 0; b < B; ++b) {
-      for (int h = 0; h < 2; ++h) {
-        __m256 t[kGroup];
-        for (int p = 0; p < kGroup; ++p) t[p] = acc[b][p][h];
-        _mm256_storeu_ps(out[b] + 8 * h, tree16(t));
-      }
-    }
+    store_trees(acc, out);
   }
 
   // An int8 strip: whole ones for up to kWholeRowsI8 rows of x (above), else by halves.
