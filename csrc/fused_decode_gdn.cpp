@@ -22,6 +22,13 @@
 // `gemv::dot_tile`).
 // The recurrent state is read from src and written to dst in the same pass; the conv history
 // (K - 1 values per channel) is copied first and shifted in place.
+// With a `chain_log` the chains' recurrent states are logged instead (`chain_head`): a chain
+// keeps its state in a thread's scratch from position to position and writes only its last
+// position's state (to the sequence's slot) and its start state (to its first spare slot),
+// with each position's record (normalised k, delta, decay: Dk + Dv + 1 floats a head) in the
+// chain log at that position's slot; `gdn_chain_replay` rebuilds the state after any position
+// from the start state and the records, bit for bit. A chain of 5 positions so moves its 1 MiB
+// state (Qwen3.5: 16 heads of 128 x 128) about three times instead of eleven.
 //
 // Up to `kGemvMaxBatch` rows, or a chain of any length, one OpenMP region per call: the rows of
 // all input projections (one range over their concatenated outputs, with the conv fused per
@@ -78,6 +85,8 @@ struct Io {
   const int64_t* src_slots;  // where row b's state is read from (nullptr: `slots`)
   const float* hidden;       // (B, H)
   float *xn, *proj, *y, *mixed;  // (B, H), (B, NIN), (B, VD), (B, H) scratch
+  float* log;                // (S, Hv, Dk + Dv + 1) chain records (nullptr: states written)
+  const std::vector<std::vector<int64_t>>* chains;  // with `log`: each chain's rows in order
 };
 
 // A state row as float32 for reading: the row itself, or a bfloat16 row widened into `buf`.
@@ -95,10 +104,12 @@ inline const float* read_row(const c10::BFloat16* row, float* buf, int64_t n) {
 inline float* write_row(float* row, float*) { return row; }
 inline float* write_row(c10::BFloat16*, float* buf) { return buf; }
 
-// Scratch of one thread for `delta_head`.
+// Scratch of one thread for `delta_head` and `chain_head`.
 struct HeadScratch {
   std::vector<float> buf;
   float *kn, *qn, *kv, *qs, *in_row, *out_row;
+  std::vector<float> state;     // chain_head's Dk x Dv state (allocated on first use)
+  std::vector<vec::bf16_t> tmp;  // chain_head's rounding row (Dv)
   HeadScratch(int64_t dk, int64_t dv) : buf(2 * dk + 4 * dv) {
     kn = buf.data();
     qn = kn + dk;
@@ -109,68 +120,162 @@ struct HeadScratch {
   }
 };
 
-// The gated delta rule of value head h of batch row b, then its gated RMSNorm:
-// y[b, h] = gate_w * rmsnorm(o) * silu(z) with o the rule's read-out (zeros for a padding row).
+// The inputs of value head h of batch row b's delta rule: its L2-normalised k and q (into
+// w.kn, w.qn), its v, decay exp(g) and beta.
+struct HeadIn {
+  const float* v;
+  float decay, beta;
+};
+
 template <typename C, typename S>
-void delta_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t h,
-                HeadScratch& w) {
-  const int64_t dk = d.dk, dv = d.dv;
+HeadIn head_inputs(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t h,
+                   HeadScratch& w) {
   const float* row = io.proj + b * d.nin;
-  float* o = io.y + b * d.value_dim + h * dv;
-  const int64_t slot = io.slots[b];
-  if (slot < 0) {
-    std::fill(o, o + dv, 0.0f);
-  } else {
-    const int64_t kh = h / (d.v_heads / d.k_heads);
-    delta::l2norm(row + d.key_dim + kh * dk, dk, 1.0f, w.kn);
-    delta::l2norm(row + kh * dk, dk, 1.0f / std::sqrt(static_cast<float>(dk)), w.qn);
-    const float* v = row + 2 * d.key_dim + h * dv;
-    const float bv = row[d.conv_dim + d.value_dim + h];
-    const float av = row[d.conv_dim + d.value_dim + d.v_heads + h];
-    const float g = -std::exp(s.A_log[h]) * softplus_f32(av + s.dt_bias[h]);
-    const float beta = s.beta_scale / (1.0f + std::exp(-bv));
-    const float decay = std::exp(g);
-    const int64_t src_slot = io.src_slots ? io.src_slots[b] : slot;
-    const S* src = io.ssm_states + (src_slot * d.v_heads + h) * dk * dv;
-    S* dst = io.ssm_states + (slot * d.v_heads + h) * dk * dv;
-    float* kv = w.kv;  // S^T k, then delta
-    float* qs = w.qs;  // S^T q
-    std::fill(kv, kv + dv, 0.0f);
-    std::fill(qs, qs + dv, 0.0f);
-    for (int64_t i = 0; i < dk; ++i) {
-      const float* sr = read_row(src + i * dv, w.in_row, dv);
-      const float ki = w.kn[i], qi = w.qn[i];
+  const int64_t kh = h / (d.v_heads / d.k_heads);
+  delta::l2norm(row + d.key_dim + kh * d.dk, d.dk, 1.0f, w.kn);
+  delta::l2norm(row + kh * d.dk, d.dk, 1.0f / std::sqrt(static_cast<float>(d.dk)), w.qn);
+  const float bv = row[d.conv_dim + d.value_dim + h];
+  const float av = row[d.conv_dim + d.value_dim + d.v_heads + h];
+  const float g = -std::exp(s.A_log[h]) * softplus_f32(av + s.dt_bias[h]);
+  return {row + 2 * d.key_dim + h * d.dv, std::exp(g), s.beta_scale / (1.0f + std::exp(-bv))};
+}
+
+// The paths that advance a state (one row, a chain, a chain's replay) call the same compiled
+// bodies for the rule's arithmetic (`VLLM_MAMBA_NOINLINE`), so that no inlining context changes how they
+// are vectorised or contracted: the paths agree bit for bit.
+#define VLLM_MAMBA_NOINLINE __attribute__((noinline))
+
+// One state row's share of the read pass: S^T k and S^T q accumulated over row i.
+VLLM_MAMBA_NOINLINE void read_row_into(const float* sr, float ki, float qi, float* kv, float* qs,
+                                       int64_t dv) {
 #pragma omp simd
-      for (int64_t j = 0; j < dv; ++j) {
-        kv[j] += sr[j] * ki;
-        qs[j] += sr[j] * qi;
-      }
-    }
-    float kq = 0.0f;
-#pragma omp simd reduction(+ : kq)
-    for (int64_t i = 0; i < dk; ++i) kq += w.kn[i] * w.qn[i];
-#pragma omp simd
-    for (int64_t j = 0; j < dv; ++j) {
-      const float delta = beta * (v[j] - decay * kv[j]);
-      kv[j] = delta;
-      o[j] = decay * qs[j] + kq * delta;
-    }
-    for (int64_t i = 0; i < dk; ++i) {
-      const float* sr = read_row(src + i * dv, w.in_row, dv);
-      float* nr = write_row(dst + i * dv, w.out_row);
-      const float ki = w.kn[i];
-#pragma omp simd
-      for (int64_t j = 0; j < dv; ++j) nr[j] = decay * sr[j] + ki * kv[j];
-      fused::store_state(nr, dst + i * dv, dv);
-    }
+  for (int64_t j = 0; j < dv; ++j) {
+    kv[j] += sr[j] * ki;
+    qs[j] += sr[j] * qi;
   }
-  const float* z = row + d.conv_dim + h * dv;
+}
+
+// After the read pass: the rule's delta (into kv, which held S^T k) and the read-out
+// o = exp(g) S^T q + (k . q) delta.
+VLLM_MAMBA_NOINLINE void finish_read(const HeadIn& in, const float* kn, const float* qn,
+                                     float* kv, const float* qs, float* o, int64_t dk,
+                                     int64_t dv) {
+  float kq = 0.0f;
+#pragma omp simd reduction(+ : kq)
+  for (int64_t i = 0; i < dk; ++i) kq += kn[i] * qn[i];
+#pragma omp simd
+  for (int64_t j = 0; j < dv; ++j) {
+    const float delta = in.beta * (in.v[j] - in.decay * kv[j]);
+    kv[j] = delta;
+    o[j] = in.decay * qs[j] + kq * delta;
+  }
+}
+
+// The read pass over a state (rows `row(i)`, float32, Dv each), then `finish_read`.
+template <typename RowFn>
+void read_out(const Dims& d, const HeadIn& in, HeadScratch& w, RowFn row, float* o) {
+  std::fill(w.kv, w.kv + d.dv, 0.0f);
+  std::fill(w.qs, w.qs + d.dv, 0.0f);
+  for (int64_t i = 0; i < d.dk; ++i) read_row_into(row(i), w.kn[i], w.qn[i], w.kv, w.qs, d.dv);
+  finish_read(in, w.kn, w.qn, w.kv, w.qs, o, d.dk, d.dv);
+}
+
+// One state row's update: nr = decay sr + ki delta (`sr` and `nr` may be the same row).
+VLLM_MAMBA_NOINLINE void update_row(const float* sr, float decay, float ki, const float* delta,
+                                    float* nr, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) nr[j] = decay * sr[j] + ki * delta[j];
+}
+
+// A float32 row rounded as the state dtype S stores it (bfloat16: to nearest even and back).
+inline void round_row(const float*, float*, vec::bf16_t*, int64_t) {}
+inline void round_row(const c10::BFloat16*, float* row, vec::bf16_t* tmp, int64_t n) {
+  gemv::store_state(row, tmp, n);
+  gemv::load_state(tmp, row, n);
+}
+
+// n float32 values stored as the state dtype (bfloat16: rounded to nearest even).
+inline void put_rows(const float* x, float* st, int64_t n) { std::copy(x, x + n, st); }
+inline void put_rows(const float* x, c10::BFloat16* st, int64_t n) { fused::store_state(x, st, n); }
+
+// The per-head gated RMSNorm of a value head's read-out: o = gate_w * rmsnorm(o) * silu(z).
+VLLM_MAMBA_NOINLINE void gate_out(const Small& s, const float* z, float* o, int64_t dv) {
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t j = 0; j < dv; ++j) ss += o[j] * o[j];
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(dv) + s.gate_eps);
 #pragma omp simd
   for (int64_t j = 0; j < dv; ++j) o[j] = s.gate_w[j] * (o[j] * r) * silu_f32(z[j]);
+}
+
+// `gate_out` of value head h of batch row b.
+template <typename C, typename S>
+void gate_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t h, float* o) {
+  gate_out(s, io.proj + b * d.nin + d.conv_dim + h * d.dv, o, d.dv);
+}
+
+// The gated delta rule of value head h of batch row b, then its gated RMSNorm:
+// y[b, h] = gate_w * rmsnorm(o) * silu(z) with o the rule's read-out (zeros for a padding row).
+template <typename C, typename S>
+void delta_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, int64_t h,
+                HeadScratch& w) {
+  const int64_t dk = d.dk, dv = d.dv;
+  float* o = io.y + b * d.value_dim + h * dv;
+  const int64_t slot = io.slots[b];
+  if (slot < 0) {
+    std::fill(o, o + dv, 0.0f);
+  } else {
+    const HeadIn in = head_inputs(d, s, io, b, h, w);
+    const int64_t src_slot = io.src_slots ? io.src_slots[b] : slot;
+    const S* src = io.ssm_states + (src_slot * d.v_heads + h) * dk * dv;
+    S* dst = io.ssm_states + (slot * d.v_heads + h) * dk * dv;
+    read_out(d, in, w, [&](int64_t i) { return read_row(src + i * dv, w.in_row, dv); }, o);
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* sr = read_row(src + i * dv, w.in_row, dv);
+      float* nr = write_row(dst + i * dv, w.out_row);
+      update_row(sr, in.decay, w.kn[i], w.kv, nr, dv);
+      fused::store_state(nr, dst + i * dv, dv);
+    }
+  }
+  gate_head(d, s, io, b, h, o);
+}
+
+// Value head h of one speculative chain whose positions are the rows `rows` (n > 1, in order),
+// logged instead of writing each position's state (`Io::log`): the state stays in `st` (Dk x
+// Dv float32, each position's values rounded as S stores them) from the chain's start state
+// (its first row's source slot) to its last position, whose state goes to that row's slot (the
+// sequence's); the first row's own slot (the chain's first spare slot) keeps a copy of the start
+// state, and the slot of every row but the last keeps its record: the normalised k (Dk), the
+// delta (Dv) and the decay, all a replay needs (`gdn_chain_replay`) to rebuild the state after
+// any position from the start bit for bit.
+template <typename C, typename S>
+void chain_head(const Dims& d, const Small& s, const Io<C, S>& io, const int64_t* rows, int64_t n,
+                int64_t h, HeadScratch& w, float* st, vec::bf16_t* tmp) {
+  const int64_t dk = d.dk, dv = d.dv, size = dk * dv, rec = dk + dv + 1;
+  const S* start = io.ssm_states + (io.src_slots[rows[0]] * d.v_heads + h) * size;
+  std::copy(start, start + size, io.ssm_states + (io.slots[rows[0]] * d.v_heads + h) * size);
+  for (int64_t i = 0; i < dk; ++i) {
+    const float* sr = read_row(start + i * dv, st + i * dv, dv);
+    if (sr != st + i * dv) std::copy(sr, sr + dv, st + i * dv);
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t b = rows[p];
+    float* o = io.y + b * d.value_dim + h * dv;
+    const HeadIn in = head_inputs(d, s, io, b, h, w);
+    read_out(d, in, w, [&](int64_t i) { return st + i * dv; }, o);
+    for (int64_t i = 0; i < dk; ++i) {
+      update_row(st + i * dv, in.decay, w.kn[i], w.kv, st + i * dv, dv);
+      round_row(start, st + i * dv, tmp, dv);
+    }
+    if (p + 1 < n) {
+      float* r = io.log + (io.slots[b] * d.v_heads + h) * rec;
+      std::copy(w.kn, w.kn + dk, r);
+      std::copy(w.kv, w.kv + dv, r + dk);
+      r[dk + dv] = in.decay;
+    }
+    gate_head(d, s, io, b, h, o);
+  }
+  put_rows(st, io.ssm_states + (io.slots[rows[n - 1]] * d.v_heads + h) * size, size);
 }
 
 template <typename C, typename S>
@@ -189,7 +294,24 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     const int64_t c1 = std::min(hi, d.conv_dim);
     for (int64_t b = 0; lo < c1 && b < d.batch; ++b) delta::conv_rows(d, s.conv_w, io, b, lo, c1);
 #pragma omp barrier
-    if (io.src_slots) {  // chains: each head's rows in order on one thread
+    if (io.log) {  // logged chains: each head's chains on one thread, a chain's state kept
+      split(d.v_heads, 1, tid, nth, lo, hi);
+      if (lo < hi && scratch.state.empty()) {
+        scratch.state.resize(d.dk * d.dv);
+        scratch.tmp.resize(d.dv);
+      }
+      for (int64_t h = lo; h < hi; ++h) {
+        for (const std::vector<int64_t>& rows : *io.chains) {
+          const int64_t n = static_cast<int64_t>(rows.size());
+          if (n == 1) {
+            delta_head(d, s, io, rows[0], h, scratch);
+          } else {
+            chain_head(d, s, io, rows.data(), n, h, scratch, scratch.state.data(),
+                       scratch.tmp.data());
+          }
+        }
+      }
+    } else if (io.src_slots) {  // chains: each head's rows in order on one thread
       split(d.v_heads, 1, tid, nth, lo, hi);
       for (int64_t h = lo; h < hi; ++h) {
         for (int64_t b = 0; b < d.batch; ++b) delta_head(d, s, io, b, h, scratch);
@@ -242,6 +364,44 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<C, S>& io, const at:
   }
 }
 
+// The rows of each speculative chain in order: row b continues the chain of the last row
+// before it whose slot is b's source slot; a row without one starts a chain (a plain decode
+// reads and writes its own slot, a padding row neither: chains of one row).
+std::vector<std::vector<int64_t>> chain_rows(const at::Tensor& slots, const at::Tensor& src) {
+  const int64_t* dst = slots.data_ptr<int64_t>();
+  const int64_t* from = src.data_ptr<int64_t>();
+  const int64_t batch = slots.size(0);
+  std::vector<std::vector<int64_t>> chains;
+  std::vector<int64_t> chain_of(batch, -1);
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t prev = -1;  // a padding row (slot -1) is a chain of one, as a plain decode
+    for (int64_t a = b - 1; a >= 0 && dst[b] >= 0 && from[b] != dst[b]; --a) {
+      if (dst[a] == from[b]) {
+        prev = a;
+        break;
+      }
+    }
+    if (prev < 0) {
+      chain_of[b] = static_cast<int64_t>(chains.size());
+      chains.push_back({b});
+    } else {
+      TORCH_CHECK(chains[chain_of[prev]].back() == prev, "row ", b, " continues row ", prev,
+                  ", which another row continues already");
+      chain_of[b] = chain_of[prev];
+      chains[chain_of[b]].push_back(b);
+    }
+  }
+  return chains;
+}
+
+// A chain log of the states' slots: (S, Hv, Dk + Dv + 1) contiguous float32.
+void check_log(const at::Tensor& log, const at::Tensor& ssm_states) {
+  TORCH_CHECK(log.scalar_type() == at::kFloat && log.is_contiguous() && log.dim() == 3 &&
+                  log.size(0) == ssm_states.size(0) && log.size(1) == ssm_states.size(1) &&
+                  log.size(2) == ssm_states.size(2) + ssm_states.size(3) + 1,
+              "chain_log must be contiguous float32 (S, Hv, Dk + Dv + 1) over the states' slots");
+}
+
 Dims check_dims(const at::Tensor& hidden, const c10::List<std::optional<at::Tensor>>& params,
                 const at::Tensor& conv_states, const at::Tensor& ssm_states,
                 const at::Tensor& slots) {
@@ -255,9 +415,13 @@ at::Tensor fused_gdn_decode(const at::Tensor& hidden_in,
                             at::Tensor& conv_states, at::Tensor& ssm_states,
                             const at::Tensor& state_indices, double norm_eps, double gate_eps,
                             double beta_scale, at::ScalarType out_dtype,
-                            const std::optional<at::Tensor>& src_state_indices, bool int_dot) {
+                            const std::optional<at::Tensor>& src_state_indices, bool int_dot,
+                            const std::optional<at::Tensor>& chain_log) {
   const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices);
   const at::Tensor src = fused::src_slots(src_state_indices, d.batch);
+  TORCH_CHECK(!chain_log.has_value() || src.defined(),
+              "chain_log needs src_state_indices (it logs speculative chains)");
+  if (chain_log.has_value()) check_log(*chain_log, ssm_states);
   const int64_t n_in = static_cast<int64_t>(params.size() - kFirstIn) / 2;
   std::vector<Weight> in_w;
   std::vector<int64_t> in_off(1, 0);
@@ -297,6 +461,8 @@ at::Tensor fused_gdn_decode(const at::Tensor& hidden_in,
   at::Tensor y = at::empty({d.batch, d.value_dim}, f32);
   at::Tensor mixed = at::empty({d.batch, d.hidden}, f32);
   if (d.batch == 0) return mixed.to(out_dtype);
+  std::vector<std::vector<int64_t>> chains;
+  if (chain_log.has_value()) chains = chain_rows(slots, src);
   auto run = [&](auto* c_tag, auto* s_tag) {
     using C = std::remove_pointer_t<decltype(c_tag)>;
     using S = std::remove_pointer_t<decltype(s_tag)>;
@@ -304,7 +470,8 @@ at::Tensor fused_gdn_decode(const at::Tensor& hidden_in,
                 ssm_states.data_ptr<S>(), slots.data_ptr<int64_t>(),
                 src.defined() ? src.data_ptr<int64_t>() : nullptr, hidden.data_ptr<float>(),
                 xn.data_ptr<float>(), proj.data_ptr<float>(), y.data_ptr<float>(),
-                mixed.data_ptr<float>()};
+                mixed.data_ptr<float>(), chain_log ? chain_log->data_ptr<float>() : nullptr,
+                &chains};
     if (d.batch <= fused::kGemvMaxBatch || io.src_slots != nullptr) {  // chains: rows in order
       run_layer(d, s, io);
     } else {
@@ -317,6 +484,57 @@ at::Tensor fused_gdn_decode(const at::Tensor& hidden_in,
   return mixed.to(out_dtype);
 }
 
+// Rebuilds logged chains' states (`gdn_chain_replay`): state dst[i] = the state of slot
+// start[i] advanced by the records of slots records[i, 0], records[i, 1], ... (up to the first
+// -1), each position's row update and rounding exactly those of the chain's call.
+void gdn_chain_replay(at::Tensor& ssm_states, const at::Tensor& chain_log, const at::Tensor& start_in,
+                      const at::Tensor& records_in, const at::Tensor& dst_in) {
+  TORCH_CHECK(ssm_states.dim() == 4 && ssm_states.is_contiguous(),
+              "ssm_states must be contiguous (S, Hv, Dk, Dv)");
+  check_log(chain_log, ssm_states);
+  const at::Tensor start = as_index(start_in), dst = as_index(dst_in);
+  const at::Tensor records = records_in.to(at::kLong).contiguous();
+  const int64_t n = start.numel(), slots = ssm_states.size(0);
+  TORCH_CHECK(start.dim() == 1 && dst.dim() == 1 && dst.numel() == n && records.dim() == 2 &&
+                  records.size(0) == n,
+              "start and dst must be (n,), records (n, R)");
+  delta::check_slots(start, slots, "start");
+  delta::check_slots(dst, slots, "dst");
+  delta::check_slots(records, slots, "records");
+  const int64_t hv = ssm_states.size(1), dk = ssm_states.size(2), dv = ssm_states.size(3);
+  const int64_t size = dk * dv, rec = dk + dv + 1, width = records.size(1);
+  const int64_t* st = start.data_ptr<int64_t>();
+  const int64_t* to = dst.data_ptr<int64_t>();
+  const int64_t* rs = records.data_ptr<int64_t>();
+  const float* log = chain_log.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(st[i] >= 0 && to[i] >= 0, "replay ", i, " has a padding slot");
+  }
+  dispatch_float_bf16(ssm_states, "ssm_states", [&](auto* s_tag) {
+    using S = std::remove_pointer_t<decltype(s_tag)>;
+    S* states = ssm_states.data_ptr<S>();
+    at::parallel_for(0, n * hv, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> row(dv);
+      std::vector<vec::bf16_t> tmp(dv);
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t i = t / hv, h = t % hv;
+        const S* from = states + (st[i] * hv + h) * size;
+        S* out = states + (to[i] * hv + h) * size;
+        for (int64_t k = 0; k < dk; ++k) {
+          const float* sr = read_row(from + k * dv, row.data(), dv);
+          if (sr != row.data()) std::copy(sr, sr + dv, row.data());
+          for (int64_t j = 0; j < width && rs[i * width + j] >= 0; ++j) {
+            const float* r = log + (rs[i * width + j] * hv + h) * rec;
+            update_row(row.data(), r[dk + dv], r[k], r + dk, row.data(), dv);
+            round_row(from, row.data(), tmp.data(), dv);
+          }
+          put_rows(row.data(), out + k * dv, dv);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
@@ -324,9 +542,15 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
       "fused_gdn_decode(Tensor hidden, Tensor?[] params, Tensor(a!) conv_states, "
       "Tensor(b!) ssm_states, Tensor state_indices, float norm_eps, float gate_eps, "
       "float beta_scale, ScalarType out_dtype, Tensor? src_state_indices=None, "
-      "bool int_dot=False) -> Tensor");
+      "bool int_dot=False, Tensor(c!)? chain_log=None) -> Tensor");
+  m.def(
+      "gdn_chain_replay(Tensor(a!) ssm_states, Tensor chain_log, Tensor start, Tensor records, "
+      "Tensor dst) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_gdn_decode", &fused_gdn_decode); }
+TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {
+  m.impl("fused_gdn_decode", &fused_gdn_decode);
+  m.impl("gdn_chain_replay", &gdn_chain_replay);
+}
 
 }  // namespace vllm_mamba

@@ -1,5 +1,6 @@
-"""The state cache's slot layout (`SlotLayout`: `[sequences | snapshots | spare]`) and the
-deprecated `vllm_mamba.mamba_cache` alias module."""
+"""The state cache's slot layout (`SlotLayout`: `[sequences | snapshots | spare]`), its copies
+and rollbacks (logged chains replayed), and the deprecated `vllm_mamba.mamba_cache` alias
+module."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import pytest
 import torch
 
 from vllm_mamba.cache_specs import StateSpec, StateTensor
+from vllm_mamba.layers.cache_layers import StatefulLayer
+from vllm_mamba.layers.chain_log import ChainLog
+from vllm_mamba.ops import gated_delta as gd
 from vllm_mamba.state_cache import SlotLayout, StateCache
 
 
@@ -93,3 +97,52 @@ def test_copy_slots_copies_as_if_all_sources_were_read_first(src: list, dst: lis
             want = before[i][n].clone()
             want[dst] = before[i][n][src]
             assert torch.equal(t, want), (i, n)
+
+
+class _Logged(StatefulLayer):
+    """A layer with a conv history and a (Hv, Dk, Dv) recurrent state; `chain_log` set when
+    `logged` (its replay the GDN reference's)."""
+
+    def __init__(self, logged: bool) -> None:
+        super().__init__()
+        if logged:
+            self.chain_log = ChainLog("recurrent", (2, 3 + 4 + 1), gd.gdn_chain_replay_ref)
+
+    def state_spec(self) -> StateSpec:
+        return StateSpec((
+            StateTensor("conv", (5, 2), "conv", torch.float32),
+            StateTensor("recurrent", (2, 3, 4), "recurrent", torch.float32),
+        ))  # fmt: skip
+
+
+@pytest.mark.parametrize("active", [True, False])
+def test_rollback_replays_logged_states_and_copies_the_rest(active: bool) -> None:
+    """`StateCache.rollback`: the states of a layer whose last chain was logged (layer 0 when
+    `active`) are rebuilt from the start state in the chain's first spare slot through the kept
+    positions' records; every other state (the conv histories, a layer whose last chain ran
+    unfused, a layer without a log) is copied from the last kept position's spare slot."""
+    g = torch.Generator().manual_seed(3)
+    layers = torch.nn.Sequential(_Logged(True), _Logged(True), _Logged(False))
+    cache = StateCache([m.state_spec() for m in layers], 8, torch.device("cpu"))
+    cache.bind(layers)
+    for i, m in enumerate(layers):
+        for t in cache.layer(i).values():
+            t.copy_(torch.randn(t.shape, generator=g))
+        if m.chain_log is not None:
+            m.chain_log.buffer(cache.layer(i)["recurrent"]).copy_(torch.rand(8, 2, 8, generator=g))
+    layers[0].chain_log.active = active
+    before = [{n: t.clone() for n, t in cache.layer(i).items()} for i in range(3)]
+    chains = [([4, 5, 6], 0), ([7], 1)]  # chain 0 keeps 3 positions, chain 1 one
+    cache.rollback(chains)
+    for i, m in enumerate(layers):
+        state = cache.layer(i)
+        for spares, slot in chains:
+            assert torch.equal(state["conv"][slot], before[i]["conv"][spares[-1]])
+            if i > 0 or not active:
+                assert torch.equal(state["recurrent"][slot], before[i]["recurrent"][spares[-1]])
+                continue
+            want = before[i]["recurrent"][spares[0]]
+            for r in spares:
+                k, delta, decay = m.chain_log.tensor[r].split([3, 4, 1], dim=-1)
+                want = decay[..., None] * want + k[..., None] * delta[:, None, :]
+            torch.testing.assert_close(state["recurrent"][slot], want, rtol=0, atol=1e-6)

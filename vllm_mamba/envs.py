@@ -2,13 +2,15 @@
 the package).
 
 Each is read when asked for (`envs.VLLM_MAMBA_HUGE_PAGES`), so a test or a caller may set the
-variable at any time before the code that reads it runs. `VLLM_MAMBA_FUSED_DECODE` is read
-when a state cache binds a model and its layers' decode plans are made (`layers/decode_plan`).
+variable at any time before the code that reads it runs. `VLLM_MAMBA_FUSED_DECODE` and
+`VLLM_MAMBA_CHAIN_LOG` are read when a state cache binds a model and its layers' decode plans
+are made (`layers/decode_plan`).
 
 | variable | default | what it does |
 |---|---|---|
 | `VLLM_MAMBA_OPS` | (auto) | force the kernel backend: `ref`, `cpp` or `triton` |
 | `VLLM_MAMBA_FUSED_DECODE` | `1` | `0` turns off the fused C++ decode layers |
+| `VLLM_MAMBA_CHAIN_LOG` | `1` | `0`: fused GDN chains write every position's state |
 | `VLLM_MAMBA_ONEDNN_LINEAR` | `1` | `0` turns off oneDNN's linear op for the float GEMMs |
 | `VLLM_MAMBA_HUGE_PAGES` | `1` | `0` keeps weights and caches on ordinary pages |
 | `VLLM_MAMBA_DIST_TIMEOUT_S` | `120` | seconds a tensor-parallel collective waits for a rank |
@@ -38,6 +40,7 @@ def _flag(name: str, default: str = "1") -> Callable[[], bool]:
 environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_MAMBA_OPS": lambda: os.environ.get("VLLM_MAMBA_OPS", "").strip().lower(),
     "VLLM_MAMBA_FUSED_DECODE": _flag("VLLM_MAMBA_FUSED_DECODE"),
+    "VLLM_MAMBA_CHAIN_LOG": _flag("VLLM_MAMBA_CHAIN_LOG"),
     "VLLM_MAMBA_ONEDNN_LINEAR": _flag("VLLM_MAMBA_ONEDNN_LINEAR"),
     "VLLM_MAMBA_HUGE_PAGES": _flag("VLLM_MAMBA_HUGE_PAGES"),
     "VLLM_MAMBA_DIST_TIMEOUT_S": lambda: float(os.environ.get("VLLM_MAMBA_DIST_TIMEOUT_S", "120")),

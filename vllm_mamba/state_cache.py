@@ -162,13 +162,16 @@ class StateCache:
             groups.setdefault(spec, []).append(i)
         # Per group: name -> (layers in the group, S, *shape).
         self.tensors: list[dict[str, torch.Tensor]] = []
+        self._group_layers: list[list[int]] = []  # per group: its layers' indices
         self._views: list[LayerState] = [{} for _ in self.specs]
+        self._bound: list[nn.Module] = []  # the layers bound, in order (`bind`)
         for spec, layers in groups.items():
             group = {
                 t.name: huge_page_zeros((len(layers), num_slots, *t.shape), t.dtype, device)
                 for t in spec.tensors
             }
             self.tensors.append(group)
+            self._group_layers.append(layers)
             for j, layer in enumerate(layers):
                 self._views[layer] = {name: t[j] for name, t in group.items()}
 
@@ -189,6 +192,7 @@ class StateCache:
         assert len(layers) == len(self.specs), (len(layers), len(self.specs))
         for i, module in enumerate(layers):
             module.bind_state(self.layer(i))
+        self._bound = list(layers)
         plan_decode(model)
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
@@ -211,6 +215,51 @@ class StateCache:
         for group in self.tensors:
             for t in group.values():
                 t[:, dst_t] = t[:, src_t]
+
+    def rollback(self, chains: list[tuple[list[int], int]]) -> None:
+        """Brings sequences back to a position of their last speculative chain.
+
+        Args:
+            chains: per sequence, the spare slots of the chain positions it keeps (positions
+                0 to m - 1, `m >= 1`) and its own slot. Each state is copied back from the
+                last kept position's spare slot, except where the layer's last chain step
+                logged it (`layers.chain_log`): that state is replayed from the start state in
+                the first spare slot through the records of the kept positions.
+        """
+        if not chains:
+            return
+        logged = {
+            i: log
+            for i, layer in enumerate(self._bound)
+            if (log := getattr(layer, "chain_log", None)) is not None and log.active
+        }
+        src, dst = [spares[-1] for spares, _ in chains], [slot for _, slot in chains]
+        if not logged:
+            self.copy_slots(src, dst)
+            return
+        width = max(len(spares) for spares, _ in chains)
+        records = torch.tensor(
+            [spares + [-1] * (width - len(spares)) for spares, _ in chains], dtype=torch.long
+        )  # (n, R)
+        start = torch.tensor([spares[0] for spares, _ in chains], dtype=torch.long)  # (n,)
+        dst_t = torch.tensor(dst, dtype=torch.long)  # (n,)
+        for group, layers in zip(self.tensors, self._group_layers, strict=True):
+            for name, t in group.items():  # t: (layers of the group, S, ...)
+                logs = {
+                    j: log
+                    for j, i in enumerate(layers)
+                    if (log := logged.get(i)) and log.state == name
+                }
+                for s, d in zip(src, dst, strict=True):
+                    if not logs:
+                        t[:, d].copy_(t[:, s])
+                        continue
+                    for j in range(len(layers)):
+                        if j not in logs:
+                            t[j, d].copy_(t[j, s])
+                for j, log in logs.items():
+                    assert log.tensor is not None
+                    log.replay(t[j], log.tensor, start, records, dst_t)
 
     def bytes_per_slot(self) -> int:
         """State bytes one sequence holds across all layers."""

@@ -7,7 +7,8 @@ six, one merged weight), value heads per key head 1, 2 and 3, odd head dims, con
 alone, float32 (1e-5) and bfloat16 weights, int8 and 4-bit weights in float32 and bfloat16
 models (`quantize_int8` / `quantize_int4`, int8 where K is not a multiple of 32, as the
 quantiser does), bfloat16 states, 1, 3 and 8 rows (weight-streaming products) and 9 (GEMMs),
-and speculative chains (rows reading the slot an earlier row wrote) in one call.
+and speculative chains (rows reading the slot an earlier row wrote) in one call, with and
+without a chain log (`gdn_chain_replay` rebuilding each position's state from its records).
 """
 
 from __future__ import annotations
@@ -190,6 +191,59 @@ def check_chain(run, ref, x, conv, rec, chain: str, tol: dict) -> None:  # noqa:
         one = run(x[b : b + 1], conv_o, rec_o, dst[b : b + 1])
         assert torch.equal(one[0], got[b]), b
     assert torch.equal(conv_k, conv_o) and torch.equal(rec_k, rec_o)
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+@pytest.mark.parametrize("dtype", [torch.float32, INT4_F32, STATE_BF16])
+def test_logged_chains_replay_every_position_bit_for_bit(chain: str, dtype) -> None:  # noqa: ANN001
+    """With a chain log the kernel's outputs and conv histories are those of the chain without
+    it, bit for bit; a chain's sequence slot holds its last state, its first spare slot its
+    start state, the other spare slots' recurrent states are not written; replaying the
+    records of positions 0 to m - 1 from the start gives bit for bit the state the kernel
+    without a log leaves for position m - 1. The reference logs the same records (within the
+    tolerance) and its replay agrees."""
+    g = torch.Generator().manual_seed(11)
+    shape = SHAPES[0]
+    params, conv, rec = _case(g, shape, "qwen3_5", dtype, True)
+    args = (1e-6, 1e-5, 1.0, torch.float32)
+    dst, src = (torch.tensor(t) for t in CHAINS[chain])
+    x = torch.randn(len(dst), shape[0], generator=g)
+    conv_f, rec_f = conv.clone(), rec.clone()
+    want = cpu_kernels.fused_gdn_decode(x, params, conv_f, rec_f, dst, *args, src)
+    conv_k, rec_k = conv.clone(), rec.clone()
+    record = shape[3] + shape[4] + 1
+    log = torch.zeros(SLOTS, shape[2], record)
+    got = cpu_kernels.fused_gdn_decode(x, params, conv_k, rec_k, dst, *args, src, False, log)
+    assert torch.equal(got, want) and torch.equal(conv_k, conv_f)
+    chains = [c for c in gd.chain_rows(dst.tolist(), src.tolist()) if len(c) > 1]
+    assert chains
+    conv_r, rec_r, log_r = conv.clone(), rec.clone(), torch.zeros_like(log)
+    ref = gd.fused_gdn_decode_ref(x, params, conv_r, rec_r, dst, *args, src, False, log_r)
+    torch.testing.assert_close(got, ref, **_tol(dtype, 1))
+    for rows in chains:
+        first, last = int(dst[rows[0]]), int(dst[rows[-1]])
+        assert torch.equal(rec_k[last], rec_f[last])
+        assert torch.equal(rec_k[first], rec[int(src[rows[0]])])
+        for b in rows[1:-1]:
+            assert torch.equal(rec_k[dst[b]], rec[dst[b]]), "a middle position's state was written"
+        for slot in (first, last):
+            torch.testing.assert_close(rec_r[slot].float(), rec_k[slot].float(), **_tol(dtype, 1))
+        for b in rows[:-1]:
+            torch.testing.assert_close(log_r[dst[b]], log[dst[b]], **_tol(dtype, 1))
+        for m in range(1, len(rows)):
+            records = dst[rows[:m]][None]  # (1, m)
+            for replay, states, records_log in (
+                (cpu_kernels.gdn_chain_replay, rec_k.clone(), log),
+                (gd.gdn_chain_replay_ref, rec_r.clone(), log_r),
+            ):
+                replay(states, records_log, dst[rows[:1]], records, torch.tensor([last]))
+                expect = rec_f[dst[rows[m - 1]]]
+                if replay is cpu_kernels.gdn_chain_replay:
+                    assert torch.equal(states[last], expect), (rows, m)
+                else:
+                    torch.testing.assert_close(
+                        states[last].float(), expect.float(), **_tol(dtype, 1)
+                    )
 
 
 def test_int_dot_is_accepted_and_float_weights_ignore_it() -> None:

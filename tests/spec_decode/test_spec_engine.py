@@ -180,10 +180,12 @@ def test_preemption_under_kv_pressure() -> None:
         assert runner.engine.spec_steps.counters.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("name", ["tied", "bamba-gqa"])
+@pytest.mark.parametrize("name", ["tied", "bamba-gqa", "qwen3_5-gqa"])
 def test_prefix_cache_hit_on_a_speculating_request(name: str) -> None:
     """A request that speculated saves its state at its end (after its rollback); the next
-    turn hits that snapshot and gets the tokens it gets without any cache."""
+    turn hits that snapshot and gets the tokens it gets without any cache. On Qwen3.5 the
+    fused GDN layers log their chains, and the rollback that `max_tokens` inside an accepted
+    run makes (the engine's, after the worker's) replays the records."""
     path = tiny_model_dir(name)
     first = prompts()[4]["prompt_token_ids"]
     params = SamplingParams(temperature=0, max_tokens=12)

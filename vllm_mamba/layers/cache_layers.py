@@ -25,6 +25,7 @@ from torch import nn
 from vllm_mamba.cache_specs import AttentionSpec, KVSpec, StateSpec
 
 if TYPE_CHECKING:
+    from vllm_mamba.layers.chain_log import ChainLog
     from vllm_mamba.layers.decode_plan import FusedStep
 
 LayerState = dict[str, torch.Tensor]  # state name -> (S, *shape) over all slots
@@ -65,6 +66,8 @@ class StatefulLayer(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.state: LayerState = {}
+        # Set by a fused decode plan whose kernel logs speculative chains (`layers.chain_log`).
+        self.chain_log: ChainLog | None = None
 
     def state_spec(self) -> StateSpec:
         """This layer's per-sequence state (its shard's shapes under tensor parallelism)."""

@@ -34,13 +34,16 @@ single-stage gates (Ling 3's full-rank `f_proj`, `g_proj`) names no second stage
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from vllm_mamba import envs
 from vllm_mamba.attention.mamba_metadata import MambaMetadata
+from vllm_mamba.layers.chain_log import ChainLog
 from vllm_mamba.layers.decode_plan import decode_slots
 from vllm_mamba.layers.fused_decode_layer import (
     FusedMambaStep,
@@ -67,16 +70,22 @@ class FusedDeltaStep(FusedMambaStep):
 
     int_dot: bool = False
     kwargs: Mapping[str, float] = field(default_factory=dict)
+    log: ChainLog | None = None
 
     def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)` as the unfused block (or mixer) returns it; the mixer's
-        bound states advanced in place."""
+        bound states advanced in place (a step of speculative chains logs their recurrent
+        states when the plan has a `log`)."""
         out_dtype = step_out_dtype(self.out_dtype, self.dtype, hidden)
         state = self.mixer.state
         dst, src = decode_slots(meta)
+        kwargs = dict(self.kwargs)
+        if self.log is not None and src is not None:
+            kwargs["chain_log"] = self.log.buffer(state[self.log.state])
+            self.log.active = True
         return self.op(
             hidden, self.params, state["conv"], state["recurrent"], dst, *self.args, out_dtype,
-            src, self.int_dot, **self.kwargs,
+            src, self.int_dot, **kwargs,
         )  # fmt: skip
 
 
@@ -167,7 +176,14 @@ def plan_gdn(
         out_proj_w=w[f"{mixer.OUT}_w"], out_proj_scale=w[f"{mixer.OUT}_scale"],
     )  # fmt: skip
     args = (gate.variance_epsilon, mixer.beta_scale)
-    return _step(mixer, parts, fixed, inputs, args, norm, residual_in_fp32)
+    step = _step(mixer, parts, fixed, inputs, args, norm, residual_in_fp32)
+    replay = own_op(FAMILY, mixer.ops.name, "chain_replay")
+    if replay is None or not envs.VLLM_MAMBA_CHAIN_LOG:
+        mixer.chain_log = None
+        return step
+    rec = mixer.state["recurrent"]  # (S, Hv, Dk, Dv)
+    mixer.chain_log = ChainLog("recurrent", (rec.shape[1], rec.shape[2] + rec.shape[3] + 1), replay)
+    return dataclasses.replace(step, log=mixer.chain_log)
 
 
 def plan_kda(

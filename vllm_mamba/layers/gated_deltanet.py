@@ -182,6 +182,8 @@ class GatedDeltaNet(StatefulLayer):
             `(T, H)` in the model dtype.
         """
         num_tokens = hidden.shape[0]
+        if meta.decode_waves and self.chain_log is not None:
+            self.chain_log.active = False  # this chain's states go to the spare slots
         qkv, z, b, a = self._project(hidden)
         qkv = causal_conv(self.ops, qkv, self.conv_weight, None, self.state["conv"], meta)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

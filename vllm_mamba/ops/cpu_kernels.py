@@ -105,6 +105,7 @@ CPP_OPS: tuple[CppOp, ...] = (
     # (LFM2's), `fused_decode_attention.cpp` (an attention block), `fused_decode_ffn.cpp` (a
     # feed-forward stage: dense MLP, MoE); the layers run unfused without them.
     CppOp("gated_delta", "decode_layer", "fused_gdn_decode", required=False),
+    CppOp("gated_delta", "chain_replay", "gdn_chain_replay", required=False),
     CppOp("kda", "decode_layer", "fused_kda_decode", required=False),  # `fused_decode_kda.cpp`
     CppOp("short_conv", "decode_layer", "fused_short_conv_decode", required=False),
     CppOp("paged_attention", "decode_layer", "fused_attention_decode", required=False),

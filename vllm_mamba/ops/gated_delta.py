@@ -30,7 +30,7 @@ u_j^T`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -261,6 +261,7 @@ def fused_gdn_decode_ref(
     out_dtype: torch.dtype,
     src_state_indices: torch.Tensor | None = None,
     int_dot: bool = False,
+    chain_log: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One GDN layer's decode step from the reference ops (the unfused mixer's ops in float32);
     states advanced in place.
@@ -285,10 +286,20 @@ def fused_gdn_decode_ref(
             the rows in order: `ops.fused_decode._chained`).
         int_dot: the kernel's integer weights multiply int8-quantised activations; the
             reference computes the exact weight-only products either way.
+        chain_log: `(S, Hv, Dk + Dv + 1)` float32, with `src_state_indices`: the chains'
+            recurrent states are logged instead of written at every position
+            (`_log_chains`; the conv histories are written as without it).
 
     Returns:
         `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
     """
+    if chain_log is not None:
+        if src_state_indices is None:
+            raise ValueError("chain_log needs src_state_indices (it logs speculative chains)")
+        return _log_chains(
+            hidden, params, conv_states, ssm_states, state_indices, src_state_indices, chain_log,
+            norm_eps=norm_eps, gate_eps=gate_eps, beta_scale=beta_scale, out_dtype=out_dtype,
+        )  # fmt: skip
     if src_state_indices is not None:
         return _chained(
             fused_gdn_decode_ref, hidden, (conv_states, ssm_states), state_indices,
@@ -319,6 +330,105 @@ def fused_gdn_decode_ref(
     return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
 
 
+def chain_rows(dst: Sequence[int], src: Sequence[int]) -> list[list[int]]:
+    """The rows of each speculative chain in order: row b continues the chain of the last row
+    before it whose slot `dst` is b's source slot `src[b]`; a row without one (a plain decode
+    reads its own slot; a padding row none) starts a chain."""
+    chains: list[list[int]] = []
+    chain_of: dict[int, int] = {}
+    for b, (d, s) in enumerate(zip(dst, src, strict=True)):
+        chained = d != PAD_SLOT_ID and s != d  # a plain decode or a padding row: a chain of one
+        prev = next((a for a in range(b - 1, -1, -1) if dst[a] == s), None) if chained else None
+        chain_of[b] = len(chains) if prev is None else chain_of[prev]
+        if prev is None:
+            chains.append([b])
+        else:
+            chains[chain_of[b]].append(b)
+    return chains
+
+
+def _log_chains(
+    hidden: Tensor,
+    params: list[Tensor | None],
+    conv_states: Tensor,
+    ssm_states: Tensor,
+    dst: Tensor,
+    src: Tensor,
+    chain_log: Tensor,
+    *,
+    norm_eps: float,
+    beta_scale: float,
+    **kwargs: Any,
+) -> Tensor:
+    """`fused_gdn_decode_ref` with a chain log: each chain of several rows leaves its start
+    state in its first row's slot, its last position's state in its last row's slot, and for
+    every row but the last the record `[k (Dk) | delta (Dv) | decay]` per value head in the
+    log at the row's slot, from which `gdn_chain_replay_ref` rebuilds each position's state.
+
+    Computed as the chained reference (every position's state written), each record then from
+    the rule's own terms: the row's normalised key and gates from its projections and conv
+    window, `delta = beta (v - decay S^T k)` from the state before it."""
+    chains = [rows for rows in chain_rows(dst.tolist(), src.tolist()) if len(rows) > 1]
+    starts = {r[0]: (ssm_states[int(src[r[0]])].clone(), conv_states[int(src[r[0]])].clone())
+              for r in chains}  # fmt: skip
+    out = fused_gdn_decode_ref(
+        hidden, params, conv_states, ssm_states, dst, norm_eps=norm_eps, beta_scale=beta_scale,
+        src_state_indices=src, **kwargs,
+    )  # fmt: skip
+    fixed = len(GDN_DECODE_PARAMS)
+    p = dict(zip(GDN_DECODE_PARAMS, params[:fixed], strict=True))
+    x = hidden.float()
+    xn = _rms_norm(x, p["norm_w"], norm_eps) if p["norm_w"] is not None else x
+    pairs = zip(params[fixed::2], params[fixed + 1 :: 2], strict=True)
+    proj = torch.cat([_linear(xn, w, None, scale) for w, scale in pairs], dim=-1)  # (B, NIN)
+    _, v_heads, dk, dv = ssm_states.shape
+    conv_dim, value_dim = conv_states.shape[1], v_heads * dv
+    key_dim = (conv_dim - value_dim) // 2
+    qkv, _, b_in, a_in = proj.split([conv_dim, value_dim, v_heads, v_heads], dim=-1)
+    g, beta = gdn_gates_ref(a_in, b_in, p["A_log"], p["dt_bias"], beta_scale)  # (B, Hv)
+    for rows in chains:
+        state, hist = starts[rows[0]]
+        state = state.float()  # (Hv, Dk, Dv)
+        for b in rows[:-1]:
+            window = torch.cat([hist.float(), qkv[b, :, None]], dim=-1)  # (CD, K)
+            conv = F.silu((window * p["conv_w"].float()).sum(-1))  # (CD,)
+            q, k, v = conv.split([key_dim, key_dim, value_dim])
+            _, kf = _heads_qk(q.reshape(-1, dk), k.reshape(-1, dk), v_heads)  # (Hv, Dk)
+            decay = torch.exp(g[b])  # (Hv,)
+            kv_mem = torch.einsum("hkv,hk->hv", state * decay[:, None, None], kf)
+            delta = (v.reshape(v_heads, dv) - kv_mem) * beta[b, :, None]  # (Hv, Dv)
+            chain_log[int(dst[b])] = torch.cat([kf, delta, decay[:, None]], dim=-1)
+            state = ssm_states[int(dst[b])].float()
+            hist = conv_states[int(dst[b])]
+        ssm_states[int(dst[rows[0]])] = starts[rows[0]][0]
+    return out
+
+
+def gdn_chain_replay_ref(
+    ssm_states: Tensor, chain_log: Tensor, start: Tensor, records: Tensor, dst: Tensor
+) -> None:
+    """Rebuilds logged chains' states in place (`fused_gdn_decode_ref`'s `chain_log`).
+
+    Args:
+        ssm_states: `(S, Hv, Dk, Dv)`.
+        chain_log: `(S, Hv, Dk + Dv + 1)` float32 records `[k | delta | decay]` by slot.
+        start: `(n,)` the slot holding each chain's start state.
+        records: `(n, R)` the slots of the records to apply in order, `-1` after the last.
+        dst: `(n,)` where each rebuilt state goes: the start state advanced by each record,
+            `S = decay S + k delta^T`, rounded to the states' dtype after each.
+    """
+    dk = ssm_states.shape[2]
+    for i in range(start.shape[0]):
+        state = ssm_states[int(start[i])]
+        for r in records[i].tolist():
+            if r < 0:
+                break
+            k, delta, decay = chain_log[r].split([dk, chain_log.shape[-1] - dk - 1, 1], dim=-1)
+            new = decay[..., None] * state.float() + k[..., None] * delta[:, None, :]
+            state = new.to(ssm_states.dtype)
+        ssm_states[int(dst[i])] = state
+
+
 class VarlenOp(Protocol):
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, A_log: Tensor, dt_bias: Tensor,
@@ -343,8 +453,14 @@ class DecodeLayerOp(Protocol):
         self, hidden: Tensor, params: list[Tensor | None], conv_states: Tensor,
         ssm_states: Tensor, state_indices: Tensor, norm_eps: float, gate_eps: float,
         beta_scale: float, out_dtype: torch.dtype, src_state_indices: Tensor | None = None,
-        int_dot: bool = False,
+        int_dot: bool = False, chain_log: Tensor | None = None,
     ) -> Tensor: ...  # fmt: skip
+
+
+class ChainReplayOp(Protocol):
+    def __call__(
+        self, ssm_states: Tensor, chain_log: Tensor, start: Tensor, records: Tensor, dst: Tensor
+    ) -> None: ...
 
 
 # The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
@@ -358,5 +474,7 @@ OPS = OpFamily(
         # one GDN layer's decode step (C++: `csrc/fused_decode_gdn.cpp`); a backend without it
         # runs the layer unfused (the mixers ask `own_op`, never this reference)
         "decode_layer": OpSpec(DecodeLayerOp, fused_gdn_decode_ref),
+        # rebuilds the states of chains `decode_layer` logged (C++: `fused_decode_gdn.cpp`)
+        "chain_replay": OpSpec(ChainReplayOp, gdn_chain_replay_ref),
     },
 )

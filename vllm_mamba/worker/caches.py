@@ -68,6 +68,11 @@ class CacheCopies(Protocol):
         """Copies every state of slot `src[i]` into slot `dst[i]`."""
         ...
 
+    def rollback_slots(self, chains: Sequence[tuple[list[int], int]]) -> None:
+        """Brings each `(spares, slot)`'s state back to its last kept chain position
+        (`StateCache.rollback`)."""
+        ...
+
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copies KV block `src[i]` into block `dst[i]` (only called with a KV cache)."""
         ...
@@ -83,6 +88,10 @@ class LocalCopies:
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copies the slots in the state cache."""
         self.cache.copy_slots(list(src), list(dst))
+
+    def rollback_slots(self, chains: Sequence[tuple[list[int], int]]) -> None:
+        """Rolls the slots back in the state cache."""
+        self.cache.rollback(list(chains))
 
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copies the blocks in the KV cache."""

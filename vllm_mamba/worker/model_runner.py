@@ -268,12 +268,14 @@ class ModelRunner:
         Args:
             kept: `(slot, chain, m)` per sequence whose chain's first `m` positions (its last
                 token and `m - 1` accepted drafts) stay computed; the state after position
-                `m - 1` is copied back from its spare slot unless it was the chain's last.
+                `m - 1` is copied back from its spare slot (or replayed from the chain's
+                records: `layers.chain_log`) unless it was the chain's last.
         """
         if not kept:
             return
-        moves = [(self.spare_slot(chain, m - 1), slot) for slot, chain, m in kept]
-        self.copy_states([s for s, _ in moves], [d for _, d in moves])
+        self.copies.rollback_slots(
+            [([self.spare_slot(chain, w) for w in range(m)], slot) for slot, chain, m in kept]
+        )
 
     def copy_states(self, src: list[int], dst: list[int]) -> None:
         """Copies every state of slots `src[i]` into `dst[i]` (forks, prefix-cache hits and
