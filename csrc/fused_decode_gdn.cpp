@@ -141,17 +141,50 @@ HeadIn head_inputs(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b,
 }
 
 // The paths that advance a state (one row, a chain, a chain's replay) call the same compiled
-// bodies for the rule's arithmetic (`VLLM_MAMBA_NOINLINE`), so that no inlining context changes how they
-// are vectorised or contracted: the paths agree bit for bit.
+// bodies for the rule's arithmetic (not inlined, so that no calling context changes how they
+// are vectorised or contracted): the paths agree bit for bit.
 #define VLLM_MAMBA_NOINLINE __attribute__((noinline))
 
-// One state row's share of the read pass: S^T k and S^T q accumulated over row i.
-VLLM_MAMBA_NOINLINE void read_row_into(const float* sr, float ki, float qi, float* kv, float* qs,
-                                       int64_t dv) {
-#pragma omp simd
-  for (int64_t j = 0; j < dv; ++j) {
-    kv[j] += sr[j] * ki;
-    qs[j] += sr[j] * qi;
+// A state's rows as `vec.h` loads them.
+inline const float* vec_rows(const float* p) { return p; }
+inline const vec::bf16_t* vec_rows(const c10::BFloat16* p) { return fused::raw(p); }
+
+// The read pass over a Dk x Dv state (rows of Dv, float32 or bfloat16): kv = S^T k, qs = S^T q,
+// each column summed over the rows in order with fused multiply-adds; kColVecs vectors of
+// columns stay in registers over all the rows.
+constexpr int kColVecs = 4;
+template <typename T>
+VLLM_MAMBA_NOINLINE void read_pass(const T* st, int64_t dk, int64_t dv, const float* kn,
+                                   const float* qn, float* kv, float* qs) {
+  constexpr int L = vec::kLanes;
+  int64_t j0 = 0;
+  for (; j0 + kColVecs * L <= dv; j0 += kColVecs * L) {
+    vec::Vf ak[kColVecs], aq[kColVecs];
+    for (int u = 0; u < kColVecs; ++u) ak[u] = aq[u] = vec::zero();
+    for (int64_t i = 0; i < dk; ++i) {
+      const vec::Vf k = vec::set1(kn[i]), q = vec::set1(qn[i]);
+      const T* r = st + i * dv + j0;
+      for (int u = 0; u < kColVecs; ++u) {
+        const vec::Vf x = vec::load(r + u * L);
+        ak[u] = vec::fma(x, k, ak[u]);
+        aq[u] = vec::fma(x, q, aq[u]);
+      }
+    }
+    for (int u = 0; u < kColVecs; ++u) {
+      vec::store(kv + j0 + u * L, ak[u]);
+      vec::store(qs + j0 + u * L, aq[u]);
+    }
+  }
+  for (; j0 < dv; j0 += L) {  // the last columns, a vector (or part of one) at a time
+    const int n = static_cast<int>(std::min<int64_t>(L, dv - j0));
+    vec::Vf ak = vec::zero(), aq = vec::zero();
+    for (int64_t i = 0; i < dk; ++i) {
+      const vec::Vf x = vec::load_n(st + i * dv + j0, n);
+      ak = vec::fma(x, vec::set1(kn[i]), ak);
+      aq = vec::fma(x, vec::set1(qn[i]), aq);
+    }
+    vec::store_n(kv + j0, ak, n);
+    vec::store_n(qs + j0, aq, n);
   }
 }
 
@@ -171,20 +204,21 @@ VLLM_MAMBA_NOINLINE void finish_read(const HeadIn& in, const float* kn, const fl
   }
 }
 
-// The read pass over a state (rows `row(i)`, float32, Dv each), then `finish_read`.
-template <typename RowFn>
-void read_out(const Dims& d, const HeadIn& in, HeadScratch& w, RowFn row, float* o) {
-  std::fill(w.kv, w.kv + d.dv, 0.0f);
-  std::fill(w.qs, w.qs + d.dv, 0.0f);
-  for (int64_t i = 0; i < d.dk; ++i) read_row_into(row(i), w.kn[i], w.qn[i], w.kv, w.qs, d.dv);
-  finish_read(in, w.kn, w.qn, w.kv, w.qs, o, d.dk, d.dv);
-}
-
-// One state row's update: nr = decay sr + ki delta (`sr` and `nr` may be the same row).
+// One state row's update: nr = ki delta + decay sr, one multiply and one fused multiply-add a
+// value (`sr` and `nr` may be the same row).
 VLLM_MAMBA_NOINLINE void update_row(const float* sr, float decay, float ki, const float* delta,
                                     float* nr, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) nr[j] = decay * sr[j] + ki * delta[j];
+  constexpr int L = vec::kLanes;
+  const vec::Vf dv = vec::set1(decay), kv = vec::set1(ki);
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    vec::store(nr + j, vec::fma(kv, vec::load(delta + j), vec::mul(dv, vec::load(sr + j))));
+  }
+  if (j < n) {
+    const int m = static_cast<int>(n - j);
+    vec::store_n(nr + j, vec::fma(kv, vec::load_n(delta + j, m), vec::mul(dv, vec::load_n(sr + j, m))),
+                 m);
+  }
 }
 
 // A float32 row rounded as the state dtype S stores it (bfloat16: to nearest even and back).
@@ -229,7 +263,8 @@ void delta_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, in
     const int64_t src_slot = io.src_slots ? io.src_slots[b] : slot;
     const S* src = io.ssm_states + (src_slot * d.v_heads + h) * dk * dv;
     S* dst = io.ssm_states + (slot * d.v_heads + h) * dk * dv;
-    read_out(d, in, w, [&](int64_t i) { return read_row(src + i * dv, w.in_row, dv); }, o);
+    read_pass(vec_rows(src), dk, dv, w.kn, w.qn, w.kv, w.qs);
+    finish_read(in, w.kn, w.qn, w.kv, w.qs, o, dk, dv);
     for (int64_t i = 0; i < dk; ++i) {
       const float* sr = read_row(src + i * dv, w.in_row, dv);
       float* nr = write_row(dst + i * dv, w.out_row);
@@ -262,7 +297,8 @@ void chain_head(const Dims& d, const Small& s, const Io<C, S>& io, const int64_t
     const int64_t b = rows[p];
     float* o = io.y + b * d.value_dim + h * dv;
     const HeadIn in = head_inputs(d, s, io, b, h, w);
-    read_out(d, in, w, [&](int64_t i) { return st + i * dv; }, o);
+    read_pass(st, dk, dv, w.kn, w.qn, w.kv, w.qs);
+    finish_read(in, w.kn, w.qn, w.kv, w.qs, o, dk, dv);
     for (int64_t i = 0; i < dk; ++i) {
       update_row(st + i * dv, in.decay, w.kn[i], w.kv, st + i * dv, dv);
       round_row(start, st + i * dv, tmp, dv);
