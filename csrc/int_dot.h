@@ -41,6 +41,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -865,15 +868,36 @@ inline const char* instruction() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Whether one row of x prefetches the strip ahead too. On AVX-512 (Zen 4) one row's pass kept
-// the hardware prefetchers' lead, and the prefetches slowed a 4-bit Qwen3.5-0.8B's b1 step by
-// 5-20%; on AVX2 (Zen 3, no VNNI) a 4-bit one-row call streamed its weight at 18-20 GB/s
-// without them and 23-30 with them (int8 unchanged: it does less work a byte).
-#if defined(VLLM_MAMBA_VEC_AVX2)
-constexpr bool kAheadOneRow = true;
+// Whether one row of x prefetches the strip ahead too, by CPU (read once). Measured with one
+// row of x on 4-bit and int8 weights streamed from memory (2 threads):
+// - Zen 3 (AVX2, no VNNI): a 4-bit call at 18-20 GB/s without, 23-30 with (int8 unchanged);
+// - Zen 4 (AVX-512): one row's pass kept the hardware prefetchers' lead, and the prefetches
+//   slowed a 4-bit Qwen3.5-0.8B's b1 step by 5-20% (session 6): off on AMD family 19h;
+// - Zen 5 (AVX-512, family 1Ah): 4-bit 14.8 GB/s without, 32.4 with; int8 24.4 and 30.8.
+// Other CPUs (Intel's) were not measured and prefetch.
+inline bool amd_family_19h() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // AuthenticAMD
+  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const unsigned base = (a >> 8) & 0xfu, ext = (a >> 20) & 0xffu;
+  return (base == 0xfu ? base + ext : base) == 0x19u;
 #else
-constexpr bool kAheadOneRow = false;
+  return false;
 #endif
+}
+
+inline bool ahead_one_row() {
+#if defined(VLLM_MAMBA_VEC_AVX512)
+  static const bool on = !amd_family_19h();
+  return on;
+#elif defined(VLLM_MAMBA_VEC_AVX2)
+  return true;
+#else
+  return false;  // the scalar loops are bound by their arithmetic
+#endif
+}
 
 // Rows [lo, hi) of a weight times rows [0, x.rows) of x: out[b * ldo + (r - lo)].
 //
@@ -891,8 +915,8 @@ inline void run_strips(const QActs& x, int64_t n, int64_t lo, int64_t hi, float*
     const int lanes = strip_lanes(n, s);
     const int64_t r0 = std::max(lo, s * kLanes), r1 = std::min(hi, s * kLanes + lanes);
     // The strip two ahead, while it is in the range (the first pass over this one fetches it),
-    // for several rows of x, and for one row where `kAheadOneRow`.
-    const bool prefetch = x.rows > 1 || kAheadOneRow;
+    // for several rows of x, and for one row where `ahead_one_row()`.
+    const bool prefetch = x.rows > 1 || ahead_one_row();
     const int64_t ahead = prefetch && (s + 2) * kLanes < hi ? s + 2 : -1;
     for (int64_t b0 = 0; b0 < x.rows; b0 += kMaxRows) {
       const int nbx = static_cast<int>(std::min<int64_t>(kMaxRows, x.rows - b0));
