@@ -490,7 +490,14 @@ at::Tensor fused_gdn_decode(const at::Tensor& hidden_in,
   const at::Tensor hidden = hidden_in.to(at::kFloat).contiguous();
   const at::Tensor slots = as_index(state_indices);
   delta::check_slots(slots, conv_states.size(0), "state_indices");
-  if (src.defined()) delta::check_slots(src, conv_states.size(0), "src_state_indices");
+  if (src.defined()) {
+    delta::check_slots(src, conv_states.size(0), "src_state_indices");
+    const int64_t *to = slots.data_ptr<int64_t>(), *from = src.data_ptr<int64_t>();
+    for (int64_t b = 0; b < d.batch; ++b) {
+      TORCH_CHECK(to[b] < 0 || from[b] >= 0, "row ", b, " writes slot ", to[b],
+                  " but reads no slot (src_state_indices[", b, "] = -1)");
+    }
+  }
   const auto f32 = hidden.options();
   at::Tensor xn = s.norm_w ? at::empty({d.batch, d.hidden}, f32) : hidden;
   at::Tensor proj = at::empty({d.batch, d.nin}, f32);

@@ -287,6 +287,8 @@ def test_fused_gdn_decode_rejects_bad_inputs() -> None:
         cpu_kernels.fused_gdn_decode(x, params, conv, rec, torch.tensor([0, SLOTS]), *args)
     with pytest.raises(RuntimeError, match=r"src_state_indices\[0\] = -2"):
         cpu_kernels.fused_gdn_decode(x, params, conv, rec, idx, *args, torch.tensor([-2, 0]))
+    with pytest.raises(RuntimeError, match="reads no slot"):
+        cpu_kernels.fused_gdn_decode(x, params, conv, rec, idx, *args, torch.tensor([-1, 0]))
     with pytest.raises(RuntimeError, match="A_log"):
         call(p=[*params[:2], None, *params[3:]])
     with pytest.raises(ValueError, match="1 to 8 projections"):
