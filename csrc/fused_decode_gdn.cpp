@@ -216,8 +216,8 @@ VLLM_MAMBA_NOINLINE void update_row(const float* sr, float decay, float ki, cons
   }
   if (j < n) {
     const int m = static_cast<int>(n - j);
-    vec::store_n(nr + j, vec::fma(kv, vec::load_n(delta + j, m), vec::mul(dv, vec::load_n(sr + j, m))),
-                 m);
+    const vec::Vf old = vec::mul(dv, vec::load_n(sr + j, m));
+    vec::store_n(nr + j, vec::fma(kv, vec::load_n(delta + j, m), old), m);
   }
 }
 
@@ -228,7 +228,10 @@ inline void round_row(const c10::BFloat16*, float* row, vec::bf16_t* tmp, int64_
   gemv::load_state(tmp, row, n);
 }
 
-// n float32 values stored as the state dtype (bfloat16: rounded to nearest even).
+// n state values copied out as float32, and n float32 values stored as the state dtype
+// (bfloat16: rounded to nearest even).
+inline void get_rows(const float* st, float* x, int64_t n) { std::copy(st, st + n, x); }
+inline void get_rows(const c10::BFloat16* st, float* x, int64_t n) { read_row(st, x, n); }
 inline void put_rows(const float* x, float* st, int64_t n) { std::copy(x, x + n, st); }
 inline void put_rows(const float* x, c10::BFloat16* st, int64_t n) { fused::store_state(x, st, n); }
 
@@ -289,10 +292,7 @@ void chain_head(const Dims& d, const Small& s, const Io<C, S>& io, const int64_t
   const int64_t dk = d.dk, dv = d.dv, size = dk * dv, rec = dk + dv + 1;
   const S* start = io.ssm_states + (io.src_slots[rows[0]] * d.v_heads + h) * size;
   std::copy(start, start + size, io.ssm_states + (io.slots[rows[0]] * d.v_heads + h) * size);
-  for (int64_t i = 0; i < dk; ++i) {
-    const float* sr = read_row(start + i * dv, st + i * dv, dv);
-    if (sr != st + i * dv) std::copy(sr, sr + dv, st + i * dv);
-  }
+  get_rows(start, st, size);
   for (int64_t p = 0; p < n; ++p) {
     const int64_t b = rows[p];
     float* o = io.y + b * d.value_dim + h * dv;
@@ -564,8 +564,7 @@ void gdn_chain_replay(at::Tensor& ssm_states, const at::Tensor& chain_log, const
         const S* from = states + (st[i] * hv + h) * size;
         S* out = states + (to[i] * hv + h) * size;
         for (int64_t k = 0; k < dk; ++k) {
-          const float* sr = read_row(from + k * dv, row.data(), dv);
-          if (sr != row.data()) std::copy(sr, sr + dv, row.data());
+          get_rows(from + k * dv, row.data(), dv);
           for (int64_t j = 0; j < width && rs[i * width + j] >= 0; ++j) {
             const float* r = log + (rs[i * width + j] * hv + h) * rec;
             update_row(row.data(), r[dk + dv], r[k], r + dk, row.data(), dv);

@@ -250,12 +250,12 @@ class StateCache:
                     for j, i in enumerate(layers)
                     if (log := logged.get(i)) and log.state == name
                 }
+                copied = [j for j in range(len(layers)) if j not in logs]
                 for s, d in zip(src, dst, strict=True):
-                    if not logs:
-                        t[:, d].copy_(t[:, s])
-                        continue
-                    for j in range(len(layers)):
-                        if j not in logs:
+                    if len(copied) == len(layers):
+                        t[:, d].copy_(t[:, s])  # the whole group in one copy
+                    else:
+                        for j in copied:
                             t[j, d].copy_(t[j, s])
                 for j, log in logs.items():
                     assert log.tensor is not None
