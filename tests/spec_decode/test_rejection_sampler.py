@@ -325,3 +325,54 @@ def test_seeded_chains_reproduce_whatever_the_batch() -> None:
     shifted = Chain(2, chains[0].drafts, chains[0].row)
     both = rejection_sample(torch.cat([torch.randn(2, 6), logits]), [greedy, shifted])
     assert both[1].token_ids == solo == a[7]
+
+
+def test_raw_logits_path_equals_the_copying_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chains without penalties, constraints or a grammar read the raw logits in place (no
+    copy of the positions' rows): greedy chains give `sample`'s tokens position by position,
+    and a batch of greedy, seeded random and top-k chains gives exactly what the copying path
+    gives (forced here), also where the logits hold rows no position reads."""
+    from vllm_mamba.spec_decode import rejection_sampler
+
+    rng = random.Random(5)
+    torch.manual_seed(5)
+
+    def batch() -> tuple[torch.Tensor, list[Chain]]:
+        logits = torch.randn(22, V) * 3  # 21 chain rows and one no position reads
+        chains, row = [], 0
+        for b in range(6):
+            k = [4, 0, 2, 5, 1, 3][b]
+            params = [
+                SamplingParams(temperature=0.0, logprobs=rng.choice([None, 2])),
+                SamplingParams(temperature=0.9, seed=11 + b),
+                SamplingParams(temperature=0.7, top_k=5, seed=b),
+            ][b % 3]
+            gen = torch.Generator().manual_seed(100 + b) if params.seed is not None else None
+            sr = SamplingRow(params, gen, [1, 2], [rng.randrange(V) for _ in range(3)], [])
+            drafts = [rng.randrange(V) for _ in range(k)]
+            if params.greedy:  # the first half of the drafts on the greedy path
+                for i in range(k // 2):
+                    drafts[i] = int(logits[row + i].argmax())
+            chains.append(Chain(row, drafts, sr))
+            row += k + 1 + (b == 2)  # chain 2 leaves a row no position reads
+        assert row == logits.shape[0]
+        return logits, chains
+
+    rng_state, torch_state = rng.getstate(), torch.get_rng_state()
+    logits, chains = batch()
+    fast = rejection_sample(logits, chains)
+    for chain, out in zip(chains, fast):
+        if chain.row.params.greedy:
+            tokens, logprobs = reference(logits, chain, None)
+            assert out.token_ids == tokens
+            got = list(zip(out.token_logprobs, out.token_ranks, out.topk_ids, out.topk_logprobs))
+            assert got == logprobs
+    rng.setstate(rng_state)
+    torch.set_rng_state(torch_state)
+    logits2, chains2 = batch()
+    assert torch.equal(logits, logits2)
+    monkeypatch.setattr(rejection_sampler, "_modifies_logits", lambda *args: True)
+    slow = rejection_sample(logits2, chains2)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in slow]
+    assert [o.num_accepted for o in fast] == [o.num_accepted for o in slow]
+    assert any(o.num_accepted for o in fast)  # some draft was accepted somewhere

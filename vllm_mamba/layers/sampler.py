@@ -2,7 +2,8 @@
 
 Rows are processed together: penalties, then the rows' own constraints (logit bias, allowed
 token ids, bad words, banned tokens, and a grammar's token bitmask, applied only to the rows
-that have them), then greedy rows take the argmax and the others are
+that have them), then greedy rows take the argmax (`argmax_rows`: the ops backend's
+`sampling.argmax_rows`, torch.argmax's indices) and the others are
 sampled after temperature, top-k, top-p and min-p, by an exponential race (argmax of p / q with
 q ~ Exp(1)), drawn from each row's own generator when the request has a seed. Log-probabilities
 are those of the model's raw distribution (before penalties and temperature), as in vLLM.
@@ -12,11 +13,14 @@ Glossary: R rows (sampled positions), V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_mamba import envs
+from vllm_mamba.ops import sampling as sampling_ops
 from vllm_mamba.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -168,6 +172,24 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return (probs / q).argmax(-1)
 
 
+_ARGMAX: dict[tuple[str, str], Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token of `x (R, V)`, `(R,)` int64: the first index of its largest
+    value (the first NaN where it has one), as `torch.argmax(x, -1)`, by the ops backend's
+    `sampling.argmax_rows` for float32 rows."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
+        return x.argmax(-1)
+    key = (x.device.type, envs.VLLM_MAMBA_OPS)
+    op = _ARGMAX.get(key)
+    if op is None:
+        from vllm_mamba.ops.dispatch import get_mamba_ops
+
+        op = _ARGMAX[key] = get_mamba_ops(x.device).family(sampling_ops.FAMILY).argmax_rows
+    return op(x)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     """Samples a token for every row of `logits (R, V)` (float32).
 
@@ -188,7 +210,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     apply_penalties(work, rows)
     if constrained:
         apply_constraints(work, rows, constrained)
-    tokens = work.argmax(-1)  # (R,)
+    tokens = argmax_rows(work)  # (R,)
     random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_idx:
         idx = torch.tensor(random_idx, device=logits.device)

@@ -113,6 +113,8 @@ CPP_OPS: tuple[CppOp, ...] = (
     CppOp("ffn", "moe_decode", "fused_moe_decode", required=False),
     # `csrc/hyper_connection.cpp`: GLM-5-Next's mHC weights (the reference without it).
     CppOp("hyper_connection", "mhc_weights", "mhc_weights", required=False),
+    # `csrc/argmax.cpp`: the greedy sampler's argmax (torch's without it).
+    CppOp("sampling", "argmax_rows", "argmax_rows", required=False),
 )  # fmt: skip
 # The kernels Python calls by name outside the families: `linear`'s, the int8 / 4-bit / grouped
 # linear wrappers' (`vllm_mamba.ops.int8_linear`, `int4_linear`, `grouped_linear`,

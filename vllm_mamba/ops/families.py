@@ -54,6 +54,7 @@ _BUILTIN_MODULES = (
     "causal_conv1d", "selective_scan", "ssd", "gated_rms_norm", "paged_attention", "linear",
     "fused_decode", "gated_delta", "kda", "mla_attention", "short_conv", "rwkv7", "rwkv4", "ffn",
     "rglru", "lightning_attention", "mlstm", "cca", "dynamic_conv", "hyper_connection",
+    "sampling",
 )  # fmt: skip
 
 

@@ -52,6 +52,7 @@ from vllm_mamba.layers.sampler import (
     _sample,
     apply_constraints,
     apply_penalties,
+    argmax_rows,
 )
 
 
@@ -126,22 +127,29 @@ def rejection_sample(logits: torch.Tensor, chains: list[Chain]) -> list[ChainOut
         for i in range(plan.n_pos):
             rows.append(_position_row(chain, i))
             pos_rows.append(chain.row_start + i)
-    index = torch.tensor(pos_rows, dtype=torch.long, device=logits.device)
-    work = logits[index]  # (P, V), a copy
-    apply_penalties(work, rows)
     constrained = [
         i for i, r in enumerate(rows) if r.params.needs_logit_masks or r.banned_token_ids
     ]
-    if constrained:
-        apply_constraints(work, rows, constrained)
-    _apply_grammar(work, plans, starts)
-    greedy = work.argmax(-1).tolist()  # (P,)
+    if _modifies_logits(rows, plans, constrained):
+        index = torch.tensor(pos_rows, dtype=torch.long, device=logits.device)
+        work = logits[index]  # (P, V), a copy
+        apply_penalties(work, rows)
+        if constrained:
+            apply_constraints(work, rows, constrained)
+        _apply_grammar(work, plans, starts)
+        work_row = list(range(len(rows)))  # position -> its row of `work`
+    else:  # the raw logits are every position's: read in place (no copy of P x V)
+        work, work_row = logits, pos_rows
+    if work_row == list(range(work.shape[0])):
+        greedy = argmax_rows(work).tolist()  # (P,)
+    else:
+        greedy = argmax_rows(work[torch.tensor(work_row, device=logits.device)]).tolist()
     random_pos = [i for i, r in enumerate(rows) if not r.params.greedy]
     filtered = work[:0]
     p_draft: list[float] = []  # per position: p_i(drafts[i]) of the random chains
     slot = [-1] * len(rows)  # position -> its row of `filtered`
     if random_pos:
-        idx = torch.tensor(random_pos, device=logits.device)
+        idx = torch.tensor([work_row[i] for i in random_pos], device=logits.device)
         filtered = _filter(work[idx], [rows[i].params for i in random_pos])  # (P', V)
         for j, i in enumerate(random_pos):
             slot[i] = j
@@ -159,6 +167,18 @@ def rejection_sample(logits: torch.Tensor, chains: list[Chain]) -> list[ChainOut
         emitted.append(tokens)
         accepted.append(n_acc)
     return _outputs(logits, chains, emitted, accepted)
+
+
+def _modifies_logits(
+    rows: list[SamplingRow], plans: list[GrammarPlan], constrained: list[int]
+) -> bool:
+    """Whether any position's logits differ from the raw ones: penalties, constraints or a
+    grammar (else every position reads its raw row in place)."""
+    return (
+        bool(constrained)
+        or any(p.bitmask is not None for p in plans)
+        or any(r.params.needs_penalties for r in rows)
+    )
 
 
 def _plan(chain: Chain, vocab: int) -> GrammarPlan:
