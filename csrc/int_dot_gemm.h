@@ -218,45 +218,6 @@ struct Isa {
 
 #endif
 
-// Quantises x[:k] (k a multiple of 32) into q (k codes), d and s (k / 32 blocks) as
-// `quantize_row` does (its float operations, vectorised: the same bits for finite x); a row
-// holding an infinity or a NaN goes through `quantize_row` itself.
-inline void quantize_row_fast(const float* x, int64_t k, int8_t* q, float* d, int32_t* s) {
-  const int64_t nb = k / kBlock;
-#if defined(VLLM_MAMBA_VEC_AVX512)
-  const __m512 sign = _mm512_set1_ps(-0.0f), lo = _mm512_set1_ps(-127.0f),
-               hi = _mm512_set1_ps(127.0f);
-  __mmask16 odd = 0;  // lanes that met an infinity or a NaN
-  for (int64_t j = 0; j < nb; ++j) {
-    const __m512 x0 = _mm512_loadu_ps(x + j * kBlock), x1 = _mm512_loadu_ps(x + j * kBlock + 16);
-    odd |= _mm512_fpclass_ps_mask(x0, 0x99) | _mm512_fpclass_ps_mask(x1, 0x99);
-    const float amax =
-        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
-    const float scale = amax / 127.0f;
-    int8_t* qb = q + j * kBlock;
-    if (scale > 0.0f) {
-      const __m512 sv = _mm512_set1_ps(scale);
-      auto codes = [&](__m512 v) {  // nearbyint(v / scale) clamped to [-127, 127], as int32
-        v = _mm512_roundscale_ps(_mm512_div_ps(v, sv), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
-        return _mm512_cvttps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
-      };
-      const __m512i c0 = codes(x0), c1 = codes(x1);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(c0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(c1));
-      s[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
-      d[j] = scale;
-    } else {
-      std::memset(qb, 0, kBlock);
-      s[j] = 0;
-      d[j] = 0.0f;
-    }
-  }
-  if (odd) quantize_row(x, k, q, d, s, nb);
-#else
-  quantize_row(x, k, q, d, s, nb);
-#endif
-}
-
 constexpr int L = Isa::L;
 constexpr int C = Isa::C;
 constexpr int64_t kStripRows = L;  // output channels per strip
@@ -306,7 +267,7 @@ struct XPanels {
     for (int64_t b = g0 * C; b < g1 * C; ++b) {
       const int64_t g = b / C, c = b % C;
       const bool real = b < rows;
-      if (real) quantize_row_fast(x + b * ldx, nb * kBlock, rq.data(), rd.data(), rs.data());
+      if (real) quantize_row(x + b * ldx, nb * kBlock, rq.data(), rd.data(), rs.data(), nb);
       for_each_slot(nb, [&](int64_t j, int64_t slot) {
         const int64_t at = (g * nb + slot) * C + c;
         if (real) {
