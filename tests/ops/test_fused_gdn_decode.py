@@ -193,9 +193,15 @@ def check_chain(run, ref, x, conv, rec, chain: str, tol: dict) -> None:  # noqa:
     assert torch.equal(conv_k, conv_o) and torch.equal(rec_k, rec_o)
 
 
+# The logged chains' shapes: heads of 16 x 16, 12 x 80 (a block of 4 vectors of value columns
+# and more on AVX-512, `update_read`'s main loop) and 7 x 9 (part of a vector).
+LOG_SHAPES = [SHAPES[0], (64, 1, 2, 12, 80, 4), SHAPES[3]]
+
+
+@pytest.mark.parametrize("shape", LOG_SHAPES, ids=lambda s: f"{s[3]}x{s[4]}")
 @pytest.mark.parametrize("chain", list(CHAINS))
 @pytest.mark.parametrize("dtype", [torch.float32, INT4_F32, STATE_BF16])
-def test_logged_chains_replay_every_position_bit_for_bit(chain: str, dtype) -> None:  # noqa: ANN001
+def test_logged_chains_replay_every_position_bit_for_bit(chain: str, dtype, shape) -> None:  # noqa: ANN001
     """With a chain log the kernel's outputs and conv histories are those of the chain without
     it, bit for bit; a chain's sequence slot holds its last state, its first spare slot its
     start state, the other spare slots' recurrent states are not written; replaying the
@@ -203,7 +209,6 @@ def test_logged_chains_replay_every_position_bit_for_bit(chain: str, dtype) -> N
     without a log leaves for position m - 1. The reference logs the same records (within the
     tolerance) and its replay agrees."""
     g = torch.Generator().manual_seed(11)
-    shape = SHAPES[0]
     params, conv, rec = _case(g, shape, "qwen3_5", dtype, True)
     args = (1e-6, 1e-5, 1.0, torch.float32)
     dst, src = (torch.tensor(t) for t in CHAINS[chain])

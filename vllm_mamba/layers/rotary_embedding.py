@@ -102,6 +102,8 @@ class RotaryEmbedding(nn.Module):
         self.max_position = min(max_position, DEFAULT_TABLE_POSITIONS)
         self.freqs = freqs
         self._cos_sin: torch.Tensor | None = None  # (max_position, R) float32
+        # The last positions checked against the table (a step's layers share one tensor).
+        self._checked: torch.Tensor | None = None
         self._step_key = _frequency_key(freqs) if freqs.by_length is not None else None
         # M-RoPE: per rotated frequency, the position row (0 time, 1 height, 2 width) it reads
         self.mrope_rows = None if mrope_section is None else _mrope_rows(mrope_section, rot_dim)
@@ -137,9 +139,13 @@ class RotaryEmbedding(nn.Module):
         # A position past the table (a max_model_len beyond max_position_embeddings) grows it
         # (checked on the CPU only: on CUDA it would synchronise every layer, so the CUDA table
         # covers the config's positions from the start).
-        needed = int(positions.max()) + 1 if positions.numel() and not positions.is_cuda else 0
-        if positions.is_cuda:
+        if positions is self._checked and self._cos_sin is not None:
+            needed = 0  # checked at this step's first layer (positions.max() costs ~10 us)
+        elif positions.is_cuda:
             needed = self.positions
+        else:
+            needed = int(positions.max()) + 1 if positions.numel() else 0
+            self._checked = positions
         if needed > self.max_position:
             self.max_position = max(needed, 2 * self.max_position)
             self._cos_sin = None
