@@ -2,8 +2,8 @@
 
 The reference is `torch.argmax` over the last dimension (the first index of the largest value,
 the first NaN where a row has one); the C++ op (`csrc/argmax.cpp`) gives the same indices in
-two vectorised passes per row, with the rows (or the parts of one row) split over the threads,
-where torch's reduction ran at 1-4 GB/s over a 248k vocabulary.
+one vectorised pass per row, with the rows (or the parts of one row) split over the threads:
+11 us a row of a 248k vocabulary on a Zen 5 where torch's reduction took 150 us.
 
 Glossary: R rows, V vocabulary.
 """
