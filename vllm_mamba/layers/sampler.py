@@ -169,7 +169,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     q = torch.empty_like(probs)
     for i, row in enumerate(rows):
         q[i].exponential_(generator=row.generator)
-    return (probs / q).argmax(-1)
+    return argmax_rows(probs / q)
 
 
 _ARGMAX: dict[tuple[str, str], Callable[[torch.Tensor], torch.Tensor]] = {}
