@@ -53,10 +53,23 @@ Best first_nan(const float* x, int64_t n) {
   return b;
 }
 
+// The best of `lanes` lane results (value, first index): the largest value, the smallest index
+// among the lanes that hold it (lanes that saw no value hold -inf and index 0).
+Best lane_best(const float* value, const int32_t* index, int64_t lanes) {
+  Best b;
+  for (int64_t l = 0; l < lanes; ++l) {
+    if (b.index < 0 || value[l] > b.value || (value[l] == b.value && index[l] < b.index)) {
+      b.value = value[l];
+      b.index = index[l];
+    }
+  }
+  return b;
+}
+
 // One pass over the span: per vector lane the largest value so far and its first index (a
 // strictly greater value replaces it, so each lane keeps its first), two lane sets to hide the
-// compare-and-blend latency; then the largest over the lanes, the smallest index among the
-// lanes that hold it. A NaN anywhere sends the span to `first_nan`.
+// compare-and-blend latency; then `lane_best` over both sets. A NaN anywhere sends the span to
+// `first_nan`.
 Best span_argmax(const float* x, int64_t n) {
   if (n <= 0) return Best{};
 #if defined(__AVX512F__)
@@ -88,16 +101,13 @@ Best span_argmax(const float* x, int64_t n) {
     idx = _mm512_add_epi32(idx, step);
   }
   if (nan) return first_nan(x, n);
-  // the second set into the first: greater, or equal with a smaller index
-  const __mmask16 take = _mm512_cmp_ps_mask(best[1], best[0], _CMP_GT_OQ) |
-                         (_mm512_cmp_ps_mask(best[1], best[0], _CMP_EQ_OQ) &
-                          _mm512_cmplt_epi32_mask(at[1], at[0]));
-  best[0] = _mm512_mask_mov_ps(best[0], take, best[1]);
-  at[0] = _mm512_mask_mov_epi32(at[0], take, at[1]);
-  alignas(64) float bv[W];
-  alignas(64) int32_t bi[W];
-  _mm512_store_ps(bv, best[0]);
-  _mm512_store_si512(bi, at[0]);
+  alignas(64) float bv[2 * W];
+  alignas(64) int32_t bi[2 * W];
+  for (int u = 0; u < 2; ++u) {
+    _mm512_store_ps(bv + u * W, best[u]);
+    _mm512_store_si512(bi + u * W, at[u]);
+  }
+  return lane_best(bv, bi, 2 * W);
 #elif defined(__AVX2__)
   constexpr int64_t W = 8;
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -131,24 +141,11 @@ Best span_argmax(const float* x, int64_t n) {
     _mm256_store_ps(bv + u * W, best[u]);
     _mm256_store_si256(reinterpret_cast<__m256i*>(bi + u * W), at[u]);
   }
-  constexpr int64_t W2 = 2 * W;
+  return lane_best(bv, bi, 2 * W);
 #else
   for (int64_t i = 0; i < n; ++i)
     if (x[i] != x[i]) return first_nan(x, n);
   return scalar_argmax(x, n);
-#endif
-#if defined(__AVX512F__) || defined(__AVX2__)
-#if defined(__AVX512F__)
-  constexpr int64_t W2 = W;
-#endif
-  Best b;
-  for (int64_t l = 0; l < W2; ++l) {  // lanes that saw no value keep -inf and index 0
-    if (b.index < 0 || bv[l] > b.value || (bv[l] == b.value && bi[l] < b.index)) {
-      b.value = bv[l];
-      b.index = bi[l];
-    }
-  }
-  return b;
 #endif
 }
 

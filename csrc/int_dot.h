@@ -430,14 +430,9 @@ struct Kernels {
                              int64_t j) {
     auto xg = [&](int g) { return _mm512_set1_epi32(x_group(q, 8 * j + g)); };
     if constexpr (kVnni) {
-      // Two chains of 4 (the low and the high nibbles): exact int32 sums, so the order is free;
-      // one chain of 8 dependent vpdpbusd bound a block by their latency.
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int i = 0; i < 4; ++i) {
-        s0 = dot(s0, lo[i], xg(i));
-        s1 = dot(s1, hi[i], xg(4 + i));
-      }
-      return _mm512_add_epi32(s0, s1);
+      __m512i s = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) s = dot(dot(s, lo[i], xg(i)), hi[i], xg(4 + i));
+      return s;
     } else {
       __m512i s = _mm512_maddubs_epi16(lo[0], xg(0));
       s = _mm512_add_epi16(s, _mm512_maddubs_epi16(hi[0], xg(4)));
@@ -480,20 +475,16 @@ struct Kernels {
           }
         }
         for (int b = 0; b < B; ++b) {
-          // Two chains of 4 groups (exact int32 sums: the order is free), the first starting
-          // from VNNI's -128 * sum(x) correction.
-          __m512i s0 = kVnni ? _mm512_set1_epi32(-128 * xs[b].s[j]) : _mm512_setzero_si512();
-          __m512i s1 = _mm512_setzero_si512();
+          __m512i s = _mm512_setzero_si512();
           for (int i = 0; i < 8; ++i) {
             const __m512i xg = _mm512_set1_epi32(x_group(xs[b].q, 8 * j + i));
-            __m512i& s = i % 2 ? s1 : s0;
             if constexpr (kVnni) {
               s = dot(s, wv[i], xg);
             } else {
               s = dot(s, wv[i], _mm512_mask_sub_epi8(xg, neg[i], _mm512_setzero_si512(), xg));
             }
           }
-          const __m512i s = _mm512_add_epi32(s0, s1);
+          if constexpr (kVnni) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xs[b].s[j]));
           acc[b][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(xs[b].d[j]),
                                       acc[b][p]);
         }
@@ -649,13 +640,10 @@ struct Kernels {
   // widened once by vpmaddwd (`kCodeSumBound`).
   static inline __m256i dot4(const __m256i (&lo)[4], const __m256i (&hi)[4],
                              const __m256i (&xg)[8]) {
-    if constexpr (kVnni) {  // two chains of 4, as the AVX-512 level's
-      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-      for (int i = 0; i < 4; ++i) {
-        s0 = dot(s0, lo[i], xg[i]);
-        s1 = dot(s1, hi[i], xg[4 + i]);
-      }
-      return _mm256_add_epi32(s0, s1);
+    if constexpr (kVnni) {
+      __m256i s = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) s = dot(dot(s, lo[i], xg[i]), hi[i], xg[4 + i]);
+      return s;
     } else {
       __m256i s = _mm256_maddubs_epi16(lo[0], xg[0]);
       s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[0], xg[4]));
@@ -757,19 +745,17 @@ struct Kernels {
         x_groups(xs[b].q, j, xg);
         const __m256 dx = _mm256_set1_ps(xs[b].d[j]);
         for (int h = 0; h < 2; ++h) {
-          __m256i s0 = kVnni ? _mm256_set1_epi32(-128 * xs[b].s[j]) : _mm256_setzero_si256();
-          __m256i s1 = _mm256_setzero_si256();
+          __m256i s = _mm256_setzero_si256();
           for (int i = 0; i < 8; ++i) {
             const __m256i v =
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wj + i * gs + 32 * h));
-            __m256i& s = i % 2 ? s1 : s0;
             if constexpr (kVnni) {
               s = dot(s, _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))), xg[i]);
             } else {
               s = dot(s, _mm256_abs_epi8(v), _mm256_sign_epi8(xg[i], v));
             }
           }
-          const __m256i s = _mm256_add_epi32(s0, s1);
+          if constexpr (kVnni) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * xs[b].s[j]));
           __m256& a = acc[b][p][h];
           a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dx, a);
         }
@@ -805,18 +791,16 @@ struct Kernels {
           }
         }
         for (int b = 0; b < B; ++b) {
-          __m256i s0 = kVnni ? _mm256_set1_epi32(-128 * xs[b].s[j]) : _mm256_setzero_si256();
-          __m256i s1 = _mm256_setzero_si256();
+          __m256i s = _mm256_setzero_si256();
           for (int i = 0; i < 8; ++i) {
             const __m256i xg = _mm256_set1_epi32(x_group(xs[b].q, 8 * j + i));
-            __m256i& s = i % 2 ? s1 : s0;
             if constexpr (kVnni) {
               s = dot(s, wv[i], xg);
             } else {
               s = dot(s, wv[i], _mm256_sign_epi8(xg, sv[i]));
             }
           }
-          const __m256i s = _mm256_add_epi32(s0, s1);
+          if constexpr (kVnni) s = _mm256_sub_epi32(s, _mm256_set1_epi32(128 * xs[b].s[j]));
           __m256& a = acc[b][j % kGroup];
           a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(xs[b].d[j]), a);
         }
