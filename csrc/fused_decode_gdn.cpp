@@ -104,12 +104,23 @@ inline const float* read_row(const c10::BFloat16* row, float* buf, int64_t n) {
 inline float* write_row(float* row, float*) { return row; }
 inline float* write_row(c10::BFloat16*, float* buf) { return buf; }
 
+// The inputs of value head h of batch row b's delta rule: its L2-normalised k and q (into
+// w.kn, w.qn), its v, decay exp(g) and beta.
+struct HeadIn {
+  const float* v;
+  float decay, beta;
+};
+
 // Scratch of one thread for `delta_head` and `chain_head`.
 struct HeadScratch {
   std::vector<float> buf;
   float *kn, *qn, *kv, *qs, *in_row, *out_row;
-  std::vector<float> state;     // chain_head's Dk x Dv state (allocated on first use)
-  std::vector<vec::bf16_t> tmp;  // chain_head's rounding row (Dv)
+  // chain_head's (allocated on first use): a column block of the state (Dk x kChainCols), the
+  // rounding row (Dv), and per position its normalised k and q (Dk each), its delta (Dv), its
+  // k . q and its inputs.
+  std::vector<float> block, pos_kn, pos_qn, pos_kv, pos_kq;
+  std::vector<HeadIn> pos_in;
+  std::vector<vec::bf16_t> tmp;
   HeadScratch(int64_t dk, int64_t dv) : buf(2 * dk + 4 * dv) {
     kn = buf.data();
     qn = kn + dk;
@@ -118,13 +129,6 @@ struct HeadScratch {
     in_row = qs + dv;
     out_row = in_row + dv;
   }
-};
-
-// The inputs of value head h of batch row b's delta rule: its L2-normalised k and q (into
-// w.kn, w.qn), its v, decay exp(g) and beta.
-struct HeadIn {
-  const float* v;
-  float decay, beta;
 };
 
 template <typename C, typename S>
@@ -149,13 +153,15 @@ HeadIn head_inputs(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b,
 inline const float* vec_rows(const float* p) { return p; }
 inline const vec::bf16_t* vec_rows(const c10::BFloat16* p) { return fused::raw(p); }
 
-// The read pass over a Dk x Dv state (rows of Dv, float32 or bfloat16): kv = S^T k, qs = S^T q,
-// each column summed over the rows in order with fused multiply-adds; kColVecs vectors of
+// The read pass over Dv columns of a Dk-row state (rows `stride` apart, float32 or bfloat16):
+// kv = S^T k, qs = S^T q, each column summed over the rows in order with fused multiply-adds
+// (so a column's sums do not depend on which columns are read with it); kColVecs vectors of
 // columns stay in registers over all the rows.
 constexpr int kColVecs = 4;
+constexpr int64_t kChainCols = kColVecs * vec::kLanes;  // a chain's column block
 template <typename T>
-VLLM_MAMBA_NOINLINE void read_pass(const T* st, int64_t dk, int64_t dv, const float* kn,
-                                   const float* qn, float* kv, float* qs) {
+VLLM_MAMBA_NOINLINE void read_pass(const T* st, int64_t dk, int64_t dv, int64_t stride,
+                                   const float* kn, const float* qn, float* kv, float* qs) {
   constexpr int L = vec::kLanes;
   int64_t j0 = 0;
   for (; j0 + kColVecs * L <= dv; j0 += kColVecs * L) {
@@ -163,7 +169,7 @@ VLLM_MAMBA_NOINLINE void read_pass(const T* st, int64_t dk, int64_t dv, const fl
     for (int u = 0; u < kColVecs; ++u) ak[u] = aq[u] = vec::zero();
     for (int64_t i = 0; i < dk; ++i) {
       const vec::Vf k = vec::set1(kn[i]), q = vec::set1(qn[i]);
-      const T* r = st + i * dv + j0;
+      const T* r = st + i * stride + j0;
       for (int u = 0; u < kColVecs; ++u) {
         const vec::Vf x = vec::load(r + u * L);
         ak[u] = vec::fma(x, k, ak[u]);
@@ -179,7 +185,7 @@ VLLM_MAMBA_NOINLINE void read_pass(const T* st, int64_t dk, int64_t dv, const fl
     const int n = static_cast<int>(std::min<int64_t>(L, dv - j0));
     vec::Vf ak = vec::zero(), aq = vec::zero();
     for (int64_t i = 0; i < dk; ++i) {
-      const vec::Vf x = vec::load_n(st + i * dv + j0, n);
+      const vec::Vf x = vec::load_n(st + i * stride + j0, n);
       ak = vec::fma(x, vec::set1(kn[i]), ak);
       aq = vec::fma(x, vec::set1(qn[i]), aq);
     }
@@ -188,19 +194,27 @@ VLLM_MAMBA_NOINLINE void read_pass(const T* st, int64_t dk, int64_t dv, const fl
   }
 }
 
-// After the read pass: the rule's delta (into kv, which held S^T k) and the read-out
-// o = exp(g) S^T q + (k . q) delta.
-VLLM_MAMBA_NOINLINE void finish_read(const HeadIn& in, const float* kn, const float* qn,
-                                     float* kv, const float* qs, float* o, int64_t dk,
-                                     int64_t dv) {
+// k . q of a value head's normalised k and q (the read-out's (k . q) delta term).
+VLLM_MAMBA_NOINLINE float dot_kq(const float* kn, const float* qn, int64_t dk) {
   float kq = 0.0f;
 #pragma omp simd reduction(+ : kq)
   for (int64_t i = 0; i < dk; ++i) kq += kn[i] * qn[i];
-#pragma omp simd
-  for (int64_t j = 0; j < dv; ++j) {
-    const float delta = in.beta * (in.v[j] - in.decay * kv[j]);
-    kv[j] = delta;
-    o[j] = in.decay * qs[j] + kq * delta;
+  return kq;
+}
+
+// After the read pass, for n columns: the rule's delta = beta (v - decay S^T k) (into kv, which
+// held S^T k) and the read-out o = decay S^T q + (k . q) delta; explicit vectors, so that each
+// column's arithmetic is the same wherever it sits in a call.
+VLLM_MAMBA_NOINLINE void finish_read(const HeadIn& in, float kq, const float* v, float* kv,
+                                     const float* qs, float* o, int64_t n) {
+  constexpr int L = vec::kLanes;
+  const vec::Vf beta = vec::set1(in.beta), decay = vec::set1(in.decay);
+  const vec::Vf neg_decay = vec::set1(-in.decay), vkq = vec::set1(kq);
+  for (int64_t j = 0; j < n; j += L) {
+    const int m = static_cast<int>(std::min<int64_t>(L, n - j));
+    const vec::Vf delta = vec::mul(beta, vec::fma(neg_decay, vec::load_n(kv + j, m), vec::load_n(v + j, m)));
+    vec::store_n(kv + j, delta, m);
+    vec::store_n(o + j, vec::fma(vkq, delta, vec::mul(decay, vec::load_n(qs + j, m))), m);
   }
 }
 
@@ -226,6 +240,34 @@ inline void round_row(const float*, float*, vec::bf16_t*, int64_t) {}
 inline void round_row(const c10::BFloat16*, float* row, vec::bf16_t* tmp, int64_t n) {
   gemv::store_state(row, tmp, n);
   gemv::load_state(tmp, row, n);
+}
+
+// A column block's update over all its Dk rows (each `m` wide): row i = kn[i] delta + decay row i,
+// the arithmetic of `update_row`, each row then rounded as S stores it (`round_row`); a full
+// block (kChainCols columns) keeps delta in registers.
+template <typename S>
+VLLM_MAMBA_NOINLINE void update_block(float* blk, int64_t dk, int64_t m, float decay,
+                                      const float* kn, const float* delta, vec::bf16_t* tmp) {
+  constexpr int L = vec::kLanes;
+  const S* tag = nullptr;
+  if (m != kChainCols) {
+    for (int64_t i = 0; i < dk; ++i) {
+      update_row(blk + i * m, decay, kn[i], delta, blk + i * m, m);
+      round_row(tag, blk + i * m, tmp, m);
+    }
+    return;
+  }
+  const vec::Vf vd = vec::set1(decay);
+  vec::Vf dl[kColVecs];
+  for (int u = 0; u < kColVecs; ++u) dl[u] = vec::load(delta + u * L);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* r = blk + i * kChainCols;
+    const vec::Vf k = vec::set1(kn[i]);
+    for (int u = 0; u < kColVecs; ++u) {
+      vec::store(r + u * L, vec::fma(k, dl[u], vec::mul(vd, vec::load(r + u * L))));
+    }
+    round_row(tag, r, tmp, kChainCols);
+  }
 }
 
 // n state values copied out as float32, and n float32 values stored as the state dtype
@@ -266,8 +308,8 @@ void delta_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, in
     const int64_t src_slot = io.src_slots ? io.src_slots[b] : slot;
     const S* src = io.ssm_states + (src_slot * d.v_heads + h) * dk * dv;
     S* dst = io.ssm_states + (slot * d.v_heads + h) * dk * dv;
-    read_pass(vec_rows(src), dk, dv, w.kn, w.qn, w.kv, w.qs);
-    finish_read(in, w.kn, w.qn, w.kv, w.qs, o, dk, dv);
+    read_pass(vec_rows(src), dk, dv, dv, w.kn, w.qn, w.kv, w.qs);
+    finish_read(in, dot_kq(w.kn, w.qn, dk), in.v, w.kv, w.qs, o, dv);
     for (int64_t i = 0; i < dk; ++i) {
       const float* sr = read_row(src + i * dv, w.in_row, dv);
       float* nr = write_row(dst + i * dv, w.out_row);
@@ -279,39 +321,65 @@ void delta_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, in
 }
 
 // Value head h of one speculative chain whose positions are the rows `rows` (n > 1, in order),
-// logged instead of writing each position's state (`Io::log`): the state stays in `st` (Dk x
-// Dv float32, each position's values rounded as S stores them) from the chain's start state
-// (its first row's source slot) to its last position, whose state goes to that row's slot (the
-// sequence's); the first row's own slot (the chain's first spare slot) keeps a copy of the start
-// state, and the slot of every row but the last keeps its record: the normalised k (Dk), the
+// logged instead of writing each position's state (`Io::log`): the chain's start state (its
+// first row's source slot) is copied to the first row's own slot (the chain's first spare
+// slot), then advanced through every position a column block at a time (kChainCols columns of
+// all Dk rows, float32 in w.block, each position's values rounded as S stores them: the rule
+// reads and updates each column on its own, so a block stays in the core's first cache over
+// all the positions), and each block's last state goes to the last row's slot (the
+// sequence's). The slot of every row but the last keeps its record: the normalised k (Dk), the
 // delta (Dv) and the decay, all a replay needs (`gdn_chain_replay`) to rebuild the state after
 // any position from the start bit for bit.
 template <typename C, typename S>
 void chain_head(const Dims& d, const Small& s, const Io<C, S>& io, const int64_t* rows, int64_t n,
-                int64_t h, HeadScratch& w, float* st, vec::bf16_t* tmp) {
+                int64_t h, HeadScratch& w) {
   const int64_t dk = d.dk, dv = d.dv, size = dk * dv, rec = dk + dv + 1;
-  const S* start = io.ssm_states + (io.src_slots[rows[0]] * d.v_heads + h) * size;
-  std::copy(start, start + size, io.ssm_states + (io.slots[rows[0]] * d.v_heads + h) * size);
-  get_rows(start, st, size);
-  for (int64_t p = 0; p < n; ++p) {
-    const int64_t b = rows[p];
-    float* o = io.y + b * d.value_dim + h * dv;
-    const HeadIn in = head_inputs(d, s, io, b, h, w);
-    read_pass(st, dk, dv, w.kn, w.qn, w.kv, w.qs);
-    finish_read(in, w.kn, w.qn, w.kv, w.qs, o, dk, dv);
-    for (int64_t i = 0; i < dk; ++i) {
-      update_row(st + i * dv, in.decay, w.kn[i], w.kv, st + i * dv, dv);
-      round_row(start, st + i * dv, tmp, dv);
-    }
-    if (p + 1 < n) {
-      float* r = io.log + (io.slots[b] * d.v_heads + h) * rec;
-      std::copy(w.kn, w.kn + dk, r);
-      std::copy(w.kv, w.kv + dv, r + dk);
-      r[dk + dv] = in.decay;
-    }
-    gate_head(d, s, io, b, h, o);
+  const int64_t cols = std::min(kChainCols, dv);
+  if (w.block.size() < static_cast<size_t>(dk * cols)) {
+    w.block.resize(dk * cols);
+    w.tmp.resize(dv);
   }
-  put_rows(st, io.ssm_states + (io.slots[rows[n - 1]] * d.v_heads + h) * size, size);
+  if (w.pos_kv.size() < static_cast<size_t>(n * dv)) {
+    w.pos_kn.resize(n * dk);
+    w.pos_qn.resize(n * dk);
+    w.pos_kv.resize(n * dv);
+    w.pos_kq.resize(n);
+    w.pos_in.resize(n);
+  }
+  HeadIn* in = w.pos_in.data();
+  for (int64_t p = 0; p < n; ++p) {  // each position's inputs, from its own row
+    in[p] = head_inputs(d, s, io, rows[p], h, w);
+    w.pos_kq[p] = dot_kq(w.kn, w.qn, dk);
+    std::copy(w.kn, w.kn + dk, w.pos_kn.data() + p * dk);
+    std::copy(w.qn, w.qn + dk, w.pos_qn.data() + p * dk);
+  }
+  const S* start = io.ssm_states + (io.src_slots[rows[0]] * d.v_heads + h) * size;
+  S* spare = io.ssm_states + (io.slots[rows[0]] * d.v_heads + h) * size;
+  S* last = io.ssm_states + (io.slots[rows[n - 1]] * d.v_heads + h) * size;
+  std::copy(start, start + size, spare);  // the start state's copy (`last` may be `start`)
+  float* blk = w.block.data();
+  for (int64_t j0 = 0; j0 < dv; j0 += cols) {  // columns [j0, j0 + m) over every position
+    const int64_t m = std::min(cols, dv - j0);
+    for (int64_t i = 0; i < dk; ++i) get_rows(spare + i * dv + j0, blk + i * m, m);
+    for (int64_t p = 0; p < n; ++p) {
+      const float* kn = w.pos_kn.data() + p * dk;
+      float* kv = w.pos_kv.data() + p * dv + j0;
+      read_pass(blk, dk, m, m, kn, w.pos_qn.data() + p * dk, kv, w.qs);
+      finish_read(in[p], w.pos_kq[p], in[p].v + j0, kv, w.qs,
+                  io.y + rows[p] * d.value_dim + h * dv + j0, m);
+      update_block<S>(blk, dk, m, in[p].decay, kn, kv, w.tmp.data());
+    }
+    for (int64_t i = 0; i < dk; ++i) put_rows(blk + i * m, last + i * dv + j0, m);
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    if (p + 1 < n) {
+      float* r = io.log + (io.slots[rows[p]] * d.v_heads + h) * rec;
+      std::copy(w.pos_kn.data() + p * dk, w.pos_kn.data() + (p + 1) * dk, r);
+      std::copy(w.pos_kv.data() + p * dv, w.pos_kv.data() + (p + 1) * dv, r + dk);
+      r[dk + dv] = in[p].decay;
+    }
+    gate_head(d, s, io, rows[p], h, io.y + rows[p] * d.value_dim + h * dv);
+  }
 }
 
 template <typename C, typename S>
@@ -332,18 +400,13 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
 #pragma omp barrier
     if (io.log) {  // logged chains: each head's chains on one thread, a chain's state kept
       split(d.v_heads, 1, tid, nth, lo, hi);
-      if (lo < hi && scratch.state.empty()) {
-        scratch.state.resize(d.dk * d.dv);
-        scratch.tmp.resize(d.dv);
-      }
       for (int64_t h = lo; h < hi; ++h) {
         for (const std::vector<int64_t>& rows : *io.chains) {
           const int64_t n = static_cast<int64_t>(rows.size());
           if (n == 1) {
             delta_head(d, s, io, rows[0], h, scratch);
           } else {
-            chain_head(d, s, io, rows.data(), n, h, scratch, scratch.state.data(),
-                       scratch.tmp.data());
+            chain_head(d, s, io, rows.data(), n, h, scratch);
           }
         }
       }
