@@ -23,12 +23,14 @@
 // The recurrent state is read from src and written to dst in the same pass; the conv history
 // (K - 1 values per channel) is copied first and shifted in place.
 // With a `chain_log` the chains' recurrent states are logged instead (`chain_head`): a chain
-// keeps its state in a thread's scratch from position to position and writes only its last
-// position's state (to the sequence's slot) and its start state (to its first spare slot),
-// with each position's record (normalised k, delta, decay: Dk + Dv + 1 floats a head) in the
-// chain log at that position's slot; `gdn_chain_replay` rebuilds the state after any position
-// from the start state and the records, bit for bit. A chain of 5 positions so moves its 1 MiB
-// state (Qwen3.5: 16 heads of 128 x 128) about three times instead of eleven.
+// keeps its state in a thread's scratch from position to position and writes no position's
+// state: the sequence's slot keeps the start state, the chain's first spare slot gets a copy of
+// it, and each position leaves its record (normalised k, delta, decay: Dk + Dv + 1 floats a
+// head) in the chain log at its row's slot. `gdn_chain_replay` then brings the state to the
+// kept position (in place in the sequence's slot, or from the spare copy), bit for bit. A
+// chain of 5 positions so moves its 1 MiB state (Qwen3.5: 16 heads of 128 x 128) twice (read,
+// copied with non-temporal stores), and the replay twice more, where writing every position
+// would move it eleven times.
 //
 // Up to `kGemvMaxBatch` rows, or a chain of any length, one OpenMP region per call: the rows of
 // all input projections (one range over their concatenated outputs, with the conv fused per
@@ -46,7 +48,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include "fused_decode.h"
 #include "fused_decode_delta.h"
@@ -320,16 +327,33 @@ void delta_head(const Dims& d, const Small& s, const Io<C, S>& io, int64_t b, in
   gate_head(d, s, io, b, h, o);
 }
 
+// A state copy with non-temporal stores where the destination allows (x86 with AVX, 32-byte
+// aligned, whole vectors): no read for ownership, so a copy moves its bytes once each way, and
+// the copy does not evict what the caches hold. For the start state a chain leaves in its
+// spare slot, which only a later rollback reads.
+inline void stream_copy(const void* src, void* dst, size_t bytes) {
+#if defined(__AVX__)
+  if (reinterpret_cast<uintptr_t>(dst) % 32 == 0 && bytes % 32 == 0) {
+    auto* d = static_cast<__m256i*>(dst);
+    const auto* from = static_cast<const __m256i*>(src);
+    for (size_t i = 0; i < bytes / 32; ++i) _mm256_stream_si256(d + i, _mm256_loadu_si256(from + i));
+    _mm_sfence();
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
 // Value head h of one speculative chain whose positions are the rows `rows` (n > 1, in order),
-// logged instead of writing each position's state (`Io::log`): the chain's start state (its
-// first row's source slot) is copied to the first row's own slot (the chain's first spare
-// slot), then advanced through every position a column block at a time (kChainCols columns of
+// logged instead of writing each position's state (`Io::log`). The chain's start state (its
+// first row's source slot, the sequence's) is left as it is, and copied to the first row's own
+// slot (the chain's first spare slot; `stream_copy`); no position's state is written. The
+// state is advanced through every position a column block at a time (kChainCols columns of
 // all Dk rows, float32 in w.block, each position's values rounded as S stores them: the rule
 // reads and updates each column on its own, so a block stays in the core's first cache over
-// all the positions), and each block's last state goes to the last row's slot (the
-// sequence's). The slot of every row but the last keeps its record: the normalised k (Dk), the
-// delta (Dv) and the decay, all a replay needs (`gdn_chain_replay`) to rebuild the state after
-// any position from the start bit for bit.
+// all the positions). Every row's slot keeps its position's record: the normalised k (Dk), the
+// delta (Dv) and the decay, all a replay needs (`gdn_chain_replay`) to bring the start state
+// to any position bit for bit, in place in the sequence's slot or from the spare copy.
 template <typename C, typename S>
 void chain_head(const Dims& d, const Small& s, const Io<C, S>& io, const int64_t* rows, int64_t n,
                 int64_t h, HeadScratch& w) {
@@ -354,30 +378,27 @@ void chain_head(const Dims& d, const Small& s, const Io<C, S>& io, const int64_t
     std::copy(w.qn, w.qn + dk, w.pos_qn.data() + p * dk);
   }
   const S* start = io.ssm_states + (io.src_slots[rows[0]] * d.v_heads + h) * size;
-  S* spare = io.ssm_states + (io.slots[rows[0]] * d.v_heads + h) * size;
-  S* last = io.ssm_states + (io.slots[rows[n - 1]] * d.v_heads + h) * size;
-  std::copy(start, start + size, spare);  // the start state's copy (`last` may be `start`)
+  stream_copy(start, io.ssm_states + (io.slots[rows[0]] * d.v_heads + h) * size, size * sizeof(S));
   float* blk = w.block.data();
   for (int64_t j0 = 0; j0 < dv; j0 += cols) {  // columns [j0, j0 + m) over every position
     const int64_t m = std::min(cols, dv - j0);
-    for (int64_t i = 0; i < dk; ++i) get_rows(spare + i * dv + j0, blk + i * m, m);
+    for (int64_t i = 0; i < dk; ++i) get_rows(start + i * dv + j0, blk + i * m, m);
     for (int64_t p = 0; p < n; ++p) {
       const float* kn = w.pos_kn.data() + p * dk;
       float* kv = w.pos_kv.data() + p * dv + j0;
       read_pass(blk, dk, m, m, kn, w.pos_qn.data() + p * dk, kv, w.qs);
       finish_read(in[p], w.pos_kq[p], in[p].v + j0, kv, w.qs,
                   io.y + rows[p] * d.value_dim + h * dv + j0, m);
-      update_block<S>(blk, dk, m, in[p].decay, kn, kv, w.tmp.data());
+      if (p + 1 < n) {  // (the state after the last position is not kept)
+        update_block<S>(blk, dk, m, in[p].decay, kn, kv, w.tmp.data());
+      }
     }
-    for (int64_t i = 0; i < dk; ++i) put_rows(blk + i * m, last + i * dv + j0, m);
   }
   for (int64_t p = 0; p < n; ++p) {
-    if (p + 1 < n) {
-      float* r = io.log + (io.slots[rows[p]] * d.v_heads + h) * rec;
-      std::copy(w.pos_kn.data() + p * dk, w.pos_kn.data() + (p + 1) * dk, r);
-      std::copy(w.pos_kv.data() + p * dv, w.pos_kv.data() + (p + 1) * dv, r + dk);
-      r[dk + dv] = in[p].decay;
-    }
+    float* r = io.log + (io.slots[rows[p]] * d.v_heads + h) * rec;
+    std::copy(w.pos_kn.data() + p * dk, w.pos_kn.data() + (p + 1) * dk, r);
+    std::copy(w.pos_kv.data() + p * dv, w.pos_kv.data() + (p + 1) * dv, r + dk);
+    r[dk + dv] = in[p].decay;
     gate_head(d, s, io, rows[p], h, io.y + rows[p] * d.value_dim + h * dv);
   }
 }

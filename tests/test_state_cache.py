@@ -118,31 +118,35 @@ class _Logged(StatefulLayer):
 @pytest.mark.parametrize("active", [True, False])
 def test_rollback_replays_logged_states_and_copies_the_rest(active: bool) -> None:
     """`StateCache.rollback`: the states of a layer whose last chain was logged (layer 0 when
-    `active`) are rebuilt from the start state in the chain's first spare slot through the kept
-    positions' records; every other state (the conv histories, a layer whose last chain ran
-    unfused, a layer without a log) is copied from the last kept position's spare slot."""
+    `active`) are rebuilt from each chain's start slot (the sequence's own, in place, or a
+    spare) through the kept positions' records; every other state (the conv histories, a
+    layer whose last chain ran unfused, a layer without a log) is copied from the last kept
+    position's slot, and stays as it is where that is the sequence's slot."""
     g = torch.Generator().manual_seed(3)
     layers = torch.nn.Sequential(_Logged(True), _Logged(True), _Logged(False))
-    cache = StateCache([m.state_spec() for m in layers], 8, torch.device("cpu"))
+    cache = StateCache([m.state_spec() for m in layers], 10, torch.device("cpu"))
     cache.bind(layers)
     for i, m in enumerate(layers):
         for t in cache.layer(i).values():
             t.copy_(torch.randn(t.shape, generator=g))
         if m.chain_log is not None:
-            m.chain_log.buffer(cache.layer(i)["recurrent"]).copy_(torch.rand(8, 2, 8, generator=g))
+            m.chain_log.buffer(cache.layer(i)["recurrent"]).copy_(torch.rand(10, 2, 8, generator=g))
     layers[0].chain_log.active = active
     before = [{n: t.clone() for n, t in cache.layer(i).items()} for i in range(3)]
-    chains = [([4, 5, 6], 0), ([7], 1)]  # chain 0 keeps 3 positions, chain 1 one
+    # (start, positions, slot): chain 0 keeps 3 positions from a spare start copy, chain 1 one
+    # position, chain 2 its whole chain (its last position wrote slot 2) from its own slot.
+    chains = [(4, [4, 5, 6], 0), (7, [7], 1), (2, [8, 9, 2], 2)]
     cache.rollback(chains)
     for i, m in enumerate(layers):
         state = cache.layer(i)
-        for spares, slot in chains:
-            assert torch.equal(state["conv"][slot], before[i]["conv"][spares[-1]])
+        for start, positions, slot in chains:
+            assert torch.equal(state["conv"][slot], before[i]["conv"][positions[-1]])
             if i > 0 or not active:
-                assert torch.equal(state["recurrent"][slot], before[i]["recurrent"][spares[-1]])
+                want = before[i]["recurrent"][positions[-1]]
+                assert torch.equal(state["recurrent"][slot], want)
                 continue
-            want = before[i]["recurrent"][spares[0]]
-            for r in spares:
+            want = before[i]["recurrent"][start]
+            for r in positions:
                 k, delta, decay = m.chain_log.tensor[r].split([3, 4, 1], dim=-1)
                 want = decay[..., None] * want + k[..., None] * delta[:, None, :]
             torch.testing.assert_close(state["recurrent"][slot], want, rtol=0, atol=1e-6)

@@ -216,33 +216,36 @@ class StateCache:
             for t in group.values():
                 t[:, dst_t] = t[:, src_t]
 
-    def rollback(self, chains: list[tuple[list[int], int]]) -> None:
-        """Brings sequences back to a position of their last speculative chain.
+    def rollback(self, chains: list[tuple[int, list[int], int]]) -> None:
+        """Brings sequences to a position of their last speculative chain.
 
         Args:
-            chains: per sequence, the spare slots of the chain positions it keeps (positions
-                0 to m - 1, `m >= 1`) and its own slot. Each state is copied back from the
-                last kept position's spare slot, except where the layer's last chain step
-                logged it (`layers.chain_log`): that state is replayed from the start state in
-                the first spare slot through the records of the kept positions.
+            chains: per sequence `(start, positions, slot)`: `positions` the slots that the
+                chain's kept positions 0 to m - 1 wrote (`m >= 1`; the chain's last position
+                writes the sequence's `slot`), `start` the slot holding the chain's start
+                state (the sequence's slot until the step that ran the chain has committed it,
+                the chain's first spare slot after). A state that the layer's last chain step
+                logged (`layers.chain_log`) is replayed from `start` through the records of
+                the kept positions; every other state is copied from the last kept
+                position's slot (nothing to copy when that is `slot`).
         """
-        if not chains:
-            return
         logged = {
             i: log
             for i, layer in enumerate(self._bound)
             if (log := getattr(layer, "chain_log", None)) is not None and log.active
         }
-        src, dst = [spares[-1] for spares, _ in chains], [slot for _, slot in chains]
+        copies = [(p[-1], slot) for _, p, slot in chains if p[-1] != slot]
         if not logged:
-            self.copy_slots(src, dst)
+            self.copy_slots([s for s, _ in copies], [d for _, d in copies])
             return
-        width = max(len(spares) for spares, _ in chains)
+        if not chains:
+            return
+        width = max(len(p) for _, p, _ in chains)
         records = torch.tensor(
-            [spares + [-1] * (width - len(spares)) for spares, _ in chains], dtype=torch.long
+            [p + [-1] * (width - len(p)) for _, p, _ in chains], dtype=torch.long
         )  # (n, R)
-        start = torch.tensor([spares[0] for spares, _ in chains], dtype=torch.long)  # (n,)
-        dst_t = torch.tensor(dst, dtype=torch.long)  # (n,)
+        start = torch.tensor([s for s, _, _ in chains], dtype=torch.long)  # (n,)
+        dst_t = torch.tensor([slot for _, _, slot in chains], dtype=torch.long)  # (n,)
         for group, layers in zip(self.tensors, self._group_layers, strict=True):
             for name, t in group.items():  # t: (layers of the group, S, ...)
                 logs = {
@@ -251,7 +254,7 @@ class StateCache:
                     if (log := logged.get(i)) and log.state == name
                 }
                 copied = [j for j in range(len(layers)) if j not in logs]
-                for s, d in zip(src, dst, strict=True):
+                for s, d in copies:
                     if len(copied) == len(layers):
                         t[:, d].copy_(t[:, s])  # the whole group in one copy
                     else:

@@ -203,11 +203,12 @@ LOG_SHAPES = [SHAPES[0], (64, 1, 2, 12, 80, 4), SHAPES[3]]
 @pytest.mark.parametrize("dtype", [torch.float32, INT4_F32, STATE_BF16])
 def test_logged_chains_replay_every_position_bit_for_bit(chain: str, dtype, shape) -> None:  # noqa: ANN001
     """With a chain log the kernel's outputs and conv histories are those of the chain without
-    it, bit for bit; a chain's sequence slot holds its last state, its first spare slot its
-    start state, the other spare slots' recurrent states are not written; replaying the
-    records of positions 0 to m - 1 from the start gives bit for bit the state the kernel
-    without a log leaves for position m - 1. The reference logs the same records (within the
-    tolerance) and its replay agrees."""
+    it, bit for bit; no position's recurrent state is written: the chain's source slot keeps
+    its start state, its first spare slot gets a copy of it, its other slots stay as they
+    were. Replaying the records of positions 0 to m - 1 (every m, the whole chain included)
+    from the start, in place in the source slot or from the spare copy, gives bit for bit the
+    state the kernel without a log leaves for position m - 1. The reference logs the same
+    records (within the tolerance), leaves the same states and its replay agrees."""
     g = torch.Generator().manual_seed(11)
     params, conv, rec = _case(g, shape, "qwen3_5", dtype, True)
     args = (1e-6, 1e-5, 1.0, torch.float32)
@@ -225,30 +226,31 @@ def test_logged_chains_replay_every_position_bit_for_bit(chain: str, dtype, shap
     conv_r, rec_r, log_r = conv.clone(), rec.clone(), torch.zeros_like(log)
     ref = gd.fused_gdn_decode_ref(x, params, conv_r, rec_r, dst, *args, src, False, log_r)
     torch.testing.assert_close(got, ref, **_tol(dtype, 1))
+    torch.testing.assert_close(rec_r.float(), rec_k.float(), **_tol(dtype, 1))
     for rows in chains:
-        first, last = int(dst[rows[0]]), int(dst[rows[-1]])
-        assert torch.equal(rec_k[last], rec_f[last])
-        assert torch.equal(rec_k[first], rec[int(src[rows[0]])])
-        for b in rows[1:-1]:
-            assert torch.equal(rec_k[dst[b]], rec[dst[b]]), "a middle position's state was written"
-        for slot in (first, last):
-            torch.testing.assert_close(rec_r[slot].float(), rec_k[slot].float(), **_tol(dtype, 1))
-        for b in rows[:-1]:
+        start, first = int(src[rows[0]]), int(dst[rows[0]])
+        assert torch.equal(rec_k[start], rec[start]) and torch.equal(rec_k[first], rec[start])
+        for b in rows[1:]:
+            if int(dst[b]) != start:
+                assert torch.equal(rec_k[dst[b]], rec[dst[b]]), "a position's state was written"
+        assert torch.equal(rec_r[start], rec[start]) and torch.equal(rec_r[first], rec[start])
+        for b in rows:
             torch.testing.assert_close(log_r[dst[b]], log[dst[b]], **_tol(dtype, 1))
-        for m in range(1, len(rows)):
+        for m in range(1, len(rows) + 1):
             records = dst[rows[:m]][None]  # (1, m)
-            for replay, states, records_log in (
-                (cpu_kernels.gdn_chain_replay, rec_k.clone(), log),
-                (gd.gdn_chain_replay_ref, rec_r.clone(), log_r),
-            ):
-                replay(states, records_log, dst[rows[:1]], records, torch.tensor([last]))
-                expect = rec_f[dst[rows[m - 1]]]
-                if replay is cpu_kernels.gdn_chain_replay:
-                    assert torch.equal(states[last], expect), (rows, m)
-                else:
-                    torch.testing.assert_close(
-                        states[last].float(), expect.float(), **_tol(dtype, 1)
-                    )
+            expect = rec_f[dst[rows[m - 1]]]
+            for origin in (start, first):  # in place, or from the spare copy
+                for replay, states, records_log in (
+                    (cpu_kernels.gdn_chain_replay, rec_k.clone(), log),
+                    (gd.gdn_chain_replay_ref, rec_r.clone(), log_r),
+                ):
+                    replay(states, records_log, torch.tensor([origin]), records, src[rows[:1]])
+                    if replay is cpu_kernels.gdn_chain_replay:
+                        assert torch.equal(states[start], expect), (rows, m, origin)
+                    else:
+                        torch.testing.assert_close(
+                            states[start].float(), expect.float(), **_tol(dtype, 1)
+                        )
 
 
 def test_int_dot_is_accepted_and_float_weights_ignore_it() -> None:

@@ -8,10 +8,13 @@ full write per position: a Gated DeltaNet layer of Qwen3.5-0.8B holds 1 MiB a se
 chain of 5 moved about 11 MiB a layer against a plain step's 2.
 
 A layer whose fused kernel logs its chains instead (the GDN's `decode_layer` with `chain_log`)
-leaves in the state tensor `state` only the chain's last state (in the sequence's slot) and its
-start state (in the chain's first spare slot), and per position but the last a small record in
-`tensor` (at that position's spare slot, `(S, *record)` float32). Its `replay` op rebuilds the
-state after any position from the start and the records, bit for bit as the chain computed it.
+writes no position's state to the state tensor `state`: the sequence's slot keeps the chain's
+start state, the chain's first spare slot gets a copy of it, and each position leaves a small
+record in `tensor` (at the slot its row writes, `(S, *record)` float32). Its `replay` op brings
+the start state to any position through the records, bit for bit as the chain computed it: the
+step that ran the chain replays the kept positions in place in the sequence's slot (the whole
+chain too), and a later rollback that the engine asks for (a chain it cut short) replays from
+the spare copy.
 
 `active` says whether the layer's last chain step ran through the logging kernel (the fused
 step sets it, the layer's unfused path clears it), so the rollback (`StateCache.rollback`,

@@ -23,8 +23,9 @@ float32 / bfloat16. Per step the plan asks only whether the step is decode-only,
 count, speculative chains of up to `CHAIN_MAX_ROWS` rows included (`decode_plan.decode_only`).
 Where the backend also has `gated_delta.chain_replay` (and `VLLM_MAMBA_CHAIN_LOG` is not 0),
 the plan gives the mixer a `ChainLog` (`layers.chain_log`) and its chains are logged: the
-kernel writes a chain's last and start states and a record per position instead of every
-position's state, and the rollback replays the records.
+kernel writes no position's state (the sequence's slot keeps the start state, the chain's
+first spare slot gets a copy of it) and a record per position, and the step's rollback replays
+the kept positions' records.
 
 `plan_kda` does the same for a `KimiDeltaAttention` with its backend's `kda.decode_layer` op
 (C++: `fused_kda_decode`, `csrc/fused_decode_kda.cpp`; the reference

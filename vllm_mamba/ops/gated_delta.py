@@ -360,17 +360,21 @@ def _log_chains(
     beta_scale: float,
     **kwargs: Any,
 ) -> Tensor:
-    """`fused_gdn_decode_ref` with a chain log: each chain of several rows leaves its start
-    state in its first row's slot, its last position's state in its last row's slot, and for
-    every row but the last the record `[k (Dk) | delta (Dv) | decay]` per value head in the
-    log at the row's slot, from which `gdn_chain_replay_ref` rebuilds each position's state.
+    """`fused_gdn_decode_ref` with a chain log: each chain of several rows writes no
+    position's recurrent state. Its start state stays in its first row's source slot (the
+    sequence's) and is copied to its first row's slot (the first spare), and every row leaves
+    the record `[k (Dk) | delta (Dv) | decay]` per value head in the log at the row's slot,
+    from which `gdn_chain_replay_ref` brings the start state to any position.
 
     Computed as the chained reference (every position's state written), each record then from
     the rule's own terms: the row's normalised key and gates from its projections and conv
-    window, `delta = beta (v - decay S^T k)` from the state before it."""
+    window, `delta = beta (v - decay S^T k)` from the state before it; then the states the
+    chain wrote are put back (the start state in the source slot and the first spare, every
+    other slot as before)."""
     chains = [rows for rows in chain_rows(dst.tolist(), src.tolist()) if len(rows) > 1]
     starts = {r[0]: (ssm_states[int(src[r[0]])].clone(), conv_states[int(src[r[0]])].clone())
               for r in chains}  # fmt: skip
+    before = {int(dst[b]): ssm_states[int(dst[b])].clone() for rows in chains for b in rows}
     out = fused_gdn_decode_ref(
         hidden, params, conv_states, ssm_states, dst, norm_eps=norm_eps, beta_scale=beta_scale,
         src_state_indices=src, **kwargs,
@@ -389,7 +393,7 @@ def _log_chains(
     for rows in chains:
         state, hist = starts[rows[0]]
         state = state.float()  # (Hv, Dk, Dv)
-        for b in rows[:-1]:
+        for b in rows:
             window = torch.cat([hist.float(), qkv[b, :, None]], dim=-1)  # (CD, K)
             conv = F.silu((window * p["conv_w"].float()).sum(-1))  # (CD,)
             q, k, v = conv.split([key_dim, key_dim, value_dim])
@@ -400,7 +404,12 @@ def _log_chains(
             chain_log[int(dst[b])] = torch.cat([kf, delta, decay[:, None]], dim=-1)
             state = ssm_states[int(dst[b])].float()
             hist = conv_states[int(dst[b])]
-        ssm_states[int(dst[rows[0]])] = starts[rows[0]][0]
+    for slot, state in before.items():  # no position's state stays written
+        ssm_states[slot] = state
+    for rows in chains:
+        start = starts[rows[0]][0]
+        ssm_states[int(src[rows[0]])] = start
+        ssm_states[int(dst[rows[0]])] = start
     return out
 
 

@@ -68,8 +68,8 @@ class CacheCopies(Protocol):
         """Copies every state of slot `src[i]` into slot `dst[i]`."""
         ...
 
-    def rollback_slots(self, chains: Sequence[tuple[list[int], int]]) -> None:
-        """Brings each `(spares, slot)`'s state back to its last kept chain position
+    def rollback_slots(self, chains: Sequence[tuple[int, list[int], int]]) -> None:
+        """Brings each `(start, positions, slot)`'s state to its last kept chain position
         (`StateCache.rollback`)."""
         ...
 
@@ -89,7 +89,7 @@ class LocalCopies:
         """Copies the slots in the state cache."""
         self.cache.copy_slots(list(src), list(dst))
 
-    def rollback_slots(self, chains: Sequence[tuple[list[int], int]]) -> None:
+    def rollback_slots(self, chains: Sequence[tuple[int, list[int], int]]) -> None:
         """Rolls the slots back in the state cache."""
         self.cache.rollback(list(chains))
 

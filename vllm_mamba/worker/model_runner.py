@@ -10,9 +10,11 @@ for and the state copies before the forward (prefix-cache saves and hits), runs 
 forks states for `n > 1`, copies the states of the step's new snapshots into their snapshot
 slots, applies the LM head to the sampled positions (and to prompt positions whose logprobs
 were asked for) and samples; a chain's positions are verified against its drafts
-(`spec_decode.rejection_sampler`) and its state brought back to its last emitted token from
-the spare slot that saved it. With the MTP head it runs the head over the step's rows (first
-drafts in the result) and, in a step of their own, the further drafts (`Step.mtp_drafts`).
+(`spec_decode.rejection_sampler`) and its state brought to its last emitted token: copied
+from the spare slot that saved it, or, for a layer that logged the chain (`layers.chain_log`),
+replayed in place from the start state it left in the sequence's slot. With the MTP head it
+runs the head over the step's rows (first drafts in the result) and, in a step of their own,
+the further drafts (`Step.mtp_drafts`).
 
 What the runner keeps per sequence across steps is its sampling generator: made from the
 request's seed (and the sequence's index) when the sequence is first sampled, dropped when a
@@ -263,18 +265,23 @@ class ModelRunner:
         return self.config.spare_slot_base + chain * self.config.max_drafts + position
 
     def rollback(self, kept: list[tuple[int, int, int]]) -> None:
-        """Brings speculating sequences' states back to their last kept token.
+        """Brings speculating sequences' states back to a position of the previous step's
+        chain that the engine cut short (after this runner's `_verify` had kept more).
 
         Args:
             kept: `(slot, chain, m)` per sequence whose chain's first `m` positions (its last
-                token and `m - 1` accepted drafts) stay computed; the state after position
-                `m - 1` is copied back from its spare slot (or replayed from the chain's
-                records: `layers.chain_log`) unless it was the chain's last.
+                token and `m - 1` accepted drafts) stay computed, `m` less than the chain's
+                length; the state after position `m - 1` is copied back from its spare slot
+                (or replayed from the start state the chain copied into its first spare slot:
+                `layers.chain_log`).
         """
         if not kept:
             return
         self.copies.rollback_slots(
-            [([self.spare_slot(chain, w) for w in range(m)], slot) for slot, chain, m in kept]
+            [
+                (self.spare_slot(chain, 0), [self.spare_slot(chain, w) for w in range(m)], slot)
+                for slot, chain, m in kept
+            ]
         )
 
     def copy_states(self, src: list[int], dst: list[int]) -> None:
@@ -387,7 +394,7 @@ class ModelRunner:
             )
             start += item.num_tokens
         outs = rejection_sample(logits, specs)
-        kept: list[tuple[int, int, int]] = []
+        kept: list[tuple[int, list[int], int]] = []
         for index, (item, out) in enumerate(zip(chains, outs)):
             seq_id = item.seq_id
             result.spec[seq_id] = SpecResult(
@@ -398,9 +405,12 @@ class ModelRunner:
                 num_accepted=out.num_accepted,
                 hidden=hidden[rows[seq_id]].clone() if self.config.keep_sampled_hidden else None,
             )
-            if len(out.token_ids) < item.num_tokens:  # the chain's last position is not kept
-                kept.append((item.slot, index, len(out.token_ids)))
-        self.rollback(kept)
+            n, m = item.num_tokens, len(out.token_ids)
+            positions = [item.slot if w == n - 1 else self.spare_slot(index, w) for w in range(m)]
+            kept.append((item.slot, positions, item.slot))
+        # Each chain's state to its last kept position: copied from that position's spare
+        # slot, or replayed in place from the start state (a logged layer's chain writes none).
+        self.copies.rollback_slots(kept)
 
     def _mtp_pass(
         self,
