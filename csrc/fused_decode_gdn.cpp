@@ -210,18 +210,15 @@ VLLM_MAMBA_NOINLINE float dot_kq(const float* kn, const float* qn, int64_t dk) {
 }
 
 // After the read pass, for n columns: the rule's delta = beta (v - decay S^T k) (into kv, which
-// held S^T k) and the read-out o = decay S^T q + (k . q) delta; explicit vectors, so that each
-// column's arithmetic is the same wherever it sits in a call.
+// held S^T k) and the read-out o = decay S^T q + (k . q) delta, each column on its own (the
+// expressions of `gated_delta_update`'s kernel, so that the unfused path agrees).
 VLLM_MAMBA_NOINLINE void finish_read(const HeadIn& in, float kq, const float* v, float* kv,
                                      const float* qs, float* o, int64_t n) {
-  constexpr int L = vec::kLanes;
-  const vec::Vf beta = vec::set1(in.beta), decay = vec::set1(in.decay);
-  const vec::Vf neg_decay = vec::set1(-in.decay), vkq = vec::set1(kq);
-  for (int64_t j = 0; j < n; j += L) {
-    const int m = static_cast<int>(std::min<int64_t>(L, n - j));
-    const vec::Vf delta = vec::mul(beta, vec::fma(neg_decay, vec::load_n(kv + j, m), vec::load_n(v + j, m)));
-    vec::store_n(kv + j, delta, m);
-    vec::store_n(o + j, vec::fma(vkq, delta, vec::mul(decay, vec::load_n(qs + j, m))), m);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float delta = in.beta * (v[j] - in.decay * kv[j]);
+    kv[j] = delta;
+    o[j] = in.decay * qs[j] + kq * delta;
   }
 }
 
