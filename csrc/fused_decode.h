@@ -247,24 +247,61 @@ constexpr Conv4Shift make_conv4_shift() {
 
 inline constexpr Conv4Shift kConv4Shift = make_conv4_shift();
 
+// Permutes that read 16 width-4 channels' taps and histories from contiguous loads (in place of
+// gathers): tap t of channel c is weight 4 c + t (taps of channels 0-7 from the first two of
+// four vectors, of 8-15 from the last two, `tap` indexing both pairs), history value k of
+// channel c is 3 c + k of 48 (from the first two of three vectors where 3 c + k < 32,
+// `hist_lo`, else from the last two, `hist_hi`, the lanes of `hist_from_hi`).
+struct Conv4Load {
+  int32_t tap[4][16] = {};
+  int32_t hist_lo[3][16] = {};
+  int32_t hist_hi[3][16] = {};
+  uint16_t hist_from_hi[3] = {};
+};
+
+constexpr Conv4Load make_conv4_load() {
+  Conv4Load t;
+  for (int l = 0; l < 16; ++l) {
+    for (int k = 0; k < 4; ++k) t.tap[k][l] = 4 * (l % 8) + k;
+    for (int k = 0; k < 3; ++k) {
+      const int p = 3 * l + k;
+      t.hist_lo[k][l] = p < 32 ? p : 0;
+      t.hist_hi[k][l] = p >= 32 ? p - 16 : 0;
+      if (p >= 32) t.hist_from_hi[k] = static_cast<uint16_t>(t.hist_from_hi[k] | (1u << l));
+    }
+  }
+  return t;
+}
+
+inline constexpr Conv4Load kConv4Load = make_conv4_load();
+
 // Width-4 conv of 16 channels at once (float32 histories, 3 values per channel, interleaved):
-// the taps and histories are gathered into one vector per tap, and the shifted histories
-// interleaved back with two permutes per output vector. Returns the pre-activation values.
+// the taps and histories are read with contiguous loads and sorted into one vector per tap by
+// permutes (`kConv4Load`), and the shifted histories interleaved back with two permutes per
+// output vector. Returns the pre-activation values.
 inline __m512 conv4_update16(const float* v, float* hist, const float* conv_w,
                              const float* conv_b) {
-  const __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i by3 = _mm512_mullo_epi32(j, _mm512_set1_epi32(3));
-  const __m512i by4 = _mm512_slli_epi32(j, 2);
   const __m512 xin = _mm512_loadu_ps(v);
   __m512 acc = conv_b ? _mm512_loadu_ps(conv_b) : _mm512_setzero_ps();
-  const __m512 w_last = _mm512_i32gather_ps(_mm512_add_epi32(by4, _mm512_set1_epi32(3)), conv_w, 4);
-  acc = _mm512_fmadd_ps(w_last, xin, acc);
+  __m512 w[4];  // w[t]: tap t of the 16 channels
+  {
+    const __m512 w0 = _mm512_loadu_ps(conv_w), w1 = _mm512_loadu_ps(conv_w + 16);
+    const __m512 w2 = _mm512_loadu_ps(conv_w + 32), w3 = _mm512_loadu_ps(conv_w + 48);
+    for (int t = 0; t < 4; ++t) {
+      const __m512i idx = _mm512_loadu_si512(kConv4Load.tap[t]);
+      const __m512 lo = _mm512_permutex2var_ps(w0, idx, w1), hi = _mm512_permutex2var_ps(w2, idx, w3);
+      w[t] = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
+    }
+  }
+  acc = _mm512_fmadd_ps(w[3], xin, acc);
+  const __m512 r0 = _mm512_loadu_ps(hist), r1 = _mm512_loadu_ps(hist + 16);
+  const __m512 r2 = _mm512_loadu_ps(hist + 32);
   __m512 h[3];
   for (int k = 0; k < 3; ++k) {
-    h[k] = _mm512_i32gather_ps(_mm512_add_epi32(by3, _mm512_set1_epi32(k)), hist, 4);
-    const __m512i taps = _mm512_add_epi32(by4, _mm512_set1_epi32(k));
-    const __m512 wk = _mm512_i32gather_ps(taps, conv_w, 4);
-    acc = _mm512_fmadd_ps(wk, h[k], acc);
+    const __m512 lo = _mm512_permutex2var_ps(r0, _mm512_loadu_si512(kConv4Load.hist_lo[k]), r1);
+    const __m512 hi = _mm512_permutex2var_ps(r1, _mm512_loadu_si512(kConv4Load.hist_hi[k]), r2);
+    h[k] = _mm512_mask_blend_ps(kConv4Load.hist_from_hi[k], lo, hi);
+    acc = _mm512_fmadd_ps(w[k], h[k], acc);
   }
   // New history of channel c: (h1[c], h2[c], x[c]) at hist[3c .. 3c + 2].
   for (int o = 0; o < 3; ++o) {
