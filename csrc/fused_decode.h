@@ -279,7 +279,7 @@ inline constexpr Conv4Load kConv4Load = make_conv4_load();
 // the taps and histories are read with contiguous loads and sorted into one vector per tap by
 // permutes (`kConv4Load`), and the shifted histories interleaved back with two permutes per
 // output vector. Returns the pre-activation values.
-inline __m512 conv4_update16(const float* v, float* hist, const float* conv_w,
+inline __m512 conv4_update16(const float* v, const float* from, float* hist, const float* conv_w,
                              const float* conv_b) {
   const __m512 xin = _mm512_loadu_ps(v);
   __m512 acc = conv_b ? _mm512_loadu_ps(conv_b) : _mm512_setzero_ps();
@@ -294,8 +294,8 @@ inline __m512 conv4_update16(const float* v, float* hist, const float* conv_w,
     }
   }
   acc = _mm512_fmadd_ps(w[3], xin, acc);
-  const __m512 r0 = _mm512_loadu_ps(hist), r1 = _mm512_loadu_ps(hist + 16);
-  const __m512 r2 = _mm512_loadu_ps(hist + 32);
+  const __m512 r0 = _mm512_loadu_ps(from), r1 = _mm512_loadu_ps(from + 16);
+  const __m512 r2 = _mm512_loadu_ps(from + 32);
   __m512 h[3];
   for (int k = 0; k < 3; ++k) {
     const __m512 lo = _mm512_permutex2var_ps(r0, _mm512_loadu_si512(kConv4Load.hist_lo[k]), r1);
@@ -319,18 +319,21 @@ inline __m512 conv4_update16(const float* v, float* hist, const float* conv_w,
 // per channel, nullptr for a padding row: zeros, not written) shifts the input in. The SiLU
 // runs as a second, vectorised pass (skipped when `silu` is false). Float32 histories of
 // width-4 convs (every Mamba and Mamba2 checkpoint) go 16 channels at a time through
-// `conv4_update16`.
+// `conv4_update16`. With `from`, the histories are read from there (a speculative chain's row
+// continuing another row's history) and written shifted to `hist`.
 template <typename H>
 inline void conv_update(float* v, H* hist, const float* conv_w, const float* conv_b,
-                        int64_t kernel, int64_t c0, int64_t c1, bool silu = true) {
+                        int64_t kernel, int64_t c0, int64_t c1, bool silu = true,
+                        const H* from = nullptr) {
   const int64_t km1 = kernel - 1;
+  if (from == nullptr) from = hist;
   int64_t c = c0;
 #ifdef VLLM_MAMBA_VEC_AVX512
   if constexpr (std::is_same_v<H, float>) {
     if (kernel == 4 && hist) {
       for (; c + 16 <= c1; c += 16) {
         const __m512 acc =
-            conv4_update16(v + c, hist + c * 3, conv_w + c * 4, conv_b ? conv_b + c : nullptr);
+            conv4_update16(v + c, from + c * 3, hist + c * 3, conv_w + c * 4, conv_b ? conv_b + c : nullptr);
         _mm512_storeu_ps(v + c, acc);
       }
     }
@@ -340,12 +343,13 @@ inline void conv_update(float* v, H* hist, const float* conv_w, const float* con
     if (kernel == 4 && hist) {  // channels in parallel, strided loads vectorised by the compiler
       const int64_t n = c1 - c;
       float* hb = hist + c * 3;
+      const float* fb = from + c * 3;
       const float* wb = conv_w + c * 4;
       const float* bb = conv_b ? conv_b + c : nullptr;
       float* vb = v + c;
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
-        const float h0 = hb[3 * j], h1 = hb[3 * j + 1], h2 = hb[3 * j + 2], xin = vb[j];
+        const float h0 = fb[3 * j], h1 = fb[3 * j + 1], h2 = fb[3 * j + 2], xin = vb[j];
         float acc = wb[4 * j + 3] * xin + (bb ? bb[j] : 0.0f);
         acc += wb[4 * j] * h0;
         acc += wb[4 * j + 1] * h1;
@@ -365,8 +369,9 @@ inline void conv_update(float* v, H* hist, const float* conv_w, const float* con
     float acc = w[km1] * xin + (conv_b ? conv_b[c] : 0.0f);
     if (hist) {
       H* h = hist + c * km1;
-      for (int64_t j = 0; j < km1; ++j) acc += w[j] * widen(h[j]);
-      for (int64_t j = 0; j + 1 < km1; ++j) h[j] = h[j + 1];
+      const H* f = from + c * km1;
+      for (int64_t j = 0; j < km1; ++j) acc += w[j] * widen(f[j]);
+      for (int64_t j = 0; j + 1 < km1; ++j) h[j] = f[j + 1];
       if (km1 > 0) h[km1 - 1] = static_cast<H>(xin);
     }
     v[c] = acc;

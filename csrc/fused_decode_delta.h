@@ -87,17 +87,15 @@ void project_rows(const D& d, const Io& io, int64_t lo, int64_t hi) {
 }
 
 // Conv + SiLU of channels [c0, c1) of batch row b (values in place in io.proj), shifting their
-// histories in io.conv_states (a chain's row first copies them from its source slot).
+// histories into io.conv_states (a chain's row reads them from its source slot).
 template <typename D, typename Io>
 void conv_rows(const D& d, const float* conv_w, const Io& io, int64_t b, int64_t c0, int64_t c1) {
   float* v = io.proj + b * d.nin;
   const int64_t slot = io.slots[b], width = d.kernel - 1;
   auto* hist = slot >= 0 ? io.conv_states + slot * d.conv_dim * width : nullptr;
-  if (hist && io.src_slots && io.src_slots[b] != slot) {
-    const auto* from = io.conv_states + io.src_slots[b] * d.conv_dim * width;
-    std::copy(from + c0 * width, from + c1 * width, hist + c0 * width);
-  }
-  fused::conv_update(v, hist, conv_w, nullptr, d.kernel, c0, c1);
+  const auto* from = hist && io.src_slots ? io.conv_states + io.src_slots[b] * d.conv_dim * width
+                                          : hist;
+  fused::conv_update(v, hist, conv_w, nullptr, d.kernel, c0, c1, true, from);
 }
 
 // dst (n,) = x * scale / sqrt(|x|^2 + eps).

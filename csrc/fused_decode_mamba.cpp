@@ -73,11 +73,10 @@ inline void conv_rows(const Dims& d, const Small& s, const Io<C, S>& io, int64_t
                       int64_t c1) {
   const int64_t slot = io.slots[b], width = d.kernel - 1;
   C* hist = slot >= 0 ? io.conv_states + slot * d.inter * width : nullptr;
-  if (hist && io.src_slots && io.src_slots[b] != slot) {  // a chain: start from the row before
-    const C* from = io.conv_states + io.src_slots[b] * d.inter * width;
-    std::copy(from + c0 * width, from + c1 * width, hist + c0 * width);
-  }
-  fused::conv_update(io.xz + b * 2 * d.inter, hist, s.conv_w, s.conv_b, d.kernel, c0, c1);
+  const C* from = hist && io.src_slots  // a chain: from the row before
+                      ? io.conv_states + io.src_slots[b] * d.inter * width
+                      : hist;
+  fused::conv_update(io.xz + b * 2 * d.inter, hist, s.conv_w, s.conv_b, d.kernel, c0, c1, true, from);
 }
 
 // in_proj rows, then conv + SiLU of the x rows. Each thread takes a share of the x rows and

@@ -71,11 +71,10 @@ inline void conv_rows(const Dims& d, const Small& s, const Io<C, S>& io, int64_t
   float* v = io.zx + b * d.nin + d.inter;
   const int64_t slot = io.slots[b], width = d.kernel - 1;
   C* hist = slot >= 0 ? io.conv_states + slot * d.conv_dim * width : nullptr;
-  if (hist && io.src_slots && io.src_slots[b] != slot) {  // a chain: start from the row before
-    const C* from = io.conv_states + io.src_slots[b] * d.conv_dim * width;
-    std::copy(from + c0 * width, from + c1 * width, hist + c0 * width);
-  }
-  fused::conv_update(v, hist, s.conv_w, s.conv_b, d.kernel, c0, c1);
+  const C* from = hist && io.src_slots  // a chain: from the row before
+                      ? io.conv_states + io.src_slots[b] * d.conv_dim * width
+                      : hist;
+  fused::conv_update(v, hist, s.conv_w, s.conv_b, d.kernel, c0, c1, true, from);
 }
 
 template <typename C, typename S>

@@ -64,11 +64,10 @@ void conv_rows(const Dims& d, const Small& s, const Io<C>& io, int64_t b, int64_
   for (int64_t c = c0; c < c1; ++c) v[c] = bv[c] * xv[c];
   const int64_t slot = io.slots[b], width = d.kernel - 1;
   C* hist = slot >= 0 ? io.conv_states + slot * d.channels * width : nullptr;
-  if (hist && io.src_slots && io.src_slots[b] != slot) {  // a chain: start from the row before
-    const C* from = io.conv_states + io.src_slots[b] * d.channels * width;
-    std::copy(from + c0 * width, from + c1 * width, hist + c0 * width);
-  }
-  fused::conv_update(v, hist, s.conv_w, s.conv_b, d.kernel, c0, c1, /*silu=*/false);
+  const C* from = hist && io.src_slots  // a chain: from the row before
+                      ? io.conv_states + io.src_slots[b] * d.channels * width
+                      : hist;
+  fused::conv_update(v, hist, s.conv_w, s.conv_b, d.kernel, c0, c1, /*silu=*/false, from);
 #pragma omp simd
   for (int64_t c = c0; c < c1; ++c) v[c] *= cv[c];
 }
