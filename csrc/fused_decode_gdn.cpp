@@ -645,6 +645,16 @@ void gdn_chain_replay(at::Tensor& ssm_states, const at::Tensor& chain_log, const
         const S* from = states + (st[i] * hv + h) * size;
         S* out = states + (to[i] * hv + h) * size;
         for (int64_t k = 0; k < dk; ++k) {
+          if constexpr (std::is_same_v<S, float>) {  // float32: each row updated where it lies
+            const float* src = from + k * dv;
+            for (int64_t j = 0; j < width && rs[i * width + j] >= 0; ++j) {
+              const float* r = log + (rs[i * width + j] * hv + h) * rec;
+              update_row(src, r[dk + dv], r[k], r + dk, out + k * dv, dv);
+              src = out + k * dv;
+            }
+            if (src != out + k * dv) std::copy(src, src + dv, out + k * dv);
+            continue;
+          }
           get_rows(from + k * dv, row.data(), dv);
           for (int64_t j = 0; j < width && rs[i * width + j] >= 0; ++j) {
             const float* r = log + (rs[i * width + j] * hv + h) * rec;
