@@ -29,7 +29,7 @@
 #include "onednn_linear.h"
 #include "vec.h"
 
-#ifdef VLLM_MAMBA_VEC_AVX512
+#if defined(VLLM_MAMBA_VEC_AVX512) || defined(VLLM_MAMBA_VEC_AVX2)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -314,6 +314,81 @@ inline __m512 conv4_update16(const float* v, const float* from, float* hist, con
 }
 #endif
 
+#ifdef VLLM_MAMBA_VEC_AVX2
+// The AVX2 twin of `conv4_update16`, 8 channels at once, each channel's arithmetic the same
+// (taps in the order w3 x + b, then w0 h0, w1 h1, w2 h2, each a fused multiply-add). Taps: the
+// 8 channels' 32 weights transposed 4 x 4 per 128-bit lane (channel order 0 2 4 6 1 3 5 7),
+// then put back in order by one permute a tap. Histories: value k of channel c is 3 c + k of
+// the 24, gathered from the three vectors by permutes and blends; the shifted histories
+// interleaved back the same way.
+struct Conv4Avx2 {
+  int32_t hist[3][3][8] = {};  // [k][source vector][lane]
+  int32_t channel[3][8] = {};  // output vector o, lane l: channel (8 o + l) / 3
+};
+
+constexpr Conv4Avx2 make_conv4_avx2() {
+  Conv4Avx2 t;
+  for (int l = 0; l < 8; ++l) {
+    for (int k = 0; k < 3; ++k) {
+      const int p = 3 * l + k;
+      t.hist[k][p / 8][l] = p % 8;
+    }
+    for (int o = 0; o < 3; ++o) t.channel[o][l] = (8 * o + l) / 3;
+  }
+  return t;
+}
+
+inline constexpr Conv4Avx2 kConv4Avx2 = make_conv4_avx2();
+
+inline __m256i conv4_idx(const int32_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m256 conv4_update8(const float* v, const float* from, float* hist, const float* conv_w,
+                            const float* conv_b) {
+  const __m256 xin = _mm256_loadu_ps(v);
+  __m256 w[4];  // w[t]: tap t of the 8 channels
+  {
+    const __m256 w0 = _mm256_loadu_ps(conv_w), w1 = _mm256_loadu_ps(conv_w + 8);
+    const __m256 w2 = _mm256_loadu_ps(conv_w + 16), w3 = _mm256_loadu_ps(conv_w + 24);
+    const __m256d a = _mm256_castps_pd(_mm256_unpacklo_ps(w0, w1));
+    const __m256d b = _mm256_castps_pd(_mm256_unpackhi_ps(w0, w1));
+    const __m256d c = _mm256_castps_pd(_mm256_unpacklo_ps(w2, w3));
+    const __m256d d = _mm256_castps_pd(_mm256_unpackhi_ps(w2, w3));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    w[0] = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, c)), order);
+    w[1] = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpackhi_pd(a, c)), order);
+    w[2] = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(b, d)), order);
+    w[3] = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_unpackhi_pd(b, d)), order);
+  }
+  __m256 acc = _mm256_fmadd_ps(w[3], xin, conv_b ? _mm256_loadu_ps(conv_b) : _mm256_setzero_ps());
+  const __m256 r[3] = {_mm256_loadu_ps(from), _mm256_loadu_ps(from + 8),
+                       _mm256_loadu_ps(from + 16)};
+  auto pick = [&](int k, int s) {
+    return _mm256_permutevar8x32_ps(r[s], conv4_idx(kConv4Avx2.hist[k][s]));
+  };
+  __m256 h[3];  // lanes from vector 1 and 2 by k: 3 l + k in 8..15 and 16..23
+  h[0] = _mm256_blend_ps(_mm256_blend_ps(pick(0, 0), pick(0, 1), 0x38), pick(0, 2), 0xC0);
+  h[1] = _mm256_blend_ps(_mm256_blend_ps(pick(1, 0), pick(1, 1), 0x18), pick(1, 2), 0xE0);
+  h[2] = _mm256_blend_ps(_mm256_blend_ps(pick(2, 0), pick(2, 1), 0x1C), pick(2, 2), 0xE0);
+  for (int k = 0; k < 3; ++k) acc = _mm256_fmadd_ps(w[k], h[k], acc);
+  // New history of channel c: (h1[c], h2[c], x[c]) at hist[3c .. 3c + 2]; output vector o's
+  // lanes take h2 and x where (8 o + l) % 3 is 1 and 2.
+  auto spread = [&](int o, __m256 src) {
+    return _mm256_permutevar8x32_ps(src, conv4_idx(kConv4Avx2.channel[o]));
+  };
+  _mm256_storeu_ps(hist, _mm256_blend_ps(_mm256_blend_ps(spread(0, h[1]), spread(0, h[2]), 0x92),
+                                         spread(0, xin), 0x24));
+  _mm256_storeu_ps(hist + 8, _mm256_blend_ps(
+                                 _mm256_blend_ps(spread(1, h[1]), spread(1, h[2]), 0x24),
+                                 spread(1, xin), 0x49));
+  _mm256_storeu_ps(hist + 16, _mm256_blend_ps(
+                                  _mm256_blend_ps(spread(2, h[1]), spread(2, h[2]), 0x49),
+                                  spread(2, xin), 0x92));
+  return acc;
+}
+#endif
+
 // Causal conv of channels [c0, c1) for one row: v[c] (the new input) becomes
 // silu(bias[c] + w[c, K-1] v[c] + sum_j w[c, j] hist[c, j]), and each history (K - 1 values
 // per channel, nullptr for a padding row: zeros, not written) shifts the input in. The SiLU
@@ -335,6 +410,16 @@ inline void conv_update(float* v, H* hist, const float* conv_w, const float* con
         const __m512 acc =
             conv4_update16(v + c, from + c * 3, hist + c * 3, conv_w + c * 4, conv_b ? conv_b + c : nullptr);
         _mm512_storeu_ps(v + c, acc);
+      }
+    }
+  }
+#elif defined(VLLM_MAMBA_VEC_AVX2)
+  if constexpr (std::is_same_v<H, float>) {
+    if (kernel == 4 && hist) {
+      for (; c + 8 <= c1; c += 8) {
+        const __m256 acc =
+            conv4_update8(v + c, from + c * 3, hist + c * 3, conv_w + c * 4, conv_b ? conv_b + c : nullptr);
+        _mm256_storeu_ps(v + c, acc);
       }
     }
   }
