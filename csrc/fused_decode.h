@@ -223,20 +223,37 @@ inline void finish_row(float* mixed, const float* bias, const float* residual, i
 }
 
 #ifdef VLLM_MAMBA_VEC_AVX512
-// Permutes that write back the shifted histories of 16 width-4 channels: output vector o holds
-// positions 16 o .. 16 o + 15 of the 48 values, position p being value p % 3 of channel p / 3:
-// h1 (index c of the pair h1, h2), h2 (16 + c), or the new input x[c] (lanes of `from_x`).
-struct Conv4Shift {
+// The permutes of `conv4_update16` (16 width-4 channels, float32 histories of 3 values each):
+// - reading from contiguous loads (in place of gathers): tap t of channel c is weight 4 c + t
+//   (channels 0-7 from the first two of four vectors, 8-15 from the last two, `tap` indexing
+//   both pairs); history value k of channel c is 3 c + k of 48 (from the first two of three
+//   vectors where 3 c + k < 32, `hist_lo`, else from the last two, `hist_hi`, the lanes of
+//   `hist_from_hi`);
+// - writing back the shifted histories: output vector o holds positions 16 o .. 16 o + 15 of
+//   the 48 values, position p being value p % 3 of channel p / 3: h1 (index c of the pair h1,
+//   h2), h2 (16 + c), or the new input x[c] (lanes of `from_x`).
+struct Conv4Perm {
+  int32_t tap[4][16] = {};
+  int32_t hist_lo[3][16] = {};
+  int32_t hist_hi[3][16] = {};
+  uint16_t hist_from_hi[3] = {};
   int32_t from_h[3][16] = {};
   int32_t channel[3][16] = {};
   uint16_t from_x[3] = {};
 };
 
-constexpr Conv4Shift make_conv4_shift() {
-  Conv4Shift t;
-  for (int o = 0; o < 3; ++o) {
-    for (int l = 0; l < 16; ++l) {
-      const int p = 16 * o + l, c = p / 3, k = p % 3;
+constexpr Conv4Perm make_conv4_perm() {
+  Conv4Perm t;
+  for (int l = 0; l < 16; ++l) {
+    for (int k = 0; k < 4; ++k) t.tap[k][l] = 4 * (l % 8) + k;
+    for (int k = 0; k < 3; ++k) {
+      const int p = 3 * l + k;  // read: value k of channel l
+      t.hist_lo[k][l] = p < 32 ? p : 0;
+      t.hist_hi[k][l] = p >= 32 ? p - 16 : 0;
+      if (p >= 32) t.hist_from_hi[k] = static_cast<uint16_t>(t.hist_from_hi[k] | (1u << l));
+    }
+    for (int o = 0; o < 3; ++o) {
+      const int p = 16 * o + l, c = p / 3, k = p % 3;  // write: position p of the 48
       t.from_h[o][l] = k == 0 ? c : 16 + c;
       t.channel[o][l] = c;
       if (k == 2) t.from_x[o] = static_cast<uint16_t>(t.from_x[o] | (1u << l));
@@ -245,39 +262,11 @@ constexpr Conv4Shift make_conv4_shift() {
   return t;
 }
 
-inline constexpr Conv4Shift kConv4Shift = make_conv4_shift();
-
-// Permutes that read 16 width-4 channels' taps and histories from contiguous loads (in place of
-// gathers): tap t of channel c is weight 4 c + t (taps of channels 0-7 from the first two of
-// four vectors, of 8-15 from the last two, `tap` indexing both pairs), history value k of
-// channel c is 3 c + k of 48 (from the first two of three vectors where 3 c + k < 32,
-// `hist_lo`, else from the last two, `hist_hi`, the lanes of `hist_from_hi`).
-struct Conv4Load {
-  int32_t tap[4][16] = {};
-  int32_t hist_lo[3][16] = {};
-  int32_t hist_hi[3][16] = {};
-  uint16_t hist_from_hi[3] = {};
-};
-
-constexpr Conv4Load make_conv4_load() {
-  Conv4Load t;
-  for (int l = 0; l < 16; ++l) {
-    for (int k = 0; k < 4; ++k) t.tap[k][l] = 4 * (l % 8) + k;
-    for (int k = 0; k < 3; ++k) {
-      const int p = 3 * l + k;
-      t.hist_lo[k][l] = p < 32 ? p : 0;
-      t.hist_hi[k][l] = p >= 32 ? p - 16 : 0;
-      if (p >= 32) t.hist_from_hi[k] = static_cast<uint16_t>(t.hist_from_hi[k] | (1u << l));
-    }
-  }
-  return t;
-}
-
-inline constexpr Conv4Load kConv4Load = make_conv4_load();
+inline constexpr Conv4Perm kConv4Perm = make_conv4_perm();
 
 // Width-4 conv of 16 channels at once (float32 histories, 3 values per channel, interleaved):
 // the taps and histories are read with contiguous loads and sorted into one vector per tap by
-// permutes (`kConv4Load`), and the shifted histories interleaved back with two permutes per
+// permutes (`kConv4Perm`), and the shifted histories interleaved back with two permutes per
 // output vector. Returns the pre-activation values.
 inline __m512 conv4_update16(const float* v, const float* from, float* hist, const float* conv_w,
                              const float* conv_b) {
@@ -288,7 +277,7 @@ inline __m512 conv4_update16(const float* v, const float* from, float* hist, con
     const __m512 w0 = _mm512_loadu_ps(conv_w), w1 = _mm512_loadu_ps(conv_w + 16);
     const __m512 w2 = _mm512_loadu_ps(conv_w + 32), w3 = _mm512_loadu_ps(conv_w + 48);
     for (int t = 0; t < 4; ++t) {
-      const __m512i idx = _mm512_loadu_si512(kConv4Load.tap[t]);
+      const __m512i idx = _mm512_loadu_si512(kConv4Perm.tap[t]);
       const __m512 lo = _mm512_permutex2var_ps(w0, idx, w1), hi = _mm512_permutex2var_ps(w2, idx, w3);
       w[t] = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));
     }
@@ -298,16 +287,16 @@ inline __m512 conv4_update16(const float* v, const float* from, float* hist, con
   const __m512 r2 = _mm512_loadu_ps(from + 32);
   __m512 h[3];
   for (int k = 0; k < 3; ++k) {
-    const __m512 lo = _mm512_permutex2var_ps(r0, _mm512_loadu_si512(kConv4Load.hist_lo[k]), r1);
-    const __m512 hi = _mm512_permutex2var_ps(r1, _mm512_loadu_si512(kConv4Load.hist_hi[k]), r2);
-    h[k] = _mm512_mask_blend_ps(kConv4Load.hist_from_hi[k], lo, hi);
+    const __m512 lo = _mm512_permutex2var_ps(r0, _mm512_loadu_si512(kConv4Perm.hist_lo[k]), r1);
+    const __m512 hi = _mm512_permutex2var_ps(r1, _mm512_loadu_si512(kConv4Perm.hist_hi[k]), r2);
+    h[k] = _mm512_mask_blend_ps(kConv4Perm.hist_from_hi[k], lo, hi);
     acc = _mm512_fmadd_ps(w[k], h[k], acc);
   }
   // New history of channel c: (h1[c], h2[c], x[c]) at hist[3c .. 3c + 2].
   for (int o = 0; o < 3; ++o) {
-    __m512 out = _mm512_permutex2var_ps(h[1], _mm512_loadu_si512(kConv4Shift.from_h[o]), h[2]);
-    out = _mm512_mask_permutexvar_ps(out, kConv4Shift.from_x[o],
-                                     _mm512_loadu_si512(kConv4Shift.channel[o]), xin);
+    __m512 out = _mm512_permutex2var_ps(h[1], _mm512_loadu_si512(kConv4Perm.from_h[o]), h[2]);
+    out = _mm512_mask_permutexvar_ps(out, kConv4Perm.from_x[o],
+                                     _mm512_loadu_si512(kConv4Perm.channel[o]), xin);
     _mm512_storeu_ps(hist + 16 * o, out);
   }
   return acc;

@@ -21,7 +21,7 @@
 // weights once for all rows (each row's products summed exactly as a one-row call sums them:
 // `gemv::dot_tile`).
 // The recurrent state is read from src and written to dst in the same pass; the conv history
-// (K - 1 values per channel) is copied first and shifted in place.
+// (K - 1 values per channel) is read from src and written shifted to dst.
 // With a `chain_log` the chains' recurrent states are logged instead (`chain_head`): a chain
 // keeps its state in a thread's scratch from position to position and writes no position's
 // state: the sequence's slot keeps the start state, the chain's first spare slot gets a copy of

@@ -229,6 +229,8 @@ class StateCache:
                 the kept positions; every other state is copied from the last kept
                 position's slot (nothing to copy when that is `slot`).
         """
+        if not chains:
+            return
         logged = {
             i: log
             for i, layer in enumerate(self._bound)
@@ -237,8 +239,6 @@ class StateCache:
         copies = [(p[-1], slot) for _, p, slot in chains if p[-1] != slot]
         if not logged:
             self.copy_slots([s for s, _ in copies], [d for _, d in copies])
-            return
-        if not chains:
             return
         width = max(len(p) for _, p, _ in chains)
         records = torch.tensor(
