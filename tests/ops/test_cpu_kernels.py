@@ -60,7 +60,7 @@ def _scan(fn, case: VarlenCase, optional: bool = True, softplus: bool = True) ->
 
 
 @pytest.mark.parametrize("lens", LENS)
-@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("width", [2, 3, 4, 5])
 @pytest.mark.parametrize("dim", [37, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_varlen_matches_ref(lens: list[int], width: int, dim: int, dtype) -> None:
@@ -74,6 +74,20 @@ def test_conv_varlen_matches_ref(lens: list[int], width: int, dim: int, dtype) -
     torch.testing.assert_close(got.conv_states, want.conv_states, rtol=0, atol=0)
     untouched = _untouched_slots(want)
     assert torch.equal(got.conv_states[untouched], before[untouched])
+
+
+def test_conv_varlen_reads_rows_of_a_wider_tensor_in_place() -> None:
+    """x as the leading channels of a wider projection output (token stride > D) gives the
+    contiguous x's outputs and states bit for bit."""
+    want = make_case([3, 20, 9], dim=300, width=4, pad_rows=1)
+    got = _clone(want)
+    wide = torch.cat([want.x, torch.randn(want.x.shape[0], 40)], dim=1)
+    got = dataclasses.replace(got, x=wide[:, : want.x.shape[1]])
+    assert got.x.stride(0) == 340
+    out_want = _conv(cpu_kernels.causal_conv1d_varlen, want)
+    out_got = _conv(cpu_kernels.causal_conv1d_varlen, got)
+    assert torch.equal(out_got, out_want)
+    assert torch.equal(got.conv_states, want.conv_states)
 
 
 @pytest.mark.parametrize("activation", [True, False])
