@@ -27,12 +27,22 @@
 #include <vector>
 
 #include "kernel_math.h"
+#include "small_gemm.h"
+#include "vec.h"
 
 namespace vllm_mamba {
 namespace {
 
-constexpr int64_t kNB = 16;  // columns of a matmul tile: one AVX-512 vector, two AVX2 vectors
-constexpr int64_t kMR = 6;   // rows of a matmul tile (12 AVX2 accumulators of 8 lanes)
+// A matmul tile: kMR rows of kNB columns, 12 accumulator vectors (two AVX-512 vectors of 16
+// lanes a row, two AVX2 vectors of 8): enough independent FMA chains to cover their latency.
+// (16 columns on AVX-512 left 6 chains: the chunked prefill's products ran at a quarter of the
+// FMA peak.)
+#if defined(VLLM_MAMBA_VEC_AVX512)
+constexpr int64_t kNB = 32;
+#else
+constexpr int64_t kNB = 16;
+#endif
+constexpr int64_t kMR = 6;
 constexpr float kL2Eps = 1e-6f;
 
 // float32 <-> bfloat16 by bit operations (round to nearest even, NaN kept), as c10's
@@ -58,44 +68,6 @@ inline at::BFloat16 store_as<at::BFloat16>(float v) {
   return at::BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), at::BFloat16::from_bits());
 }
 
-// Tile C[0:MR, 0:nw] = c_scale * C + A[0:MR, 0:K] @ B[0:K, 0:nw] (row-major, leading dims
-// lda, ldb, ldc; nw <= kNB). c_scale == 0 ignores C's prior content.
-template <int64_t MR>
-void tile(int64_t K, int64_t nw, const float* A, int64_t lda, const float* B, int64_t ldb,
-          float* C, int64_t ldc, float c_scale) {
-  float c[MR][kNB] = {};
-  if (c_scale != 0.0f) {
-    for (int64_t r = 0; r < MR; ++r) {
-      for (int64_t j = 0; j < nw; ++j) c[r][j] = c_scale * C[r * ldc + j];
-    }
-  }
-  if (nw == kNB) {
-    for (int64_t k = 0; k < K; ++k) {
-      const float* b = B + k * ldb;
-#pragma GCC unroll 8
-      for (int64_t r = 0; r < MR; ++r) {
-        const float a = A[r * lda + k];
-#pragma omp simd
-        for (int64_t j = 0; j < kNB; ++j) c[r][j] += a * b[j];
-      }
-    }
-  } else {
-    float b[kNB] = {};  // B's row, zero past nw
-    for (int64_t k = 0; k < K; ++k) {
-      for (int64_t j = 0; j < nw; ++j) b[j] = B[k * ldb + j];
-#pragma GCC unroll 8
-      for (int64_t r = 0; r < MR; ++r) {
-        const float a = A[r * lda + k];
-#pragma omp simd
-        for (int64_t j = 0; j < kNB; ++j) c[r][j] += a * b[j];
-      }
-    }
-  }
-  for (int64_t r = 0; r < MR; ++r) {
-    for (int64_t j = 0; j < nw; ++j) C[r * ldc + j] = c[r][j];
-  }
-}
-
 // Which part of a product a caller needs (row i of C, column j, inner index k).
 enum class Tri {
   kFull,     // all of C
@@ -112,16 +84,8 @@ void gemm(Tri tri, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
       const int64_t mr = std::min(kMR, M - i0);
       if (tri == Tri::kLowerC && j0 >= i0 + mr) continue;
       const int64_t kk = tri == Tri::kLowerA ? std::min(K, i0 + mr) : K;
-      const float* a = A + i0 * lda;
-      float* c = C + i0 * ldc + j0;
-      switch (mr) {
-        case 6: tile<6>(kk, nw, a, lda, B + j0, ldb, c, ldc, c_scale); break;
-        case 5: tile<5>(kk, nw, a, lda, B + j0, ldb, c, ldc, c_scale); break;
-        case 4: tile<4>(kk, nw, a, lda, B + j0, ldb, c, ldc, c_scale); break;
-        case 3: tile<3>(kk, nw, a, lda, B + j0, ldb, c, ldc, c_scale); break;
-        case 2: tile<2>(kk, nw, a, lda, B + j0, ldb, c, ldc, c_scale); break;
-        default: tile<1>(kk, nw, a, lda, B + j0, ldb, c, ldc, c_scale); break;
-      }
+      small_gemm::rows_tile<kMR, kNB>(mr, kk, nw, A + i0 * lda, lda, B + j0, ldb,
+                                      C + i0 * ldc + j0, ldc, {c_scale});
     }
   }
 }
@@ -177,6 +141,7 @@ struct ChunkScratch {
   std::vector<float> u;      // (Q, Dv): the new values U
   std::vector<float> cum;    // (Q,): cumulative log decay
   std::vector<float> beta;   // (Q,)
+  std::vector<float> decay;  // (Q,): exp(c_L - c_j), the state update's decay of token j
   std::vector<float> state;  // (Dk, Dv)
   void resize(int64_t Q, int64_t dk, int64_t dv) {
     kq.resize(2 * Q * dk);
@@ -186,9 +151,23 @@ struct ChunkScratch {
     u.resize(Q * dv);
     cum.resize(Q);
     beta.resize(Q);
+    decay.resize(Q);
     state.resize(dk * dv);
   }
 };
+
+// Tokens ahead whose q / k / v rows `load_chunk` prefetches: a task reads one head's rows, a
+// few hundred bytes token strides apart, which the hardware prefetchers do not follow (the
+// loads of v were a tenth of a 512-token prefill's time before).
+constexpr int64_t kAhead = 4;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) {
+    __builtin_prefetch(p + off);
+  }
+}
 
 // Loads chunk tokens [t0, t0 + L) of value head h: normalised k and q, the gates, v.
 template <typename T, typename S>
@@ -200,6 +179,11 @@ void load_chunk(const GDNProblem& p, const GDNTensors<T, S>& io, int64_t t0, int
   float c = 0.0f;
   for (int64_t i = 0; i < L; ++i) {
     const int64_t t = t0 + i;
+    if (i + kAhead < L) {  // the rows kAhead tokens on: a head's rows are token strides apart
+      prefetch_row(io.k + (t + kAhead) * p.k_stride + kh * dk, dk);
+      prefetch_row(io.q + (t + kAhead) * p.q_stride + kh * dk, dk);
+      prefetch_row(io.v + (t + kAhead) * p.v_stride + h * dv, dv);
+    }
     float* krow = w.kq.data() + i * dk;
     l2norm_row(io.k + t * p.k_stride + kh * dk, dk, 1.0f, krow);
     l2norm_row(io.q + t * p.q_stride + kh * dk, dk, q_scale, w.kq.data() + (L + i) * dk);
@@ -252,8 +236,12 @@ void run_chunk(const GDNProblem& p, const GDNTensors<T, S>& io, int64_t t0, int6
     const float bi = w.beta[i], ci = cum[i], eci = std::exp(ci);
     float* neg_a = gram + i * Q;        // -A[i, j] = -beta_i exp(c_i - c_j) k_i . k_j, j < i
     float* mask = gram + (L + i) * Q;   // exp(c_i - c_j) q_i . k_j, j <= i; 0 up to the tile
-    for (int64_t j = 0; j < i; ++j) neg_a[j] *= -bi * std::exp(ci - cum[j]);
-    for (int64_t j = 0; j <= i; ++j) mask[j] *= std::exp(ci - cum[j]);
+#pragma omp simd
+    for (int64_t j = 0; j <= i; ++j) {
+      const float decay = exp_f32(ci - cum[j]);
+      mask[j] *= decay;
+      if (j < i) neg_a[j] *= -bi * decay;
+    }
     for (int64_t j = i + 1; j < std::min(L, (i / kMR + 1) * kMR); ++j) mask[j] = 0.0f;
     float* ui = u + i * dv;
     const float* ksi = ks + i * dv;
@@ -273,8 +261,12 @@ void run_chunk(const GDNProblem& p, const GDNTensors<T, S>& io, int64_t t0, int6
     for (int64_t d = 0; d < dv; ++d) orow[d] = store_as<T>(o[i * dv + d]);
   }
   const float c_end = cum[L - 1];
+  float* decay = w.decay.data();  // exp(c_L - c_j)
+#pragma omp simd
+  for (int64_t j = 0; j < L; ++j) decay[j] = exp_f32(c_end - cum[j]);
   for (int64_t d = 0; d < dk; ++d) {
-    for (int64_t j = 0; j < L; ++j) w.kt[d * Q + j] *= std::exp(c_end - cum[j]);
+#pragma omp simd
+    for (int64_t j = 0; j < L; ++j) w.kt[d * Q + j] *= decay[j];
   }
   gemm(Tri::kFull, dk, dv, L, w.kt.data(), Q, u, dv, w.state.data(), dv, std::exp(c_end));
 }
@@ -488,9 +480,8 @@ at::Tensor gated_delta_update(const at::Tensor& q, const at::Tensor& k, const at
 
 // out = (weight * cast_P(rmsnorm(x))) * silu(z), cast to T; the weight product is rounded to
 // bfloat16 when both x and the weight are bfloat16 (torch's type promotion in the reference).
-template <typename T, typename Z, typename W>
-void norm_gate_row(const T* x, const Z* z, const W* weight, T* out, int64_t dim, float eps,
-                   bool round_product) {
+template <bool kRoundProduct, typename T, typename Z, typename W>
+void norm_gate_row(const T* x, const Z* z, const W* weight, T* out, int64_t dim, float eps) {
   float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
   for (int64_t i = 0; i < dim; ++i) {
@@ -498,10 +489,11 @@ void norm_gate_row(const T* x, const Z* z, const W* weight, T* out, int64_t dim,
     sq += xi * xi;
   }
   const float scale = 1.0f / std::sqrt(sq / static_cast<float>(dim) + eps);
+#pragma omp simd
   for (int64_t i = 0; i < dim; ++i) {
     const float normed = load_f32(store_as<T>(load_f32(x[i]) * scale));
     float prod = load_f32(weight[i]) * normed;
-    if (round_product) prod = load_f32(store_as<at::BFloat16>(prod));
+    if constexpr (kRoundProduct) prod = load_f32(store_as<at::BFloat16>(prod));
     out[i] = store_as<T>(prod * silu_f32(load_f32(z[i])));
   }
 }
@@ -529,9 +521,10 @@ at::Tensor rms_norm_gated(const at::Tensor& x_in, const at::Tensor& z_in, const 
         const W* wp = w.data_ptr<W>();
         T* op = out.data_ptr<T>();
         at::parallel_for(0, rows, grain, [&](int64_t lo, int64_t hi) {
+          const auto row = round_product ? &norm_gate_row<true, T, Z, W>
+                                         : &norm_gate_row<false, T, Z, W>;
           for (int64_t r = lo; r < hi; ++r) {
-            norm_gate_row(xp + r * dim, zp + r * dim, wp, op + r * dim, dim,
-                          static_cast<float>(eps), round_product);
+            row(xp + r * dim, zp + r * dim, wp, op + r * dim, dim, static_cast<float>(eps));
           }
         });
       });
