@@ -5,8 +5,10 @@
 // Both attention kernels run one core loop (`attend_range`): a tile of query rows that share
 // one kv head (the GQA group, times a few prefill tokens) walks the sequence's blocks through
 // its block table with an online softmax (running max, sum and unnormalised output per row),
-// so memory is O(block) whatever the context length. Dot products and the value update are
-// vectorised over head_dim; math is float32 for float32, bfloat16 and float16 inputs.
+// so memory is O(block) whatever the context length. Per block the scores of all the tile's
+// rows and the value update are small register-blocked matmuls (`run_scores`, `run_values`),
+// with each row's arithmetic independent of the rows beside it (decode and prefill give the
+// same bits); math is float32 for float32, bfloat16 and float16 inputs.
 // Decode splits long contexts into ranges (flash-decoding) when sequences x kv heads are too
 // few to keep every thread busy, and merges the partial softmax states afterwards. Tasks are
 // dealt to the threads round-robin, which balances the growing cost of causal prefill tiles.
@@ -24,8 +26,13 @@
 #include <utility>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "kernel_math.h"
 #include "paged_kv.h"
+#include "small_gemm.h"
 
 namespace vllm_mamba {
 namespace {
@@ -42,20 +49,25 @@ struct SoftmaxState {
   float* acc;
 };
 
-// Points `rows[t]` at the float32 key (or value) rows of `n` tokens from offset `off0` of
-// `block`: into the cache itself for float32, else converted into `buf (n, D)`.
+// The float32 key (or value) rows of `n` tokens from offset `off0` of `block` as a matrix
+// (first row, leading dim): the cache itself for float32, else converted into `buf (n, D)`.
+struct Rows {
+  const float* p;
+  int64_t ld;
+};
+
 template <typename C>
-void load_rows(const HeadView<C>& hv, int64_t block, int64_t off0, int64_t n, int64_t dim,
-               float* buf, const float** rows) {
-  for (int64_t t = 0; t < n; ++t) {
-    const C* src = hv.base + block * hv.block_stride + (off0 + t) * hv.token_stride;
-    if constexpr (std::is_same_v<C, float>) {
-      rows[t] = src;
-    } else {
+Rows load_rows(const HeadView<C>& hv, int64_t block, int64_t off0, int64_t n, int64_t dim,
+               float* buf) {
+  const C* src = hv.base + block * hv.block_stride + off0 * hv.token_stride;
+  if constexpr (std::is_same_v<C, float>) {
+    return {src, hv.token_stride};
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) buf[t * dim + d] = to_f32(src[d]);
-      rows[t] = buf + t * dim;
+      for (int64_t d = 0; d < dim; ++d) buf[t * dim + d] = to_f32(src[t * hv.token_stride + d]);
     }
+    return {buf, dim};
   }
 }
 
@@ -67,75 +79,163 @@ struct RowBias {
   int64_t dist0;
 };
 
-// Folds `n` keys and values into one row's softmax state (m, l, acc (D,)); `s (n,)` scratch.
-// Key t's score gains `bias.rel[bias.dist0 - t]` while that distance is below the extent.
-inline void update_row(const float* q, const float* const* keys, const float* const* values,
-                       int64_t n, int64_t dim, RowBias bias, float* s, float& m, float& l,
-                       float* acc) {
-  for (int64_t t = 0; t < n; ++t) {
-    const float* k = keys[t];
-    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
-    s[t] = dot;
+// The block-run kernels: `rows` query rows (sharing one kv head) against the n keys of a run
+// of one cache block, as small register-blocked matmuls. Each row's arithmetic is the same
+// whichever rows are computed beside it, so decode (one token's GQA group) and prefill (a tile
+// of tokens) give the same bits for a query at the same position:
+// - score s_rt = sum_d q_rd k_td, d in order (one FMA chain a score), 16 keys a vector from the
+//   keys transposed (`kt (D, kKeys)`);
+// - per row over its keys [skip, valid): the bias, the block max, m' = max(m, block max),
+//   alpha = exp(m - m'), p_t = exp(s_t - m') (0 outside the row's keys), the sum of p in key
+//   order, l' = l alpha + sum;
+// - acc' = (acc alpha) + p_t v_t, keys in order (one FMA each; keys outside the row's range
+//   add p = 0).
+constexpr int64_t kKeys = 16;  // keys per score tile (vector lanes)
+#if defined(__AVX512F__)
+constexpr int kTileRows = 12;  // rows per tile: 12 accumulator vectors of 16 lanes
+constexpr int64_t kValueLanes = 32;
+#else
+constexpr int kTileRows = 6;  // 12 AVX2 vectors of 8 lanes
+constexpr int64_t kValueLanes = 16;
+#endif
+
+// kt (D, kKeys) = keys [0, nk) (nk <= kKeys) transposed, zero past nk. On AVX-512 16 x 16
+// blocks and on AVX2 8 x 8 blocks are transposed in registers (element by element the
+// transposition was a third of a decode step's attention over 4096 positions).
+#if defined(__AVX512F__)
+// The element of the 16 (the row of kt) each register holds after the shuffle stages below.
+constexpr int kTransposedOrder[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+#endif
+
+inline void transpose_keys(Rows keys, int64_t nk, int64_t dim, float* kt) {
+  int64_t d0 = 0;
+#if defined(__AVX512F__)
+  for (; d0 + 16 <= dim; d0 += 16) {
+    __m512 r[16];
+    for (int j = 0; j < 16; ++j) r[j] = j < nk ? _mm512_loadu_ps(keys.p + j * keys.ld + d0) : _mm512_setzero_ps();
+    __m512 t[16];
+    for (int j = 0; j < 16; j += 2) {  // 2 x 2 blocks of single floats
+      t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+      t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 16; j += 4) {  // 4 x 4 blocks (pairs of floats)
+      for (int i = 0; i < 2; ++i) {
+        const __m512d a = _mm512_castps_pd(t[j + i]), b = _mm512_castps_pd(t[j + i + 2]);
+        r[j + i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[j + i + 2] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+      }
+    }
+    for (int j = 0; j < 16; j += 8) {  // 128-bit lanes: rows j..j+3 with j+4..j+7
+      for (int i = 0; i < 4; ++i) {
+        t[j + i] = _mm512_shuffle_f32x4(r[j + i], r[j + i + 4], 0x88);
+        t[j + i + 4] = _mm512_shuffle_f32x4(r[j + i], r[j + i + 4], 0xDD);
+      }
+    }
+    for (int i = 0; i < 8; ++i) {  // then rows 0..7 with 8..15
+      r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+      r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+    // r[i] now holds element d0 + c(i) of the 16 keys, c = the order the stages leave.
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d0 + kTransposedOrder[i]) * kKeys, r[i]);
   }
+#endif
+  for (; d0 < dim; ++d0) {
+    for (int64_t j = 0; j < nk; ++j) kt[d0 * kKeys + j] = keys.p[j * keys.ld + d0];
+    for (int64_t j = nk; j < kKeys; ++j) kt[d0 * kKeys + j] = 0.0f;
+  }
+}
+
+// Scores of all rows against keys [0, n) of a run: s (rows, lds), lds a multiple of kKeys;
+// `kt (D, kKeys)` scratch.
+void run_scores(const float* q, int64_t rows, int64_t dim, Rows keys, int64_t n, float* kt,
+                float* s, int64_t lds) {
+  for (int64_t k0 = 0; k0 < n; k0 += kKeys) {
+    transpose_keys({keys.p + k0 * keys.ld, keys.ld}, std::min(kKeys, n - k0), dim, kt);
+    small_gemm::rows_tile<kTileRows, kKeys>(rows, dim, kKeys, q, dim, kt, kKeys, s + k0, lds,
+                                            {});
+  }
+}
+
+// The values' part of a run for all rows: acc (rows, D) = alpha acc + p (rows, ldp) @ values.
+void run_values(const float* p, int64_t ldp, const float* alpha, Rows values, int64_t n,
+                int64_t rows, int64_t dim, float* acc) {
+  const small_gemm::Scale scale{0.0f, alpha};
+  int64_t d0 = 0;
+  for (; d0 + kValueLanes <= dim; d0 += kValueLanes) {
+    small_gemm::rows_tile<kTileRows, kValueLanes>(rows, n, kValueLanes, p, ldp, values.p + d0,
+                                                  values.ld, acc + d0, dim, scale);
+  }
+  for (; d0 < dim; d0 += 16) {
+    small_gemm::rows_tile<kTileRows, 16>(rows, n, std::min<int64_t>(16, dim - d0), p, ldp,
+                                         values.p + d0, values.ld, acc + d0, dim, scale);
+  }
+}
+
+// One row's softmax step over its keys [skip, valid) of the run's scores `s (n,)`: turns s
+// into the weights p (0 outside the range), updates m and l, and returns alpha. Key skip + t
+// gains `bias.rel[bias.dist0 - t]` while that distance is below the extent.
+inline float softmax_row(float* s, int64_t n, int64_t skip, int64_t valid, RowBias bias,
+                         float& m, float& l) {
+  if (valid <= skip) {  // no key of this row in the run: its state stays as it is
+    std::fill(s, s + n, 0.0f);
+    return 1.0f;
+  }
+  float* sr = s + skip;
+  const int64_t cnt = valid - skip;
   if (bias.rel != nullptr) {
-    // Keys dist0, dist0 - 1, ... back from the query: those closer than the extent.
     const int64_t first = std::max<int64_t>(bias.dist0 - bias.extent + 1, 0);
-    for (int64_t t = first; t < n; ++t) s[t] += bias.rel[bias.dist0 - t];
+    for (int64_t t = first; t < cnt; ++t) sr[t] += bias.rel[bias.dist0 - t];
   }
   float block_max = kNegInf;
-  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
+  for (int64_t t = 0; t < cnt; ++t) block_max = std::max(block_max, sr[t]);
   const float m_new = std::max(m, block_max);
   const float alpha = std::exp(m - m_new);  // 0 on the first block (m = -inf)
+#pragma omp simd
+  for (int64_t t = 0; t < cnt; ++t) sr[t] = exp_f32(sr[t] - m_new);
   float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = exp_f32(s[t] - m_new);
-    sum += s[t];
-  }
-#pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) acc[d] *= alpha;
-  for (int64_t t = 0; t < n; ++t) {
-    const float p = s[t];
-    const float* v = values[t];
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) acc[d] += p * v[d];
-  }
+  for (int64_t t = 0; t < cnt; ++t) sum += sr[t];  // in key order
+  std::fill(s, sr, 0.0f);
+  std::fill(s + valid, s + n, 0.0f);
   l = l * alpha + sum;
   m = m_new;
+  return alpha;
 }
+
+// Scratch of `attend_range` (block_size keys a run, `rows` query rows).
+struct RunScratch {
+  float* kbuf;            // (block_size, D): a run's keys as float32 (non-float32 caches)
+  float* vbuf;            // (block_size, D): its values
+  float* kt;              // (D, kKeys): 16 keys transposed
+  float* scores;          // (rows, block_size rounded up to kKeys): scores, then weights
+  float* alpha;   // (rows,)
+};
 
 // Attends `rows` pre-scaled query rows `q (rows, D)` over positions [begin, end) of one
 // sequence, row r only over positions [lows[r], limits[r]] (its sliding window's first
 // position, else 0, up to its own), updating `st` in place. `rels` (nullptr: no bias) holds
 // each row's `rel (extent,)` bias by distance from its own position `limits[r]`.
-// `kbuf`, `vbuf` (block_size * D), `scores` (block_size) and `row_ptrs` (2 * block_size) are
-// scratch.
 template <typename C>
 void attend_range(const float* q, const int64_t* lows, const int64_t* limits,
                   const float* const* rels, int64_t extent, int64_t rows, int64_t dim,
                   const HeadView<C>& kv, const HeadView<C>& vv, const int64_t* block_table,
-                  int64_t begin, int64_t end, SoftmaxState st, float* kbuf, float* vbuf,
-                  float* scores, const float** row_ptrs) {
+                  int64_t begin, int64_t end, SoftmaxState st, RunScratch sc) {
   const int64_t bs = kv.block_size;
-  const float** keys = row_ptrs;
-  const float** values = row_ptrs + bs;
+  const int64_t lds = (bs + kKeys - 1) / kKeys * kKeys;
   for (int64_t start = begin; start < end;) {
     const int64_t block = block_table[start / bs];
     const int64_t off0 = start % bs;
     const int64_t n = std::min(bs - off0, end - start);
-    load_rows(kv, block, off0, n, dim, kbuf, keys);
-    load_rows(vv, block, off0, n, dim, vbuf, values);
+    const Rows keys = load_rows(kv, block, off0, n, dim, sc.kbuf);
+    const Rows values = load_rows(vv, block, off0, n, dim, sc.vbuf);
+    run_scores(q, rows, dim, keys, n, sc.kt, sc.scores, lds);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t skip = std::max<int64_t>(lows[r] - start, 0);  // before the row's window
-      const int64_t valid = std::min(n, limits[r] - start + 1);    // causal cut of this row
-      if (valid <= skip) continue;
+      const int64_t skip = std::min(n, std::max<int64_t>(lows[r] - start, 0));  // pre-window
+      const int64_t valid = std::max<int64_t>(0, std::min(n, limits[r] - start + 1));  // causal
       const RowBias bias{rels == nullptr ? nullptr : rels[r], extent,
                          limits[r] - (start + skip)};
-      update_row(q + r * dim, keys + skip, values + skip, valid - skip, dim, bias, scores,
-                 st.m[r], st.l[r], st.acc + r * dim);
+      sc.alpha[r] = softmax_row(sc.scores + r * lds, n, skip, valid, bias, st.m[r], st.l[r]);
     }
+    run_values(sc.scores, lds, sc.alpha, values, n, rows, dim, st.acc);
     start += n;
   }
 }
@@ -183,13 +283,17 @@ void store_tile(const float* acc, const float* m, const float* l, const float* s
 
 // Per-thread scratch of the attention kernels.
 struct Scratch {
-  std::vector<float> q, m, l, acc, kbuf, vbuf, scores, sinks;
+  std::vector<float> q, m, l, acc, kbuf, vbuf, kt, scores, alpha, sinks;
   std::vector<int64_t> lows, limits;
-  std::vector<const float*> row_ptrs, rels;
+  std::vector<const float*> rels;
   Scratch(int64_t rows, int64_t dim, int64_t bs)
       : q(rows * dim), m(rows), l(rows), acc(rows * dim), kbuf(bs * dim), vbuf(bs * dim),
-        scores(bs), sinks(rows), lows(rows), limits(rows), row_ptrs(2 * bs), rels(rows) {}
+        kt(dim * kKeys), scores(rows * ((bs + kKeys - 1) / kKeys * kKeys)), alpha(rows),
+        sinks(rows), lows(rows), limits(rows), rels(rows) {}
   SoftmaxState state() { return {m.data(), l.data(), acc.data()}; }
+  RunScratch run() {
+    return {kbuf.data(), vbuf.data(), kt.data(), scores.data(), alpha.data()};
+  }
 };
 
 // Runs `task(i, scratch)` for i in [0, n), task i on worker i mod workers, each worker with
@@ -327,7 +431,7 @@ void decode_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::T
                  terms.rel == nullptr ? nullptr : sc.rels.data(), terms.extent, g, dim,
                  head_view<C>(k_cache, h),
                  head_view<C>(v_cache, h), tp + b * tables.stride(0), begin, end, st,
-                 sc.kbuf.data(), sc.vbuf.data(), sc.scores.data(), sc.row_ptrs.data());
+                 sc.run());
   });
   Q* op = out.data_ptr<Q>();
   at::parallel_for(0, batch * hkv, 16, [&](int64_t lo, int64_t hi) {
@@ -413,8 +517,7 @@ void prefill_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::
                  terms.rel == nullptr ? nullptr : sc.rels.data(), terms.extent, rows, dim,
                  head_view<C>(k_cache, h), head_view<C>(v_cache, h), tp + p * tables.stride(0),
                  window_start(len - q_len + j0, a.window),
-                 len - q_len + j0 + n_tok, sc.state(), sc.kbuf.data(), sc.vbuf.data(),
-                 sc.scores.data(), sc.row_ptrs.data());
+                 len - q_len + j0 + n_tok, sc.state(), sc.run());
     store_tile(sc.acc.data(), sc.m.data(), sc.l.data(),
                terms.sinks == nullptr ? nullptr : sc.sinks.data(), n_tok, g, dim,
                op + first * o_stride + h * g * dim, o_stride);

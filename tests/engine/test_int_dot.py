@@ -36,10 +36,26 @@ from vllm_mamba.ops.dispatch import get_mamba_ops
 # models. Measured: one position in 57 moved by 2.5e-3 (engine vs transformers, w4a8,
 # mamba-tied, generic build) and one in 54 by 0.029 (fused vs unfused, w4a8, tied, avx512);
 # every other position within 4e-6. So: every position within FLIP_ATOL, all but FLIPS of them
-# within LOGPROB_ATOL.
+# within LOGPROB_ATOL (of generated tokens: all but FLIPS sequences, below).
 LOGPROB_ATOL = 1e-4
 FLIP_ATOL = 0.1
 FLIPS = 2
+
+
+def assert_generated_within_flips(got_lp: list[list[float]], want_lp: list[list[float]]) -> None:
+    """Two paths' generated log-probabilities, sequence by sequence: every position within
+    FLIP_ATOL, and at most FLIPS sequences with a position past LOGPROB_ATOL. A flipped
+    activation changes the state and cache that every later position of its sequence reads, so
+    a flip is counted once per sequence (measured, qwen3_5-gqa w4a8_k fused vs unfused over 12
+    prompt seeds: 34 of 1,008 positions past LOGPROB_ATOL, in runs after a sequence's first
+    flip, 13 positions of one sequence in one seed; the same 35 with the attention kernel's
+    scores summed in another order)."""
+    flipped = 0
+    for x, y in zip(got_lp, want_lp, strict=True):
+        diff = [abs(a - b) for a, b in zip(x, y, strict=True)]
+        assert max(diff, default=0.0) <= FLIP_ATOL
+        flipped += any(d > LOGPROB_ATOL for d in diff)
+    assert flipped <= FLIPS
 
 
 def _q8(x: torch.Tensor) -> torch.Tensor:
@@ -106,9 +122,7 @@ def test_fused_decode_equals_unfused(
     got, got_lp, planned = _generate(model, method, "auto")
     assert planned is not None and fused_calls["fused"] > 0, "the fused kernels did not run"
     assert got == want
-    diff = torch.tensor([abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)])
-    print(f"{name} {method}: fused vs unfused |dlogprob| top {diff.sort().values[-4:].tolist()}")
-    assert float(diff.max()) <= FLIP_ATOL and int((diff > LOGPROB_ATOL).sum()) <= FLIPS
+    assert_generated_within_flips(got_lp, want_lp)
 
 
 def test_layers_and_the_weight_only_fallback() -> None:
@@ -219,8 +233,7 @@ def test_fused_hybrid_blocks_equal_unfused(
         assert all(layer.ffn_plan is not None for layer in layers)
     got, got_lp = generate(model, method)
     assert got == want
-    diff = torch.tensor([abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)])
-    assert float(diff.max()) <= FLIP_ATOL and int((diff > LOGPROB_ATOL).sum()) <= FLIPS
+    assert_generated_within_flips(got_lp, want_lp)
 
 
 def test_tied_tables_read_their_rows_from_the_strip_layout() -> None:

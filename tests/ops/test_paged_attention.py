@@ -366,6 +366,27 @@ def test_cpp_prefill_matches_ref(
 
 
 @needs_cpp
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 4, 80), (8, 2, 256)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_prefill_rows_are_bitwise_the_decode_of_their_position(
+    q_heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    """Each prefill query's output equals decode attention at its position bit for bit (a
+    speculative chain's verification is a prefill, its one-by-one twin decodes)."""
+    n = 70
+    case = make_paged_case([n], [n], q_heads, kv_heads, head_dim, block_size, dtype, pad_tokens=0)
+    prefill = cpu_kernels.paged_prefill_attention(**_prefill_args(case))
+    for pos in range(n):
+        decode = cpu_kernels.paged_decode_attention(
+            query=case.query[pos : pos + 1], k_cache=case.k_cache, v_cache=case.v_cache,
+            block_tables=case.block_tables[:1], seq_lens=torch.tensor([pos + 1], dtype=torch.int32),
+            scale=head_dim**-0.5,
+        )  # fmt: skip
+        assert torch.equal(decode[0], prefill[pos]), pos
+
+
+@needs_cpp
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_head_dims_and_dtypes(head_dim: int, dtype: torch.dtype) -> None:
