@@ -10,10 +10,12 @@
 // vector holds that group of each of the L rows. One vpdpbusd of it with the broadcast group i
 // of an x row adds the 4 products of all L rows at once, so after the 8 groups of a block each
 // lane holds its row's exact block sum: no horizontal reduction. All rows of x then stream
-// through the strip, C at a time (the micro-kernel: C vectors of int32 block sums). The rows of
-// x are quantised straight into panels of C rows (`XPanels`), interleaved in the order the
-// micro-kernel reads them. For long rows (a strip past L1) a block of strips meets each group
-// of x in turn (`block_strips`), so that the group is read from memory once per block.
+// through the strips, C at a time, kPair strips side by side (the micro-kernel: C x kPair
+// vectors of int32 block sums; on AVX-512 6 rows x 2 strips, so that each broadcast group of
+// x feeds two vpdpbusd: 8 rows x 1 strip ran at 290 GMAC/s a thread on a Zen 5, 6 x 2 at
+// 330). The rows of x are quantised straight into panels of C rows (`XPanels`), interleaved
+// in the order the micro-kernel reads them. A block of strips (about 256 KiB, `block_strips`)
+// meets each group of x in turn, so that the x panels are read once per block.
 //
 // The float side is the contract of `int_dot.h`, lane by lane: block j's sum (converted to
 // float) times d_j (w4a8: times d_j * s_j; w4a8_k: times d_j * ds_j, then dm_j * d_j * sum(q)
@@ -80,7 +82,9 @@ constexpr bool kAvailable = true;
 // The vector operations of the micro-kernel on AVX-512: 16 lanes.
 struct Isa {
   static constexpr int L = 16;  // weight rows per strip
-  static constexpr int C = 8;   // rows of x per micro-kernel: 3C + 4 of the 32 registers
+  static constexpr int C = 6;      // rows of x per micro-kernel
+  static constexpr int kPair = 2;  // strips per micro-kernel: 2 C int32 and 2 C float
+                                   // accumulators, 2 weight vectors and a broadcast of x
   using I = __m512i;
   using F = __m512;
   struct W {  // a loaded weight vector, ready for `dot`
@@ -154,7 +158,8 @@ struct Isa {
 // The vector operations of the micro-kernel on AVX2: 8 lanes.
 struct Isa {
   static constexpr int L = 8;
-  static constexpr int C = 3;  // 3C + 4 of the 16 registers
+  static constexpr int C = 3;      // 3C + 4 of the 16 registers
+  static constexpr int kPair = 1;  // one strip per micro-kernel
   using I = __m256i;
   using F = __m256;
   struct W {
@@ -220,6 +225,7 @@ struct Isa {
 
 constexpr int L = Isa::L;
 constexpr int C = Isa::C;
+constexpr int kPair = Isa::kPair;
 constexpr int64_t kStripRows = L;  // output channels per strip
 
 // The pairs of partial sums (p, p + 8) in the order the micro-kernel computes them.
@@ -283,96 +289,123 @@ struct XPanels {
   }
 };
 
-// The micro-kernel: x group g (its first `rows` rows real) times one packed strip; writes
-// out[(g * C + c) * ldo + l] for c < rows and the strip's first `cols` (1..L) channels l.
-// kFmt: the strip holds int8 weights and row scales, 4-bit codes + 8 and group scales (kQ4), or
-// 4-bit codes with block scales and mins (kQ4K). kCorr: the weights are offset (the x panels
-// hold the corrections), else not (kMaddubsSigned, kQ4K).
-template <Mul kMul, Fmt kFmt, bool kCorr>
-void micro(const Strip& s, const XPanels& x, int64_t g, int rows, float* out, int64_t ldo,
-           int cols) {
+// The micro-kernel: x group g (its first `rows` rows real) times S packed strips side by side
+// (each broadcast group of x feeds S vpdpbusd); writes out[(g * C + c) * ldo + i * L + l] for
+// c < rows, strip i < S, and the strips' first `cols` (1..S L) channels. kFmt: the strips hold
+// int8 weights and row scales, 4-bit codes + 8 and group scales (kQ4), or 4-bit codes with
+// block scales and mins (kQ4K). kCorr: the weights are offset (the x panels hold the
+// corrections), else not (kMaddubsSigned, kQ4K). Each lane's sums are the same whatever S.
+template <Mul kMul, Fmt kFmt, bool kCorr, int S>
+void micro(const Strip* const* s, const XPanels& x, int64_t g, int rows, float* out,
+           int64_t ldo, int cols) {
   using I = Isa::I;
   using F = Isa::F;
   const int64_t nb = x.nb;
   const int64_t tail = nb % kGroup == 0 ? kGroup : nb % kGroup;  // partials p >= tail: + 0
-  // the strip's and the x group's blocks, in order (`for_each_slot`)
-  const uint32_t* wj = s.w.data();
+  // the strips' and the x group's blocks, in order (`for_each_slot`)
   constexpr bool kQ4 = kFmt != Fmt::kI8;
-  const float* wsj = s.ws.data();
-  const float* wmj = s.wm.data();
+  const uint32_t* wj[S];
+  const float* wsj[S];
+  const float* wmj[S];
+  for (int i = 0; i < S; ++i) {
+    wj[i] = s[i]->w.data();
+    wsj[i] = s[i]->ws.data();
+    wmj[i] = s[i]->wm.data();
+  }
   const int8_t* xj = x.q.data() + g * nb * C * kBlock;
   const float* xd = x.d.data() + g * nb * C;
   const float* xsm = x.xsum.data() + g * nb * C;
   const int32_t* xc = x.corr.data() + g * nb * C;
-  // f (C vectors) = partial sum p: blocks p, p + 16, ... (the next in order)
-  auto chain = [&](int64_t p, F* f) __attribute__((always_inline)) {
+  // f (C x S vectors) = partial sum p: blocks p, p + 16, ... (the next in order)
+  auto chain = [&](int64_t p, F (*f)[S]) __attribute__((always_inline)) {
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) f[c] = Isa::zerof();
-    for (int64_t j = p; j < nb;
-         j += kGroup, wj += 8 * L, wsj += L, wmj += L, xj += C * kBlock, xd += C, xsm += C,
-         xc += C) {
-      I acc[C];
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < S; ++i) f[c][i] = Isa::zerof();
+    for (int64_t j = p; j < nb; j += kGroup, xj += C * kBlock, xd += C, xsm += C, xc += C) {
+      I acc[C][S];
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc[c] = kCorr ? Isa::set1i(xc[c]) : Isa::zero();
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < S; ++i) acc[c][i] = kCorr ? Isa::set1i(xc[c]) : Isa::zero();
       if constexpr (kMul == Mul::kMaddubs) {
-        I acc16[C];
+        I acc16[C][S];
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) acc16[c] = Isa::zero();
+        for (int c = 0; c < C; ++c)
+          for (int i = 0; i < S; ++i) acc16[c][i] = Isa::zero();
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {
-          const typename Isa::W w = Isa::load_w<kMul>(wj + i * L);
+        for (int k = 0; k < 8; ++k) {
+          typename Isa::W w[S];
+          for (int i = 0; i < S; ++i) w[i] = Isa::load_w<kMul>(wj[i] + k * L);
 #pragma GCC unroll 8
-          for (int c = 0; c < C; ++c)
-            acc16[c] = Isa::pairs(acc16[c], w, Isa::bcast4(xj + c * kBlock + 4 * i));
+          for (int c = 0; c < C; ++c) {
+            const I xb = Isa::bcast4(xj + c * kBlock + 4 * k);
+            for (int i = 0; i < S; ++i) acc16[c][i] = Isa::pairs(acc16[c][i], w[i], xb);
+          }
         }
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) acc[c] = Isa::widen(acc[c], acc16[c]);
+        for (int c = 0; c < C; ++c)
+          for (int i = 0; i < S; ++i) acc[c][i] = Isa::widen(acc[c][i], acc16[c][i]);
       } else {
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {
-          const typename Isa::W w = Isa::load_w<kMul>(wj + i * L);
+        for (int k = 0; k < 8; ++k) {
+          typename Isa::W w[S];
+          for (int i = 0; i < S; ++i) w[i] = Isa::load_w<kMul>(wj[i] + k * L);
 #pragma GCC unroll 8
-          for (int c = 0; c < C; ++c)
-            acc[c] = Isa::dot<kMul>(acc[c], w, Isa::bcast4(xj + c * kBlock + 4 * i));
+          for (int c = 0; c < C; ++c) {
+            const I xb = Isa::bcast4(xj + c * kBlock + 4 * k);
+            for (int i = 0; i < S; ++i) acc[c][i] = Isa::dot<kMul>(acc[c][i], w[i], xb);
+          }
         }
       }
-      F ws, wm;
-      if constexpr (kQ4) ws = Isa::load(wsj);
-      if constexpr (kFmt == Fmt::kQ4K) wm = Isa::load(wmj);
+      F ws[S], wm[S];
+      for (int i = 0; i < S; ++i) {
+        if constexpr (kQ4) ws[i] = Isa::load(wsj[i]);
+        if constexpr (kFmt == Fmt::kQ4K) wm[i] = Isa::load(wmj[i]);
+        wj[i] += 8 * L;
+        wsj[i] += L;
+        wmj[i] += L;
+      }
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
         const F d = Isa::set1(xd[c]);
-        const F sc = kQ4 ? Isa::mul(d, ws) : d;
-        f[c] = Isa::fmadd(Isa::cvt(acc[c]), sc, f[c]);
-        if constexpr (kFmt == Fmt::kQ4K) f[c] = Isa::fnmadd(wm, Isa::set1(xsm[c]), f[c]);
+        for (int i = 0; i < S; ++i) {
+          const F sc = kQ4 ? Isa::mul(d, ws[i]) : d;
+          f[c][i] = Isa::fmadd(Isa::cvt(acc[c][i]), sc, f[c][i]);
+          if constexpr (kFmt == Fmt::kQ4K) f[c][i] = Isa::fnmadd(wm[i], Isa::set1(xsm[c]), f[c][i]);
+        }
       }
     }
     if (p >= tail) {
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) f[c] = Isa::add(f[c], Isa::zerof());
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < S; ++i) f[c][i] = Isa::add(f[c][i], Isa::zerof());
     }
   };
-  alignas(64) float stack[3][C][L];  // the tree's pending sums of levels 2, 3, 4
+  alignas(64) float stack[3][C][S][L];  // the tree's pending sums of levels 2, 3, 4
+  alignas(64) float low[C][S][L];       // a pair's first partial while the second runs
   for (int k = 0; k < kGroup / 2; ++k) {
-    F lo[C], hi[C];
-    chain(kPairOrder[k], lo);
-    chain(kPairOrder[k] + kGroup / 2, hi);
+    F part[C][S];
+    chain(kPairOrder[k], part);
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < S; ++i) Isa::store(low[c][i], part[c][i]);
+    chain(kPairOrder[k] + kGroup / 2, part);
     // the tree: level 1 (p + (p + 8)) here, levels 2, 3, 4 with the pending sums
     int level = 0;
     while (level < 3 && (k >> level & 1)) ++level;
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      F v = Isa::add(lo[c], hi[c]);
-      for (int e = 0; e < level; ++e) v = Isa::add(Isa::load(stack[e][c]), v);
-      if (level < 3) {
-        Isa::store(stack[level][c], v);
-      } else if (c < rows) {
-        if constexpr (kFmt == Fmt::kI8) v = Isa::mul(v, Isa::load(s.scale.data()));
-        float* o = out + (g * C + c) * ldo;
-        if (cols == L) {
-          Isa::store(o, v);
-        } else {
-          Isa::store_n(o, v, cols);
+      for (int i = 0; i < S; ++i) {
+        F v = Isa::add(Isa::load(low[c][i]), part[c][i]);
+        for (int e = 0; e < level; ++e) v = Isa::add(Isa::load(stack[e][c][i]), v);
+        if (level < 3) {
+          Isa::store(stack[level][c][i], v);
+        } else if (c < rows && i * L < cols) {
+          if constexpr (kFmt == Fmt::kI8) v = Isa::mul(v, Isa::load(s[i]->scale.data()));
+          float* o = out + (g * C + c) * ldo + i * L;
+          if (cols - i * L >= L) {
+            Isa::store(o, v);
+          } else {
+            Isa::store_n(o, v, cols - i * L);
+          }
         }
       }
     }
@@ -380,15 +413,23 @@ void micro(const Strip& s, const XPanels& x, int64_t g, int rows, float* out, in
 }
 
 // x groups [g0, g1) times the packed strips [s0, s1) of n output channels (`s[i]`: strip
-// s0 + i), a group at a time against every strip of the block.
+// s0 + i), a group at a time against every strip of the block, kPair strips a call.
 template <Mul kMul, Fmt kFmt, bool kCorr>
 void block_groups(const std::vector<Strip>& s, int64_t s0, int64_t s1, int64_t n,
                   const XPanels& x, int64_t g0, int64_t g1, float* out, int64_t ldo) {
   for (int64_t g = g0; g < g1; ++g) {
     const int rows = static_cast<int>(std::min<int64_t>(C, x.rows - g * C));
-    for (int64_t i = s0; i < s1; ++i) {
+    int64_t i = s0;
+    for (; i + kPair <= s1; i += kPair) {
+      const Strip* st[kPair];
+      for (int p = 0; p < kPair; ++p) st[p] = &s[i - s0 + p];
+      const int cols = static_cast<int>(std::min<int64_t>(kPair * L, n - i * L));
+      micro<kMul, kFmt, kCorr, kPair>(st, x, g, rows, out + i * L, ldo, cols);
+    }
+    for (; i < s1; ++i) {
+      const Strip* st[1] = {&s[i - s0]};
       const int cols = static_cast<int>(std::min<int64_t>(L, n - i * L));
-      micro<kMul, kFmt, kCorr>(s[i - s0], x, g, rows, out + i * L, ldo, cols);
+      micro<kMul, kFmt, kCorr, 1>(st, x, g, rows, out + i * L, ldo, cols);
     }
   }
 }
@@ -543,12 +584,14 @@ inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }
 inline int i8_shift() { return has_vnni() ? 128 : 0; }
 constexpr int kQ4Shift = 8;
 
-// Strips per block (`block_i8` / `block_q4`) for K input features: 1 while a strip (L * K
-// bytes) stays in L1 beside a group of x, else as many as about 256 KiB of L2 hold (up to 8),
-// so that a group of x is read from memory once per block instead of once per strip.
+// Strips per block (`block_i8` / `block_q4`) for K input features, a multiple of kPair (the
+// strips a micro-kernel reads side by side): kPair while a strip (L * K bytes) is small (the
+// pair stays in L1 or L2 beside a group of x), else as many as about 256 KiB of L2 hold (up to
+// 8), so that a group of x is read from memory once per block instead of once per strip.
 inline int64_t block_strips(int64_t k) {
   const int64_t bytes = L * k;
-  return bytes <= (24 << 10) ? 1 : std::clamp<int64_t>((256 << 10) / bytes, 1, 8);
+  const int64_t n = std::clamp<int64_t>((256 << 10) / bytes, 1, 8);
+  return std::max<int64_t>(kPair, n / kPair * kPair);
 }
 
 // out[b * ldo + r] = the w8a8 product of int8 weight row r and quantised x row b, for the rows
