@@ -26,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -112,7 +112,9 @@ inline void transpose_keys(Rows keys, int64_t nk, int64_t dim, float* kt) {
 #if defined(__AVX512F__)
   for (; d0 + 16 <= dim; d0 += 16) {
     __m512 r[16];
-    for (int j = 0; j < 16; ++j) r[j] = j < nk ? _mm512_loadu_ps(keys.p + j * keys.ld + d0) : _mm512_setzero_ps();
+    for (int j = 0; j < 16; ++j) {
+      r[j] = j < nk ? _mm512_loadu_ps(keys.p + j * keys.ld + d0) : _mm512_setzero_ps();
+    }
     __m512 t[16];
     for (int j = 0; j < 16; j += 2) {  // 2 x 2 blocks of single floats
       t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
@@ -137,6 +139,32 @@ inline void transpose_keys(Rows keys, int64_t nk, int64_t dim, float* kt) {
     }
     // r[i] now holds element d0 + c(i) of the 16 keys, c = the order the stages leave.
     for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d0 + kTransposedOrder[i]) * kKeys, r[i]);
+  }
+#elif defined(__AVX2__)
+  for (; d0 + 8 <= dim; d0 += 8) {
+    for (int h = 0; h < 2; ++h) {  // keys 8 h .. 8 h + 7
+      __m256 r[8], t[8];
+      for (int j = 0; j < 8; ++j) {
+        const int64_t key = 8 * h + j;
+        r[j] = key < nk ? _mm256_loadu_ps(keys.p + key * keys.ld + d0) : _mm256_setzero_ps();
+      }
+      for (int j = 0; j < 8; j += 2) {
+        t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+        t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+      }
+      for (int j = 0; j < 8; j += 4) {
+        r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+        r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+        r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+        r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+      }
+      for (int i = 0; i < 4; ++i) {  // r[i] holds elements i and i + 4 of keys 0-3 and 4-7
+        _mm256_storeu_ps(kt + (d0 + i) * kKeys + 8 * h,
+                         _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(kt + (d0 + i + 4) * kKeys + 8 * h,
+                         _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+      }
+    }
   }
 #endif
   for (; d0 < dim; ++d0) {
