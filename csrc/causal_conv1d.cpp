@@ -52,10 +52,10 @@ inline void conv_token_inner(const ConvProblem& p, const T* x, T* out, int64_t t
   for (int64_t j = 0; j < n; ++j) {
     float acc = 0.0f;
 #pragma GCC unroll 8
-    for (int k = 0; k < kWidth; ++k) acc += w[k * dim + j] * to_f32(xr[k * xs + j]);
+    for (int k = 0; k < kWidth; ++k) acc += w[k * dim + j] * load_f32(xr[k * xs + j]);
     if constexpr (kBias) acc = acc + bias[j];
     if constexpr (kAct) acc = silu_f32(acc);
-    o[j] = static_cast<T>(acc);
+    o[j] = store_as<T>(acc);
   }
 }
 
@@ -76,18 +76,18 @@ void conv_token_chunk(const ConvProblem& p, const T* x, const S* states, T* out,
     if (src >= start) {
       const T* xr = x + src * p.x_stride + d0;
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) acc[j] += w[j] * to_f32(xr[j]);
+      for (int64_t j = 0; j < n; ++j) acc[j] += w[j] * load_f32(xr[j]);
     } else if (from_state) {
       // Before the sequence start: column hist + (src - start) of the slot's saved inputs.
       const S* st = states + (slot * p.dim + d0) * hist + hist + (src - start);
-      for (int64_t j = 0; j < n; ++j) acc[j] += w[j] * to_f32(st[j * hist]);
+      for (int64_t j = 0; j < n; ++j) acc[j] += w[j] * load_f32(st[j * hist]);
     }
   }
   T* o = out + t * p.dim + d0;
   const float* bias = p.bias ? p.bias + d0 : nullptr;
   for (int64_t j = 0; j < n; ++j) {
     const float v = bias ? acc[j] + bias[j] : acc[j];
-    o[j] = static_cast<T>(p.activation ? silu_f32(v) : v);
+    o[j] = store_as<T>(p.activation ? silu_f32(v) : v);
   }
 }
 
@@ -119,9 +119,9 @@ void conv_write_state(const ConvProblem& p, const T* x, S* states, int64_t b) {
     // In place is safe: column j reads column (len + j) >= j, not yet overwritten.
     for (int64_t j = 0; j < hist; ++j) {
       const int64_t rel = end - hist + j - start;
-      const float v = rel >= 0 ? to_f32(x[(start + rel) * p.x_stride + d])
-                               : (keep ? to_f32(st[hist + rel]) : 0.0f);
-      st[j] = static_cast<S>(v);
+      const float v = rel >= 0 ? load_f32(x[(start + rel) * p.x_stride + d])
+                               : (keep ? load_f32(st[hist + rel]) : 0.0f);
+      st[j] = store_as<S>(v);
     }
   }
 }
@@ -264,7 +264,7 @@ void conv_update_rows(const T* x, S* states, const float* w, const float* bias,
       fused::conv_update(v, slot >= 0 ? states + slot * dim * hist : nullptr, w, bias, width, 0,
                          dim, activation);
       if constexpr (!std::is_same_v<T, float>) {
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(v[d]);
+        for (int64_t d = 0; d < dim; ++d) o[d] = store_as<T>(v[d]);
       }
     }
   });

@@ -45,29 +45,6 @@ constexpr int64_t kNB = 16;
 constexpr int64_t kMR = 6;
 constexpr float kL2Eps = 1e-6f;
 
-// float32 <-> bfloat16 by bit operations (round to nearest even, NaN kept), as c10's
-// conversions but branch-free, so loops over bfloat16 states and rows vectorise.
-inline float load_f32(float v) { return v; }
-inline float load_f32(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-template <typename S>
-inline S store_as(float v);
-template <>
-inline float store_as<float>(float v) {
-  return v;
-}
-template <>
-inline at::BFloat16 store_as<at::BFloat16>(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return at::BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), at::BFloat16::from_bits());
-}
-
 // Which part of a product a caller needs (row i of C, column j, inner index k).
 enum class Tri {
   kFull,     // all of C

@@ -59,18 +59,7 @@ constexpr float kSoftplusThreshold = 20.0f;
 
 // ---- loads and stores of float32 / bfloat16 as float32 -------------------------------------
 
-inline float load_f32(float v) { return v; }
-inline float load_f32(at::BFloat16 v) { return vec::bf16_to_f32(v.x); }
-template <typename S>
-inline S store_as(float v);
-template <>
-inline float store_as<float>(float v) {
-  return v;
-}
-template <>
-inline at::BFloat16 store_as<at::BFloat16>(float v) {
-  return at::BFloat16(vec::f32_to_bf16(v), at::BFloat16::from_bits());
-}
+// (`load_f32` / `store_as`: kernel_math.h)
 
 inline Vf vload(const float* p) { return vec::load(p); }
 inline Vf vload(const at::BFloat16* p) {

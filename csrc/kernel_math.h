@@ -20,6 +20,30 @@ inline float to_f32(T v) {
   return static_cast<float>(v);
 }
 
+// float32 <-> bfloat16 by bit operations (round to nearest even, NaN kept a quiet NaN), the
+// values of c10's conversions but branch-free, so loops over bfloat16 rows vectorise (c10's
+// `static_cast` between float and at::BFloat16 kept them scalar).
+inline float load_f32(float v) { return v; }
+inline float load_f32(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+template <typename S>
+inline S store_as(float v);
+template <>
+inline float store_as<float>(float v) {
+  return v;
+}
+template <>
+inline at::BFloat16 store_as<at::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return at::BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), at::BFloat16::from_bits());
+}
+
 // Calls `fn` with a null pointer of the element type of `t` (float or bfloat16).
 template <typename Fn>
 void dispatch_float_bf16(const at::Tensor& t, const char* what, Fn&& fn) {
