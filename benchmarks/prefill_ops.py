@@ -16,13 +16,16 @@ calls:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
+import sys
 from collections.abc import Callable
 
 import torch
 
 from vllm_mamba.ops import cpu_isa
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gated_delta_kernels import median_us  # noqa: E402
 
 # (K, N) of the projections a Qwen3.5-0.8B layer multiplies by: a GDN layer's [q | k | v] and z,
 # its output; the MLP's gate (and up) and down; an attention layer's queries (with the gate).
@@ -31,14 +34,7 @@ LINEAR_SHAPES = [(1024, 6144), (1024, 2048), (2048, 1024), (1024, 3584), (3584, 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:
     """Median milliseconds of `reps` calls of fn after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_us(fn, reps) / 1e3
 
 
 def bench_conv(tokens: int, reps: int) -> None:
