@@ -316,11 +316,12 @@ inline int strip_lanes(int64_t n, int64_t s) {
   return static_cast<int>(std::min<int64_t>(kLanes, n - s * kLanes));
 }
 
-// The strip two ahead of the one being computed, prefetched (into L2) block by block while this
-// one is read: a strip's compute per block grows with the rows of x (5 rows of a speculative
-// chain take 40 vpdpbusd per block of an int8 strip), and without prefetches the hardware
-// prefetchers' lead no longer hides the memory latency, so a 5-row pass took 1.6-1.9x one row
-// on a 256 MiB weight (2 threads, Zen 4) where it is bound by the same reads. `p` null: none.
+// The weight bytes a fixed distance ahead of the strip being computed (`ahead_bytes`),
+// prefetched (into L2) block by block while this one is read: a strip's compute per block grows
+// with the rows of x (5 rows of a speculative chain take 40 vpdpbusd per block of an int8
+// strip), and without prefetches the hardware prefetchers' lead no longer hides the memory
+// latency, so a 5-row pass took 1.6-1.9x one row on a 256 MiB weight (2 threads, Zen 4) where
+// it is bound by the same reads. `p` null: none.
 struct Ahead {
   const uint8_t* p = nullptr;      // the weight bytes of the strip ahead
   const uint8_t* scales = nullptr;  // 4-bit: its scale bytes (2 per row and block on average
@@ -972,7 +973,7 @@ inline const char* instruction() {
 // - Zen 4 (AVX-512): one row's pass kept the hardware prefetchers' lead, and the prefetches
 //   slowed a 4-bit Qwen3.5-0.8B's b1 step by 5-20% (session 6): off on AMD family 19h;
 // - Zen 5 (AVX-512, family 1Ah): 4-bit 14.8 GB/s without, 32.4 with; int8 24.4 and 30.8.
-// Other CPUs (Intel's) were not measured and prefetch.
+// Other CPUs (Intel's) were not measured and prefetch. How far ahead: `ahead_bytes`.
 inline bool amd_family_19h() {
 #if defined(__x86_64__) || defined(__i386__)
   unsigned a = 0, b = 0, c = 0, d = 0;
@@ -997,25 +998,40 @@ inline bool ahead_one_row() {
 #endif
 }
 
+// How far ahead of a strip's first byte the prefetches run (`Ahead`), for a weight of
+// `strip_bytes` bytes per whole strip (code bytes; the 4-bit scales in proportion): with
+// several rows of x the strip two ahead (measured on a Zen 4); with one row a fixed 8 KiB, up
+// to the range's end and past it. On a Zen 5 (2 threads, one row, 768 MiB of weights at each
+// of four LFM2-1.2B / Qwen3.5 shapes, ratios to `x.sum()` in the same run) int8 calls ran at
+// 0.69-0.79 of the read rate two strips ahead (64 KiB for K = 2048, 256 KiB for K = 8192),
+// stopping two strips before the range's end, and at 0.92-1.01 so; 4-bit calls 0.89-1.00
+// before and 0.91-1.04 after (4, 8 and 16 KiB were alike in a first trial).
+inline int64_t ahead_bytes(int64_t rows, int64_t strip_bytes) {
+  return rows > 1 ? 2 * strip_bytes : 8 << 10;
+}
+
 // Rows [lo, hi) of a weight times rows [0, x.rows) of x: out[b * ldo + (r - lo)].
 //
 // The strips that hold rows [lo, hi) are read in order, each once per kMaxRows rows of x (with
 // up to kMaxRows rows, decode, the weight is read from memory once); a strip only partly in
 // the range is computed whole and stored in part (the callers split ranges on whole strips:
-// `gemv::kRowBlock`). `strip(s, lanes, nbx, xs, o, ahead)` computes strip s, prefetching strip
-// `ahead` (`Ahead`; -1: none).
+// `gemv::kRowBlock`). `strip(s, lanes, nbx, xs, o, ahead)` computes strip s, prefetching the
+// weight `ahead` bytes past the strip's start (`ahead_bytes`; -1: none).
 template <typename Strip>
-inline void run_strips(const QActs& x, int64_t n, int64_t lo, int64_t hi, float* out,
-                       int64_t ldo, Strip&& strip) {
+inline void run_strips(const QActs& x, int64_t n, int64_t lo, int64_t hi, int64_t strip_bytes,
+                       float* out, int64_t ldo, Strip&& strip) {
   QRow xs[kMaxRows];
   float o[kMaxRows][kLanes];
+  // several rows of x prefetch while the strip two ahead is in the range (the first pass over
+  // this one fetches it), one row where `ahead_one_row()` (past the range's end too: a
+  // prefetch never faults)
+  const bool prefetch = x.rows > 1 || ahead_one_row();
+  const int64_t dist = ahead_bytes(x.rows, strip_bytes);
   for (int64_t s = lo / kLanes; s * kLanes < hi; ++s) {
     const int lanes = strip_lanes(n, s);
     const int64_t r0 = std::max(lo, s * kLanes), r1 = std::min(hi, s * kLanes + lanes);
-    // The strip two ahead, while it is in the range (the first pass over this one fetches it),
-    // for several rows of x, and for one row where `ahead_one_row()`.
-    const bool prefetch = x.rows > 1 || ahead_one_row();
-    const int64_t ahead = prefetch && (s + 2) * kLanes < hi ? s + 2 : -1;
+    const bool in_range = x.rows == 1 || (s + 2) * kLanes < hi;
+    const int64_t ahead = prefetch && in_range ? dist : -1;
     for (int64_t b0 = 0; b0 < x.rows; b0 += kMaxRows) {
       const int nbx = static_cast<int>(std::min<int64_t>(kMaxRows, x.rows - b0));
       for (int b = 0; b < nbx; ++b) xs[b] = x.row(b0 + b);
@@ -1042,12 +1058,11 @@ template <typename K>
 inline void rows_i8_with(const I8Rows& w, const QActs& x, int64_t lo, int64_t hi, float* out,
                          int64_t ldo) {
   const int64_t nb = w.k / kBlock;
-  run_strips(x, w.n, lo, hi, out, ldo,
+  run_strips(x, w.n, lo, hi, kLanes * w.k, out, ldo,
              [&](int64_t s, int lanes, int nbx, const QRow* xs, float (*o)[kLanes], int64_t a) {
-               const uint8_t* base = reinterpret_cast<const uint8_t*>(w.q);
-               const uint8_t* ws = base + s * kLanes * w.k;
+               const uint8_t* ws = reinterpret_cast<const uint8_t*>(w.q) + s * kLanes * w.k;
                Ahead ahead;
-               if (a >= 0) ahead = {base + a * kLanes * w.k, nullptr, kLanes * kBlock};
+               if (a >= 0) ahead = {ws + a, nullptr, kLanes * kBlock};
 #define CALL(B) K::template strip_i8<B>(ws, lanes, nb, xs, o, ahead)
                VLLM_MAMBA_INT_DOT_BY_ROWS(nbx, CALL)
 #undef CALL
@@ -1073,14 +1088,13 @@ inline void rows_4bit_with(const uint8_t* q, const uint8_t* scales, int64_t scal
                            int64_t k, int64_t n, const QActs& x, int64_t lo, int64_t hi,
                            float* out, int64_t ldo) {
   const int64_t nb = k / kBlock;
-  run_strips(x, n, lo, hi, out, ldo,
+  run_strips(x, n, lo, hi, kLanes * (k / 2), out, ldo,
              [&](int64_t s, int lanes, int nbx, const QRow* xs, float (*o)[kLanes], int64_t a) {
                const uint8_t* ws = q + s * kLanes * (k / 2);
                const uint8_t* ss = scales + s * kLanes * scale_row_bytes;
                Ahead ahead;
-               if (a >= 0) {
-                 ahead = {q + a * kLanes * (k / 2), scales + a * kLanes * scale_row_bytes,
-                          kLanes * kBlock / 2};
+               if (a >= 0) {  // the scales as far ahead in proportion
+                 ahead = {ws + a, ss + a * scale_row_bytes / (k / 2), kLanes * kBlock / 2};
                }
 #define CALL(B) K::template strip_4bit<B, kK>(ws, ss, lanes, nb, xs, o, ahead)
                VLLM_MAMBA_INT_DOT_BY_ROWS(nbx, CALL)
