@@ -2,14 +2,18 @@
 // `int_dot.h` (every output bit for bit what `int_dot::rows_i8` / `rows_q4` give, so a row's
 // result still never depends on the batch).
 //
-// The weight goes in strips of L output channels (16 on AVX-512, 8 on AVX2). A strip is
-// repacked once per call from the stored strip layout (`int_dot.h`: already interleaved by
-// 4-byte groups, 16 rows) into a scratch buffer (L1 / L2-resident: L rows x K bytes), with the
-// weights offset, the 4-bit codes widened to bytes and the blocks in the micro-kernel's order:
-// for block j and group i (bytes 4i..4i+3 of the block), one
-// vector holds that group of each of the L rows. One vpdpbusd of it with the broadcast group i
+// The weight goes in strips of L output channels (16 on AVX-512, 8 on AVX2), read where they
+// are stored (`int_dot.h`'s strip layout: interleaved by 4-byte groups, 16 rows; only the last
+// rows of a weight, outside a whole stored strip, are gathered into a copy, `Strip`): for
+// block j and group i (bytes 4i..4i+3 of the block), one vector holds that group of each of
+// the L rows; the micro-kernel offsets int8 bytes (w ^ 0x80) and widens 4-bit codes in
+// registers. One vpdpbusd of it with the broadcast group i
 // of an x row adds the 4 products of all L rows at once, so after the 8 groups of a block each
-// lane holds its row's exact block sum: no horizontal reduction. All rows of x then stream
+// lane holds its row's exact block sum: no horizontal reduction. The strips were repacked into
+// a scratch copy per call before (2026-12-07): the same speed at 512 rows of x, but at 32
+// rows (a b32 step) the copy cost more than the products (a 160 MiB int8 head: 35 ms a call,
+// 119-120 GMAC/s; read in place 242-272; the layer shapes 1.3-2.2x, 128 rows 1.2-1.3x). The
+// next block's strips are prefetched while a block is computed (`block_groups`). All rows of x then stream
 // through the strips, C at a time, kPair strips side by side (the micro-kernel: C x kPair
 // vectors of int32 block sums; on AVX-512 6 rows x 2 strips, so that each broadcast group of
 // x feeds two vpdpbusd: 8 rows x 1 strip ran at 290 GMAC/s a thread on a Zen 5, 6 x 2 at
@@ -26,8 +30,8 @@
 // complete as soon as their operands do (a stack of 3 vectors per x row in memory).
 //
 // vpdpbusd multiplies unsigned bytes (the register operand) by signed bytes (the broadcast x):
-// the packed int8 weight is w + 128 (w ^ 0x80) and 128 * sum(q) of the x block is subtracted,
-// the packed 4-bit code is c + 8 and 8 * sum(q) is subtracted (both exact in int32). Without
+// the int8 weight is read as w + 128 (w ^ 0x80) and 128 * sum(q) of the x block is subtracted,
+// the stored 4-bit code is c + 8 and 8 * sum(q) is subtracted (both exact in int32). Without
 // VNNI (vpmaddubsw + vpmaddwd, whose pair sums saturate at int16) the int8 weight keeps its
 // sign: |w| times x with w's sign (at most 128 * 127 * 2 per pair), the 4-bit codes as above.
 //
@@ -53,15 +57,23 @@ namespace gemm {
 
 constexpr int64_t kMinRows = 16;  // rows of x from which the ops take the GEMM
 
-// A packed strip of L weight rows: `w` holds, for the block in position `slot` (`for_each_slot`),
-// group i and lane l, the 4 bytes w[(slot * 8 + i) * L + l]; `ws` (4-bit) the group scales as
-// float32 at [slot * L + l] (Q4_K-style: d * sc, and `wm` the mins dmin * m); `scale` (int8)
-// the row scales at [l]. The lanes past the weight's N repeat its last row (computed, never
-// stored).
+// A strip of L weight rows as the micro-kernel reads it: for block j, its G group vectors
+// (G = 8 groups of int8 bytes, or 4 groups of 4-bit codes, two to a byte) at
+// w[(j * G + k) * kLanes + l] for lane l < L, the block's 4-bit scales (float16 bits) at
+// hs[j * kLanes + l], the int8 row scales at scale[l], the Q4_K-style block scales and mins at
+// ds[j * L + l], dm[j * L + l]. A strip in a whole stored strip (`int_dot.h`: kLanes rows) is
+// read where it is stored; else (the weight's last rows) its rows are gathered into the
+// `own_*` copies, laid out the same (the lanes past the weight's N repeat its last row,
+// computed and never stored). The stride kLanes is a constant of the micro-kernel (a runtime
+// stride took GPRs it then spilled). Only the Q4_K-style scales are decoded per call.
 struct Strip {
-  std::vector<uint32_t> w;
-  std::vector<float> ws, wm, scale;
-  int64_t index = -1;  // the strip packed here, -1 for none
+  const uint32_t* w = nullptr;
+  const uint16_t* hs = nullptr;
+  const float* scale = nullptr;
+  std::vector<uint32_t> own_w;
+  std::vector<uint16_t> own_hs;
+  std::vector<float> own_scale, ds, dm;
+  int64_t index = -1;  // the strip set up here, -1 for none
 };
 
 // How the micro-kernel multiplies bytes: vpdpbusd on unsigned (offset) weights, vpmaddubsw +
@@ -99,12 +111,16 @@ struct Isa {
     std::memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
   }
+  static I loadu(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  // a vector of weight bytes, ready for `dot`
   template <Mul kMul>
-  static W load_w(const uint32_t* p) {
-    const I v = _mm512_loadu_si512(p);
+  static W prep(I v) {
     if constexpr (kMul == Mul::kMaddubsSigned) return {_mm512_abs_epi8(v), _mm512_movepi8_mask(v)};
     return {v, 0};
   }
+  static I offset(I v) { return _mm512_xor_si512(v, _mm512_set1_epi32(0x80808080u)); }  // w + 128
+  static I low4(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static I high4(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
   // acc + the sums of 4 products (unsigned w bytes, signed x bytes) per int32 lane
   template <Mul kMul>
   static I dot(I acc, const W& w, I x) {
@@ -134,9 +150,9 @@ struct Isa {
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
-  // packing: L float16 values (raw bits) widened as `row_q4` does
-  static void halves(const uint16_t* h, float* out) {
-    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))));
+  // L float16 values (raw bits) widened as `row_q4` does
+  static F halves(const uint16_t* h) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
   }
   // packing: the block scales and mins of lanes [h, h + L) of a whole Q4_K-style super-block
   // (`decode_q4k`), into ds[i * L + l] and dm[i * L + l]
@@ -174,12 +190,15 @@ struct Isa {
     std::memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
   }
+  static I loadu(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   template <Mul kMul>
-  static W load_w(const uint32_t* p) {
-    const I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  static W prep(I v) {
     if constexpr (kMul == Mul::kMaddubsSigned) return {_mm256_abs_epi8(v), v};
     return {v, v};
   }
+  static I offset(I v) { return _mm256_xor_si256(v, _mm256_set1_epi32(0x80808080u)); }
+  static I low4(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static I high4(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
   template <Mul kMul>
   static I dot(I acc, const W& w, I x) {
     if constexpr (kMul == Mul::kVnni) {
@@ -208,8 +227,8 @@ struct Isa {
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
-  static void halves(const uint16_t* h, float* out) {
-    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+  static F halves(const uint16_t* h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
   }
   static void q4k_super(const uint8_t* p, int lanes, int h, float* ds, float* dm) {
     F vs[kSuper], vm[kSuper];
@@ -289,12 +308,14 @@ struct XPanels {
   }
 };
 
-// The micro-kernel: x group g (its first `rows` rows real) times S packed strips side by side
-// (each broadcast group of x feeds S vpdpbusd); writes out[(g * C + c) * ldo + i * L + l] for
+// The micro-kernel: x group g (its first `rows` rows real) times S strips side by side (each
+// broadcast group of x feeds S vpdpbusd); writes out[(g * C + c) * ldo + i * L + l] for
 // c < rows, strip i < S, and the strips' first `cols` (1..S L) channels. kFmt: the strips hold
-// int8 weights and row scales, 4-bit codes + 8 and group scales (kQ4), or 4-bit codes with
-// block scales and mins (kQ4K). kCorr: the weights are offset (the x panels hold the
-// corrections), else not (kMaddubsSigned, kQ4K). Each lane's sums are the same whatever S.
+// int8 weights and row scales (offset here by w ^ 0x80 for vpdpbusd), 4-bit codes + 8 and
+// group scales (kQ4), or 4-bit codes with block scales and mins (kQ4K), the codes widened to
+// bytes here (the low nibbles of a group vector are x group k, the high ones group k + 4).
+// kCorr: the weights are offset (the x panels hold the corrections), else not
+// (kMaddubsSigned, kQ4K). Each lane's sums are the same whatever S.
 template <Mul kMul, Fmt kFmt, bool kCorr, int S>
 void micro(const Strip* const* s, const XPanels& x, int64_t g, int rows, float* out,
            int64_t ldo, int cols) {
@@ -302,22 +323,27 @@ void micro(const Strip* const* s, const XPanels& x, int64_t g, int rows, float* 
   using F = Isa::F;
   const int64_t nb = x.nb;
   const int64_t tail = nb % kGroup == 0 ? kGroup : nb % kGroup;  // partials p >= tail: + 0
-  // the strips' and the x group's blocks, in order (`for_each_slot`)
   constexpr bool kQ4 = kFmt != Fmt::kI8;
-  const uint32_t* wj[S];
-  const float* wsj[S];
-  const float* wmj[S];
-  for (int i = 0; i < S; ++i) {
-    wj[i] = s[i]->w.data();
-    wsj[i] = s[i]->ws.data();
-    wmj[i] = s[i]->wm.data();
-  }
+  constexpr int kG = kQ4 ? 4 : 8;  // group vectors per block
+  // the x group's blocks, in order (`for_each_slot`)
   const int8_t* xj = x.q.data() + g * nb * C * kBlock;
   const float* xd = x.d.data() + g * nb * C;
   const float* xsm = x.xsum.data() + g * nb * C;
   const int32_t* xc = x.corr.data() + g * nb * C;
-  // f (C x S vectors) = partial sum p: blocks p, p + 16, ... (the next in order)
+  // f (C x S vectors) = partial sum p: blocks p, p + 16, ... (the x panels' next in order)
   auto chain = [&](int64_t p, F (*f)[S]) __attribute__((always_inline)) {
+    const uint32_t* wj[S];  // block j's group vectors of strip i
+    const uint16_t* hj[S];
+    const float* dsj[S];
+    const float* dmj[S];
+    for (int i = 0; i < S; ++i) {
+      wj[i] = s[i]->w + p * kG * kLanes;
+      if constexpr (kFmt == Fmt::kQ4) hj[i] = s[i]->hs + p * kLanes;
+      if constexpr (kFmt == Fmt::kQ4K) {
+        dsj[i] = s[i]->ds.data() + p * L;
+        dmj[i] = s[i]->dm.data() + p * L;
+      }
+    }
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
       for (int i = 0; i < S; ++i) f[c][i] = Isa::zerof();
@@ -326,29 +352,47 @@ void micro(const Strip* const* s, const XPanels& x, int64_t g, int rows, float* 
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c)
         for (int i = 0; i < S; ++i) acc[c][i] = kCorr ? Isa::set1i(xc[c]) : Isa::zero();
-      if constexpr (kMul == Mul::kMaddubs) {
+      if constexpr (kQ4) {
+        // 4 group vectors of nibbles: x groups k (low nibbles) and k + 4 (high)
         I acc16[C][S];
+        if constexpr (kMul == Mul::kMaddubs) {
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c)
-          for (int i = 0; i < S; ++i) acc16[c][i] = Isa::zero();
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) {
-          typename Isa::W w[S];
-          for (int i = 0; i < S; ++i) w[i] = Isa::load_w<kMul>(wj[i] + k * L);
-#pragma GCC unroll 8
-          for (int c = 0; c < C; ++c) {
-            const I xb = Isa::bcast4(xj + c * kBlock + 4 * k);
-            for (int i = 0; i < S; ++i) acc16[c][i] = Isa::pairs(acc16[c][i], w[i], xb);
-          }
+          for (int c = 0; c < C; ++c)
+            for (int i = 0; i < S; ++i) acc16[c][i] = Isa::zero();
         }
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c)
-          for (int i = 0; i < S; ++i) acc[c][i] = Isa::widen(acc[c][i], acc16[c][i]);
+        for (int h = 0; h < 8; ++h) {  // the low nibbles of group vector h, then the high ones
+          const int k = h % 4;
+          typename Isa::W w[S];
+          for (int i = 0; i < S; ++i) {
+            const I v = Isa::loadu(wj[i] + k * kLanes);
+            w[i] = Isa::prep<kMul>(h < 4 ? Isa::low4(v) : Isa::high4(v));
+          }
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) {
+            const I xb = Isa::bcast4(xj + c * kBlock + 4 * (k + (h < 4 ? 0 : 4)));
+            for (int i = 0; i < S; ++i) {
+              if constexpr (kMul == Mul::kMaddubs) {
+                acc16[c][i] = Isa::pairs(acc16[c][i], w[i], xb);
+              } else {
+                acc[c][i] = Isa::dot<kMul>(acc[c][i], w[i], xb);
+              }
+            }
+          }
+        }
+        if constexpr (kMul == Mul::kMaddubs) {
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c)
+            for (int i = 0; i < S; ++i) acc[c][i] = Isa::widen(acc[c][i], acc16[c][i]);
+        }
       } else {
 #pragma GCC unroll 8
         for (int k = 0; k < 8; ++k) {
           typename Isa::W w[S];
-          for (int i = 0; i < S; ++i) w[i] = Isa::load_w<kMul>(wj[i] + k * L);
+          for (int i = 0; i < S; ++i) {
+            const I v = Isa::loadu(wj[i] + k * kLanes);
+            w[i] = Isa::prep<kMul>(kMul == Mul::kVnni ? Isa::offset(v) : v);
+          }
 #pragma GCC unroll 8
           for (int c = 0; c < C; ++c) {
             const I xb = Isa::bcast4(xj + c * kBlock + 4 * k);
@@ -358,11 +402,17 @@ void micro(const Strip* const* s, const XPanels& x, int64_t g, int rows, float* 
       }
       F ws[S], wm[S];
       for (int i = 0; i < S; ++i) {
-        if constexpr (kQ4) ws[i] = Isa::load(wsj[i]);
-        if constexpr (kFmt == Fmt::kQ4K) wm[i] = Isa::load(wmj[i]);
-        wj[i] += 8 * L;
-        wsj[i] += L;
-        wmj[i] += L;
+        if constexpr (kFmt == Fmt::kQ4) {
+          ws[i] = Isa::halves(hj[i]);
+          hj[i] += kGroup * kLanes;
+        }
+        if constexpr (kFmt == Fmt::kQ4K) {
+          ws[i] = Isa::load(dsj[i]);
+          wm[i] = Isa::load(dmj[i]);
+          dsj[i] += kGroup * L;
+          dmj[i] += kGroup * L;
+        }
+        wj[i] += kGroup * kG * kLanes;
       }
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
@@ -399,7 +449,7 @@ void micro(const Strip* const* s, const XPanels& x, int64_t g, int rows, float* 
         if (level < 3) {
           Isa::store(stack[level][c][i], v);
         } else if (c < rows && i * L < cols) {
-          if constexpr (kFmt == Fmt::kI8) v = Isa::mul(v, Isa::load(s[i]->scale.data()));
+          if constexpr (kFmt == Fmt::kI8) v = Isa::mul(v, Isa::load(s[i]->scale));
           float* o = out + (g * C + c) * ldo + i * L;
           if (cols - i * L >= L) {
             Isa::store(o, v);
@@ -412,12 +462,27 @@ void micro(const Strip* const* s, const XPanels& x, int64_t g, int rows, float* 
   }
 }
 
-// x groups [g0, g1) times the packed strips [s0, s1) of n output channels (`s[i]`: strip
-// s0 + i), a group at a time against every strip of the block, kPair strips a call.
+// Weight bytes to prefetch while a block of strips is computed.
+struct Span {
+  const uint8_t* p = nullptr;
+  int64_t bytes = 0;
+};
+
+// x groups [g0, g1) times the strips [s0, s1) of n output channels (`s[i]`: strip s0 + i), a
+// group at a time against every strip of the block, kPair strips a call. The bytes of `ahead`
+// (the next block's strips, `Next`) are prefetched into L2 over the first half of the groups:
+// read in the micro-kernel's block order, a strip is 16 short streams the hardware prefetchers
+// follow poorly, and the first group of each block waited on memory.
 template <Mul kMul, Fmt kFmt, bool kCorr>
 void block_groups(const std::vector<Strip>& s, int64_t s0, int64_t s1, int64_t n,
-                  const XPanels& x, int64_t g0, int64_t g1, float* out, int64_t ldo) {
+                  const XPanels& x, int64_t g0, int64_t g1, float* out, int64_t ldo,
+                  const Span (&ahead)[2]) {
+  const int64_t lines0 = (ahead[0].bytes + 63) / 64, lines = lines0 + (ahead[1].bytes + 63) / 64;
+  const int64_t per = (lines + std::max<int64_t>(1, (g1 - g0) / 2) - 1) /
+                      std::max<int64_t>(1, (g1 - g0) / 2);  // lines per group
   for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t e = (g - g0) * per, end = std::min(lines, e + per); e < end; ++e)
+      vec::prefetch_l2(e < lines0 ? ahead[0].p + e * 64 : ahead[1].p + (e - lines0) * 64);
     const int rows = static_cast<int>(std::min<int64_t>(C, x.rows - g * C));
     int64_t i = s0;
     for (; i + kPair <= s1; i += kPair) {
@@ -441,140 +506,109 @@ inline void strip_rows_of(int64_t n, int64_t index, int64_t (&rows)[L]) {
   for (int l = 0; l < L; ++l) rows[l] = std::min(index * L + l, n - 1);
 }
 
-// The 4-byte group g of weight row r, stored in the strip layout (`int_dot.h`) with
-// `row_bytes` bytes per row.
-inline uint32_t stored_group(const void* base, int64_t row_bytes, int64_t n, int64_t r,
-                             int64_t g) {
-  const int64_t st = r / kLanes;
-  const int lanes = strip_lanes(n, st);
-  uint32_t v;
-  std::memcpy(&v,
-              static_cast<const uint8_t*>(base) + st * kLanes * row_bytes +
-                  (g * lanes + r % kLanes) * 4,
-              4);
-  return v;
+// Where strip `index` (of n rows) lies in the stored strip layout (`int_dot.h`): stored strip
+// `st` of `lanes` rows, from lane h; `whole` when that strip has kLanes rows (then it is read
+// in place), else its rows are gathered (`set_strip`).
+struct Place {
+  int64_t st;
+  int lanes, h;
+  bool whole;
+};
+
+inline Place place_of(int64_t n, int64_t index) {
+  const int64_t r0 = index * L, st = r0 / kLanes;
+  const int lanes = strip_lanes(n, st), h = static_cast<int>(r0 % kLanes);
+  return {st, lanes, h, lanes == kLanes};
 }
 
-// Groups [g * 8, g * 8 + 8) of the L rows of this strip, from the stored strip layout, into
-// dst[i * L + l] (each XORed with `flip`). Rows past n repeat the last row.
-inline void gather_groups(const void* base, int64_t row_bytes, int64_t n, const int64_t (&rows)[L],
-                          int64_t g0, int count, uint32_t flip, uint32_t* dst) {
-  const int64_t st = rows[0] / kLanes;
-  const bool whole = strip_lanes(n, st) == kLanes && rows[L - 1] == rows[0] + L - 1;
-  if (whole) {  // the L rows' groups are contiguous: one copy per group
-    const uint8_t* src = static_cast<const uint8_t*>(base) + st * kLanes * row_bytes +
-                         (rows[0] % kLanes) * 4;
-    for (int i = 0; i < count; ++i) {
-      std::memcpy(dst + i * L, src + (g0 + i) * kLanes * 4, L * 4);
-      for (int l = 0; l < L; ++l) dst[i * L + l] ^= flip;
-    }
+// Points s at strip `index` of a weight stored with `row_bytes` bytes per row (its group
+// vectors; `hs`: 4-bit block scales, null for none), gathering the strip's rows into s's own
+// copies where they are not all in one stored strip.
+inline void set_strip(const void* base, int64_t row_bytes, const uint16_t* scales, int64_t n,
+                      int64_t index, Strip& s) {
+  const Place at = place_of(n, index);
+  const int64_t groups = row_bytes / 4, nb = row_bytes * 2 / kBlock;  // nb: 4-bit blocks
+  s.index = index;
+  if (at.whole) {
+    s.w = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(base) +
+                                            at.st * kLanes * row_bytes) + at.h;
+    s.hs = scales ? scales + at.st * kLanes * nb + at.h : nullptr;
     return;
   }
-  for (int i = 0; i < count; ++i)
-    for (int l = 0; l < L; ++l) dst[i * L + l] = stored_group(base, row_bytes, n, rows[l], g0 + i) ^ flip;
-}
-
-// Packs strip `index` (weight rows [index * L, index * L + L) of n) of an int8 weight: bytes
-// w ^ 0x80 (= w + 128 unsigned) when `offset`, else w as they are.
-inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, bool offset, Strip& s) {
-  const int64_t nb = w.k / kBlock;
-  s.w.resize(nb * L * 8);
-  s.scale.resize(L);
   int64_t rows[L];
   strip_rows_of(n, index, rows);
-  for (int l = 0; l < L; ++l) s.scale[l] = w.scale[rows[l]];
-  const uint32_t flip = offset ? 0x80808080u : 0u;
-  for_each_slot(nb, [&](int64_t j, int64_t slot) {
-    gather_groups(w.q, w.k, n, rows, j * 8, 8, flip, s.w.data() + slot * 8 * L);
-  });
-  s.index = index;
-}
-
-// Packs strip `index` of a 4-bit weight: the codes c + 8 (one byte each, in the order of the
-// block's 32 activations: stored byte i of a block holds activation i in its low nibble, i + 16
-// in its high one) and the group scales as float32.
-// The 4-bit codes of block j of the L rows `rows` (k columns, of n), one byte each in the order
-// of the block's 32 activations, into dst[i * L + l] for the 8 groups i.
-inline void pack_nibbles(const uint8_t* q, int64_t k, int64_t n, const int64_t (&rows)[L],
-                         int64_t j, uint32_t* dst) {
-  gather_groups(q, k / 2, n, rows, j * 4, 4, 0u, dst);
-  for (int i = 0; i < 4; ++i) {
-    for (int l = 0; l < L; ++l) {
-      const uint32_t v = dst[i * L + l];
-      dst[i * L + l] = v & 0x0F0F0F0Fu;
-      dst[(i + 4) * L + l] = (v >> 4) & 0x0F0F0F0Fu;
-    }
-  }
-}
-
-inline void pack_q4(const Q4Rows& w, int64_t n, int64_t index, Strip& s) {
-  const int64_t nb = w.k / kBlock;
-  s.w.resize(nb * L * 8);
-  s.ws.resize(nb * L);
-  int64_t rows[L];
-  strip_rows_of(n, index, rows);
-  const int64_t st = rows[0] / kLanes;
-  const int lanes = strip_lanes(n, st);
-  const int64_t h = rows[0] % kLanes;
-  // L rows of one stored strip: each block's L scales lie together
-  const bool whole = rows[L - 1] == rows[0] + L - 1 && h + L <= lanes;
-  for_each_slot(nb, [&](int64_t j, int64_t slot) {
-    pack_nibbles(w.q, w.k, n, rows, j, s.w.data() + slot * 8 * L);
-    if (whole) {
-      Isa::halves(w.scales + st * kLanes * nb + j * lanes + h, s.ws.data() + slot * L);
-      return;
-    }
-    alignas(32) uint16_t hs[L];
+  s.own_w.assign(groups * kLanes, 0u);
+  for (int64_t g = 0; g < groups; ++g) {
     for (int l = 0; l < L; ++l) {
       const int64_t r = rows[l], sr = r / kLanes;
-      hs[l] = w.scales[sr * kLanes * nb + j * strip_lanes(n, sr) + r % kLanes];
+      std::memcpy(&s.own_w[g * kLanes + l],
+                  static_cast<const uint8_t*>(base) + sr * kLanes * row_bytes +
+                      (g * strip_lanes(n, sr) + r % kLanes) * 4,
+                  4);
     }
-    Isa::halves(hs, s.ws.data() + slot * L);
-  });
-  s.index = index;
-}
-
-// Packs strip `index` of a Q4_K-style weight: the codes as `pack_q4`'s (without an offset),
-// the block scales d * sc into `ws` and the mins dmin * m into `wm`: decoded a super-block at
-// a time for L consecutive rows of one stored strip (`Isa::q4k_super`; a decode per block and
-// lane cost as much as the products of a 32-row call), else lane by lane (`q4k_lane_scales`,
-// the same exact values).
-inline void pack_q4k(const Q4KRows& w, int64_t n, int64_t index, Strip& s) {
-  const int64_t nb = w.k / kBlock, ns = super_blocks(w.k), sbytes = ns * kSuperBytes;
-  s.w.resize(nb * L * 8);
-  s.ws.resize(nb * L);
-  s.wm.resize(nb * L);
-  int64_t rows[L];
-  strip_rows_of(n, index, rows);
-  static thread_local std::vector<float> ds, dm;  // block j's at [j * L, j * L + L)
-  ds.resize(ns * kSuper * L);
-  dm.resize(ns * kSuper * L);
-  const int64_t st = rows[0] / kLanes;
-  const int lanes = strip_lanes(n, st);
-  const int h = static_cast<int>(rows[0] % kLanes);
-  const uint8_t* strip = w.scales + st * kLanes * sbytes;
-  if (rows[L - 1] == rows[0] + L - 1 && h + L <= lanes) {  // L rows of one stored strip
-    for (int64_t t = 0; t < ns; ++t) {
-      Isa::q4k_super(strip + t * kSuperBytes * lanes, lanes, h, ds.data() + t * kSuper * L,
-                     dm.data() + t * kSuper * L);
-    }
-  } else {
+  }
+  s.w = s.own_w.data();
+  s.hs = nullptr;
+  if (scales) {
+    s.own_hs.assign(nb * kLanes, 0);
     for (int64_t j = 0; j < nb; ++j) {
       for (int l = 0; l < L; ++l) {
         const int64_t r = rows[l], sr = r / kLanes;
-        const int lr = strip_lanes(n, sr);
-        const uint8_t* p = w.scales + sr * kLanes * sbytes + j / kSuper * kSuperBytes * lr;
-        q4k_lane_scales(p, lr, static_cast<int>(r % kLanes), static_cast<int>(j % kSuper),
-                        ds[j * L + l], dm[j * L + l]);
+        s.own_hs[j * kLanes + l] = scales[sr * kLanes * nb + j * strip_lanes(n, sr) + r % kLanes];
       }
     }
+    s.hs = s.own_hs.data();
   }
-  for_each_slot(nb, [&](int64_t j, int64_t slot) {
-    pack_nibbles(w.q, w.k, n, rows, j, s.w.data() + slot * 8 * L);
-    std::memcpy(s.ws.data() + slot * L, ds.data() + j * L, L * sizeof(float));
-    std::memcpy(s.wm.data() + slot * L, dm.data() + j * L, L * sizeof(float));
-  });
-  s.index = index;
+}
+
+// Strip `index` of an int8 weight: its bytes and row scales.
+inline void pack_i8(const I8Rows& w, int64_t n, int64_t index, Strip& s) {
+  set_strip(w.q, w.k, nullptr, n, index, s);
+  if (place_of(n, index).whole) {
+    s.scale = w.scale + index * L;
+    return;
+  }
+  int64_t rows[L];
+  strip_rows_of(n, index, rows);
+  s.own_scale.resize(L);
+  for (int l = 0; l < L; ++l) s.own_scale[l] = w.scale[rows[l]];
+  s.scale = s.own_scale.data();
+}
+
+// Strip `index` of a Q4_0-style weight: its codes and block scales.
+inline void pack_q4(const Q4Rows& w, int64_t n, int64_t index, Strip& s) {
+  set_strip(w.q, w.k / 2, w.scales, n, index, s);
+}
+
+// Strip `index` of a Q4_K-style weight: its codes, and the block scales d * sc into `ds` and
+// the mins dmin * m into `dm`, decoded a super-block at a time for L rows of one stored strip
+// (`Isa::q4k_super`; a decode per block and lane cost as much as the products of a 32-row
+// call), else lane by lane (`q4k_lane_scales`, the same exact values).
+inline void pack_q4k(const Q4KRows& w, int64_t n, int64_t index, Strip& s) {
+  const int64_t nb = w.k / kBlock, ns = super_blocks(w.k), sbytes = ns * kSuperBytes;
+  set_strip(w.q, w.k / 2, nullptr, n, index, s);
+  s.ds.resize(ns * kSuper * L);  // block j's at [j * L, j * L + L)
+  s.dm.resize(ns * kSuper * L);
+  const Place at = place_of(n, index);
+  if (at.whole) {
+    const uint8_t* strip = w.scales + at.st * kLanes * sbytes;
+    for (int64_t t = 0; t < ns; ++t) {
+      Isa::q4k_super(strip + t * kSuperBytes * at.lanes, at.lanes, at.h,
+                     s.ds.data() + t * kSuper * L, s.dm.data() + t * kSuper * L);
+    }
+    return;
+  }
+  int64_t rows[L];
+  strip_rows_of(n, index, rows);
+  for (int64_t j = 0; j < nb; ++j) {
+    for (int l = 0; l < L; ++l) {
+      const int64_t r = rows[l], sr = r / kLanes;
+      const int lr = strip_lanes(n, sr);
+      const uint8_t* p = w.scales + sr * kLanes * sbytes + j / kSuper * kSuperBytes * lr;
+      q4k_lane_scales(p, lr, static_cast<int>(r % kLanes), static_cast<int>(j % kSuper),
+                      s.ds[j * L + l], s.dm[j * L + l]);
+    }
+  }
 }
 
 inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }
@@ -597,49 +631,72 @@ inline int64_t block_strips(int64_t k) {
   return std::max<int64_t>(kPair, n / kPair * kPair);
 }
 
+// The strips [s0, s1) of the next block a thread computes (`block_groups` prefetches them);
+// s0 == s1: none.
+struct Next {
+  int64_t s0 = 0, s1 = 0;
+};
+
+// The bytes of strips [next.s0, next.s1) in an array of n rows of `row_bytes` bytes stored in
+// the strip layout (whole stored strips lie one after another).
+inline Span span_of(const void* base, int64_t row_bytes, int64_t n, const Next& next) {
+  if (next.s0 >= next.s1) return {};
+  const int64_t r0 = next.s0 * L / kLanes * kLanes;
+  const int64_t r1 = std::min(n, (next.s1 * L + kLanes - 1) / kLanes * kLanes);
+  return {static_cast<const uint8_t*>(base) + r0 * row_bytes, (r1 - r0) * row_bytes};
+}
+
 // out[b * ldo + r] = the w8a8 product of int8 weight row r and quantised x row b, for the rows
 // r of strips [s0, s1) (of n rows) and the rows b of x groups [g0, g1) (`XPanels` built with
-// `i8_shift()`); `s` is the caller's scratch, strip s0 + i in s[i] (repacked unless it holds
+// `i8_shift()`); `s` is the caller's scratch, strip s0 + i in s[i] (set up unless it holds
 // that strip already).
 inline void block_i8(const I8Rows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
-                     int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s) {
-  const bool vnni = has_vnni();
+                     int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s,
+                     const Next& next) {
   if (static_cast<int64_t>(s.size()) < s1 - s0) s.resize(s1 - s0);
   for (int64_t i = s0; i < s1; ++i)
-    if (s[i - s0].index != i) pack_i8(w, n, i, vnni, s[i - s0]);
-  if (vnni) {
-    block_groups<Mul::kVnni, Fmt::kI8, true>(s, s0, s1, n, x, g0, g1, out, ldo);
+    if (s[i - s0].index != i) pack_i8(w, n, i, s[i - s0]);
+  const Span ahead[2] = {span_of(w.q, w.k, n, next), {}};
+  if (has_vnni()) {
+    block_groups<Mul::kVnni, Fmt::kI8, true>(s, s0, s1, n, x, g0, g1, out, ldo, ahead);
   } else {
-    block_groups<Mul::kMaddubsSigned, Fmt::kI8, false>(s, s0, s1, n, x, g0, g1, out, ldo);
+    block_groups<Mul::kMaddubsSigned, Fmt::kI8, false>(s, s0, s1, n, x, g0, g1, out, ldo, ahead);
   }
 }
 
-// The same for a 4-bit weight: strips [s0, s1) packed by `pack(i, strip)` where `s` does not
+// The same for a 4-bit weight: strips [s0, s1) set up by `pack(i, strip)` where `s` does not
 // hold them yet, then multiplied as kFmt (kCorr: the x panels hold the codes' offset).
 template <Fmt kFmt, bool kCorr, typename Pack>
 inline void block_4bit(int64_t n, const XPanels& x, int64_t s0, int64_t s1, int64_t g0,
-                       int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s, Pack&& pack) {
+                       int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s,
+                       const Span (&ahead)[2], Pack&& pack) {
   if (static_cast<int64_t>(s.size()) < s1 - s0) s.resize(s1 - s0);
   for (int64_t i = s0; i < s1; ++i)
     if (s[i - s0].index != i) pack(i, s[i - s0]);
   if (has_vnni()) {
-    block_groups<Mul::kVnni, kFmt, kCorr>(s, s0, s1, n, x, g0, g1, out, ldo);
+    block_groups<Mul::kVnni, kFmt, kCorr>(s, s0, s1, n, x, g0, g1, out, ldo, ahead);
   } else {
-    block_groups<Mul::kMaddubs, kFmt, kCorr>(s, s0, s1, n, x, g0, g1, out, ldo);
+    block_groups<Mul::kMaddubs, kFmt, kCorr>(s, s0, s1, n, x, g0, g1, out, ldo, ahead);
   }
 }
 
 // A Q4_0-style weight (`Q4Rows`, `XPanels` built with kQ4Shift): the w4a8 product.
 inline void block_q4(const Q4Rows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
-                     int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s) {
-  block_4bit<Fmt::kQ4, true>(n, x, s0, s1, g0, g1, out, ldo, s,
+                     int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s,
+                     const Next& next) {
+  const Span ahead[2] = {span_of(w.q, w.k / 2, n, next),
+                         span_of(w.scales, w.k / kBlock * 2, n, next)};
+  block_4bit<Fmt::kQ4, true>(n, x, s0, s1, g0, g1, out, ldo, s, ahead,
                              [&](int64_t i, Strip& st) { pack_q4(w, n, i, st); });
 }
 
 // A Q4_K-style weight (`Q4KRows`, `XPanels` built with shift 0): the w4a8_k product.
 inline void block_q4k(const Q4KRows& w, int64_t n, const XPanels& x, int64_t s0, int64_t s1,
-                      int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s) {
-  block_4bit<Fmt::kQ4K, false>(n, x, s0, s1, g0, g1, out, ldo, s,
+                      int64_t g0, int64_t g1, float* out, int64_t ldo, std::vector<Strip>& s,
+                      const Next& next) {
+  const Span ahead[2] = {span_of(w.q, w.k / 2, n, next),
+                         span_of(w.scales, super_blocks(w.k) * kSuperBytes, n, next)};
+  block_4bit<Fmt::kQ4K, false>(n, x, s0, s1, g0, g1, out, ldo, s, ahead,
                                [&](int64_t i, Strip& st) { pack_q4k(w, n, i, st); });
 }
 
@@ -657,12 +714,15 @@ inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }
 inline int64_t block_strips(int64_t) { return 1; }
 inline int i8_shift() { return 0; }
 constexpr int kQ4Shift = 8;
+struct Next {
+  int64_t s0 = 0, s1 = 0;
+};
 inline void block_i8(const I8Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t, int64_t,
-                     float*, int64_t, std::vector<Strip>&) {}
+                     float*, int64_t, std::vector<Strip>&, const Next&) {}
 inline void block_q4(const Q4Rows&, int64_t, const XPanels&, int64_t, int64_t, int64_t,
-                     int64_t, float*, int64_t, std::vector<Strip>&) {}
+                     int64_t, float*, int64_t, std::vector<Strip>&, const Next&) {}
 inline void block_q4k(const Q4KRows&, int64_t, const XPanels&, int64_t, int64_t, int64_t,
-                      int64_t, float*, int64_t, std::vector<Strip>&) {}
+                      int64_t, float*, int64_t, std::vector<Strip>&, const Next&) {}
 
 #endif
 

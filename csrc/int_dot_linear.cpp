@@ -87,8 +87,8 @@ GemmSplit gemm_split(int64_t groups, int64_t n, int64_t k) {
 // quantised row of x (`row_bytes` sizes the parallel tasks); else from `block(xp, s0, s1, g0,
 // g1, out, ldo, scratch)`, which writes strips [s0, s1) for x groups [g0, g1) of the x panels
 // (x quantised into them with `shift`, `gemm::XPanels`). The quantised rows, the x panels and
-// the packed strips live in buffers of the calling and worker threads, kept between calls
-// (fresh pages cost more than the copies).
+// the strips (`gemm::Strip`: a gathered copy of a weight's last rows) live in buffers of the
+// calling and worker threads, kept between calls (fresh pages cost more than the copies).
 template <typename Rows, typename BlockFn>
 at::Tensor run(const at::Tensor& x_in, int64_t n, int64_t row_bytes, const at::Tensor& bias,
                int shift, Rows&& rows, BlockFn&& block) {
@@ -115,7 +115,12 @@ at::Tensor run(const at::Tensor& x_in, int64_t n, int64_t row_bytes, const at::T
         const int64_t s1 = std::min(sp.strips, s0 + sp.per_block);
         const int64_t g0 = t % sp.chunks * sp.chunk, g1 = std::min(xp.groups, g0 + sp.chunk);
         if (g0 >= g1) continue;
-        block(xp, s0, s1, g0, g1, o, n, scratch);
+        int_dot::gemm::Next next;  // the thread's next block (its first task's strips)
+        if (t + 1 < t1 && (t + 1) / sp.chunks != t / sp.chunks) {
+          next.s0 = s1;
+          next.s1 = std::min(sp.strips, s1 + sp.per_block);
+        }
+        block(xp, s0, s1, g0, g1, o, n, scratch, next);
         if (b) {
           const int64_t lo = s0 * int_dot::gemm::kStripRows;
           add_bias(o, b, n, g0 * int_dot::gemm::C, std::min(m, g1 * int_dot::gemm::C), lo,
@@ -156,8 +161,9 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                int_dot::rows_i8(w, q, lo, hi, out, ldo);
              },
              [&](const int_dot::gemm::XPanels& xp, int64_t s0, int64_t s1, int64_t g0, int64_t g1,
-                 float* out, int64_t ldo, std::vector<int_dot::gemm::Strip>& s) {
-               int_dot::gemm::block_i8(w, n, xp, s0, s1, g0, g1, out, ldo, s);
+                 float* out, int64_t ldo, std::vector<int_dot::gemm::Strip>& s,
+                 const int_dot::gemm::Next& next) {
+               int_dot::gemm::block_i8(w, n, xp, s0, s1, g0, g1, out, ldo, s, next);
              });
 }
 
@@ -182,8 +188,9 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                  int_dot::rows_q4k(w, q, lo, hi, out, ldo);
                },
                [&](const int_dot::gemm::XPanels& xp, int64_t s0, int64_t s1, int64_t g0,
-                   int64_t g1, float* out, int64_t ldo, std::vector<int_dot::gemm::Strip>& s) {
-                 int_dot::gemm::block_q4k(w, n, xp, s0, s1, g0, g1, out, ldo, s);
+                   int64_t g1, float* out, int64_t ldo, std::vector<int_dot::gemm::Strip>& s,
+                 const int_dot::gemm::Next& next) {
+                 int_dot::gemm::block_q4k(w, n, xp, s0, s1, g0, g1, out, ldo, s, next);
                });
   }
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
@@ -196,8 +203,9 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                int_dot::rows_q4(w, q, lo, hi, out, ldo);
              },
              [&](const int_dot::gemm::XPanels& xp, int64_t s0, int64_t s1, int64_t g0, int64_t g1,
-                 float* out, int64_t ldo, std::vector<int_dot::gemm::Strip>& s) {
-               int_dot::gemm::block_q4(w, n, xp, s0, s1, g0, g1, out, ldo, s);
+                 float* out, int64_t ldo, std::vector<int_dot::gemm::Strip>& s,
+                 const int_dot::gemm::Next& next) {
+               int_dot::gemm::block_q4(w, n, xp, s0, s1, g0, g1, out, ldo, s, next);
              });
 }
 
