@@ -49,6 +49,28 @@ def pass_gbs(fn, nbytes: int) -> float:  # noqa: ANN001
     return nbytes / (time.perf_counter() - start) / 1e9
 
 
+def measure(n: int, k: int, args: argparse.Namespace, gen: torch.Generator, big: torch.Tensor):  # noqa: ANN201
+    """Median GB/s of a pass over the int8 copies, the 4-bit copies and `big.sum()`."""
+    ops = torch.ops.vllm_mamba
+    w8, w4, bytes8, bytes4 = weights(n, k, args.mib, gen)
+    x = torch.randn(args.rows, k)
+
+    def int8_pass() -> None:
+        for w in w8:
+            ops.w8a8_linear(x, *w, None)
+
+    def four_bit_pass() -> None:
+        for w in w4:
+            ops.w4a8_linear(x, *w, None)
+
+    rates: dict[str, list[float]] = {"i8": [], "q4": [], "sum": []}
+    for _ in range(args.reps + 2):  # the first two warm up
+        rates["i8"].append(pass_gbs(int8_pass, bytes8))
+        rates["q4"].append(pass_gbs(four_bit_pass, bytes4))
+        rates["sum"].append(pass_gbs(lambda: float(big.sum()), big.numel() * 4))
+    return {key: statistics.median(v[2:]) for key, v in rates.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -59,27 +81,19 @@ def main() -> None:
     args = parser.parse_args()
     cpu_isa.load()
     torch.set_num_threads(args.threads)
-    ops = torch.ops.vllm_mamba
     gen = torch.Generator().manual_seed(0)
     big = torch.ones(128 << 20)  # 512 MiB of float32
-    print(f"{args.threads} threads, {args.rows} row(s) of x, {ops.int_dot_instruction()}")
+    instruction = torch.ops.vllm_mamba.int_dot_instruction()
+    print(f"{args.threads} threads, {args.rows} row(s) of x, {instruction}")
     print("| N x K | int8 GB/s (ratio) | 4-bit GB/s (ratio) | x.sum() GB/s |")
     print("|---|---|---|---|")
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
-        w8, w4, bytes8, bytes4 = weights(n, k, args.mib, gen)
-        x = torch.randn(args.rows, k)
-        rates: dict[str, list[float]] = {"i8": [], "q4": [], "sum": []}
-        for _ in range(args.reps + 2):  # the first two warm up
-            rates["i8"].append(pass_gbs(lambda: [ops.w8a8_linear(x, *w, None) for w in w8], bytes8))
-            rates["q4"].append(pass_gbs(lambda: [ops.w4a8_linear(x, *w, None) for w in w4], bytes4))
-            rates["sum"].append(pass_gbs(lambda: float(big.sum()), big.numel() * 4))
-        med = {key: statistics.median(v[2:]) for key, v in rates.items()}
+        med = measure(n, k, args, gen, big)
         print(
             f"| {n} x {k} | {med['i8']:.1f} ({med['i8'] / med['sum']:.2f}) "
             f"| {med['q4']:.1f} ({med['q4'] / med['sum']:.2f}) | {med['sum']:.1f} |"
         )
-        del w8, w4
 
 
 if __name__ == "__main__":
