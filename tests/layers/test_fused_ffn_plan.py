@@ -18,7 +18,7 @@ from tests.tiny_models import tiny_model_dir
 from vllm_mamba import LLM, SamplingParams
 from vllm_mamba.layers.decode_plan import DecodeScope, drop_decode_plans, planned_layers
 from vllm_mamba.layers.mlp import FusedFfnStep
-from vllm_mamba.layers.moe import ExpertList
+from vllm_mamba.layers.moe import MOE_MAX_ROWS, ExpertList
 from vllm_mamba.ops import cpu_kernels, ffn
 
 pytestmark = pytest.mark.skipif(
@@ -165,3 +165,42 @@ def test_experts_are_held_once(quantization: str | None) -> None:
         for m in model.modules() if isinstance(m, ExpertList) for p in m.parameters()
     )  # fmt: skip
     assert experts > 0 and _dead_bytes(model) < experts // 8
+
+
+MANY_PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(i % 4 + 2)] for i in range(20)]
+
+
+@pytest.mark.parametrize(
+    "name,quantization",
+    [("kimi-linear-moe", None), ("qwen3-next-moe", "int4"), ("lfm2-moe-top2", "w8a8")],
+)
+def test_moe_steps_past_max_rows_run_fused_in_parts(
+    name: str, quantization: str | None, fused_calls: Counter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step of more rows than one call takes (20 > `ffn.MAX_ROWS`) runs an MoE stage
+    fused, in calls of `MAX_ROWS` rows (`FusedFfnStep.max_rows`), and equals the unfused
+    engine; a dense MLP's plan keeps `MAX_ROWS` (its GEMM reads the weight once)."""
+    assert len(MANY_PROMPTS) > ffn.MAX_ROWS
+
+    def run(llm: LLM) -> list:
+        params = SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in MANY_PROMPTS]
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def make() -> LLM:
+        return LLM(
+            tiny_model_dir(name), threads=1, max_num_seqs=len(MANY_PROMPTS), max_model_len=64,
+            quantization=quantization,
+        )  # fmt: skip
+
+    llm = make()
+    plans = [layer.ffn_plan for layer in planned_layers(llm.llm_engine.model) if layer.ffn_plan]
+    moe_rows = {p.step.max_rows for p in plans if p.step.op.__name__.endswith("moe_decode")}
+    assert moe_rows == {MOE_MAX_ROWS}
+    assert all(
+        p.step.max_rows == ffn.MAX_ROWS for p in plans if p.step.op.__name__.endswith("mlp_decode")
+    )
+    fused = run(llm)
+    assert fused_calls[len(MANY_PROMPTS)] > 0, "the 20-row decode steps did not run fused"
+    monkeypatch.setenv("VLLM_MAMBA_FUSED_DECODE", "0")
+    _assert_same(fused, run(make()))

@@ -220,7 +220,10 @@ class FusedFfnStep:
     """A layer's feed-forward stage `h + rm * ffn(norm(h))` in one call of `op` (the `ffn`
     family's `mlp_decode` or `moe_decode`) for decode-only steps of up to `ffn.MAX_ROWS` rows
     with an input in the model dtype `dtype`; `params` and the constant `args` built once;
-    `keep` what the plan keeps alive with it (an MoE's stacked experts)."""
+    `keep` what the plan keeps alive with it (an MoE's stacked experts). With `max_rows` past
+    `MAX_ROWS` (an MoE: `MOE_MAX_ROWS`) a step of up to `max_rows` rows outside speculative
+    chains runs as consecutive calls of `MAX_ROWS` rows: a stage's rows are independent, and
+    the unfused MoE runs its chosen experts in a Python loop."""
 
     op: Callable[..., torch.Tensor]
     params: Params
@@ -229,19 +232,25 @@ class FusedFfnStep:
     int_dot: bool
     keep: object = None
     tail: tuple[float | bool, ...] = ()  # the arguments after `int_dot` (residual, clips)
+    max_rows: int = ffn_ops.MAX_ROWS
 
     def takes(self, hidden: torch.Tensor, meta: object) -> bool:
-        """A decode-only step (`decode_plan.decode_only`) of at most `MAX_ROWS` rows, chains
-        included, in the model dtype."""
+        """A decode-only step (`decode_plan.decode_only`) of at most `max_rows` rows, chains
+        of up to `MAX_ROWS` rows included, in the model dtype."""
         return (
             isinstance(meta, MambaMetadata)
             and hidden.dtype == self.dtype
-            and decode_only(hidden, meta, ffn_ops.MAX_ROWS, ffn_ops.MAX_ROWS)
+            and decode_only(hidden, meta, self.max_rows, ffn_ops.MAX_ROWS)
         )
 
     def __call__(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`; a chain's rows each computed as alone (the kernels'
         rows never depend on the batch)."""
+        if hidden.shape[0] <= ffn_ops.MAX_ROWS:
+            return self._call(hidden)
+        return torch.cat([self._call(part) for part in hidden.split(ffn_ops.MAX_ROWS)])
+
+    def _call(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.op(hidden, self.params, *self.args, hidden.dtype, self.int_dot, *self.tail)
 
 
