@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -43,13 +44,15 @@ def weights(n: int, k: int, mib: int, gen: torch.Generator) -> tuple[list, list,
     return w8, w4, bytes8, bytes4
 
 
-def pass_gbs(fn, nbytes: int) -> float:  # noqa: ANN001
+def pass_gbs(fn: Callable[[], object], nbytes: int) -> float:
     start = time.perf_counter()
     fn()
     return nbytes / (time.perf_counter() - start) / 1e9
 
 
-def measure(n: int, k: int, args: argparse.Namespace, gen: torch.Generator, big: torch.Tensor):  # noqa: ANN201
+def measure(
+    n: int, k: int, args: argparse.Namespace, gen: torch.Generator, big: torch.Tensor
+) -> dict[str, float]:
     """Median GB/s of a pass over the int8 copies, the 4-bit copies and `big.sum()`."""
     ops = torch.ops.vllm_mamba
     w8, w4, bytes8, bytes4 = weights(n, k, args.mib, gen)
