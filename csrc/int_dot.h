@@ -57,6 +57,7 @@ namespace int_dot {
 constexpr int64_t kBlock = 32;  // activations sharing one scale
 constexpr int64_t kGroup = 16;  // blocks per step: the float partial sums
 constexpr int kMaxRows = 5;     // rows of x sharing one pass over a weight strip
+constexpr int kPairRows = 2;    // rows of x from which two strips go side by side (`kPairs`)
 
 // The largest |sum| of a 4-bit block's 8 vpmaddubsw pair sums (codes in [0, 15], |q| <= 127:
 // 16 products of at most 15 * 127 per int16 lane), which the maddubs kernels add in int16.
@@ -322,18 +323,35 @@ inline int strip_lanes(int64_t n, int64_t s) {
 // strip), and without prefetches the hardware prefetchers' lead no longer hides the memory
 // latency, so a 5-row pass took 1.6-1.9x one row on a 256 MiB weight (2 threads, Zen 4) where
 // it is bound by the same reads. `p` null: none.
+// `vec::prefetch_l2` that the compiler keeps: GCC 12 removed every `__builtin_prefetch` of
+// `Ahead::block` (at -O1 too) once it held a second strip's, as code without effect.
+inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  vec::prefetch_l2(p);
+#endif
+}
+
 struct Ahead {
   const uint8_t* p = nullptr;      // the weight bytes of the strip ahead
   const uint8_t* scales = nullptr;  // 4-bit: its scale bytes (2 per row and block on average
                                      // in both layouts: a float16, or 16 per 8 blocks)
   int64_t block_bytes = 0;           // weight bytes per block of 32 columns of that strip
+  int64_t strips = 1;                // strips ahead, one after another (2: a pair's)
+  int64_t strip_bytes = 0;           // weight bytes per strip (with `strips` 2)
+  int64_t scale_strip_bytes = 0;     // 4-bit: scale bytes per strip (with `strips` 2)
 
-  // Prefetches the ahead strip's block j (its weight lines and, for 4-bit, its scales).
+  // Prefetches the ahead strips' block j (their weight lines and, for 4-bit, their scales).
   inline void block(int64_t j, int lanes) const {
     if (!p) return;
     const uint8_t* b = p + j * block_bytes;
-    for (int64_t off = 0; off < block_bytes; off += 64) vec::prefetch_l2(b + off);
-    if (scales) vec::prefetch_l2(scales + j * 2 * lanes);
+    for (int64_t off = 0; off < block_bytes; off += 64) prefetch_l2(b + off);
+    if (scales) prefetch_l2(scales + j * 2 * lanes);
+    if (strips < 2) return;
+    b += strip_bytes;
+    for (int64_t off = 0; off < block_bytes; off += 64) prefetch_l2(b + off);
+    if (scales) prefetch_l2(scales + scale_strip_bytes + j * 2 * lanes);
   }
 };
 
@@ -450,99 +468,173 @@ struct Kernels {
     return lanes == kLanes ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(m, p);
   }
 
-  template <int B>
-  static void strip_i8(const uint8_t* w, int lanes, int64_t nb, const QRow* xs,
-                       float (*out)[kLanes], const Ahead& ahead) {
+  // Two whole strips side by side for several rows of x (`pair_i8`, `pair_4bit`): each
+  // broadcast group of x feeds two vpdpbusd instead of one. A broadcast from memory costs
+  // about as much as the vpdpbusd it feeds on a Zen 5 (a loop of both ran at 4.97 G vpdpbusd
+  // a second against 7.7 G with full-vector loads of x), and a 5-row pass was bound by them.
+  static constexpr bool kPairs = true;
+
+  // f(j, j % 16) for the blocks j < nb in order. One row of x keeps its 16 partial sums in
+  // registers (the loop unrolled 16 times, the partials' indices constants); several rows'
+  // do not fit (32 registers) and the loop stays rolled: unrolled, 5 rows' pass was about 240
+  // instructions a block, which the front end (not the op cache) fed at about 4 a cycle. Rolled,
+  // on a Zen 5 (one thread, 1024 x 1024 in cache, best of 4 alternating runs, with
+  // pairs): 5 rows int8 152 -> 214 GMAC/s, Q4_0-style 189 -> 228, Q4_K-style 167 -> 185-190.
+  template <int B, typename F>
+  static inline __attribute__((always_inline)) void for_blocks(int64_t nb, F&& f) {
+    for (int64_t j0 = 0; j0 < nb; j0 += kGroup) {
+      const int n = static_cast<int>(std::min<int64_t>(kGroup, nb - j0));
+      if constexpr (B == 1) {
+#pragma GCC unroll 16
+        for (int p = 0; p < kGroup; ++p) {
+          if (p >= n) break;
+          f(j0 + p, p);
+        }
+      } else {
+#pragma GCC unroll 1
+        for (int p = 0; p < n; ++p) f(j0 + p, p);
+      }
+    }
+  }
+
+  // NS (1 or 2) strips of L lanes (L = 16 with 2), one after another (strip t at w + t *
+  // stride); out[t * kMaxRows + b] = strip t times x row b.
+  template <int B, int NS>
+  static void strips_i8(const uint8_t* w, int64_t stride, int lanes, int64_t nb,
+                        const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
     const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1u);
     const int64_t gs = 4 * lanes;  // bytes per group of the strip
-    __m512 acc[B][kGroup];
-    zero_partials(acc);
-    for (int64_t j0 = 0; j0 < nb; j0 += kGroup) {
-#pragma GCC unroll 16
-      for (int p = 0; p < kGroup; ++p) {
-        const int64_t j = j0 + p;
-        if (j >= nb) break;
-        ahead.block(j, lanes);
-        const uint8_t* wj = w + j * 8 * gs;
-        __m512i wv[8];
-        __mmask64 neg[8];
+    __m512 acc[NS][B][kGroup];
+    for (int t = 0; t < NS; ++t) zero_partials(acc[t]);
+    for_blocks<B>(nb, [&](int64_t j, int p) __attribute__((always_inline)) {
+      ahead.block(j, lanes);
+      __m512i wv[NS][8];
+      __mmask64 neg[NS][8];
+      for (int t = 0; t < NS; ++t) {
+        const uint8_t* wj = w + t * stride + j * 8 * gs;
         for (int i = 0; i < 8; ++i) {
           const __m512i v = group(wj + i * gs, lanes, m);
           if constexpr (kVnni) {
-            wv[i] = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));  // w + 128
+            wv[t][i] = _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));  // w + 128
           } else {
-            wv[i] = _mm512_abs_epi8(v);
-            neg[i] = _mm512_movepi8_mask(v);
+            wv[t][i] = _mm512_abs_epi8(v);
+            neg[t][i] = _mm512_movepi8_mask(v);
           }
-        }
-        for (int b = 0; b < B; ++b) {
-          __m512i s = _mm512_setzero_si512();
-          for (int i = 0; i < 8; ++i) {
-            const __m512i xg = _mm512_set1_epi32(x_group(xs[b].q, 8 * j + i));
-            if constexpr (kVnni) {
-              s = dot(s, wv[i], xg);
-            } else {
-              s = dot(s, wv[i], _mm512_mask_sub_epi8(xg, neg[i], _mm512_setzero_si512(), xg));
-            }
-          }
-          if constexpr (kVnni) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * xs[b].s[j]));
-          acc[b][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(xs[b].d[j]),
-                                      acc[b][p]);
         }
       }
-    }
-    store_trees(acc, out);
+      for (int b = 0; b < B; ++b) {
+        __m512i s[NS];
+        for (int t = 0; t < NS; ++t) s[t] = _mm512_setzero_si512();
+        for (int i = 0; i < 8; ++i) {
+          const __m512i xg = _mm512_set1_epi32(x_group(xs[b].q, 8 * j + i));
+          for (int t = 0; t < NS; ++t) {
+            if constexpr (kVnni) {
+              s[t] = dot(s[t], wv[t][i], xg);
+            } else {
+              s[t] = dot(s[t], wv[t][i],
+                         _mm512_mask_sub_epi8(xg, neg[t][i], _mm512_setzero_si512(), xg));
+            }
+          }
+        }
+        for (int t = 0; t < NS; ++t) {
+          if constexpr (kVnni) s[t] = _mm512_sub_epi32(s[t], _mm512_set1_epi32(128 * xs[b].s[j]));
+          acc[t][b][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), _mm512_set1_ps(xs[b].d[j]),
+                                         acc[t][b][p]);
+        }
+      }
+    });
+    for (int t = 0; t < NS; ++t) store_trees(acc[t], out + t * kMaxRows);
+  }
+
+  template <int B>
+  static void strip_i8(const uint8_t* w, int lanes, int64_t nb, const QRow* xs,
+                       float (*out)[kLanes], const Ahead& ahead) {
+    strips_i8<B, 1>(w, 0, lanes, nb, xs, out, ahead);
+  }
+  template <int B>
+  static void pair_i8(const uint8_t* w, int64_t stride, int64_t nb, const QRow* xs,
+                      float (*out)[kLanes], const Ahead& ahead) {
+    strips_i8<B, 2>(w, stride, kLanes, nb, xs, out, ahead);
   }
 
   // A 4-bit strip: Q4_0-style (`Q4Rows`: codes c + 8, float16 block scales; 8 * sum(q)
   // subtracted per block) or, with kK, Q4_K-style (`Q4KRows`: codes c, the block scales and
   // mins of a super-block decoded by `decode_q4k` at its first block). `scales`: the strip's
   // scale bytes.
-  template <int B, bool kK>
-  static void strip_4bit(const uint8_t* w, const uint8_t* scales, int lanes, int64_t nb,
-                         const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
+  // NS (1 or 2) strips as `strips_i8`, their scale bytes at scales + t * sstride.
+  template <int B, bool kK, int NS>
+  static void strips_4bit(const uint8_t* w, const uint8_t* scales, int64_t stride,
+                          int64_t sstride, int lanes, int64_t nb, const QRow* xs,
+                          float (*out)[kLanes], const Ahead& ahead) {
     const __mmask16 m = static_cast<__mmask16>((1u << lanes) - 1u);
     const int64_t gs = 4 * lanes;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[B][kGroup];
-    __m512 ds[kSuper], dm[kSuper];  // kK: the super-block's block scales and mins
-    zero_partials(acc);
-    for (int64_t j0 = 0; j0 < nb; j0 += kGroup) {
-#pragma GCC unroll 16
-      for (int p = 0; p < kGroup; ++p) {
-        const int64_t j = j0 + p;
-        if (j >= nb) break;
-        if constexpr (kK) {
-          if (p % kSuper == 0) decode_q4k(scales + j / kSuper * kSuperBytes * lanes, lanes, m, ds, dm);
-        }
-        ahead.block(j, lanes);
-        const uint8_t* wj = w + j * 4 * gs;
-        __m512i lo[4], hi[4];
-        for (int i = 0; i < 4; ++i) {
-          const __m512i v = group(wj + i * gs, lanes, m);
-          lo[i] = _mm512_and_si512(v, low);
-          hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        }
-        __m512 ws;
-        if constexpr (kK) {
-          ws = ds[p % kSuper];
-        } else {
-          ws = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-              m, reinterpret_cast<const uint16_t*>(scales) + j * lanes));
-        }
-        for (int b = 0; b < B; ++b) {
-          __m512i s = dot4(lo, hi, xs[b].q, j);
-          if constexpr (!kK) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * xs[b].s[j]));
-          const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(xs[b].d[j]), ws);
-          __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[b][p]);
-          if constexpr (kK) {
-            a = _mm512_fnmadd_ps(dm[p % kSuper], _mm512_set1_ps(x_block_sum(xs[b], j)), a);
+    __m512 acc[NS][B][kGroup];
+    __m512 ds[NS][kSuper], dm[NS][kSuper];  // kK: the super-blocks' block scales and mins
+    for (int t = 0; t < NS; ++t) zero_partials(acc[t]);
+    for_blocks<B>(nb, [&](int64_t j, int p) __attribute__((always_inline)) {
+      if constexpr (kK) {
+        if (p % kSuper == 0) {
+          for (int t = 0; t < NS; ++t) {
+            decode_q4k(scales + t * sstride + j / kSuper * kSuperBytes * lanes, lanes, m,
+                       ds[t], dm[t]);
           }
-          acc[b][p] = a;
         }
       }
-    }
-    store_trees(acc, out);
+      ahead.block(j, lanes);
+      __m512i lo[NS][4], hi[NS][4];
+      __m512 ws[NS];
+      for (int t = 0; t < NS; ++t) {
+        const uint8_t* wj = w + t * stride + j * 4 * gs;
+        for (int i = 0; i < 4; ++i) {
+          const __m512i v = group(wj + i * gs, lanes, m);
+          lo[t][i] = _mm512_and_si512(v, low);
+          hi[t][i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        if constexpr (kK) {
+          ws[t] = ds[t][p % kSuper];
+        } else {
+          ws[t] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+              m, reinterpret_cast<const uint16_t*>(scales + t * sstride) + j * lanes));
+        }
+      }
+      for (int b = 0; b < B; ++b) {
+        __m512i s[NS];
+        if constexpr (kVnni) {  // one broadcast group of x for the NS strips (exact sums)
+          for (int t = 0; t < NS; ++t) s[t] = _mm512_setzero_si512();
+          for (int i = 0; i < 4; ++i) {
+            const __m512i xl = _mm512_set1_epi32(x_group(xs[b].q, 8 * j + i));
+            for (int t = 0; t < NS; ++t) s[t] = dot(s[t], lo[t][i], xl);
+            const __m512i xh = _mm512_set1_epi32(x_group(xs[b].q, 8 * j + 4 + i));
+            for (int t = 0; t < NS; ++t) s[t] = dot(s[t], hi[t][i], xh);
+          }
+        } else {
+          for (int t = 0; t < NS; ++t) s[t] = dot4(lo[t], hi[t], xs[b].q, j);
+        }
+        for (int t = 0; t < NS; ++t) {
+          if constexpr (!kK) s[t] = _mm512_sub_epi32(s[t], _mm512_set1_epi32(8 * xs[b].s[j]));
+          const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(xs[b].d[j]), ws[t]);
+          __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t]), sc, acc[t][b][p]);
+          if constexpr (kK) {
+            a = _mm512_fnmadd_ps(dm[t][p % kSuper], _mm512_set1_ps(x_block_sum(xs[b], j)), a);
+          }
+          acc[t][b][p] = a;
+        }
+      }
+    });
+    for (int t = 0; t < NS; ++t) store_trees(acc[t], out + t * kMaxRows);
+  }
+
+  template <int B, bool kK>
+  static void strip_4bit(const uint8_t* w, const uint8_t* scales, int lanes, int64_t nb,
+                         const QRow* xs, float (*out)[kLanes], const Ahead& ahead) {
+    strips_4bit<B, kK, 1>(w, scales, 0, 0, lanes, nb, xs, out, ahead);
+  }
+  template <int B, bool kK>
+  static void pair_4bit(const uint8_t* w, const uint8_t* scales, int64_t stride,
+                        int64_t sstride, int64_t nb, const QRow* xs, float (*out)[kLanes],
+                        const Ahead& ahead) {
+    strips_4bit<B, kK, 2>(w, scales, stride, sstride, kLanes, nb, xs, out, ahead);
   }
 };
 #pragma GCC pop_options
@@ -669,6 +761,7 @@ struct Kernels {
   // half's weights in registers across the rows of x). The same bits either way.
   static constexpr int kWholeRowsI8 = 3;
   static constexpr int kWholeRows4 = 2;
+  static constexpr bool kPairs = false;  // one strip at a time (`run_strips`)
 
   // A whole strip's kernel (16 lanes, both halves of 8 in one pass over the blocks): a
   // block's broadcast groups of x, its bookkeeping and its loads serve 16 rows instead of 8,
@@ -893,6 +986,8 @@ inline float tree16(const float* p) {
 // arithmetic: `ahead` is not used.
 template <bool kVnni>
 struct Kernels {
+  static constexpr bool kPairs = false;  // one strip at a time (`run_strips`)
+
   template <int B>
   static void strip_i8(const uint8_t* w, int lanes, int64_t nb, const QRow* xs,
                        float (*out)[kLanes], const Ahead& ahead) {
@@ -1015,30 +1110,39 @@ inline int64_t ahead_bytes(int64_t rows, int64_t strip_bytes) {
 // The strips that hold rows [lo, hi) are read in order, each once per kMaxRows rows of x (with
 // up to kMaxRows rows, decode, the weight is read from memory once); a strip only partly in
 // the range is computed whole and stored in part (the callers split ranges on whole strips:
-// `gemv::kRowBlock`). `strip(s, lanes, nbx, xs, o, ahead)` computes strip s, prefetching the
-// weight `ahead` bytes past the strip's start (`ahead_bytes`; -1: none).
+// `gemv::kRowBlock`). `strip(s, ns, lanes, nbx, xs, o, ahead)` computes strips s .. s + ns - 1
+// (ns 2 only where `pairs`, for two whole strips in the range) into o[t * kMaxRows + b],
+// prefetching the weight `ahead` bytes past the first strip's start (`ahead_bytes`; -1: none).
 template <typename Strip>
 inline void run_strips(const QActs& x, int64_t n, int64_t lo, int64_t hi, int64_t strip_bytes,
-                       float* out, int64_t ldo, Strip&& strip) {
+                       bool pairs, float* out, int64_t ldo, Strip&& strip) {
   QRow xs[kMaxRows];
-  float o[kMaxRows][kLanes];
+  float o[2 * kMaxRows][kLanes];
   // several rows of x prefetch while the strip two ahead is in the range (the first pass over
   // this one fetches it), one row where `ahead_one_row()` (past the range's end too: a
   // prefetch never faults)
   const bool prefetch = x.rows > 1 || ahead_one_row();
   const int64_t dist = ahead_bytes(x.rows, strip_bytes);
-  for (int64_t s = lo / kLanes; s * kLanes < hi; ++s) {
+  pairs = pairs && x.rows >= kPairRows;
+  for (int64_t s = lo / kLanes; s * kLanes < hi;) {
+    const int ns = pairs && s * kLanes >= lo && (s + 2) * kLanes <= std::min(hi, n) ? 2 : 1;
     const int lanes = strip_lanes(n, s);
-    const int64_t r0 = std::max(lo, s * kLanes), r1 = std::min(hi, s * kLanes + lanes);
+    const int64_t r0 = std::max(lo, s * kLanes);
+    const int64_t r1 = std::min(hi, s * kLanes + (ns == 2 ? 2 * kLanes : lanes));
     const bool in_range = x.rows == 1 || (s + 2) * kLanes < hi;
     const int64_t ahead = prefetch && in_range ? dist : -1;
     for (int64_t b0 = 0; b0 < x.rows; b0 += kMaxRows) {
       const int nbx = static_cast<int>(std::min<int64_t>(kMaxRows, x.rows - b0));
       for (int b = 0; b < nbx; ++b) xs[b] = x.row(b0 + b);
-      strip(s, lanes, nbx, xs, o, b0 == 0 ? ahead : -1);
-      for (int b = 0; b < nbx; ++b)
-        for (int64_t r = r0; r < r1; ++r) out[(b0 + b) * ldo + (r - lo)] = o[b][r - s * kLanes];
+      strip(s, ns, lanes, nbx, xs, o, b0 == 0 ? ahead : -1);
+      for (int b = 0; b < nbx; ++b) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t i = r - s * kLanes;
+          out[(b0 + b) * ldo + (r - lo)] = o[i / kLanes * kMaxRows + b][i % kLanes];
+        }
+      }
     }
+    s += ns;
   }
 }
 
@@ -1058,16 +1162,31 @@ template <typename K>
 inline void rows_i8_with(const I8Rows& w, const QActs& x, int64_t lo, int64_t hi, float* out,
                          int64_t ldo) {
   const int64_t nb = w.k / kBlock;
-  run_strips(x, w.n, lo, hi, kLanes * w.k, out, ldo,
-             [&](int64_t s, int lanes, int nbx, const QRow* xs, float (*o)[kLanes], int64_t a) {
-               const uint8_t* ws = reinterpret_cast<const uint8_t*>(w.q) + s * kLanes * w.k;
+  const int64_t sb = kLanes * w.k;  // bytes per whole strip
+  run_strips(x, w.n, lo, hi, sb, K::kPairs, out, ldo,
+             [&](int64_t s, int ns, int lanes, int nbx, const QRow* xs, float (*o)[kLanes],
+                 int64_t a) {
+               const uint8_t* ws = reinterpret_cast<const uint8_t*>(w.q) + s * sb;
                Ahead ahead;
-               if (a >= 0) ahead = {ws + a, nullptr, kLanes * kBlock};
-#define CALL(B) K::template strip_i8<B>(ws, lanes, nb, xs, o, ahead)
-               VLLM_MAMBA_INT_DOT_BY_ROWS(nbx, CALL)
+               if (a >= 0) ahead = {ws + a, nullptr, kLanes * kBlock, ns, sb, 0};
+               if constexpr (K::kPairs) {
+                 if (ns == 2) {
+#define CALL(B) K::template pair_i8<B>(ws, sb, nb, xs, o, ahead)
+                   VLLM_MAMBA_INT_DOT_BY_ROWS(nbx, CALL)
 #undef CALL
-               for (int b = 0; b < nbx; ++b)
-                 for (int l = 0; l < lanes; ++l) o[b][l] *= w.scale[s * kLanes + l];
+                 }
+               }
+               if (ns == 1) {
+#define CALL(B) K::template strip_i8<B>(ws, lanes, nb, xs, o, ahead)
+                 VLLM_MAMBA_INT_DOT_BY_ROWS(nbx, CALL)
+#undef CALL
+               }
+               const int ls = ns == 2 ? kLanes : lanes;  // lanes per strip
+               for (int t = 0; t < ns; ++t) {
+                 const float* sc = w.scale + (s + t) * kLanes;
+                 for (int b = 0; b < nbx; ++b)
+                   for (int l = 0; l < ls; ++l) o[t * kMaxRows + b][l] *= sc[l];
+               }
              });
 }
 
@@ -1088,17 +1207,29 @@ inline void rows_4bit_with(const uint8_t* q, const uint8_t* scales, int64_t scal
                            int64_t k, int64_t n, const QActs& x, int64_t lo, int64_t hi,
                            float* out, int64_t ldo) {
   const int64_t nb = k / kBlock;
-  run_strips(x, n, lo, hi, kLanes * (k / 2), out, ldo,
-             [&](int64_t s, int lanes, int nbx, const QRow* xs, float (*o)[kLanes], int64_t a) {
-               const uint8_t* ws = q + s * kLanes * (k / 2);
-               const uint8_t* ss = scales + s * kLanes * scale_row_bytes;
+  const int64_t sb = kLanes * (k / 2), ssb = kLanes * scale_row_bytes;  // per whole strip
+  run_strips(x, n, lo, hi, sb, K::kPairs, out, ldo,
+             [&](int64_t s, int ns, int lanes, int nbx, const QRow* xs, float (*o)[kLanes],
+                 int64_t a) {
+               const uint8_t* ws = q + s * sb;
+               const uint8_t* ss = scales + s * ssb;
                Ahead ahead;
                if (a >= 0) {  // the scales as far ahead in proportion
-                 ahead = {ws + a, ss + a * scale_row_bytes / (k / 2), kLanes * kBlock / 2};
+                 ahead = {ws + a, ss + a * scale_row_bytes / (k / 2), kLanes * kBlock / 2, ns, sb,
+                          ssb};
                }
-#define CALL(B) K::template strip_4bit<B, kK>(ws, ss, lanes, nb, xs, o, ahead)
-               VLLM_MAMBA_INT_DOT_BY_ROWS(nbx, CALL)
+               if constexpr (K::kPairs) {
+                 if (ns == 2) {
+#define CALL(B) K::template pair_4bit<B, kK>(ws, ss, sb, ssb, nb, xs, o, ahead)
+                   VLLM_MAMBA_INT_DOT_BY_ROWS(nbx, CALL)
 #undef CALL
+                 }
+               }
+               if (ns == 1) {
+#define CALL(B) K::template strip_4bit<B, kK>(ws, ss, lanes, nb, xs, o, ahead)
+                 VLLM_MAMBA_INT_DOT_BY_ROWS(nbx, CALL)
+#undef CALL
+               }
              });
 }
 

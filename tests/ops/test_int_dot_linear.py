@@ -278,7 +278,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(fmt: str) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("m", [17, 64, 200])
+@pytest.mark.parametrize("m", [2, 5, 12, 17, 64, 200])
 @pytest.mark.parametrize(
     "k,n",
     # 3 blocks, 17 (a partial group of 16), 32; N vs 16 (AVX-512 multiplies strips in pairs:
@@ -286,9 +286,10 @@ def test_a_rows_result_does_not_depend_on_the_batch(fmt: str) -> None:
     [(96, 16), (96, 20), (544, 37), (1024, 70)],
 )
 def test_many_rows_equal_one_row_at_a_time(fmt: str, m: int, k: int, n: int) -> None:
-    """The many-row path (a GEMM from 16 rows) gives every row, bit for bit, what a call with
-    that row alone gives (the one-row path), with bias, at 1 and 2 threads; rows holding an
-    infinity or a NaN too (NaN where it gives NaN)."""
+    """The many-row paths (below 16 rows two whole strips side by side on AVX-512, in passes
+    of 5 rows; a GEMM from 16 rows) give every row, bit for bit, what a call with that row
+    alone gives (the one-row path), with bias, at 1 and 2 threads; rows holding an infinity or
+    a NaN too (NaN where it gives NaN)."""
     qweight, scale, _, _ = _weights(n, k, fmt, m + k + n)
     x = _x(m, k, m + k)
     x[m // 2] = 0  # a row of zeros
