@@ -127,7 +127,12 @@ ARCHS = {  # --arch: (transformers class, config, default model directory)
         "/tmp/qwen3.8-flash-next-4layers-random",
     ),
 }
-SHIPPED_KEYS = {"kimi_linear": KIMI_SHIPPED_KEYS}  # config.json keys the releases carry
+SHIPPED_KEYS = {  # config.json keys the releases carry (llama.cpp's converter reads them)
+    "kimi_linear": KIMI_SHIPPED_KEYS,
+    # Granite 4.0-H's releases name the layers "mamba" / "attention"; transformers saves
+    # "linear_attention" / "full_attention", which the converter takes for Mamba layers
+    "granitemoehybrid": {"layer_types": GRANITE_CONFIG["layer_types"]},
+}
 # Made and saved in bfloat16 (float32: up to 6.8 GB of disk each).
 SAVED_BF16 = {"qwen3_6_moe", "lfm3", "zaya", "glm5_next", "qwen4_exp"}
 TOKENIZER_DIR = os.path.join(

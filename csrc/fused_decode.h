@@ -216,7 +216,16 @@ inline void project(const at::Tensor& x, const Weight& w, at::Tensor& out) {
 }
 
 // mixed[:n] += bias (optional) + residual (optional): the end of a layer.
-inline void finish_row(float* mixed, const float* bias, const float* residual, int64_t n) {
+// (A `scale` other than 1, a residual multiplier, with the residual: residual[r] + scale *
+// (mixed[r] + bias[r]), rounded as the unfused layer's `h + rm * o_proj(x)`.)
+inline void finish_row(float* mixed, const float* bias, const float* residual, int64_t n,
+                       float scale = 1.0f) {
+  if (scale != 1.0f && residual) {
+    for (int64_t r = 0; r < n; ++r) {
+      mixed[r] = residual[r] + (mixed[r] + (bias ? bias[r] : 0.0f)) * scale;
+    }
+    return;
+  }
   for (int64_t r = 0; r < n; ++r) {
     mixed[r] += (bias ? bias[r] : 0.0f) + (residual ? residual[r] : 0.0f);
   }

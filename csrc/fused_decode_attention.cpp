@@ -48,6 +48,7 @@ struct Dims {
 struct Small {  // float32 parameters; nullptr when absent
   const float *norm_w, *q_b, *k_b, *v_b, *o_b, *q_norm_w, *k_norm_w;
   float norm_eps, qk_eps, key_mult;
+  float res_scale;  // the residual multiplier (block mode): hidden + res_scale * o_proj
 };
 
 // The rows [lo, hi) of the concatenated [q | k | v] products of `batch` rows of xn (H), into
@@ -92,7 +93,7 @@ at::Tensor fused_attention_decode(
     const std::optional<at::Tensor>& rope_table, const std::optional<at::Tensor>& rope_rows,
     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool output_gate, double scale,
     double key_multiplier, double norm_eps, double qk_eps, at::ScalarType out_dtype,
-    bool int_dot, bool rows_alone, int64_t sliding_window) {
+    bool int_dot, bool rows_alone, int64_t sliding_window, double residual_scale) {
   TORCH_CHECK(params.size() == kNumParams, "params must hold ", kNumParams, " entries");
   TORCH_CHECK(hidden_in.dim() == 2, "hidden must be (B, H)");
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
@@ -142,6 +143,8 @@ at::Tensor fused_attention_decode(
   TORCH_CHECK((s.q_norm_w == nullptr) == (s.k_norm_w == nullptr), "q_norm and k_norm together");
   s.norm_eps = static_cast<float>(norm_eps);
   s.qk_eps = static_cast<float>(qk_eps);
+  s.res_scale = static_cast<float>(residual_scale);
+  TORCH_CHECK(residual_scale == 1.0 || s.norm_w, "residual_scale needs the block norm");
   s.key_mult = static_cast<float>(key_multiplier);
 
   const at::Tensor hidden = hidden_in.to(at::kFloat).contiguous();
@@ -237,7 +240,7 @@ at::Tensor fused_attention_decode(
       gemv(o_w, ap, d.heads * d.dim, d.batch, lo, hi, mp + lo, d.hidden);
       for (int64_t b = 0; b < d.batch; ++b) {
         fused::finish_row(mp + b * d.hidden + lo, s.o_b ? s.o_b + lo : nullptr,
-                          resid ? resid + b * d.hidden + lo : nullptr, hi - lo);
+                          resid ? resid + b * d.hidden + lo : nullptr, hi - lo, s.res_scale);
       }
     }
   } else {
@@ -245,7 +248,7 @@ at::Tensor fused_attention_decode(
     at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t b = lo; b < hi; ++b) {
         fused::finish_row(mp + b * d.hidden, s.o_b, resid ? resid + b * d.hidden : nullptr,
-                          d.hidden);
+                          d.hidden, s.res_scale);
       }
     });
   }
@@ -260,8 +263,8 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
       "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor? rope_table, Tensor? rope_rows, int num_heads, int num_kv_heads, int head_dim, "
       "bool output_gate, float scale, float key_multiplier, float norm_eps, float qk_eps, "
-      "ScalarType out_dtype, bool int_dot=False, bool rows_alone=False, int sliding_window=0) "
-      "-> Tensor");
+      "ScalarType out_dtype, bool int_dot=False, bool rows_alone=False, int sliding_window=0, "
+      "float residual_scale=1.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) {

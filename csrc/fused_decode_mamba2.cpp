@@ -49,6 +49,7 @@ struct Dims {
 struct Small {  // float32 parameters; nullptr when absent
   const float *norm_w, *in_b, *conv_w, *conv_b, *dt_bias, *A, *D, *gate_w, *out_b;
   float norm_eps, gate_eps;
+  float res_scale;  // the residual multiplier (block mode): hidden + res_scale * out_proj
 };
 
 // C: the conv states' dtype; S: the SSM states' (each float32 or bfloat16).
@@ -186,10 +187,8 @@ void run_layer(const Dims& d, const Small& s, const Io<C, S>& io) {
     split(d.hidden, fused::kRowBlock, tid, nth, lo, hi);
     gemv(*io.out_w, io.y, d.inter, d.batch, lo, hi, io.mixed + lo, d.hidden);
     for (int64_t b = 0; b < d.batch; ++b) {
-      float* m = io.mixed + b * d.hidden;
-      for (int64_t r = lo; r < hi; ++r) {
-        m[r] += (s.out_b ? s.out_b[r] : 0.0f) + (s.norm_w ? io.hidden[b * d.hidden + r] : 0.0f);
-      }
+      fused::finish_row(io.mixed + b * d.hidden + lo, s.out_b ? s.out_b + lo : nullptr,
+                        s.norm_w ? io.hidden + b * d.hidden + lo : nullptr, hi - lo, s.res_scale);
     }
   }
 }
@@ -229,7 +228,7 @@ void run_layer_gemm(const Dims& d, const Small& s, const Io<C, S>& io, const at:
   fused::project(y, *io.out_w, mixed);
   at::parallel_for(0, d.batch, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) fused::finish_row(io.mixed + b * d.hidden, s.out_b,
-        s.norm_w ? io.hidden + b * d.hidden : nullptr, d.hidden);
+        s.norm_w ? io.hidden + b * d.hidden : nullptr, d.hidden, s.res_scale);
   });
 }
 
@@ -268,7 +267,7 @@ at::Tensor fused_mamba2_decode(const at::Tensor& hidden_in,
                                int64_t group_size, double norm_eps, double gate_eps,
                                at::ScalarType out_dtype,
                                const std::optional<at::Tensor>& src_state_indices,
-                               bool int_dot) {
+                               bool int_dot, double residual_scale) {
   const Dims d = check_dims(hidden_in, params, conv_states, ssm_states, state_indices, n_groups,
                             group_size);
   const at::Tensor src = fused::src_slots(src_state_indices, d.batch);
@@ -290,6 +289,8 @@ at::Tensor fused_mamba2_decode(const at::Tensor& hidden_in,
   TORCH_CHECK(s.conv_w && s.A && s.gate_w, "conv weight, A and the gated norm weight are required");
   s.norm_eps = static_cast<float>(norm_eps);
   s.gate_eps = static_cast<float>(gate_eps);
+  s.res_scale = static_cast<float>(residual_scale);
+  TORCH_CHECK(residual_scale == 1.0 || s.norm_w, "residual_scale needs the block norm");
 
   const at::Tensor hidden = hidden_in.to(at::kFloat).contiguous();
   const at::Tensor slots = as_index(state_indices);
@@ -325,7 +326,7 @@ TORCH_LIBRARY_FRAGMENT(vllm_mamba, m) {
       "fused_mamba2_decode(Tensor hidden, Tensor?[] params, Tensor(a!) conv_states, "
       "Tensor(b!) ssm_states, Tensor state_indices, int n_groups, int group_size, "
       "float norm_eps, float gate_eps, ScalarType out_dtype, Tensor? src_state_indices=None, "
-      "bool int_dot=False) -> Tensor");
+      "bool int_dot=False, float residual_scale=1.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_mamba, CPU, m) { m.impl("fused_mamba2_decode", &fused_mamba2_decode); }

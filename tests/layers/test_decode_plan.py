@@ -88,8 +88,8 @@ def _generate(llm: LLM) -> list:
 CASES = [
     ("tied", {DecodeScope.BLOCK: 2}, "mamba step"),  # Mamba: norm, mixer, residual
     ("mamba2-groups", {DecodeScope.BLOCK: 2}, "mamba step"),
-    # a residual multiplier: the Mamba2 and the attention mixers fused alone
-    ("granite-moe-rope", {DecodeScope.MIXER: 4}, "mamba step"),
+    # a residual multiplier: the Mamba2 and the attention blocks, residual scaled in the kernel
+    ("granite-moe-rope", {DecodeScope.BLOCK: 4}, "mamba step"),
     ("zamba2-lora-rope", {DecodeScope.MIXER: 6}, "mamba step"),  # Zamba2's own layers
     ("rwkv7-h64", {DecodeScope.LAYER: 3}, "rwkv7 step"),  # the whole layer
     # Jamba's Mamba mixer's math is not the kernel's; its attention blocks are fused
@@ -145,7 +145,7 @@ def test_binding_remakes_the_plans_and_loading_drops_them(counts: Counter) -> No
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["tied", "zamba2-lora-rope", "rwkv7-h64"])
+@pytest.mark.parametrize("name", ["tied", "granite-moe-rope", "zamba2-lora-rope", "rwkv7-h64"])
 def test_fused_and_unfused_paths_of_one_engine_agree(name: str, counts: Counter) -> None:
     """The same engine with its plans, then with them dropped: the same greedy tokens, the
     logprobs equal to float32 rounding (the kernels sum in another order)."""

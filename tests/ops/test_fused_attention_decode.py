@@ -30,16 +30,18 @@ pytestmark = pytest.mark.skipif(
 DTYPES = [torch.float32, torch.bfloat16, "int8-float32", "int4-bfloat16"]
 BLOCK, BLOCKS = 4, 40
 
-# (hidden, heads, kv heads, head dim, rotated dims (0: no RoPE), gate, q/k norms, bias, key mult)
+# (hidden, heads, kv heads, head dim, rotated dims (0: no RoPE), gate, q/k norms, bias, key mult,
+# the block's residual multiplier)
 SHAPES = [
-    (64, 4, 2, 32, 8, True, True, False, 1.0),  # Qwen3.5: gated, q/k norms, partial RoPE
-    (96, 6, 2, 16, 16, False, True, False, 1.0),  # LFM2: q/k norms, full RoPE
-    (64, 4, 1, 32, 0, False, False, True, 0.5),  # MQA without RoPE, biases, key multiplier
+    (64, 4, 2, 32, 8, True, True, False, 1.0, 1.0),  # Qwen3.5: gated, q/k norms, partial RoPE
+    (96, 6, 2, 16, 16, False, True, False, 1.0, 1.0),  # LFM2: q/k norms, full RoPE
+    # MQA without RoPE, biases, key multiplier; a residual multiplier (Granite 4.0-H's 0.22)
+    (64, 4, 1, 32, 0, False, False, True, 0.5, 0.22),
 ]
 
 
 def _case(g: torch.Generator, shape: tuple, norm: bool, dtype: torch.dtype | str):  # noqa: ANN202
-    hidden, heads, kv, dim, _, gate, qk, bias, _ = shape
+    hidden, heads, kv, dim, _, gate, qk, bias, _, _ = shape
     nq = heads * dim * (2 if gate else 1)
     params = {
         "norm_w": 1 + 0.1 * torch.randn(hidden, generator=g) if norm else None,
@@ -95,7 +97,7 @@ def test_fused_attention_with_a_sliding_window(dtype, batch: int, window: int) -
 def _check_against_reference(dtype, shape, batch, norm, chain, window: int = 0) -> None:  # noqa: ANN001
     g = torch.Generator().manual_seed(batch + shape[0])
     params, k_cache, v_cache = _case(g, shape, norm, dtype)
-    hidden, heads, kv, dim, rot, gate, _, _, key_mult = shape
+    hidden, heads, kv, dim, rot, gate, _, _, key_mult, rm = shape
     tables, lens, slots, pos = _rows(batch, chain, pad=True)
     table = rotary_cos_sin_cache(1e4 ** -(torch.arange(0, rot, 2) / rot), 32, 1.0) if rot else None
     rows = pos if rot else None
@@ -104,6 +106,8 @@ def _check_against_reference(dtype, shape, batch, norm, chain, window: int = 0) 
     args = (tables, lens, table, rows, heads, kv, dim, gate, dim**-0.5, key_mult, 1e-6, 1e-6, out)
     kk, vk, kr, vr = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
     windowed = {"sliding_window": window} if window else {}
+    if norm and rm != 1.0:  # the block's residual scaled (the kernel refuses it without a norm)
+        windowed["residual_scale"] = rm
     got = cpu_kernels.fused_attention_decode(x, params, kk, vk, slots, *args, **windowed)
     want = pa.decode_layer_ref(x, params, kr, vr, slots, *args, **windowed)
     assert got.dtype == want.dtype == out
@@ -184,7 +188,7 @@ def test_fused_attention_with_integer_dots(dtype: str, batch: int) -> None:
     g = torch.Generator().manual_seed(batch)
     shape = SHAPES[0]
     params, k_cache, v_cache = _case(g, shape, True, dtype)
-    hidden, heads, kv, dim, rot, gate, _, _, key_mult = shape
+    hidden, heads, kv, dim, rot, gate, _, _, key_mult, rm = shape
     tables, lens, slots, pos = _rows(batch, True, pad=False)
     table = rotary_cos_sin_cache(1e4 ** -(torch.arange(0, rot, 2) / rot), 32, 1.0)
     x = torch.randn(batch, hidden, generator=g)

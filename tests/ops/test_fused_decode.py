@@ -205,10 +205,11 @@ MAMBA2_SHAPES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", MAMBA2_SHAPES)
-@pytest.mark.parametrize(
-    "batch,pad,norm", [(1, False, True), (3, True, True), (8, True, False), (12, True, True)]
+@pytest.mark.parametrize(  # rm: the block's residual multiplier (Granite 4.0-H's 0.22)
+    "batch,pad,norm,rm",
+    [(1, False, True, 1.0), (3, True, True, 0.22), (8, True, False, 1.0), (12, True, True, 0.22)],
 )
-def test_fused_mamba2_decode_matches_reference(dtype, shape, batch, pad, norm) -> None:  # noqa: ANN001
+def test_fused_mamba2_decode_matches_reference(dtype, shape, batch, pad, norm, rm) -> None:  # noqa: ANN001
     hidden, heads, head_dim, groups, nstate, kernel, bias = shape
     g = torch.Generator().manual_seed(zlib.crc32(repr((shape, batch)).encode()) + 1)
     params, conv, ssm = _mamba2_case(
@@ -217,12 +218,13 @@ def test_fused_mamba2_decode_matches_reference(dtype, shape, batch, pad, norm) -
     x = torch.randn(batch, hidden, generator=g)
     group_size = heads * head_dim // groups
     args = (groups, group_size, 1e-5, 1e-6, torch.float32 if norm else _model(dtype))
+    scaled = {"residual_scale": rm} if rm != 1.0 else {}
 
     def run(h, c, s, i):  # noqa: ANN001, ANN202
-        return cpu_kernels.fused_mamba2_decode(h, params, c, s, i, *args)
+        return cpu_kernels.fused_mamba2_decode(h, params, c, s, i, *args, **scaled)
 
     def ref(h, c, s, i):  # noqa: ANN001, ANN202
-        return fd.fused_mamba2_decode_ref(h, params, c, s, i, *args)
+        return fd.fused_mamba2_decode_ref(h, params, c, s, i, *args, **scaled)
 
     _check(run, ref, x, conv, ssm, _indices(batch, pad), _tol(dtype, batch))
 
@@ -239,6 +241,11 @@ def test_fused_decode_rejects_bad_shapes() -> None:
     with pytest.raises(RuntimeError, match="in_proj weight"):
         cpu_kernels.fused_mamba2_decode(
             x[:, :32], params, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32
+        )
+    mixer_alone = list(fd.Mamba2Params(*params)._replace(norm_w=None))
+    with pytest.raises(RuntimeError, match="residual_scale needs the block norm"):
+        cpu_kernels.fused_mamba2_decode(
+            x, mixer_alone, conv, ssm, idx, 1, 128, 1e-5, 1e-6, torch.float32, residual_scale=0.5
         )
     named = fd.Mamba2Params(*params)
     int8, _ = quantize_int8(named.in_proj_w)

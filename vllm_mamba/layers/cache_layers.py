@@ -81,10 +81,13 @@ class StatefulLayer(nn.Module):
         assert set(state) == set(self.state_spec().names), (set(state), self.state_spec())
         self.state = state
 
-    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+    def fused_mixer_step(
+        self, norm: nn.Module | None, residual_in_fp32: bool, residual_scale: float = 1.0
+    ) -> FusedStep | None:
         """This mixer's decode-only steps as one fused call, made once at plan time from its
         weights and bound state: with the block's `norm` and residual (`residual_in_fp32`: kept
-        in float32) when given, else the mixer alone. None (the default): not offered."""
+        in float32; `residual_scale`: the layer's residual multiplier, `h + rm * mixer(x)`)
+        when given, else the mixer alone. None (the default): not offered."""
         return None
 
     def fused_layer_step(self, layer: nn.Module) -> FusedStep | None:

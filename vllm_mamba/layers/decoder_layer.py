@@ -30,10 +30,12 @@ Each part is registered under the checkpoint's own name (`mixer`, `mamba`, `self
 A layer's decode-only steps may run fused (`layers.decode_plan`); its plan, made once after
 load and binding (`make_decode_plan`), takes the first of: the whole layer, when the layer is
 one mixer and one stateful feed-forward part without multipliers, post-norms or a float32
-residual and the mixer offers it (`fused_layer_step`: RWKV-7); the mixer stage `h + mixer(norm
-(h))`, when the layer is one mixer after its norm without pre- or post-norm or multipliers and
-the mixer offers it with that norm (`fused_mixer_step`: Mamba, Mamba2); one mixer's call alone
-(`fused_mixer_step` without a norm). A step asks the plan only whether it is decode-only.
+residual and the mixer offers it (`fused_layer_step`: RWKV-7); the mixer stage `h + rm *
+mixer(norm(h))`, when the layer is one mixer after its norm without pre- or post-norm or mixer
+multipliers and the mixer offers it with that norm and residual multiplier rm
+(`fused_mixer_step`: Mamba, Mamba2, attention, ...; with rm other than 1, Granite 4.0-H's, the
+Mamba2 and attention blocks); one mixer's call alone (`fused_mixer_step` without a norm). A
+step asks the plan only whether it is decode-only.
 
 The feed-forward stage has a plan of its own (`make_ffn_plan`, scope `FFN`), independent of the
 mixer's: `h + rm * ffn(ffn_norm(h))` in one kernel call when the stage is one dense gated MLP
@@ -179,7 +181,7 @@ class DecoderLayer(PlannedLayer):
         """Whether the layer's shape lets its one mixer run the mixer stage with its norm."""
         if self._hyper_names is not None:
             return False
-        if len(self._mixers) != 1 or self.residual_multiplier != 1.0 or self._pre_norm_name:
+        if len(self._mixers) != 1 or self._pre_norm_name:
             return False
         if self._norm_name is None or self._post_norm_name is not None:
             return False
@@ -201,7 +203,8 @@ class DecoderLayer(PlannedLayer):
                     return DecodePlan(DecodeScope.LAYER, step, name)
             if self._block_fusable():
                 norm = getattr(self, self._norm_name)
-                step = mixer.fused_mixer_step(norm, self.residual_in_fp32)
+                rm = self.residual_multiplier  # offered by the mixers whose kernel scales
+                step = mixer.fused_mixer_step(norm, self.residual_in_fp32, rm)
                 if step is not None:
                     return DecodePlan(DecodeScope.BLOCK, step, name)
         for name, mixer in offering:

@@ -144,6 +144,7 @@ class FusedMambaStep:
     out_dtype: torch.dtype | None
     max_rows: int | None
     int_dot: bool = False
+    residual_scale: float = 1.0  # Mamba2 blocks: the residual multiplier
 
     def takes(self, hidden: torch.Tensor, meta: MambaMetadata) -> bool:
         """A decode-only step (see `decode_plan.decode_only`)."""
@@ -155,9 +156,10 @@ class FusedMambaStep:
         out_dtype = step_out_dtype(self.out_dtype, self.dtype, hidden)
         state = self.mixer.state
         dst, src = decode_slots(meta)
+        scale = () if self.residual_scale == 1.0 else (self.residual_scale,)
         return self.op(
             hidden, self.params, state["conv"], state["ssm"], dst, *self.args, out_dtype, src,
-            self.int_dot,
+            self.int_dot, *scale,
         )  # fmt: skip
 
 
@@ -216,11 +218,11 @@ def plan_mamba(
 
 
 def plan_mamba2(
-    mixer: nn.Module, norm: nn.Module | None, residual_in_fp32: bool
+    mixer: nn.Module, norm: nn.Module | None, residual_in_fp32: bool, residual_scale: float = 1.0
 ) -> FusedMambaStep | None:
     """A `Mamba2Mixer`'s fused decode step, or None where the kernel does not apply.
 
-    Args: as `plan_mamba`.
+    Args: as `plan_mamba`; `residual_scale` the layer's residual multiplier (with `norm`).
     """
     op = mixer.ops.fused_mamba2_decode
     if not _planned(mixer, op, norm) or type(mixer.norm) is not GatedRMSNorm:
@@ -241,5 +243,5 @@ def plan_mamba2(
     args = (mixer.n_groups, mixer.norm.group_size, norm_eps, mixer.norm.variance_epsilon)
     return FusedMambaStep(
         op, mixer, list(params), args, dtype, _out_dtype(dtype, norm, residual_in_fp32), None,
-        int_dot,
+        int_dot, float(residual_scale) if norm is not None else 1.0,
     )  # fmt: skip

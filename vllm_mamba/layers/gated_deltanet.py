@@ -165,11 +165,17 @@ class GatedDeltaNet(StatefulLayer):
             StateTensor("recurrent", (self.num_v_heads, self.head_k_dim, self.head_v_dim)),
         ))  # fmt: skip
 
-    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+    def fused_mixer_step(
+        self, norm: nn.Module | None, residual_in_fp32: bool, residual_scale: float = 1.0
+    ) -> FusedStep | None:
         """The decode-only steps in one fused kernel call (with the block's `norm` and residual
         when given), planned once; None where that does not apply (`fused_delta_decode`): a
-        mixer of another delta rule (`FAMILY`) or output norm."""
-        if self.FAMILY != FAMILY or type(getattr(self, self.NORM)) is not HeadGatedRMSNorm:
+        mixer of another delta rule (`FAMILY`) or output norm, a residual multiplier."""
+        if (
+            residual_scale != 1.0
+            or self.FAMILY != FAMILY
+            or type(getattr(self, self.NORM)) is not HeadGatedRMSNorm
+        ):
             return None
         return plan_gdn(self, norm, residual_in_fp32)
 

@@ -115,9 +115,11 @@ class KimiDeltaAttention(OlmoHybridGatedDeltaNet):
         a = self.f_b_proj(self.f_a_proj(hidden))  # (T, Hv Dk): the forget gate
         return qkv, gate, self.b_proj(hidden), a
 
-    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+    def fused_mixer_step(
+        self, norm: nn.Module | None, residual_in_fp32: bool, residual_scale: float = 1.0
+    ) -> FusedStep | None:
         """The decode-only steps in one fused kernel call (`plan_kda`), planned once; None where
-        that does not apply."""
-        if type(getattr(self, self.NORM)) is not HeadGatedRMSNorm:
+        that does not apply (another output norm, a residual multiplier)."""
+        if residual_scale != 1.0 or type(getattr(self, self.NORM)) is not HeadGatedRMSNorm:
             return None
         return plan_kda(self, norm, residual_in_fp32)

@@ -93,10 +93,13 @@ class Mamba2Mixer(StateSpaceMixer):
         C = C.reshape(num_tokens, self.n_groups, self.state_size)
         return x, B, C
 
-    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
-        """The decode-only steps in one fused kernel call (with the block's `norm` and residual
-        when given), planned once; None where that does not apply (`fused_decode_layer`)."""
-        return plan_mamba2(self, norm, residual_in_fp32)
+    def fused_mixer_step(
+        self, norm: nn.Module | None, residual_in_fp32: bool, residual_scale: float = 1.0
+    ) -> FusedStep | None:
+        """The decode-only steps in one fused kernel call (with the block's `norm` and residual,
+        scaled by `residual_scale`, when given), planned once; None where that does not apply
+        (`fused_decode_layer`)."""
+        return plan_mamba2(self, norm, residual_in_fp32, residual_scale)
 
     def forward(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:
         """Mixes `hidden (T, H)` and advances each sequence's state in place.

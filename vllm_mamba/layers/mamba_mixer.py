@@ -77,9 +77,14 @@ class MambaMixer(StateSpaceMixer):
         dt = self.ops.linear(ts, self.dt_proj.weight, None)  # (T, I), bias added in the scan
         return dt, B, C
 
-    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+    def fused_mixer_step(
+        self, norm: nn.Module | None, residual_in_fp32: bool, residual_scale: float = 1.0
+    ) -> FusedStep | None:
         """The decode-only steps in one fused kernel call (with the block's `norm` and residual
-        when given), planned once; None where that does not apply (`fused_decode_layer`)."""
+        when given), planned once; None where that does not apply (`fused_decode_layer`; a
+        residual multiplier)."""
+        if residual_scale != 1.0:
+            return None
         return plan_mamba(self, norm, residual_in_fp32)
 
     def forward(self, hidden: torch.Tensor, meta: MambaMetadata) -> torch.Tensor:

@@ -119,7 +119,9 @@ class IndexedSelfAttention(SelfAttention):
         )
         self.attn.index = [indexer]
 
-    def fused_mixer_step(self, norm: Any, residual_in_fp32: bool) -> None:
+    def fused_mixer_step(
+        self, norm: Any, residual_in_fp32: bool, residual_scale: float = 1.0
+    ) -> None:
         """None: the fused decode attends to the whole context."""
         return None
 

@@ -96,13 +96,15 @@ class SelfAttention(nn.Module):
         self.ops = ops
         self.g_proj = column_linear(hidden_size, [num_heads], False, ops, tp) if head_gate else None
 
-    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+    def fused_mixer_step(
+        self, norm: nn.Module | None, residual_in_fp32: bool, residual_scale: float = 1.0
+    ) -> FusedStep | None:
         """The decode-only steps as one call of `paged_attention.decode_layer` (with the
-        block's norm and residual when given), planned once; None where it does not apply: no
-        kernel, a norm or q/k norm that is not a plain or zero-centred `RMSNorm` per head, a
-        RoPE that follows the sequence's length (`dynamic`, `longrope`), projections that are
-        not plain `Linear`s of one model dtype (tensor-parallel layers are not), a float32
-        residual."""
+        block's norm and residual, scaled by `residual_scale`, when given), planned once; None
+        where it does not apply: no kernel, a norm or q/k norm that is not a plain or
+        zero-centred `RMSNorm` per head, a RoPE that follows the sequence's length (`dynamic`,
+        `longrope`), projections that are not plain `Linear`s of one model dtype
+        (tensor-parallel layers are not), a float32 residual."""
         op = own_op("paged_attention", self.ops.name, "decode_layer")
         if op is None or residual_in_fp32 or (norm is not None and norm_weight(norm) is None):
             return None
@@ -138,8 +140,9 @@ class SelfAttention(nn.Module):
             self.q_norm.variance_epsilon if self.q_norm is not None else 0.0,
         )  # fmt: skip
         return FusedAttentionStep(
-            op, self, list(params), args, dtype, fused_out_dtype(dtype, norm, False)
-        )
+            op, self, list(params), args, dtype, fused_out_dtype(dtype, norm, False),
+            float(residual_scale) if norm is not None else 1.0,
+        )  # fmt: skip
 
     def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """`hidden (T, H)` -> `(T, H)`."""
@@ -183,9 +186,9 @@ class SelfAttention(nn.Module):
 @dataclass(frozen=True, eq=False)
 class FusedAttentionStep:
     """A `SelfAttention`'s decode-only step in one call of `op` (`decode_layer`), with the
-    block's norm and residual when planned with one. `args`: heads, kv heads, head dim, output
-    gate, scale, key multiplier, norm and q/k norm epsilons. The KV views and the RoPE table
-    are read per call (bound and grown after planning)."""
+    block's norm and residual (scaled by `residual_scale`) when planned with one. `args`:
+    heads, kv heads, head dim, output gate, scale, key multiplier, norm and q/k norm epsilons.
+    The KV views and the RoPE table are read per call (bound and grown after planning)."""
 
     op: Callable[..., torch.Tensor]
     attention: SelfAttention
@@ -193,6 +196,7 @@ class FusedAttentionStep:
     args: tuple[int | float | bool, ...]
     dtype: torch.dtype
     out_dtype: torch.dtype | None
+    residual_scale: float = 1.0
 
     def takes(self, hidden: torch.Tensor, meta: PagedMetadata) -> bool:
         """A decode-only step (see `decode_plan.decode_only`; the chains' rows attend as the
@@ -214,5 +218,5 @@ class FusedAttentionStep:
         return self.op(
             hidden, self.params, kv.k, kv.v, view.slot_mapping, view.decode_block_tables,
             meta.decode_seq_lens, table, rows, *self.args, out_dtype, uses_int_dot(attn.q_proj),
-            bool(meta.decode_waves), attn.attn.sliding_window,
+            bool(meta.decode_waves), attn.attn.sliding_window, self.residual_scale,
         )  # fmt: skip

@@ -88,12 +88,16 @@ class ShortConv(StatefulLayer):
         """One tensor: the conv history `(D, K - 1)` (the model dtype)."""
         return StateSpec((StateTensor("conv", (self.channels, self.kernel - 1), "conv"),))
 
-    def fused_mixer_step(self, norm: nn.Module | None, residual_in_fp32: bool) -> FusedStep | None:
+    def fused_mixer_step(
+        self, norm: nn.Module | None, residual_in_fp32: bool, residual_scale: float = 1.0
+    ) -> FusedStep | None:
         """The decode-only steps as one call of the family's `decode_layer` (with the block's
         plain or zero-centred `RMSNorm` and residual when given), planned once; None where it
         does not apply: no kernel, projections that are not plain `Linear`s of one model dtype
         (float32, bfloat16, int8, 4-bit; tensor-parallel layers are not), another norm, states
-        other than float32 / bfloat16."""
+        other than float32 / bfloat16, a residual multiplier."""
+        if residual_scale != 1.0:
+            return None
         op = own_op(short_conv_ops.FAMILY, self.ops.name, "decode_layer")
         conv = self.state["conv"] if self.state else None
         if op is None or conv is None or conv.dtype not in (torch.float32, torch.bfloat16):

@@ -89,9 +89,16 @@ def _linear(
 
 
 def _finish(
-    hidden: torch.Tensor, mixed: torch.Tensor, with_norm: bool, out_dtype: torch.dtype
+    hidden: torch.Tensor,
+    mixed: torch.Tensor,
+    with_norm: bool,
+    out_dtype: torch.dtype,
+    residual_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Adds the residual (block mode) and casts to `out_dtype`."""
+    """Adds the residual (block mode; `mixed` times a residual multiplier other than 1) and
+    casts to `out_dtype`."""
+    if with_norm and residual_scale != 1.0:
+        mixed = mixed * residual_scale
     out = hidden.float() + mixed if with_norm else mixed
     return out.to(out_dtype)
 
@@ -169,6 +176,7 @@ def fused_mamba2_decode_ref(
     out_dtype: torch.dtype,
     src_state_indices: torch.Tensor | None = None,
     int_dot: bool = False,
+    residual_scale: float = 1.0,
 ) -> torch.Tensor:
     """One Mamba2 layer's decode step from the reference ops; states advanced in place.
 
@@ -186,16 +194,17 @@ def fused_mamba2_decode_ref(
         out_dtype: the result's dtype (float32 or the model dtype, as the unfused path).
         src_state_indices: `(B,)` the slot each row reads its state from (`_chained`).
         int_dot: the int8 / 4-bit weights take integer dot products (see the module).
+        residual_scale: with norm_w, the layer's residual multiplier rm.
 
     Returns:
-        `(B, H)`: hidden + mixer(norm(hidden)) with norm_w, else mixer(hidden).
+        `(B, H)`: hidden + rm * mixer(norm(hidden)) with norm_w, else mixer(hidden).
     """
     if src_state_indices is not None:
         return _chained(
             fused_mamba2_decode_ref, hidden, (conv_states, ssm_states), state_indices,
             src_state_indices, params, conv_states, ssm_states, n_groups=n_groups,
             group_size=group_size, norm_eps=norm_eps, gate_eps=gate_eps, out_dtype=out_dtype,
-            int_dot=int_dot,
+            int_dot=int_dot, residual_scale=residual_scale,
         )  # fmt: skip
     p = dict(zip(MAMBA2_PARAMS, params, strict=True))
     batch = hidden.shape[0]
@@ -214,7 +223,7 @@ def fused_mamba2_decode_ref(
     )  # fmt: skip
     g = gated_rms_norm_ref(y.reshape(batch, inter), z, p["gate_norm_w"], group_size, gate_eps)
     mixed = _linear(g, p["out_proj_w"], p["out_proj_b"], p["out_proj_scale"], int_dot)
-    return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
+    return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype, residual_scale)
 
 
 def _chained(
@@ -253,6 +262,7 @@ class FusedMamba2DecodeOp(Protocol):
         self, hidden: Tensor, params: Params, conv_states: Tensor, ssm_states: Tensor,
         state_indices: Tensor, n_groups: int, group_size: int, norm_eps: float, gate_eps: float,
         out_dtype: torch.dtype, src_state_indices: Tensor | None = None, int_dot: bool = False,
+        residual_scale: float = 1.0,
     ) -> Tensor: ...  # fmt: skip
 
 

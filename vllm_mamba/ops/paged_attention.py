@@ -287,6 +287,7 @@ def decode_layer_ref(
     int_dot: bool = False,
     rows_alone: bool = False,
     sliding_window: int = 0,
+    residual_scale: float = 1.0,
 ) -> torch.Tensor:
     """One attention block's decode step from the reference ops (`SelfAttention` over
     `PagedAttention`): `hidden + o_proj(attention(...))` with the block norm, else the mixer
@@ -312,6 +313,8 @@ def decode_layer_ref(
         rows_alone: every row's products exactly as a one-row call's (the kernel's
             speculative chains; the reference's rows always are).
         sliding_window: the layer's window W in tokens, or 0 for none.
+        residual_scale: with the block norm, the layer's residual multiplier rm: `hidden + rm *
+            o_proj(...)`.
 
     Returns:
         `(B, H)` in `out_dtype`.
@@ -346,7 +349,7 @@ def decode_layer_ref(
     if gate is not None:
         attn = attn * torch.sigmoid(gate)
     mixed = _linear(attn, p["o_proj_w"], p["o_proj_b"], p["o_proj_scale"], int_dot)
-    return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype)
+    return _finish(hidden, mixed, p["norm_w"] is not None, out_dtype, residual_scale)
 
 
 class ReshapeAndCacheOp(Protocol):
@@ -370,7 +373,7 @@ class DecodeLayerOp(Protocol):
         rope_rows: Tensor | None, num_heads: int, num_kv_heads: int, head_dim: int,
         output_gate: bool, scale: float, key_multiplier: float, norm_eps: float, qk_eps: float,
         out_dtype: torch.dtype, int_dot: bool = False, rows_alone: bool = False,
-        sliding_window: int = 0,
+        sliding_window: int = 0, residual_scale: float = 1.0,
     ) -> Tensor: ...  # fmt: skip
 
 
