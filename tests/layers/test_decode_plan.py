@@ -120,6 +120,17 @@ def test_plan_is_made_once_when_bound_and_reused_by_every_step(
 
 
 @needs_kernels
+def test_a_delta_plan_keeps_its_keyword_arguments() -> None:
+    """A KDA block's plan passes Ling's safe gate bound to the kernel (`lower_bound` -5) and
+    scales no residual: the delta steps extend the Mamba steps' fields, and a field added to
+    the base must not shift theirs."""
+    model = _llm("ling-moe").llm_engine.model
+    steps = [p.step for p in (layer.decode_plan for layer in planned_layers(model)) if p]
+    assert len(steps) == 3
+    assert all(s.kwargs == {"lower_bound": -5.0} and s.residual_scale == 1.0 for s in steps)
+
+
+@needs_kernels
 def test_binding_remakes_the_plans_and_loading_drops_them(counts: Counter) -> None:
     llm = _llm("mamba2-groups")
     engine = llm.llm_engine

@@ -20,7 +20,7 @@ whether the step is decode-only (`decode_plan.decode_only`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -144,7 +144,8 @@ class FusedMambaStep:
     out_dtype: torch.dtype | None
     max_rows: int | None
     int_dot: bool = False
-    residual_scale: float = 1.0  # Mamba2 blocks: the residual multiplier
+    # Mamba2 blocks: the residual multiplier (keyword-only: subclasses add positional fields)
+    residual_scale: float = field(default=1.0, kw_only=True)
 
     def takes(self, hidden: torch.Tensor, meta: MambaMetadata) -> bool:
         """A decode-only step (see `decode_plan.decode_only`)."""
@@ -243,5 +244,5 @@ def plan_mamba2(
     args = (mixer.n_groups, mixer.norm.group_size, norm_eps, mixer.norm.variance_epsilon)
     return FusedMambaStep(
         op, mixer, list(params), args, dtype, _out_dtype(dtype, norm, residual_in_fp32), None,
-        int_dot, float(residual_scale) if norm is not None else 1.0,
+        int_dot, residual_scale=float(residual_scale) if norm is not None else 1.0,
     )  # fmt: skip

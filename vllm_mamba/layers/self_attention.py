@@ -26,7 +26,7 @@ Glossary: T tokens in the step, H hidden size, Hq query heads, Hkv key/value hea
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -141,7 +141,7 @@ class SelfAttention(nn.Module):
         )  # fmt: skip
         return FusedAttentionStep(
             op, self, list(params), args, dtype, fused_out_dtype(dtype, norm, False),
-            float(residual_scale) if norm is not None else 1.0,
+            residual_scale=float(residual_scale) if norm is not None else 1.0,
         )  # fmt: skip
 
     def forward(self, hidden: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
@@ -196,7 +196,7 @@ class FusedAttentionStep:
     args: tuple[int | float | bool, ...]
     dtype: torch.dtype
     out_dtype: torch.dtype | None
-    residual_scale: float = 1.0
+    residual_scale: float = field(default=1.0, kw_only=True)
 
     def takes(self, hidden: torch.Tensor, meta: PagedMetadata) -> bool:
         """A decode-only step (see `decode_plan.decode_only`; the chains' rows attend as the
