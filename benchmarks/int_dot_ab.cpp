@@ -34,36 +34,25 @@ namespace newv {
 }
 
 // The two trees' kernels under one name each.
-struct Old {
-  using QActs = oldv::vllm_mamba::int_dot::QActs;
-  template <typename... A>
-  static void rows_i8(const oldv::vllm_mamba::int_dot::I8Rows& w, A&&... a) {
-    oldv::vllm_mamba::int_dot::rows_i8(w, a...);
-  }
-  template <typename... A>
-  static void rows_q4(const oldv::vllm_mamba::int_dot::Q4Rows& w, A&&... a) {
-    oldv::vllm_mamba::int_dot::rows_q4(w, a...);
-  }
-  template <typename... A>
-  static void rows_q4k(const oldv::vllm_mamba::int_dot::Q4KRows& w, A&&... a) {
-    oldv::vllm_mamba::int_dot::rows_q4k(w, a...);
-  }
-};
-struct New {
-  using QActs = newv::vllm_mamba::int_dot::QActs;
-  template <typename... A>
-  static void rows_i8(const newv::vllm_mamba::int_dot::I8Rows& w, A&&... a) {
-    newv::vllm_mamba::int_dot::rows_i8(w, a...);
-  }
-  template <typename... A>
-  static void rows_q4(const newv::vllm_mamba::int_dot::Q4Rows& w, A&&... a) {
-    newv::vllm_mamba::int_dot::rows_q4(w, a...);
-  }
-  template <typename... A>
-  static void rows_q4k(const newv::vllm_mamba::int_dot::Q4KRows& w, A&&... a) {
-    newv::vllm_mamba::int_dot::rows_q4k(w, a...);
-  }
-};
+#define INT_DOT_TREE(Name, ns)                                                  \
+  struct Name {                                                                \
+    using QActs = ns::vllm_mamba::int_dot::QActs;                              \
+    template <typename... A>                                                   \
+    static void rows_i8(const ns::vllm_mamba::int_dot::I8Rows& w, A&&... a) {  \
+      ns::vllm_mamba::int_dot::rows_i8(w, a...);                               \
+    }                                                                          \
+    template <typename... A>                                                   \
+    static void rows_q4(const ns::vllm_mamba::int_dot::Q4Rows& w, A&&... a) {  \
+      ns::vllm_mamba::int_dot::rows_q4(w, a...);                               \
+    }                                                                          \
+    template <typename... A>                                                   \
+    static void rows_q4k(const ns::vllm_mamba::int_dot::Q4KRows& w, A&&... a) { \
+      ns::vllm_mamba::int_dot::rows_q4k(w, a...);                              \
+    }                                                                          \
+  };
+INT_DOT_TREE(Old, oldv)
+INT_DOT_TREE(New, newv)
+#undef INT_DOT_TREE
 
 // Rows [0, n) of one weight in fmt ("i8", "q4": Q4_0-style, "qk": Q4_K-style) times the
 // quantised rows q, split over t threads on whole strips; seconds.
