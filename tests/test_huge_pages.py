@@ -70,6 +70,19 @@ def test_move_keeps_values_identity_and_sharing() -> None:
     assert torch.equal(model.head(x), x @ before["embed.weight"].t())
 
 
+@needs_thp
+def test_an_untied_token_table_stays_on_its_pages() -> None:
+    """Decode reads a few rows of a token table a step: only a table tied to the head moves."""
+    model = Tied()
+    model.untied = nn.Embedding(300, 64)
+    table = model.untied.weight.detach().clone()
+    ptr = model.untied.weight.data_ptr()
+    moved = move_to_huge_pages(model, min_bytes=0)
+    assert moved > 0 and model.untied.weight.data_ptr() == ptr
+    assert torch.equal(model.untied.weight, table)
+    assert advised_huge(model.embed.weight.data_ptr())  # the tied table: the head's weight
+
+
 def test_move_is_off_with_the_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_MAMBA_HUGE_PAGES", "0")
     model = Tied()
@@ -113,7 +126,7 @@ def test_engine_outputs_equal_without_huge_pages(
         monkeypatch.setenv("VLLM_MAMBA_HUGE_PAGES", flag)
         runner: VllmRunner
         with vllm_runner(MODELS[arch](), quantization=quantization) as runner:
-            weight = next(runner.engine.model.parameters())
+            weight = runner.engine.model.lm_head.weight  # streamed every step
             assert advised_huge(weight.data_ptr()) == (flag == "1")
             outs = runner.generate(prompts, params)
             runs.append(

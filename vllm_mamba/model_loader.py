@@ -42,7 +42,7 @@ from vllm_mamba.models.prequantized import checkpoint_method, dequantized_weight
 from vllm_mamba.models.registry import ModelRegistry
 from vllm_mamba.ops.dispatch import get_mamba_ops
 from vllm_mamba.ops.grouped_linear import GroupedWeight
-from vllm_mamba.worker.huge_pages import move_to_huge_pages
+from vllm_mamba.worker.huge_pages import move_to_huge_pages, release_freed_heap
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,11 @@ def _layer_stream(
         return None
     ops = get_mamba_ops(device)
     return LayerStream(
-        model, layers, device, dtype, lambda layer: _quietly(quantize_model, layer, ops, method)
+        model,
+        layers,
+        device,
+        dtype,
+        lambda module, name: _quietly(quantize_model, module, ops, method, name),
     )
 
 
@@ -321,7 +325,7 @@ def build_model(
             )
     stream = _layer_stream(path, hf_config, model, tp, method, device, dtype)
     if stream is None:
-        model = to_empty(model, device).to(dtype)
+        model = to_empty(model, device, dtype=dtype)
     else:
         stream.materialize_rest()
     model.tie_weights()  # materialising from meta unties shared parameters
@@ -340,5 +344,6 @@ def build_model(
         report = _quietly(quantize_model, model, get_mamba_ops(device), method)
         _log_quantization(method, report, stream.reports if stream is not None else [])
     stack_experts(model)  # the MoE experts as the fused kernel reads them, in place
+    release_freed_heap()  # the experts' copies from before stacking (small blocks: the heap)
     move_to_huge_pages(model)  # on the CPU: decode streams every weight each step
     return model.eval().requires_grad_(False), arch

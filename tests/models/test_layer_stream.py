@@ -14,6 +14,7 @@ import torch
 
 from tests.tiny_models import tiny_model_dir
 from vllm_mamba.config import record_quantization
+from vllm_mamba.layers.moe import ExpertList
 from vllm_mamba.layers.quantization import quantize_model
 from vllm_mamba.model_loader import build_model, load_hf_config
 from vllm_mamba.models import layer_stream
@@ -21,6 +22,11 @@ from vllm_mamba.models.layer_stream import LayerStream
 from vllm_mamba.ops.dispatch import get_mamba_ops
 
 CPU = torch.device("cpu")
+
+
+def _holds_float(unit: torch.nn.Module) -> bool:
+    """Whether `unit` holds materialised float weights (loaded, not yet quantised)."""
+    return any(p.device.type != "meta" and p.is_floating_point() for p in unit.parameters())
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -36,20 +42,42 @@ def test_streamed_layers_equal_the_whole_model_path(
     name: str, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tiny_model_dir(name)
-    finished = []
+    quantised: list[str] = []  # what the stream quantised, by name, in order
+    floats: list[int] = []  # after each tensor: the experts holding float weights
     real_loaded = LayerStream.loaded
 
     def loaded(self: LayerStream, param: str) -> None:
-        before = len(self.reports)
+        if not quantised and not hasattr(self, "_recorded"):
+            real_quantize = self.quantize
+            self._recorded = True
+
+            def quantize(module: torch.nn.Module, name: str) -> object:
+                quantised.append(name)
+                return real_quantize(module, name)
+
+            self.quantize = quantize
         real_loaded(self, param)
-        if len(self.reports) > before:  # a layer completed: no other layer is live and float
-            finished.append(param)
+        floats.append(sum(_holds_float(u) for p, u in self._units if p != "lm_head."))
 
     monkeypatch.setattr(LayerStream, "loaded", loaded)
     hf_config = load_hf_config(path)
     record_quantization(hf_config, method)
     streamed, _ = build_model(path, hf_config, torch.float32, CPU)
-    assert len(finished) == len(streamed.layers)  # every decoder layer went through the stream
+    layers = [n for n, m in streamed.named_modules() if any(m is la for la in streamed.layers)]
+    # every decoder layer went through the stream, each expert before its layer, alone
+    assert [n for n in quantised if n in layers] == layers
+    experts = [n for n, m in streamed.named_modules() if isinstance(m, ExpertList)]
+    for prefix in experts:
+        units = [n for n in quantised if n.startswith(prefix + ".")]
+        assert len(units) == len(streamed.get_submodule(prefix)), prefix
+        assert quantised.index(units[-1]) < quantised.index(prefix.rsplit(".", 2)[0]), prefix
+    assert max(floats) <= 1
+    # an untied head is quantised as it arrives, a tied one with the embedding at the end
+    head = streamed.lm_head
+    tied = any(
+        getattr(m, "weight", None) is head.weight for m in streamed.modules() if m is not head
+    )
+    assert ("lm_head" in quantised) == (not tied), tied
 
     reference, _ = build_model(path, load_hf_config(path), torch.float32, CPU)
     quantize_model(reference, get_mamba_ops(CPU), method)

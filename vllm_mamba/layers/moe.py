@@ -72,6 +72,7 @@ from vllm_mamba.ops import ffn as ffn_ops
 from vllm_mamba.ops.families import own_op
 from vllm_mamba.ops.int_dot_linear import STRIP_ROWS
 from vllm_mamba.ops.table import MambaOps
+from vllm_mamba.worker.huge_pages import TRIM_BYTES, release_freed_heap
 
 ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "sigmoid_topk")
 # Most rows of a decode step whose MoE stage runs fused, in calls of `ffn.MAX_ROWS` rows (each
@@ -283,30 +284,44 @@ def _stack(
     int_dot: bool,
 ) -> StackedExperts:
     """Copies the experts' `found` weights into stacked tensors and points their `Linear`s at
-    them (see `ExpertList.stacked`)."""
+    them (see `ExpertList.stacked`), expert by expert: each expert's own tensors are dropped
+    from `found` once copied (and the heap trimmed every `TRIM_BYTES`), so that the copy holds
+    little twice (a layer's experts copied at once held them all twice for a moment: 0.8 GB
+    more at the end of each int8 Qwen3.6-35B-A3B layer's load)."""
     num = len(found)
-
-    def stack(parts: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-        """`(E, rows, ...)`: each expert's parts one after another; a view where they already
-        lie so in one storage (stacked at load: `stack_experts`), else a copy."""
-        view = _stacked_view(parts)
-        if view is not None:
-            return view
-        first = parts[0][0]
-        out = torch.empty(
-            (num, sum(t.shape[0] for t in parts[0]), *first.shape[1:]), dtype=first.dtype
-        )
-        for e, group in enumerate(parts):
-            torch.cat(group, out=out[e])
-        return out
-
-    gate_up = stack([(f[0][0], f[1][0]) for f in found])  # (E, 2F, ...)
-    down = stack([(f[2][0],) for f in found])  # (E, H, ...)
     quantised = found[0][0][1] is not None
-    gu_scale = stack([(f[0][1], f[1][1]) for f in found]) if quantised else None
-    dn_scale = stack([(f[2][1],) for f in found]) if quantised else None
+
+    def parts(f: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]) -> list[tuple]:
+        """One expert's parts of each stacked tensor: gate/up, down (and their scales)."""
+        out = [(f[0][0], f[1][0]), (f[2][0],)]
+        return [*out, (f[0][1], f[1][1]), (f[2][1],)] if quantised else out
+
+    # `(E, rows, ...)` each: a view where the experts already lie so in one storage (stacked at
+    # load: `stack_experts`), else a fresh tensor filled below
+    stacks = []
+    for k, group in enumerate(parts(found[0])):
+        view = _stacked_view([parts(f)[k] for f in found])
+        rows = sum(t.shape[0] for t in group)
+        fresh = view is None
+        stacks.append(
+            (
+                view
+                if not fresh
+                else torch.empty((num, rows, *group[0].shape[1:]), dtype=group[0].dtype),
+                fresh,
+            )
+        )
+    gate_up, down = stacks[0][0], stacks[1][0]
+    gu_scale = stacks[2][0] if quantised else None
+    dn_scale = stacks[3][0] if quantised else None
     inter = gate_up.shape[1] // 2
+    copied = 0
     for e, mlp in enumerate(experts):
+        for (out, fresh), group in zip(stacks, parts(found[e]), strict=True):
+            if fresh:
+                torch.cat(group, out=out[e])
+                copied += sum(t.nbytes for t in group)
+        found[e] = ()  # its own tensors die with the views below
         views = (
             (mlp.gate_proj, gate_up[e, :inter], gu_scale[e, :inter] if quantised else None),
             (mlp.up_proj, gate_up[e, inter:], gu_scale[e, inter:] if quantised else None),
@@ -316,6 +331,9 @@ def _stack(
             linear.weight.data = weight
             if scale is not None:
                 linear.weight_scale = scale
+        if copied >= TRIM_BYTES:
+            release_freed_heap()
+            copied = 0
     return StackedExperts(
         gate_up.flatten(0, 1),
         gu_scale.flatten(0, 1) if quantised else None,

@@ -260,7 +260,9 @@ def use_int4_weight(
     linear.linear_op = types.MethodType(_int4_product, linear)
 
 
-def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> QuantizationReport:
+def quantize_model(
+    model: nn.Module, ops: MambaOps, method: str, prefix: str = ""
+) -> QuantizationReport:
     """Quantises every eligible `Linear` of a loaded float model to `method`, in place.
 
     A plain `nn.Embedding` whose weight is tied to a quantised layer (the LM head) is replaced
@@ -273,6 +275,8 @@ def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> Quantization
         method: "int8", "int4", "w8a8", "w4a8" or "w4a8_k" (`METHODS`; under int4 / w4a8 /
             w4a8_k the LM head and layers whose K is not a multiple of 32 get int8; under the
             integer-dot methods the layers whose K is not a multiple of 32 stay weight-only).
+        prefix: `model`'s name in the whole model when it is a part of one ("lm_head", a
+            decoder layer's name): the names the rules above and the report go by.
 
     Returns:
         How many layers were quantised, the weight bytes before and after, the fallbacks to
@@ -293,7 +297,7 @@ def quantize_model(model: nn.Module, ops: MambaOps, method: str) -> Quantization
         if type(module) is nn.Embedding or isinstance(module, VocabParallelEmbedding)
     }
     quantised, fallbacks, weight_only = 0, [], []
-    for name, module in list(model.named_modules()):
+    for name, module in list(model.named_modules(prefix=prefix)):
         if not isinstance(module, Linear) or name.rsplit(".", 1)[-1] in FLOAT_LINEARS:
             continue
         if module.weight.dtype in (torch.int8, torch.uint8):  # shared module already done
