@@ -46,6 +46,14 @@
 # without MTP weights (the random models of make_model.py / hybrid_bench.py), which the
 # converter otherwise refuses.
 #
+# PRE_TOKENIZER names the BPE pre-tokenizer the converter should record where it does not
+# recognise the model's tokenizer ("BPE pre-tokenizer was not recognized"): the converter of
+# llama-cpp-python 0.3.36 refuses the GPT-NeoX tokenizer of the random benchmark models, whose
+# earlier files recorded `olmo` (PRE_TOKENIZER=olmo; the same byte-level regex as `gpt-2`).
+# TYPES lists the files to write (default "f32 bf16 f16 q8_0 q4_0 q4_k_m"); Q4_0 and Q4_K_M are
+# quantised from the F32 file, or from the BF16 one where TYPES has no f32 (a 35B-A3B model's
+# four layers are 17 GB in float32).
+#
 # Set INSTALL_PYTHON_PACKAGE=1 to also `pip install llama-cpp-python` (builds llama.cpp once
 # more, about 5+ minutes on 2 cores). Steps already done are skipped.
 set -euo pipefail
@@ -143,16 +151,30 @@ done
 #    it), numpy, torch, safetensors and transformers.
 STEM="$(basename "$(realpath "$MODEL_DIR")")"
 GGUF_DIR="$LLAMA_CPP_BASE/gguf"
+TYPES="${TYPES:-f32 bf16 f16 q8_0 q4_0 q4_k_m}"
+# convert_hf_to_gguf.py, its pre-tokenizer check answered by PRE_TOKENIZER where set.
+CONVERTER=("$LLAMA_DIR/convert_hf_to_gguf.py")
+if [ -n "${PRE_TOKENIZER:-}" ]; then
+    CONVERTER=(-c "import runpy, sys
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: '$PRE_TOKENIZER'
+sys.argv[0] = '$LLAMA_DIR/convert_hf_to_gguf.py'
+runpy.run_path(sys.argv[0], run_name='__main__')")
+fi
 for TYPE in f32 bf16 f16 q8_0; do
     OUT="$GGUF_DIR/$STEM-$TYPE.gguf"
-    [ -f "$OUT" ] || PYTHONPATH="$LLAMA_DIR/gguf-py" "$PYTHON" "$LLAMA_DIR/convert_hf_to_gguf.py" \
+    case " $TYPES " in *" $TYPE "*) ;; *) continue ;; esac
+    [ -f "$OUT" ] || PYTHONPATH="$LLAMA_DIR:$LLAMA_DIR/gguf-py" "$PYTHON" "${CONVERTER[@]}" \
         "$MODEL_DIR" --outtype "$TYPE" --outfile "$OUT" ${CONVERT_ARGS:-}
 done
+SOURCE="$GGUF_DIR/$STEM-f32.gguf"
+[ -f "$SOURCE" ] || SOURCE="$GGUF_DIR/$STEM-bf16.gguf"
 for TYPE in q4_0 q4_k_m; do
     OUT="$GGUF_DIR/$STEM-$TYPE.gguf"
+    case " $TYPES " in *" $TYPE "*) ;; *) continue ;; esac
     # Written under a temporary name so that an interrupted run leaves no partial file.
     if [ ! -f "$OUT" ]; then
-        "$BUILD_DIR/bin/llama-quantize" "$GGUF_DIR/$STEM-f32.gguf" "$OUT.tmp" \
+        "$BUILD_DIR/bin/llama-quantize" "$SOURCE" "$OUT.tmp" \
             "$(echo "$TYPE" | tr '[:lower:]' '[:upper:]')" "$JOBS"
         mv "$OUT.tmp" "$OUT"
     fi
