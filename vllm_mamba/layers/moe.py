@@ -298,19 +298,14 @@ def _stack(
 
     # `(E, rows, ...)` each: a view where the experts already lie so in one storage (stacked at
     # load: `stack_experts`), else a fresh tensor filled below
-    stacks = []
+    stacks: list[tuple[torch.Tensor, bool]] = []  # (the stacked tensor, whether it is fresh)
     for k, group in enumerate(parts(found[0])):
         view = _stacked_view([parts(f)[k] for f in found])
+        if view is not None:
+            stacks.append((view, False))
+            continue
         rows = sum(t.shape[0] for t in group)
-        fresh = view is None
-        stacks.append(
-            (
-                view
-                if not fresh
-                else torch.empty((num, rows, *group[0].shape[1:]), dtype=group[0].dtype),
-                fresh,
-            )
-        )
+        stacks.append((torch.empty((num, rows, *group[0].shape[1:]), dtype=group[0].dtype), True))
     gate_up, down = stacks[0][0], stacks[1][0]
     gu_scale = stacks[2][0] if quantised else None
     dn_scale = stacks[3][0] if quantised else None

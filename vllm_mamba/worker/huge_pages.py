@@ -12,9 +12,9 @@ so this module maps its own memory:
 - `move_to_huge_pages(model)`: every parameter and buffer storage of a model copied into one
   such mapping, each tensor re-pointed in place (`tensor.data = ...`), so modules, tied
   weights and views that share a storage keep sharing it. A token table that only an
-  embedding holds stays where it is: decode reads a few of its rows a step, and copying the
-  largest storage held it twice for a moment (0.97 GB more at the peak of a Qwen3.6-35B-A3B
-  load, whose untied bfloat16 table is 248,320 x 2,048). Models under `MIN_MODEL_BYTES`
+  embedding holds stays where it is: decode reads a few of its rows a step, so huge pages gain
+  it nothing, and its copy is the largest (0.97 GB at Qwen3.6-35B-A3B's untied 248,320 x 2,048
+  bfloat16 table), held twice while it moves. Models under `MIN_MODEL_BYTES`
   stay where they are: faulting the fresh huge pages in (the kernel zeroes and may compact
   for each) costs about 50 ms for a 14 MiB model, more than a toy model's decode ever
   gains, and every engine start pays it.
