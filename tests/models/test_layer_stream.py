@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.tiny_models import tiny_model_dir
+from vllm_mamba import model_loader
 from vllm_mamba.config import record_quantization
 from vllm_mamba.layers.moe import ExpertList
 from vllm_mamba.layers.quantization import quantize_model
@@ -44,22 +45,18 @@ def test_streamed_layers_equal_the_whole_model_path(
     path = tiny_model_dir(name)
     quantised: list[str] = []  # what the stream quantised, by name, in order
     floats: list[int] = []  # after each tensor: the experts holding float weights
-    real_loaded = LayerStream.loaded
+    real_loaded, real_quantize = LayerStream.loaded, model_loader.quantize_model
+
+    def quantize(module: torch.nn.Module, ops: object, method: str, prefix: str = "") -> object:
+        quantised.append(prefix)
+        return real_quantize(module, ops, method, prefix)
 
     def loaded(self: LayerStream, param: str) -> None:
-        if not quantised and not hasattr(self, "_recorded"):
-            real_quantize = self.quantize
-            self._recorded = True
-
-            def quantize(module: torch.nn.Module, name: str) -> object:
-                quantised.append(name)
-                return real_quantize(module, name)
-
-            self.quantize = quantize
         real_loaded(self, param)
         floats.append(sum(_holds_float(u) for p, u in self._units if p != "lm_head."))
 
     monkeypatch.setattr(LayerStream, "loaded", loaded)
+    monkeypatch.setattr(model_loader, "quantize_model", quantize)
     hf_config = load_hf_config(path)
     record_quantization(hf_config, method)
     streamed, _ = build_model(path, hf_config, torch.float32, CPU)

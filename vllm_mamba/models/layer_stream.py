@@ -99,6 +99,7 @@ class LayerStream:
             if isinstance(experts, ExpertList)
             for i, expert in enumerate(experts)
         ]
+        self._in_units = {id(m) for _, unit in self._units for m in unit.modules()}
         self._pending: dict[int, set[str]] = {}  # layer or unit id -> its parameters not loaded
         self._live: set[int] = set()  # layers and units materialised
         self.reports: list[QuantizationReport] = []
@@ -150,45 +151,44 @@ class LayerStream:
             if holders == 1:
                 self._units.append(("lm_head.", head))
         for name in params:
-            for owner in (self._layer_of(name), self._unit_of(name)):
+            for _, owner in (self._layer_of(name), self._unit_of(name)):
                 if owner is not None:
                     self._pending.setdefault(id(owner), set()).add(name)
 
-    def _layer_of(self, name: str) -> nn.Module | None:
-        return next((layer for p, layer in self._prefixes if name.startswith(p)), None)
+    def _layer_of(self, name: str) -> tuple[str, nn.Module | None]:
+        """The decoder layer holding parameter `name`, with its prefix; ("", None) if none."""
+        return next(((p, m) for p, m in self._prefixes if name.startswith(p)), ("", None))
 
-    def _unit_of(self, name: str) -> nn.Module | None:
-        return next((unit for p, unit in self._units if name.startswith(p)), None)
+    def _unit_of(self, name: str) -> tuple[str, nn.Module | None]:
+        """The unit holding parameter `name`, with its prefix; ("", None) if none."""
+        return next(((p, m) for p, m in self._units if name.startswith(p)), ("", None))
 
     def param(self, name: str, params: dict[str, nn.Parameter]) -> nn.Parameter | None:
         """The live parameter `name`: a decoder layer's is materialised on first use, without
         its units, and a unit's with its own first use (the loader's `params` keep the meta
         ones, holding no float layer alive), else `params[name]`."""
-        layer = self._layer_of(name)
+        prefix, layer = self._layer_of(name)
         if layer is None:
             return params.get(name)
         if id(layer) not in self._live:
-            units = {id(m) for _, unit in self._units for m in unit.modules()}
             for module in layer.modules():
-                if id(module) not in units:
+                if id(module) not in self._in_units:
                     to_empty(module, self.device, recurse=False, dtype=self.dtype)
             self._live.add(id(layer))
-        unit = self._unit_of(name)
+        _, unit = self._unit_of(name)
         if unit is not None and id(unit) not in self._live:
             to_empty(unit, self.device, dtype=self.dtype)
             self._live.add(id(unit))
-        prefix = next(p for p, m in self._prefixes if m is layer)
         return layer.get_parameter(name[len(prefix) :]) if name in params else None
 
     def loaded(self, name: str) -> None:
         """Marks `name` copied; the last parameter of a unit quantises it, the last of a layer
         processes and quantises the layer."""
-        unit = self._unit_of(name)
+        prefix, unit = self._unit_of(name)
         if unit is not None and self._done(unit, name):
-            prefix = next(p for p, m in self._units if m is unit)
             self._freed += sum(p.numel() * p.element_size() for p in unit.parameters())
             self.reports.append(self.quantize(unit, prefix[:-1]))
-            if self._layer_of(name) is None:  # the loader's names hold the quantised head
+            if self._layer_of(name)[1] is None:  # the loader's names hold the quantised head
                 for key in [k for k in self._params if k.startswith(prefix)]:
                     self._params[key] = unit.get_parameter(key[len(prefix) :])
             # The freed float units' pages back to the system: glibc keeps their blocks, which
@@ -197,11 +197,10 @@ class LayerStream:
             if self._freed >= TRIM_BYTES:
                 release_freed_heap()
                 self._freed = 0
-        layer = self._layer_of(name)
+        prefix, layer = self._layer_of(name)
         if layer is not None and self._done(layer, name):
             drop_decode_plans(layer)
             process_layers(layer)
-            prefix = next(p for p, m in self._prefixes if m is layer)
             self.reports.append(self.quantize(layer, prefix[:-1]))
             release_freed_heap()  # the float layer's pages back to the system
             # Its experts stacked now, while only this layer's quantised experts are copied (at
