@@ -44,6 +44,7 @@
 #include <numeric>
 #include <vector>
 
+#include "ffn_math.h"
 #include "fused_decode.h"
 #include "kernel_math.h"
 
@@ -54,27 +55,9 @@ using fused::gemv;
 using fused::split;
 using fused::Weight;
 
-// Activations (`layers.mlp.ACTIVATIONS`): silu, gelu_pytorch_tanh, gelu (erf), relu, relu2.
-enum Act : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kRelu = 3, kRelu2 = 4 };
-
-inline float activate(float v, int64_t act) {
-  switch (act) {
-    case kSilu:
-      return silu_f32(v);
-    case kGeluTanh: {
-      const float inner = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-      return 0.5f * v * (1.0f + std::tanh(inner));
-    }
-    case kGelu:
-      return 0.5f * v * (1.0f + std::erf(v * 0.7071067811865476f));
-    case kRelu:
-      return v > 0.0f ? v : 0.0f;
-    default: {
-      const float r = v > 0.0f ? v : 0.0f;
-      return r * r;
-    }
-  }
-}
+using ffn::Clip;
+using ffn::kSilu;
+using ffn::kRelu2;
 
 // A gated MLP's weights: gate rows [0, I) of `gate` (from `gate_row0`), up rows [0, I) of `up`
 // (from `up_row0`; for a merged weight the same Weight at row I), down (H, I) from `down_row0`.
@@ -83,13 +66,6 @@ struct Gated {
   const Weight* up = nullptr;
   const Weight* down = nullptr;
   int64_t inter = 0;
-};
-
-// A SwiGLU clip (`layers.clamped_swiglu`): limit > 0 clips the up factor to +-limit and the
-// gate to at most limit, before the activation (`before`) or after it; limit 0: none.
-struct Clip {
-  float limit = 0.0f;
-  bool before = false;
 };
 
 // z[b, i] = act(gate_b[i] * gm) * up_b[i] (clipped by `clip`) for channels [i0, i1) of expert
@@ -103,23 +79,7 @@ inline void gate_up_rows(const Weight& gw, int64_t gate_row0, const Weight& uw,
   gemv(gw, x, ldx, m, gate_row0 + i0, gate_row0 + i1, g + i0, ldz);
   gemv(uw, x, ldx, m, up_row0 + i0, up_row0 + i1, u + i0, ldz);
   for (int64_t b = 0; b < m; ++b) {
-    const float* gb = g + b * ldz;
-    const float* ub = u + b * ldz;
-    float* zb = z + b * ldz;
-    if (clip.limit > 0.0f) {
-      const float l = clip.limit;
-      for (int64_t i = i0; i < i1; ++i) {
-        const float gv = gb[i] * gm;
-        const float a = clip.before ? activate(std::min(gv, l), act)
-                                    : std::min(activate(gv, act), l);
-        zb[i] = a * std::min(std::max(ub[i], -l), l);
-      }
-    } else if (act == kSilu && gm == 1.0f) {
-#pragma omp simd
-      for (int64_t i = i0; i < i1; ++i) zb[i] = silu_f32(gb[i]) * ub[i];
-    } else {
-      for (int64_t i = i0; i < i1; ++i) zb[i] = activate(gb[i] * gm, act) * ub[i];
-    }
+    ffn::gated_row(g + b * ldz, u + b * ldz, z + b * ldz, i0, i1, act, gm, clip);
   }
 }
 

@@ -373,6 +373,15 @@ FLIP_ATOL = 0.1
 def _rows_near_a_rounding_boundary(module, call) -> set[int]:  # noqa: ANN001
     """The rows of x whose int8-quantised inputs, in the reference `call()` (which multiplies
     through `module._linear`), hold a value within NEAR_BOUNDARY of a rounding boundary."""
+    near: set[int] = set()
+    for blocks in quantised_inputs(module, call):
+        near |= set(near_boundary(blocks).tolist())
+    return near
+
+
+def quantised_inputs(module, call) -> list[torch.Tensor]:  # noqa: ANN001
+    """The inputs of the integer-dot products of the reference `call()` (which multiplies
+    through `module._linear`), in call order, each `(B, K / 32, 32)`."""
     inputs = []
     linear = module._linear
 
@@ -386,12 +395,15 @@ def _rows_near_a_rounding_boundary(module, call) -> set[int]:  # noqa: ANN001
         call()
     finally:
         module._linear = linear
-    near: set[int] = set()
-    for blocks in inputs:  # (B, K / 32, 32)
-        r = blocks / (blocks.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
-        gap = (r - r.floor() - 0.5).abs() / r.abs().clamp(min=1.0)
-        near |= set(torch.nonzero(gap.flatten(1).amin(1) < NEAR_BOUNDARY).flatten().tolist())
-    return near
+    return inputs
+
+
+def near_boundary(blocks: torch.Tensor) -> torch.Tensor:
+    """The rows of `blocks (B, K / 32, 32)` (a product's inputs in int8 blocks) holding a value
+    within NEAR_BOUNDARY of a rounding boundary of its block's quantisation."""
+    r = blocks / (blocks.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
+    gap = (r - r.floor() - 0.5).abs() / r.abs().clamp(min=1.0)
+    return torch.nonzero(gap.flatten(1).amin(1) < NEAR_BOUNDARY).flatten()
 
 
 @needs_kernel

@@ -11,6 +11,9 @@ A second, independent plan covers the feed-forward stage `h + rm * ffn(ffn_norm(
 (`PlannedLayer.ffn_plan`, scope `FFN`): a dense gated MLP (`layers.mlp.plan_mlp`) or an MoE
 with its router, top-k, chosen experts and shared expert (`layers.moe.plan_moe`) in one call of
 the `ffn` family's kernels (`vllm_mamba.ops.ffn`), up to 8 rows, whatever the mixer's plan.
+A third covers the steps neither takes: an MoE's routed experts for any number of rows
+(`PlannedStage.stage_plan` of a `SparseMoE`, `layers.moe.plan_grouped_experts`: the `ffn`
+family's `moe_experts`, each chosen expert's rows multiplied together in one C++ call).
 
 Decided at plan time, once per layer:
 - `VLLM_MAMBA_FUSED_DECODE` (read then; `0`: no layer is fused) and whether the ops table has
@@ -145,6 +148,21 @@ class PlannedLayer(nn.Module):
         return None
 
 
+class PlannedStage(nn.Module):
+    """A part of a layer (not a layer) with a fused plan for the steps the decode plans do not
+    take (prefill, mixed and larger batches): an MoE's grouped experts
+    (`layers.moe.SparseMoE`). It holds its `stage_plan`, made by `make_stage_plan` when
+    `plan_decode(model)` runs (None until then, and when unfused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stage_plan: object | None = None
+
+    def make_stage_plan(self) -> object | None:
+        """This stage's plan from its weights now, or None (unfused, the default)."""
+        return None
+
+
 def planned_layers(model: nn.Module) -> list[PlannedLayer]:
     """The model's `PlannedLayer`s, in module order."""
     return [m for m in model.modules() if isinstance(m, PlannedLayer)]
@@ -159,7 +177,13 @@ def plan_decode(model: nn.Module) -> list[DecodePlan | None]:
     for layer in layers:
         layer.decode_plan = layer.make_decode_plan() if fused else None
         layer.ffn_plan = layer.make_ffn_plan() if fused else None
+    for stage in _planned_stages(model):
+        stage.stage_plan = stage.make_stage_plan() if fused else None
     return [layer.decode_plan for layer in layers]
+
+
+def _planned_stages(model: nn.Module) -> list[PlannedStage]:
+    return [m for m in model.modules() if isinstance(m, PlannedStage)]
 
 
 def drop_decode_plans(model: nn.Module) -> None:
@@ -167,6 +191,8 @@ def drop_decode_plans(model: nn.Module) -> None:
     for layer in planned_layers(model):
         layer.decode_plan = None
         layer.ffn_plan = None
+    for stage in _planned_stages(model):
+        stage.stage_plan = None
 
 
 __all__ = [
@@ -176,6 +202,7 @@ __all__ = [
     "DecodeScope",
     "FusedStep",
     "PlannedLayer",
+    "PlannedStage",
     "decode_only",
     "decode_slots",
     "drop_decode_plans",

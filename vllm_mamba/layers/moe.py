@@ -57,6 +57,7 @@ from torch import nn
 
 from vllm_mamba.distributed.communication import all_reduce
 from vllm_mamba.distributed.parallel_state import SINGLE, TensorParallel
+from vllm_mamba.layers.decode_plan import PlannedStage
 from vllm_mamba.layers.mlp import (
     FusedFfnStep,
     Projections,
@@ -416,11 +417,12 @@ class _Stacked(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(PlannedStage):
     """A router, its experts and the optional latent projections and shared experts.
 
     Parts are registered under the checkpoint's names (`names`: router, experts, shared
-    experts, shared-expert gate, latent in, latent out).
+    experts, shared-expert gate, latent in, latent out). Its `stage_plan` (`GroupedExperts`,
+    made by `plan_decode`) runs the routed experts of a step in one kernel call.
     """
 
     def __init__(
@@ -455,10 +457,14 @@ class SparseMoE(nn.Module):
         router, experts = getattr(self, self._names[0]), getattr(self, self._names[1])
         weights, chosen = router(x)  # (T, k) each, float32
         acc = torch.float32 if self.accumulate_fp32 else x.dtype
-        if not self.accumulate_fp32:
-            weights = weights.to(x.dtype)
         inner = x if self._latent_names is None else getattr(self, self._latent_names[0])(x)
-        out = dispatch_experts(inner, weights, chosen, experts.run, acc)
+        grouped = self.stage_plan
+        if isinstance(grouped, GroupedExperts) and grouped.takes(inner):
+            out = grouped(inner, weights, chosen).to(acc)  # float32 throughout
+        else:
+            if not self.accumulate_fp32:
+                weights = weights.to(x.dtype)
+            out = dispatch_experts(inner, weights, chosen, experts.run, acc)
         out = all_reduce(out, self.tp).to(x.dtype)  # the experts' parts, summed once
         if self._latent_names is not None:
             out = getattr(self, self._latent_names[1])(out)
@@ -468,6 +474,57 @@ class SparseMoE(nn.Module):
                 shared = rowwise(torch.sigmoid, getattr(self, self._names[3])(x)) * shared
             out = out + shared
         return out
+
+    def make_stage_plan(self) -> GroupedExperts | None:
+        return plan_grouped_experts(self)
+
+
+@dataclass(frozen=True, eq=False)
+class GroupedExperts:
+    """An MoE's routed experts in one call of the `ffn` family's `moe_experts` op: every
+    chosen expert's rows together, its products as GEMMs (`csrc/moe_experts.cpp`); `keep` the
+    stacked experts the parameters view."""
+
+    op: Callable[..., torch.Tensor]
+    params: list[torch.Tensor | None]
+    act: int
+    int_dot: bool
+    clip: tuple[float, bool]
+    keep: object
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """A step on the CPU without autograd."""
+        return x.device.type == "cpu" and not torch.is_grad_enabled()
+
+    def __call__(
+        self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+    ) -> torch.Tensor:
+        """`x (T, D)`, routing `weights (T, k)` and expert ids `chosen (T, k)` -> `(T, D)`
+        float32, as `dispatch_experts` sums them (ascending expert id; float32 throughout)."""
+        return self.op(x, weights, chosen, self.params, self.act, self.int_dot, *self.clip)
+
+
+def plan_grouped_experts(moe: SparseMoE) -> GroupedExperts | None:
+    """`moe`'s routed experts as one `moe_experts` call (`GroupedExperts`), or None where the
+    kernel does not apply: tensor parallelism, experts that do not stack (`ExpertList.stacked`:
+    `GatedMLP`s of plain bias-free `Linear`s of one dtype and quantisation, one activation, no
+    multipliers), or a backend without the kernel."""
+    router, experts = getattr(moe, moe._names[0]), getattr(moe, moe._names[1])
+    if moe.tp.size != 1 or type(router) is not ExpertRouter or router.ops is None:
+        return None
+    op = own_op("ffn", router.ops.name, "moe_experts")
+    if op is None:
+        return None
+    if isinstance(experts, ExpertList):
+        stacked = experts.stacked()
+    elif type(experts) is StackedGatedExperts:
+        stacked = _stacked_gated(experts, experts.input_linear.weight.dtype)
+    else:
+        stacked = None
+    if stacked is None:
+        return None
+    params = [stacked.gate_up, stacked.down, stacked.gate_up_scale, stacked.down_scale]
+    return GroupedExperts(op, params, stacked.act, stacked.int_dot, stacked.clip, stacked)
 
 
 def _stacked_gated(experts: StackedGatedExperts, dtype: torch.dtype) -> StackedExperts | None:

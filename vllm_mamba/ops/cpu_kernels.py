@@ -111,6 +111,7 @@ CPP_OPS: tuple[CppOp, ...] = (
     CppOp("paged_attention", "decode_layer", "fused_attention_decode", required=False),
     CppOp("ffn", "mlp_decode", "fused_mlp_decode", required=False),
     CppOp("ffn", "moe_decode", "fused_moe_decode", required=False),
+    CppOp("ffn", "moe_experts", "moe_experts", required=False),  # `csrc/moe_experts.cpp`
     # `csrc/hyper_connection.cpp`: GLM-5-Next's mHC weights (the reference without it).
     CppOp("hyper_connection", "mhc_weights", "mhc_weights", required=False),
     # `csrc/argmax.cpp`: the greedy sampler's argmax (torch's without it).

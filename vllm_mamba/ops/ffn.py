@@ -9,6 +9,12 @@ unfused math (`F.linear` in float32 on the weights as stored, int8 and 4-bit deq
 two paths have one definition; the layers plan them in `layers.mlp.plan_mlp` /
 `layers.moe.plan_moe`.
 
+`moe_experts` is an MoE's routed experts alone, `sum_j w[t, j] * expert_{ids[t, j]}(x[t])`, for
+any number of rows (C++: `torch.ops.vllm_mamba.moe_experts`, `csrc/moe_experts.cpp`): the
+prefill, batched and mixed steps the decode kernel does not take, each chosen expert's rows
+together and its products as GEMMs in one call (`layers.moe.plan_grouped_experts`), where the
+unfused layer gathers, multiplies and scatters expert by expert from Python.
+
 `params` is a list of tensors in a fixed order (`MLP_PARAMS`, `MOE_PARAMS`; absent optional
 entries None). The norm weight is the float32 vector the norm multiplies by (`w` for `RMSNorm`,
 `1 + w` for `ZeroCenteredRMSNorm`). Each projection weight (`*_w`) is float32, bfloat16, int8
@@ -59,6 +65,7 @@ MOE_PARAMS = (
     "experts_gate_up_scale", "experts_down_scale", "shared_gate_scale", "shared_up_scale",
     "shared_down_scale", "shared_expert_gate_scale",
 )  # fmt: skip
+EXPERT_PARAMS = ("gate_up_w", "down_w", "gate_up_scale", "down_scale")
 # `params` by name, in the order of the C++ index constants (`MlpParam`, `MoeParam`).
 MlpParams = NamedTuple("MlpParams", [(n, "Tensor | None") for n in MLP_PARAMS])
 MoeParams = NamedTuple("MoeParams", [(n, "Tensor | None") for n in MOE_PARAMS])
@@ -225,22 +232,9 @@ def fused_moe_decode_ref(
         logits, top_k, router_kind, renormalize, n_group, topk_group, scaling, renorm_eps,
         p.router_bias,
     )  # fmt: skip
-    num_experts, hidden_size = logits.shape[1], x.shape[1]
-    inter = p.experts_gate_up_w.shape[0] // (2 * num_experts)
-    out = torch.zeros_like(x)
-    for b in range(x.shape[0]):
-        for k in torch.argsort(chosen[b], stable=True).tolist():  # ascending expert id
-            e = int(chosen[b, k])
-            gu = slice(e * 2 * inter, (e + 1) * 2 * inter)
-            dn = slice(e * hidden_size, (e + 1) * hidden_size)
-            gu_scale, dn_scale = p.experts_gate_up_scale, p.experts_down_scale
-            y = _gated(
-                xn[b : b + 1], p.experts_gate_up_w[gu], None, p.experts_down_w[dn],
-                (gu_scale[gu] if gu_scale is not None else None, None,
-                 dn_scale[dn] if dn_scale is not None else None), act, 1.0, clip,
-                clip_before_act, int_dot,
-            )  # fmt: skip
-            out[b] += y[0] * weights[b, k]
+    experts = [p.experts_gate_up_w, p.experts_down_w, p.experts_gate_up_scale,
+               p.experts_down_scale]  # fmt: skip
+    out = moe_experts_ref(xn, weights, chosen, experts, act, int_dot, clip, clip_before_act)
     if p.shared_gate_w is not None:
         scales = (p.shared_gate_scale, p.shared_up_scale, p.shared_down_scale)
         shared = _gated(
@@ -263,6 +257,49 @@ def fused_moe_decode_ref(
     return (x + out if residual else out).to(out_dtype)
 
 
+def moe_experts_ref(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    params: Params,
+    act: int,
+    int_dot: bool = False,
+    clip: float = 0.0,
+    clip_before_act: bool = False,
+) -> torch.Tensor:
+    """`sum_j weights[t, j] * expert_{ids[t, j]}(x[t])` for `x (T, H)`, float32, the chosen
+    experts of a row added in ascending expert id; each expert `_gated` (its SwiGLU clipped by
+    `clip`, `clip_before_act`; `int_dot`: integer dot products).
+
+    Args:
+        weights: `(T, k)` routing weights; ids: `(T, k)` expert ids.
+        params: `EXPERT_PARAMS`: gate_up_w `(E * 2I, H)` (expert e's gate rows then its up
+            rows), down_w `(E * H, I)`, and their scales (None for float weights).
+        act: a code of `ACT_CODES`.
+
+    Returns:
+        `(T, H)` float32.
+    """
+    gate_up_w, down_w, gate_up_scale, down_scale = params
+    x = x.float()
+    hidden_size = x.shape[1]
+    inter = gate_up_w.shape[0] * hidden_size // (2 * down_w.shape[0])
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():  # ascending
+        rows, pos = torch.where(ids == e)  # (M,), (M,): a row chooses an expert once
+        gu = slice(e * 2 * inter, (e + 1) * 2 * inter)
+        dn = slice(e * hidden_size, (e + 1) * hidden_size)
+        scales = (
+            gate_up_scale[gu] if gate_up_scale is not None else None,
+            None,
+            down_scale[dn] if down_scale is not None else None,
+        )
+        y = _gated(x[rows], gate_up_w[gu], None, down_w[dn], scales, act, 1.0, clip,
+                   clip_before_act, int_dot)  # fmt: skip
+        out.index_add_(0, rows, y * weights[rows, pos, None].float())
+    return out
+
+
 class FusedMlpDecodeOp(Protocol):
     def __call__(
         self, hidden: Tensor, params: Params, norm_eps: float, act: int, gate_multiplier: float,
@@ -282,6 +319,13 @@ class FusedMoeDecodeOp(Protocol):
     ) -> Tensor: ...  # fmt: skip
 
 
+class MoeExpertsOp(Protocol):
+    def __call__(
+        self, x: Tensor, weights: Tensor, ids: Tensor, params: Params, act: int,
+        int_dot: bool = False, clip: float = 0.0, clip_before_act: bool = False,
+    ) -> Tensor: ...  # fmt: skip
+
+
 # The family's ops (`vllm_mamba.ops.families`): each op's signature and its reference, whose
 # docstring says what the arguments are.
 OPS = OpFamily(
@@ -289,5 +333,6 @@ OPS = OpFamily(
     {
         "mlp_decode": OpSpec(FusedMlpDecodeOp, fused_mlp_decode_ref),
         "moe_decode": OpSpec(FusedMoeDecodeOp, fused_moe_decode_ref),
+        "moe_experts": OpSpec(MoeExpertsOp, moe_experts_ref),
     },
 )

@@ -1,0 +1,170 @@
+"""The grouped routed-experts kernel (`ffn` family: `moe_experts`, `csrc/moe_experts.cpp`)
+against its reference, and the reference against `SparseMoE`'s unfused dispatch.
+
+Cases: 1 to 70 rows (experts chosen by a single row and by many: the integer-dot GEMM path from
+`2 C` rows of an expert, the rows path below it); float32, int8 and 4-bit weights (weight-only,
+the reference on the same quantised weights, within 1e-5), bfloat16 weights (bfloat16 products
+as the unfused layer's, against the reference with its inputs and outputs rounded as they are),
+int8, Q4_0- and Q4_K-style 4-bit weights with integer dot products (the reference's products on
+quantised inputs: FUSED_TOL, a row whose quantised input lies at a rounding boundary within
+FLIP_ATOL); SwiGLU clips; a row's result does not depend on the other rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.test_fused_ffn_decode import _int_dot_weight, _w, _weight
+from tests.ops.test_int_dot_linear import (
+    FLIP_ATOL,
+    FMTS,
+    FUSED_TOL,
+    near_boundary,
+    quantised_inputs,
+)
+from vllm_mamba.layers.clamped_swiglu import gated_mlp
+from vllm_mamba.layers.moe import ExpertList, ExpertRouter, RouterConfig, SparseMoE
+from vllm_mamba.ops import cpu_kernels, ffn
+from vllm_mamba.ops.table import bind_ops
+
+pytestmark = pytest.mark.skipif(
+    "moe_experts" not in cpu_kernels.library_ops(), reason="C++ extension not built"
+)
+
+H, I, E, K = 64, 96, 8, 3  # hidden, expert width, experts, experts per row
+CLIPS = {"none": (0.0, False), "after": (0.8, False), "before": (0.8, True)}
+
+
+def _routing(g: torch.Generator, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights `(rows, K)` and K distinct expert ids per row, expert 0 chosen by most rows (so
+    that one expert has many rows and others few)."""
+    scores = torch.rand(rows, E, generator=g)
+    scores[:, 0] += 0.5
+    ids = scores.topk(K, dim=-1)[1]
+    return torch.rand(rows, K, generator=g), ids
+
+
+def _params(g: torch.Generator, fmt: str) -> list[torch.Tensor | None]:
+    gate_up, down = _w(g, E * 2 * I, H), _w(g, E * H, I)
+    if fmt in FMTS:
+        (gu, gu_s), (dn, dn_s) = _int_dot_weight(gate_up, fmt), _int_dot_weight(down, fmt)
+    else:
+        (gu, gu_s), (dn, dn_s) = _weight(gate_up, fmt), _weight(down, fmt)
+    return [gu, dn, gu_s, dn_s]
+
+
+def _near_rows(ids: torch.Tensor, call) -> set[int]:  # noqa: ANN001
+    """The rows whose int8-quantised inputs, in the reference `call()`, hold a value near a
+    rounding boundary (`near_boundary`): the reference multiplies expert by expert (ascending
+    id), its gate/up then its down product on that expert's rows."""
+    inputs = quantised_inputs(ffn, call)
+    experts = torch.unique(ids).tolist()
+    assert len(inputs) == 2 * len(experts)
+    near: set[int] = set()
+    for i, e in enumerate(experts):
+        rows = torch.where(ids == e)[0]
+        for blocks in inputs[2 * i : 2 * i + 2]:  # (M, K / 32, 32)
+            near |= set(rows[near_boundary(blocks)].tolist())
+    return near
+
+
+def _rows_alone(got: torch.Tensor, x: torch.Tensor, weights, ids, params, *args) -> None:  # noqa: ANN001
+    for t in (0, x.shape[0] // 2, x.shape[0] - 1):
+        one = cpu_kernels.moe_experts(x[t : t + 1], weights[t : t + 1], ids[t : t + 1], params,
+                                      *args)  # fmt: skip
+        assert torch.equal(got[t : t + 1], one), f"row {t}"
+
+
+@pytest.mark.parametrize("rows", [1, 9, 70])
+@pytest.mark.parametrize("fmt", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("clip", ["none", "after"])
+def test_kernel_matches_reference(rows: int, fmt: str, clip: str) -> None:
+    g = torch.Generator().manual_seed(rows * 11 + len(fmt) + len(clip))
+    params = _params(g, fmt)
+    x = torch.randn(rows, H, generator=g) * (4.0 if clip != "none" else 1.0)
+    weights, ids = _routing(g, rows)
+    args = (2, False, *CLIPS[clip])  # gelu (erf)
+    got = cpu_kernels.moe_experts(x, weights, ids, params, *args)
+    want = ffn.moe_experts_ref(x, weights, ids, params, *args)
+    assert got.dtype == torch.float32 and got.shape == (rows, H)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if clip != "none":  # the clip binds
+        assert (ffn.moe_experts_ref(x, weights, ids, params, 2) - want).abs().max() > 1e-3
+
+
+def test_bfloat16_weights_multiply_bfloat16_activations() -> None:
+    """With bfloat16 weights the products take bfloat16 inputs and give bfloat16 results, as
+    the unfused layer's (`fused::project`); where the CPU has no bfloat16 instructions they
+    widen to float32, the reference's own math."""
+    g = torch.Generator().manual_seed(5)
+    params = _params(g, "bfloat16")
+    x = torch.randn(33, H, generator=g)
+    weights, ids = _routing(g, 33)
+    got = cpu_kernels.moe_experts(x, weights, ids, params, 0)
+    if not torch.ops.vllm_mamba.native_bf16():
+        torch.testing.assert_close(got, ffn.moe_experts_ref(x, weights, ids, params, 0))
+        return
+    gate_up, down = params[0].float(), params[1].float()
+    want = torch.zeros(33, H)
+    for e in torch.unique(ids).tolist():
+        rows, pos = torch.where(ids == e)
+        gu = (x[rows].bfloat16().float() @ gate_up[e * 2 * I : (e + 1) * 2 * I].T).bfloat16()
+        z = torch.nn.functional.silu(gu[:, :I].float()) * gu[:, I:].float()
+        d = (z.bfloat16().float() @ down[e * H : (e + 1) * H].T).bfloat16().float()
+        want.index_add_(0, rows, d * weights[rows, pos, None])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 70])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_with_integer_dots_matches_reference(rows: int, fmt: str) -> None:
+    g = torch.Generator().manual_seed(rows * 7 + len(fmt))
+    params = _params(g, fmt)
+    x = torch.randn(rows, H, generator=g)
+    weights, ids = _routing(g, rows)
+    got = cpu_kernels.moe_experts(x, weights, ids, params, 0, True)
+    want = ffn.moe_experts_ref(x, weights, ids, params, 0, True)
+    near = _near_rows(ids, lambda: ffn.moe_experts_ref(x, weights, ids, params, 0, True))
+    far = [t for t in range(rows) if t not in near]
+    assert rows < 4 or 2 * len(far) >= rows, near  # the tight comparison keeps its power
+    torch.testing.assert_close(got[far], want[far], **FUSED_TOL)
+    for t in near:
+        assert float((got[t] - want[t]).abs().max()) <= FLIP_ATOL, t
+    _rows_alone(got, x, weights, ids, params, 0, True)
+
+
+def test_reference_is_the_unfused_layer() -> None:
+    """The reference equals `SparseMoE`'s routed experts unfused (`dispatch_experts` over an
+    `ExpertList` of clipped `GatedMLP`s, float32 accumulation)."""
+    g = torch.Generator().manual_seed(3)
+    ops = bind_ops("ref")
+    experts = ExpertList(
+        gated_mlp(H, I, False, ops, reduce=False, limit=0.8, before_act=False) for _ in range(E)
+    )
+    moe = SparseMoE(ExpertRouter(H, RouterConfig("softmax_topk", E, K, renormalize=True), ops),
+                    experts, accumulate_fp32=True)  # fmt: skip
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(_w(g, *p.shape))
+        x = torch.randn(20, H, generator=g) * 4.0
+        want = moe(x)
+        weights, ids = moe.router(x)
+    gate_up = torch.cat([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in experts])
+    down = torch.cat([m.down_proj.weight for m in experts])
+    params = [gate_up.detach(), down.detach(), None, None]
+    got = ffn.moe_experts_ref(x, weights, ids, params, 0, False, 0.8, False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input_is_refused() -> None:
+    g = torch.Generator().manual_seed(4)
+    params = _params(g, "float32")
+    x = torch.randn(4, H, generator=g)
+    weights, ids = _routing(g, 4)
+    with pytest.raises(RuntimeError, match="expert id 8 is not in"):
+        cpu_kernels.moe_experts(x, weights, torch.full_like(ids, E), params, 0)
+    with pytest.raises(RuntimeError, match="weights must be"):
+        cpu_kernels.moe_experts(x, weights[:, :2], ids, params, 0)
+    with pytest.raises(RuntimeError, match="act must be"):
+        cpu_kernels.moe_experts(x, weights, ids, params, 9)
