@@ -232,6 +232,12 @@ struct QActs {
   void quantize(int64_t b, const float* x, int64_t k) {
     quantize_row(x, k, q.data() + b * nbp * kBlock, d.data() + b * nbp, s.data() + b * nbp, nbp);
   }
+  // Row b as row sb of `src` (quantised for the same k).
+  void copy_row(int64_t b, const QActs& src, int64_t sb) {
+    std::memcpy(q.data() + b * nbp * kBlock, src.q.data() + sb * nbp * kBlock, nbp * kBlock);
+    std::memcpy(d.data() + b * nbp, src.d.data() + sb * nbp, nbp * sizeof(float));
+    std::memcpy(s.data() + b * nbp, src.s.data() + sb * nbp, nbp * sizeof(int32_t));
+  }
 };
 
 // Rows (row stride ldx) of x quantised into `out`, one after another.

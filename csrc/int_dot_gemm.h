@@ -306,6 +306,26 @@ struct XPanels {
       });
     }
   }
+  // The same from rows already quantised: panel row b is row `rows_of[b]` of `src` (the same
+  // bits `fill` gives from that row's floats), for groups [g0, g1).
+  void fill_from(const QActs& src, const int64_t* rows_of, int shift, int64_t g0, int64_t g1) {
+    for (int64_t b = g0 * C; b < g1 * C; ++b) {
+      const int64_t g = b / C, c = b % C;
+      const bool real = b < rows;
+      const QRow r = real ? src.row(rows_of[b]) : QRow{nullptr, nullptr, nullptr};
+      for_each_slot(nb, [&](int64_t j, int64_t slot) {
+        const int64_t at = (g * nb + slot) * C + c;
+        if (real) {
+          std::memcpy(q.data() + at * kBlock, r.q + j * kBlock, kBlock);
+        } else {
+          std::memset(q.data() + at * kBlock, 0, kBlock);
+        }
+        d[at] = real ? r.d[j] : 0.0f;
+        xsum[at] = real ? x_block_sum(r, j) : 0.0f;
+        corr[at] = real ? -shift * r.s[j] : 0;
+      });
+    }
+  }
 };
 
 // The micro-kernel: x group g (its first `rows` rows real) times S strips side by side (each
@@ -709,6 +729,7 @@ struct XPanels {
   int64_t groups = 0;
   void resize(int64_t, int64_t) {}
   void fill(const float*, int64_t, int, int64_t, int64_t) {}
+  void fill_from(const QActs&, const int64_t*, int, int64_t, int64_t) {}
 };
 inline int64_t strips(int64_t n) { return (n + kStripRows - 1) / kStripRows; }
 inline int64_t block_strips(int64_t) { return 1; }

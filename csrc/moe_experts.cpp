@@ -9,8 +9,8 @@
 //
 // The (row, choice) pairs ("slots") are sorted by expert, rows ascending within an expert, so
 // that each chosen expert's rows lie together. With integer dot products (`int_dot`:
-// `quantization="w8a8"` / `"w4a8"` / `"w4a8_k"`) the whole stage is one parallel region: each
-// chosen expert's rows are gathered and quantised once per product (into the GEMM's panels,
+// `quantization="w8a8"` / `"w4a8"` / `"w4a8_k"`) the whole stage is one parallel region: the
+// rows are quantised once and each chosen expert's gathered from them (into the GEMM's panels,
 // `int_dot_gemm.h`, from `kMinGemmRows` rows, else into `int_dot::QActs` for the
 // weight-streaming rows path), then the (expert, block of output channels) tasks of the gate/up
 // product are split over the threads by their cost, the activation and the down product's
@@ -157,6 +157,20 @@ void quantise(Inputs& in, size_t u, const float* x, int64_t m, int64_t K, int sh
   }
 }
 
+// Chosen expert u's m rows from the rows already quantised (`xq`; rows `rows_of[0..m)`).
+void gather(Inputs& in, size_t u, const int_dot::QActs& xq, const int64_t* rows_of, int64_t m,
+            int64_t K, int shift) {
+  if (gemm_rows(m)) {
+    gemm::XPanels& xp = in.panels[u];
+    xp.resize(m, K / int_dot::kBlock);
+    xp.fill_from(xq, rows_of, shift, 0, xp.groups);
+  } else {
+    int_dot::QActs& q = in.acts[u];
+    q.resize(m, K);
+    for (int64_t b = 0; b < m; ++b) q.copy_row(b, xq, rows_of[b]);
+  }
+}
+
 // Expert e's rows onward of a stacked int8 / 4-bit weight in the strip layout (R rows per
 // expert, whole strips): the weight from its row e R to the end, so that the next task's strips
 // (`gemm::Next`) may lie in a later expert.
@@ -253,7 +267,7 @@ inline void sum_rows(const Dims& d, const Slots& s, const float* dd, float* out,
 
 // The integer-dot stage in one parallel region (see the file comment).
 void run_int_dot(const Dims& d, const Slots& s, const Weight& gate_up, const Weight& down,
-                 const float* x, float* xg, float* gu, float* z, float* dd, float* out) {
+                 const float* x, float* gu, float* z, float* dd, float* out) {
   const int nth = at::get_num_threads();
   const size_t U = s.expert.size();
   Inputs in{std::vector<gemm::XPanels>(U), std::vector<int_dot::QActs>(U)};
@@ -262,6 +276,8 @@ void run_int_dot(const Dims& d, const Slots& s, const Weight& gate_up, const Wei
   plan_tasks(s, up);
   plan_tasks(s, dn);
   const int shift_up = shift_of(gate_up), shift_dn = shift_of(down);
+  int_dot::QActs xq;
+  xq.resize(d.T, d.H);
 #pragma omp parallel num_threads(nth)
   {
     const int tid = fused::thread_id();
@@ -270,14 +286,13 @@ void run_int_dot(const Dims& d, const Slots& s, const Weight& gate_up, const Wei
       split_tasks(up, fused::num_threads());  // the team's size (1 in a nested region)
       split_tasks(dn, fused::num_threads());
     }
-    // Each expert's rows gathered and quantised.
+    // The rows quantised once, then each expert's gathered.
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < d.T; ++t) xq.quantize(t, x + t * d.H, d.H);
 #pragma omp for schedule(dynamic, 1)
     for (size_t u = 0; u < U; ++u) {
-      const int64_t s0 = s.first[u], m = s.first[u + 1] - s0;
-      for (int64_t i = s0; i < s0 + m; ++i) {
-        std::copy(x + s.row[i] * d.H, x + (s.row[i] + 1) * d.H, xg + i * d.H);
-      }
-      quantise(in, u, xg + s0 * d.H, m, d.H, shift_up);
+      const int64_t s0 = s.first[u];
+      gather(in, u, xq, s.row.data() + s0, s.first[u + 1] - s0, d.H, shift_up);
     }
     run_tasks(s, in, up, tid);
 #pragma omp barrier
@@ -371,16 +386,15 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in,
   if (d.T == 0) return out;
   const Slots s = sort_slots(ids.data_ptr<int64_t>(), weights.data_ptr<float>(), d.T, d.k, E);
   const int64_t slots = d.T * d.k;
-  at::Tensor xg = at::empty({slots, d.H}, f32);
   at::Tensor gu = at::empty({slots, 2 * d.I}, f32);
   at::Tensor z = at::empty({slots, d.I}, f32);
   at::Tensor dd = at::empty({slots, d.H}, f32);
   if (gate_up.int_dot) {
-    run_int_dot(d, s, gate_up, down, x.data_ptr<float>(), xg.data_ptr<float>(),
-                gu.data_ptr<float>(), z.data_ptr<float>(), dd.data_ptr<float>(),
-                out.data_ptr<float>());
+    run_int_dot(d, s, gate_up, down, x.data_ptr<float>(), gu.data_ptr<float>(),
+                z.data_ptr<float>(), dd.data_ptr<float>(), out.data_ptr<float>());
     return out;
   }
+  at::Tensor xg = at::empty({slots, d.H}, f32);
   run_gemms(d, s, gate_up, down, x, xg, gu, z, dd);
   const float* ddp = dd.data_ptr<float>();
   float* o = out.data_ptr<float>();
