@@ -9,7 +9,7 @@ are made (`layers/decode_plan`).
 | variable | default | what it does |
 |---|---|---|
 | `VLLM_MAMBA_OPS` | (auto) | force the kernel backend: `ref`, `cpp` or `triton` |
-| `VLLM_MAMBA_FUSED_DECODE` | `1` | `0` turns off the fused C++ decode layers and grouped MoE experts |
+| `VLLM_MAMBA_FUSED_DECODE` | `1` | `0` turns off the fused C++ decode layers, grouped experts |
 | `VLLM_MAMBA_CHAIN_LOG` | `1` | `0`: fused GDN chains write every position's state |
 | `VLLM_MAMBA_ONEDNN_LINEAR` | `1` | `0` turns off oneDNN's linear op for the float GEMMs |
 | `VLLM_MAMBA_HUGE_PAGES` | `1` | `0` keeps weights and caches on ordinary pages |
