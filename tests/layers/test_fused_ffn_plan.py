@@ -255,3 +255,28 @@ def test_grouped_experts_equal_the_unfused_loop(
     calls = sum(grouped_calls.values())
     _assert_same(grouped, run())
     assert sum(grouped_calls.values()) == calls
+
+
+@pytest.mark.parametrize(
+    "name,quantization", [("kimi-linear-moe", None), ("lfm2-moe-top2", "w8a8")]
+)
+def test_moe_steps_past_the_fused_rows_run_grouped(
+    name: str, quantization: str | None, grouped_calls: Counter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step of more rows than the fused stage takes (`MOE_MAX_ROWS`) runs the routed
+    experts grouped, and equals the unfused engine."""
+    prompts = [[(11 * i + j) % 500 + 3 for j in range(i % 3 + 2)] for i in range(MOE_MAX_ROWS + 8)]
+
+    def run() -> list:
+        llm = LLM(
+            tiny_model_dir(name), threads=1, max_num_seqs=len(prompts), max_model_len=64,
+            quantization=quantization,
+        )  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0] for o in outs]
+
+    grouped = run()
+    assert grouped_calls[len(prompts)] > 0, "the decode steps past MOE_MAX_ROWS did not run grouped"
+    monkeypatch.setenv("VLLM_MAMBA_FUSED_DECODE", "0")
+    _assert_same(grouped, run())

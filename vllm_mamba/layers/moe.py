@@ -86,12 +86,13 @@ from vllm_mamba.worker.huge_pages import TRIM_BYTES, release_freed_heap
 
 ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "sigmoid_topk")
 # Most rows of a decode step whose MoE stage runs fused, in calls of `ffn.MAX_ROWS` rows (each
-# reading the experts its rows chose) instead of the unfused loop over the chosen experts (one
-# product call per expert and projection: about 2,200 a step of a Kimi-shaped MoE at 32 rows).
-# Decode tok/s, w4a8, 2 threads of a Zen 5 (2026-12-07), loop / fused in parts: the Kimi shape
-# (64 experts of 256, top 8) 16 rows 180 / 304, 32 rows 276-305 / 437-479, 64 rows 330 / 465;
-# Qwen3.6-35B-A3B's layers (256 experts of 512, top 8) 32 rows 189 / 266, 64 rows 211 / 301.
-MOE_MAX_ROWS = 64
+# reading the experts its rows chose); larger steps run the grouped experts (`GroupedExperts`:
+# each chosen expert read once for all its rows) with the router and shared experts unfused.
+# Decode tok/s, w4a8, 2 threads of a Zen 5 (2026-12-07), fused in parts / grouped: Qwen3.6-35B-
+# A3B's layers (256 experts of 512, top 8) 16 rows 180 / 171, 32 rows 258 / 266, 64 rows
+# 209 / 233; the Kimi shape (64 experts of 256, top 8) 16 rows 339 / 310, 32 rows 388 / 400.
+# (Against the Python loop the grouped call replaced, fused in parts had led at 16-64 rows.)
+MOE_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
