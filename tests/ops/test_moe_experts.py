@@ -157,6 +157,21 @@ def test_reference_is_the_unfused_layer() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("int_dot", [False, True])
+def test_bfloat16_rows_and_no_rows(int_dot: bool) -> None:
+    """bfloat16 rows are the float32 rows they widen to (the result float32); no rows, no
+    result rows."""
+    g = torch.Generator().manual_seed(6)
+    params = _params(g, "w8a8" if int_dot else "float32")
+    x = torch.randn(12, H, generator=g).bfloat16()
+    weights, ids = _routing(g, 12)
+    got = cpu_kernels.moe_experts(x, weights, ids, params, 0, int_dot)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, cpu_kernels.moe_experts(x.float(), weights, ids, params, 0, int_dot))
+    none = cpu_kernels.moe_experts(x[:0], weights[:0], ids[:0], params, 0, int_dot)
+    assert none.shape == (0, H)
+
+
 def test_bad_input_is_refused() -> None:
     g = torch.Generator().manual_seed(4)
     params = _params(g, "float32")
