@@ -525,16 +525,21 @@ def plan_grouped_experts(moe: SparseMoE) -> GroupedExperts | None:
     op = own_op("ffn", router.ops.name, "moe_experts")
     if op is None:
         return None
-    if isinstance(experts, ExpertList):
-        stacked = experts.stacked()
-    elif type(experts) is StackedGatedExperts:
-        stacked = _stacked_gated(experts, experts.input_linear.weight.dtype)
-    else:
-        stacked = None
+    stacked = _stacked_of(experts)
     if stacked is None:
         return None
     params = [stacked.gate_up, stacked.down, stacked.gate_up_scale, stacked.down_scale]
     return GroupedExperts(op, params, stacked.act, stacked.int_dot, stacked.clip, stacked)
+
+
+def _stacked_of(experts: nn.Module, dtype: torch.dtype | None = None) -> StackedExperts | None:
+    """An MoE's experts as the kernels read them (`ExpertList.stacked`; `StackedGatedExperts`'
+    parameters in `dtype`, by default their own), or None."""
+    if isinstance(experts, ExpertList):
+        return experts.stacked()
+    if type(experts) is StackedGatedExperts:
+        return _stacked_gated(experts, dtype or experts.input_linear.weight.dtype)
+    return None
 
 
 def _stacked_gated(experts: StackedGatedExperts, dtype: torch.dtype) -> StackedExperts | None:
@@ -596,12 +601,7 @@ def plan_moe(
     dtype = got.dtype()
     if not got.ok or (got.dtypes and dtype is None):
         return None
-    if isinstance(experts, ExpertList):
-        stacked = experts.stacked()
-    elif type(experts) is StackedGatedExperts:
-        stacked = _stacked_gated(experts, dtype or experts.input_linear.weight.dtype)
-    else:
-        stacked = None
+    stacked = _stacked_of(experts, dtype)
     if stacked is None or (dtype is not None and dtype != stacked.dtype):
         return None
     if got.int_dots and got.int_dot != stacked.int_dot:
