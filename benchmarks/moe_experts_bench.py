@@ -5,14 +5,18 @@ activation, the down product and a scatter-add, from Python, through the same in
 linear ops).
 
 Random stacked experts at Qwen3.6-35B-A3B's shapes by default (hidden 2048, 256 experts of 512,
-top 8), quantised as `--quantization` (w8a8, w4a8 or w4a8_k), routed by a random top-k (about
+top 8), quantised as `--quantization` (w8a8, w4a8 or w4a8_k; or `bfloat16`: bfloat16 weights,
+the loop through bfloat16 `mm` as the unfused layer's), routed by a random top-k (about
 `tokens * k / E` rows an expert); prints the medians of `--reps` interleaved repetitions in ms,
 the kernel's multiply-accumulates per second, and the ratio. `--min-gemm-rows` lists the
 per-expert row counts at which to time the GEMM path against the rows path alone (how
-`kMinGemmRows` was chosen): one expert's products at each count.
+`kMinGemmRows` was chosen): one expert's products at each count. `VLLM_MAMBA_BF16_GEMM=0` runs
+the bfloat16 kernel's experts through `mm` in place of `bf16_gemm` (how `kBf16MaxRows` was
+chosen: `--tokens` sets the rows per expert, about `tokens * k / E`).
 
     python benchmarks/moe_experts_bench.py --tokens 512 --quantization w4a8
     python benchmarks/moe_experts_bench.py --min-gemm-rows 4,6,8,12,16
+    python benchmarks/moe_experts_bench.py --quantization bfloat16 --tokens 1024
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def main() -> None:
     p.add_argument("--inter", type=int, default=512)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--quantization", choices=["w8a8", "w4a8", "w4a8_k"], default="w4a8")
+    p.add_argument("--quantization", choices=["w8a8", "w4a8", "w4a8_k", "bfloat16"], default="w4a8")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--min-gemm-rows", default="", help="comma-separated per-expert row counts")
@@ -76,10 +80,21 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     H, I, E, k, T = args.hidden, args.inter, args.experts, args.top_k, args.tokens
     fmt = args.quantization
-    gu, gu_s = quantised(E * 2 * I, H, fmt, gen)
-    dn, dn_s = quantised(E * H, I, fmt, gen)
+    int_dot = fmt != "bfloat16"
+    if int_dot:
+        gu, gu_s = quantised(E * 2 * I, H, fmt, gen)
+        dn, dn_s = quantised(E * H, I, fmt, gen)
+        ops = torch.ops.vllm_mamba
+        linear = ops.w8a8_linear if fmt == "w8a8" else ops.w4a8_linear
+    else:
+        gu = (torch.randn(E * 2 * I, H, generator=gen) * H**-0.5).bfloat16()
+        dn = (torch.randn(E * H, I, generator=gen) * I**-0.5).bfloat16()
+        gu_s = dn_s = None
+
+        def linear(x: torch.Tensor, w: torch.Tensor, _s: None, _b: None) -> torch.Tensor:
+            return F.linear(x.bfloat16(), w).float()
+
     params = [gu, dn, gu_s, dn_s]
-    linear = torch.ops.vllm_mamba.w8a8_linear if fmt == "w8a8" else torch.ops.vllm_mamba.w4a8_linear
     print(f"{fmt}, H {H}, I {I}, E {E}, top {k}, {T} tokens, {args.threads} threads, "
           f"ISA {cpu_isa.active_level()}")  # fmt: skip
 
@@ -88,8 +103,8 @@ def main() -> None:
             x = torch.randn(m, H, generator=gen)
             ones = torch.ones(m, 1)
             ids = torch.zeros(m, 1, dtype=torch.long)
-            one = [gu[: 2 * I], dn[:H], gu_s[: 2 * I], dn_s[:H]]
-            fn = partial(torch.ops.vllm_mamba.moe_experts, x, ones, ids, one, 0, True)
+            one = [gu[: 2 * I], dn[:H], *((gu_s[: 2 * I], dn_s[:H]) if int_dot else (None, None))]
+            fn = partial(torch.ops.vllm_mamba.moe_experts, x, ones, ids, one, 0, int_dot)
             for _ in range(20):
                 fn()
             t = statistics.median(timed(fn, 200))
@@ -103,12 +118,14 @@ def main() -> None:
 
     def run_expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         g = slice(e * 2 * I, (e + 1) * 2 * I)
-        gate, up = linear(rows, gu[g], gu_s[g], None).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, dn[e * H : (e + 1) * H], dn_s[e * H : (e + 1) * H], None)
+        d = slice(e * H, (e + 1) * H)
+        gate, up = linear(rows, gu[g], gu_s[g] if int_dot else None, None).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, dn[d], dn_s[d] if int_dot else None, None)
 
-    kernel = lambda: torch.ops.vllm_mamba.moe_experts(x, weights, ids, params, 0, True)  # noqa: E731
+    kernel = lambda: torch.ops.vllm_mamba.moe_experts(x, weights, ids, params, 0, int_dot)  # noqa: E731
     loop = lambda: dispatch_experts(x, weights, ids, run_expert, torch.float32)  # noqa: E731
-    torch.testing.assert_close(kernel(), loop(), rtol=1e-3, atol=1e-2)  # the same products
+    # the same products (bfloat16: a product rounded the other way moves a row by hundredths)
+    torch.testing.assert_close(kernel(), loop(), rtol=1e-3, atol=1e-2 if int_dot else 5e-2)
     times = {"kernel": [], "loop": []}
     for _ in range(args.reps):  # interleaved
         times["kernel"] += timed(kernel, 1)

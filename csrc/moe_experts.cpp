@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bf16_gemm.h"
 #include "ffn_math.h"
 #include "fused_decode.h"
 #include "int_dot.h"
@@ -346,6 +347,117 @@ void run_gemms(const Dims& d, const Slots& s, const Weight& gate_up, const Weigh
   }
 }
 
+// Rows of an expert up to which bfloat16 experts take `bf16_gemm` (above, `mm`'s packed GEMM,
+// whose weight reorder the rows then amortise), and output channels per task of it.
+constexpr int64_t kBf16MaxRows = 64;
+constexpr int64_t kBf16TaskRows = 64;
+
+// The bfloat16 products of one stacked weight (R rows per expert, K inputs) for the chosen
+// experts of at most kBf16MaxRows rows: expert u's rows are `x[s.first[u] ..)` (bfloat16 rows
+// of K), its results `out` (slots, R), rounded to bfloat16.
+struct Bf16Product {
+  const uint16_t* w;
+  int64_t R, K;
+  const uint16_t* const* x;
+  float* out;
+  std::vector<Task> tasks;
+  std::vector<int64_t> bounds;
+};
+
+void plan_bf16(const Slots& s, Bf16Product& p) {
+  for (size_t u = 0; u + 1 < s.first.size(); ++u) {
+    const int64_t m = s.first[u + 1] - s.first[u];
+    if (m > kBf16MaxRows) continue;
+    const int64_t rows = (m + bf16_gemm::kMR - 1) / bf16_gemm::kMR * bf16_gemm::kMR;
+    for (int64_t r0 = 0; r0 < p.R; r0 += kBf16TaskRows) {
+      const int64_t r1 = std::min(p.R, r0 + kBf16TaskRows);
+      p.tasks.push_back({static_cast<int64_t>(u), r0, r1, (r1 - r0) * rows});
+    }
+  }
+}
+
+// This thread's tasks of product p, each prefetching the next one's weight rows.
+void run_bf16_tasks(const Slots& s, const Bf16Product& p, int tid) {
+  const int64_t t0 = p.bounds[tid], t1 = p.bounds[tid + 1];
+  auto rows_of = [&](const Task& t) { return p.w + (s.expert[t.u] * p.R + t.r0) * p.K; };
+  for (int64_t t = t0; t < t1; ++t) {
+    const Task& task = p.tasks[t];
+    const int64_t s0 = s.first[task.u], m = s.first[task.u + 1] - s0;
+    bf16_gemm::block(p.x + s0, m, rows_of(task), task.r1 - task.r0, p.K,
+                     p.out + s0 * p.R + task.r0, p.R,
+                     t + 1 < t1 ? rows_of(p.tasks[t + 1]) : nullptr);
+  }
+}
+
+// Splits the tasks of `p` (both products' kind) over the team and runs this thread's share.
+template <typename P>
+void split_tasks_of(P& p, int nth) {
+  Product q{nullptr, p.R, p.K, nullptr, std::move(p.tasks), {}};
+  split_tasks(q, nth);
+  p.tasks = std::move(q.tasks);
+  p.bounds = std::move(q.bounds);
+}
+
+// The bfloat16 stage on a CPU with AVX512-BF16: the rows rounded to bfloat16 once; experts of
+// up to kBf16MaxRows rows through `bf16_gemm` in one parallel region per product (tasks split
+// by cost as the integer-dot stage's), the others through `mm` (`fused::project`); the same
+// roundings as `run_gemms` (bfloat16 products of bfloat16 inputs).
+void run_bf16(const Dims& d, const Slots& s, const Weight& gate_up, const Weight& down,
+              const at::Tensor& x, at::Tensor& gu, at::Tensor& z, at::Tensor& dd) {
+  const int64_t slots = d.T * d.k;
+  const at::Tensor xb = x.to(at::kBFloat16);  // (T, H)
+  at::Tensor zb = at::empty({slots, d.I}, xb.options());
+  const auto* xbp = static_cast<const uint16_t*>(xb.data_ptr());
+  const auto* zbp = static_cast<const uint16_t*>(zb.data_ptr());
+  std::vector<const uint16_t*> xrows(slots), zrows(slots);
+  for (int64_t i = 0; i < slots; ++i) {
+    xrows[i] = xbp + s.row[i] * d.H;
+    zrows[i] = zbp + i * d.I;
+  }
+  Bf16Product up{static_cast<const uint16_t*>(gate_up.data), 2 * d.I, d.H, xrows.data(),
+                 gu.data_ptr<float>(), {}, {}};
+  Bf16Product dn{static_cast<const uint16_t*>(down.data), d.H, d.I, zrows.data(),
+                 dd.data_ptr<float>(), {}, {}};
+  plan_bf16(s, up);
+  plan_bf16(s, dn);
+  const int nth = at::get_num_threads();
+  auto run = [&](Bf16Product& p) {
+    if (p.tasks.empty()) return;
+#pragma omp parallel num_threads(nth)
+    {
+#pragma omp single
+      split_tasks_of(p, fused::num_threads());
+      run_bf16_tasks(s, p, fused::thread_id());
+    }
+  };
+  // The experts of many rows, one packed GEMM each.
+  auto big = [&](const at::Tensor& in, bool gather, const Weight& w, int64_t R, at::Tensor& o) {
+    for (size_t u = 0; u + 1 < s.first.size(); ++u) {
+      const int64_t s0 = s.first[u], m = s.first[u + 1] - s0;
+      if (m <= kBf16MaxRows) continue;
+      const at::Tensor rows =
+          gather ? in.index_select(0, at::from_blob(const_cast<int64_t*>(s.row.data() + s0),
+                                                    {m}, at::kLong))
+                 : in.narrow(0, s0, m);
+      at::Tensor o_e = o.narrow(0, s0, m);
+      fused::project(rows, rows_of(w, s.expert[u] * R, R), o_e);
+    }
+  };
+  run(up);
+  big(xb, true, gate_up, 2 * d.I, gu);
+  const float* g = gu.data_ptr<float>();
+  float* zp = z.data_ptr<float>();
+  at::parallel_for(0, slots, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      ffn::gated_row(g + b * 2 * d.I, g + b * 2 * d.I + d.I, zp + b * d.I, 0, d.I, d.act, 1.0f,
+                     d.clip);
+    }
+  });
+  zb.copy_(z);
+  run(dn);
+  big(zb, false, down, d.H, dd);
+}
+
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in,
                        const at::Tensor& ids_in, const c10::List<std::optional<at::Tensor>>& params,
                        int64_t act, bool int_dot, double clip, bool clip_before_act) {
@@ -394,8 +506,13 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& weights_in,
                 z.data_ptr<float>(), dd.data_ptr<float>(), out.data_ptr<float>());
     return out;
   }
-  at::Tensor xg = at::empty({slots, d.H}, f32);
-  run_gemms(d, s, gate_up, down, x, xg, gu, z, dd);
+  if (gate_up.dtype == at::kBFloat16 && down.dtype == at::kBFloat16 &&
+      bf16_gemm::available()) {
+    run_bf16(d, s, gate_up, down, x, gu, z, dd);
+  } else {
+    at::Tensor xg = at::empty({slots, d.H}, f32);
+    run_gemms(d, s, gate_up, down, x, xg, gu, z, dd);
+  }
   const float* ddp = dd.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, d.T, 1, [&](int64_t t0, int64_t t1) { sum_rows(d, s, ddp, o, t0, t1); });

@@ -87,12 +87,12 @@ def _generate(llm: LLM) -> list:
     return [o.outputs[0] for o in outs]
 
 
-def _assert_same(fused: list, unfused: list) -> None:
+def _assert_same(fused: list, unfused: list, atol: float = 1e-4) -> None:
     for a, b in zip(fused, unfused, strict=True):
         assert a.token_ids == b.token_ids
         lp_a = torch.tensor([a.logprobs[i][t].logprob for i, t in enumerate(a.token_ids)])
         lp_b = torch.tensor([b.logprobs[i][t].logprob for i, t in enumerate(b.token_ids)])
-        torch.testing.assert_close(lp_a, lp_b, rtol=0, atol=1e-4)
+        torch.testing.assert_close(lp_a, lp_b, rtol=0, atol=atol)
 
 
 def _op_kinds(llm: LLM) -> Counter:
@@ -230,7 +230,8 @@ LONG_PROMPTS = [[(13 * i + 5 * j) % 700 + 3 for j in range(20 + 9 * i)] for i in
 @pytest.mark.parametrize(
     "name,quantization",
     [("qwen3-next-moe", None), ("qwen3-next-moe", "int4"), ("lfm2-moe-top2", "w8a8"),
-     ("lfm2-moe-top2", "w4a8"), ("granite-moe-rope", None), ("ling-clipped", None)],
+     ("lfm2-moe-top2", "w4a8"), ("granite-moe-rope", None), ("ling-clipped", None),
+     ("granite-moe-rope", "bfloat16")],
 )  # fmt: skip
 def test_grouped_experts_equal_the_unfused_loop(
     name: str, quantization: str | None, grouped_calls: Counter, monkeypatch: pytest.MonkeyPatch
@@ -238,12 +239,17 @@ def test_grouped_experts_equal_the_unfused_loop(
     """Prefill steps of 20-38-token prompts (several rows an expert: the integer-dot GEMM
     path) with the MoE's routed experts grouped (`GroupedExperts`) equal the same engine with
     the unfused loop (`dispatch_experts`), whose decode plans are the same: greedy equal,
-    logprobs within 1e-4 (float32 models)."""
+    logprobs within 1e-4 (float32 models). "bfloat16" is the model in bfloat16 (the grouped
+    experts' `bf16_gemm` on a CPU with AVX512-BF16): there the loop runs each expert in
+    bfloat16 (its activation and weighted result rounded to bfloat16) where the grouped call
+    keeps them float32, so logprobs agree within 0.15 (measured: 0.04-0.08)."""
+    dtype = "bfloat16" if quantization == "bfloat16" else "auto"
+    quantization = None if quantization == "bfloat16" else quantization
 
     def run() -> list:
         llm = LLM(
             tiny_model_dir(name), threads=1, max_num_seqs=4, max_model_len=128,
-            quantization=quantization,
+            quantization=quantization, dtype=dtype,
         )  # fmt: skip
         params = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in LONG_PROMPTS]
@@ -253,7 +259,7 @@ def test_grouped_experts_equal_the_unfused_loop(
     assert grouped_calls[sum(len(p) for p in LONG_PROMPTS)] > 0, "the grouped prefill did not run"
     monkeypatch.setattr(moe, "plan_grouped_experts", lambda _: None)
     calls = sum(grouped_calls.values())
-    _assert_same(grouped, run())
+    _assert_same(grouped, run(), 0.15 if dtype == "bfloat16" else 1e-4)
     assert sum(grouped_calls.values()) == calls
 
 

@@ -93,27 +93,43 @@ def test_kernel_matches_reference(rows: int, fmt: str, clip: str) -> None:
         assert (ffn.moe_experts_ref(x, weights, ids, params, 2) - want).abs().max() > 1e-3
 
 
-def test_bfloat16_weights_multiply_bfloat16_activations() -> None:
+# The kernel and the reference sum the same exact bfloat16 products in float32 in different
+# orders: where a product's sum lies that close to a rounding midpoint, its bfloat16 rounding
+# goes the other way (one bfloat16 step, 2^-8 of it), which moves the row's result by a few
+# thousandths at these magnitudes. That is rare: at most a tenth of the rows.
+BF16_FLIP_ATOL = 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 9, 33, 70])
+@pytest.mark.parametrize("dims", [(H, I), (50, 38)])
+def test_bfloat16_weights_multiply_bfloat16_activations(rows: int, dims: tuple[int, int]) -> None:
     """With bfloat16 weights the products take bfloat16 inputs and give bfloat16 results, as
-    the unfused layer's (`fused::project`); where the CPU has no bfloat16 instructions they
-    widen to float32, the reference's own math."""
-    g = torch.Generator().manual_seed(5)
-    params = _params(g, "bfloat16")
-    x = torch.randn(33, H, generator=g)
-    weights, ids = _routing(g, 33)
+    the unfused layer's (`fused::project`), summed in float32: rows equal to the reference
+    within 1e-5 but the rare one where a product's rounding flips (BF16_FLIP_ATOL). An expert
+    of at most 64 rows runs `bf16_gemm` on a CPU with AVX512-BF16, one of more (70 rows: expert
+    0) `mm`; (50, 38): a hidden size and width that are not whole tiles or vectors. Where the
+    CPU has no bfloat16 instructions they widen to float32, the reference's own math."""
+    h, i = dims
+    g = torch.Generator().manual_seed(5 + rows)
+    params = [_w(g, E * 2 * i, h).bfloat16(), _w(g, E * h, i).bfloat16(), None, None]
+    x = torch.randn(rows, h, generator=g)
+    weights, ids = _routing(g, rows)
     got = cpu_kernels.moe_experts(x, weights, ids, params, 0)
     if not torch.ops.vllm_mamba.native_bf16():
         torch.testing.assert_close(got, ffn.moe_experts_ref(x, weights, ids, params, 0))
         return
     gate_up, down = params[0].float(), params[1].float()
-    want = torch.zeros(33, H)
+    want = torch.zeros(rows, h)
     for e in torch.unique(ids).tolist():
-        rows, pos = torch.where(ids == e)
-        gu = (x[rows].bfloat16().float() @ gate_up[e * 2 * I : (e + 1) * 2 * I].T).bfloat16()
-        z = torch.nn.functional.silu(gu[:, :I].float()) * gu[:, I:].float()
-        d = (z.bfloat16().float() @ down[e * H : (e + 1) * H].T).bfloat16().float()
-        want.index_add_(0, rows, d * weights[rows, pos, None])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        r, pos = torch.where(ids == e)
+        gu = (x[r].bfloat16().float() @ gate_up[e * 2 * i : (e + 1) * 2 * i].T).bfloat16()
+        z = torch.nn.functional.silu(gu[:, :i].float()) * gu[:, i:].float()
+        d = (z.bfloat16().float() @ down[e * h : (e + 1) * h].T).bfloat16().float()
+        want.index_add_(0, r, d * weights[r, pos, None])
+    diff = (got - want).abs()
+    assert float(diff.max()) <= BF16_FLIP_ATOL
+    tight = (diff <= 1e-5 + 1e-5 * want.abs()).all(-1)
+    assert 10 * int((~tight).sum()) <= rows, (~tight).nonzero()
 
 
 @pytest.mark.parametrize("rows", [1, 9, 70])
