@@ -40,13 +40,11 @@ constexpr int kNR = 4;  // rows of w per tile
 #ifdef VLLM_MAMBA_BF16_GEMM
 
 // Whether this CPU runs the kernel: AVX512-BF16, and `VLLM_MAMBA_BF16_GEMM` not "0" (which
-// keeps `mm` for every expert, to compare).
+// keeps `mm` for every expert, to compare; read at each call, so that a test may set it).
 inline bool available() {
-  static const bool has = [] {
-    const char* env = std::getenv("VLLM_MAMBA_BF16_GEMM");
-    return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::string(env) == "0");
-  }();
-  return has;
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  const char* env = std::getenv("VLLM_MAMBA_BF16_GEMM");
+  return has && !(env != nullptr && std::string(env) == "0");
 }
 
 // The tile's functions inline into one another (their accumulators must stay in registers);

@@ -78,6 +78,7 @@ from vllm_mamba.layers.mlp import (
 )
 from vllm_mamba.layers.parallel_linear import even_ranges, shard_param
 from vllm_mamba.layers.rowwise import rowwise
+from vllm_mamba.ops import cpu_kernels
 from vllm_mamba.ops import ffn as ffn_ops
 from vllm_mamba.ops.families import own_op
 from vllm_mamba.ops.int_dot_linear import STRIP_ROWS
@@ -93,6 +94,12 @@ ROUTER_KINDS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "sigmoid_topk
 # 209 / 233; the Kimi shape (64 experts of 256, top 8) 16 rows 339 / 310, 32 rows 388 / 400.
 # (Against the Python loop the grouped call replaced, fused in parts had led at 16-64 rows.)
 MOE_MAX_ROWS = 32
+# The same for bfloat16 experts on a CPU with bfloat16 instructions, whose grouped call
+# multiplies an expert's rows by `bf16_gemm` (`csrc/bf16_gemm.h`) where the fused stage widens
+# the weights to float32 row by row. Decode tok/s, bfloat16, 2 threads of a Zen 5 (2026-12-08),
+# fused in parts / grouped: Qwen3.6-35B-A3B's layers 8 rows 78 / 74, 16 rows 97 / 93, 32 rows
+# 102 / 120; the Qwen3-Next-shaped 1B MoE 32 rows 176 / 222 (float32 there: 116 / 110).
+MOE_MAX_ROWS_BF16 = 16
 
 
 @dataclass(frozen=True)
@@ -635,8 +642,10 @@ def plan_moe(
         float(c.scaling), float(c.renorm_eps), normed[1], stacked.act, float(residual_multiplier),
     )  # fmt: skip
     tail = (residual, stacked.clip[0], shared_clip[0], before)
+    bf16 = stacked.dtype == torch.bfloat16 and not stacked.int_dot and cpu_kernels.native_bf16()
+    max_rows = MOE_MAX_ROWS_BF16 if bf16 else MOE_MAX_ROWS
     return FusedFfnStep(
-        op, list(params), args, stacked.dtype, stacked.int_dot, stacked, tail, MOE_MAX_ROWS
+        op, list(params), args, stacked.dtype, stacked.int_dot, stacked, tail, max_rows
     )
 
 
