@@ -20,9 +20,13 @@
 // functions carry their own target attribute since x86-64-v4 does not include AVX512-BF16.
 #pragma once
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "vec.h"
 
@@ -85,11 +89,15 @@ VLLM_MAMBA_BF16_TARGET inline void step(__m512 (&acc)[MR][NR], const uint16_t* c
   }
 }
 
+// The result rounded to bfloat16, stored as float32 (widened back) or as bfloat16 bits.
+inline void store(float* o, float v) { *o = vec::bf16_to_f32(vec::f32_to_bf16(v)); }
+inline void store(uint16_t* o, float v) { *o = vec::f32_to_bf16(v); }
+
 // out[i * ldo + j] = bf16(x_i . w_j) for i < MR, j < NR; w_j = w + j * k; `pf` (or null): NR
 // rows of stride k to prefetch as the tile goes.
-template <int MR, int NR>
+template <int MR, int NR, typename Out>
 VLLM_MAMBA_BF16_TARGET inline void tile(const uint16_t* const* x, const uint16_t* w, int64_t k,
-                                        float* out, int64_t ldo, const uint16_t* pf) {
+                                        Out* out, int64_t ldo, const uint16_t* pf) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -104,29 +112,29 @@ VLLM_MAMBA_BF16_TARGET inline void tile(const uint16_t* const* x, const uint16_t
     } else {
       for (int j = 0; j < NR; ++j) sums[j] = _mm512_reduce_add_ps(acc[i][j]);
     }
-    for (int j = 0; j < NR; ++j) {
-      out[i * ldo + j] = vec::bf16_to_f32(vec::f32_to_bf16(sums[j]));
-    }
+    for (int j = 0; j < NR; ++j) store(out + i * ldo + j, sums[j]);
   }
 }
 
-template <int MR>
+template <int MR, typename Out>
 VLLM_MAMBA_BF16_TARGET inline void tile_rows(int nr, const uint16_t* const* x, const uint16_t* w,
-                                             int64_t k, float* out, int64_t ldo,
+                                             int64_t k, Out* out, int64_t ldo,
                                              const uint16_t* pf) {
   switch (nr) {
-    case 4: return tile<MR, 4>(x, w, k, out, ldo, pf);
-    case 3: return tile<MR, 3>(x, w, k, out, ldo, pf);
-    case 2: return tile<MR, 2>(x, w, k, out, ldo, pf);
-    default: return tile<MR, 1>(x, w, k, out, ldo, pf);
+    case 4: return tile<MR, 4, Out>(x, w, k, out, ldo, pf);
+    case 3: return tile<MR, 3, Out>(x, w, k, out, ldo, pf);
+    case 2: return tile<MR, 2, Out>(x, w, k, out, ldo, pf);
+    default: return tile<MR, 1, Out>(x, w, k, out, ldo, pf);
   }
 }
 
 // out[i * ldo + j] = bf16(x[i] . w[j]) for i < m, j < n: x[i] a row of k bfloat16 values, w
-// (n, k) row-major; `next` (or null): the weight rows the caller reads after these, prefetched
-// as the last block goes.
+// (n, k) row-major, `out` float32 (the values widened) or bfloat16 bits (`Out` uint16_t);
+// `next` (or null): the weight rows the caller reads after these, prefetched as the last block
+// goes.
+template <typename Out = float>
 VLLM_MAMBA_BF16_ENTRY inline void block(const uint16_t* const* x, int64_t m, const uint16_t* w,
-                                         int64_t n, int64_t k, float* out, int64_t ldo,
+                                         int64_t n, int64_t k, Out* out, int64_t ldo,
                                          const uint16_t* next) {
   for (int64_t j = 0; j < n; j += kNR) {
     const int nr = static_cast<int>(n - j < kNR ? n - j : kNR);
@@ -134,13 +142,13 @@ VLLM_MAMBA_BF16_ENTRY inline void block(const uint16_t* const* x, int64_t m, con
     for (int64_t i = 0; i < m; i += kMR) {
       const uint16_t* const* xi = x + i;
       const uint16_t* p = i == 0 ? pf : nullptr;
-      float* o = out + i * ldo + j;
+      Out* o = out + i * ldo + j;
       const uint16_t* wj = w + j * k;
       switch (m - i < kMR ? m - i : kMR) {
-        case 4: tile_rows<4>(nr, xi, wj, k, o, ldo, p); break;
-        case 3: tile_rows<3>(nr, xi, wj, k, o, ldo, p); break;
-        case 2: tile_rows<2>(nr, xi, wj, k, o, ldo, p); break;
-        default: tile_rows<1>(nr, xi, wj, k, o, ldo, p); break;
+        case 4: tile_rows<4, Out>(nr, xi, wj, k, o, ldo, p); break;
+        case 3: tile_rows<3, Out>(nr, xi, wj, k, o, ldo, p); break;
+        case 2: tile_rows<2, Out>(nr, xi, wj, k, o, ldo, p); break;
+        default: tile_rows<1, Out>(nr, xi, wj, k, o, ldo, p); break;
       }
     }
   }
@@ -153,10 +161,36 @@ VLLM_MAMBA_BF16_ENTRY inline void block(const uint16_t* const* x, int64_t m, con
 
 inline bool available() { return false; }
 
-inline void block(const uint16_t* const*, int64_t, const uint16_t*, int64_t, int64_t, float*,
+template <typename Out = float>
+inline void block(const uint16_t* const*, int64_t, const uint16_t*, int64_t, int64_t, Out*,
                   int64_t, const uint16_t*) {}
 
 #endif
+
+constexpr int64_t kTaskRows = 64;  // output channels per task of `gemm`
+// Rows of x up to which a dense bfloat16 product takes `gemm` in place of `mm` (`fused::
+// project`, `cpu_kernels.linear` through `bf16_gemm_linear`): Qwen3.6-35B-A3B's head (248,320 x
+// 2048) at 32 rows took `mm` and its float32 copy about 100 ms on 2 threads of a Zen 5, `gemm`
+// 64-70 ms; from about 64 rows `mm`'s packed GEMM leads where the weight stays in the cache.
+constexpr int64_t kMaxRows = 32;
+
+// out (m, n), row stride ldo = bf16(x (m, k), row stride ldx, @ w (n, k)^T), the output
+// channels split over ATen's threads in tasks of kTaskRows, each prefetching its successor's
+// weight rows.
+template <typename Out>
+inline void gemm(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* w, int64_t n,
+                 int64_t k, Out* out, int64_t ldo) {
+  std::vector<const uint16_t*> rows(m);
+  for (int64_t i = 0; i < m; ++i) rows[i] = x + i * ldx;
+  const int64_t tasks = (n + kTaskRows - 1) / kTaskRows;
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = t * kTaskRows, r1 = std::min(n, r0 + kTaskRows);
+      block<Out>(rows.data(), m, w + r0 * k, r1 - r0, k, out + r0, ldo,
+                 t + 1 < t1 ? w + r1 * k : nullptr);
+    }
+  });
+}
 
 }  // namespace bf16_gemm
 }  // namespace vllm_mamba

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "bf16_gemm.h"
 #include "gemv.h"
 #include "int_dot.h"
 #include "kernel_math.h"
@@ -174,7 +175,7 @@ inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, in
 // out (B, N) float32 = x (B, K) float32 @ w (N, K)^T by a GEMM (x may have a row stride):
 // float32 weights through oneDNN where it is available (else MKL's `mm`);
 // bfloat16 weights multiply bfloat16 activations where the CPU has bfloat16 instructions, as
-// the unfused layer does, and go through the `bf16_linear` op (widened to float32) where it
+// the unfused layer does (up to `bf16_gemm::kMaxRows` rows by `bf16_gemm`), and go through the `bf16_linear` op (widened to float32) where it
 // has not; int8 and 4-bit weights go through the `int8_linear` and `int4_linear` ops, or with
 // integer dot products (`w.int_dot`) the `w8a8_linear` and `w4a8_linear` ops (`int_dot.h`:
 // the same per-row numerics as `gemv`).
@@ -195,7 +196,14 @@ inline void project(const at::Tensor& x, const Weight& w, at::Tensor& out) {
   if (w.dtype == at::kFloat) {
     if (!onednn_linear(x, w.tensor, at::Tensor(), out)) at::mm_out(out, x, w.tensor.t());
   } else if (w.dtype == at::kBFloat16 && vec::native_bf16()) {
-    out.copy_(at::mm(x.to(w.dtype), w.tensor.t()));
+    if (x.size(0) <= bf16_gemm::kMaxRows && bf16_gemm::available() && out.stride(1) == 1) {
+      const at::Tensor xb = x.to(at::kBFloat16).contiguous();
+      bf16_gemm::gemm(static_cast<const uint16_t*>(xb.data_ptr()), xb.size(1), xb.size(0),
+                      static_cast<const uint16_t*>(w.tensor.data_ptr()), w.tensor.size(0), w.k,
+                      out.data_ptr<float>(), out.stride(0));
+    } else {
+      out.copy_(at::mm(x.to(w.dtype), w.tensor.t()));
+    }
   } else if (w.dtype == at::kBFloat16) {  // widened to float32 (`widening_linear.cpp`)
     static const auto op =
         c10::Dispatcher::singleton()

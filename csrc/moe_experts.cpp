@@ -348,9 +348,9 @@ void run_gemms(const Dims& d, const Slots& s, const Weight& gate_up, const Weigh
 }
 
 // Rows of an expert up to which bfloat16 experts take `bf16_gemm` (above, `mm`'s packed GEMM,
-// whose weight reorder the rows then amortise), and output channels per task of it.
+// whose weight reorder the rows then amortise).
 constexpr int64_t kBf16MaxRows = 64;
-constexpr int64_t kBf16TaskRows = 64;
+constexpr int64_t kBf16TaskRows = bf16_gemm::kTaskRows;
 
 // The bfloat16 products of one stacked weight (R rows per expert, K inputs) for the chosen
 // experts of at most kBf16MaxRows rows: expert u's rows are `x[s.first[u] ..)` (bfloat16 rows

@@ -120,7 +120,7 @@ CPP_OPS: tuple[CppOp, ...] = (
 # The kernels Python calls by name outside the families: `linear`'s, the int8 / 4-bit / grouped
 # linear wrappers' (`vllm_mamba.ops.int8_linear`, `int4_linear`, `grouped_linear`,
 # `int_dot_linear`), the Q4_K-style quantiser (`vllm_mamba.ops.q4k`) and the build's switches.
-LINEAR_OPS = ("linear_small_batch", "bf16_linear")
+LINEAR_OPS = ("linear_small_batch", "bf16_linear", "bf16_gemm_linear")
 OTHER_OPS = (
     "int8_linear",
     "int4_linear",
@@ -134,6 +134,7 @@ OTHER_OPS = (
     "set_flush_denormal_all_threads",
 )
 SMALL_BATCH = 8  # rows up to which `linear` streams the weight with the matrix-vector kernel
+BF16_GEMM_ROWS = 32  # bfloat16 rows up to which `linear` takes `bf16_gemm_linear` (kMaxRows)
 
 
 def library_ops() -> frozenset[str]:
@@ -256,6 +257,12 @@ def flush_denormals() -> None:
         torch.ops.vllm_mamba.set_flush_denormal_all_threads(True)
 
 
+@functools.cache
+def _has_bf16_gemm() -> bool:
+    """Whether `bf16_gemm_linear` is built and this CPU multiplies bfloat16 natively."""
+    return native_bf16() and "bf16_gemm_linear" in library_ops()
+
+
 def _onednn_linear_available() -> bool:
     """Whether torch has oneDNN's linear op, unless `VLLM_MAMBA_ONEDNN_LINEAR=0`."""
     if not envs.VLLM_MAMBA_ONEDNN_LINEAR:
@@ -275,8 +282,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     precision), which reached 2.3x the rate of `F.linear`'s MKL GEMM on the AMD CPUs measured
     (`benchmarks/README.md`). bfloat16 weights on a CPU without bfloat16 instructions
     (`native_bf16`) go through `bf16_linear`, which widens them to float32 in registers or
-    blocks instead of `F.linear`'s slow bfloat16 path there. Other dtypes, devices and
-    autograd use `F.linear`.
+    blocks instead of `F.linear`'s slow bfloat16 path there; on a CPU with them, bfloat16 rows
+    up to `BF16_GEMM_ROWS` (no bias) through `bf16_gemm_linear` (`csrc/bf16_gemm.h`: the
+    weight read in place, where `F.linear`'s bfloat16 GEMM reorders it at every call). Other
+    dtypes, devices and autograd use `F.linear`.
     """
     on_cpu = x.device.type == "cpu" and not torch.is_grad_enabled() and weight.is_contiguous()
     if (
@@ -287,6 +296,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and weight.dtype in (torch.float32, torch.bfloat16)
     ):
         return torch.ops.vllm_mamba.linear_small_batch(x, weight, bias)
+    if on_cpu and x.dim() == 2 and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16:
+        if bias is None and x.shape[0] <= BF16_GEMM_ROWS and _has_bf16_gemm():
+            return torch.ops.vllm_mamba.bf16_gemm_linear(x, weight)
     if (
         on_cpu
         and x.dim() == 2
