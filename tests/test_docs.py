@@ -63,7 +63,7 @@ def test_relative_links_resolve_inside_the_repository(doc: Path) -> None:
 
 def _code_text() -> str:
     files = [*(ROOT / "vllm_mamba").rglob("*.py"), ROOT / "setup.py", ROOT / "Makefile"]
-    files += [ROOT / "Dockerfile"]
+    files += [ROOT / "Dockerfile", *(ROOT / "csrc").glob("*.h"), *(ROOT / "csrc").glob("*.cpp")]
     return "\n".join(p.read_text() for p in files if p.exists())
 
 
