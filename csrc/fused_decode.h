@@ -175,8 +175,8 @@ inline void gemv(const Weight& w, const float* x, int64_t ldx, int64_t batch, in
 // out (B, N) float32 = x (B, K) float32 @ w (N, K)^T by a GEMM (x may have a row stride):
 // float32 weights through oneDNN where it is available (else MKL's `mm`);
 // bfloat16 weights multiply bfloat16 activations where the CPU has bfloat16 instructions, as
-// the unfused layer does (up to `bf16_gemm::kMaxRows` rows by `bf16_gemm`), and go through the `bf16_linear` op (widened to float32) where it
-// has not; int8 and 4-bit weights go through the `int8_linear` and `int4_linear` ops, or with
+// the unfused layer does (up to `bf16_gemm::kMaxRows` rows by `bf16_gemm`), and go through the
+// `bf16_linear` op (widened to float32) where it has not; int8 and 4-bit weights go through the `int8_linear` and `int4_linear` ops, or with
 // integer dot products (`w.int_dot`) the `w8a8_linear` and `w4a8_linear` ops (`int_dot.h`:
 // the same per-row numerics as `gemv`).
 inline void project(const at::Tensor& x, const Weight& w, at::Tensor& out) {

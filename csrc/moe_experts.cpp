@@ -125,8 +125,9 @@ void plan_tasks(const Slots& s, Product& p) {
 }
 
 // Splits p's tasks over `nth` threads in contiguous runs of about equal cost: a task goes to
-// the thread whose share holds its cost's midpoint.
-void split_tasks(Product& p, int nth) {
+// the thread whose share holds its cost's midpoint (p: a `Product` or a `Bf16Product`).
+template <typename P>
+void split_tasks(P& p, int nth) {
   int64_t total = 0;
   for (const Task& t : p.tasks) total += t.cost;
   p.bounds.assign(nth + 1, static_cast<int64_t>(p.tasks.size()));
@@ -389,15 +390,6 @@ void run_bf16_tasks(const Slots& s, const Bf16Product& p, int tid) {
   }
 }
 
-// Splits the tasks of `p` (both products' kind) over the team and runs this thread's share.
-template <typename P>
-void split_tasks_of(P& p, int nth) {
-  Product q{nullptr, p.R, p.K, nullptr, std::move(p.tasks), {}};
-  split_tasks(q, nth);
-  p.tasks = std::move(q.tasks);
-  p.bounds = std::move(q.bounds);
-}
-
 // The bfloat16 stage on a CPU with AVX512-BF16: the rows rounded to bfloat16 once; experts of
 // up to kBf16MaxRows rows through `bf16_gemm` in one parallel region per product (tasks split
 // by cost as the integer-dot stage's), the others through `mm` (`fused::project`); the same
@@ -426,7 +418,7 @@ void run_bf16(const Dims& d, const Slots& s, const Weight& gate_up, const Weight
 #pragma omp parallel num_threads(nth)
     {
 #pragma omp single
-      split_tasks_of(p, fused::num_threads());
+      split_tasks(p, fused::num_threads());
       run_bf16_tasks(s, p, fused::thread_id());
     }
   };
